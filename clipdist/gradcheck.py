@@ -1,0 +1,238 @@
+"""Prove a distributed loss exact: one DDP step on N gloo ranks vs one process on the whole batch.
+
+Every parameter's gradient is compared with the single-process reference and classified:
+exact, 1/N, N×, another pure rescaling, missing, or wrong (not a rescaling: terms dropped).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from clipdist.losses import BACKENDS, build, clip_loss
+
+SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+
+
+def resolve_loss(spec: str) -> Callable:
+    """A registered backend name, or 'package.module:attribute' naming a loss callable or class."""
+    if spec in BACKENDS:
+        return build(spec)
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown loss backend {spec!r}; choose one of: {', '.join(BACKENDS)}, "
+            "or name your own loss as 'package.module:name'"
+        )
+    module_name, attribute = spec.split(":", 1)
+    try:
+        loss = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--loss {spec!r}: cannot import it ({error})") from None
+    return loss() if inspect.isclass(loss) else loss
+
+
+def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dtype):
+    from clipdist.models import get_tokenizer
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    context_length = get_tokenizer(model_name).context_length
+    images = torch.randn(global_batch, 3, 32, 32, generator=generator, dtype=dtype)
+    tokens = torch.randint(1, 49406, (global_batch, context_length), generator=generator)
+    ends = torch.randint(2, context_length, (global_batch,), generator=generator)
+    for row, end in enumerate(ends.tolist()):  # an end-of-text token, then padding
+        tokens[row, end] = 49407
+        tokens[row, end + 1 :] = 0
+    return images, tokens
+
+
+def _model(model_name: str, seed: int, dtype: torch.dtype):
+    from clipdist.models import create_model
+
+    torch.manual_seed(seed)
+    return create_model(model_name).to(dtype)
+
+
+def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str):
+    """One DDP step per loss on this rank's slice of the global batch.
+
+    Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    dtype = getattr(torch, dtype_name)
+    rank = dist.get_rank()
+    images, tokens = _random_batch(sum(local_sizes), model_name, seed, dtype)
+    start = sum(local_sizes[:rank])
+    rows = slice(start, start + local_sizes[rank])
+    results = []
+    for spec in loss_specs:
+        model = DistributedDataParallel(_model(model_name, seed, dtype))
+        image_features, text_features, logit_scale = model(images[rows], tokens[rows])
+        loss = resolve_loss(spec)(image_features, text_features, logit_scale)
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= dist.get_world_size()
+        grads = {name: (None if p.grad is None else p.grad.clone()) for name, p in model.module.named_parameters()}
+        results.append((mean_loss.item(), grads))
+    return results if rank == 0 else None
+
+
+def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str):
+    model = _model(model_name, seed, dtype)
+    images, tokens = _random_batch(global_batch, model_name, seed, dtype)
+    loss = clip_loss(*model(images, tokens))
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@dataclass
+class ParameterCheck:
+    name: str
+    rel_err: float  # ||g - g_ref|| / ||g_ref||
+    ratio: float | None  # least-squares scale: g ≈ ratio · g_ref
+    verdict: str
+
+
+@dataclass
+class GradcheckReport:
+    backend: str
+    world_size: int
+    local_batch_sizes: list[int]
+    dtype: str
+    tolerance: float
+    loss: float
+    reference_loss: float
+    loss_rel_err: float
+    max_rel_err: float
+    exact: bool
+    parameters: list[ParameterCheck] = field(default_factory=list)
+    diagnosis: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def classify(grad: torch.Tensor | None, reference: torch.Tensor, world_size: int, tolerance: float):
+    """(rel_err, ratio, verdict) of one gradient against its reference."""
+    ref_norm = reference.norm().item()
+    if grad is None or (grad.norm().item() == 0 and ref_norm > 0):
+        return math.inf, 0.0, "missing"
+    if ref_norm == 0:
+        return (0.0, None, "exact") if grad.norm().item() == 0 else (math.inf, None, "spurious")
+    rel_err = (grad - reference).norm().item() / ref_norm
+    if rel_err <= tolerance:
+        return rel_err, 1.0, "exact"
+    ratio = (grad * reference).sum().item() / ref_norm**2
+    residual = (grad - ratio * reference).norm().item() / grad.norm().item()
+    if residual > max(tolerance, 1e-6) * 10:
+        return rel_err, ratio, "wrong"
+    for factor, label in ((1 / world_size, "1/N"), (world_size, "N×")):
+        if abs(ratio / factor - 1) < 1e-3:
+            return rel_err, ratio, label
+    return rel_err, ratio, f"×{ratio:.4g}"
+
+
+def _diagnose(checks: list[ParameterCheck], loss_ratio: float, loss_exact: bool, world_size: int) -> list[str]:
+    notes = []
+    encoders = [c for c in checks if c.name not in SCALAR_PARAMETERS and c.verdict != "exact"]
+    scalars = [c for c in checks if c.name in SCALAR_PARAMETERS and c.verdict != "exact"]
+    verdicts = {c.verdict for c in encoders}
+    if not loss_exact:
+        notes.append(
+            f"loss value: the mean over ranks is {loss_ratio:.4g}× the single-process loss on the global batch"
+        )
+    if "missing" in verdicts:
+        notes.append(
+            f"{sum(c.verdict == 'missing' for c in encoders)} encoder parameters get no gradient at all: "
+            "the loss never reaches their features (detached or gathered without autograd, own slice not put back)"
+        )
+    if "1/N" in verdicts:
+        notes.append(
+            f"encoder gradients are 1/N (N={world_size}) of the single-process gradient: the gather's backward "
+            "does not sum over ranks (returns grads[rank] only, or averages), or the own-slice pattern lacks "
+            "its ×N. Sum in the gather's backward (reduce-scatter), or scale the local features' gradient by N"
+        )
+    if "N×" in verdicts:
+        notes.append(
+            f"encoder gradients are N× (N={world_size}) the single-process gradient: the loss is multiplied "
+            "by N on top of a gather whose backward already sums over ranks"
+        )
+    if "wrong" in verdicts:
+        notes.append(
+            "encoder gradients are not a rescaling of the reference: terms are dropped — typically columns "
+            "gathered without autograd, so a sample's role as another rank's negative never reaches its encoder"
+        )
+    for check in scalars:
+        if check.verdict == "N×":
+            notes.append(
+                f"{check.name}: N× its true gradient — the loss was multiplied by the world size to repair the "
+                "encoders. Scale the gradient into the local features instead, never the loss"
+            )
+        else:
+            notes.append(f"{check.name}: gradient is {check.verdict} of the single-process gradient")
+    return notes
+
+
+def run_gradchecks(
+    losses: Sequence[str],
+    world_size: int = 2,
+    local_batch: int | Sequence[int] = 4,
+    dtype: str = "float64",
+    model: str = "clipdist-tiny",
+    seed: int = 0,
+    timeout_s: float = 300,
+) -> list[GradcheckReport]:
+    """Check several losses in one launch; `local_batch` is one size for every rank or one per rank."""
+    from clipdist.distributed import launch_local
+
+    if dtype not in TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    for spec in losses:
+        resolve_loss(spec)  # fail here, not in N workers
+    sizes = [local_batch] * world_size if isinstance(local_batch, int) else list(local_batch)
+    if len(sizes) != world_size:
+        raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
+    rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, timeout_s=timeout_s)[0]
+    reference_loss, reference_grads = _reference_step(sum(sizes), seed, getattr(torch, dtype), model)
+    tolerance = TOLERANCE[dtype]
+    return [
+        _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance)
+        for spec, (loss, grads) in zip(losses, rank_results)
+    ]
+
+
+def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> GradcheckReport:
+    """Check one loss (a backend name or 'package.module:name'); options as run_gradchecks."""
+    return run_gradchecks([loss], world_size, **options)[0]
+
+
+def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance):
+    checks = [
+        ParameterCheck(name, *classify(grads[name], ref, world_size, tolerance))
+        for name, ref in reference_grads.items()
+    ]
+    loss_rel_err = abs(loss - reference_loss) / abs(reference_loss)
+    loss_exact = loss_rel_err <= tolerance
+    return GradcheckReport(
+        backend=spec,
+        world_size=world_size,
+        local_batch_sizes=sizes,
+        dtype=dtype,
+        tolerance=tolerance,
+        loss=loss,
+        reference_loss=reference_loss,
+        loss_rel_err=loss_rel_err,
+        max_rel_err=max([loss_rel_err] + [c.rel_err for c in checks]),
+        exact=loss_exact and all(c.verdict == "exact" for c in checks),
+        parameters=checks,
+        diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size),
+    )

@@ -1,0 +1,95 @@
+"""Model-level exactness under DDP, and proof that the harness catches the classic bugs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from clipdist.gradcheck import classify, run_gradchecks
+from clipdist.losses import BACKENDS
+
+PITFALLS = {
+    "clipdist.pitfalls:rank_slice_gather": "1/N",
+    "clipdist.pitfalls:overwrite_own_slice": "1/N",
+    "clipdist.pitfalls:disco_average_backward": "1/N",
+    "clipdist.pitfalls:local_loss_without_grad_gather": "wrong",
+}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_backend_gives_ddp_the_single_process_gradients(world_size):
+    reports = run_gradchecks(list(BACKENDS), world_size, local_batch=3)
+    for report in reports:
+        assert report.exact, (report.backend, report.max_rel_err, report.diagnosis)
+        assert report.max_rel_err < 1e-9
+        assert len(report.parameters) > 50  # every parameter of both towers and the logit scale
+
+
+def test_unequal_local_batches_are_exact_under_ddp():
+    for report in run_gradchecks(list(BACKENDS), 3, local_batch=[2, 5, 3]):
+        assert report.exact, (report.backend, report.diagnosis)
+
+
+@pytest.fixture(scope="module")
+def pitfall_reports():
+    specs = list(PITFALLS) + ["clipdist.pitfalls:loss_times_world_size"]
+    return {r.backend: r for r in run_gradchecks(specs, 2, local_batch=3)}
+
+
+@pytest.mark.parametrize("spec", list(PITFALLS))
+def test_harness_reports_the_classic_bugs(pitfall_reports, spec):
+    report = pitfall_reports[spec]
+    assert not report.exact
+    encoder_verdicts = {c.verdict for c in report.parameters if c.name != "logit_scale"}
+    assert encoder_verdicts == {PITFALLS[spec]}, encoder_verdicts
+    if PITFALLS[spec] == "1/N":
+        ratios = [c.ratio for c in report.parameters if c.name != "logit_scale"]
+        assert all(abs(r - 0.5) < 1e-9 for r in ratios)
+        assert any("1/N" in note for note in report.diagnosis)
+    else:
+        assert any("terms are dropped" in note for note in report.diagnosis)
+
+
+def test_harness_reports_the_logit_scale_trap(pitfall_reports):
+    report = pitfall_reports["clipdist.pitfalls:loss_times_world_size"]
+    verdicts = {c.name: c.verdict for c in report.parameters}
+    assert verdicts.pop("logit_scale") == "N×"
+    assert set(verdicts.values()) == {"exact"}
+    assert any("logit_scale: N×" in note for note in report.diagnosis)
+
+
+def test_classify_labels():
+    import torch
+
+    reference = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    assert classify(reference.clone(), reference, 4, 1e-9)[2] == "exact"
+    assert classify(reference / 4, reference, 4, 1e-9)[2] == "1/N"
+    assert classify(reference * 4, reference, 4, 1e-9)[2] == "N×"
+    assert classify(reference * 3, reference, 4, 1e-9)[2] == "×3"
+    assert classify(None, reference, 4, 1e-9)[2] == "missing"
+    assert classify(torch.tensor([1.0, 0.0, 3.0], dtype=torch.float64), reference, 4, 1e-9)[2] == "wrong"
+
+
+def test_cli_json_and_exit_codes():
+    good = subprocess.run(
+        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--backend", "gather_layer", "--world", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert good.returncode == 0, good.stderr
+    report = json.loads(good.stdout)
+    assert report["backend"] == "gather_layer" and report["world_size"] == 2 and report["exact"] is True
+    assert report["max_rel_err"] < 1e-9
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--loss", "clipdist.pitfalls:rank_slice_gather", "--world", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert bad.returncode == 1
+    assert "NOT EXACT" in bad.stdout and "1/N" in bad.stdout
+
+    unknown = subprocess.run(
+        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--backend", "nope"], capture_output=True, text=True, timeout=60
+    )
+    assert unknown.returncode == 2 and "unknown loss backend 'nope'" in unknown.stderr
