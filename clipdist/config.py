@@ -1,0 +1,107 @@
+"""Typed schema of the Hydra config: a key that is not here is an error, not a silent default.
+
+conf/ holds the menu (model/, data/, loss/, world/, optim/, logging/); these dataclasses say
+which keys exist and what type each value has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    name: str = "clipdist-tiny"  # any open_clip model config; random init
+    checkpoint: Optional[str] = None  # local open_clip checkpoint file to start from
+    grad_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model
+
+
+@dataclass
+class DataConfig:
+    # Built-in real datasets turned into shards on first use (digits, fashion_mnist), or null
+    # to read your own shards from train_shards / val_shards.
+    source: Optional[str] = "digits"
+    train_shards: Optional[str] = None  # local path, brace pattern 'dir/{000..099}.tar', or 'pipe:cmd'
+    val_shards: Optional[str] = None
+    resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
+    shuffle_buffer: int = 1000
+    workers: int = 0  # DataLoader workers per rank
+    source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
+    cache_dir: str = "~/.cache/clipdist"
+    classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: no zero-shot eval
+    templates: List[str] = field(default_factory=lambda: ["a photo of {}."])
+
+
+@dataclass
+class LossConfig:
+    name: str = "disco"  # a backend registered in clipdist.losses
+
+
+@dataclass
+class WorldConfig:
+    name: str = "local"
+    nodes: int = 1
+    procs_per_node: int = 1
+    device: str = "auto"  # auto (cuda if present) | cpu | cuda
+    backend: str = "auto"  # auto (nccl on cuda, else gloo) | gloo | nccl
+    batch_per_device: int = 64
+    spawn: bool = False  # started alone: launch procs_per_node local ranks with torch's elastic launcher
+    timeout_s: int = 600  # bound on every collective
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    warmup_steps: int = 50
+    max_steps: int = 600
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    max_logit_scale: float = 100.0
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "offline"  # offline (no key, no network) | online | disabled
+    project: str = "clipdist"
+    log_every: int = 10
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    name: str = MISSING
+    run_dir: str = "runs/${name}"
+    seed: int = 0
+    resume: str = "auto"  # auto: newest checkpoint in run_dir | never | path to a checkpoint
+    precision: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register() -> None:
+    """Make the schema known to Hydra as `train_schema` (conf/config.yaml lists it first)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_train_config(cfg) -> TrainConfig:
+    """A resolved, validated TrainConfig object from a DictConfig or plain dict."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    OmegaConf.resolve(merged)
+    return OmegaConf.to_object(merged)

@@ -1,0 +1,1 @@
+"""WebDataset streams, built-in real datasets, and the shard writer."""
