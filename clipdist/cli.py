@@ -65,6 +65,16 @@ def _print_report(report, verbose: bool) -> None:
     )
 
 
+def _make_shards(args: argparse.Namespace) -> int:
+    from clipdist.data.shards import pairs_from_csv, pairs_from_folder, write_shards
+
+    pairs = pairs_from_folder(args.images) if args.images else pairs_from_csv(args.csv, args.path_column, args.caption_column)
+    written = write_shards(pairs, args.out, args.prefix, args.samples_per_shard)
+    print(f"wrote {len(written)} shard(s) to {args.out}: "
+          f"{args.out}/{args.prefix}-{{000000..{len(written) - 1:06d}}}.tar")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clipdist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     check.add_argument("--verbose", action="store_true", help="list every parameter")
     check.set_defaults(run=_gradcheck)
+
+    shards = commands.add_parser(
+        "make-shards",
+        help="write an image folder or a CSV of (path, caption) as WebDataset shards",
+        description="Write image/caption pairs as WebDataset shards in the img2dataset layout (.jpg/.png + .txt + .json).",
+    )
+    source = shards.add_mutually_exclusive_group(required=True)
+    source.add_argument("--images", help="folder of images; caption from a same-name .txt, else the parent folder's name")
+    source.add_argument("--csv", help="CSV with image paths (relative to the CSV) and captions")
+    shards.add_argument("--path-column", default="path")
+    shards.add_argument("--caption-column", default="caption")
+    shards.add_argument("--out", required=True, help="output folder")
+    shards.add_argument("--prefix", default="shard")
+    shards.add_argument("--samples-per-shard", type=int, default=1000)
+    shards.set_defaults(run=_make_shards)
     return parser
 
 
@@ -93,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"clipdist {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,8 @@ class DataConfig:
     train_shards: Optional[str] = None  # local path, brace pattern 'dir/{000..099}.tar', or 'pipe:cmd'
     val_shards: Optional[str] = None
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
+    split: str = "node"  # node: shards split over ranks/workers | replicated: every rank slices the same global batch
+    augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
     workers: int = 0  # DataLoader workers per rank
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)

@@ -1,7 +1,8 @@
-"""Weights & Biases (offline by default) and <run_dir>/metrics.jsonl."""
+"""Weights & Biases (offline by default), <run_dir>/train_log.jsonl and <run_dir>/metrics.jsonl."""
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -14,30 +15,34 @@ class RunTracker:
         if mode not in WANDB_MODES:
             raise ValueError(f"logging.wandb={mode!r}; choose one of {', '.join(WANDB_MODES)}")
         self.enabled = enabled
-        self.metrics_file = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
         self.run = None
         if enabled and mode != "disabled":
             import wandb
 
             id_file = Path(run_dir) / "wandb_id"  # same W&B run when the job resumes
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
             self.run = wandb.init(
                 mode=mode, project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config,
                 settings=wandb.Settings(silent=True, console="off"),
             )
 
-    def log(self, metrics: dict, step: int) -> None:
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+    def log_train(self, stats: dict, step: int) -> None:
+        """Training stats: a line in train_log.jsonl, and train/<key> in W&B."""
+        self._write("train_log.jsonl", "train", stats, step)
 
     def log_eval(self, metrics: dict, step: int) -> None:
-        """One JSON object per evaluation in metrics.jsonl, and the same under eval/ in W&B."""
+        """One JSON object per evaluation in metrics.jsonl, and eval/<key> in W&B."""
+        self._write("metrics.jsonl", "eval", metrics, step)
+
+    def _write(self, filename: str, section: str, values: dict, step: int) -> None:
         if not self.enabled:
             return
-        with open(self.metrics_file, "a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.log({f"eval/{key}": value for key, value in metrics.items()}, step)
+        with open(self.run_dir / filename, "a") as handle:
+            handle.write(json.dumps({"step": step, **values}) + "\n")
+        if self.run is not None:
+            self.run.log({f"{section}/{key}": value for key, value in values.items()}, step=step)
 
     def finish(self) -> None:
         if self.run is not None:

@@ -167,7 +167,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     model = create_model(cfg.model.name, cfg.model.checkpoint, cfg.model.grad_checkpointing).to(device)
     tokenizer = get_tokenizer(cfg.model.name)
     mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
-    train_transform = open_clip.image_transform(model.visual.image_size, is_train=True, mean=mean, std=std)
+    train_transform = open_clip.image_transform(model.visual.image_size, is_train=cfg.data.augment, mean=mean, std=std)
     val_transform = open_clip.image_transform(model.visual.image_size, is_train=False, mean=mean, std=std)
     optimizer, scheduler = build_optimizer(model, cfg)
 
@@ -197,9 +197,9 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     global_batch = local_batch * env.world_size
     skips = SkipCounter()
     stream = train_stream(
-        train_urls, local_batch, train_transform, tokenizer, resampled=cfg.data.resampled,
-        shuffle_buffer=cfg.data.shuffle_buffer, workers=cfg.data.workers, world_size=env.world_size,
-        seed=cfg.seed + 7919 * start_step, skips=skips,
+        train_urls, local_batch, train_transform, tokenizer, resampled=cfg.data.resampled, split=cfg.data.split,
+        shuffle_buffer=cfg.data.shuffle_buffer, workers=cfg.data.workers, rank=env.rank,
+        world_size=env.world_size, seed=cfg.seed + 7919 * start_step, skips=skips,
     )
     tracker = RunTracker(run_dir, cfg.logging.wandb, cfg.logging.project, run_dir.name, asdict(cfg), env.is_main)
     max_logit = math.log(cfg.optim.max_logit_scale)
@@ -229,7 +229,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     progress = tqdm(total=cfg.optim.max_steps, initial=start_step, disable=not (env.is_main and cfg.logging.progress),
                     dynamic_ncols=True, mininterval=1.0, desc=f"train {cfg.loss.name} ×{env.world_size}")
     metrics = None
-    bad_steps = 0
+    bad_steps = skipped_steps = 0
     step_time = time.perf_counter()
     for step in range(start_step, cfg.optim.max_steps):
         images, tokens = next(stream)
@@ -239,6 +239,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
         global_loss = distributed.all_reduce_mean(loss).item()  # the same on every rank: all skip together
         if not math.isfinite(global_loss):
             bad_steps += 1
+            skipped_steps += 1
             progress.write(f"step {step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
             continue
         bad_steps = 0
@@ -260,8 +261,8 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
         progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
                              lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
         if done % cfg.logging.log_every == 0:
-            tracker.log({**{f"train/{k}": v for k, v in stats.items()}, "train/grad_norm": float(grad_norm),
-                         "train/samples_seen": samples_seen, "train/skipped_samples": skips.count}, done)
+            tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": samples_seen,
+                               "skipped_samples": skips.count, "skipped_steps": skipped_steps}, done)
         if done % cfg.eval_every == 0 or done == cfg.optim.max_steps:
             metrics = run_eval(done)
         if done % cfg.checkpoint_every == 0 or done == cfg.optim.max_steps:

@@ -65,38 +65,53 @@ class _EpochShuffledShards(torch.utils.data.IterableDataset):
             yield from ({"url": url} for url in urls)
 
 
-def _valid_pair(sample) -> bool:
-    return isinstance(sample[1], str) and sample[1].strip() != ""
+def _require_caption(sample):
+    if not isinstance(sample[1], str) or not sample[1].strip():
+        raise ValueError(f"empty caption in sample {sample[1]!r}")
+    return sample
 
 
-def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *, resampled: bool,
-                 shuffle_buffer: int, workers: int, world_size: int, seed: int, skips: SkipCounter):
-    """An endless iterator of (images, tokens) batches for this rank.
+def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
+                 shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, skips: SkipCounter):
+    """An endless iterator of (images, tokens) batches of `batch_size` for this rank.
 
-    Epoch mode: shards are shuffled each epoch and split by node and worker, so every sample is
-    seen once per epoch; resampled mode draws shards with replacement. Either way the stream
-    never ends, so each rank takes exactly one batch per step: same number of batches on every rank.
+    split="node": shards are split by rank and worker (epoch mode: reshuffled every pass, each
+    sample once per epoch; resampled: shards drawn with replacement).
+    split="replicated": every rank streams the same samples, forms the global batch and keeps
+    its own slice — N runs see exactly the global batches one process would (N× the decoding;
+    for reproducibility checks, not for scale).
+    The stream never ends, so each rank takes exactly one batch per step.
     """
-    if not resampled and len(urls) < world_size * max(workers, 1):
+    if split not in ("node", "replicated"):
+        raise ValueError(f"data.split={split!r}; choose node or replicated")
+    replicated = split == "replicated"
+    if not resampled and not replicated and len(urls) < world_size * max(workers, 1):
         raise ValueError(
             f"{len(urls)} shard(s) for {world_size} rank(s) × {max(workers, 1)} worker(s): every worker needs "
             "at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
         )
+    stream_seed = seed if replicated else seed + 1_000_003 * rank
     if resampled:
-        shards = [wds.ResampledShards(urls, seed=seed, deterministic=True)]
+        shards = [wds.ResampledShards(urls, seed=stream_seed, deterministic=True)]
     else:
-        shards = [_EpochShuffledShards(urls, seed), wds.split_by_node, wds.split_by_worker]
-    pipeline = wds.DataPipeline(
+        shards = [_EpochShuffledShards(urls, seed), *([] if replicated else [wds.split_by_node]), wds.split_by_worker]
+    shuffle = [wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100), seed=stream_seed)] if shuffle_buffer > 1 else []
+    stages = [
         *shards,
         wds.tarfile_to_samples(handler=skips),
-        wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100)),
+        *shuffle,
         wds.decode("pil", handler=skips),
         wds.to_tuple(IMAGE_KEYS, "txt", handler=skips),
-        wds.select(_valid_pair),
+        wds.map(_require_caption, handler=skips),
         wds.map_tuple(image_transform, lambda text: tokenizer([text])[0], handler=skips),
-        wds.batched(batch_size, partial=False),
-    )
-    loader = wds.WebLoader(pipeline, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+    ]
+    if replicated:
+        rows = slice(rank * batch_size, (rank + 1) * batch_size)
+        stages += [wds.batched(batch_size * world_size, partial=False), wds.map(lambda batch: [t[rows] for t in batch])]
+    else:
+        stages += [wds.batched(batch_size, partial=False)]
+    loader = wds.WebLoader(wds.DataPipeline(*stages), batch_size=None, num_workers=workers,
+                           persistent_workers=workers > 0)
     return iter(loader)
 
 

@@ -1,0 +1,22 @@
+from clipdist.distributed import _expand_first_host, detect_env
+
+
+def test_torchrun_variables_win():
+    env = detect_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "SLURM_PROCID": "0", "SLURM_NTASKS": "8"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 8, 3, "torchrun")
+
+
+def test_srun_variables_map_to_rank_world_and_local_rank():
+    env = detect_env({"SLURM_PROCID": "13", "SLURM_NTASKS": "64", "SLURM_LOCALID": "5",
+                      "SLURM_JOB_NODELIST": "gpu[003-010]", "SLURM_JOB_ID": "4242"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (13, 64, 5, "slurm")
+
+
+def test_single_process_without_launcher_variables():
+    assert detect_env({}).launcher == "single"
+    assert detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
+
+
+def test_first_host_of_a_slurm_node_list():
+    assert _expand_first_host("gpu[003-005,9],cpu1") == "gpu003"
+    assert _expand_first_host("node7") == "node7"
