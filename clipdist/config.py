@@ -89,12 +89,30 @@ class TrainConfig:
     eval_every: int = 200
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
+    max_nonfinite_steps: int = 10  # non-finite losses in a row before the run stops (after a checkpoint)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
+            "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s")
+NON_NEGATIVE = ("optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
+                "data.shuffle_buffer")
+
+
+def validate(cfg: "TrainConfig") -> None:
+    """Values Hydra's types cannot rule out: one ValueError naming the key and what to change."""
+    for key in POSITIVE + NON_NEGATIVE:
+        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        if value < 0 or (value == 0 and key in POSITIVE):
+            bound = "at least 1" if key in POSITIVE else "0 or more"
+            raise ValueError(f"{key}={value}: must be {bound}")
+    if cfg.optim.max_logit_scale <= 1:
+        raise ValueError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
 
 
 def register() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -18,7 +20,7 @@ from tqdm import tqdm
 
 from clipdist import distributed
 from clipdist.checkpoint import CheckpointManager, load
-from clipdist.config import TrainConfig, to_train_config
+from clipdist.config import TrainConfig, to_train_config, validate
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.pipeline import SkipCounter, expand_shards, train_stream
 from clipdist.evaluate import evaluate
@@ -36,6 +38,11 @@ class ConfigError(ValueError):
 def run(cfg) -> dict | None:
     """Entry point from train.py: validate, start local ranks if the world preset asks, train."""
     cfg = cfg if isinstance(cfg, TrainConfig) else to_train_config(cfg)
+    try:
+        validate(cfg)
+        build_loss(cfg.loss.name)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     env = distributed.detect_env()
     if env.launcher == "single" and cfg.world.world_size > 1:
         if not cfg.world.spawn:
@@ -228,52 +235,98 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
 
     progress = tqdm(total=cfg.optim.max_steps, initial=start_step, disable=not (env.is_main and cfg.logging.progress),
                     dynamic_ncols=True, mininterval=1.0, desc=f"train {cfg.loss.name} ×{env.world_size}")
+    stop = StopSignal()
     metrics = None
-    bad_steps = skipped_steps = 0
+    step, bad_steps, skipped_steps = start_step, 0, 0
     step_time = time.perf_counter()
-    for step in range(start_step, cfg.optim.max_steps):
-        images, tokens = next(stream)
-        with autocast:
-            image_features, text_features, logit_scale = ddp_model(images.to(device), tokens.to(device))
-        loss = loss_fn(image_features, text_features, logit_scale)
-        global_loss = distributed.all_reduce_mean(loss).item()  # the same on every rank: all skip together
-        if not math.isfinite(global_loss):
-            bad_steps += 1
-            skipped_steps += 1
-            progress.write(f"step {step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
-            continue
-        bad_steps = 0
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        with torch.no_grad():
-            model.logit_scale.clamp_(0, max_logit)
-        samples_seen += global_batch
-        done = step + 1
-
-        now = time.perf_counter()
-        seconds, step_time = now - step_time, now
-        stats = {"loss": global_loss, "lr": scheduler.get_last_lr()[0], "logit_scale": model.logit_scale.exp().item(),
-                 "samples_per_s": global_batch / seconds, "samples_per_s_per_device": local_batch / seconds}
-        progress.update(1)
-        progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
-                             lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
-        if done % cfg.logging.log_every == 0:
-            tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": samples_seen,
-                               "skipped_samples": skips.count, "skipped_steps": skipped_steps}, done)
-        if done % cfg.eval_every == 0 or done == cfg.optim.max_steps:
-            metrics = run_eval(done)
-        if done % cfg.checkpoint_every == 0 or done == cfg.optim.max_steps:
-            save(done)
-    else:
-        if start_step >= cfg.optim.max_steps and env.is_main:
-            progress.write(f"run {run_dir} is already complete at step {start_step} (optim.max_steps="
+    try:
+        if step >= cfg.optim.max_steps and env.is_main:
+            progress.write(f"run {run_dir} is already complete at step {step} (optim.max_steps="
                            f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
-    progress.close()
-    tracker.finish()
+        while step < cfg.optim.max_steps:
+            images, tokens = next(stream)
+            with autocast:
+                image_features, text_features, logit_scale = ddp_model(images.to(device), tokens.to(device))
+            loss = loss_fn(image_features, text_features, logit_scale)
+            # One collective gives every rank the global loss and whether any rank was signalled,
+            # so all ranks skip, stop or step together.
+            agreed = distributed.all_reduce_mean(torch.stack([loss.detach().float().cpu(), stop.flag()]).to(device))
+            global_loss, stopping = agreed[0].item(), agreed[1].item() > 0
+            if stopping:
+                save(step)
+                progress.write(f"stopped by a signal at step {step}: checkpoint written to {checkpoints.directory}; "
+                               "run again with resume=auto to continue")
+                break
+            if not math.isfinite(global_loss):
+                bad_steps += 1
+                skipped_steps += 1
+                progress.write(f"step {step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
+                if bad_steps >= cfg.max_nonfinite_steps:
+                    save(step)
+                    raise TrainingDiverged(
+                        f"{bad_steps} non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
+                        f"the last good state (step {step}) is saved in {checkpoints.directory}. Lower optim.lr, "
+                        "check the data, or raise max_nonfinite_steps"
+                    )
+                continue
+            bad_steps = 0
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            with torch.no_grad():
+                model.logit_scale.clamp_(0, max_logit)
+            samples_seen += global_batch
+            step += 1
+
+            now = time.perf_counter()
+            seconds, step_time = now - step_time, now
+            stats = {"loss": global_loss, "lr": scheduler.get_last_lr()[0],
+                     "logit_scale": model.logit_scale.exp().item(),
+                     "samples_per_s": global_batch / seconds, "samples_per_s_per_device": local_batch / seconds}
+            progress.update(1)
+            progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
+                                 lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
+            if step % cfg.logging.log_every == 0:
+                tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": samples_seen,
+                                   "skipped_samples": skips.count, "skipped_steps": skipped_steps}, step)
+            if step % cfg.eval_every == 0 or step == cfg.optim.max_steps:
+                metrics = run_eval(step)
+            if step % cfg.checkpoint_every == 0 or step == cfg.optim.max_steps:
+                save(step)
+    finally:
+        stop.restore()
+        progress.close()
+        tracker.finish()
     return metrics
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite losses in a row; the last good state has been checkpointed."""
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (preemption, SLURM's --signal) ask for a checkpoint and a clean exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.received = signum
+
+    def flag(self) -> torch.Tensor:
+        return torch.tensor(0.0 if self.received is None else 1.0)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _resume(cfg: TrainConfig, checkpoints: CheckpointManager):
