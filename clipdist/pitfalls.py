@@ -13,33 +13,25 @@ from clipdist.losses.collectives import all_gather_rows, world_layout
 from clipdist.losses.reference import clip_loss
 
 
-class _GatherOwnSliceBackward(torch.autograd.Function):
-    """A "GatherLayer" whose backward returns grads[rank] without summing over ranks."""
+class _BrokenGather(torch.autograd.Function):
+    """All-gather with one of the published, wrong backwards.
+
+    "own_slice": a GatherLayer that returns grads[rank] without summing over ranks.
+    "average": DisCo-CLIP's published gather, all_reduce(AVG) instead of SUM.
+    """
 
     @staticmethod
-    def forward(ctx, tensor, layout):
-        ctx.layout = layout
-        return all_gather_rows(tensor, layout)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.split(list(ctx.layout.local_sizes))[ctx.layout.rank], None
-
-
-class _GatherAverageBackward(torch.autograd.Function):
-    """DisCo-CLIP's published gather: backward all_reduce(AVG) instead of SUM."""
-
-    @staticmethod
-    def forward(ctx, tensor, layout):
-        ctx.layout = layout
+    def forward(ctx, tensor, layout, backward):
+        ctx.layout, ctx.backward = layout, backward
         return all_gather_rows(tensor, layout)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad)
-        grad /= ctx.layout.world_size
-        return grad.split(list(ctx.layout.local_sizes))[ctx.layout.rank], None
+        if ctx.backward == "average":
+            dist.all_reduce(grad)
+            grad /= ctx.layout.world_size
+        return grad.split(list(ctx.layout.local_sizes))[ctx.layout.rank], None, None
 
 
 def _overwrite_own_slice(local, layout):
@@ -51,8 +43,11 @@ def _overwrite_own_slice(local, layout):
 def rank_slice_gather(image_features, text_features, logit_scale):
     """Full loss over a gather whose backward keeps grads[rank] only: encoders get 1/N."""
     layout = world_layout(image_features, text_features)
-    gather = _GatherOwnSliceBackward.apply
-    return clip_loss(gather(image_features, layout), gather(text_features, layout), logit_scale)
+    return clip_loss(
+        _BrokenGather.apply(image_features, layout, "own_slice"),
+        _BrokenGather.apply(text_features, layout, "own_slice"),
+        logit_scale,
+    )
 
 
 def overwrite_own_slice(image_features, text_features, logit_scale):
@@ -71,8 +66,8 @@ def disco_average_backward(image_features, text_features, logit_scale):
     """DisCo-CLIP as published: rows sliced from the gathered features, the gather's
     backward averages (all_reduce AVG) — under DDP every encoder gets 1/N."""
     layout = world_layout(image_features, text_features)
-    all_image = _GatherAverageBackward.apply(image_features, layout)
-    all_text = _GatherAverageBackward.apply(text_features, layout)
+    all_image = _BrokenGather.apply(image_features, layout, "average")
+    all_text = _BrokenGather.apply(text_features, layout, "average")
     rows = slice(layout.offset, layout.offset + image_features.shape[0])
     labels = torch.arange(rows.start, rows.stop)
     return (
