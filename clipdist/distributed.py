@@ -88,6 +88,20 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_ranks(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -129,19 +129,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def all_ranks(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def train(cfg: TrainConfig) -> dict | None:
     """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
     env = distributed.detect_env()
@@ -157,7 +144,7 @@ def train(cfg: TrainConfig) -> dict | None:
 
 def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> dict | None:
     # Every rank must agree on the run directory (a ${now:...} name can differ by a second).
-    run_dir = Path(all_ranks(cfg.run_dir)[0])
+    run_dir = Path(distributed.all_ranks(cfg.run_dir)[0])
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     autocast = autocast_for(cfg.precision, device)
@@ -165,7 +152,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
 
     if env.local_rank == 0:
         resolve_shards(cfg)  # writes a built-in dataset's shards once per node
-    barrier()
+    distributed.barrier()
     train_pattern, val_pattern = resolve_shards(cfg)
     train_urls = expand_shards(train_pattern, "data.train_shards")
     val_urls = expand_shards(val_pattern, "data.val_shards") if val_pattern else None
@@ -215,23 +202,23 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
         metrics = None
         if env.is_main and val_urls:
             metrics = evaluate(model, tokenizer, val_urls, val_transform, cfg.data.classnames, cfg.data.templates,
-                               device, autocast=autocast_for(cfg.precision, device))
+                               device, autocast=autocast)
             metrics["train_skipped"] = skips.count
             tracker.log_eval(metrics, step)
             progress.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                        for k, v in metrics.items()))
-        barrier()
+        distributed.barrier()
         return metrics
 
     def save(step: int) -> None:
-        rngs = all_ranks(rng_state())
+        rngs = distributed.all_ranks(rng_state())
         if env.is_main:
             checkpoints.save({
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "step": step, "samples_seen": samples_seen,
                 "rng": rngs, "config": asdict(cfg), "world_size": env.world_size,
             }, step)
-        barrier()
+        distributed.barrier()
 
     progress = tqdm(total=cfg.optim.max_steps, initial=start_step, disable=not (env.is_main and cfg.logging.progress),
                     dynamic_ncols=True, mininterval=1.0, desc=f"train {cfg.loss.name} ×{env.world_size}")
