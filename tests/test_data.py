@@ -8,7 +8,10 @@ from PIL import Image
 
 from clipdist.cli import main as cli
 from clipdist.data.builtin import builtin_shards
+import webdataset as wds
+
 from clipdist.data.pipeline import SkipCounter, expand_shards, train_stream
+from clipdist.data.tar_samples import tar_samples
 from clipdist.models import get_tokenizer
 
 
@@ -27,7 +30,7 @@ def png(value):
 
 
 def identity_transform(image):
-    return torch.from_numpy(np.asarray(image)).float().mean()
+    return torch.from_numpy(np.array(image)).float().mean()
 
 
 def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
@@ -44,6 +47,50 @@ def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
     assert images.tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
     assert tokens.shape[0] == 2
     assert skips.count == 2
+
+
+def eight_sample_shard(path):
+    members = []
+    for i in range(8):
+        members += [(f"{i:03d}.png", png(i * 10)), (f"{i:03d}.txt", b"a caption")]
+    write_tar(path, members)
+    return path.read_bytes()
+
+
+def member_offsets(data):
+    """Byte offset of every member header in an uncompressed tar."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return [member.offset for member in tar.getmembers()]
+
+
+def read_all_once(urls):
+    skips = SkipCounter()
+    pipeline = wds.DataPipeline(wds.SimpleShardList(urls), tar_samples(handler=skips),
+                                wds.to_tuple("png", "txt", handler=skips))
+    return [key for key, _ in pipeline], skips.count
+
+
+@pytest.mark.parametrize("cut", ["at_member_boundary", "inside_data", "inside_header", "damaged_header"])
+def test_truncated_or_damaged_shard_is_counted_and_reading_goes_on(tmp_path, cut):
+    data = eight_sample_shard(tmp_path / "whole.tar")
+    offsets = member_offsets(data)
+    sixth_sample = offsets[10]  # header of 005.png
+    damaged = {
+        "at_member_boundary": data[:sixth_sample],
+        "inside_data": data[:sixth_sample + 512 + 40],
+        "inside_header": data[:sixth_sample + 100],
+        "damaged_header": data[:sixth_sample] + b"\x7fgarbage" * 64 + data[sixth_sample + 512:],
+    }[cut]
+    (tmp_path / "bad.tar").write_bytes(damaged)
+    keys, skipped = read_all_once([str(tmp_path / "bad.tar"), str(tmp_path / "whole.tar")])
+    assert skipped == 1
+    assert len(keys) == 5 + 8  # the five samples before the cut, then every sample of the next shard
+
+
+def test_intact_shards_skip_nothing(tmp_path):
+    eight_sample_shard(tmp_path / "whole.tar")
+    keys, skipped = read_all_once([str(tmp_path / "whole.tar")] * 2)
+    assert (len(keys), skipped) == (16, 0)
 
 
 def test_missing_and_empty_shards_are_clear_errors(tmp_path):

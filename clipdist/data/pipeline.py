@@ -11,6 +11,8 @@ import braceexpand
 import torch
 import webdataset as wds
 
+from .tar_samples import tar_samples
+
 log = logging.getLogger(__name__)
 IMAGE_KEYS = "jpg;jpeg;png;webp"
 
@@ -98,7 +100,7 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
     shuffle = [wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100), seed=stream_seed)] if shuffle_buffer > 1 else []
     stages = [
         *shards,
-        wds.tarfile_to_samples(handler=skips),
+        tar_samples(handler=skips),
         *shuffle,
         wds.decode("pil", handler=skips),
         wds.to_tuple(IMAGE_KEYS, "txt", handler=skips),
@@ -119,7 +121,7 @@ def eval_batches(urls: list[str], batch_size: int, image_transform, skips: SkipC
     """Every (images, captions, json) batch of the validation shards, once, in order (rank-local)."""
     pipeline = wds.DataPipeline(
         wds.SimpleShardList(urls),
-        wds.tarfile_to_samples(handler=skips),
+        tar_samples(handler=skips),
         wds.decode("pil", handler=skips),
         wds.to_tuple(IMAGE_KEYS, "txt", "json", handler=skips),
         wds.map_tuple(image_transform, lambda text: text, lambda meta: meta, handler=skips),
