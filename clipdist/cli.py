@@ -22,6 +22,7 @@ def _gradcheck(args: argparse.Namespace) -> int:
         model=args.model,
         seed=args.seed,
         timeout_s=args.timeout,
+        chunks=args.chunks,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
@@ -38,7 +39,8 @@ def _print_report(report, verbose: bool) -> None:
     from clipdist.gradcheck import SCALAR_PARAMETERS
 
     console = Console()
-    table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.dtype}")
+    cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
+    table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.dtype}{cached}")
     table.add_column("parameter")
     table.add_column("rel. error", justify="right")
     table.add_column("verdict")
@@ -85,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spawn N local gloo ranks, run one DDP step of a tiny two-tower model with the loss, and "
         "compare the loss and every parameter's gradient with one process on the whole batch.",
     )
-    check.add_argument("--backend", default="disco", help="registered backend (naive, gather_layer, disco)")
+    check.add_argument("--backend", default="disco", help="registered backend (naive, gather_layer, disco, tiled, siglip)")
     check.add_argument("--loss", help="your own loss instead: 'package.module:name', same call signature")
     check.add_argument("--world", type=int, default=2, help="number of local ranks (default 2)")
     check.add_argument("--batch", type=_batch_sizes, default=4, help="local batch per rank, or one per rank: 4,3,5")
+    check.add_argument("--chunks", type=int, default=1, help="gradient caching: split each rank's batch into K chunks")
     check.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     check.add_argument("--model", default="clipdist-tiny", help="open_clip model config (random init)")
     check.add_argument("--seed", type=int, default=0)

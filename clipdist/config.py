@@ -6,7 +6,7 @@ which keys exist and what type each value has.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -41,6 +41,14 @@ class DataConfig:
 @dataclass
 class LossConfig:
     name: str = "disco"  # a backend registered in clipdist.losses
+    options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the backend, e.g. tile
+    init_logit_scale: Optional[float] = None  # log of the initial logit scale; null: open_clip's log(1/0.07)
+    init_logit_bias: float = -10.0  # initial logit bias, for backends that have one (siglip)
+
+
+@dataclass
+class GradCacheConfig:
+    chunks: int = 1  # >1: gradient caching, each rank's batch forwarded in this many chunks
 
 
 @dataclass
@@ -93,13 +101,15 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
-            "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s")
+            "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
+            "grad_cache.chunks")
 NON_NEGATIVE = ("optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 
@@ -111,6 +121,9 @@ def validate(cfg: "TrainConfig") -> None:
         if value < 0 or (value == 0 and key in POSITIVE):
             bound = "at least 1" if key in POSITIVE else "0 or more"
             raise ValueError(f"{key}={value}: must be {bound}")
+    if cfg.grad_cache.chunks > cfg.world.batch_per_device:
+        raise ValueError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
+                         f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
     if cfg.optim.max_logit_scale <= 1:
         raise ValueError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
 

@@ -51,19 +51,23 @@ def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dt
     return images, tokens
 
 
-def _model(model_name: str, seed: int, dtype: torch.dtype):
+def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn):
     from clipdist.models import create_model
 
     torch.manual_seed(seed)
-    return create_model(model_name).to(dtype)
+    bias = -10.0 if getattr(loss_fn, "uses_logit_bias", False) else None
+    return create_model(model_name, init_logit_bias=bias).to(dtype)
 
 
-def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str):
-    """One DDP step per loss on this rank's slice of the global batch.
+def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str,
+               chunks: int):
+    """One DDP step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1).
 
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
     from torch.nn.parallel import DistributedDataParallel
+
+    from clipdist.grad_cache import build_step
 
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
@@ -72,10 +76,11 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     rows = slice(start, start + local_sizes[rank])
     results = []
     for spec in loss_specs:
-        model = DistributedDataParallel(_model(model_name, seed, dtype))
-        image_features, text_features, logit_scale = model(images[rows], tokens[rows])
-        loss = resolve_loss(spec)(image_features, text_features, logit_scale)
-        loss.backward()
+        loss_fn = resolve_loss(spec)
+        step = build_step(DistributedDataParallel(_model(model_name, seed, dtype, loss_fn)), loss_fn, chunks)
+        loss = step.loss(images[rows], tokens[rows])
+        step.backward(loss)
+        model = step.model
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss /= dist.get_world_size()
@@ -84,10 +89,11 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     return results if rank == 0 else None
 
 
-def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str):
-    model = _model(model_name, seed, dtype)
+def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str, loss_fn):
+    """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process."""
+    model = _model(model_name, seed, dtype, loss_fn)
     images, tokens = _random_batch(global_batch, model_name, seed, dtype)
-    loss = clip_loss(*model(images, tokens))
+    loss = getattr(loss_fn, "reference", clip_loss)(*model(images, tokens))
     loss.backward()
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -114,6 +120,7 @@ class GradcheckReport:
     exact: bool
     parameters: list[ParameterCheck] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
+    chunks: int = 1  # gradient-caching chunks per rank
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,26 +195,34 @@ def run_gradchecks(
     model: str = "clipdist-tiny",
     seed: int = 0,
     timeout_s: float = 300,
+    chunks: int = 1,
 ) -> list[GradcheckReport]:
-    """Check several losses in one launch; `local_batch` is one size for every rank or one per rank."""
+    """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
+
+    chunks > 1 runs each rank's step with gradient caching (clipdist.grad_cache) in that many chunks.
+    """
     from clipdist.distributed import launch_local
 
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, got {world_size}")
-    for spec in losses:
-        resolve_loss(spec)  # fail here, not in N workers
+    loss_fns = [resolve_loss(spec) for spec in losses]  # fail here, not in N workers
     sizes = [local_batch] * world_size if isinstance(local_batch, int) else list(local_batch)
     if len(sizes) != world_size:
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
-    rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, timeout_s=timeout_s)[0]
-    reference_loss, reference_grads = _reference_step(sum(sizes), seed, getattr(torch, dtype), model)
+    if chunks < 1 or chunks > min(sizes):
+        raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
+    rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks,
+                                timeout_s=timeout_s)[0]
     tolerance = TOLERANCE[dtype]
-    return [
-        _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance)
-        for spec, (loss, grads) in zip(losses, rank_results)
-    ]
+    reports = []
+    for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
+        reference_loss, reference_grads = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn)
+        report = _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance)
+        report.chunks = chunks
+        reports.append(report)
+    return reports
 
 
 def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> GradcheckReport:

@@ -27,12 +27,13 @@ def create_model(
     checkpoint: str | None = None,
     grad_checkpointing: bool = False,
     init_logit_scale: float | None = None,
-    with_logit_bias: bool = False,
+    init_logit_bias: float | None = None,
 ) -> torch.nn.Module:
     """An open_clip CLIP model, randomly initialised (no download ever happens here).
 
     `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny).
-    `checkpoint` loads weights from a local open_clip checkpoint file.
+    `checkpoint` loads weights from a local open_clip checkpoint file. `init_logit_scale` is
+    the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP).
     """
     if name not in open_clip.list_models():
         raise ValueError(
@@ -42,8 +43,8 @@ def create_model(
     kwargs = {}
     if init_logit_scale is not None:
         kwargs["init_logit_scale"] = init_logit_scale
-    if with_logit_bias:
-        kwargs["init_logit_bias"] = -10.0
+    if init_logit_bias is not None:
+        kwargs["init_logit_bias"] = init_logit_bias
     model = open_clip.create_model(name, pretrained=None, pretrained_image=False, pretrained_text=False, **kwargs)
     if checkpoint is not None:
         if not Path(checkpoint).is_file():

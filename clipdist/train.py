@@ -24,6 +24,7 @@ from clipdist.config import TrainConfig, to_train_config, validate
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.pipeline import SkipCounter, expand_shards, train_stream
 from clipdist.evaluate import evaluate
+from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
 from clipdist.models import create_model, get_tokenizer
 from clipdist.tracking import RunTracker
@@ -40,7 +41,7 @@ def run(cfg) -> dict | None:
     cfg = cfg if isinstance(cfg, TrainConfig) else to_train_config(cfg)
     try:
         validate(cfg)
-        build_loss(cfg.loss.name)
+        build_loss(cfg.loss.name, **cfg.loss.options)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     env = distributed.detect_env()
@@ -148,7 +149,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     autocast = autocast_for(cfg.precision, device)
-    loss_fn = build_loss(cfg.loss.name)
+    loss_fn = build_loss(cfg.loss.name, **cfg.loss.options)
 
     if env.local_rank == 0:
         resolve_shards(cfg)  # writes a built-in dataset's shards once per node
@@ -158,7 +159,9 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     val_urls = expand_shards(val_pattern, "data.val_shards") if val_pattern else None
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = create_model(cfg.model.name, cfg.model.checkpoint, cfg.model.grad_checkpointing).to(device)
+    model = create_model(cfg.model.name, cfg.model.checkpoint, cfg.model.grad_checkpointing,
+                         init_logit_scale=cfg.loss.init_logit_scale,
+                         init_logit_bias=cfg.loss.init_logit_bias if loss_fn.uses_logit_bias else None).to(device)
     tokenizer = get_tokenizer(cfg.model.name)
     mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
     train_transform = open_clip.image_transform(model.visual.image_size, is_train=cfg.data.augment, mean=mean, std=std)
@@ -187,6 +190,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     if cfg.model.compile:
         ddp_model = torch.compile(ddp_model)
 
+    step_fn = build_step(ddp_model, loss_fn, cfg.grad_cache.chunks, autocast)
     local_batch = cfg.world.batch_per_device
     global_batch = local_batch * env.world_size
     skips = SkipCounter()
@@ -232,9 +236,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
                            f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
         while step < cfg.optim.max_steps:
             images, tokens = next(stream)
-            with autocast:
-                image_features, text_features, logit_scale = ddp_model(images.to(device), tokens.to(device))
-            loss = loss_fn(image_features, text_features, logit_scale)
+            loss = step_fn.loss(images.to(device), tokens.to(device))
             # One collective gives every rank the global loss and whether any rank was signalled,
             # so all ranks skip, stop or step together.
             agreed = distributed.all_reduce_mean(torch.stack([loss.detach().float().cpu(), stop.flag()]).to(device))
@@ -258,7 +260,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
                 continue
             bad_steps = 0
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            step_fn.backward(loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
@@ -271,6 +273,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
             seconds, step_time = now - step_time, now
             stats = {"loss": global_loss, "lr": scheduler.get_last_lr()[0],
                      "logit_scale": model.logit_scale.exp().item(),
+                     **({"logit_bias": model.logit_bias.item()} if loss_fn.uses_logit_bias else {}),
                      "samples_per_s": global_batch / seconds, "samples_per_s_per_device": local_batch / seconds}
             progress.update(1)
             progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",

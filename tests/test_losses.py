@@ -3,7 +3,8 @@
 Each rank calls the loss on its slice of a global float64 batch. The contract checked:
 mean over ranks of the loss == L; gradient at rank r's features == N·∂L/∂f_r (what DDP's
 average turns into the single-process gradient); mean over ranks of the logit scale's
-gradient == ∂L/∂s. References: ours and open_clip's ClipLoss with world size 1.
+gradient == ∂L/∂s (and the logit bias's, for siglip). References: ours and open_clip's
+ClipLoss / SigLipLoss with world size 1.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from open_clip.loss import ClipLoss
+from open_clip.loss import ClipLoss, SigLipLoss
 
 from clipdist.distributed import launch_local
-from clipdist.losses import BACKENDS, build, clip_loss
+from clipdist.losses import BACKENDS, build, clip_loss, siglip_loss
 
 DIM = 8
 TOLERANCE = 1e-12
@@ -36,87 +37,104 @@ def global_batch(sizes, seed):
     return image, text
 
 
-def single_process(loss_fn, sizes, seed, scale):
-    """(loss, ∂L/∂I, ∂L/∂T, ∂L/∂s) of one process on the global batch."""
+def scalar_parameters(scale, with_bias):
+    """Logit scale (and the SigLIP bias, at its usual init of −10) as leaves that want gradients."""
+    values = [scale, -10.0] if with_bias else [scale]
+    return [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in values]
+
+
+def single_process(loss_fn, sizes, seed, scale, with_bias=False):
+    """(loss, ∂L/∂I, ∂L/∂T, ∂L/∂s[, ∂L/∂t]) of one process on the global batch."""
     image, text = (t.requires_grad_(True) for t in global_batch(sizes, seed))
-    logit_scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    loss = loss_fn(image, text, logit_scale)
+    scalars = scalar_parameters(scale, with_bias)
+    loss = loss_fn(image, text, *scalars)
     loss.backward()
-    return loss.detach(), image.grad, text.grad, logit_scale.grad
+    return loss.detach(), image.grad, text.grad, *(s.grad for s in scalars)
 
 
-def distributed(loss_fn, sizes, seed, scale):
-    """The same four quantities as DDP would see them: rank-local gradients averaged over ranks."""
+def distributed(loss_fn, sizes, seed, scale, with_bias=False):
+    """The same quantities as DDP would see them: rank-local gradients averaged over ranks."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     image, text = global_batch(sizes, seed)
     rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     local_image = image[rows].clone().requires_grad_(True)
     local_text = text[rows].clone().requires_grad_(True)
-    logit_scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    loss = loss_fn(local_image, local_text, logit_scale)
+    scalars = scalar_parameters(scale, with_bias)
+    loss = loss_fn(local_image, local_text, *scalars)
     loss.backward()
     image_grad, text_grad = torch.zeros_like(image), torch.zeros_like(text)
     image_grad[rows] = local_image.grad
     text_grad[rows] = local_text.grad
-    scalars = torch.stack([loss.detach(), logit_scale.grad])
-    for tensor in (image_grad, text_grad, scalars):
+    values = torch.stack([loss.detach(), *(s.grad for s in scalars)])
+    for tensor in (image_grad, text_grad, values):
         dist.all_reduce(tensor)
         tensor /= world_size
-    return scalars[0], image_grad, text_grad, scalars[1]
+    return values[0], image_grad, text_grad, *values[1:]
 
 
-def open_clip_reference(image, text, logit_scale):
-    return ClipLoss()(image, text, logit_scale)
+def open_clip_reference(loss_fn):
+    """open_clip's definition of the loss `loss_fn` computes, at world size 1."""
+    return SigLipLoss() if loss_fn.uses_logit_bias else ClipLoss()
 
 
 def max_error(got, want):
     return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
 
 
+# Every registered backend, plus `tiled` with tiles smaller than the local and global batch
+# so rows and columns span several (and partial) tiles.
+LOSSES = {**{name: (name, {}) for name in BACKENDS}, "tiled(tile=3)": ("tiled", {"tile": 3})}
+
+
 def check_all_backends():
-    """Worker: {(backend, case): (max rel. error vs ours, vs open_clip)} on rank 0."""
+    """Worker: {(loss, case): (max rel. error vs ours, vs open_clip)} on rank 0."""
     world_size = dist.get_world_size()
     errors = {}
-    for backend in BACKENDS:
-        loss_fn = build(backend)
+    for backend, (name, options) in LOSSES.items():
+        loss_fn = build(name, **options)
+        bias = loss_fn.uses_logit_bias
         for case, (sizes_for, scale) in enumerate(CASES):
             sizes = sizes_for(world_size)
-            got = distributed(loss_fn, sizes, case, scale)
+            got = distributed(loss_fn, sizes, case, scale, bias)
             errors[(backend, case)] = (
-                max_error(got, single_process(clip_loss, sizes, case, scale)),
-                max_error(got, single_process(open_clip_reference, sizes, case, scale)),
+                max_error(got, single_process(loss_fn.reference, sizes, case, scale, bias)),
+                max_error(got, single_process(open_clip_reference(loss_fn), sizes, case, scale, bias)),
             )
     return errors if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_backend_matches_single_process_loss_and_gradients(world_size):
     errors = launch_local(check_all_backends, world_size, timeout_s=120)[0]
-    assert set(errors) == {(b, c) for b in BACKENDS for c in range(len(CASES))}
+    assert set(errors) == {(b, c) for b in LOSSES for c in range(len(CASES))}
     bad = {key: err for key, err in errors.items() if max(err) > TOLERANCE}
     assert not bad, f"not exact at world size {world_size}: {bad}"
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_backend_without_process_group_is_the_single_process_loss(backend):
-    got = single_process(build(backend), [5], 0, 100.0)
-    want = single_process(clip_loss, [5], 0, 100.0)
+    loss_fn = build(backend)
+    got = single_process(loss_fn, [5], 0, 100.0, loss_fn.uses_logit_bias)
+    want = single_process(loss_fn.reference, [5], 0, 100.0, loss_fn.uses_logit_bias)
     assert max_error(got, want) < TOLERANCE
 
 
-def test_reference_equals_open_clip_cliploss():
-    got = single_process(clip_loss, [6], 3, 20.0)
-    want = single_process(open_clip_reference, [6], 3, 20.0)
+@pytest.mark.parametrize("reference, with_bias", [(clip_loss, False), (siglip_loss, True)])
+def test_references_equal_open_clip(reference, with_bias):
+    got = single_process(reference, [6], 3, 20.0, with_bias)
+    want = single_process(SigLipLoss() if with_bias else ClipLoss(), [6], 3, 20.0, with_bias)
     assert max_error(got, want) < TOLERANCE
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_loss_is_float32_under_bf16_autocast(backend):
     image, text = (t.to(torch.bfloat16) for t in global_batch([6], 1))
+    loss_fn = build(backend)
+    scalars = [torch.tensor(100.0)] + ([torch.tensor(-10.0)] if loss_fn.uses_logit_bias else [])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = build(backend)(image, text, torch.tensor(100.0))
+        loss = loss_fn(image, text, *scalars)
     assert loss.dtype == torch.float32
-    want = clip_loss(image.float(), text.float(), torch.tensor(100.0))
+    want = loss_fn.reference(image.float(), text.float(), *scalars)
     assert torch.allclose(loss, want, rtol=1e-6)
 
 

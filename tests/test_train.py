@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clipdist.losses import BACKENDS
+from clipdist.losses import BACKENDS, build
 from helpers import REPO, read_jsonl, train, train_command
 
 # Two ranks × 4 == one rank × 8, and the same samples in the same order without augmentation.
@@ -35,20 +35,31 @@ def test_default_run_learns_digits(tmp_path, cache_dir):
 
 @pytest.fixture(scope="module")
 def local_losses(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("local")
-    result = train(run_dir, cache_dir, "world=local", "world.batch_per_device=8", "optim.max_steps=2", *SAME_GLOBAL_BATCH)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+    """One-rank losses of the first two steps, per loss definition (softmax backends share one)."""
+    runs = {}
+
+    def losses_of(backend: str) -> list[float]:
+        definition = "siglip" if build(backend).uses_logit_bias else "disco"
+        if definition not in runs:
+            run_dir = tmp_path_factory.mktemp("local")
+            result = train(run_dir, cache_dir, f"loss={definition}", "world=local", "world.batch_per_device=8",
+                           "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[definition] = [row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+        return runs[definition]
+
+    return losses_of
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_cpu2_first_step_loss_equals_local(tmp_path, cache_dir, local_losses, backend):
+    expected = local_losses(backend)
     result = train(tmp_path / "run", cache_dir, f"loss={backend}", "world=cpu2", "world.batch_per_device=4",
                    "optim.max_steps=2", *SAME_GLOBAL_BATCH)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")]
-    assert losses[0] == pytest.approx(local_losses[0], rel=1e-6)
-    assert losses[1] == pytest.approx(local_losses[1], rel=1e-4)  # after one identical update
+    assert losses[0] == pytest.approx(expected[0], rel=1e-6)
+    assert losses[1] == pytest.approx(expected[1], rel=1e-4)  # after one identical update
 
 
 def test_same_seed_same_loss_curve(tmp_path, cache_dir):
@@ -117,3 +128,20 @@ def test_world_preset_that_does_not_match_the_launch_is_a_clear_error(tmp_path, 
     torchrun_env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
     mismatch = train(tmp_path / "b", cache_dir, "world=cpu2", env=torchrun_env, timeout=60)
     assert mismatch.returncode != 0 and "expects 2 processes" in mismatch.stderr and "started 3" in mismatch.stderr
+
+
+def test_siglip_with_grad_cache_trains_on_two_ranks(tmp_path, cache_dir):
+    result = train(tmp_path / "run", cache_dir, "loss=siglip", "grad_cache.chunks=2", "world=cpu2",
+                   "world.batch_per_device=8", "optim.max_steps=4", "logging.log_every=1", "eval_every=1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert rows[0]["logit_scale"] == pytest.approx(10.0, rel=0.01)  # SigLIP's init: log-scale log(10), bias −10
+    assert rows[0]["logit_bias"] == pytest.approx(-10.0, abs=0.01)
+
+
+def test_bad_loss_options_and_chunks_are_clear_errors(tmp_path, cache_dir):
+    options = train(tmp_path / "a", cache_dir, "loss=tiled", "+loss.options.tyle=4", timeout=60)
+    assert options.returncode != 0 and "loss.options for 'tiled'" in options.stderr and "tile" in options.stderr
+    chunks = train(tmp_path / "b", cache_dir, "grad_cache.chunks=100", "world.batch_per_device=8", timeout=60)
+    assert chunks.returncode != 0 and "grad_cache.chunks=100 is more than world.batch_per_device=8" in chunks.stderr

@@ -5,30 +5,41 @@ import torch
 from torch import nn
 
 from clipdist.losses.collectives import WorldLayout, world_layout
+from clipdist.losses.reference import clip_loss
 
 
 class DistributedContrastiveLoss(nn.Module):
     """Validates the inputs, computes in float32 or wider, and hands a `WorldLayout` on.
 
-    Subclasses implement ``compute(image_features, text_features, logit_scale, layout)``.
-    Called on every rank with that rank's L2-normalised local features (b, d) and the
-    logit scale as a multiplier (already exp-ed). The mean over ranks of the returned value
-    is the global-batch loss, and DDP-averaged gradients equal the single-process ones.
+    Subclasses implement ``compute(image_features, text_features, logit_scale, layout)``
+    (``..., layout, logit_bias)`` when `uses_logit_bias`). Called on every rank with that
+    rank's L2-normalised local features (b, d) and the logit scale as a multiplier (already
+    exp-ed). The mean over ranks of the returned value is `reference` on the global batch,
+    and DDP-averaged gradients equal the single-process ones.
     """
+
+    uses_logit_bias = False
+    reference = staticmethod(clip_loss)
 
     def __init__(self, group=None):
         super().__init__()
         self.group = group
 
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale) -> torch.Tensor:
+    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale,
+                logit_bias=None) -> torch.Tensor:
+        if self.uses_logit_bias and logit_bias is None:
+            raise ValueError(f"{type(self).__name__} needs a logit bias: build the model with one "
+                             "(open_clip: init_logit_bias) and pass it after the logit scale")
+        if not self.uses_logit_bias and logit_bias is not None:
+            raise ValueError(f"{type(self).__name__} is a softmax loss and has no logit bias; build the model "
+                             "without one, or use loss=siglip")
         layout = world_layout(image_features, text_features, self.group)
         # bf16 logits lose the differences the softmax depends on: always at least float32.
         dtype = torch.promote_types(torch.promote_types(image_features.dtype, text_features.dtype), torch.float32)
-        logit_scale = torch.as_tensor(logit_scale, device=image_features.device)
+        scalars = [logit_scale] + ([logit_bias] if self.uses_logit_bias else [])
+        logit_scale, *bias = (torch.as_tensor(t, device=image_features.device).to(dtype) for t in scalars)
         with torch.autocast(image_features.device.type, enabled=False):
-            return self.compute(
-                image_features.to(dtype), text_features.to(dtype), logit_scale.to(dtype), layout
-            )
+            return self.compute(image_features.to(dtype), text_features.to(dtype), logit_scale, layout, *bias)
 
     def compute(self, image_features, text_features, logit_scale, layout: WorldLayout) -> torch.Tensor:
         raise NotImplementedError

@@ -13,3 +13,13 @@ def clip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_s
     logits_per_image = logit_scale * image_features @ text_features.T
     labels = torch.arange(image_features.shape[0], device=image_features.device)
     return (F.cross_entropy(logits_per_image, labels) + F.cross_entropy(logits_per_image.T, labels)) / 2
+
+
+def siglip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, logit_bias) -> torch.Tensor:
+    """L = −(1/B) Σ_ij log σ(z_ij·(s·I_i·T_j + t)), z = +1 on the diagonal, −1 off it.
+
+    Same definition as open_clip's ``SigLipLoss()`` with world size 1.
+    """
+    logits = logit_scale * image_features @ text_features.T + logit_bias
+    signs = 2 * torch.eye(logits.shape[0], dtype=logits.dtype, device=logits.device) - 1
+    return -F.logsigmoid(signs * logits).sum() / image_features.shape[0]
