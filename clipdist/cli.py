@@ -77,6 +77,55 @@ def _make_shards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(cast):
+    return lambda text: [cast(part) for part in text.split(",")]
+
+
+def _human(nbytes: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from clipdist import plan
+
+    model_name, checkpointing = plan.resolve_model(args.model)
+    checkpointing = checkpointing or args.grad_checkpointing
+    world_size = plan.resolve_world(args.world)
+    device_bytes = plan.parse_bytes(args.memory)
+    console = Console(stderr=args.json, width=max(Console().width, 120))
+    measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
+                            progress=lambda text: console.print(f"[dim]{text}[/dim]"))
+    rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes)
+    if args.json:
+        print(json.dumps({"model": model_name, "world_size": world_size, "device_bytes": device_bytes,
+                          "precision": args.precision, "grad_checkpointing": checkpointing,
+                          "rows": plan.rows_as_dicts(rows)}, indent=2))
+        return 0
+    table = Table(title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
+                        f"global batch {args.global_batch} ({rows[0].local_batch}/device), {args.precision}, "
+                        f"device {_human(device_bytes)}")
+    for column in ("backend", "params+optim", "activations", "loss", "comm buf.", "peak", "fits", "sent/step",
+                   "max global batch"):
+        table.add_column(column, justify="left" if column == "backend" else "right")
+    for row in rows:
+        name = row.backend + (f" +cache×{row.chunks}" if row.chunks > 1 else "")
+        fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
+        table.add_row(name, *(_human(x) for x in (row.parameters_optimizer, row.activations, row.loss_buffers,
+                                                  row.communication_buffers, row.peak)),
+                      fits, _human(row.sent_bytes_per_step), f"{row.max_global_batch:,}")
+    console.print(table)
+    console.print(f"[dim]activations measured on CPU: {_human(measured.activations.per_sample)}/sample + "
+                  f"{_human(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
+                  "less. Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included.[/dim]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clipdist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     check.add_argument("--verbose", action="store_true", help="list every parameter")
     check.set_defaults(run=_gradcheck)
+
+    planner = commands.add_parser(
+        "plan",
+        help="per-device memory, communication and largest batch of a run, before launching it",
+        description="Measure the towers and loss backends small on CPU, scale to the requested run, and print the "
+        "per-device memory breakdown, bytes sent per step and the largest global batch that fits.",
+    )
+    planner.add_argument("--model", default="vit_b32", help="conf/model preset (vit_b32) or open_clip name (ViT-B-32)")
+    planner.add_argument("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks")
+    planner.add_argument("--global-batch", type=int, default=32768)
+    planner.add_argument("--backend", type=_csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
+    planner.add_argument("--chunks", type=_csv(int), default=[1], help="gradient-caching chunks, comma-separated: 1,8")
+    planner.add_argument("--memory", default="40GB", help="device memory, e.g. 40GB, 80GB, 24GiB")
+    planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    planner.add_argument("--grad-checkpointing", action="store_true")
+    planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
+    planner.set_defaults(run=_plan)
 
     shards = commands.add_parser(
         "make-shards",

@@ -43,3 +43,12 @@ class DistributedContrastiveLoss(nn.Module):
 
     def compute(self, image_features, text_features, logit_scale, layout: WorldLayout) -> torch.Tensor:
         raise NotImplementedError
+
+    # Collectives per call, for `clipdist plan`: modalities gathered, and whether the backward
+    # sends their gradients back (reduce-scatter). Ring collectives send (N−1)·b·d elements each.
+    exchanged_modalities = 2
+    backward_communicates = True
+
+    def sent_bytes_per_rank(self, local_batch: int, world_size: int, dim: int, element_size: int) -> float:
+        one_pass = self.exchanged_modalities * (world_size - 1) * local_batch * dim * element_size
+        return one_pass * (2 if self.backward_communicates else 1)

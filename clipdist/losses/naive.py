@@ -22,6 +22,8 @@ class NaiveLoss(DistributedContrastiveLoss):
     by N instead makes the logit scale's gradient N× too large.
     """
 
+    backward_communicates = False  # the gradient stays on the owner's rows
+
     def compute(self, image_features, text_features, logit_scale, layout):
         def global_rows(local):
             parts = list(all_gather_rows(local, layout).split(list(layout.local_sizes)))

@@ -9,9 +9,9 @@ from clipdist.losses.collectives import neighbour_exchange_with_grad
 from clipdist.losses.reference import siglip_loss
 
 
-def _sigmoid_terms(image_features, text_features, logit_scale, logit_bias, own_block: bool) -> torch.Tensor:
-    """Σ_ij −log σ(z_ij·(s·I_i·T_j + t)) over one b×b' block; z = +1 only on the own block's diagonal."""
-    logits = logit_scale * image_features @ text_features.T + logit_bias
+def _sigmoid_terms(scaled_images, text_features, logit_bias, own_block: bool) -> torch.Tensor:
+    """Σ_ij −log σ(z_ij·((s·I_i)·T_j + t)) over one b×b' block; z = +1 only on the own block's diagonal."""
+    logits = scaled_images @ text_features.T + logit_bias
     signs = -torch.ones_like(logits)
     if own_block:
         signs.diagonal().fill_(1)
@@ -33,11 +33,14 @@ class SigLipLoss(DistributedContrastiveLoss):
     """
 
     uses_logit_bias = True
+    exchanged_modalities = 1  # texts travel, images stay
     reference = staticmethod(siglip_loss)
 
     def compute(self, image_features, text_features, logit_scale, layout, logit_bias):
+        scaled_images = logit_scale * image_features  # once, not once per text block
+
         def terms(texts, own_block=False):
-            return _sigmoid_terms(image_features, texts, logit_scale, logit_bias, own_block)
+            return _sigmoid_terms(scaled_images, texts, logit_bias, own_block)
 
         total = terms(text_features, own_block=True)
         rank, world_size = layout.rank, layout.world_size

@@ -1,0 +1,186 @@
+"""Measure what a forward pass keeps for backward, and fit how it scales.
+
+`SavedTensorMeter` hooks autograd's saved tensors (torch.autograd.graph.saved_tensors_hooks)
+and counts the distinct storages alive at once: the bytes kept for backward, peak included.
+`measure_activations` and `fit_loss_memory` turn small real runs of the towers and of a loss
+backend into per-sample and per-(b, B, d) coefficients that `clipdist plan` scales up.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class _Kept:
+    """What autograd stores instead of a saved tensor: the tensor, counted while it lives."""
+
+    __slots__ = ("tensor", "meter", "key", "nbytes")
+
+    def __init__(self, tensor, meter, key, nbytes):
+        self.tensor, self.meter, self.key, self.nbytes = tensor, meter, key, nbytes
+        meter._acquire(key, nbytes)
+
+    def __del__(self):
+        self.meter._release(self.key, self.nbytes)
+
+
+class SavedTensorMeter:
+    """Context manager: bytes of distinct storages autograd keeps for backward (`live`, `peak`).
+
+    Tensors in `exclude` (inputs that exist anyway, parameters) are not counted.
+    """
+
+    def __init__(self, exclude=()):
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self.refs: Counter = Counter()
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded or storage.nbytes() == 0:
+            return tensor
+        return _Kept(tensor, self, key, storage.nbytes())
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Kept) else saved
+
+    def _acquire(self, key, nbytes):
+        self.refs[key] += 1
+        if self.refs[key] == 1:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _release(self, key, nbytes):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= nbytes
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def model_outputs(model, batch: int, context_length: int):
+    """Forward `batch` random images and token rows through an open_clip model."""
+    size = model.visual.image_size
+    height, width = (size, size) if isinstance(size, int) else size
+    images = torch.randn(batch, 3, height, width)
+    tokens = torch.randint(1, 49406, (batch, context_length))
+    return model(images, tokens)
+
+
+@dataclass(frozen=True)
+class ActivationFit:
+    """Bytes the towers keep for backward: per_sample·batch + per_step (e.g. autocast weight copies)."""
+
+    per_sample: float
+    per_step: float
+    feature_dim: int
+    parameters: int
+
+    def bytes(self, batch: int) -> float:
+        return self.per_sample * batch + self.per_step if batch > 0 else 0.0
+
+
+def measure_activations(model, context_length: int, autocast=None, batches=(1, 2)) -> ActivationFit:
+    """Run the real towers at two small batches (CPU) and fit the straight line through them."""
+    from contextlib import nullcontext
+
+    model.train()
+    kept = []
+    for batch in batches:
+        with SavedTensorMeter(exclude=list(model.parameters())) as meter, (autocast or nullcontext()):
+            outputs = model_outputs(model, batch, context_length)
+            kept.append(meter.live)
+        del outputs
+    per_sample = (kept[1] - kept[0]) / (batches[1] - batches[0])
+    return ActivationFit(per_sample, kept[0] - per_sample * batches[0], outputs_dim(model, context_length),
+                         sum(p.numel() for p in model.parameters()))
+
+
+def outputs_dim(model, context_length: int) -> int:
+    with torch.no_grad():
+        return model_outputs(model, 1, context_length)[0].shape[-1]
+
+
+# Bytes a loss keeps for backward on one rank, as a function of local batch b, global batch B
+# and feature dim d: coefficients of these monomials, fitted from exact measurements.
+LOSS_TERMS = ("B·B", "b·B", "B·d", "b·d", "B", "b", "d", "1")
+
+
+def _monomials(b: float, B: float, d: float) -> np.ndarray:
+    return np.array([B * B, b * B, B * d, b * d, B, b, d, 1.0])
+
+
+@dataclass(frozen=True)
+class LossFit:
+    backend: str
+    coefficients: tuple[float, ...]
+    max_residual_bytes: float
+
+    def bytes(self, local_batch: int, global_batch: int, dim: int) -> float:
+        return float(_monomials(local_batch, global_batch, dim) @ np.array(self.coefficients))
+
+
+# Local batch sizes per rank (3 ranks) and feature dims the loss fit runs; varied enough that
+# every monomial is pinned down (several b per B, several B, two d).
+FIT_LAYOUTS = ([1, 2, 3], [2, 3, 4], [4, 4, 4], [5, 1, 4], [3, 7, 5], [6, 2, 2])
+FIT_DIMS = (8, 24)
+
+
+def loss_kept_bytes(loss_fn, local_batch: int, dim: int, dtype=torch.float32) -> int:
+    """Bytes `loss_fn` keeps for backward on this rank (inputs not counted); runs the backward too."""
+    image = F.normalize(torch.randn(local_batch, dim), dim=-1).to(dtype).requires_grad_()
+    text = F.normalize(torch.randn(local_batch, dim), dim=-1).to(dtype).requires_grad_()
+    scalars = [torch.tensor(10.0, requires_grad=True)]
+    if getattr(loss_fn, "uses_logit_bias", False):
+        scalars.append(torch.tensor(-10.0, requires_grad=True))
+    with SavedTensorMeter(exclude=[image, text, *scalars]) as meter:
+        loss = loss_fn(image, text, *scalars)
+        kept = meter.live
+    loss.backward()
+    return kept
+
+
+def _measure_loss_points(backends: list[str], dtype_name: str):
+    from clipdist.losses import build
+
+    rank = dist.get_rank()
+    points = {name: [] for name in backends}
+    for name in backends:
+        loss_fn = build(name)
+        for sizes in FIT_LAYOUTS:
+            for dim in FIT_DIMS:
+                kept = loss_kept_bytes(loss_fn, sizes[rank], dim, getattr(torch, dtype_name))
+                points[name].append((sizes[rank], sum(sizes), dim, kept))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, points)
+    return {name: [p for rank_points in gathered for p in rank_points[name]] for name in backends} if rank == 0 else None
+
+
+def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout_s: float = 120) -> dict[str, LossFit]:
+    """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
+    from clipdist.distributed import launch_local
+
+    points = launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype,
+                          timeout_s=timeout_s)[0]
+    fits = {}
+    for name, rows in points.items():
+        design = np.stack([_monomials(b, B, d) for b, B, d, _ in rows])
+        kept = np.array([k for *_, k in rows], dtype=float)
+        coefficients, *_ = np.linalg.lstsq(design, kept, rcond=None)
+        residual = float(np.abs(design @ coefficients - kept).max())
+        fits[name] = LossFit(name, tuple(float(c) for c in coefficients), residual)
+    return fits

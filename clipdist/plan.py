@@ -1,0 +1,178 @@
+"""`clipdist plan`: per-device memory and communication of a run before it is launched.
+
+Figures per device:
+  parameters + optimizer   P·16 bytes: fp32 weights, fp32 gradients, AdamW's two moments
+  activations              what the towers keep for backward: measured on CPU at batch 1 and 2
+                           (same precision, same grad checkpointing), scaled linearly; with
+                           gradient caching, one chunk's worth plus the cached features and
+                           their gradients (4·b·d elements)
+  loss buffers             what the backend keeps for backward on one rank: measured on 3 gloo
+                           ranks at small (b, B, d) and fitted exactly on the monomials of
+                           clipdist.memory.LOSS_TERMS
+  communication buffers    DDP's gradient buckets (P·4 bytes) when world size > 1
+Peak = parameters + optimizer + buffers + (activations + loss, or with chunks
+max(loss, one chunk's activations) + cached features, since the loss's graph is freed before
+the chunks are re-run). Bytes sent per rank per step: the loss's collectives (NCCL ring
+figures, clipdist.losses.*.sent_bytes_per_rank) + DDP's gradient all-reduce 2·(N−1)/N·P·4.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from clipdist.losses import build
+from clipdist.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
+DDP_BUCKET_BYTES_PER_PARAMETER = 4
+
+
+def parse_bytes(text: str) -> int:
+    """'40GB', '80GiB', '24g', '512MiB' → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not match:
+        raise ValueError(f"device memory {text!r}: write it like 40GB, 80GiB or 24G")
+    number, prefix, binary = match.groups()
+    power = "kmgt".find(prefix) + 1 if prefix else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def resolve_model(preset: str) -> tuple[str, bool]:
+    """A conf/model preset (vit_b32) or an open_clip config name (ViT-B-32) → (name, grad_checkpointing)."""
+    path = CONF / "model" / f"{preset}.yaml"
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(path)
+        return cfg.name, bool(cfg.get("grad_checkpointing", False))
+    return preset, False
+
+
+def resolve_world(preset: str) -> int:
+    """A conf/world preset (64gpu) or a number of ranks → world size."""
+    if preset.isdigit():
+        return int(preset)
+    path = CONF / "world" / f"{preset}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF / "world").glob("*.yaml")) if CONF.is_dir() else []
+        raise ValueError(f"world {preset!r}: not a number of ranks nor a preset ({', '.join(known)})")
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(path)
+    return int(cfg.nodes) * int(cfg.procs_per_node)
+
+
+@dataclass
+class PlanRow:
+    backend: str
+    chunks: int
+    local_batch: int
+    global_batch: int
+    parameters_optimizer: float
+    activations: float
+    loss_buffers: float
+    communication_buffers: float
+    kept_for_backward: float  # peak bytes autograd holds: what SavedTensorMeter measures in a real step
+    peak: float
+    fits: bool
+    sent_bytes_per_step: float
+    max_global_batch: int
+
+
+@dataclass
+class Measurements:
+    activations: ActivationFit
+    losses: dict[str, LossFit]
+    feature_bytes: int  # bytes per feature element reaching the loss (2 under bf16)
+
+
+def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_checkpointing: bool = False,
+            progress=print) -> Measurements:
+    """Run the real towers and loss backends small, on CPU, and fit how their memory scales."""
+    from clipdist.models import create_model, get_tokenizer
+
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision={precision!r}; choose bf16 or fp32")
+    progress(f"measuring {model_name} activations (CPU, batch 1 and 2, {precision})…")
+    torch.manual_seed(0)
+    model = create_model(model_name, grad_checkpointing=grad_checkpointing)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
+    activations = measure_activations(model, get_tokenizer(model_name).context_length, autocast)
+    feature_dtype = "bfloat16" if precision == "bf16" else "float32"
+    progress(f"measuring loss buffers of {', '.join(backends)} on 3 gloo ranks…")
+    losses = fit_loss_memory(backends, feature_dtype)
+    return Measurements(activations, losses, 2 if precision == "bf16" else 4)
+
+
+def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, chunks: int) -> dict:
+    """Per-device bytes of one configuration (see the module docstring)."""
+    act, dim = m.activations, m.activations.feature_dim
+    global_batch = local_batch * world_size
+    params = act.parameters * OPTIMIZER_BYTES_PER_PARAMETER
+    buffers = act.parameters * DDP_BUCKET_BYTES_PER_PARAMETER if world_size > 1 else 0
+    loss = m.losses[backend].bytes(local_batch, global_batch, dim)
+    if chunks > 1:
+        feature_cache = 4 * local_batch * dim * m.feature_bytes  # image + text features and their gradients
+        chunk_activations = act.bytes(math.ceil(local_batch / chunks))
+        activations = chunk_activations + feature_cache
+        kept = max(loss, chunk_activations)  # the loss's graph is gone before the chunks re-run
+    else:
+        feature_cache = 0
+        activations = act.bytes(local_batch)
+        kept = activations + loss
+    return {"parameters_optimizer": params, "activations": activations, "loss_buffers": loss,
+            "communication_buffers": buffers, "kept_for_backward": kept,
+            "peak": params + buffers + kept + feature_cache}
+
+
+def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int) -> float:
+    loss_fn = build(backend)
+    ddp = 2 * (world_size - 1) / world_size * m.activations.parameters * 4
+    return loss_fn.sent_bytes_per_rank(local_batch, world_size, m.activations.feature_dim, 4) + ddp
+
+
+def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: int, device_bytes: int) -> int:
+    """The largest b (≥ chunks) whose peak fits in device memory, 0 if none does."""
+    def fits(b):
+        return breakdown(m, backend, world_size, b, chunks)["peak"] <= device_bytes
+
+    low = chunks
+    if not fits(low):
+        return 0
+    high = low * 2
+    while fits(high):
+        low, high = high, high * 2
+        if high > 1 << 40:
+            return low
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def plan(m: Measurements, backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
+         device_bytes: int) -> list[PlanRow]:
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not divide over {world_size} ranks")
+    local_batch = global_batch // world_size
+    rows = []
+    for backend in backends:
+        for chunks in chunks_options:
+            if chunks > local_batch:
+                raise ValueError(f"chunks={chunks} is more than the local batch {local_batch}")
+            parts = breakdown(m, backend, world_size, local_batch, chunks)
+            rows.append(PlanRow(
+                backend, chunks, local_batch, global_batch, **parts, fits=parts["peak"] <= device_bytes,
+                sent_bytes_per_step=sent_bytes(m, backend, world_size, local_batch),
+                max_global_batch=world_size * largest_local_batch(m, backend, world_size, chunks, device_bytes),
+            ))
+    return rows
+
+
+def rows_as_dicts(rows: list[PlanRow]) -> list[dict]:
+    return [asdict(row) for row in rows]

@@ -1,0 +1,112 @@
+"""`clipdist plan`: memory predicted from small measurements matches a real step's, within 20%."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from clipdist import plan
+from clipdist.distributed import launch_local
+from clipdist.grad_cache import build_step
+from clipdist.gradcheck import _random_batch
+from clipdist.losses import build
+from clipdist.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
+from clipdist.models import create_model
+
+BACKENDS = ["disco", "tiled", "siglip"]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return plan.measure("clipdist-tiny", BACKENDS, precision="fp32", progress=lambda _: None)
+
+
+def coefficient(fit, term):
+    return fit.coefficients[LOSS_TERMS.index(term)]
+
+
+def test_loss_fits_are_exact_and_tiled_keeps_no_b_by_B_block(measured):
+    for fit in measured.losses.values():
+        assert fit.max_residual_bytes < 1.0  # byte counts: the monomials describe them exactly
+    tiled, disco = measured.losses["tiled"], measured.losses["disco"]
+    assert abs(coefficient(tiled, "b·B")) < 1e-6 and abs(coefficient(tiled, "B·B")) < 1e-6
+    assert coefficient(disco, "b·B") == pytest.approx(8.0)  # two b×B float32 blocks kept
+
+
+def loss_bytes_on_two_ranks(local_sizes, dim):
+    kept = {name: loss_kept_bytes(build(name), local_sizes[dist.get_rank()], dim) for name in BACKENDS}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, kept)
+    return gathered
+
+
+def test_loss_fit_predicts_a_layout_it_was_not_fitted_on(measured):
+    sizes, dim = [40, 24], 32
+    per_rank = launch_local(loss_bytes_on_two_ranks, 2, sizes, dim, timeout_s=120)[0]
+    for rank, kept in enumerate(per_rank):
+        for name, got in kept.items():
+            assert measured.losses[name].bytes(sizes[rank], sum(sizes), dim) == pytest.approx(got, rel=0.01)
+
+
+def step_kept_bytes(backend, chunks, local_batch):
+    """Peak bytes autograd keeps during one real DDP step of the tiny model on this rank."""
+    loss_fn = build(backend)
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny", init_logit_bias=-10.0 if loss_fn.uses_logit_bias else None)
+    ddp = DistributedDataParallel(model)
+    images, tokens = _random_batch(local_batch, "clipdist-tiny", dist.get_rank(), torch.float32)
+    step = build_step(ddp, loss_fn, chunks)
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        step.backward(step.loss(images, tokens))
+    return meter.peak
+
+
+def kept_bytes_of_configs(configs, local_batch):
+    return [step_kept_bytes(backend, chunks, local_batch) for backend, chunks in configs]
+
+
+def test_plan_predicts_the_memory_a_real_step_keeps(measured):
+    configs, local_batch, world_size = [("disco", 1), ("tiled", 1), ("siglip", 1), ("disco", 4)], 32, 2
+    real = launch_local(kept_bytes_of_configs, world_size, configs, local_batch, timeout_s=300)[0]
+    for (backend, chunks), got in zip(configs, real):
+        predicted = plan.breakdown(measured, backend, world_size, local_batch, chunks)["kept_for_backward"]
+        assert predicted == pytest.approx(got, rel=0.2), (backend, chunks, predicted, got)
+
+
+def test_largest_batch_is_the_boundary(measured):
+    device = 200e6
+    b = plan.largest_local_batch(measured, "disco", 4, 1, device)
+    assert b > 0
+    assert plan.breakdown(measured, "disco", 4, b, 1)["peak"] <= device < plan.breakdown(measured, "disco", 4, b + 1, 1)["peak"]
+    cached = plan.largest_local_batch(measured, "disco", 4, 8, device)
+    assert cached > b  # gradient caching trades activations for re-computation
+
+
+def test_parse_bytes_and_presets():
+    assert plan.parse_bytes("40GB") == 40 * 10**9
+    assert plan.parse_bytes("80GiB") == 80 * 2**30
+    assert plan.parse_bytes("512M") == 512 * 10**6
+    with pytest.raises(ValueError, match="40GB"):
+        plan.parse_bytes("lots")
+    assert plan.resolve_world("64gpu") == 64 and plan.resolve_world("3") == 3
+    assert plan.resolve_model("vit_b32") == ("ViT-B-32", False)
+    with pytest.raises(ValueError, match="64gpu"):
+        plan.resolve_world("65gpu")
+
+
+def test_cli_plan_json():
+    result = subprocess.run(
+        [sys.executable, "-m", "clipdist.cli", "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
+         "--backend", "disco,tiled", "--chunks", "1,2", "--memory", "1GB", "--precision", "fp32", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"] == "clipdist-tiny" and report["world_size"] == 2
+    assert [(r["backend"], r["chunks"]) for r in report["rows"]] == [("disco", 1), ("disco", 2), ("tiled", 1), ("tiled", 2)]
+    assert all(r["fits"] and r["max_global_batch"] >= 64 for r in report["rows"])
