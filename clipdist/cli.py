@@ -126,6 +126,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clipdist import bench
+    from clipdist.plan import parse_bytes
+
+    rows = bench.run(args.backend, args.world, args.batch, args.dim, args.repeats, parse_bytes(args.budget))
+    for path in bench.write(rows, Path(args.out), args.tag):
+        print(f"wrote {path}")
+    for world_size in args.world:
+        for global_batch in args.batch:
+            print(f"\n{bench.markdown(rows, world_size, global_batch)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clipdist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +180,25 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--grad-checkpointing", action="store_true")
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     planner.set_defaults(run=_plan)
+
+    bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`")
+    bench_kinds = bench.add_subparsers(dest="kind", required=True)
+    loss_bench = bench_kinds.add_parser(
+        "loss",
+        help="memory and time of every loss backend (and open_clip's local loss) across batches and world sizes",
+        description="Per-rank bytes kept for backward, peak memory and forward+backward time of each loss backend "
+        "on random features, one launch of N local ranks per world size (gloo on CPU, NCCL on CUDA).",
+    )
+    loss_bench.add_argument("--backend", type=_csv(str), default=None,
+                            help="comma-separated backends (default: all, plus open_clip)")
+    loss_bench.add_argument("--world", type=_csv(int), default=[1, 2, 4])
+    loss_bench.add_argument("--batch", type=_csv(int), default=[1024, 4096, 16384, 65536], help="global batches")
+    loss_bench.add_argument("--dim", type=int, default=128)
+    loss_bench.add_argument("--repeats", type=int, default=3)
+    loss_bench.add_argument("--budget", default="16GB", help="skip configurations predicted to need more, all ranks")
+    loss_bench.add_argument("--out", default="docs/bench", help="folder for the JSON and the PNG plot")
+    loss_bench.add_argument("--tag", default="cpu", help="file name suffix: loss_<tag>.json")
+    loss_bench.set_defaults(run=_bench)
 
     shards = commands.add_parser(
         "make-shards",

@@ -34,16 +34,15 @@ class _SummedRowLogSumExp(torch.autograd.Function):
         rows, columns, logit_scale, row_lse = ctx.saved_tensors
         tile = ctx.tile
         grad_rows, grad_columns = torch.zeros_like(rows), torch.zeros_like(columns)
-        grad_scale = torch.zeros((), dtype=rows.dtype, device=rows.device)
         for r in range(0, rows.shape[0], tile):
             row_block = rows[r : r + tile]
             for c in range(0, columns.shape[0], tile):
                 column_block = columns[c : c + tile]
-                dots = row_block @ column_block.T
-                probs = torch.exp(logit_scale * dots - row_lse[r : r + tile, None])
+                probs = (row_block @ column_block.T).mul_(logit_scale).sub_(row_lse[r : r + tile, None]).exp_()
                 grad_rows[r : r + tile] += probs @ column_block
                 grad_columns[c : c + tile] += probs.T @ row_block
-                grad_scale += (probs * dots).sum()
+        # ∂/∂s = Σ_ij P_ij r_i·c_j = Σ_i r_i·(Σ_j P_ij c_j): the row gradient already holds the inner sum.
+        grad_scale = (rows * grad_rows).sum()
         scale = grad_output * logit_scale
         return grad_rows * scale, grad_columns * scale, grad_scale * grad_output, None
 

@@ -1,0 +1,222 @@
+"""`clipdist bench loss`: memory and time of every loss backend, open_clip's local loss beside them.
+
+For each world size one launch of N ranks (gloo on CPU, NCCL on CUDA) runs, for every global
+batch and backend, the loss forward + backward on random unit features (d = 128 by default):
+  kept     bytes kept for backward on rank 0 (SavedTensorMeter; the input features not counted)
+  peak     CUDA: max_memory_allocated above the inputs; CPU: growth of the process's resident
+           memory, sampled every millisecond (short spikes can be missed)
+  time     median over repeats of the slowest rank's forward + backward
+Configurations whose predicted memory (the fits `clipdist plan` uses; open_clip's peer is
+taken as `disco`'s, which keeps the same b×B blocks) exceeds --budget for all ranks of this
+machine together are recorded as skipped, with the prediction.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from clipdist.losses import BACKENDS, build
+from clipdist.memory import SavedTensorMeter, fit_loss_memory
+
+PEER = "open_clip"  # open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
+
+
+class _OpenClipLocalLoss:
+    uses_logit_bias = False
+
+    def __init__(self):
+        from open_clip.loss import ClipLoss
+
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.loss = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size)
+
+    def __call__(self, image_features, text_features, logit_scale):
+        return self.loss(image_features, text_features, logit_scale)
+
+
+def _loss(name: str):
+    return _OpenClipLocalLoss() if name == PEER else build(name)
+
+
+class _ResidentPeak:
+    """Peak growth of this process's resident memory while the block runs (1 ms sampling)."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._resident()
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _resident(self) -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * self.page
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, self._resident())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._running = False
+        self._thread.join()
+        self.peak = max(self.peak, self._resident())
+        self.growth = self.peak - self.start
+
+
+def _one_step(loss_fn, local_batch: int, dim: int, device: torch.device, meter: SavedTensorMeter | None = None):
+    image = F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).requires_grad_()
+    text = F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).requires_grad_()
+    scalars = [torch.tensor(10.0, device=device, requires_grad=True)]
+    if loss_fn.uses_logit_bias:
+        scalars.append(torch.tensor(-10.0, device=device, requires_grad=True))
+    if meter is not None:
+        meter.excluded |= {t.untyped_storage().data_ptr() for t in (image, text, *scalars)}
+        with meter:
+            loss = loss_fn(image, text, *scalars)
+    else:
+        loss = loss_fn(image, text, *scalars)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return image, text
+
+
+def _timed(loss_fn, local_batch, dim, device) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    _one_step(loss_fn, local_batch, dim, device)
+    return time.perf_counter() - start
+
+
+def _peak(loss_fn, local_batch, dim, device) -> int:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _one_step(loss_fn, local_batch, dim, device)
+        inputs = 2 * local_batch * dim * 4
+        return torch.cuda.max_memory_allocated(device) - base - inputs
+    with _ResidentPeak() as resident:
+        _one_step(loss_fn, local_batch, dim, device)
+    return resident.growth
+
+
+def _bench_rank(names, global_batches, dim, repeats, skip_over):
+    """Worker: rows on rank 0. `skip_over[(name, B)]` holds the predicted bytes when skipped."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    rows = []
+    for global_batch in global_batches:
+        local_batch = global_batch // world_size
+        for name in names:
+            row = {"backend": name, "world_size": world_size, "global_batch": global_batch, "dim": dim,
+                   "device": device.type}
+            if (name, global_batch) in skip_over:
+                rows.append({**row, "skipped": f"predicted {skip_over[(name, global_batch)] / 1e9:.1f} GB over budget"})
+                continue
+            loss_fn = _loss(name)
+            _one_step(loss_fn, local_batch, dim, device)  # warm-up
+            meter = SavedTensorMeter()
+            _one_step(loss_fn, local_batch, dim, device, meter)
+            peak = _peak(loss_fn, local_batch, dim, device)
+            times = [_timed(loss_fn, local_batch, dim, device) for _ in range(repeats)]
+            per_rank = [None] * world_size
+            dist.all_gather_object(per_rank, (times, peak))
+            slowest = [max(rank_times[i] for rank_times, _ in per_rank) for i in range(repeats)]
+            rows.append({**row, "kept_bytes": meter.peak, "peak_bytes": max(p for _, p in per_rank),
+                         "seconds": statistics.median(slowest)})
+            if rank == 0:
+                print(f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {meter.peak / 1e6:9.1f} MB  "
+                      f"{statistics.median(slowest) * 1e3:8.1f} ms", flush=True)
+    return rows if rank == 0 else None
+
+
+def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
+        budget_bytes=16e9, timeout_s=1800):
+    """Every (world size, global batch, backend) row; see the module docstring."""
+    from clipdist.distributed import launch_local
+
+    names = list(names or [*BACKENDS, PEER])
+    # Large CPU buffers through mmap, so that freed memory leaves the resident set at once and
+    # one configuration's peak is not hidden by the last one's heap (glibc's threshold is dynamic).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    fits = fit_loss_memory([n for n in {*names, "disco"} if n != PEER])
+    rows = []
+    for world_size in world_sizes:
+        ranks_here = 1 if torch.cuda.is_available() else world_size
+        skip_over = {}
+        for global_batch in global_batches:
+            for name in names:
+                fit = fits["disco" if name == PEER else name]
+                predicted = fit.bytes(global_batch // world_size, global_batch, dim) * 3  # kept + transient + grads
+                if predicted * ranks_here > budget_bytes:
+                    skip_over[(name, global_batch)] = predicted
+        print(f"world size {world_size}:", flush=True)
+        rows += launch_local(_bench_rank, world_size, names, list(global_batches), dim, repeats, skip_over,
+                             timeout_s=timeout_s)[0]
+    return rows
+
+
+def markdown(rows, world_size: int, global_batch: int) -> str:
+    """One markdown table: every backend at one (world size, global batch), ratios to `disco`."""
+    chosen = {r["backend"]: r for r in rows if r["world_size"] == world_size and r["global_batch"] == global_batch}
+    disco = chosen.get("disco")
+    lines = [f"| backend (N={world_size}, B={global_batch}) | kept for backward / rank | × disco | peak / rank | "
+             "time fwd+bwd | × disco |", "|---|---:|---:|---:|---:|---:|"]
+    for name, row in chosen.items():
+        if "skipped" in row:
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | |")
+            continue
+        kept_ratio = f"{row['kept_bytes'] / disco['kept_bytes']:.3f}" if disco and "kept_bytes" in disco else ""
+        time_ratio = f"{row['seconds'] / disco['seconds']:.2f}" if disco and "seconds" in disco else ""
+        lines.append(f"| {name} | {row['kept_bytes'] / 1e6:.1f} MB | {kept_ratio} | {row['peak_bytes'] / 1e6:.1f} MB "
+                     f"| {row['seconds'] * 1e3:.0f} ms | {time_ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path) -> None:
+    """Kept bytes per rank against global batch, log-log, one panel per world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    world_sizes = sorted({r["world_size"] for r in rows})
+    figure, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 4), sharey=True, squeeze=False)
+    for axis, world_size in zip(axes[0], world_sizes):
+        for name in dict.fromkeys(r["backend"] for r in rows):
+            points = [(r["global_batch"], r["kept_bytes"]) for r in rows
+                      if r["world_size"] == world_size and r["backend"] == name and "kept_bytes" in r]
+            if points:
+                axis.loglog(*zip(*points), marker="o", label=name)
+        axis.set_title(f"{world_size} rank(s)")
+        axis.set_xlabel("global batch")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("bytes kept for backward per rank")
+    axes[0][-1].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def write(rows, out_dir: Path, tag: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"loss_{tag}.json"
+    json_path.write_text(json.dumps(rows, indent=1))
+    written = [json_path]
+    try:
+        plot(rows, out_dir / f"loss_memory_{tag}.png")
+        written.append(out_dir / f"loss_memory_{tag}.png")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+    return written
