@@ -113,7 +113,7 @@ def _peak(loss_fn, local_batch, dim, device) -> int:
 
 
 def _bench_rank(names, global_batches, dim, repeats, skip_over):
-    """Worker: rows on rank 0. `skip_over[(name, B)]` holds the predicted bytes when skipped."""
+    """Worker: rows on rank 0. `skip_over[(name, B)]` says why a configuration is skipped."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     rows = []
@@ -123,7 +123,7 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
             row = {"backend": name, "world_size": world_size, "global_batch": global_batch, "dim": dim,
                    "device": device.type}
             if (name, global_batch) in skip_over:
-                rows.append({**row, "skipped": f"predicted {skip_over[(name, global_batch)] / 1e9:.1f} GB over budget"})
+                rows.append({**row, "skipped": skip_over[(name, global_batch)]})
                 continue
             loss_fn = _loss(name)
             _one_step(loss_fn, local_batch, dim, device)  # warm-up
@@ -148,6 +148,9 @@ def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65
     from clipdist.distributed import launch_local
 
     names = list(names or [*BACKENDS, PEER])
+    for name in names:
+        if name != PEER:
+            build(name)  # an unknown name fails here, not in N workers
     # Large CPU buffers through mmap, so that freed memory leaves the resident set at once and
     # one configuration's peak is not hidden by the last one's heap (glibc's threshold is dynamic).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
@@ -161,7 +164,8 @@ def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65
                 fit = fits["disco" if name == PEER else name]
                 predicted = fit.bytes(global_batch // world_size, global_batch, dim) * 3  # kept + transient + grads
                 if predicted * ranks_here > budget_bytes:
-                    skip_over[(name, global_batch)] = predicted
+                    skip_over[(name, global_batch)] = (f"predicted {predicted / 1e9:.1f} GB per rank × {ranks_here} "
+                                                       f"rank(s) here > budget {budget_bytes / 1e9:.0f} GB")
         print(f"world size {world_size}:", flush=True)
         rows += launch_local(_bench_rank, world_size, names, list(global_batches), dim, repeats, skip_over,
                              timeout_s=timeout_s)[0]
@@ -194,12 +198,15 @@ def plot(rows, path: Path) -> None:
 
     world_sizes = sorted({r["world_size"] for r in rows})
     figure, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 4), sharey=True, squeeze=False)
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    markers = "os^vDx*P"
     for axis, world_size in zip(axes[0], world_sizes):
-        for name in dict.fromkeys(r["backend"] for r in rows):
-            points = [(r["global_batch"], r["kept_bytes"]) for r in rows
-                      if r["world_size"] == world_size and r["backend"] == name and "kept_bytes" in r]
+        for index, name in enumerate(names):  # same-memory backends overlap: markers and dashes tell them apart
+            points = sorted((r["global_batch"], r["kept_bytes"]) for r in rows
+                            if r["world_size"] == world_size and r["backend"] == name and "kept_bytes" in r)
             if points:
-                axis.loglog(*zip(*points), marker="o", label=name)
+                axis.loglog(*zip(*points), marker=markers[index % len(markers)], linestyle="--" if index % 2 else "-",
+                            label=name, alpha=0.85)
         axis.set_title(f"{world_size} rank(s)")
         axis.set_xlabel("global batch")
         axis.grid(True, which="both", alpha=0.3)

@@ -57,8 +57,8 @@ class TiledLoss(DistributedContrastiveLoss):
     becomes ∂L/∂f) and the scale gets ∂l_r/∂s on rank r (average ∂L/∂s). Each LSE is a
     `_SummedRowLogSumExp` over tiles of `tile` rows and columns: kept for backward are the
     gathered features (2·B·d) and 2·b row LSEs; the largest transient is tile² logits.
-    Inf-CL's published code sums the per-rank losses and multiplies the scale's gradient by
-    N as well; here the scale's gradient comes out of the same formula as everything else.
+    The scale's gradient comes out of the same tiles as the features' (∂/∂s above), so it is
+    counted once — the point where Inf-CL's published code is reported to be N× off.
     """
 
     def __init__(self, tile: int = 1024, group=None):
