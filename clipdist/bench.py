@@ -165,7 +165,7 @@ def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65
                 predicted = fit.bytes(global_batch // world_size, global_batch, dim) * 3  # kept + transient + grads
                 if predicted * ranks_here > budget_bytes:
                     skip_over[(name, global_batch)] = (f"predicted {predicted / 1e9:.1f} GB per rank × {ranks_here} "
-                                                       f"rank(s) here > budget {budget_bytes / 1e9:.0f} GB")
+                                                       f"rank(s) here, over the {budget_bytes / 1e9:g} GB budget")
         print(f"world size {world_size}:", flush=True)
         rows += launch_local(_bench_rank, world_size, names, list(global_batches), dim, repeats, skip_over,
                              timeout_s=timeout_s)[0]

@@ -35,5 +35,6 @@ def test_tiled_keeps_linear_memory_and_disco_quadratic(rows):
 def test_over_budget_configurations_are_skipped_with_the_prediction():
     rows = bench.run(["disco"], world_sizes=(1,), global_batches=(4096,), dim=16, repeats=1, budget_bytes=1e6,
                      timeout_s=300)
-    assert "over budget" in rows[0]["skipped"] and "kept_bytes" not in rows[0]
+    assert "GB per rank" in rows[0]["skipped"] and "over the 0.001 GB budget" in rows[0]["skipped"]
+    assert "kept_bytes" not in rows[0]
     assert "skipped" in bench.markdown(rows, 1, 4096)
