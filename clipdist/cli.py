@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--global-batch", type=int, default=32768)
     planner.add_argument("--backend", type=_csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
     planner.add_argument("--chunks", type=_csv(int), default=[1], help="gradient-caching chunks, comma-separated: 1,8")
-    planner.add_argument("--memory", default="40GB", help="device memory, e.g. 40GB, 80GB, 24GiB")
+    planner.add_argument("--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)")
     planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     planner.add_argument("--grad-checkpointing", action="store_true")
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")

@@ -49,6 +49,10 @@ class LossConfig:
 @dataclass
 class GradCacheConfig:
     chunks: int = 1  # >1: gradient caching, each rank's batch forwarded in this many chunks
+    micro_batch: Optional[int] = None  # or: samples per chunk (chunks = ⌈batch_per_device / micro_batch⌉)
+
+    def chunks_for(self, local_batch: int) -> int:
+        return self.chunks if self.micro_batch is None else -(-local_batch // self.micro_batch)
 
 
 @dataclass
@@ -121,6 +125,12 @@ def validate(cfg: "TrainConfig") -> None:
         if value < 0 or (value == 0 and key in POSITIVE):
             bound = "at least 1" if key in POSITIVE else "0 or more"
             raise ValueError(f"{key}={value}: must be {bound}")
+    if cfg.grad_cache.micro_batch is not None:
+        if cfg.grad_cache.chunks != 1:
+            raise ValueError(f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
+                             f"{cfg.grad_cache.micro_batch} both set: give one of them")
+        if cfg.grad_cache.micro_batch < 1:
+            raise ValueError(f"grad_cache.micro_batch={cfg.grad_cache.micro_batch}: must be at least 1")
     if cfg.grad_cache.chunks > cfg.world.batch_per_device:
         raise ValueError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
                          f"{cfg.world.batch_per_device}: a chunk needs at least one sample")

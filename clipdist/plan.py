@@ -32,11 +32,19 @@ OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + 
 DDP_BUCKET_BYTES_PER_PARAMETER = 4
 
 
+# Usable memory of common accelerators, as their makers state it.
+DEVICES = {"a100-40gb": 40 * 10**9, "a100-80gb": 80 * 10**9, "h100-80gb": 80 * 10**9, "h200": 141 * 10**9,
+           "l40s": 48 * 10**9, "a10g": 24 * 10**9, "v100-32gb": 32 * 10**9, "rtx4090": 24 * 10**9}
+
+
 def parse_bytes(text: str) -> int:
-    """'40GB', '80GiB', '24g', '512MiB' → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    """'40GB', '80GiB', '24g', '512MiB' or a device name from DEVICES ('a100-40gb') → bytes (GB = 10⁹, GiB = 2³⁰)."""
+    if text.lower() in DEVICES:
+        return DEVICES[text.lower()]
     match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
     if not match:
-        raise ValueError(f"device memory {text!r}: write it like 40GB, 80GiB or 24G")
+        raise ValueError(f"device memory {text!r}: write it like 40GB, 80GiB or 24G, or name a device: "
+                         f"{', '.join(DEVICES)}")
     number, prefix, binary = match.groups()
     power = "kmgt".find(prefix) + 1 if prefix else 0
     return int(float(number) * (1024 if binary else 1000) ** power)

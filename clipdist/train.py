@@ -190,7 +190,7 @@ def _train(cfg: TrainConfig, env: distributed.DistEnv, device: torch.device) -> 
     if cfg.model.compile:
         ddp_model = torch.compile(ddp_model)
 
-    step_fn = build_step(ddp_model, loss_fn, cfg.grad_cache.chunks, autocast)
+    step_fn = build_step(ddp_model, loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast)
     local_batch = cfg.world.batch_per_device
     global_batch = local_batch * env.world_size
     skips = SkipCounter()

@@ -91,6 +91,7 @@ def test_parse_bytes_and_presets():
     assert plan.parse_bytes("40GB") == 40 * 10**9
     assert plan.parse_bytes("80GiB") == 80 * 2**30
     assert plan.parse_bytes("512M") == 512 * 10**6
+    assert plan.parse_bytes("A100-40GB") == 40 * 10**9
     with pytest.raises(ValueError, match="40GB"):
         plan.parse_bytes("lots")
     assert plan.resolve_world("64gpu") == 64 and plan.resolve_world("3") == 3

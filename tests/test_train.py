@@ -145,3 +145,24 @@ def test_bad_loss_options_and_chunks_are_clear_errors(tmp_path, cache_dir):
     assert options.returncode != 0 and "loss.options for 'tiled'" in options.stderr and "tile" in options.stderr
     chunks = train(tmp_path / "b", cache_dir, "grad_cache.chunks=100", "world.batch_per_device=8", timeout=60)
     assert chunks.returncode != 0 and "grad_cache.chunks=100 is more than world.batch_per_device=8" in chunks.stderr
+    both = train(tmp_path / "c", cache_dir, "grad_cache.chunks=2", "grad_cache.micro_batch=4", timeout=60)
+    assert both.returncode != 0 and "give one of them" in both.stderr
+
+
+@pytest.mark.parametrize("chunking", ["grad_cache.chunks=4", "grad_cache.micro_batch=3"])
+def test_grad_cached_run_follows_the_unchunked_run(tmp_path, cache_dir, local_losses, chunking):
+    expected = local_losses("disco")
+    result = train(tmp_path / "run", cache_dir, chunking, "world=local", "world.batch_per_device=8",
+                   "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")]
+    assert losses[0] == pytest.approx(expected[0], rel=1e-6)
+    assert losses[1] == pytest.approx(expected[1], rel=1e-4)  # the chunked update equals the whole-batch one
+
+
+def test_micro_batch_sets_the_number_of_chunks():
+    from clipdist.config import GradCacheConfig
+
+    assert GradCacheConfig(micro_batch=3).chunks_for(8) == 3
+    assert GradCacheConfig(micro_batch=8).chunks_for(8) == 1
+    assert GradCacheConfig(chunks=4).chunks_for(8) == 4
