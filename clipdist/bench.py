@@ -150,7 +150,10 @@ def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65
     names = list(names or [*BACKENDS, PEER])
     for name in names:
         if name != PEER:
-            build(name)  # an unknown name fails here, not in N workers
+            try:
+                build(name)  # an unknown name fails here, not in N workers
+            except ValueError as error:
+                raise ValueError(f"{error}, or {PEER} (open_clip's local loss)") from None
     # Large CPU buffers through mmap, so that freed memory leaves the resident set at once and
     # one configuration's peak is not hidden by the last one's heap (glibc's threshold is dynamic).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))

@@ -1,4 +1,4 @@
-"""`clipdist` command line: gradcheck, make-shards, ..."""
+"""`clipdist` command line: gradcheck, plan, bench loss, make-shards."""
 from __future__ import annotations
 
 import argparse
