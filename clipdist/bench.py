@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from clipdist.losses import BACKENDS, build
-from clipdist.memory import SavedTensorMeter, fit_loss_memory
+from clipdist.memory import fit_loss_memory, loss_inputs, loss_kept_bytes
 
 PEER = "open_clip"  # open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
 
@@ -74,22 +73,10 @@ class _ResidentPeak:
         self.growth = self.peak - self.start
 
 
-def _one_step(loss_fn, local_batch: int, dim: int, device: torch.device, meter: SavedTensorMeter | None = None):
-    image = F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).requires_grad_()
-    text = F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).requires_grad_()
-    scalars = [torch.tensor(10.0, device=device, requires_grad=True)]
-    if loss_fn.uses_logit_bias:
-        scalars.append(torch.tensor(-10.0, device=device, requires_grad=True))
-    if meter is not None:
-        meter.excluded |= {t.untyped_storage().data_ptr() for t in (image, text, *scalars)}
-        with meter:
-            loss = loss_fn(image, text, *scalars)
-    else:
-        loss = loss_fn(image, text, *scalars)
-    loss.backward()
+def _one_step(loss_fn, local_batch: int, dim: int, device: torch.device) -> None:
+    loss_fn(*loss_inputs(loss_fn, local_batch, dim, device=device)).backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return image, text
 
 
 def _timed(loss_fn, local_batch, dim, device) -> float:
@@ -127,17 +114,16 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
                 continue
             loss_fn = _loss(name)
             _one_step(loss_fn, local_batch, dim, device)  # warm-up
-            meter = SavedTensorMeter()
-            _one_step(loss_fn, local_batch, dim, device, meter)
+            kept = loss_kept_bytes(loss_fn, local_batch, dim, device=device)
             peak = _peak(loss_fn, local_batch, dim, device)
             times = [_timed(loss_fn, local_batch, dim, device) for _ in range(repeats)]
             per_rank = [None] * world_size
             dist.all_gather_object(per_rank, (times, peak))
             slowest = [max(rank_times[i] for rank_times, _ in per_rank) for i in range(repeats)]
-            rows.append({**row, "kept_bytes": meter.peak, "peak_bytes": max(p for _, p in per_rank),
+            rows.append({**row, "kept_bytes": kept, "peak_bytes": max(p for _, p in per_rank),
                          "seconds": statistics.median(slowest)})
             if rank == 0:
-                print(f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {meter.peak / 1e6:9.1f} MB  "
+                print(f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {kept / 1e6:9.1f} MB  "
                       f"{statistics.median(slowest) * 1e3:8.1f} ms", flush=True)
     return rows if rank == 0 else None
 

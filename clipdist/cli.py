@@ -6,8 +6,12 @@ import json
 import sys
 
 
+def _csv(cast):
+    return lambda text: [cast(part) for part in text.split(",")]
+
+
 def _batch_sizes(text: str) -> int | list[int]:
-    sizes = [int(part) for part in text.split(",")]
+    sizes = _csv(int)(text)
     return sizes[0] if len(sizes) == 1 else sizes
 
 
@@ -75,10 +79,6 @@ def _make_shards(args: argparse.Namespace) -> int:
     print(f"wrote {len(written)} shard(s) to {args.out}: "
           f"{args.out}/{args.prefix}-{{000000..{len(written) - 1:06d}}}.tar")
     return 0
-
-
-def _csv(cast):
-    return lambda text: [cast(part) for part in text.split(",")]
 
 
 def _human(nbytes: float) -> str:

@@ -216,12 +216,14 @@ def run_gradchecks(
     rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks,
                                 timeout_s=timeout_s)[0]
     tolerance = TOLERANCE[dtype]
+    references = {}  # one single-process step per loss definition, shared by the backends that use it
     reports = []
     for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
-        reference_loss, reference_grads = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn)
-        report = _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance)
-        report.chunks = chunks
-        reports.append(report)
+        definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))
+        if definition not in references:
+            references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn)
+        reports.append(_report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance,
+                               chunks))
     return reports
 
 
@@ -230,7 +232,7 @@ def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> Gradch
     return run_gradchecks([loss], world_size, **options)[0]
 
 
-def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance):
+def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance, chunks):
     checks = [
         ParameterCheck(name, *classify(grads[name], ref, world_size, tolerance))
         for name, ref in reference_grads.items()
@@ -250,4 +252,5 @@ def _report(spec, loss, grads, reference_loss, reference_grads, world_size, size
         exact=loss_exact and all(c.verdict == "exact" for c in checks),
         parameters=checks,
         diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size),
+        chunks=chunks,
     )

@@ -8,6 +8,7 @@ backend into per-sample and per-(b, B, d) coefficients that `clipdist plan` scal
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,23 +97,17 @@ class ActivationFit:
 
 def measure_activations(model, context_length: int, autocast=None, batches=(1, 2)) -> ActivationFit:
     """Run the real towers at two small batches (CPU) and fit the straight line through them."""
-    from contextlib import nullcontext
-
     model.train()
     kept = []
     for batch in batches:
         with SavedTensorMeter(exclude=list(model.parameters())) as meter, (autocast or nullcontext()):
             outputs = model_outputs(model, batch, context_length)
             kept.append(meter.live)
+        feature_dim = outputs[0].shape[-1]
         del outputs
     per_sample = (kept[1] - kept[0]) / (batches[1] - batches[0])
-    return ActivationFit(per_sample, kept[0] - per_sample * batches[0], outputs_dim(model, context_length),
+    return ActivationFit(per_sample, kept[0] - per_sample * batches[0], feature_dim,
                          sum(p.numel() for p in model.parameters()))
-
-
-def outputs_dim(model, context_length: int) -> int:
-    with torch.no_grad():
-        return model_outputs(model, 1, context_length)[0].shape[-1]
 
 
 # Bytes a loss keeps for backward on one rank, as a function of local batch b, global batch B
@@ -140,18 +135,23 @@ FIT_LAYOUTS = ([1, 2, 3], [2, 3, 4], [4, 4, 4], [5, 1, 4], [3, 7, 5], [6, 2, 2])
 FIT_DIMS = (8, 24)
 
 
-def loss_kept_bytes(loss_fn, local_batch: int, dim: int, dtype=torch.float32) -> int:
-    """Bytes `loss_fn` keeps for backward on this rank (inputs not counted); runs the backward too."""
-    image = F.normalize(torch.randn(local_batch, dim), dim=-1).to(dtype).requires_grad_()
-    text = F.normalize(torch.randn(local_batch, dim), dim=-1).to(dtype).requires_grad_()
-    scalars = [torch.tensor(10.0, requires_grad=True)]
+def loss_inputs(loss_fn, local_batch: int, dim: int, dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
+    """Random unit image and text features and the scalars `loss_fn` takes, all requiring grad."""
+    image, text = (F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).to(dtype).requires_grad_()
+                   for _ in range(2))
+    scalars = [torch.tensor(10.0, device=device, requires_grad=True)]
     if getattr(loss_fn, "uses_logit_bias", False):
-        scalars.append(torch.tensor(-10.0, requires_grad=True))
-    with SavedTensorMeter(exclude=[image, text, *scalars]) as meter:
-        loss = loss_fn(image, text, *scalars)
-        kept = meter.live
+        scalars.append(torch.tensor(-10.0, device=device, requires_grad=True))
+    return [image, text, *scalars]
+
+
+def loss_kept_bytes(loss_fn, local_batch: int, dim: int, dtype=torch.float32, device="cpu") -> int:
+    """Bytes `loss_fn` keeps for backward on this rank (inputs not counted); runs the backward too."""
+    inputs = loss_inputs(loss_fn, local_batch, dim, dtype, device)
+    with SavedTensorMeter(exclude=inputs) as meter:
+        loss = loss_fn(*inputs)
     loss.backward()
-    return kept
+    return meter.peak
 
 
 def _measure_loss_points(backends: list[str], dtype_name: str):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from clipdist.losses import build
 from clipdist.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
@@ -50,28 +51,26 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * (1024 if binary else 1000) ** power)
 
 
+def _preset(group: str, name: str):
+    """conf/<group>/<name>.yaml as a DictConfig, or None when there is no such preset."""
+    path = CONF / group / f"{name}.yaml"
+    return OmegaConf.load(path) if path.is_file() else None
+
+
 def resolve_model(preset: str) -> tuple[str, bool]:
     """A conf/model preset (vit_b32) or an open_clip config name (ViT-B-32) → (name, grad_checkpointing)."""
-    path = CONF / "model" / f"{preset}.yaml"
-    if path.is_file():
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.load(path)
-        return cfg.name, bool(cfg.get("grad_checkpointing", False))
-    return preset, False
+    cfg = _preset("model", preset)
+    return (cfg.name, bool(cfg.get("grad_checkpointing", False))) if cfg is not None else (preset, False)
 
 
 def resolve_world(preset: str) -> int:
     """A conf/world preset (64gpu) or a number of ranks → world size."""
     if preset.isdigit():
         return int(preset)
-    path = CONF / "world" / f"{preset}.yaml"
-    if not path.is_file():
+    cfg = _preset("world", preset)
+    if cfg is None:
         known = sorted(p.stem for p in (CONF / "world").glob("*.yaml")) if CONF.is_dir() else []
         raise ValueError(f"world {preset!r}: not a number of ranks nor a preset ({', '.join(known)})")
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(path)
     return int(cfg.nodes) * int(cfg.procs_per_node)
 
 

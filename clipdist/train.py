@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import open_clip
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
