@@ -16,7 +16,6 @@ WORKDIR /app
 # Dependencies first (cached while only the code changes), then the package itself.
 COPY --chown=clipdist:clipdist pyproject.toml README.md ./
 COPY --chown=clipdist:clipdist clipdist ./clipdist
-COPY --chown=clipdist:clipdist conf ./conf
 COPY --chown=clipdist:clipdist train.py ./
 RUN pip install -e .
 

@@ -1,21 +1,9 @@
-"""Hydra entry point: python train.py [loss=disco] [world=cpu2] [key=value ...]"""
-import logging
+"""Hydra entry point for a checkout: python train.py [loss=disco] [world=cpu2] [key=value ...]
 
-import hydra
-
-from clipdist.config import register
-
-register()
-
-
-@hydra.main(version_base=None, config_path="conf", config_name="config")
-def main(cfg) -> None:
-    from clipdist.train import run
-
-    logging.getLogger().setLevel(logging.WARNING)  # open_clip's factory chatter
-    logging.getLogger("clipdist").setLevel(logging.INFO)
-    run(cfg)
-
+From any install, the same is `clipdist train ...` or `python -m clipdist train ...`.
+The config groups live in clipdist/conf (conf/ here points there).
+"""
+from clipdist.cli import train_main
 
 if __name__ == "__main__":
-    main()
+    train_main()

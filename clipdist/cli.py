@@ -1,8 +1,10 @@
-"""`clipdist` command line: gradcheck, plan, bench loss, make-shards."""
+"""`clipdist` command line: train, gradcheck, plan, bench loss, make-shards."""
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 
 
@@ -16,7 +18,7 @@ def _batch_sizes(text: str) -> int | list[int]:
 
 
 def _gradcheck(args: argparse.Namespace) -> int:
-    from clipdist.gradcheck import run_gradcheck
+    from clipdist.tools.gradcheck import run_gradcheck
 
     report = run_gradcheck(
         loss=args.loss or args.backend,
@@ -40,7 +42,7 @@ def _print_report(report, verbose: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from clipdist.gradcheck import SCALAR_PARAMETERS
+    from clipdist.tools.gradcheck import SCALAR_PARAMETERS
 
     console = Console()
     cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
@@ -92,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from clipdist import plan
+    from clipdist.tools import plan
 
     model_name, checkpointing = plan.resolve_model(args.model)
     checkpointing = checkpointing or args.grad_checkpointing
@@ -129,8 +131,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from clipdist import bench
-    from clipdist.plan import parse_bytes
+    from clipdist.tools import bench
+    from clipdist.tools.plan import parse_bytes
 
     rows = bench.run(args.backend, args.world, args.batch, args.dim, args.repeats, parse_bytes(args.budget))
     for path in bench.write(rows, Path(args.out), args.tag):
@@ -141,9 +143,39 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_composed(cfg) -> None:
+    """Hydra's task: the composed config → clipdist.trainer.run; a config error is one line on stderr."""
+    from clipdist.config import ConfigError
+    from clipdist.trainer import TrainingDiverged, run
+
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("clipdist").setLevel(logging.INFO)
+    try:
+        run(cfg)
+    except (ConfigError, TrainingDiverged) as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2 if isinstance(error, ConfigError) else 1)
+
+
+def train_main(overrides: list[str] | None = None) -> None:
+    """`python train.py [overrides]`, `clipdist train [overrides]`: Hydra composes clipdist/conf and trains."""
+    import hydra
+
+    from clipdist.config import register
+
+    register()
+    if overrides is not None:
+        sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
+    hydra.main(version_base=None, config_path="conf", config_name="config")(_run_composed)()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clipdist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", add_help=False,
+                        help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)")
 
     check = commands.add_parser(
         "gradcheck",
@@ -218,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        train_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

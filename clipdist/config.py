@@ -1,15 +1,59 @@
-"""Typed schema of the Hydra config: a key that is not here is an error, not a silent default.
+"""Typed schema of the Hydra config, and every check a config must pass before any rank starts.
 
-conf/ holds the menu (model/, data/, loss/, world/, optim/, logging/); these dataclasses say
-which keys exist and what type each value has.
+clipdist/conf/ holds the menu (model/, data/, loss/, world/, optim/, logging/); these
+dataclasses say which keys exist, what type each value has and, for enumerated choices,
+which values are allowed — so a typo in a key or a choice is an error at composition, not a
+silent default or a crash inside a spawned rank. Each loss backend with options has its own
+schema (`loss=tiled` → TiledLossConfig with `tile`). `validate` checks what types cannot.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config (or command-line argument) that cannot run; the message says what to change."""
+
+
+class Choice(str, Enum):
+    """An enumerated config value; compares equal to its name ("bf16" == Precision.bf16)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Precision(Choice):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Device(Choice):
+    auto = "auto"  # cuda if one is visible, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(Choice):
+    auto = "auto"  # nccl on cuda, else gloo
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class Split(Choice):
+    node = "node"  # shards split over ranks and loader workers
+    replicated = "replicated"  # every rank reads the same samples and keeps its slice of the global batch
+
+
+class WandbMode(Choice):
+    offline = "offline"  # no key, no network; `wandb sync` later
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
@@ -17,7 +61,7 @@ class ModelConfig:
     name: str = "clipdist-tiny"  # any open_clip model config; random init
     checkpoint: Optional[str] = None  # local open_clip checkpoint file to start from
     grad_checkpointing: bool = False
-    compile: bool = False  # torch.compile the model
+    compile: bool = False  # torch.compile the towers (before DDP wraps them)
 
 
 @dataclass
@@ -28,22 +72,37 @@ class DataConfig:
     train_shards: Optional[str] = None  # local path, brace pattern 'dir/{000..099}.tar', or 'pipe:cmd'
     val_shards: Optional[str] = None
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
-    split: str = "node"  # node: shards split over ranks/workers | replicated: every rank slices the same global batch
+    split: Split = Split.node
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
     workers: int = 0  # DataLoader workers per rank
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
-    classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: no zero-shot eval
+    classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's, or none
     templates: List[str] = field(default_factory=lambda: ["a photo of {}."])
 
 
 @dataclass
 class LossConfig:
+    """Options common to every backend; a backend with options of its own extends this (below)."""
+
     name: str = "disco"  # a backend registered in clipdist.losses
-    options: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of the backend, e.g. tile
-    init_logit_scale: Optional[float] = None  # log of the initial logit scale; null: open_clip's log(1/0.07)
-    init_logit_bias: float = -10.0  # initial logit bias, for backends that have one (siglip)
+    init_logit_scale: Optional[float] = None  # log of the initial logit scale; null: the backend's default
+    init_logit_bias: Optional[float] = None  # initial logit bias, for backends that have one; null: its default
+
+    def options(self) -> Dict[str, Any]:
+        """The backend's own keyword arguments: every field its schema adds to LossConfig."""
+        common = {f.name for f in fields(LossConfig)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in common}
+
+
+@dataclass
+class TiledLossConfig(LossConfig):
+    name: str = "tiled"
+    tile: int = 1024  # rows and columns per tile; the largest transient block is tile × tile logits
+
+
+LOSS_SCHEMAS = {"tiled": TiledLossConfig}  # backends with options: loss/<name>.yaml starts from <name>_schema
 
 
 @dataclass
@@ -60,11 +119,14 @@ class WorldConfig:
     name: str = "local"
     nodes: int = 1
     procs_per_node: int = 1
-    device: str = "auto"  # auto (cuda if present) | cpu | cuda
-    backend: str = "auto"  # auto (nccl on cuda, else gloo) | gloo | nccl
+    device: Device = Device.auto
+    backend: Backend = Backend.auto
     batch_per_device: int = 64
     spawn: bool = False  # started alone: launch procs_per_node local ranks with torch's elastic launcher
     timeout_s: int = 600  # bound on every collective
+    rendezvous_timeout_s: int = 300  # srun: how long ranks wait for each other at start before failing
+    threads: Optional[int] = None  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,
+    #                                else this process's CPUs / procs_per_node
 
     @property
     def world_size(self) -> int:
@@ -85,7 +147,7 @@ class OptimConfig:
 
 @dataclass
 class LoggingConfig:
-    wandb: str = "offline"  # offline (no key, no network) | online | disabled
+    wandb: WandbMode = WandbMode.offline
     project: str = "clipdist"
     log_every: int = 10
     progress: bool = True
@@ -97,7 +159,7 @@ class TrainConfig:
     run_dir: str = "runs/${name}"
     seed: int = 0
     resume: str = "auto"  # auto: newest checkpoint in run_dir | never | path to a checkpoint
-    precision: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16
+    precision: Precision = Precision.auto
     eval_every: int = 200
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
@@ -113,38 +175,66 @@ class TrainConfig:
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
             "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
-            "grad_cache.chunks")
+            "world.rendezvous_timeout_s", "grad_cache.chunks")
 NON_NEGATIVE = ("optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 
 
-def validate(cfg: "TrainConfig") -> None:
-    """Values Hydra's types cannot rule out: one ValueError naming the key and what to change."""
+def validate(cfg: TrainConfig) -> None:
+    """Values and combinations the types cannot rule out: a ConfigError naming the key and what to change."""
+    from clipdist.losses import build
+
+    node = OmegaConf.structured(cfg)
     for key in POSITIVE + NON_NEGATIVE:
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(node, key)
         if value < 0 or (value == 0 and key in POSITIVE):
             bound = "at least 1" if key in POSITIVE else "0 or more"
-            raise ValueError(f"{key}={value}: must be {bound}")
+            raise ConfigError(f"{key}={value}: must be {bound}")
+    if cfg.world.threads is not None and cfg.world.threads < 1:
+        raise ConfigError(f"world.threads={cfg.world.threads}: must be at least 1 (or null for automatic)")
     if cfg.grad_cache.micro_batch is not None:
         if cfg.grad_cache.chunks != 1:
-            raise ValueError(f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
-                             f"{cfg.grad_cache.micro_batch} both set: give one of them")
+            raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
+                              f"{cfg.grad_cache.micro_batch} both set: give one of them")
         if cfg.grad_cache.micro_batch < 1:
-            raise ValueError(f"grad_cache.micro_batch={cfg.grad_cache.micro_batch}: must be at least 1")
+            raise ConfigError(f"grad_cache.micro_batch={cfg.grad_cache.micro_batch}: must be at least 1")
     if cfg.grad_cache.chunks > cfg.world.batch_per_device:
-        raise ValueError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
-                         f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
+        raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
+                          f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
     if cfg.optim.max_logit_scale <= 1:
-        raise ValueError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
+        raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
+    if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:
+        raise ConfigError("world.backend=nccl needs world.device=cuda (NCCL has no CPU tensors); use world.backend=gloo")
+    if cfg.data.source is None and not cfg.data.train_shards:
+        raise ConfigError("data.train_shards is not set: give your shards, e.g. "
+                          "data.train_shards='/data/{000..099}.tar' (or data.source=digits)")
+    try:
+        build(cfg.loss.name, **cfg.loss.options())
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def register() -> None:
-    """Make the schema known to Hydra as `train_schema` (conf/config.yaml lists it first)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    """Make the schemas known to Hydra: `train_schema` (config.yaml's first default) and loss/<name>_schema."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for name, schema in LOSS_SCHEMAS.items():
+        store.store(group="loss", name=f"{name}_schema", node=schema)
+
+
+def as_dict(cfg: TrainConfig) -> dict:
+    """Plain nested dict of a TrainConfig (choices as strings): for checkpoints, W&B and comparisons."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def to_train_config(cfg) -> TrainConfig:
-    """A resolved, validated TrainConfig object from a DictConfig or plain dict."""
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    """A resolved TrainConfig object from a composed DictConfig or a plain dict."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    schema = OmegaConf.structured(TrainConfig)
+    loss_name = OmegaConf.select(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, "loss.name")
+    if loss_name in LOSS_SCHEMAS:
+        schema.loss = OmegaConf.structured(LOSS_SCHEMAS[loss_name])
+    merged = OmegaConf.merge(schema, cfg)
     OmegaConf.resolve(merged)
     return OmegaConf.to_object(merged)

@@ -60,18 +60,56 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, "single")
 
 
-def init_process_group(env: DistEnv, backend: str | None = None, timeout_s: float = 600) -> None:
+def init_process_group(env: DistEnv, backend: str | None = None, timeout_s: float = 600,
+                       rendezvous_timeout_s: float = 300) -> None:
     """Start the default process group for `env` (nothing for a single process).
 
-    The timeout bounds every collective: a rank that dies makes the others fail after
-    `timeout_s` instead of hanging forever.
+    `timeout_s` bounds every collective: a rank that dies makes the others fail after
+    `timeout_s` instead of hanging forever. Under srun (no launcher of torch's), the ranks meet
+    at rank 0's TCP store, bounded by `rendezvous_timeout_s`: a task that never starts fails
+    the others then, not after the collective timeout.
     """
     if env.world_size == 1 or dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timedelta(seconds=timeout_s)
     if env.launcher == "slurm":
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(env.rank), str(env.world_size)
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                              is_master=env.rank == 0, timeout=timedelta(seconds=rendezvous_timeout_s),
+                              wait_for_workers=True)
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def intra_op_threads(setting: int | None, procs_per_node: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Threads per rank and where the number came from, so N ranks on a node never oversubscribe it.
+
+    An explicit `setting` wins; then OMP_NUM_THREADS (torchrun sets 1 for several ranks); then
+    srun's SLURM_CPUS_PER_TASK; else the CPUs this process may run on, shared by the node's ranks.
+    """
+    env = os.environ if environ is None else environ
+    if setting is not None:
+        return setting, "world.threads"
+    for variable in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        if env.get(variable, "").isdigit() and int(env[variable]) > 0:
+            return int(env[variable]), variable
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // procs_per_node), f"{cpus} CPUs / {procs_per_node} ranks per node"
+
+
+def wrap_model(model: torch.nn.Module, *, compile: bool = False) -> torch.nn.Module:
+    """What the training step calls: the towers compiled in place (torch.compile), then DDP outermost
+    when there is more than one rank — so DDP's `no_sync` stays reachable for gradient caching."""
+    if compile:
+        model.compile()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    device = next(model.parameters()).device
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def destroy_process_group() -> None:

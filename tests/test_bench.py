@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from clipdist import bench
+from clipdist.tools import bench
 
 
 @pytest.fixture(scope="module")

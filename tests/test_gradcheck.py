@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from clipdist.gradcheck import classify, run_gradchecks
+from clipdist.tools.gradcheck import classify, run_gradchecks
 from clipdist.losses import BACKENDS
 
 PITFALLS = {
-    "clipdist.pitfalls:rank_slice_gather": "1/N",
-    "clipdist.pitfalls:overwrite_own_slice": "1/N",
-    "clipdist.pitfalls:disco_average_backward": "1/N",
-    "clipdist.pitfalls:local_loss_without_grad_gather": "wrong",
+    "clipdist.tools.wrong_losses:rank_slice_gather": "1/N",
+    "clipdist.tools.wrong_losses:overwrite_own_slice": "1/N",
+    "clipdist.tools.wrong_losses:disco_average_backward": "1/N",
+    "clipdist.tools.wrong_losses:local_loss_without_grad_gather": "wrong",
 }
 
 
@@ -34,7 +34,7 @@ def test_unequal_local_batches_are_exact_under_ddp():
 
 @pytest.fixture(scope="module")
 def pitfall_reports():
-    specs = list(PITFALLS) + ["clipdist.pitfalls:loss_times_world_size"]
+    specs = list(PITFALLS) + ["clipdist.tools.wrong_losses:loss_times_world_size"]
     return {r.backend: r for r in run_gradchecks(specs, 2, local_batch=3)}
 
 
@@ -53,7 +53,7 @@ def test_harness_reports_the_classic_bugs(pitfall_reports, spec):
 
 
 def test_harness_reports_the_logit_scale_trap(pitfall_reports):
-    report = pitfall_reports["clipdist.pitfalls:loss_times_world_size"]
+    report = pitfall_reports["clipdist.tools.wrong_losses:loss_times_world_size"]
     verdicts = {c.name: c.verdict for c in report.parameters}
     assert verdicts.pop("logit_scale") == "N×"
     assert set(verdicts.values()) == {"exact"}
@@ -83,7 +83,7 @@ def test_cli_json_and_exit_codes():
     assert report["max_rel_err"] < 1e-9
 
     bad = subprocess.run(
-        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--loss", "clipdist.pitfalls:rank_slice_gather", "--world", "2"],
+        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--loss", "clipdist.tools.wrong_losses:rank_slice_gather", "--world", "2"],
         capture_output=True, text=True, timeout=300,
     )
     assert bad.returncode == 1

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from clipdist import plan
+from clipdist.tools import plan
 from clipdist.distributed import launch_local
 from clipdist.grad_cache import build_step
-from clipdist.gradcheck import _random_batch
+from clipdist.tools.gradcheck import _random_batch
 from clipdist.losses import build
-from clipdist.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
-from clipdist.models import create_model
+from clipdist.tools.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
+from clipdist.models import create_model_for_loss
 
 BACKENDS = ["disco", "tiled", "siglip"]
 
@@ -57,7 +57,7 @@ def step_kept_bytes(backend, chunks, local_batch):
     """Peak bytes autograd keeps during one real DDP step of the tiny model on this rank."""
     loss_fn = build(backend)
     torch.manual_seed(0)
-    model = create_model("clipdist-tiny", init_logit_bias=-10.0 if loss_fn.uses_logit_bias else None)
+    model = create_model_for_loss("clipdist-tiny", loss_fn)
     ddp = DistributedDataParallel(model)
     images, tokens = _random_batch(local_batch, "clipdist-tiny", dist.get_rank(), torch.float32)
     step = build_step(ddp, loss_fn, chunks)

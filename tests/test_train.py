@@ -141,8 +141,8 @@ def test_siglip_with_grad_cache_trains_on_two_ranks(tmp_path, cache_dir):
 
 
 def test_bad_loss_options_and_chunks_are_clear_errors(tmp_path, cache_dir):
-    options = train(tmp_path / "a", cache_dir, "loss=tiled", "+loss.options.tyle=4", timeout=60)
-    assert options.returncode != 0 and "loss.options for 'tiled'" in options.stderr and "tile" in options.stderr
+    options = train(tmp_path / "a", cache_dir, "loss=tiled", "loss.tyle=4", timeout=60)
+    assert options.returncode != 0 and "Key 'tyle' not in 'TiledLossConfig'" in options.stderr
     chunks = train(tmp_path / "b", cache_dir, "grad_cache.chunks=100", "world.batch_per_device=8", timeout=60)
     assert chunks.returncode != 0 and "grad_cache.chunks=100 is more than world.batch_per_device=8" in chunks.stderr
     both = train(tmp_path / "c", cache_dir, "grad_cache.chunks=2", "grad_cache.micro_batch=4", timeout=60)

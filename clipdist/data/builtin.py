@@ -6,13 +6,14 @@ fashion_mnist: Debian's dataset-fashion-mnist (idx files under /usr/share/datase
 from __future__ import annotations
 
 import gzip
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from clipdist.data.shards import replace_dir, write_shards
+from clipdist.data.shards import publish_dir, write_shards
 
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 FASHION_NAMES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
@@ -49,6 +50,12 @@ def _fashion_mnist(source_dir):
 
 
 LOADERS = {"digits": _digits, "fashion_mnist": _fashion_mnist}
+CLASSNAMES = {"digits": DIGIT_WORDS, "fashion_mnist": FASHION_NAMES}
+
+
+def classnames_of(source: str) -> list[str]:
+    """The class names of a built-in source, in label order (its zero-shot classes)."""
+    return list(CLASSNAMES[source])
 
 
 def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -> tuple[str, str]:
@@ -71,10 +78,10 @@ def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -
             caption = rng.choice(CAPTIONS[source]).format(names[labels[i]])
             yield Image.fromarray(images[i]), caption, {"label": int(labels[i]), "index": int(i)}
 
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: concurrent ranks never collide
     n_train = len(order) - n_val
     write_shards(pairs(order[n_val:]), tmp, "train", samples_per_shard=-(-n_train // shards))
     write_shards(pairs(order[:n_val]), tmp, "val", samples_per_shard=n_val)
     (tmp / "done").write_text(f"{n_train} train, {n_val} val\n")
-    replace_dir(tmp, out)
+    publish_dir(tmp, out)
     return train, val

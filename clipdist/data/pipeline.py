@@ -36,6 +36,15 @@ def expand_shards(pattern: str, what: str = "data.train_shards") -> list[str]:
     return urls
 
 
+def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: bool, split: str) -> None:
+    """Epoch mode splits shards over ranks × workers: each needs at least one (a ValueError otherwise)."""
+    if not resampled and split != "replicated" and shards < world_size * max(workers, 1):
+        raise ValueError(
+            f"{shards} shard(s) for {world_size} rank(s) × {max(workers, 1)} worker(s): every worker needs "
+            "at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
+        )
+
+
 class SkipCounter:
     """A webdataset handler that skips a bad sample or shard, warns, and counts it (across workers)."""
 
@@ -87,11 +96,7 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
     if split not in ("node", "replicated"):
         raise ValueError(f"data.split={split!r}; choose node or replicated")
     replicated = split == "replicated"
-    if not resampled and not replicated and len(urls) < world_size * max(workers, 1):
-        raise ValueError(
-            f"{len(urls)} shard(s) for {world_size} rank(s) × {max(workers, 1)} worker(s): every worker needs "
-            "at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
-        )
+    check_shard_count(len(urls), world_size, workers, resampled=resampled, split=split)
     stream_seed = seed if replicated else seed + 1_000_003 * rank
     if resampled:
         shards = [wds.ResampledShards(urls, seed=stream_seed, deterministic=True)]

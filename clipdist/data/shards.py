@@ -73,8 +73,15 @@ def pairs_from_csv(table: str | Path, path_column: str = "path", caption_column:
             yield path.read_bytes(), row[caption_column], {"source": row[path_column]}
 
 
-def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a finished tmp_dir into place (so a crash never leaves a half-written cache)."""
-    if final_dir.exists():
-        shutil.rmtree(final_dir)
-    os.replace(tmp_dir, final_dir)
+def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a finished tmp_dir into place atomically; if another process got there first, keep theirs.
+
+    A crash never leaves a half-written folder under the final name; a final folder without its
+    `done` marker (left by an older version) is replaced.
+    """
+    if final_dir.exists() and not (final_dir / "done").exists():
+        shutil.rmtree(final_dir, ignore_errors=True)
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError:  # the folder exists: another rank wrote the same shards first
+        shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -20,6 +20,10 @@ class DistributedContrastiveLoss(nn.Module):
 
     uses_logit_bias = False
     reference = staticmethod(clip_loss)
+    # The model's initial scalars for this loss: log of the logit scale (None: open_clip's
+    # log(1/0.07)) and the logit bias (None: the model has none).
+    init_logit_scale: float | None = None
+    init_logit_bias: float | None = None
 
     def __init__(self, group=None):
         super().__init__()

@@ -1,6 +1,8 @@
 """`siglip`: the sigmoid loss, text blocks passed around a ring of neighbours (no all_gather)."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,9 @@ class SigLipLoss(DistributedContrastiveLoss):
     ∂L/∂(s, t). Weighting by N/B (open_clip: 1/b) keeps unequal local batches exact.
     Logits kept: b×B per rank, in N blocks of b×b_q.
     """
+
+    init_logit_scale = math.log(10.0)  # the SigLIP paper's t' = log 10 and b = −10
+    init_logit_bias = -10.0
 
     uses_logit_bias = True
     exchanged_modalities = 1  # texts travel, images stay

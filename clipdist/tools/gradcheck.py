@@ -38,25 +38,18 @@ def resolve_loss(spec: str) -> Callable:
 
 
 def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dtype):
-    from clipdist.models import get_tokenizer
+    from clipdist.models import get_tokenizer, random_tokens
 
     generator = torch.Generator().manual_seed(seed + 1)
-    context_length = get_tokenizer(model_name).context_length
     images = torch.randn(global_batch, 3, 32, 32, generator=generator, dtype=dtype)
-    tokens = torch.randint(1, 49406, (global_batch, context_length), generator=generator)
-    ends = torch.randint(2, context_length, (global_batch,), generator=generator)
-    for row, end in enumerate(ends.tolist()):  # an end-of-text token, then padding
-        tokens[row, end] = 49407
-        tokens[row, end + 1 :] = 0
-    return images, tokens
+    return images, random_tokens(global_batch, get_tokenizer(model_name).context_length, generator)
 
 
 def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn):
-    from clipdist.models import create_model
+    from clipdist.models import create_model_for_loss
 
     torch.manual_seed(seed)
-    bias = -10.0 if getattr(loss_fn, "uses_logit_bias", False) else None
-    return create_model(model_name, init_logit_bias=bias).to(dtype)
+    return create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
 
 
 def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str,

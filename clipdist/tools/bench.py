@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from clipdist.losses import BACKENDS, build
-from clipdist.memory import fit_loss_memory, loss_inputs, loss_kept_bytes
+from clipdist.tools.memory import fit_loss_memory, loss_inputs, loss_kept_bytes
 
 PEER = "open_clip"  # open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
 

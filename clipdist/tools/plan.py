@@ -8,7 +8,7 @@ Figures per device:
                            their gradients (4·b·d elements)
   loss buffers             what the backend keeps for backward on one rank: measured on 3 gloo
                            ranks at small (b, B, d) and fitted exactly on the monomials of
-                           clipdist.memory.LOSS_TERMS
+                           clipdist.tools.memory.LOSS_TERMS
   communication buffers    DDP's gradient buckets (P·4 bytes) when world size > 1
 Peak = parameters + optimizer + buffers + (activations + loss, or with chunks
 max(loss, one chunk's activations) + cached features, since the loss's graph is freed before
@@ -26,9 +26,9 @@ import torch
 from omegaconf import OmegaConf
 
 from clipdist.losses import build
-from clipdist.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
+from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"  # clipdist/conf, shipped in the package
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
 DDP_BUCKET_BYTES_PER_PARAMETER = 4
 

@@ -1,6 +1,6 @@
 """The distributed-loss bugs that public code keeps shipping, reproduced on purpose.
 
-None of these is a backend: they exist so `clipdist gradcheck --loss clipdist.pitfalls:NAME`
+None of these is a backend: they exist so `clipdist gradcheck --loss clipdist.tools.wrong_losses:NAME`
 can show what each fault looks like, and so the tests can prove the harness catches them.
 """
 from __future__ import annotations

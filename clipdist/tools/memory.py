@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from clipdist.models import random_tokens
+
 
 class _Kept:
     """What autograd stores instead of a saved tensor: the tensor, counted while it lives."""
@@ -78,7 +80,7 @@ def model_outputs(model, batch: int, context_length: int):
     size = model.visual.image_size
     height, width = (size, size) if isinstance(size, int) else size
     images = torch.randn(batch, 3, height, width)
-    tokens = torch.randint(1, 49406, (batch, context_length))
+    tokens = random_tokens(batch, context_length)
     return model(images, tokens)
 
 
@@ -141,7 +143,7 @@ def loss_inputs(loss_fn, local_batch: int, dim: int, dtype=torch.float32, device
                    for _ in range(2))
     scalars = [torch.tensor(10.0, device=device, requires_grad=True)]
     if getattr(loss_fn, "uses_logit_bias", False):
-        scalars.append(torch.tensor(-10.0, device=device, requires_grad=True))
+        scalars.append(torch.tensor(loss_fn.init_logit_bias, device=device, requires_grad=True))
     return [image, text, *scalars]
 
 

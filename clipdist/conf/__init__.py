@@ -1,0 +1,1 @@
+"""Hydra config groups shipped with clipdist (a package so Hydra finds them from any install)."""

@@ -1,0 +1,60 @@
+"""TrainState: everything a run needs to continue where it stopped, saved and restored in one place."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict:
+    """This process's Python, NumPy, torch (and CUDA) generator states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class TrainState:
+    """Model, optimizer, schedule, progress counters and every rank's RNG.
+
+    `state_dict(rngs)` takes the RNG states of all ranks (gathered by the caller, in rank
+    order); `load_state_dict` restores this rank's when the world size is unchanged.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: int = 0
+    samples_seen: int = 0
+
+    def state_dict(self, rngs: list[dict]) -> dict:
+        return {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
+            "rng": rngs, "world_size": len(rngs),
+        }
+
+    def load_state_dict(self, saved: dict, rank: int, world_size: int) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.step, self.samples_seen = saved["step"], saved["samples_seen"]
+        if len(saved["rng"]) == world_size:
+            set_rng_state(saved["rng"][rank])

@@ -1,0 +1,271 @@
+"""Training: config → checks → world → components → the loop (step, log, evaluate, checkpoint).
+
+    run(cfg)                 checks the whole config before any rank starts, then starts the ranks
+    train(cfg, shards)       on every rank: process group, Trainer(...).fit()
+    Trainer.__init__         every component built from config, in one place
+    Trainer.fit              the loop, top to bottom
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import open_clip
+import torch
+from tqdm import tqdm
+
+from clipdist import distributed
+from clipdist.checkpoint import Checkpointer
+from clipdist.config import ConfigError, Device, Precision, TrainConfig, as_dict, to_train_config, validate
+from clipdist.data.pipeline import SkipCounter, check_shard_count, train_stream
+from clipdist.data.sources import Shards, resolve_shards
+from clipdist.evaluate import evaluate
+from clipdist.grad_cache import build_step
+from clipdist.losses import build as build_loss
+from clipdist.models import create_model_for_loss, get_tokenizer
+from clipdist.state import TrainState, seed_everything
+from clipdist.tracking import RunTracker
+
+log = logging.getLogger("clipdist")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite losses in a row; the last good state has been checkpointed."""
+
+
+def run(cfg) -> dict | None:
+    """Entry point: check everything the config alone can tell, then train here or on spawned local ranks."""
+    cfg = to_train_config(cfg)
+    env = distributed.detect_env()
+    shards = preflight(cfg, env)
+    if env.launcher == "single" and cfg.world.world_size > 1:
+        return distributed.launch_local(train, cfg.world.world_size, cfg, shards, timeout_s=cfg.world.timeout_s)[0]
+    return train(cfg, shards)
+
+
+def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
+    """Every check that needs no process group, before any rank starts; ConfigError says what to change."""
+    validate(cfg)
+    world = cfg.world
+    launched_alone = env.launcher == "single" and world.world_size > 1
+    if launched_alone and not world.spawn:
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}) but this process was started alone. Launch it with "
+            f"`torchrun --nproc-per-node {world.procs_per_node} train.py world={world.name}` or srun "
+            "(see slurm/), or pick world=local / cpu2 / cpu4"
+        )
+    if not launched_alone and env.world_size != world.world_size:
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
+            f"matches the launch, or override world.nodes / world.procs_per_node"
+        )
+    if world.device == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
+                          "use world=local or world=cpu2, or world.device=cpu")
+    Checkpointer.check_resume(cfg)
+    try:
+        shards = resolve_shards(cfg.data)
+        check_shard_count(len(shards.train), world.world_size, cfg.data.workers, resampled=cfg.data.resampled,
+                          split=cfg.data.split)
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+    return shards
+
+
+def train(cfg: TrainConfig, shards: Shards) -> dict | None:
+    """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
+    env = distributed.detect_env()
+    threads, source = distributed.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node)
+    torch.set_num_threads(threads)
+    if env.is_main:
+        log.info("%d intra-op thread(s) per rank (%s)", threads, source)
+    device = select_device(cfg.world.device, env.local_rank)
+    backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
+    distributed.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
+                                   rendezvous_timeout_s=cfg.world.rendezvous_timeout_s)
+    try:
+        return Trainer(cfg, shards, env, device).fit()
+    finally:
+        distributed.destroy_process_group()
+
+
+def select_device(setting: Device, local_rank: int) -> torch.device:
+    if setting == Device.cuda or (setting == Device.auto and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def autocast_for(precision: Precision, device: torch.device):
+    use_bf16 = precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+
+def build_optimizer(model: torch.nn.Module, optim):
+    """AdamW (no weight decay on gains, biases, logit scale/bias, positional embeddings) + warmup/cosine."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "logit_" in name or "positional" in name else decay).append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+    )
+
+    def lr_factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        progress = (step - optim.warmup_steps) / max(1, optim.max_steps - optim.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+class Trainer:
+    """One rank's run: components built from config, then `fit`, a plain loop."""
+
+    def __init__(self, cfg: TrainConfig, shards: Shards, env: distributed.DistEnv, device: torch.device):
+        self.cfg, self.shards, self.env, self.device = cfg, shards, env, device
+        # Every rank must agree on the run directory (a ${now:...} name resolved per process can differ).
+        self.run_dir = Path(distributed.all_ranks(cfg.run_dir)[0])
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.autocast = autocast_for(cfg.precision, device)
+        self.loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
+
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+        self.model = create_model_for_loss(
+            cfg.model.name, self.loss_fn, init_logit_scale=cfg.loss.init_logit_scale,
+            init_logit_bias=cfg.loss.init_logit_bias, checkpoint=cfg.model.checkpoint,
+            grad_checkpointing=cfg.model.grad_checkpointing,
+        ).to(device)
+        self.tokenizer = get_tokenizer(cfg.model.name)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optim)
+        self.state = TrainState(self.model, optimizer, scheduler)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, env)
+        resumed = self.checkpointer.restore(self.state)
+        if resumed is not None and env.is_main:
+            log.info("resumed from %s at step %d", resumed, self.state.step)
+        if resumed is None:
+            seed_everything(cfg.seed + env.rank)
+
+        self.train_model = distributed.wrap_model(self.model, compile=cfg.model.compile)
+        self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
+                                  self.autocast)
+
+        visual = self.model.visual
+        mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
+        self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
+        self.skips = SkipCounter()
+        self.batches = train_stream(
+            shards.train, cfg.world.batch_per_device,
+            open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
+            self.tokenizer, resampled=cfg.data.resampled, split=cfg.data.split, shuffle_buffer=cfg.data.shuffle_buffer,
+            workers=cfg.data.workers, rank=env.rank, world_size=env.world_size,
+            seed=cfg.seed + 7919 * self.state.step, skips=self.skips,
+        )
+        self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
+                                  as_dict(cfg), env.is_main)
+        self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
+                             disable=not (env.is_main and cfg.logging.progress),
+                             desc=f"train {cfg.loss.name} ×{env.world_size}")
+
+    def say(self, message: str) -> None:
+        """A line on the console from rank 0 (through tqdm, so the progress bar stays intact)."""
+        if self.env.is_main:
+            self.progress.write(message)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.world.batch_per_device * self.env.world_size
+
+    def fit(self) -> dict | None:
+        cfg, state, checkpointer = self.cfg, self.state, self.checkpointer
+        metrics, bad_steps, skipped_steps = None, 0, 0
+        if state.step >= cfg.optim.max_steps:
+            self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
+                                f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
+        try:
+            while state.step < cfg.optim.max_steps:
+                started = time.perf_counter()
+                images, tokens = next(self.batches)
+                loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
+                # One collective gives every rank the global loss and whether any rank was signalled,
+                # so all ranks skip, stop or step together.
+                agreed = distributed.all_reduce_mean(
+                    torch.stack([loss.detach().float().cpu(), checkpointer.stop.flag()]).to(self.device))
+                global_loss, stopping = agreed[0].item(), agreed[1].item() > 0
+                if stopping:
+                    checkpointer.save(state)
+                    self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
+                                        f"{checkpointer.directory}; run again with resume=auto to continue")
+                    break
+                if not math.isfinite(global_loss):
+                    bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
+                    self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
+                    if bad_steps >= cfg.max_nonfinite_steps:
+                        checkpointer.save(state)
+                        raise TrainingDiverged(
+                            f"{bad_steps} non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
+                            f"the last good state (step {state.step}) is saved in {checkpointer.directory}. Lower "
+                            "optim.lr, check the data, or raise max_nonfinite_steps")
+                    continue
+                bad_steps = 0
+                grad_norm = self.optimize(loss)
+                seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
+                self.log_step(global_loss, grad_norm, seconds, skipped_steps)
+                if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
+                    metrics = self.evaluate()
+                if checkpointer.due(state.step):
+                    checkpointer.save(state)
+        finally:
+            checkpointer.close()
+            self.progress.close()
+            self.tracker.finish()
+        return metrics
+
+    def optimize(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward (DDP averages gradients), clip, AdamW, schedule, clamp the logit scale; one step done."""
+        state = self.state
+        state.optimizer.zero_grad(set_to_none=True)
+        self.step_fn.backward(loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+        state.optimizer.step()
+        state.scheduler.step()
+        with torch.no_grad():
+            self.model.logit_scale.clamp_(0, math.log(self.cfg.optim.max_logit_scale))
+        state.samples_seen += self.global_batch
+        state.step += 1
+        return grad_norm
+
+    def log_step(self, global_loss: float, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
+        state, model = self.state, self.model
+        stats = {"loss": global_loss, "lr": state.scheduler.get_last_lr()[0],
+                 "logit_scale": model.logit_scale.exp().item(),
+                 **({"logit_bias": model.logit_bias.item()} if self.loss_fn.uses_logit_bias else {}),
+                 "samples_per_s": self.global_batch / seconds,
+                 "samples_per_s_per_device": self.cfg.world.batch_per_device / seconds}
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
+                                  lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
+        if state.step % self.cfg.logging.log_every == 0:
+            self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
+                                    "skipped_samples": self.skips.count, "skipped_steps": skipped_steps}, state.step)
+
+    def evaluate(self) -> dict | None:
+        """Zero-shot and retrieval on the validation shards, on rank 0; the other ranks wait."""
+        metrics = None
+        if self.env.is_main and self.shards.val:
+            metrics = evaluate(self.model, self.tokenizer, self.shards.val, self.val_transform, self.shards.classnames,
+                               self.cfg.data.templates, self.device, autocast=self.autocast)
+            metrics["train_skipped"] = self.skips.count
+            self.tracker.log_eval(metrics, self.state.step)
+            self.say(f"step {self.state.step}: " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        distributed.barrier()
+        return metrics

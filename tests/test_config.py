@@ -1,0 +1,69 @@
+"""The config owns validation: typed choices and every check before any rank starts, one line each."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from clipdist.config import ConfigError, TiledLossConfig, TrainConfig, to_train_config, validate
+from helpers import train
+
+
+@pytest.mark.parametrize("override, message", [
+    ("precision=fp16", "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
+    ("world.device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
+    ("logging.wandb=foo", "Invalid value 'foo', expected one of [offline, online, disabled]"),
+    ("data.split=bar", "Invalid value 'bar', expected one of [node, replicated]"),
+    ("world.backend=mpi", "Invalid value 'mpi', expected one of [auto, gloo, nccl]"),
+])
+def test_bad_choice_under_spawned_ranks_fails_before_any_rank_starts(tmp_path, override, message):
+    started = time.monotonic()
+    result = train(tmp_path / "run", tmp_path / "cache", "world=cpu2", override, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
+    (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
+    (["world=cpu2", "data.workers=3"], "4 shard(s) for 2 rank(s) × 3 worker(s)"),
+    (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
+])
+def test_config_errors_are_one_line_before_the_ranks(tmp_path, overrides, message):
+    result = train(tmp_path / "run", tmp_path / "cache", *overrides, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: {lines[0][len('error: '):]}"] and message in lines[0], result.stderr[-2000:]
+
+
+def test_loss_options_are_typed_per_backend():
+    cfg = to_train_config({"name": "x", "loss": {"name": "tiled", "tile": 16}})
+    assert isinstance(cfg.loss, TiledLossConfig) and cfg.loss.options() == {"tile": 16}
+    assert to_train_config({"name": "x"}).loss.options() == {}
+    with pytest.raises(Exception, match="tile"):
+        to_train_config({"name": "x", "loss": {"name": "tiled", "tile": "many"}})
+
+
+def test_validate_names_the_key():
+    cfg = TrainConfig(name="x")
+    cfg.grad_cache.chunks = 0
+    with pytest.raises(ConfigError, match=r"grad_cache.chunks=0: must be at least 1"):
+        validate(cfg)
+    cfg = TrainConfig(name="x")
+    cfg.loss.name = "nope"
+    with pytest.raises(ConfigError, match="unknown loss backend 'nope'"):
+        validate(cfg)
+
+
+def test_importing_clipdist_has_no_side_effects():
+    code = ("import logging, open_clip, clipdist.models, clipdist.trainer, clipdist.cli;"
+            "assert not logging.getLogger().filters, logging.getLogger().filters;"
+            "assert 'clipdist-tiny' not in open_clip.list_models();"
+            "from clipdist.models import model_names; assert 'clipdist-tiny' in model_names()")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
