@@ -1,27 +1,50 @@
 # Shared by the sbatch scripts: what a user edits, and the signal/requeue logic.
+# Sourced by an sbatch script after it has found this repository (see the script's first lines).
 #
+# CLIPDIST_REPO   this repository on the host (found from the submitted script's path when unset)
 # CLIPDIST_IMAGE  container image (enroot/pyxis); empty: run in the current Python environment
-# CLIPDIST_REPO   where train.py is (inside the container: /app)
-# DATA_DIR        mounted into the container at the same path
-CLIPDIST_IMAGE=${CLIPDIST_IMAGE:-}
+# CLIPDIST_APP    where train.py is inside the container (the Dockerfile puts it in /app)
+# RUNS_DIR        host folder for run directories (default: runs/ in the folder you submitted from);
+#                 mounted at the same path in the container
+# DATA_DIR        host folder with your shards, mounted at the same path in the container
+# RUN_NAME        run name (default slurm-<job id>: a requeued job resumes its own run)
+# Rank, world size and the rendezvous (first node of the job, a port derived from the job id)
+# come from srun's variables: clipdist.distributed.detect_env. Intra-op threads per task come from
+# --cpus-per-task (SLURM_CPUS_PER_TASK).
 CLIPDIST_REPO=${CLIPDIST_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+CLIPDIST_IMAGE=${CLIPDIST_IMAGE:-}
+CLIPDIST_APP=${CLIPDIST_APP:-/app}
+RUNS_DIR=${RUNS_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs}
 DATA_DIR=${DATA_DIR:-/data}
-# One run directory per job: a requeued job (same SLURM_JOB_ID) resumes from its newest checkpoint.
 RUN_NAME=${RUN_NAME:-slurm-${SLURM_JOB_ID:-local}}
 
-export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n 1 || echo localhost)}
-export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+if [ -z "$CLIPDIST_IMAGE" ] && [ ! -f "$CLIPDIST_REPO/train.py" ]; then
+  echo "clipdist: no train.py in CLIPDIST_REPO=$CLIPDIST_REPO; set CLIPDIST_REPO to the clipdist checkout" >&2
+  exit 1
+fi
 
+# run_clipdist DEFAULT_WORLD [Hydra overrides...]: one srun task per device, USR1 → checkpoint → requeue.
 run_clipdist() {
-  local container=()
+  local default_world=$1
+  shift
+  local overrides=("$@") arg
+  for arg in "$@"; do
+    [[ $arg == world=* ]] && default_world=""
+  done
+  [ -n "$default_world" ] && overrides=("world=$default_world" "${overrides[@]}")
+  local train=(python "$CLIPDIST_REPO/train.py") container=()
   if [ -n "$CLIPDIST_IMAGE" ]; then
-    container=(--container-image="$CLIPDIST_IMAGE" --container-mounts="$DATA_DIR:$DATA_DIR,$CLIPDIST_REPO/runs:/app/runs")
+    container=(--container-image="$CLIPDIST_IMAGE" --container-mounts="$DATA_DIR:$DATA_DIR,$RUNS_DIR:$RUNS_DIR")
+    train=(python "$CLIPDIST_APP/train.py")
   fi
-  # srun forwards USR1 to every task; clipdist checkpoints and exits 0; then we requeue.
+  mkdir -p "$RUNS_DIR"
+  echo "clipdist: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST: run $RUNS_DIR/$RUN_NAME"
+  # --kill-on-bad-exit: a task that fails ends the others at once instead of leaving them waiting.
   srun "${container[@]}" --kill-on-bad-exit=1 \
-    python "$CLIPDIST_REPO/train.py" name="$RUN_NAME" resume=auto "$@" &
+    "${train[@]}" name="$RUN_NAME" run_dir="$RUNS_DIR/$RUN_NAME" resume=auto "${overrides[@]}" &
   local srun_pid=$!
-  trap 'echo "time limit near: asking for a checkpoint"; kill -USR1 "$srun_pid"; wait "$srun_pid" || true;
-        scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1
+  # srun forwards USR1 to every task; clipdist checkpoints and exits 0; then the job is requeued.
+  trap 'echo "clipdist: USR1 (time limit near or preemption): asking for a checkpoint"; kill -USR1 "$srun_pid";
+        wait "$srun_pid" || true; scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1
   wait "$srun_pid"
 }

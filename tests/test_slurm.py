@@ -1,0 +1,276 @@
+"""The sbatch scripts and the Hydra SLURM launcher under a real SLURM (slurmctld + slurmd + munged on this machine).
+
+The cluster is started for this module from Debian's slurm-wlm and munge (`.ci/run` installs
+them), with its own config, key, sockets, ports and spool in a temporary folder, and stopped
+afterwards. Jobs use world=slurm_cpu (gloo srun tasks) and the tiny model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, read_jsonl
+
+pytestmark = pytest.mark.slurm
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo")
+SMALL = ["world=slurm_cpu", "logging.wandb=disabled", "logging.progress=false", "logging.log_every=1",
+         "world.batch_per_device=16"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalSlurm:
+    """A one-node cluster: its config, daemons and the environment that points clients at it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.processes: list[subprocess.Popen] = []
+        host = socket.gethostname()
+        state, spool = root / "state", root / "spool"
+        state.mkdir()
+        spool.mkdir()
+        self.conf = root / "slurm.conf"
+        self.conf.write_text(f"""\
+ClusterName=clipdist-test
+SlurmctldHost={host}
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root / 'munge.socket'},cred_expire=10
+StateSaveLocation={state}
+SlurmdSpoolDir={spool}
+SlurmctldPidFile={root / 'slurmctld.pid'}
+SlurmdPidFile={root / 'slurmd.pid'}
+SlurmctldLogFile={root / 'slurmctld.log'}
+SlurmdLogFile={root / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+MinJobAge=600
+JobRequeue=1
+KillWait=10
+NodeName={host} CPUs=8 RealMemory=8000 State=UNKNOWN
+PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+""")
+        # Jobs inherit this environment (sbatch --export=ALL): this Python first on PATH, and no
+        # OMP_NUM_THREADS, so the tasks' threads come from --cpus-per-task as on a cluster.
+        self.env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "SLURM_CONF": str(self.conf),
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def start(self) -> None:
+        key = self.root / "munge.key"
+        subprocess.run(["mungekey", "--create", f"--keyfile={key}", "--force"], check=True, timeout=30,
+                       capture_output=True)
+        key.chmod(0o600)
+        self._daemon(["munged", "-F", "--force", f"--socket={self.root / 'munge.socket'}", f"--key-file={key}",
+                      f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
+                      f"--seed-file={self.root / 'munged.seed'}"])
+        self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        self._daemon(["slurmd", "-D", "-f", str(self.conf)])
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = self.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip()
+            if state == "idle":
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the node never became idle (sinfo: {state!r}); logs in {self.root}")
+
+    def _daemon(self, command: list[str]) -> None:
+        log = open(self.root / f"{command[0]}.out", "w")
+        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                               start_new_session=True))
+        time.sleep(0.3)
+        if self.processes[-1].poll() is not None:
+            raise RuntimeError(f"{command[0]} exited at start: {(self.root / f'{command[0]}.out').read_text()[-500:]}")
+
+    def stop(self) -> None:
+        for job in self.run("squeue", "-h", "-o", "%i", check=False).stdout.split():
+            self.run("scancel", job, check=False)
+        for process in reversed(self.processes):
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+    def run(self, *command: str, check: bool = True, cwd: Path | None = None, timeout: float = 60):
+        return subprocess.run(list(command), env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              check=check)
+
+    def sbatch(self, cwd: Path, *arguments: str, extra_env: dict | None = None) -> int:
+        result = subprocess.run(["sbatch", "--parsable", *arguments], env={**self.env, **(extra_env or {})}, cwd=cwd,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        text = self.run("scontrol", "show", "job", str(job_id)).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def wait(self, job_id: int, until, seconds: float, poke_requeued: bool = False) -> dict[str, str]:
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            if poke_requeued and job["JobState"] == "PENDING" and job.get("Reason") == "BeginTime":
+                # A requeued job waits cred_expire before it may start again; no need to wait here.
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} did not reach the state in {seconds} s: {self.job(job_id)}")
+
+
+def _slurm_unavailable() -> str | None:
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        return f"SLURM is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge"
+    if os.geteuid() != 0:
+        return "a local SLURM cluster needs root (slurmd runs the jobs)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = _slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        slurm.start()
+    except (RuntimeError, subprocess.SubprocessError) as error:
+        slurm.stop()
+        pytest.skip(f"SLURM could not be started here: {error}")
+    yield slurm
+    slurm.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+SBATCH_CPU = ["--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]
+SCRIPT = str(REPO / "slurm" / "train_1node.sbatch")
+
+
+def finished(job: dict) -> bool:
+    return job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, cache_dir, tmp_path):
+    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
+                            "optim.max_steps=12", "eval_every=12")
+    job = cluster.wait(job_id, finished, 300)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 13))
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 12
+    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK)" in log  # 2 tasks never oversubscribe the node
+    assert json.loads(json.dumps(read_jsonl(run_dir / "train_log.jsonl")[-1]))["samples_seen"] == 12 * 32
+
+
+def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, tmp_path):
+    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
+                            "optim.max_steps=60", "eval_every=1000", "checkpoint_every=1000")
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    deadline = time.time() + 240
+    while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 8):
+        assert time.time() < deadline and not finished(cluster.job(job_id)), cluster.job(job_id)
+        time.sleep(0.3)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
+    cluster.wait(job_id, lambda job: job["Restarts"] == "1", 120)
+    job = cluster.wait(job_id, finished, 400, poke_requeued=True)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
+    assert len(stopped) == 1 and 8 <= stopped[0] < 60, log[-3000:]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    assert f"step_{stopped[0]:08d}.pt" in checkpoints and "step_00000060.pt" in checkpoints
+    # One log with both halves; the resumed run went on from the checkpoint, no step lost.
+    assert "restart 0" in log and "restart 1" in log and f"at step {stopped[0]}" in log
+    steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+    assert steps[-1] == 60 and set(steps) == set(range(1, 61))
+    resumed_from = steps.index(stopped[0] + 1, stopped[0])  # the first step after the checkpoint, second run
+    assert steps[resumed_from:] == list(range(stopped[0] + 1, 61))
+
+
+def test_failed_rank_ends_the_job_promptly_with_its_error_in_the_log(cluster, cache_dir, tmp_path):
+    # A preset that cannot run on this node: every task stops at its one-line error, the job fails.
+    started = time.time()
+    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL[1:], "world=8gpu", f"data.cache_dir={cache_dir}")
+    job = cluster.wait(job_id, finished, 120)
+    assert job["JobState"] == "FAILED" and time.time() - started < 60
+    assert "error: world=8gpu expects 8 processes (1 node(s) × 8), but slurm started 2" in \
+        (tmp_path / f"slurm-{job_id}.out").read_text()
+
+    # A task killed mid-run: srun's --kill-on-bad-exit ends its peer at once, not after world.timeout_s.
+    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
+                            "optim.max_steps=400", "eval_every=1000")
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    deadline = time.time() + 240
+    while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 3):
+        assert time.time() < deadline and not finished(cluster.job(job_id)), cluster.job(job_id)
+        time.sleep(0.3)
+    tasks = [pid for pid in _pids_with(f"run_dir={run_dir}") if _environ(pid).get("SLURM_PROCID") == "1"]
+    assert tasks, "rank 1's process not found"
+    killed = time.time()
+    os.kill(tasks[0], signal.SIGKILL)
+    job = cluster.wait(job_id, finished, 60)
+    assert job["JobState"] in ("FAILED", "CANCELLED") and time.time() - killed < 30, job
+
+
+def _pids_with(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes() and b"python" in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_hydra_submitit_launcher_trains_on_the_cluster(cluster, cache_dir, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+         "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "optim.max_steps=6", "eval_every=6",
+         *SMALL],
+        env=cluster.env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == list(range(1, 7))
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 6
