@@ -4,14 +4,18 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from clipdist import distributed
-from clipdist.config import ConfigError, TrainConfig, as_dict
+from clipdist.config import OnCheckpointError, TrainConfig, as_dict
+from clipdist.errors import CheckpointError, ConfigError
 from clipdist.state import TrainState, rng_state
 
 log = logging.getLogger(__name__)
@@ -38,14 +42,23 @@ class CheckpointFiles:
         return sorted(found, key=lambda p: int(PATTERN.search(p.name).group(1)), reverse=True)
 
     def save(self, state: dict, step: int) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Write atomically; on any failure remove the temporary file and raise CheckpointError (one line)."""
         final = self.directory / f"step_{step:08d}.pt"
         partial = self.directory / f".{final.name}.partial"
-        with open(partial, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, final)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(partial, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, final)
+        except Exception as error:  # noqa: BLE001 -- OSError, or torch's RuntimeError around one
+            reason = _reason(error, self.directory)  # before the partial file frees its space
+            partial.unlink(missing_ok=True)
+            previous = self.checkpoints()
+            kept = f"the previous checkpoint {previous[0].name} is intact" if previous else "no earlier checkpoint"
+            raise CheckpointError(f"could not write checkpoint {final}: {reason}; {kept}. "
+                                  "Free space (or fix the folder) and resume with resume=auto") from None
         for old in self.checkpoints()[self.keep:]:
             old.unlink()
         return final
@@ -60,24 +73,52 @@ class CheckpointFiles:
         return None
 
 
+def _reason(error: Exception, directory: Path) -> str:
+    """The OS-level cause of a failed save in a few words (torch wraps it in a long RuntimeError)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    # torch's writer reports a short write as "unexpected pos"; the disk's free space tells why.
+    if "No space left on device" in str(error) or (directory.exists() and shutil.disk_usage(directory).free < 2**20):
+        return "No space left on device"
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def peek(path: str | Path) -> dict:
+    """A checkpoint's step, world size and config without reading its tensors (memory-mapped)."""
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {"step": saved["step"], "world_size": saved.get("world_size", len(saved.get("rng", [])) or 1),
+            "config": saved.get("config", {})}
+
+
 def load(path: str | Path, map_location="cpu") -> dict:
     # Our checkpoints hold optimizer/RNG state and the config: not weights-only.
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
 class StopSignal:
-    """SIGTERM / SIGUSR1 (preemption, SLURM's --signal) ask for a checkpoint and a clean exit."""
+    """SIGTERM, SIGUSR1 (preemption, SLURM's --signal) and SIGINT (Ctrl-C) ask for a checkpoint at the
+    next step and a clean exit. A second SIGINT exits at once, without a checkpoint — if it comes a
+    second or more after the first: a launcher (torchrun) passes the terminal's Ctrl-C on to its
+    ranks, which get it from the terminal too."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SAME_INTERRUPT_S = 1.0
 
     def __init__(self):
         self.received: int | None = None
+        self._first_interrupt: float | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is not None and now - self._first_interrupt >= self.SAME_INTERRUPT_S:
+                os.write(2, b"\nsecond interrupt: exiting now, without a checkpoint\n")
+                os._exit(130)
+            self._first_interrupt = self._first_interrupt or now
         self.received = signum
 
     def flag(self) -> torch.Tensor:
@@ -89,6 +130,28 @@ class StopSignal:
         self._previous = {}
 
 
+# A change under these keys makes another run: refused on resume. World size and batch may change.
+IDENTITY_KEYS = ("model.name", "loss.")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _identity(config: dict) -> dict:
+    flat = _flat(config)
+    for key in [k for k in flat if k.startswith("loss.options.")]:  # checkpoints from before typed loss options
+        flat[key.replace("loss.options.", "loss.")] = flat.pop(key)
+    return {k: v for k, v in flat.items() if k == IDENTITY_KEYS[0] or (k.startswith(IDENTITY_KEYS[1])
+                                                                    and not k.startswith("loss.init_"))}
+
+
 class Checkpointer:
     """Owns checkpointing for a run: the step interval, the stop signal, saving on every rank's
     behalf (rank 0 writes, all ranks' RNG states included), retention and resuming."""
@@ -98,6 +161,7 @@ class Checkpointer:
         self.every = cfg.checkpoint_every
         self.last_step = cfg.optim.max_steps
         self.resume = cfg.resume
+        self.on_error = cfg.on_checkpoint_error
         self.config = as_dict(cfg)
         self.env = env
         self.stop = StopSignal()
@@ -109,12 +173,27 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
 
-    def save(self, state: TrainState) -> None:
-        """Collective: every rank calls it; rank 0 writes."""
+    def save(self, state: TrainState) -> bool:
+        """Collective: every rank calls it, rank 0 writes, every rank learns whether it worked.
+
+        A failed write raises CheckpointError on every rank (on_checkpoint_error=stop), or is
+        logged as a warning and returns False (warn).
+        """
         rngs = distributed.all_ranks(rng_state())
+        error = None
         if self.env.is_main:
-            self.files.save({**state.state_dict(rngs), "config": self.config}, state.step)
-        distributed.barrier()
+            try:
+                self.files.save({**state.state_dict(rngs), "config": self.config}, state.step)
+            except CheckpointError as failure:
+                error = str(failure)
+        error = distributed.all_ranks(error)[0]
+        if error is None:
+            return True
+        if self.on_error == OnCheckpointError.stop:
+            raise CheckpointError(error)
+        if self.env.is_main:
+            print(f"warning: {error} (on_checkpoint_error=warn: training goes on)", file=sys.stderr, flush=True)
+        return False
 
     def restore(self, state: TrainState) -> Path | None:
         """Load what `resume` names into `state` (auto: the newest readable checkpoint); its path, or None."""
@@ -126,17 +205,25 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def check_resume(cfg: TrainConfig) -> None:
-        """Before any rank starts: resume=never over a run that has checkpoints, or a resume file that is not there."""
+    def check_resume(cfg: TrainConfig, world_size: int) -> str | None:
+        """Before any rank starts: refuse resume=never over a run with checkpoints, a missing resume file,
+        or a checkpoint of another model or loss; a changed global batch is allowed (the returned warning)."""
+        files = CheckpointFiles(cfg.run_dir)
         if cfg.resume == "never":
-            existing = CheckpointFiles(cfg.run_dir).checkpoints()
-            if existing:
+            if files.checkpoints():
                 raise ConfigError(
-                    f"{existing[0].parent} already holds {existing[0].name}; resume=never would overwrite that run. "
-                    "Use resume=auto to continue it, or name=<new name> for a new run"
-                )
-        elif cfg.resume != "auto" and not Path(cfg.resume).is_file():
+                    f"{files.directory} already holds {files.checkpoints()[0].name}; resume=never would overwrite "
+                    "that run. Use resume=auto to continue it, or name=<new name> for a new run")
+            return None
+        if cfg.resume != "auto" and not Path(cfg.resume).is_file():
             raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file (use auto, never, or a path)")
+        for path in files.checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
+            try:
+                saved = peek(path)
+            except Exception:  # noqa: BLE001 -- unreadable: restore falls back to an older one and says so
+                continue
+            return _compare(saved, as_dict(cfg), world_size, path)
+        return None
 
     def _find(self) -> tuple[dict, Path] | None:
         if self.resume == "auto":
@@ -147,3 +234,19 @@ class Checkpointer:
 
     def close(self) -> None:
         self.stop.restore()
+
+
+def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | None:
+    before, now = _identity(saved["config"]), _identity(config)
+    changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
+    if changed:
+        was = ", ".join(f"{key}={before.get(key, '(unset)')}" for key in changed)
+        asked = ", ".join(f"{key}={now.get(key, '(unset)')}" for key in changed)
+        raise ConfigError(f"{path} was trained with {was}, not {asked}: resume it with the same settings, "
+                          "or start a new run with name=<new name>")
+    old_batch = saved["world_size"] * saved["config"].get("world", {}).get("batch_per_device", 0)
+    new_batch = world_size * config["world"]["batch_per_device"]
+    if old_batch != new_batch:
+        return (f"resuming {path} (step {saved['step']}) with global batch {new_batch} "
+                f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}")
+    return None

@@ -100,6 +100,7 @@ def _plan(args: argparse.Namespace) -> int:
     checkpointing = checkpointing or args.grad_checkpointing
     world_size = plan.resolve_world(args.world)
     device_bytes = plan.parse_bytes(args.memory)
+    plan.check_request(args.backend, args.chunks, world_size, args.global_batch)
     console = Console(stderr=args.json, width=max(Console().width, 120))
     measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
                             progress=lambda text: console.print(f"[dim]{text}[/dim]"))
@@ -144,19 +145,31 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _run_composed(cfg) -> None:
-    """Hydra's task: the composed config → clipdist.trainer.run; a config error is one line on stderr."""
-    from clipdist.config import ConfigError
-    from clipdist.trainer import TrainingDiverged, run
+    """Hydra's task: the composed config → clipdist.trainer.run in Hydra's output directory, which is
+    the run directory; a ClipdistError is one line on stderr (HYDRA_FULL_ERROR=1 for the traceback)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from clipdist.errors import ClipdistError
+    from clipdist.trainer import run
 
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("clipdist").setLevel(logging.INFO)
+    hydra = HydraConfig.get()
+    run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
+    with open_dict(cfg):
+        if OmegaConf.is_interpolation(cfg, "name"):
+            multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
+            cfg.name = f"{os.path.basename(os.path.dirname(run_dir))}-{hydra.job.num}" if multirun \
+                else os.path.basename(run_dir)
+        cfg.run_dir = run_dir
     try:
-        run(cfg)
-    except (ConfigError, TrainingDiverged) as error:
+        run(cfg, overrides=list(hydra.overrides.task))
+    except ClipdistError as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2 if isinstance(error, ConfigError) else 1)
+        sys.exit(2 if isinstance(error, ValueError) else 1)
 
 
 def train_main(overrides: list[str] | None = None) -> None:

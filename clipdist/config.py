@@ -15,9 +15,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A config (or command-line argument) that cannot run; the message says what to change."""
+from clipdist.errors import ConfigError
 
 
 class Choice(str, Enum):
@@ -48,6 +46,11 @@ class Backend(Choice):
 class Split(Choice):
     node = "node"  # shards split over ranks and loader workers
     replicated = "replicated"  # every rank reads the same samples and keeps its slice of the global batch
+
+
+class OnCheckpointError(Choice):
+    stop = "stop"  # one line naming the path and the OS error, then a clean stop (exit 1)
+    warn = "warn"  # the same line as a warning; training goes on and the next save tries again
 
 
 class WandbMode(Choice):
@@ -163,6 +166,7 @@ class TrainConfig:
     eval_every: int = 200
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
+    on_checkpoint_error: OnCheckpointError = OnCheckpointError.stop
     max_nonfinite_steps: int = 10  # non-finite losses in a row before the run stops (after a checkpoint)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

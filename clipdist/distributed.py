@@ -5,10 +5,11 @@ decides who is who and starts the group.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
-import uuid
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping
@@ -146,32 +147,76 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawned_worker(fn: Callable, timeout_s: float, args: tuple):
+class _UserError:
+    """A ClipdistError raised in a spawned rank, carried back to the launching process to be raised there."""
+
+    def __init__(self, error: Exception):
+        self.type, self.message = type(error), str(error)
+
+
+def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results):
+    from clipdist.errors import ClipdistError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.getLogger("clipdist").setLevel(logging.INFO)
     # A real group even for one rank: that is what torchrun --nproc-per-node 1 gives.
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     try:
-        return fn(*args)
+        result = fn(*args)
+    except ClipdistError as error:  # the same on every rank (agreed through a collective): one line, not a traceback
+        result = _UserError(error)
     finally:
         destroy_process_group()
+    results.put((rank, result))
 
 
 def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[int, object]:
-    """Run `fn(*args)` on `world_size` local gloo ranks with torch's elastic launcher.
+    """Run `fn(*args)` on `world_size` local gloo ranks (spawned processes, torch's env:// rendezvous).
 
-    Returns {rank: return value}. `fn` must be importable (module level). A failing rank
-    tears the others down and raises; `timeout_s` bounds every collective.
+    Returns {rank: return value}. `fn` must be importable (module level). A rank that fails
+    makes the others stop (5 s grace, then SIGTERM, then SIGKILL) and its error is raised here;
+    `timeout_s` bounds every collective. SIGTERM, SIGUSR1 and SIGINT sent to this process alone
+    (`timeout`, `docker stop`) are passed to the ranks (SIGINT as SIGTERM, since a terminal's
+    Ctrl-C reaches them directly too), which checkpoint and exit.
     """
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    import queue as queue_module
+    import signal
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"clipdist-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    return elastic_launch(config, _spawned_worker)(fn, timeout_s, args)
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Queue()
+    context = mp.start_processes(_spawned_worker, args=(world_size, _free_port(), fn, timeout_s, args, results),
+                                 nprocs=world_size, join=False, start_method="spawn")
+
+    def forward(signum, _frame):
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    forwarded = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded} \
+        if threading.current_thread() is threading.main_thread() else {}
+    collected: dict[int, object] = {}
+    try:
+        while True:
+            done = context.join(timeout=0.2, grace_period=5)
+            try:  # drain as we go: a rank blocked on a full pipe would never exit
+                while True:
+                    rank, result = results.get_nowait()
+                    collected[rank] = result
+            except queue_module.Empty:
+                pass
+            if done:
+                break
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    while len(collected) < world_size:  # results put just before the last exit
+        rank, result = results.get(timeout=30)
+        collected[rank] = result
+    for result in collected.values():
+        if isinstance(result, _UserError):
+            raise result.type(result.message)
+    return collected

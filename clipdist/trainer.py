@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,31 +20,38 @@ from tqdm import tqdm
 
 from clipdist import distributed
 from clipdist.checkpoint import Checkpointer
-from clipdist.config import ConfigError, Device, Precision, TrainConfig, as_dict, to_train_config, validate
-from clipdist.data.pipeline import SkipCounter, check_shard_count, train_stream
+from clipdist.config import Device, Precision, TrainConfig, as_dict, to_train_config, validate
+from clipdist.data.pipeline import SkipCounter, check_shard_count, close_stream, train_stream
 from clipdist.data.sources import Shards, resolve_shards
+from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
 from clipdist.models import create_model_for_loss, get_tokenizer
+from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
 from clipdist.tracking import RunTracker
 
 log = logging.getLogger("clipdist")
 
 
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite losses in a row; the last good state has been checkpointed."""
-
-
-def run(cfg) -> dict | None:
-    """Entry point: check everything the config alone can tell, then train here or on spawned local ranks."""
+def run(cfg, overrides: list[str] = ()) -> dict | None:
+    """Entry point: check everything the config alone can tell, claim the run directory, then train
+    here or on spawned local ranks. `overrides` (the command line) go into the run's record."""
     cfg = to_train_config(cfg)
     env = distributed.detect_env()
     shards = preflight(cfg, env)
-    if env.launcher == "single" and cfg.world.world_size > 1:
-        return distributed.launch_local(train, cfg.world.world_size, cfg, shards, timeout_s=cfg.world.timeout_s)[0]
-    return train(cfg, shards)
+    if not env.is_main:
+        return train(cfg, shards)
+    with RunLock(cfg.run_dir):
+        warning = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        write_record(cfg.run_dir, as_dict(cfg), list(overrides))
+        if env.launcher == "single" and cfg.world.world_size > 1:
+            return distributed.launch_local(train, cfg.world.world_size, cfg, shards,
+                                            timeout_s=cfg.world.timeout_s)[0]
+        return train(cfg, shards)
 
 
 def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
@@ -67,7 +75,7 @@ def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
     if world.device == Device.cuda and not torch.cuda.is_available():
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")
-    Checkpointer.check_resume(cfg)
+    Checkpointer.check_resume(cfg, world.world_size)
     try:
         shards = resolve_shards(cfg.data)
         check_shard_count(len(shards.train), world.world_size, cfg.data.workers, resampled=cfg.data.resampled,
@@ -148,11 +156,12 @@ class Trainer:
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
         self.state = TrainState(self.model, optimizer, scheduler)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
-        resumed = self.checkpointer.restore(self.state)
-        if resumed is not None and env.is_main:
-            log.info("resumed from %s at step %d", resumed, self.state.step)
-        if resumed is None:
+        self.resumed_from = self.checkpointer.restore(self.state)
+        if self.resumed_from is None:
             seed_everything(cfg.seed + env.rank)
+        if env.is_main:  # the logs hold no step twice: what comes after the checkpoint will be logged again
+            for log_file in ("train_log.jsonl", "metrics.jsonl"):
+                rewind_jsonl(self.run_dir / log_file, self.state.step)
 
         self.train_model = distributed.wrap_model(self.model, compile=cfg.model.compile)
         self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
@@ -161,7 +170,7 @@ class Trainer:
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
-        self.skips = SkipCounter()
+        self.skips, self.skipped_samples = SkipCounter(), 0
         self.batches = train_stream(
             shards.train, cfg.world.batch_per_device,
             open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
@@ -187,19 +196,23 @@ class Trainer:
     def fit(self) -> dict | None:
         cfg, state, checkpointer = self.cfg, self.state, self.checkpointer
         metrics, bad_steps, skipped_steps = None, 0, 0
+        if self.resumed_from is not None:
+            self.say(f"resumed from {self.resumed_from} at step {state.step}")
         if state.step >= cfg.optim.max_steps:
             self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
                                 f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
         try:
             while state.step < cfg.optim.max_steps:
                 started = time.perf_counter()
-                images, tokens = next(self.batches)
+                images, tokens, skipped = next(self.batches)
                 loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
-                # One collective gives every rank the global loss and whether any rank was signalled,
-                # so all ranks skip, stop or step together.
-                agreed = distributed.all_reduce_mean(
-                    torch.stack([loss.detach().float().cpu(), checkpointer.stop.flag()]).to(self.device))
-                global_loss, stopping = agreed[0].item(), agreed[1].item() > 0
+                # One collective gives every rank the global loss, whether any rank was signalled and the
+                # samples skipped on all ranks, so all ranks skip, stop or step together.
+                agreed = distributed.all_reduce_mean(torch.stack(
+                    [loss.detach().float().cpu(), checkpointer.stop.flag(), torch.tensor(float(skipped))]
+                ).to(self.device)).tolist()
+                global_loss, stopping = agreed[0], agreed[1] > 0
+                self.skipped_samples += round(agreed[2] * self.env.world_size)
                 if stopping:
                     checkpointer.save(state)
                     self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
@@ -224,6 +237,7 @@ class Trainer:
                 if checkpointer.due(state.step):
                     checkpointer.save(state)
         finally:
+            close_stream(self.batches)
             checkpointer.close()
             self.progress.close()
             self.tracker.finish()
@@ -255,7 +269,7 @@ class Trainer:
                                   lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
         if state.step % self.cfg.logging.log_every == 0:
             self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
-                                    "skipped_samples": self.skips.count, "skipped_steps": skipped_steps}, state.step)
+                                    "skipped_samples": self.skipped_samples, "skipped_steps": skipped_steps}, state.step)
 
     def evaluate(self) -> dict | None:
         """Zero-shot and retrieval on the validation shards, on rank 0; the other ranks wait."""
@@ -263,7 +277,7 @@ class Trainer:
         if self.env.is_main and self.shards.val:
             metrics = evaluate(self.model, self.tokenizer, self.shards.val, self.val_transform, self.shards.classnames,
                                self.cfg.data.templates, self.device, autocast=self.autocast)
-            metrics["train_skipped"] = self.skips.count
+            metrics["train_skipped"] = self.skipped_samples
             self.tracker.log_eval(metrics, self.state.step)
             self.say(f"step {self.state.step}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))

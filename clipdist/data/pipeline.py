@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import random
+import signal
 from pathlib import Path
 
 import braceexpand
@@ -46,20 +46,82 @@ def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: 
 
 
 class SkipCounter:
-    """A webdataset handler that skips a bad sample or shard, warns, and counts it (across workers)."""
+    """A webdataset handler that skips a bad sample or shard, warns, and counts it.
+
+    The count lives in the process that reads: a DataLoader worker (fork, spawn or forkserver
+    alike) or the main process. The training stream attaches `take()` — the skips since the
+    last batch — to every batch, so the trainer sums them across workers and ranks; nothing is
+    shared between processes.
+    """
 
     def __init__(self):
-        self._count = multiprocessing.get_context("fork").Value("i", 0)
+        self.count = 0
+        self._taken = 0
 
     def __call__(self, exception: Exception) -> bool:
-        with self._count.get_lock():
-            self._count.value += 1
+        self.count += 1
         log.warning("skipped a corrupt sample or shard: %r", exception)
         return True
 
-    @property
-    def count(self) -> int:
-        return self._count.value
+    def take(self) -> int:
+        """Skips counted since the last call."""
+        fresh, self._taken = self.count - self._taken, self.count
+        return fresh
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn: SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
+    `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def close_stream(batches) -> None:
+    """Stop a train_stream's DataLoader workers now. They ignore SIGTERM (ignore_stop_signals), so the
+    DataLoader's own terminate() could not end one blocked on a full queue at exit: they are killed —
+    nothing they hold is needed once the trainer stops."""
+    for worker in getattr(batches, "_workers", []):
+        if worker.is_alive():
+            worker.kill()
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+class _SplitByRank:
+    """This rank's share of the shard list (rank and world size given, not guessed from the environment)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def __call__(self, sources):
+        yield from itertools.islice(sources, self.rank, None, self.world_size)
+
+
+class _Tokenize:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> torch.Tensor:
+        return self.tokenizer([text])[0]
+
+
+class _KeepRows:
+    """Replicated split: this rank's rows of a global batch."""
+
+    def __init__(self, rows: slice):
+        self.rows = rows
+
+    def __call__(self, batch):
+        return [tensor[self.rows] for tensor in batch]
+
+
+class _AttachSkips:
+    def __init__(self, skips: SkipCounter):
+        self.skips = skips
+
+    def __call__(self, batch):
+        return (*batch, self.skips.take())
 
 
 class _EpochShuffledShards(torch.utils.data.IterableDataset):
@@ -84,7 +146,8 @@ def _require_caption(sample):
 
 def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
                  shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, skips: SkipCounter):
-    """An endless iterator of (images, tokens) batches of `batch_size` for this rank.
+    """An endless iterator of (images, tokens, skipped) batches of `batch_size` for this rank;
+    `skipped` counts the samples and shards skipped while reading it (see SkipCounter).
 
     split="node": shards are split by rank and worker (epoch mode: reshuffled every pass, each
     sample once per epoch; resampled: shards drawn with replacement).
@@ -101,7 +164,8 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
     if resampled:
         shards = [wds.ResampledShards(urls, seed=stream_seed, deterministic=True)]
     else:
-        shards = [_EpochShuffledShards(urls, seed), *([] if replicated else [wds.split_by_node]), wds.split_by_worker]
+        shards = [_EpochShuffledShards(urls, seed), *([] if replicated else [_SplitByRank(rank, world_size)]),
+                  wds.split_by_worker]
     shuffle = [wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100), seed=stream_seed)] if shuffle_buffer > 1 else []
     stages = [
         *shards,
@@ -110,15 +174,16 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
         wds.decode("pil", handler=skips),
         wds.to_tuple(IMAGE_KEYS, "txt", handler=skips),
         wds.map(_require_caption, handler=skips),
-        wds.map_tuple(image_transform, lambda text: tokenizer([text])[0], handler=skips),
+        wds.map_tuple(image_transform, _Tokenize(tokenizer), handler=skips),
     ]
     if replicated:
         rows = slice(rank * batch_size, (rank + 1) * batch_size)
-        stages += [wds.batched(batch_size * world_size, partial=False), wds.map(lambda batch: [t[rows] for t in batch])]
+        stages += [wds.batched(batch_size * world_size, partial=False), wds.map(_KeepRows(rows))]
     else:
         stages += [wds.batched(batch_size, partial=False)]
+    stages += [wds.map(_AttachSkips(skips))]
     loader = wds.WebLoader(wds.DataPipeline(*stages), batch_size=None, num_workers=workers,
-                           persistent_workers=workers > 0)
+                           persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers else None)
     return iter(loader)
 
 

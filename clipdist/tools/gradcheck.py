@@ -34,7 +34,17 @@ def resolve_loss(spec: str) -> Callable:
         loss = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"--loss {spec!r}: cannot import it ({error})") from None
-    return loss() if inspect.isclass(loss) else loss
+    loss = loss() if inspect.isclass(loss) else loss
+    if not callable(loss):
+        raise ValueError(f"--loss {spec!r} is not callable: name a loss function or class")
+    try:
+        inspect.signature(loss).bind(None, None, None)
+    except TypeError as error:
+        raise ValueError(f"--loss {spec!r} cannot be called as loss(image_features, text_features, logit_scale): "
+                         f"{error}") from None
+    except ValueError:  # no signature to read (some builtins): the call itself will tell
+        pass
+    return loss
 
 
 def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dtype):

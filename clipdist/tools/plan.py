@@ -162,16 +162,28 @@ def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: 
     return low
 
 
+def check_request(backends: list[str], chunks_options: list[int], world_size: int, global_batch: int) -> None:
+    """Arguments that cannot make a plan: a ValueError naming the argument, before anything is measured."""
+    if global_batch < 1:
+        raise ValueError(f"--global-batch {global_batch}: must be at least 1")
+    if world_size < 1:
+        raise ValueError(f"--world {world_size}: must be at least 1 rank")
+    if global_batch % world_size:
+        raise ValueError(f"--global-batch {global_batch} does not divide over {world_size} ranks")
+    for chunks in chunks_options:
+        if not 1 <= chunks <= global_batch // world_size:
+            raise ValueError(f"--chunks {chunks}: need 1 ≤ chunks ≤ the local batch ({global_batch // world_size})")
+    for backend in backends:
+        build(backend)
+
+
 def plan(m: Measurements, backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
          device_bytes: int) -> list[PlanRow]:
-    if global_batch % world_size:
-        raise ValueError(f"global batch {global_batch} does not divide over {world_size} ranks")
+    check_request(backends, chunks_options, world_size, global_batch)
     local_batch = global_batch // world_size
     rows = []
     for backend in backends:
         for chunks in chunks_options:
-            if chunks > local_batch:
-                raise ValueError(f"chunks={chunks} is more than the local batch {local_batch}")
             parts = breakdown(m, backend, world_size, local_batch, chunks)
             rows.append(PlanRow(
                 backend, chunks, local_batch, global_batch, **parts, fits=parts["peak"] <= device_bytes,

@@ -1,0 +1,17 @@
+"""Failures a user can act on: shown as one line (`error: ...`), no traceback unless HYDRA_FULL_ERROR=1."""
+
+
+class ClipdistError(Exception):
+    """Base of the errors whose message says what is wrong and what to do."""
+
+
+class ConfigError(ClipdistError, ValueError):
+    """A config (or command-line argument) that cannot run; the message says what to change."""
+
+
+class CheckpointError(ClipdistError, RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); earlier checkpoints are intact."""
+
+
+class TrainingDiverged(ClipdistError, RuntimeError):
+    """Too many non-finite losses in a row; the last good state has been checkpointed."""

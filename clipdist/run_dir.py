@@ -1,0 +1,77 @@
+"""The run directory: one per run, locked for the life of the run, with the run's own record of its config.
+
+A lock is an exclusive `flock` on <run_dir>/.lock held by the process that starts the run (the
+launching process for local spawns, global rank 0 under torchrun / srun). The kernel drops it
+when that process ends however it ends, so a crashed or killed run leaves no stale lock behind;
+the file only keeps the last holder's host, pid and start time for the message a second process
+gets.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from clipdist.errors import ConfigError
+
+
+class RunLock:
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / ".lock"
+        self._handle = None
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ConfigError(f"{self.path.parent} is in use by {holder}; wait for that run to end, or start "
+                              "another with name=<new name>") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        self._handle = handle
+        return self
+
+    def release(self) -> None:
+        if self._handle is not None:
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            self._handle.close()
+            self._handle = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def write_record(run_dir: str | Path, config: dict, overrides: list[str]) -> None:
+    """<run_dir>/hydra/{config,overrides}.yaml: the resolved config and the command-line overrides
+    of this start (written only once its checks have passed, so a refused attempt changes nothing)."""
+    record = Path(run_dir) / "hydra"
+    record.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(config), record / "config.yaml")
+    OmegaConf.save(OmegaConf.create(list(overrides)), record / "overrides.yaml")
+
+
+def rewind_jsonl(path: str | Path, step: int) -> None:
+    """Drop the lines of a {"step": ...} JSONL log after `step` (what a resumed run will log again)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

@@ -1,0 +1,203 @@
+"""A run is safe from its user: one locked directory, resumes that check what they resume, signals
+to the whole process group (as SLURM, `timeout` and Ctrl-C send them) end in a checkpoint."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, read_jsonl, train, train_command
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def start_group(command: list[str], cwd: Path = REPO, env: dict | None = None) -> subprocess.Popen:
+    """A process in a process group of its own, as a shell job or a SLURM step is."""
+    return subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, seconds: float = 240) -> None:
+    log = run_dir / "train_log.jsonl"
+    deadline = time.time() + seconds
+    while not (log.exists() and len(log.read_text().splitlines()) >= steps):
+        if process.poll() is not None:
+            raise AssertionError(f"exited early ({process.returncode}): {process.stderr.read()[-3000:]}")
+        assert time.time() < deadline, "timed out waiting for steps"
+        time.sleep(0.1)
+
+
+def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir):
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), f"data.cache_dir={cache_dir}", *QUIET,
+                             "optim.max_steps=2", "eval_every=2"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1, runs
+    run_dir = runs[0]
+    assert {"hydra", "train.log", "checkpoints", "metrics.jsonl", "train_log.jsonl"} <= {p.name for p in run_dir.iterdir()}
+    record = (run_dir / "hydra" / "config.yaml").read_text()
+    assert f"name: '{run_dir.name}'" in record or f"name: {run_dir.name}\n" in record, record[:300]
+    assert "${now" not in record
+
+
+def test_multirun_jobs_each_get_their_own_run(tmp_path, cache_dir):
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "name=sweep", f"data.cache_dir={cache_dir}",
+                             *QUIET, "optim.max_steps=2", "eval_every=2", "optim.lr=0.001,0.002"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for job in ("0", "1"):
+        run_dir = tmp_path / "runs" / "sweep" / job
+        assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2], job
+        assert (run_dir / "checkpoints" / "step_00000002.pt").is_file()
+    lrs = {read_jsonl(tmp_path / "runs" / "sweep" / job / "train_log.jsonl")[0]["lr"] for job in ("0", "1")}
+    assert len(lrs) == 2  # two different runs, not one run resumed
+
+
+def test_second_process_on_the_same_run_is_refused_with_the_holder(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    first = start_group(train_command(run_dir, cache_dir, *QUIET, "optim.max_steps=2000", "eval_every=1000"))
+    wait_for_steps(run_dir, 2, first)
+    second = train(run_dir, cache_dir, *QUIET, "optim.max_steps=2000", "seed=1", timeout=120)
+    assert second.returncode == 2
+    assert second.stderr.strip().startswith("error: ") and len(second.stderr.strip().splitlines()) == 1
+    assert "is in use by pid" in second.stderr and str(first.pid) in second.stderr
+    assert first.poll() is None
+    os.killpg(first.pid, signal.SIGTERM)
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr[-3000:]
+    steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+    assert steps == list(range(1, len(steps) + 1))  # the first run's alone
+
+
+def test_resume_with_another_loss_is_refused_and_changes_nothing(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    assert train(run_dir, cache_dir, *QUIET, "optim.max_steps=2", "eval_every=2").returncode == 0
+    record = (run_dir / "hydra" / "config.yaml").read_text()
+    refused = train(run_dir, cache_dir, *QUIET, "optim.max_steps=4", "loss=siglip", timeout=120)
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "loss.name=disco" in lines[0] and "not loss.name=siglip" in lines[0] \
+        and "name=<new name>" in lines[0], refused.stderr
+    assert (run_dir / "hydra" / "config.yaml").read_text() == record
+
+
+def test_resume_with_another_world_size_warns_of_the_new_global_batch(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    assert train(run_dir, cache_dir, *QUIET, "optim.max_steps=2", "eval_every=2", "world.batch_per_device=16").returncode == 0
+    resumed = train(run_dir, cache_dir, *QUIET, "optim.max_steps=3", "eval_every=3", "world=cpu2",
+                    "world.batch_per_device=16")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "warning: resuming" in resumed.stderr and "with global batch 32 (2 rank(s) × 16), it was 16" in resumed.stderr
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout  # on every launcher, spawned ranks too
+    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2, 3]
+
+
+def torchrun_command(run_dir, cache_dir, *overrides):
+    command = train_command(run_dir, cache_dir, *overrides)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *command[1:]]
+
+
+@pytest.mark.parametrize("signum, launch, workers", [
+    (signal.SIGTERM, "local", 2),
+    (signal.SIGINT, "local", 4),
+    (signal.SIGTERM, "cpu2", 1),
+    (signal.SIGINT, "cpu2", 0),
+    (signal.SIGUSR1, "torchrun", 1),
+])
+def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, signum, launch, workers):
+    run_dir = tmp_path / "run"
+    overrides = [*QUIET, "optim.max_steps=400", "eval_every=1000", "checkpoint_every=1000", f"data.workers={workers}",
+                 "data.resampled=true", "world.batch_per_device=16"]
+    if launch == "torchrun":
+        command = torchrun_command(run_dir, cache_dir, *overrides, "world=cpu2", "world.spawn=false")
+    else:
+        command = train_command(run_dir, cache_dir, *overrides, f"world={launch}")
+    process = start_group(command)
+    wait_for_steps(run_dir, 4, process)
+    os.killpg(process.pid, signum)
+    _, stderr = process.communicate(timeout=120)
+    if launch != "torchrun":  # torchrun's own agent exits 1 when it is signalled, after its ranks
+        assert process.returncode == 0, stderr[-3000:]
+    stopped = read_jsonl(run_dir / "train_log.jsonl")[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step_{stopped:08d}.pt").is_file(), stderr[-3000:]
+    assert "DataLoader worker" not in stderr and "Traceback" not in stderr.split("torch.distributed.elastic")[0]
+
+
+def test_second_interrupt_a_second_later_exits_at_once():
+    code = """
+import os, signal, time
+from clipdist.checkpoint import StopSignal
+stop = StopSignal()
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C passed on by a launcher: still one interrupt
+time.sleep(0.2)
+assert stop.received == signal.SIGINT
+print("asked to stop", flush=True)
+time.sleep(1.1)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(10)
+print("still running")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130, result.stderr
+    assert result.stdout.strip() == "asked to stop" and "second interrupt: exiting now" in result.stderr
+
+
+def test_kill_and_resume_logs_each_step_once(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    overrides = [*QUIET, "optim.max_steps=12", "eval_every=4", "checkpoint_every=3", "world.batch_per_device=16"]
+    process = start_group(train_command(run_dir, cache_dir, *overrides))
+    while not ((run_dir / "checkpoints" / "step_00000006.pt").exists()
+               and (run_dir / "metrics.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 8):
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    killed = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+    assert killed[-1] > 6
+
+    resumed = train(run_dir, cache_dir, *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 13))
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [4, 8, 12]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip() or 'not root'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir):
+    run_dir = small_disk / "run"
+    result = train(run_dir, cache_dir, *QUIET, "optim.max_steps=3", "checkpoint_every=2", "eval_every=1000",
+                   timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: could not write checkpoint ") and "No space left on device" in lines[-1]
+    assert str(run_dir / "checkpoints" / "step_00000002.pt") in lines[-1]
+    assert "Traceback" not in result.stderr
+    assert not list((run_dir / "checkpoints").glob(".*partial"))
+
+    goes_on = train(small_disk / "run2", cache_dir, *QUIET, "optim.max_steps=3", "checkpoint_every=2",
+                    "eval_every=1000", "on_checkpoint_error=warn", timeout=120)
+    assert goes_on.returncode == 0, goes_on.stderr[-3000:]
+    assert goes_on.stderr.count("No space left on device") == 2  # steps 2 and 3 tried, warned, went on
+    assert [row["step"] for row in read_jsonl(small_disk / "run2" / "train_log.jsonl")] == [1, 2, 3]
