@@ -5,6 +5,7 @@ decides who is who and starts the group.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -169,7 +170,10 @@ def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout
         result = _UserError(error)
     finally:
         destroy_process_group()
-    results.put((rank, result))
+    # By value: tensors passed through a queue live in this process's shared memory, gone once it exits.
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    results.put((rank, buffer.getvalue()))
 
 
 def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[int, object]:
@@ -205,7 +209,7 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
             try:  # drain as we go: a rank blocked on a full pipe would never exit
                 while True:
                     rank, result = results.get_nowait()
-                    collected[rank] = result
+                    collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
             except queue_module.Empty:
                 pass
             if done:
@@ -215,7 +219,7 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
             signal.signal(signum, handler)
     while len(collected) < world_size:  # results put just before the last exit
         rank, result = results.get(timeout=30)
-        collected[rank] = result
+        collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
     for result in collected.values():
         if isinstance(result, _UserError):
             raise result.type(result.message)

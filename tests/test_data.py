@@ -43,10 +43,11 @@ def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
     skips = SkipCounter()
     stream = train_stream([str(tmp_path / "a.tar")], 2, identity_transform, get_tokenizer(), resampled=False,
                           split="node", shuffle_buffer=0, workers=0, rank=0, world_size=1, seed=0, skips=skips)
-    images, tokens = next(stream)
+    images, tokens, skipped = next(stream)
     assert images.tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
     assert tokens.shape[0] == 2
-    assert skips.count == 2
+    assert skipped == 2 and skips.count == 2  # the batch carries the skips made while reading it
+    assert next(stream)[2] == 0
 
 
 def eight_sample_shard(path):
