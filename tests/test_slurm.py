@@ -267,10 +267,11 @@ def test_hydra_submitit_launcher_trains_on_the_cluster(cluster, cache_dir, tmp_p
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
-         "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
          f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "optim.max_steps=6", "eval_every=6",
          *SMALL],
         env=cluster.env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
-    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == list(range(1, 7))
-    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 6
+    run_dir = tmp_path / "run" / "0"  # a sweep's job 0: its own run directory
+    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 7))
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 6
