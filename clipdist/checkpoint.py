@@ -101,7 +101,6 @@ class StopSignal:
     second or more after the first: a launcher (torchrun) passes the terminal's Ctrl-C on to its
     ranks, which get it from the terminal too."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     SAME_INTERRUPT_S = 1.0
 
     def __init__(self):
@@ -109,7 +108,7 @@ class StopSignal:
         self._first_interrupt: float | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
+            for signum in distributed.STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, _frame) -> None:
@@ -130,8 +129,6 @@ class StopSignal:
         self._previous = {}
 
 
-# A change under these keys makes another run: refused on resume. World size and batch may change.
-IDENTITY_KEYS = ("model.name", "loss.")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -145,11 +142,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def _identity(config: dict) -> dict:
+    """The keys whose change makes another run (refused on resume): the model and the loss, but not the
+    loss's initial scalars. World size and batch may change."""
     flat = _flat(config)
     for key in [k for k in flat if k.startswith("loss.options.")]:  # checkpoints from before typed loss options
         flat[key.replace("loss.options.", "loss.")] = flat.pop(key)
-    return {k: v for k, v in flat.items() if k == IDENTITY_KEYS[0] or (k.startswith(IDENTITY_KEYS[1])
-                                                                    and not k.startswith("loss.init_"))}
+    return {key: value for key, value in flat.items()
+            if key == "model.name" or (key.startswith("loss.") and not key.startswith("loss.init_"))}
 
 
 class Checkpointer:
@@ -210,9 +209,10 @@ class Checkpointer:
         or a checkpoint of another model or loss; a changed global batch is allowed (the returned warning)."""
         files = CheckpointFiles(cfg.run_dir)
         if cfg.resume == "never":
-            if files.checkpoints():
+            existing = files.checkpoints()
+            if existing:
                 raise ConfigError(
-                    f"{files.directory} already holds {files.checkpoints()[0].name}; resume=never would overwrite "
+                    f"{files.directory} already holds {existing[0].name}; resume=never would overwrite "
                     "that run. Use resume=auto to continue it, or name=<new name> for a new run")
             return None
         if cfg.resume != "auto" and not Path(cfg.resume).is_file():

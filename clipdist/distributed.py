@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 from dataclasses import dataclass
@@ -17,6 +18,11 @@ from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
+
+
+# Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
+# handles them, loader workers ignore them, the local launcher passes them on.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,6 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
     Ctrl-C reaches them directly too), which checkpoint and exit.
     """
     import queue as queue_module
-    import signal
 
     import torch.multiprocessing as mp
 
@@ -199,8 +204,7 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
             if process.is_alive():
                 os.kill(process.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
 
-    forwarded = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-    previous = {signum: signal.signal(signum, forward) for signum in forwarded} \
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
     collected: dict[int, object] = {}
     try:

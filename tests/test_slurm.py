@@ -19,18 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from clipdist.distributed import _free_port
 from helpers import REPO, read_jsonl
 
 pytestmark = pytest.mark.slurm
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo")
 SMALL = ["world=slurm_cpu", "logging.wandb=disabled", "logging.progress=false", "logging.log_every=1",
          "world.batch_per_device=16"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LocalSlurm:

@@ -11,6 +11,8 @@ import braceexpand
 import torch
 import webdataset as wds
 
+from clipdist.distributed import STOP_SIGNALS
+
 from .tar_samples import tar_samples
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class SkipCounter:
 def ignore_stop_signals(_worker_id: int = 0) -> None:
     """DataLoader worker_init_fn: SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
     `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down."""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
