@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -95,6 +96,10 @@ def load(path: str | Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+class StopRequested(BaseException):
+    """Raised by StopSignal.interruptible(): a stop signal came while the trainer waited for data."""
+
+
 class StopSignal:
     """SIGTERM, SIGUSR1 (preemption, SLURM's --signal) and SIGINT (Ctrl-C) ask for a checkpoint at the
     next step and a clean exit. A second SIGINT exits at once, without a checkpoint — if it comes a
@@ -105,6 +110,7 @@ class StopSignal:
 
     def __init__(self):
         self.received: int | None = None
+        self._waiting = False
         self._first_interrupt: float | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -119,6 +125,22 @@ class StopSignal:
                 os._exit(130)
             self._first_interrupt = self._first_interrupt or now
         self.received = signum
+        if self._waiting:
+            self._waiting = False
+            raise StopRequested()
+
+    @contextmanager
+    def interruptible(self):
+        """Inside, a stop signal (or one already received) raises StopRequested at once: a loader stuck on
+        a hung source (a stalled network read, a pipe: command that never writes) cannot hold a stop up.
+        A BaseException, so no `except Exception` on the way (webdataset's handlers) swallows it."""
+        if self.received is not None:
+            raise StopRequested()
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
     def flag(self) -> torch.Tensor:
         return torch.tensor(0.0 if self.received is None else 1.0)

@@ -74,12 +74,20 @@ def _print_report(report, verbose: bool) -> None:
 
 
 def _make_shards(args: argparse.Namespace) -> int:
-    from clipdist.data.shards import pairs_from_csv, pairs_from_folder, write_shards
+    from clipdist.data.shards import make_shards, pairs_from_csv, pairs_from_folder
 
     pairs = pairs_from_folder(args.images) if args.images else pairs_from_csv(args.csv, args.path_column, args.caption_column)
-    written = write_shards(pairs, args.out, args.prefix, args.samples_per_shard)
+    unreadable = []
+
+    def skip(message: str) -> None:
+        unreadable.append(message)
+        print(f"warning: skipped {message}", file=sys.stderr)
+
+    written = make_shards(pairs, args.out, args.prefix, args.samples_per_shard, overwrite=args.overwrite,
+                          on_unreadable=skip)
     print(f"wrote {len(written)} shard(s) to {args.out}: "
-          f"{args.out}/{args.prefix}-{{000000..{len(written) - 1:06d}}}.tar")
+          f"{args.out}/{args.prefix}-{{000000..{len(written) - 1:06d}}}.tar"
+          + (f" ({len(unreadable)} unreadable image(s) left out)" if unreadable else ""))
     return 0
 
 
@@ -258,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--out", required=True, help="output folder")
     shards.add_argument("--prefix", default="shard")
     shards.add_argument("--samples-per-shard", type=int, default=1000)
+    shards.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out folder (as a whole, once the new shards are written)")
     shards.set_defaults(run=_make_shards)
     return parser
 
@@ -270,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         print(f"clipdist {args.command}: error: {error}", file=sys.stderr)
         return 2
 

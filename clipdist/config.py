@@ -72,8 +72,10 @@ class DataConfig:
     # Built-in real datasets turned into shards on first use (digits, fashion_mnist), or null
     # to read your own shards from train_shards / val_shards.
     source: Optional[str] = "digits"
-    train_shards: Optional[str] = None  # local path, brace pattern 'dir/{000..099}.tar', or 'pipe:cmd'
-    val_shards: Optional[str] = None
+    # A shard spec: file, brace pattern 'dir/{000..099}.tar', directory, glob, URL or 'pipe:cmd'; '::' joins several.
+    train_shards: Optional[str] = None
+    val_shards: Optional[str] = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
+    eval_sets: Dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
     split: Split = Split.node
     augment: bool = True  # random resized crops for training images
@@ -81,8 +83,9 @@ class DataConfig:
     workers: int = 0  # DataLoader workers per rank
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
-    classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's, or none
-    templates: List[str] = field(default_factory=lambda: ["a photo of {}."])
+    classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
+    max_skips_in_a_row: int = 1000  # this many unusable samples with no good one between: stop with an error
+    templates: List[str] = field(default_factory=lambda: ["a photo of {}."])  # where no templates file is beside the shards
 
 
 @dataclass
@@ -178,7 +181,7 @@ class TrainConfig:
 
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
-            "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
+            "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
             "world.rendezvous_timeout_s", "grad_cache.chunks")
 NON_NEGATIVE = ("optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")

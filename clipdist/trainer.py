@@ -19,10 +19,11 @@ import torch
 from tqdm import tqdm
 
 from clipdist import distributed
-from clipdist.checkpoint import Checkpointer
+from clipdist.checkpoint import Checkpointer, StopRequested
 from clipdist.config import Device, Precision, TrainConfig, as_dict, to_train_config, validate
-from clipdist.data.pipeline import SkipCounter, check_shard_count, close_stream, train_stream
-from clipdist.data.sources import Shards, resolve_shards
+from clipdist.data.faults import DataError, DataFailure, SkipCounter
+from clipdist.data.pipeline import check_shard_count, close_stream, first_eval_record, train_stream
+from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
@@ -82,7 +83,24 @@ def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
                           split=cfg.data.split)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
+    for evalset in shards.evals:
+        check_eval_set(evalset)
     return shards
+
+
+def check_eval_set(evalset: EvalSet) -> None:
+    """Read the first sample of an evaluation set now, so a bad path or layout fails before training
+    (not after the last step): it must decode, and have a caption or a label that has a class name."""
+    what = "data.val_shards" if evalset.name == "val" else f"data.eval_sets.{evalset.name}"
+    try:
+        _, captions, label = first_eval_record(evalset.urls)
+    except Exception as error:  # noqa: BLE001 -- whatever reading raised is the message
+        raise ConfigError(f"{what}: cannot read its first sample: {error}") from None
+    if label >= 0 and not captions and not evalset.classnames:
+        raise ConfigError(f"{what}: samples have labels but no captions, and the set has no class names: put "
+                          "classnames.txt (one name per line, in label order) beside the shards, or set data.classnames")
+    if evalset.classnames and label >= len(evalset.classnames):
+        raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
 
 
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
@@ -170,7 +188,8 @@ class Trainer:
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
-        self.skips, self.skipped_samples = SkipCounter(), 0
+        self.skips, self.skipped_samples = SkipCounter(cfg.data.max_skips_in_a_row), 0
+        self.eval_errors = 0
         self.batches = train_stream(
             shards.train, cfg.world.batch_per_device,
             open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
@@ -204,7 +223,7 @@ class Trainer:
         try:
             while state.step < cfg.optim.max_steps:
                 started = time.perf_counter()
-                images, tokens, skipped = next(self.batches)
+                images, tokens, skipped = self.next_batch()
                 loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
                 # One collective gives every rank the global loss, whether any rank was signalled and the
                 # samples skipped on all ranks, so all ranks skip, stop or step together.
@@ -232,16 +251,32 @@ class Trainer:
                 grad_norm = self.optimize(loss)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(global_loss, grad_norm, seconds, skipped_steps)
+                if checkpointer.due(state.step):  # before evaluating: an evaluation can never cost a step
+                    checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
-                if checkpointer.due(state.step):
-                    checkpointer.save(state)
         finally:
             close_stream(self.batches)
             checkpointer.close()
             self.progress.close()
             self.tracker.finish()
         return metrics
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's next (images, tokens, skipped). A stop signal while waiting gives zeros of the batch's
+        shape instead: the step's collectives still match on every rank, and its all-reduce stops them."""
+        try:
+            with self.checkpointer.stop.interruptible():
+                batch = next(self.batches)
+        except StopRequested:
+            size = self.model.visual.image_size
+            height, width = (size, size) if isinstance(size, int) else size
+            rows = self.cfg.world.batch_per_device
+            return (torch.zeros(rows, 3, height, width),
+                    torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long), 0)
+        if isinstance(batch, DataFailure):
+            raise DataError(f"rank {self.env.rank}: {batch.message}")
+        return batch
 
     def optimize(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward (DDP averages gradients), clip, AdamW, schedule, clamp the logit scale; one step done."""
@@ -272,12 +307,21 @@ class Trainer:
                                     "skipped_samples": self.skipped_samples, "skipped_steps": skipped_steps}, state.step)
 
     def evaluate(self) -> dict | None:
-        """Zero-shot and retrieval on the validation shards, on rank 0; the other ranks wait."""
+        """Every evaluation set on rank 0 (the other ranks wait). A set that fails is logged and counted
+        (eval_errors) and training goes on: evaluation never stops a run."""
         metrics = None
-        if self.env.is_main and self.shards.val:
-            metrics = evaluate(self.model, self.tokenizer, self.shards.val, self.val_transform, self.shards.classnames,
-                               self.cfg.data.templates, self.device, autocast=self.autocast)
-            metrics["train_skipped"] = self.skipped_samples
+        if self.env.is_main and self.shards.evals:
+            metrics = {}
+            for evalset in self.shards.evals:
+                try:
+                    metrics.update(evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device,
+                                            autocast=self.autocast,
+                                            max_skips_in_a_row=self.cfg.data.max_skips_in_a_row))
+                except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal
+                    self.eval_errors += 1
+                    log.warning("step %d: evaluation of %s failed (%s: %s); training goes on (eval_errors=%d)",
+                                self.state.step, evalset.name, type(error).__name__, error, self.eval_errors)
+            metrics.update(train_skipped=self.skipped_samples, eval_errors=self.eval_errors)
             self.tracker.log_eval(metrics, self.state.step)
             self.say(f"step {self.state.step}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))

@@ -1,32 +1,27 @@
 import io
+import logging
 import tarfile
+import time
 
 import numpy as np
 import pytest
 import torch
+import webdataset as wds
 from PIL import Image
 
 from clipdist.cli import main as cli
 from clipdist.data.builtin import builtin_shards
-import webdataset as wds
-
-from clipdist.data.pipeline import SkipCounter, expand_shards, train_stream
+from clipdist.data.faults import DataFailure, SkipCounter
+from clipdist.data.pipeline import train_stream
+from clipdist.data.samples import SampleError, decode_image, eval_record, label_of, to_rgb
+from clipdist.data.sources import eval_set, expand_shards
 from clipdist.data.tar_samples import tar_samples
 from clipdist.models import get_tokenizer
-
-
-def write_tar(path, members):
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+from helpers import image_bytes, write_samples, write_tar
 
 
 def png(value):
-    buffer = io.BytesIO()
-    Image.new("RGB", (8, 8), (value, value, value)).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return image_bytes(value)
 
 
 def identity_transform(image):
@@ -133,3 +128,194 @@ def test_make_shards_from_csv(tmp_path):
     assert [s.name for s in shards] == ["shard-000000.tar", "shard-000001.tar"]
     with tarfile.open(shards[0]) as tar:
         assert tar.extractfile("000000001.txt").read() == b"one"
+
+
+# --- images of every mode ---------------------------------------------------------------------
+
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def decoded_mean(data: bytes, ext: str = "png") -> np.ndarray:
+    image = decode_image({"__key__": "k", "__url__": "u", ext: data})
+    assert image.mode == "RGB"
+    return np.asarray(image, dtype=np.float64).mean(axis=(0, 1))
+
+
+def test_16_bit_greyscale_is_scaled_not_clipped():
+    data = encoded(Image.fromarray(np.full((4, 4), 30000, np.uint16)))
+    assert Image.open(io.BytesIO(data)).mode.startswith("I")  # PIL reads it as 16-bit
+    assert decoded_mean(data) == pytest.approx([30000 / 257] * 3, abs=0.6)  # PIL's convert gives 255
+
+
+def test_alpha_is_composited_on_white_and_palettes_keep_their_colours():
+    transparent_red = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
+    assert decoded_mean(encoded(transparent_red)) == pytest.approx([255, 255, 255])
+    half_red = Image.new("RGBA", (4, 4), (255, 0, 0, 128))
+    assert decoded_mean(encoded(half_red)) == pytest.approx([255, 127, 127], abs=1.5)
+    grey_alpha = Image.new("LA", (4, 4), (0, 0))
+    assert decoded_mean(encoded(grey_alpha)) == pytest.approx([255, 255, 255])
+    palette = Image.new("RGB", (4, 4), (10, 200, 30)).convert("P", palette=Image.Palette.ADAPTIVE)
+    assert decoded_mean(encoded(palette)) == pytest.approx([10, 200, 30], abs=2)
+    palette.info["transparency"] = 0
+    assert decoded_mean(encoded(palette)) == pytest.approx([255, 255, 255])  # its only colour is transparent
+
+
+@pytest.mark.parametrize("mode, value, expected", [("1", 1, 255), ("L", 77, 77), ("CMYK", (0, 0, 0, 0), 255),
+                                                   ("I", 65535, 255), ("F", 300.0, 255)])
+def test_every_mode_becomes_rgb(mode, value, expected):
+    image = to_rgb(Image.new(mode, (4, 4), value))
+    assert image.mode == "RGB" and np.asarray(image).mean() == pytest.approx(expected, abs=1)
+
+
+def test_webp_jpeg_and_bmp_decode():
+    for fmt, ext in [("WEBP", "webp"), ("JPEG", "jpg"), ("BMP", "bmp")]:
+        assert decoded_mean(image_bytes(200, fmt), ext) == pytest.approx([200] * 3, abs=3)
+
+
+def test_sample_errors_name_the_shard_the_key_and_the_reason():
+    with pytest.raises(SampleError, match=r"s\.tar: sample 'k7': \.jpg does not decode"):
+        decode_image({"__url__": "s.tar", "__key__": "k7", "jpg": b"garbage"})
+    with pytest.raises(SampleError, match=r"no image .*it has \.caption, \.json"):
+        decode_image({"__url__": "s.tar", "__key__": "k7", "caption": b"x", "json": b"{}"})
+
+
+# --- labels and captions --------------------------------------------------------------------------
+
+def test_labels_from_cls_or_json_and_unlabelled_samples_with_captions_are_kept():
+    png8 = image_bytes()
+    assert label_of({"cls": b"3\n"}) == 3
+    assert label_of({"json": b'{"label": 5}'}) == 5
+    assert label_of({"json": b'{"caption": "x"}'}) is None
+    assert eval_record({"png": png8, "cls": b"2"})[1:] == ([], 2)  # zero-shot only
+    assert eval_record({"png": png8, "txt": b"a cat\n\na dog\n"})[1:] == (["a cat", "a dog"], -1)  # retrieval only
+    with pytest.raises(SampleError, match="neither a .txt caption nor a label"):
+        eval_record({"png": png8, "json": b"{}"})
+
+
+# --- shard specs ----------------------------------------------------------------------------------
+
+def test_directories_and_globs_are_shard_specs(tmp_path):
+    for name in ["b-10.tar", "b-2.tar", "a-1.tar", "notes.txt"]:
+        write_tar(tmp_path / name, [("x.txt", b"x")]) if name.endswith(".tar") else (tmp_path / name).write_text("x")
+    in_order = [str(tmp_path / n) for n in ["a-1.tar", "b-2.tar", "b-10.tar"]]  # natural order
+    assert expand_shards(str(tmp_path)) == in_order
+    assert expand_shards(f"{tmp_path}/b-*.tar") == in_order[1:]
+    assert expand_shards(f"{tmp_path}/a-1.tar::{tmp_path}/b-{{2,10}}.tar") == in_order
+    with pytest.raises(FileNotFoundError, match="the glob .* matches no file"):
+        expand_shards(f"{tmp_path}/c-*.tar")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no .tar files"):
+        expand_shards(str(tmp_path / "empty"))
+
+
+def clip_benchmark_set(root, samples_per_shard=3, shards=2):
+    """clip_benchmark's webdataset layout: test/{0..n}.tar of .webp + .cls, class names and templates beside."""
+    (root / "test").mkdir(parents=True)
+    for shard in range(shards):
+        write_samples(root / "test" / f"{shard}.tar", [
+            {"__key__": f"s{shard}{i}", "webp": image_bytes(40 * i, "WEBP"), "cls": str(i % 2).encode()}
+            for i in range(samples_per_shard)])
+    (root / "test" / "nshards.txt").write_text(f"{shards}\n")
+    (root / "classnames.txt").write_text("cat\ndog\n")
+    (root / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\na drawing of a {c}.\n")
+    return root
+
+
+def test_a_clip_benchmark_folder_is_an_eval_set(tmp_path):
+    root = clip_benchmark_set(tmp_path / "wds_pets", shards=11)
+    evalset = eval_set("pets", str(root), [], ["a photo of {}."])
+    assert evalset.urls[:3] == [str(root / "test" / f"{i}.tar") for i in (0, 1, 2)] and len(evalset.urls) == 11
+    assert evalset.classnames == ["cat", "dog"]
+    assert evalset.templates == ["a photo of a {c}.", "a drawing of a {c}."]
+    assert eval_set("pets", f"{root}/test/{{0..3}}.tar", [], []).classnames == ["cat", "dog"]  # beside the split folder
+    assert eval_set("pets", str(root), ["x", "y"], []).classnames == ["x", "y"]  # given names win
+
+
+# --- sources that keep failing --------------------------------------------------------------------
+
+def caption_shard(path, n=6, first=0):
+    return write_samples(path, [{"__key__": f"{first + i:04d}", "png": image_bytes(i), "txt": b"a caption"}
+                                for i in range(n)])
+
+
+def stream(urls, workers=0, resampled=False, skips=None, batch=2):
+    return train_stream([str(u) for u in urls], batch, identity_transform, get_tokenizer(), resampled=resampled,
+                        split="node", shuffle_buffer=0, workers=workers, rank=0, world_size=1, seed=0,
+                        skips=skips or SkipCounter())
+
+
+@pytest.mark.parametrize("resampled", [False, True])
+def test_a_shard_that_is_not_a_tar_is_counted_and_the_others_are_read(tmp_path, resampled):
+    (tmp_path / "bad.tar").write_text("this is a text file, not a tar\n" * 20)
+    caption_shard(tmp_path / "good.tar")
+    skips = SkipCounter()
+    batches = stream([tmp_path / "bad.tar", tmp_path / "good.tar"], resampled=resampled, skips=skips)
+    total = sum(next(batches)[2] for _ in range(12))
+    assert 1 <= total == skips.count  # the text file: skipped (once per pass), the rest trains
+    assert "cannot be read as a tar file" in skips.last_reason and "bad.tar" in skips.last_reason
+
+
+@pytest.mark.parametrize("resampled, workers", [(False, 0), (True, 0), (False, 1)])
+def test_when_no_shard_can_be_read_the_stream_says_so_within_seconds(tmp_path, resampled, workers):
+    for name in ["a.tar", "b.tar"]:
+        (tmp_path / name).write_text("not a tar at all\n" * 50)
+    started = time.monotonic()
+    failure = next(stream([tmp_path / "a.tar", tmp_path / "b.tar"], workers=workers, resampled=resampled))
+    assert isinstance(failure, DataFailure)
+    assert "none of the 2 shard(s)" in failure.message and "a.tar" in failure.message and "b.tar" in failure.message
+    assert time.monotonic() - started < 30
+
+
+def test_shards_in_the_wrong_layout_stop_with_the_reason(tmp_path):
+    write_samples(tmp_path / "s.tar", [{"__key__": f"{i:04d}", "jpg": image_bytes(fmt="JPEG"), "caption": b"x"}
+                                       for i in range(40)])
+    failure = next(stream([tmp_path / "s.tar"], resampled=True, skips=SkipCounter(max_in_a_row=25)))
+    assert isinstance(failure, DataFailure)
+    assert "25 samples in a row could not be used" in failure.message and "no .txt caption" in failure.message
+
+
+def test_skip_warnings_are_rate_limited_and_say_where(tmp_path, caplog):
+    skips = SkipCounter(max_in_a_row=0, first_warnings=3, every_s=3600)
+    with caplog.at_level(logging.WARNING, logger="clipdist.data"):
+        for i in range(200):
+            skips(SampleError({"__url__": "/d/s.tar", "__key__": f"k{i}"}, "empty caption"))
+    assert skips.count == 200 and len(caplog.records) == 3
+    assert "/d/s.tar: sample 'k0': empty caption" in caplog.records[0].getMessage()
+
+
+# --- make-shards ----------------------------------------------------------------------------------
+
+def test_make_shards_refuses_a_non_empty_folder_and_overwrites_it_whole(tmp_path, capsys):
+    images = tmp_path / "images" / "cat"
+    images.mkdir(parents=True)
+    for i in range(5):
+        (images / f"{i}.png").write_bytes(png(i))
+    out = tmp_path / "out"
+    assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--samples-per-shard", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [f"shard-00000{i}.tar" for i in range(3)]
+    (images / "3.png").unlink()
+    (images / "4.png").unlink()
+    assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out)]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+    assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar"]  # nothing left of the first run
+    assert not list(tmp_path.glob(".out*"))
+
+
+def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files(tmp_path, capsys):
+    (tmp_path / "ok.png").write_bytes(png(1))
+    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    (tmp_path / "pairs.csv").write_text("path,caption\nok.png,fine\nbroken.jpg,broken\n")
+    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "a")]) == 0
+    captured = capsys.readouterr()
+    assert "broken.jpg: not a readable image" in captured.err and "1 unreadable image(s) left out" in captured.out
+    with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tar:
+        assert sorted(tar.getnames()) == ["000000000.json", "000000000.png", "000000000.txt"]
+
+    (tmp_path / "pairs.csv").write_text("path,caption\nok.png,fine\nmissing.png,gone\n")
+    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "b")]) == 2
+    assert "line 3: image 'missing.png' not found" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b*"))  # nothing half-written

@@ -2,40 +2,16 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import signal
-from pathlib import Path
 
-import braceexpand
 import torch
 import webdataset as wds
 
+from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
+from clipdist.data.samples import eval_record, training_pair
+from clipdist.data.tar_samples import tar_samples
 from clipdist.distributed import STOP_SIGNALS
-
-from .tar_samples import tar_samples
-
-log = logging.getLogger(__name__)
-IMAGE_KEYS = "jpg;jpeg;png;webp"
-
-
-def expand_shards(pattern: str, what: str = "data.train_shards") -> list[str]:
-    """Brace-expand a shard spec ('::' separates several) and check that local shards exist."""
-    if not pattern:
-        raise ValueError(f"{what} is empty: give a shard path, brace pattern or pipe: URL")
-    urls = [url for part in pattern.split("::") for url in braceexpand.braceexpand(part)]
-    local = [url for url in urls if "://" not in url and not url.startswith("pipe:")]
-    missing = [url for url in local if not Path(url).is_file()]
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise FileNotFoundError(
-            f"{what}={pattern!r}: {len(missing)} of {len(urls)} shards not found ({shown}). "
-            "Check the path, or write shards with `clipdist make-shards`"
-        )
-    empty = [url for url in local if Path(url).stat().st_size == 0]
-    if empty:
-        raise ValueError(f"{what}: empty shard file(s): {', '.join(empty[:3])}")
-    return urls
 
 
 def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: bool, split: str) -> None:
@@ -45,30 +21,6 @@ def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: 
             f"{shards} shard(s) for {world_size} rank(s) × {max(workers, 1)} worker(s): every worker needs "
             "at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
         )
-
-
-class SkipCounter:
-    """A webdataset handler that skips a bad sample or shard, warns, and counts it.
-
-    The count lives in the process that reads: a DataLoader worker (fork, spawn or forkserver
-    alike) or the main process. The training stream attaches `take()` — the skips since the
-    last batch — to every batch, so the trainer sums them across workers and ranks; nothing is
-    shared between processes.
-    """
-
-    def __init__(self):
-        self.count = 0
-        self._taken = 0
-
-    def __call__(self, exception: Exception) -> bool:
-        self.count += 1
-        log.warning("skipped a corrupt sample or shard: %r", exception)
-        return True
-
-    def take(self) -> int:
-        """Skips counted since the last call."""
-        fresh, self._taken = self.count - self._taken, self.count
-        return fresh
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
@@ -88,16 +40,6 @@ def close_stream(batches) -> None:
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
-
-
-class _SplitByRank:
-    """This rank's share of the shard list (rank and world size given, not guessed from the environment)."""
-
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
-
-    def __call__(self, sources):
-        yield from itertools.islice(sources, self.rank, None, self.world_size)
 
 
 class _Tokenize:
@@ -126,30 +68,100 @@ class _AttachSkips:
         return (*batch, self.skips.take())
 
 
-class _EpochShuffledShards(torch.utils.data.IterableDataset):
-    """Endless shard list, reshuffled (seed + epoch) at every pass, the same on every rank."""
+class _ShardOrder(torch.utils.data.IterableDataset):
+    """The shards this reader (rank × DataLoader worker) opens, endlessly, as {"url": ...}.
 
-    def __init__(self, urls: list[str], seed: int):
+    Epoch mode: every pass shuffles the whole list (seed + pass, the same on every rank) and
+    deals it out over readers, each shard to one reader. Resampled: shards drawn with
+    replacement from the whole list (seed, rank and worker), a pass being len(urls) draws.
+    Shards that gave no sample in this pass are left out of later draws; when all of a
+    reader's shards failed in one pass, DataError (ShardHealth.check).
+    """
+
+    def __init__(self, urls: list[str], seed: int, rank: int, world_size: int, *, resampled: bool,
+                 replicated: bool, health: ShardHealth):
         super().__init__()
-        self.urls, self.seed = urls, seed
+        self.urls, self.seed, self.resampled, self.health = urls, seed, resampled, health
+        self.rank, self.world_size = (0, 1) if replicated else (rank, world_size)
+        self.stream_seed = seed if replicated else seed + 1_000_003 * rank
 
     def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.resampled:
+            yield from self._resampled(random.Random(f"{self.stream_seed}-{worker}"), f"reader {worker} of rank {self.rank}")
+            return
+        reader, readers = self.rank * workers + worker, self.world_size * workers
         for epoch in itertools.count():
-            urls = list(self.urls)
-            random.Random(self.seed + epoch).shuffle(urls)
-            yield from ({"url": url} for url in urls)
+            order = list(self.urls)
+            random.Random(self.seed + epoch).shuffle(order)
+            mine = order[reader::readers]
+            self.health.new_pass()
+            yield from ({"url": url} for url in mine)
+            self.health.check(mine, f"rank {self.rank} worker {worker}")
+
+    def _resampled(self, rng: random.Random, who: str):
+        while True:
+            if self.health.read_any or not self.health.failed:
+                self.health.new_pass()  # failed shards get another chance; not while nothing reads at all
+            for _ in range(len(self.urls)):
+                usable = [url for url in self.urls if url not in self.health.failed]
+                if not usable:
+                    self.health.check(self.urls, who)
+                yield {"url": rng.choice(usable)}
 
 
-def _require_caption(sample):
-    if not isinstance(sample[1], str) or not sample[1].strip():
-        raise ValueError(f"empty caption in sample {sample[1]!r}")
-    return sample
+class _Tokenize:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> torch.Tensor:
+        return self.tokenizer([text])[0]
+
+
+class _KeepRows:
+    """Replicated split: this rank's rows of a global batch."""
+
+    def __init__(self, rows: slice):
+        self.rows = rows
+
+    def __call__(self, batch):
+        return [tensor[self.rows] for tensor in batch]
+
+
+class _MarkGood:
+    """Passes a usable sample on and tells the SkipCounter (its in-a-row count starts again)."""
+
+    def __init__(self, skips: SkipCounter):
+        self.skips = skips
+
+    def __call__(self, sample):
+        self.skips.ok()
+        return sample
+
+
+class _AttachSkips:
+    def __init__(self, skips: SkipCounter):
+        self.skips = skips
+
+    def __call__(self, batch):
+        return (*batch, self.skips.take())
+
+
+def _carry_data_errors(source):
+    """Last stage: a DataError becomes a DataFailure value, so it reaches the trainer through a
+    DataLoader with its one-line message (a worker's exception would arrive as a traceback dump)."""
+    try:
+        yield from source
+    except DataError as error:
+        yield DataFailure(str(error))
 
 
 def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
                  shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, skips: SkipCounter):
     """An endless iterator of (images, tokens, skipped) batches of `batch_size` for this rank;
-    `skipped` counts the samples and shards skipped while reading it (see SkipCounter).
+    `skipped` counts the samples and shards skipped while reading it (see SkipCounter). A source
+    that gives nothing usable yields a DataFailure (see faults) instead of spinning.
 
     split="node": shards are split by rank and worker (epoch mode: reshuffled every pass, each
     sample once per epoch; resampled: shards drawn with replacement).
@@ -162,46 +174,45 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
         raise ValueError(f"data.split={split!r}; choose node or replicated")
     replicated = split == "replicated"
     check_shard_count(len(urls), world_size, workers, resampled=resampled, split=split)
-    stream_seed = seed if replicated else seed + 1_000_003 * rank
-    if resampled:
-        shards = [wds.ResampledShards(urls, seed=stream_seed, deterministic=True)]
-    else:
-        shards = [_EpochShuffledShards(urls, seed), *([] if replicated else [_SplitByRank(rank, world_size)]),
-                  wds.split_by_worker]
+    health = ShardHealth()
+    shards = _ShardOrder(urls, seed, rank, world_size, resampled=resampled, replicated=replicated, health=health)
+    stream_seed = shards.stream_seed
     shuffle = [wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100), seed=stream_seed)] if shuffle_buffer > 1 else []
     stages = [
-        *shards,
-        tar_samples(handler=skips),
+        shards,
+        tar_samples(handler=skips, health=health),
         *shuffle,
-        wds.decode("pil", handler=skips),
-        wds.to_tuple(IMAGE_KEYS, "txt", handler=skips),
-        wds.map(_require_caption, handler=skips),
+        wds.map(training_pair, handler=skips),
         wds.map_tuple(image_transform, _Tokenize(tokenizer), handler=skips),
+        wds.map(_MarkGood(skips)),
     ]
     if replicated:
         rows = slice(rank * batch_size, (rank + 1) * batch_size)
         stages += [wds.batched(batch_size * world_size, partial=False), wds.map(_KeepRows(rows))]
     else:
         stages += [wds.batched(batch_size, partial=False)]
-    stages += [wds.map(_AttachSkips(skips))]
+    stages += [wds.map(_AttachSkips(skips)), _carry_data_errors]
     loader = wds.WebLoader(wds.DataPipeline(*stages), batch_size=None, num_workers=workers,
                            persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers else None)
     return iter(loader)
 
 
-def eval_batches(urls: list[str], batch_size: int, image_transform, skips: SkipCounter):
-    """Every (images, captions, json) batch of the validation shards, once, in order (rank-local)."""
-    pipeline = wds.DataPipeline(
+def eval_records(urls: list[str], skips: SkipCounter):
+    """Every usable (image, captions, label) of the shards, once, in order (see samples.eval_record)."""
+    return wds.DataPipeline(
         wds.SimpleShardList(urls),
         tar_samples(handler=skips),
-        wds.decode("pil", handler=skips),
-        wds.to_tuple(IMAGE_KEYS, "txt", "json", handler=skips),
-        wds.map_tuple(image_transform, lambda text: text, lambda meta: meta, handler=skips),
-        wds.batched(batch_size, partial=True, collation_fn=_collate_eval),
+        wds.map(eval_record, handler=skips),
+        wds.map(_MarkGood(skips)),
     )
-    return iter(pipeline)
 
 
-def _collate_eval(samples):
-    images, captions, metas = zip(*samples)
-    return torch.stack(images), list(captions), list(metas)
+def first_eval_record(urls: list[str]):
+    """The first sample of a validation set, or the exception that reading it raised (no skipping)."""
+
+    def fail(exception):
+        raise exception
+
+    for record in wds.DataPipeline(wds.SimpleShardList(urls[:1]), tar_samples(handler=fail), wds.map(eval_record)):
+        return record
+    raise DataError(f"{urls[0]} holds no sample")

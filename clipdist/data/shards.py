@@ -15,32 +15,98 @@ from PIL import Image
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
 
+FORMAT_EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # stored as they are; other formats become PNG
+
+
+class UnreadableImage(ValueError):
+    """An image file that does not decode; make-shards skips it and says so."""
+
+
+def checked_image(data: bytes, where: str) -> tuple[str, bytes]:
+    """(extension, bytes) of an image that decodes: JPEG/PNG/WebP kept byte for byte, any other format
+    PIL reads (BMP, TIFF, GIF, ...) converted to PNG."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            extension = FORMAT_EXTENSIONS.get(image.format)
+            if extension:
+                return extension, data
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            return "png", buffer.getvalue()
+    except Exception as exn:  # noqa: BLE001 -- any decoder failure means this file is unusable
+        raise UnreadableImage(f"{where}: not a readable image ({type(exn).__name__}: {exn})") from None
+
+
 def write_shards(pairs: Iterable[tuple[Image.Image | bytes, str, dict]], out_dir: str | Path, prefix: str,
-                 samples_per_shard: int = 1000) -> list[Path]:
+                 samples_per_shard: int = 1000, on_unreadable=None) -> list[Path]:
     """Write pairs (image, caption, extra json) to out_dir/prefix-000000.tar, ... ; return the paths.
 
-    Images given as PIL are stored as PNG; bytes are stored as they are (with their suffix
-    guessed from the header). Shards are written under a temporary name and renamed when done.
+    Images given as PIL are stored as PNG; bytes must decode (checked_image) and are stored as
+    they are — one that does not is passed to on_unreadable(message) and left out, or raises
+    UnreadableImage when on_unreadable is None. Shards are written under a temporary name and renamed when all are done; if writing
+    fails, the temporary files are removed.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pattern = str(out_dir / f".{prefix}-%06d.tar.partial")
-    with wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as sink:
-        for index, (image, caption, extra) in enumerate(pairs):
-            sample = {"__key__": f"{index:09d}", "txt": caption, "json": json.dumps(extra)}
-            if isinstance(image, bytes):
-                sample["jpg" if image[:2] == b"\xff\xd8" else "png"] = image
-            else:
-                buffer = io.BytesIO()
-                image.save(buffer, format="PNG")
-                sample["png"] = buffer.getvalue()
-            sink.write(sample)
+    try:
+        with wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as sink:
+            index = 0
+            for image, caption, extra in pairs:
+                sample = {"__key__": f"{index:09d}", "txt": caption, "json": json.dumps(extra)}
+                if isinstance(image, bytes):
+                    try:
+                        extension, data = checked_image(image, extra.get("source", f"sample {index}"))
+                    except UnreadableImage as exn:
+                        if on_unreadable is None:
+                            raise
+                        on_unreadable(str(exn))
+                        continue
+                    sample[extension] = data
+                else:
+                    buffer = io.BytesIO()
+                    image.save(buffer, format="PNG")
+                    sample["png"] = buffer.getvalue()
+                sink.write(sample)
+                index += 1
+    except BaseException:
+        for partial in out_dir.glob(f".{prefix}-*.tar.partial"):
+            partial.unlink()
+        raise
     written = []
     for partial in sorted(out_dir.glob(f".{prefix}-*.tar.partial")):
         final = out_dir / partial.name[1:].removesuffix(".partial")
         os.replace(partial, final)
         written.append(final)
     return written
+
+
+def make_shards(pairs, out_dir: str | Path, prefix: str, samples_per_shard: int, overwrite: bool = False,
+                on_unreadable=None) -> list[Path]:
+    """`clipdist make-shards`: write into a new folder beside out_dir, then move it into place, so a
+    failure leaves out_dir as it was. A non-empty out_dir is refused unless overwrite=True (then its
+    old content is replaced as a whole: never a mix of two runs)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists and is not empty: choose a new --out, or pass "
+                              "--overwrite to replace its content")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    try:
+        written = write_shards(pairs, tmp, prefix, samples_per_shard, on_unreadable)
+        if not written:
+            raise ValueError("no sample to write: every image was unreadable")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out_dir / path.name for path in written]
 
 
 def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
@@ -68,8 +134,10 @@ def pairs_from_csv(table: str | Path, path_column: str = "path", caption_column:
         missing = {path_column, caption_column} - set(reader.fieldnames or [])
         if missing:
             raise ValueError(f"{table}: missing column(s) {sorted(missing)}; found {reader.fieldnames}")
-        for row in reader:
+        for line, row in enumerate(reader, start=2):
             path = (table.parent / row[path_column]).resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"{table}, line {line}: image {row[path_column]!r} not found ({path})")
             yield path.read_bytes(), row[caption_column], {"source": row[path_column]}
 
 

@@ -1,29 +1,148 @@
-"""Which shards a run reads: a built-in dataset's cache, or the user's shard specs — resolved once, before any rank starts."""
+"""Which shards a run reads — a built-in dataset's cache, or the user's shard specs — resolved once,
+before any rank starts, with every evaluation set's class names and prompt templates.
+
+A shard spec is one or more parts joined by '::', each one of
+    a file                          /data/shard-000.tar
+    a brace pattern                 /data/shard-{000..099}.tar
+    a glob                          '/data/*.tar'          (quote it for Hydra's parser)
+    a directory                     /data/cc3m/            (every *.tar inside, natural order)
+    a clip_benchmark dataset root   /data/wds_cifar10/     (test/*.tar, classnames.txt,
+                                                            zeroshot_classification_templates.txt)
+    a URL or pipe: command          pipe:aws s3 cp s3://bucket/shard-000.tar -
+"""
 from __future__ import annotations
 
+import glob
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of
-from clipdist.data.pipeline import expand_shards
+
+CLASSNAMES_FILE = "classnames.txt"
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"
+GLOB_CHARS = ("*", "?", "[")
+SPLIT_FOLDERS = ("test", "train", "val", "validation")
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A validation set: its shards and, for zero-shot classification, class names and prompts."""
+
+    name: str
+    urls: list[str]
+    classnames: list[str] = field(default_factory=list)
+    templates: list[str] = field(default_factory=list)
+
+    def metric(self, key: str) -> str:
+        """The logged name of a metric: <name>/<key> (zeroshot_top1, samples, ...), but for the main set
+        (data.val_shards, "val") zeroshot_top1, i2t_r1, ..., val_samples, val_skipped as ever."""
+        if self.name != "val":
+            return f"{self.name}/{key}"
+        return key if key.startswith(("zeroshot", "i2t", "t2i")) else f"val_{key}"
 
 
 @dataclass(frozen=True)
 class Shards:
-    """Local paths / URLs of the training and validation shards, and the zero-shot class names."""
+    """Local paths / URLs of the training shards and the evaluation sets."""
 
     train: list[str]
-    val: list[str] | None = None
-    classnames: list[str] = field(default_factory=list)
+    evals: list[EvalSet] = field(default_factory=list)
+
+
+def _is_remote(item: str) -> bool:
+    return "://" in item or item.startswith("pipe:")
+
+
+def _natural(path: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _benchmark_root(path: Path) -> bool:
+    """clip_benchmark's webdataset layout: test/*.tar with classnames.txt (or dataset_type.txt) beside."""
+    return (path / "test").is_dir() and any((path / name).exists() for name in (CLASSNAMES_FILE, "dataset_type.txt"))
+
+
+def _expand_item(item: str, what: str) -> list[str]:
+    if _is_remote(item):
+        return [item]
+    path = Path(item).expanduser()
+    if path.is_dir():
+        folder = path / "test" if _benchmark_root(path) else path
+        found = sorted((str(p) for p in folder.glob("*.tar")), key=_natural)
+        if not found:
+            raise FileNotFoundError(f"{what}: the directory {item} holds no .tar files (a shard spec may be a "
+                                    "directory of .tar shards, a file, a brace pattern or a glob)")
+        return found
+    if any(char in item for char in GLOB_CHARS):
+        found = sorted((p for p in glob.glob(str(path)) if Path(p).is_file()), key=_natural)
+        if not found:
+            raise FileNotFoundError(f"{what}: the glob {item!r} matches no file")
+        return found
+    return [str(path)]
+
+
+def expand_shards(spec: str, what: str = "data.train_shards") -> list[str]:
+    """Every shard of a spec (see the module docstring), checked: local shards exist and are not empty."""
+    if not spec:
+        raise ValueError(f"{what} is empty: give a shard path, directory, glob, brace pattern or pipe: command")
+    urls = [url for part in spec.split("::") for item in braceexpand.braceexpand(part) for url in _expand_item(item, what)]
+    local = [url for url in urls if not _is_remote(url)]
+    missing = [url for url in local if not Path(url).is_file()]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise FileNotFoundError(
+            f"{what}={spec!r}: {len(missing)} of {len(urls)} shards not found ({shown}). "
+            "Check the path, or write shards with `clipdist make-shards`"
+        )
+    empty = [url for url in local if Path(url).stat().st_size == 0]
+    if empty:
+        raise ValueError(f"{what}: empty shard file(s): {', '.join(empty[:3])}")
+    return urls
+
+
+def _lines(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def _beside(spec: str, urls: list[str], name: str) -> Path | None:
+    """`name` in the spec's directory, the first local shard's, or above a split folder (root/test/0.tar)."""
+    candidates = []
+    first = spec.split("::")[0]
+    if not _is_remote(first) and Path(first).expanduser().is_dir():
+        candidates.append(Path(first).expanduser())
+    local = [url for url in urls if not _is_remote(url)]
+    if local:
+        folder = Path(local[0]).parent
+        candidates += [folder, folder.parent] if folder.name in SPLIT_FOLDERS else [folder]
+    return next((folder / name for folder in candidates if (folder / name).is_file()), None)
+
+
+def eval_set(name: str, spec: str, classnames: list[str], templates: list[str]) -> EvalSet:
+    """An evaluation set from a spec. Class names: `classnames` if given, else classnames.txt beside the
+    shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`."""
+    what = "data.val_shards" if name == "val" else f"data.eval_sets.{name}"
+    urls = expand_shards(spec, what)
+    if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
+        classnames = _lines(found)
+    if found := _beside(spec, urls, TEMPLATES_FILE):
+        templates = _lines(found)
+    return EvalSet(name, urls, list(classnames), list(templates))
 
 
 def resolve_shards(data) -> Shards:
     """Shards for a DataConfig: a built-in source is written to its cache on first use (race-free);
-    user specs are brace-expanded and checked to exist. Raises ValueError / FileNotFoundError."""
+    user specs are expanded and checked to exist. Raises ValueError / FileNotFoundError."""
     if data.source:
-        train_pattern, val_pattern = builtin_shards(data.source, data.cache_dir, data.source_dir)
+        train_spec, val_spec = builtin_shards(data.source, data.cache_dir, data.source_dir)
         classnames = list(data.classnames) or classnames_of(data.source)
     else:
-        train_pattern, val_pattern, classnames = data.train_shards, data.val_shards, list(data.classnames)
-    train = expand_shards(train_pattern, "data.train_shards")
-    val = expand_shards(val_pattern, "data.val_shards") if val_pattern else None
-    return Shards(train, val, classnames)
+        train_spec, val_spec, classnames = data.train_shards, data.val_shards, list(data.classnames)
+    evals = [eval_set("val", val_spec, classnames, list(data.templates))] if val_spec else []
+    for name, spec in data.eval_sets.items():
+        if name == "val":
+            raise ValueError("data.eval_sets: the name 'val' is data.val_shards' own; choose another")
+        evals.append(eval_set(name, spec, [], list(data.templates)))
+    return Shards(expand_shards(train_spec, "data.train_shards"), evals)
