@@ -10,7 +10,7 @@ import webdataset as wds
 
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.samples import eval_record, training_pair
-from clipdist.data.tar_samples import tar_samples
+from clipdist.data.tar_samples import kill_tree, tar_samples
 from clipdist.distributed import STOP_SIGNALS
 
 
@@ -33,10 +33,10 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
 def close_stream(batches) -> None:
     """Stop a train_stream's DataLoader workers now. They ignore SIGTERM (ignore_stop_signals), so the
     DataLoader's own terminate() could not end one blocked on a full queue at exit: they are killed —
-    nothing they hold is needed once the trainer stops."""
+    nothing they hold is needed once the trainer stops — with what they started (`pipe:` commands)."""
     for worker in getattr(batches, "_workers", []):
         if worker.is_alive():
-            worker.kill()
+            kill_tree(worker.pid)
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()

@@ -1,0 +1,91 @@
+"""Real runs on shards with problems: skip counts summed over ranks and loader workers under every
+launcher, sources that give nothing stop the run in seconds, a stuck loader still honours SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clipdist.data.tar_samples import descendants
+from helpers import REPO, image_bytes, read_jsonl, train, train_command, write_samples
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
+
+
+def shards_with_a_bad_first_sample(folder: Path, shards: int = 4, good: int = 20) -> Path:
+    folder.mkdir()
+    for shard in range(shards):
+        samples = [{"__key__": f"{shard}-bad", "png": b"not a png", "txt": b"a caption"}]
+        samples += [{"__key__": f"{shard}-{i:03d}", "png": image_bytes(i * 9 % 256), "txt": b"a grey square"}
+                    for i in range(good)]
+        write_samples(folder / f"{shard}.tar", samples)
+    return folder
+
+
+def webdataset(shards, *overrides):
+    return ["data=webdataset", f"data.train_shards={shards}", "data.shuffle_buffer=0", "data.resampled=false",
+            *QUIET, *overrides]
+
+
+@pytest.mark.parametrize("launch", ["cpu2", "torchrun"])
+def test_skips_in_loader_workers_are_summed_over_ranks(tmp_path, launch):
+    # 4 shards of 1 bad + 20 good samples; 2 ranks x 1 worker x 4 samples per step: step 1 opens one shard per
+    # rank, by step 8 each rank is 12 samples into its second shard: all four bad samples read, and no other.
+    shards = shards_with_a_bad_first_sample(tmp_path / "shards")
+    overrides = webdataset(shards, "data.workers=1", "world.batch_per_device=4", "optim.max_steps=8",
+                           "eval_every=100", "checkpoint_every=100")
+    run_dir = tmp_path / "run"
+    if launch == "torchrun":
+        command = train_command(run_dir, tmp_path / "cache", *overrides, "world=cpu2", "world.spawn=false")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *command[1:]]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    else:
+        result = train(run_dir, tmp_path / "cache", *overrides, "world=cpu2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = [row["skipped_samples"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+    assert skipped[0] == 2 and skipped[-1] == 4, skipped
+
+
+def test_shards_that_are_not_tar_files_stop_the_run_in_seconds(tmp_path):
+    (tmp_path / "shards").mkdir()
+    for name in ["0.tar", "1.tar"]:
+        (tmp_path / "shards" / name).write_text("<html>403 Forbidden</html>\n" * 30)
+    started = time.monotonic()
+    result = train(tmp_path / "run", tmp_path / "cache", *webdataset(tmp_path / "shards", "data.workers=1"), timeout=120)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 60
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: rank 0: none of the 2 shard(s) rank 0 worker 0 reads gave a sample"), result.stderr
+    assert "0.tar: cannot be read as a tar file" in error and "Traceback" not in result.stderr
+    assert len((result.stdout + result.stderr).encode()) < 20_000  # warnings are rate-limited
+
+
+def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
+    # A pipe: shard whose command never writes: the loader blocks in read(). SIGTERM to the trainer alone
+    # (as `kill PID` sends it) must still end in a checkpoint and a clean exit, and the command is stopped.
+    run_dir, sleep = tmp_path / "run", f"sleep {1000 + os.getpid() % 9000}"  # a command line no one else runs
+    command = train_command(run_dir, tmp_path / "cache", *webdataset(f"'pipe:{sleep}'", "data.workers=0"),
+                            "checkpoint_every=100")
+    process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not any(sleep.replace(" ", "\0").encode() in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in descendants(process.pid)):
+            assert process.poll() is None, process.stderr.read()[-3000:]
+            assert time.time() < deadline, "the pipe: command never started"
+            time.sleep(0.1)
+        time.sleep(1)
+        os.kill(process.pid, signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "stopped by a signal at step 0" in stdout
+    assert (run_dir / "checkpoints" / "step_00000000.pt").is_file()
+    assert subprocess.run(["pgrep", "-f", sleep], capture_output=True).returncode == 1  # not left behind

@@ -1,0 +1,122 @@
+"""Evaluation on the sets people have: clip_benchmark's zero-shot folders (.webp + .cls), retrieval
+sets with several captions per image, mixed labelled/unlabelled shards, several sets in one run —
+and an evaluation that fails never stops training."""
+from __future__ import annotations
+
+import open_clip
+import pytest
+import torch
+
+from clipdist.data.sources import EvalSet, eval_set
+from clipdist.evaluate import evaluate, fill_template, recall_at_k
+from clipdist.models import create_model, get_tokenizer
+from helpers import image_bytes, read_jsonl, train, write_samples
+from test_data import clip_benchmark_set
+
+
+def test_recall_counts_an_image_right_when_any_of_its_captions_is_among_the_best():
+    similarity = torch.tensor([[0.9, 0.1, 0.5],
+                               [0.2, 0.3, 0.4]])
+    owner = torch.tensor([0, 0, 1])  # image 0 has captions 0 and 1, image 1 has caption 2
+    image_to_text, text_to_image = recall_at_k(similarity, owner, ks=(1, 2))
+    assert image_to_text == {1: 1.0, 2: 1.0}
+    assert text_to_image == {1: pytest.approx(1 / 3), 2: 1.0}  # captions 1 and 2 rank their image second
+
+
+def test_templates_in_either_placeholder_style():
+    assert fill_template("a photo of a {}.", "cat") == fill_template("a photo of a {c}.", "cat") == "a photo of a cat."
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = create_model()
+    visual = model.visual
+    transform = open_clip.image_transform(visual.image_size, is_train=False, mean=visual.preprocess_cfg["mean"],
+                                          std=visual.preprocess_cfg["std"])
+    return model, get_tokenizer(), transform
+
+
+def run_eval(tiny, evalset):
+    model, tokenizer, transform = tiny
+    return evaluate(model, tokenizer, evalset, transform, torch.device("cpu"), batch_size=4)
+
+
+def test_clip_benchmark_classification_set(tmp_path, tiny):
+    root = clip_benchmark_set(tmp_path / "wds_pets", samples_per_shard=5, shards=2)
+    metrics = run_eval(tiny, eval_set("pets", str(root), [], ["a photo of {}."]))
+    assert metrics["pets/samples"] == 10 and metrics["pets/zeroshot_samples"] == 10 and metrics["pets/skipped"] == 0
+    assert 0 <= metrics["pets/zeroshot_top1"] <= 1 and metrics["pets/zeroshot_top5"] == 1.0  # 2 classes
+    assert not any("i2t" in key for key in metrics)  # no captions: no retrieval
+
+
+def test_retrieval_with_several_captions_and_partly_labelled_samples(tmp_path, tiny):
+    write_samples(tmp_path / "0.tar", [
+        {"__key__": "a", "png": image_bytes(10), "txt": b"a dark square\nsomething black"},
+        {"__key__": "b", "png": image_bytes(240), "txt": b"a white square", "json": b'{"label": 1}'},
+        {"__key__": "c", "png": image_bytes(120), "cls": b"0"},  # labelled, no caption
+        {"__key__": "d", "png": image_bytes(60), "json": b"{}"},  # neither: skipped, counted
+    ])
+    metrics = run_eval(tiny, EvalSet("val", [str(tmp_path / "0.tar")], ["dark", "light"], ["a {} photo"]))
+    assert metrics["val_samples"] == 3 and metrics["val_skipped"] == 1
+    assert metrics["zeroshot_samples"] == 2  # b and c
+    assert metrics["i2t_r5"] == 1.0 and metrics["t2i_r5"] == 1.0  # 2 images, 3 captions: all within 5
+
+
+def webdataset_run_overrides(shards):
+    return ["data=webdataset", f"data.train_shards={shards}", "data.workers=0", "data.shuffle_buffer=0",
+            "world.batch_per_device=8", "optim.max_steps=4", "eval_every=2", "checkpoint_every=2", "logging.log_every=1"]
+
+
+def caption_shards(folder, shards=2, per_shard=16, label=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard in range(shards):
+        write_samples(folder / f"{shard}.tar", [
+            {"__key__": f"{shard}-{i:03d}", "png": image_bytes(i * 7 % 256), "txt": f"a grey square number {i}".encode(),
+             **({"json": f'{{"label": {label(i)}}}'.encode()} if label else {})}
+            for i in range(per_shard)])
+    return folder
+
+
+def test_several_eval_sets_in_one_run_each_under_its_own_name(tmp_path):
+    train_dir = caption_shards(tmp_path / "train")
+    caption_shards(tmp_path / "val", shards=1, label=lambda i: i % 2)
+    (tmp_path / "val" / "classnames.txt").write_text("even\nodd\n")
+    pets = clip_benchmark_set(tmp_path / "wds_pets")
+    result = train(tmp_path / "run", tmp_path / "cache", *webdataset_run_overrides(train_dir),
+                   f"data.val_shards={tmp_path}/val", f"+data.eval_sets.pets={pets}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [2, 4]
+    assert rows[-1]["zeroshot_samples"] == 16 and rows[-1]["i2t_r10"] >= 0  # the main set: names as ever
+    assert rows[-1]["pets/zeroshot_samples"] == 6 and "pets/i2t_r1" not in rows[-1]
+    assert rows[-1]["eval_errors"] == 0
+
+
+def test_an_evaluation_that_fails_is_counted_and_training_goes_on(tmp_path):
+    train_dir = caption_shards(tmp_path / "train")
+    # The first sample passes the check before training; a later label has no class name: evaluate() fails.
+    caption_shards(tmp_path / "val", shards=1, label=lambda i: 0 if i == 0 else 7)
+    (tmp_path / "val" / "classnames.txt").write_text("even\nodd\n")
+    result = train(tmp_path / "run", tmp_path / "cache", *webdataset_run_overrides(train_dir),
+                   f"data.val_shards={tmp_path}/val")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "evaluation of val failed (ValueError: eval set val: label 7 but only 2 class names)" in result.stdout + result.stderr
+    assert [row["eval_errors"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004.pt").is_file()
+    assert len(read_jsonl(tmp_path / "run" / "train_log.jsonl")) == 4
+
+
+@pytest.mark.parametrize("make_val, message", [
+    (lambda d: (d / "val.tar").write_text("not a tar"), "cannot read its first sample"),
+    (lambda d: write_samples(d / "val.tar", [{"__key__": "a", "png": image_bytes(), "cls": b"1"}]),
+     "samples have labels but no captions, and the set has no class names"),
+    (lambda d: write_samples(d / "val.tar", [{"__key__": "a", "jpg": b"garbage", "txt": b"x"}]), ".jpg does not decode"),
+])
+def test_a_bad_eval_set_is_refused_before_training(tmp_path, make_val, message):
+    train_dir = caption_shards(tmp_path / "train")
+    make_val(tmp_path)
+    result = train(tmp_path / "run", tmp_path / "cache", *webdataset_run_overrides(train_dir),
+                   f"data.val_shards={tmp_path}/val.tar")
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-3000:]
+    assert "data.val_shards" in result.stderr and not (tmp_path / "run" / "train_log.jsonl").exists()
