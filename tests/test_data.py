@@ -12,7 +12,7 @@ from PIL import Image
 from clipdist.cli import main as cli
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.faults import DataFailure, SkipCounter
-from clipdist.data.pipeline import train_stream
+from clipdist.data.pipeline import close_stream, train_stream
 from clipdist.data.samples import SampleError, decode_image, eval_record, label_of, to_rgb
 from clipdist.data.sources import eval_set, expand_shards
 from clipdist.data.tar_samples import tar_samples
@@ -263,7 +263,11 @@ def test_when_no_shard_can_be_read_the_stream_says_so_within_seconds(tmp_path, r
     for name in ["a.tar", "b.tar"]:
         (tmp_path / name).write_text("not a tar at all\n" * 50)
     started = time.monotonic()
-    failure = next(stream([tmp_path / "a.tar", tmp_path / "b.tar"], workers=workers, resampled=resampled))
+    batches = stream([tmp_path / "a.tar", tmp_path / "b.tar"], workers=workers, resampled=resampled)
+    try:
+        failure = next(batches)
+    finally:
+        close_stream(batches)  # its workers ignore SIGTERM: stopped as the trainer stops them
     assert isinstance(failure, DataFailure)
     assert "none of the 2 shard(s)" in failure.message and "a.tar" in failure.message and "b.tar" in failure.message
     assert time.monotonic() - started < 30
@@ -319,3 +323,18 @@ def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files
     assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "b")]) == 2
     assert "line 3: image 'missing.png' not found" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b*"))  # nothing half-written
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_skips_are_counted_in_workers_of_every_start_method(tmp_path, start_method):
+    for shard in range(2):
+        write_samples(tmp_path / f"{shard}.tar", [{"__key__": "bad", "png": b"nope", "txt": b"x"}] + [
+            {"__key__": f"{i:03d}", "png": image_bytes(i), "txt": b"a caption"} for i in range(6)])
+    batches = train_stream([str(tmp_path / "0.tar"), str(tmp_path / "1.tar")], 2, identity_transform, get_tokenizer(),
+                           resampled=False, split="node", shuffle_buffer=0, workers=2, rank=0, world_size=1, seed=0,
+                           skips=SkipCounter(), start_method=start_method)
+    try:
+        # Two workers, one shard (3 batches) each, taken in turn: the first batch of each carries its shard's bad sample.
+        assert [next(batches)[2] for _ in range(4)] == [1, 1, 0, 0]
+    finally:
+        close_stream(batches)

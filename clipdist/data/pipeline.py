@@ -158,7 +158,8 @@ def _carry_data_errors(source):
 
 
 def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
-                 shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, skips: SkipCounter):
+                 shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, skips: SkipCounter,
+                 start_method: str | None = None):
     """An endless iterator of (images, tokens, skipped) batches of `batch_size` for this rank;
     `skipped` counts the samples and shards skipped while reading it (see SkipCounter). A source
     that gives nothing usable yields a DataFailure (see faults) instead of spinning.
@@ -168,7 +169,8 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
     split="replicated": every rank streams the same samples, forms the global batch and keeps
     its own slice — N runs see exactly the global batches one process would (N× the decoding;
     for reproducibility checks, not for scale).
-    The stream never ends, so each rank takes exactly one batch per step.
+    The stream never ends, so each rank takes exactly one batch per step. `start_method` (fork, spawn,
+    forkserver; None: Python's default) starts the loader workers; the stages are picklable for all three.
     """
     if split not in ("node", "replicated"):
         raise ValueError(f"data.split={split!r}; choose node or replicated")
@@ -193,7 +195,8 @@ def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *
         stages += [wds.batched(batch_size, partial=False)]
     stages += [wds.map(_AttachSkips(skips)), _carry_data_errors]
     loader = wds.WebLoader(wds.DataPipeline(*stages), batch_size=None, num_workers=workers,
-                           persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers else None)
+                           persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers else None,
+                           multiprocessing_context=start_method if workers else None)
     return iter(loader)
 
 
