@@ -180,6 +180,8 @@ class Checkpointer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, env: distributed.DistEnv):
         self.files = CheckpointFiles(run_dir, cfg.keep_checkpoints)
         self.every = cfg.checkpoint_every
+        self.every_s = None if cfg.checkpoint_every_minutes is None else 60 * cfg.checkpoint_every_minutes
+        self.last_saved = time.monotonic()
         self.last_step = cfg.optim.max_steps
         self.resume = cfg.resume
         self.on_error = cfg.on_checkpoint_error
@@ -190,6 +192,11 @@ class Checkpointer:
     @property
     def directory(self) -> Path:
         return self.files.directory
+
+    def time_flag(self) -> torch.Tensor:
+        """1 when checkpoint_every_minutes have passed since the last save (agreed over ranks by the caller)."""
+        late = self.every_s is not None and time.monotonic() - self.last_saved >= self.every_s
+        return torch.tensor(1.0 if late else 0.0)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last_step
@@ -208,6 +215,7 @@ class Checkpointer:
             except CheckpointError as failure:
                 error = str(failure)
         error = distributed.all_ranks(error)[0]
+        self.last_saved = time.monotonic()
         if error is None:
             return True
         if self.on_error == OnCheckpointError.stop:

@@ -77,6 +77,7 @@ class DataConfig:
     val_shards: Optional[str] = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
     eval_sets: Dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
+    weights: Optional[List[float]] = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
     split: Split = Split.node
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
@@ -168,6 +169,7 @@ class TrainConfig:
     precision: Precision = Precision.auto
     eval_every: int = 200
     checkpoint_every: int = 200
+    checkpoint_every_minutes: Optional[float] = None  # also checkpoint when this much time passed since the last
     keep_checkpoints: int = 3
     on_checkpoint_error: OnCheckpointError = OnCheckpointError.stop
     max_nonfinite_steps: int = 10  # non-finite losses in a row before the run stops (after a checkpoint)
@@ -212,6 +214,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
     if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:
         raise ConfigError("world.backend=nccl needs world.device=cuda (NCCL has no CPU tensors); use world.backend=gloo")
+    if cfg.checkpoint_every_minutes is not None and cfg.checkpoint_every_minutes <= 0:
+        raise ConfigError(f"checkpoint_every_minutes={cfg.checkpoint_every_minutes}: must be above 0 (or null)")
+    if cfg.data.weights is not None:
+        if not cfg.data.resampled:
+            raise ConfigError("data.weights needs data.resampled=true: sources are mixed by drawing shards by weight "
+                              "(in epoch mode every shard is read once per epoch, whatever its weight)")
+        if any(weight <= 0 for weight in cfg.data.weights):
+            raise ConfigError(f"data.weights={list(cfg.data.weights)}: every weight must be above 0")
     if cfg.data.source is None and not cfg.data.train_shards:
         raise ConfigError("data.train_shards is not set: give your shards, e.g. "
                           "data.train_shards='/data/{000..099}.tar' (or data.source=digits)")

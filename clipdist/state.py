@@ -43,12 +43,13 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     step: int = 0
     samples_seen: int = 0
+    data: dict | None = None  # the data stream's position (see Trainer.data_position), as saved
 
     def state_dict(self, rngs: list[dict]) -> dict:
         return {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-            "rng": rngs, "world_size": len(rngs),
+            "rng": rngs, "world_size": len(rngs), "data": self.data,
         }
 
     def load_state_dict(self, saved: dict, rank: int, world_size: int) -> None:
@@ -56,5 +57,6 @@ class TrainState:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
+        self.data = saved.get("data")  # None from checkpoints before the data position was saved
         if len(saved["rng"]) == world_size:
             set_rng_state(saved["rng"][rank])

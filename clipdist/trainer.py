@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import sys
@@ -188,20 +189,70 @@ class Trainer:
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
-        self.skips, self.skipped_samples = SkipCounter(cfg.data.max_skips_in_a_row), 0
         self.eval_errors = 0
+        saved = self.state.data or {}
+        self.skipped_samples = saved.get("skipped_samples", 0)
+        self.source_samples = saved.get("source_samples") or [0] * len(shards.sources)
+        if len(self.source_samples) != len(shards.sources):
+            self.source_samples = [0] * len(shards.sources)
+        self.data_layout = self._data_layout()
+        position, stream_seed, self.data_warning = self._data_resume()
+        self.data_readers = dict(position["readers"]) if position else {}
+        self.data_batches = position["batches"] if position else 0
         self.batches = train_stream(
-            shards.train, cfg.world.batch_per_device,
+            shards.sources, cfg.world.batch_per_device,
             open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
             self.tokenizer, resampled=cfg.data.resampled, split=cfg.data.split, shuffle_buffer=cfg.data.shuffle_buffer,
-            workers=cfg.data.workers, rank=env.rank, world_size=env.world_size,
-            seed=cfg.seed + 7919 * self.state.step, skips=self.skips,
+            workers=cfg.data.workers, rank=env.rank, world_size=env.world_size, seed=stream_seed,
+            weights=cfg.data.weights, max_skips_in_a_row=cfg.data.max_skips_in_a_row, resume=position,
         )
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
                                   as_dict(cfg), env.is_main)
         self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")
+
+    def _data_layout(self) -> dict:
+        """What a saved data position depends on: it is resumed exactly only when all of this is unchanged."""
+        data = self.cfg.data
+        shards = "\n::\n".join("\n".join(urls) for urls in self.shards.sources)
+        return {"world_size": self.env.world_size, "workers": data.workers, "split": str(data.split),
+                "resampled": data.resampled, "seed": self.cfg.seed, "shuffle_buffer": data.shuffle_buffer,
+                "weights": list(data.weights) if data.weights else None,
+                "shards": hashlib.sha1(shards.encode()).hexdigest()}
+
+    def _data_resume(self) -> tuple[dict | None, int, str | None]:
+        """(this rank's saved stream position or None, the stream's seed, a warning for the user or None).
+
+        Same layout: the stream continues sample for sample. Otherwise (another world size, worker
+        count, shard list, seed, ...) it restarts reshuffled, seeded by the step, at the same global
+        sample count — said in one warning."""
+        cfg, saved = self.cfg, self.state.data
+        if self.resumed_from is None:
+            return None, cfg.seed, None
+        if saved and saved.get("layout") == self.data_layout:
+            return saved["ranks"][self.env.rank], cfg.seed, None
+        if not saved or "layout" not in saved:
+            reason = "the checkpoint holds no data position (written by an older clipdist)"
+        else:
+            changed = [key for key, value in self.data_layout.items() if saved["layout"].get(key) != value]
+            reason = "changed since the checkpoint: " + ", ".join(
+                f"{key} {saved['layout'].get(key)} -> {self.data_layout[key]}" if key != "shards" else "the shard list"
+                for key in changed)
+        return None, cfg.seed + 7919 * self.state.step, (
+            f"warning: the data stream cannot continue sample for sample ({reason}); it restarts reshuffled "
+            f"at sample {self.state.samples_seen}, so samples already seen in this epoch may come again")
+
+    def data_position(self) -> dict:
+        """Collective: every rank's readers' positions after the batches trained on, and the totals."""
+        return {"layout": self.data_layout, "skipped_samples": self.skipped_samples,
+                "source_samples": list(self.source_samples),
+                "ranks": distributed.all_ranks({"readers": self.data_readers, "batches": self.data_batches})}
+
+    def checkpoint(self) -> None:
+        """Collective: the checkpoint of the state after the last step, with the data stream's position."""
+        self.state.data = self.data_position()
+        self.checkpointer.save(self.state)
 
     def say(self, message: str) -> None:
         """A line on the console from rank 0 (through tqdm, so the progress bar stays intact)."""
@@ -217,31 +268,39 @@ class Trainer:
         metrics, bad_steps, skipped_steps = None, 0, 0
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
+        if self.data_warning:
+            self.say(self.data_warning)
         if state.step >= cfg.optim.max_steps:
             self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
                                 f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
         try:
             while state.step < cfg.optim.max_steps:
                 started = time.perf_counter()
-                images, tokens, skipped = self.next_batch()
+                images, tokens, info = self.next_batch()
                 loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
-                # One collective gives every rank the global loss, whether any rank was signalled and the
-                # samples skipped on all ranks, so all ranks skip, stop or step together.
-                agreed = distributed.all_reduce_mean(torch.stack(
-                    [loss.detach().float().cpu(), checkpointer.stop.flag(), torch.tensor(float(skipped))]
-                ).to(self.device)).tolist()
-                global_loss, stopping = agreed[0], agreed[1] > 0
-                self.skipped_samples += round(agreed[2] * self.env.world_size)
-                if stopping:
-                    checkpointer.save(state)
+                # One collective gives every rank the global loss, whether any rank was signalled or is due
+                # a timed checkpoint, and the samples skipped and read per source on all ranks, so all ranks
+                # skip, stop, save or step together.
+                agreed = distributed.all_reduce_mean(torch.cat([
+                    torch.stack([loss.detach().float().cpu(), checkpointer.stop.flag(), checkpointer.time_flag()]),
+                    torch.tensor([info["skipped"], *info["sources"]], dtype=torch.float32),
+                ]).to(self.device)).tolist()
+                global_loss, stopping, time_due = agreed[0], agreed[1] > 0, agreed[2] > 0
+                if stopping:  # this step's batch is not trained on: the saved position is before it
+                    self.checkpoint()
                     self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
-                                        f"{checkpointer.directory}; run again with resume=auto to continue")
+                             f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
+                counts = [round(value * self.env.world_size) for value in agreed[3:]]
+                self.skipped_samples += counts[0]
+                self.source_samples = [total + count for total, count in zip(self.source_samples, counts[1:])]
+                self.data_readers[info["reader"]] = info["state"]
+                self.data_batches += 1
                 if not math.isfinite(global_loss):
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
                     if bad_steps >= cfg.max_nonfinite_steps:
-                        checkpointer.save(state)
+                        self.checkpoint()
                         raise TrainingDiverged(
                             f"{bad_steps} non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
                             f"the last good state (step {state.step}) is saved in {checkpointer.directory}. Lower "
@@ -251,8 +310,8 @@ class Trainer:
                 grad_norm = self.optimize(loss)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(global_loss, grad_norm, seconds, skipped_steps)
-                if checkpointer.due(state.step):  # before evaluating: an evaluation can never cost a step
-                    checkpointer.save(state)
+                if checkpointer.due(state.step) or time_due:  # before evaluating: an evaluation never costs a step
+                    self.checkpoint()
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
         finally:
@@ -262,9 +321,10 @@ class Trainer:
             self.tracker.finish()
         return metrics
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """This rank's next (images, tokens, skipped). A stop signal while waiting gives zeros of the batch's
-        shape instead: the step's collectives still match on every rank, and its all-reduce stops them."""
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """This rank's next (images, tokens, info) (see pipeline.TrainingBatches). A stop signal while waiting
+        gives zeros of the batch's shape instead: the step's collectives still match on every rank, and its
+        all-reduce stops them."""
         try:
             with self.checkpointer.stop.interruptible():
                 batch = next(self.batches)
@@ -272,8 +332,8 @@ class Trainer:
             size = self.model.visual.image_size
             height, width = (size, size) if isinstance(size, int) else size
             rows = self.cfg.world.batch_per_device
-            return (torch.zeros(rows, 3, height, width),
-                    torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long), 0)
+            return (torch.zeros(rows, 3, height, width), torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
+                    {"skipped": 0, "sources": [0] * len(self.shards.sources)})
         if isinstance(batch, DataFailure):
             raise DataError(f"rank {self.env.rank}: {batch.message}")
         return batch
@@ -303,8 +363,10 @@ class Trainer:
         self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
                                   lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
         if state.step % self.cfg.logging.log_every == 0:
+            sources = {"source_samples": list(self.source_samples)} if len(self.source_samples) > 1 else {}
             self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
-                                    "skipped_samples": self.skipped_samples, "skipped_steps": skipped_steps}, state.step)
+                                    "skipped_samples": self.skipped_samples, "skipped_steps": skipped_steps, **sources},
+                                   state.step)
 
     def evaluate(self) -> dict | None:
         """Every evaluation set on rank 0 (the other ranks wait). A set that fails is logged and counted

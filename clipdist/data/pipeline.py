@@ -1,14 +1,13 @@
 """WebDataset streams for training (infinite, same number of batches on every rank) and evaluation."""
 from __future__ import annotations
 
-import itertools
-import random
 import signal
 
 import torch
 import webdataset as wds
 
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
+from clipdist.data.reader import Reader, ShardSequence
 from clipdist.data.samples import eval_record, training_pair
 from clipdist.data.tar_samples import kill_tree, tar_samples
 from clipdist.distributed import STOP_SIGNALS
@@ -34,99 +33,17 @@ def close_stream(batches) -> None:
     """Stop a train_stream's DataLoader workers now. They ignore SIGTERM (ignore_stop_signals), so the
     DataLoader's own terminate() could not end one blocked on a full queue at exit: they are killed —
     nothing they hold is needed once the trainer stops — with what they started (`pipe:` commands)."""
-    for worker in getattr(batches, "_workers", []):
+    workers = getattr(batches, "_workers", [])
+    if workers and getattr(batches, "_worker_pids_set", False):
+        # Unregister them first, or the DataLoader's SIGCHLD handler reports the kill as a worker crash.
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
+    for worker in workers:
         if worker.is_alive():
             kill_tree(worker.pid)
     shutdown = getattr(batches, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
-
-
-class _Tokenize:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, text: str) -> torch.Tensor:
-        return self.tokenizer([text])[0]
-
-
-class _KeepRows:
-    """Replicated split: this rank's rows of a global batch."""
-
-    def __init__(self, rows: slice):
-        self.rows = rows
-
-    def __call__(self, batch):
-        return [tensor[self.rows] for tensor in batch]
-
-
-class _AttachSkips:
-    def __init__(self, skips: SkipCounter):
-        self.skips = skips
-
-    def __call__(self, batch):
-        return (*batch, self.skips.take())
-
-
-class _ShardOrder(torch.utils.data.IterableDataset):
-    """The shards this reader (rank × DataLoader worker) opens, endlessly, as {"url": ...}.
-
-    Epoch mode: every pass shuffles the whole list (seed + pass, the same on every rank) and
-    deals it out over readers, each shard to one reader. Resampled: shards drawn with
-    replacement from the whole list (seed, rank and worker), a pass being len(urls) draws.
-    Shards that gave no sample in this pass are left out of later draws; when all of a
-    reader's shards failed in one pass, DataError (ShardHealth.check).
-    """
-
-    def __init__(self, urls: list[str], seed: int, rank: int, world_size: int, *, resampled: bool,
-                 replicated: bool, health: ShardHealth):
-        super().__init__()
-        self.urls, self.seed, self.resampled, self.health = urls, seed, resampled, health
-        self.rank, self.world_size = (0, 1) if replicated else (rank, world_size)
-        self.stream_seed = seed if replicated else seed + 1_000_003 * rank
-
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if self.resampled:
-            yield from self._resampled(random.Random(f"{self.stream_seed}-{worker}"), f"reader {worker} of rank {self.rank}")
-            return
-        reader, readers = self.rank * workers + worker, self.world_size * workers
-        for epoch in itertools.count():
-            order = list(self.urls)
-            random.Random(self.seed + epoch).shuffle(order)
-            mine = order[reader::readers]
-            self.health.new_pass()
-            yield from ({"url": url} for url in mine)
-            self.health.check(mine, f"rank {self.rank} worker {worker}")
-
-    def _resampled(self, rng: random.Random, who: str):
-        while True:
-            if self.health.read_any or not self.health.failed:
-                self.health.new_pass()  # failed shards get another chance; not while nothing reads at all
-            for _ in range(len(self.urls)):
-                usable = [url for url in self.urls if url not in self.health.failed]
-                if not usable:
-                    self.health.check(self.urls, who)
-                yield {"url": rng.choice(usable)}
-
-
-class _Tokenize:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def __call__(self, text: str) -> torch.Tensor:
-        return self.tokenizer([text])[0]
-
-
-class _KeepRows:
-    """Replicated split: this rank's rows of a global batch."""
-
-    def __init__(self, rows: slice):
-        self.rows = rows
-
-    def __call__(self, batch):
-        return [tensor[self.rows] for tensor in batch]
 
 
 class _MarkGood:
@@ -140,63 +57,98 @@ class _MarkGood:
         return sample
 
 
-class _AttachSkips:
-    def __init__(self, skips: SkipCounter):
-        self.skips = skips
+class TrainingBatches(torch.utils.data.IterableDataset):
+    """This rank's endless (images, tokens, info) batches; in a DataLoader each worker slot plays one
+    of the rank's readers (see reader.py), the slots rotated on resume so that batch k of the resumed
+    stream comes from the reader that would have given it.
 
-    def __call__(self, batch):
-        return (*batch, self.skips.take())
+    `info`: {"reader": the rank-local reader, "state": its position after this batch, "skipped": the
+    samples and shards skipped while reading it, "sources": samples per source in this rank's rows}.
+    Augmentation is seeded per sample (seed, reader, shard entry, sample number), so a resumed run
+    crops and flips as the uninterrupted one did, with any number of workers.
+    """
+
+    def __init__(self, sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, weights, resampled: bool,
+                 replicated: bool, shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int,
+                 max_skips_in_a_row: int, resume: dict | None = None):
+        super().__init__()
+        self.sources, self.batch_size, self.image_transform, self.tokenizer = sources, batch_size, image_transform, tokenizer
+        self.weights, self.resampled, self.replicated, self.shuffle_buffer = weights, resampled, replicated, shuffle_buffer
+        self.workers, self.rank, self.world_size, self.seed = max(workers, 1), rank, world_size, seed
+        self.max_skips_in_a_row = max_skips_in_a_row
+        self.resume = resume or {"readers": {}, "batches": 0}
+
+    def reader(self, local: int, skips: SkipCounter, health: ShardHealth) -> Reader:
+        index, count = (local, self.workers) if self.replicated else (self.rank * self.workers + local,
+                                                                       self.world_size * self.workers)
+        sequence = ShardSequence(self.sources, self.weights, self.seed, index, count, self.resampled)
+        reader = Reader(sequence, self.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health)
+        saved = self.resume["readers"].get(local)
+        if saved is not None:
+            reader.load_state_dict(saved)
+        return reader
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        slot = info.id if info is not None else 0
+        local = (slot + self.resume["batches"]) % self.workers
+        skips, health = SkipCounter(self.max_skips_in_a_row), ShardHealth()
+        rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.replicated else slice(None)
+        size = self.batch_size * (self.world_size if self.replicated else 1)
+        try:
+            reader = self.reader(local, skips, health)
+            images, tokens, sources = [], [], []
+            for sample in reader:
+                try:
+                    image, caption = training_pair(sample)
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(hash((self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"])))
+                        image = self.image_transform(image)
+                    text = self.tokenizer([caption])[0]
+                except DataError:
+                    raise
+                except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
+                    skips(exn)
+                    continue
+                skips.ok()
+                images.append(image)
+                tokens.append(text)
+                sources.append(sample["__source__"])
+                if len(images) == size:
+                    counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
+                    yield (torch.stack(images[rows]), torch.stack(tokens[rows]),
+                           {"reader": local, "state": reader.state_dict(), "skipped": skips.take(), "sources": counts})
+                    images, tokens, sources = [], [], []
+        except DataError as error:
+            yield DataFailure(str(error))
 
 
-def _carry_data_errors(source):
-    """Last stage: a DataError becomes a DataFailure value, so it reaches the trainer through a
-    DataLoader with its one-line message (a worker's exception would arrive as a traceback dump)."""
-    try:
-        yield from source
-    except DataError as error:
-        yield DataFailure(str(error))
-
-
-def train_stream(urls: list[str], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
-                 shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, skips: SkipCounter,
-                 start_method: str | None = None):
-    """An endless iterator of (images, tokens, skipped) batches of `batch_size` for this rank;
-    `skipped` counts the samples and shards skipped while reading it (see SkipCounter). A source
+def train_stream(sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
+                 shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, weights=None,
+                 max_skips_in_a_row: int = 1000, resume: dict | None = None, start_method: str | None = None):
+    """An endless iterator of this rank's (images, tokens, info) batches (see TrainingBatches); a source
     that gives nothing usable yields a DataFailure (see faults) instead of spinning.
 
-    split="node": shards are split by rank and worker (epoch mode: reshuffled every pass, each
-    sample once per epoch; resampled: shards drawn with replacement).
+    split="node": shards are dealt to ranks × workers (epoch mode: reshuffled every pass, each
+    sample once per epoch; resampled: shards drawn with replacement, by `weights` per source).
     split="replicated": every rank streams the same samples, forms the global batch and keeps
     its own slice — N runs see exactly the global batches one process would (N× the decoding;
     for reproducibility checks, not for scale).
-    The stream never ends, so each rank takes exactly one batch per step. `start_method` (fork, spawn,
-    forkserver; None: Python's default) starts the loader workers; the stages are picklable for all three.
+    `resume`: {"readers": {rank-local reader: state}, "batches": batches taken} from a checkpoint.
+    `start_method` (fork, spawn, forkserver; None: Python's default) starts the loader workers.
     """
     if split not in ("node", "replicated"):
         raise ValueError(f"data.split={split!r}; choose node or replicated")
-    replicated = split == "replicated"
-    check_shard_count(len(urls), world_size, workers, resampled=resampled, split=split)
-    health = ShardHealth()
-    shards = _ShardOrder(urls, seed, rank, world_size, resampled=resampled, replicated=replicated, health=health)
-    stream_seed = shards.stream_seed
-    shuffle = [wds.shuffle(shuffle_buffer, initial=min(shuffle_buffer, 100), seed=stream_seed)] if shuffle_buffer > 1 else []
-    stages = [
-        shards,
-        tar_samples(handler=skips, health=health),
-        *shuffle,
-        wds.map(training_pair, handler=skips),
-        wds.map_tuple(image_transform, _Tokenize(tokenizer), handler=skips),
-        wds.map(_MarkGood(skips)),
-    ]
-    if replicated:
-        rows = slice(rank * batch_size, (rank + 1) * batch_size)
-        stages += [wds.batched(batch_size * world_size, partial=False), wds.map(_KeepRows(rows))]
-    else:
-        stages += [wds.batched(batch_size, partial=False)]
-    stages += [wds.map(_AttachSkips(skips)), _carry_data_errors]
-    loader = wds.WebLoader(wds.DataPipeline(*stages), batch_size=None, num_workers=workers,
-                           persistent_workers=workers > 0, worker_init_fn=ignore_stop_signals if workers else None,
-                           multiprocessing_context=start_method if workers else None)
+    if sources and isinstance(sources[0], str):
+        sources = [sources]  # one source
+    check_shard_count(sum(map(len, sources)), world_size, workers, resampled=resampled, split=split)
+    dataset = TrainingBatches(sources, batch_size, image_transform, tokenizer, weights=weights, resampled=resampled,
+                              replicated=split == "replicated", shuffle_buffer=shuffle_buffer, workers=workers,
+                              rank=rank, world_size=world_size, seed=seed, max_skips_in_a_row=max_skips_in_a_row,
+                              resume=resume)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+                                         worker_init_fn=ignore_stop_signals if workers else None,
+                                         multiprocessing_context=start_method if workers else None)
     return iter(loader)
 
 

@@ -46,10 +46,15 @@ class EvalSet:
 
 @dataclass(frozen=True)
 class Shards:
-    """Local paths / URLs of the training shards and the evaluation sets."""
+    """The training shards, one list per source (the '::' parts of data.train_shards), and the
+    evaluation sets."""
 
-    train: list[str]
+    sources: list[list[str]]
     evals: list[EvalSet] = field(default_factory=list)
+
+    @property
+    def train(self) -> list[str]:
+        return [url for urls in self.sources for url in urls]
 
 
 def _is_remote(item: str) -> bool:
@@ -145,4 +150,8 @@ def resolve_shards(data) -> Shards:
         if name == "val":
             raise ValueError("data.eval_sets: the name 'val' is data.val_shards' own; choose another")
         evals.append(eval_set(name, spec, [], list(data.templates)))
-    return Shards(expand_shards(train_spec, "data.train_shards"), evals)
+    sources = [expand_shards(part, "data.train_shards") for part in train_spec.split("::")]
+    if data.weights is not None and len(data.weights) != len(sources):
+        raise ValueError(f"data.weights has {len(data.weights)} weight(s) for {len(sources)} source(s) in "
+                         "data.train_shards ('::' separates them): give one weight per source")
+    return Shards(sources, evals)

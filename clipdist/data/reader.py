@@ -1,0 +1,168 @@
+"""One reader's raw samples — a rank's, or one of its DataLoader workers' — in an order that is a
+function of the seed, the reader and the position alone, with a position that is saved with every
+checkpoint and restored exactly (a resumed run reads the same samples as one never stopped).
+
+    shard sequence   epoch mode: pass p shuffles the whole shard list with seed + p and deals it out
+                     over the readers, each shard to one. Resampled: draw i picks a source by
+                     data.weights, then one of its shards, from a generator seeded by (seed, reader).
+                     Entry n of the sequence is found by replaying n picks: no I/O.
+    samples          a shard's samples in tar order, numbered from 0.
+    shuffle buffer   webdataset's algorithm (fill to `initial`, then two in per one out up to `size`;
+                     a uniform pick, swapped with the last) driven by our own random.Random.
+
+The position (`state_dict`) is the shard being read (its sequence entry) and how many of its samples
+were taken, the buffer as (entry, sample number) references in buffer order, and the buffer's RNG
+state: a few kB. Restoring re-reads the referenced samples (the last few shards) and skips the taken
+ones, without decoding. torchdata's StatefulDataLoader implements the same protocol (state_dict /
+load_state_dict on the dataset, states sent along with the batches); we carry the state in each batch
+ourselves, which needs no second loader implementation and works with any start method.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Iterator
+
+from clipdist.data.faults import ShardHealth
+from clipdist.data.tar_samples import tar_samples
+
+
+class ShardSequence:
+    """The shards one reader opens, endlessly, as (entry, url, source)."""
+
+    def __init__(self, sources: list[list[str]], weights: list[float] | None, seed: int, reader: int,
+                 readers: int, resampled: bool):
+        self.sources, self.weights, self.seed = sources, weights, seed
+        self.reader, self.readers, self.resampled = reader, readers, resampled
+        self.urls = [(url, source) for source, urls in enumerate(sources) for url in urls]
+        self._dealt: tuple[int, list] = (-1, [])
+
+    def _deal(self, epoch: int) -> list[tuple[str, int]]:
+        if self._dealt[0] != epoch:
+            order = list(self.urls)
+            random.Random(self.seed + epoch).shuffle(order)
+            self._dealt = (epoch, order[self.reader::self.readers])
+        return self._dealt[1]
+
+    def pass_length(self) -> int:
+        """Entries per pass: this reader's shards in an epoch, or as many draws as there are shards."""
+        return len(self._deal(0)) if not self.resampled else len(self.urls)
+
+    def pass_urls(self, entry: int) -> list[str]:
+        """The shards a pass can open (for the all-failed check)."""
+        if self.resampled:
+            return [url for url, _ in self.urls]
+        return [url for url, _ in self._deal(entry // self.pass_length())]
+
+    def from_entry(self, start: int) -> Iterator[tuple[int, str, int]]:
+        if not self.resampled:
+            length = self.pass_length()
+            for entry in itertools.count(start):
+                url, source = self._deal(entry // length)[entry % length]
+                yield entry, url, source
+            return
+        rng = random.Random(f"{self.seed}-{self.reader}")
+        for entry in itertools.count():
+            if self.weights is None:
+                url, source = rng.choice(self.urls)
+            else:
+                source = rng.choices(range(len(self.sources)), weights=self.weights)[0]
+                url = rng.choice(self.sources[source])
+            if entry >= start:
+                yield entry, url, source
+
+
+def shard_samples(url: str, handler, health: ShardHealth | None = None) -> Iterator[dict]:
+    """Every sample of one shard, in tar order (bad shards go to the handler and the health record)."""
+    return iter(tar_samples(handler=handler, health=health)(iter([{"url": url}])))
+
+
+class Reader:
+    """Raw samples (dicts with __url__, __key__ and __entry__/__index__/__source__) of one reader.
+
+    The shuffle buffer fills as webdataset's does: it starts giving samples out at `initial` and grows
+    by one per two samples taken until it holds `shuffle_size` (the rule depends on the count taken,
+    which is part of the state)."""
+
+    def __init__(self, sequence: ShardSequence, shuffle_size: int, shuffle_seed: str, handler,
+                 health: ShardHealth, initial: int = 100):
+        self.sequence, self.handler, self.health = sequence, handler, health
+        self.size, self.initial = shuffle_size, min(initial, shuffle_size)
+        self.rng = random.Random(shuffle_seed)
+        self.entry, self.taken, self.received, self.buffer = 0, 0, 0, []
+
+    def state_dict(self) -> dict:
+        return {"entry": self.entry, "taken": self.taken, "received": self.received, "rng": self.rng.getstate(),
+                "buffer": [(sample["__entry__"], sample["__index__"]) for sample in self.buffer]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Back to a saved position: the buffered samples re-read from their shards, in buffer order."""
+        self.entry, self.taken, self.received = state["entry"], state["taken"], state["received"]
+        self.rng.setstate(_as_state(state["rng"]))
+        wanted = {}
+        for entry, index in state["buffer"]:
+            wanted.setdefault(entry, set()).add(index)
+        found = {}
+        if wanted:
+            for entry, url, source in self.sequence.from_entry(min(wanted)):
+                if entry > max(wanted):
+                    break
+                if entry in wanted:
+                    for index, sample in enumerate(shard_samples(url, _ignore)):  # counted when first read
+                        if index in wanted[entry]:
+                            found[entry, index] = _labelled(sample, entry, index, source)
+        self.buffer = [found[ref] for ref in map(tuple, state["buffer"]) if ref in found]
+
+    def __iter__(self) -> Iterator[dict]:
+        resume_at = self.taken
+        for entry, url, source in self.sequence.from_entry(self.entry):
+            length = self.sequence.pass_length()
+            if entry % length == 0 and entry != self.entry:
+                self._end_pass(entry - 1)
+            self.entry, self.taken = entry, 0
+            if self.sequence.resampled and url in self.health.failed:
+                continue  # gave nothing earlier in this pass
+            for index, sample in enumerate(shard_samples(url, self.handler, self.health)):
+                if index < resume_at:
+                    continue
+                self.taken = index + 1
+                yield from self._shuffle(_labelled(sample, entry, index, source))
+            resume_at = 0
+            if url in self.health.failed:
+                self.health.check(self.sequence.pass_urls(entry), self._who())
+
+    def _end_pass(self, last_entry: int) -> None:
+        if not self.sequence.resampled:
+            self.health.check(self.sequence.pass_urls(last_entry), self._who())
+            self.health.new_pass()
+        elif self.health.read_any or not self.health.failed:
+            self.health.new_pass()  # failed shards get another chance; not while nothing reads at all
+
+    def _who(self) -> str:
+        return f"reader {self.sequence.reader}"
+
+    def _shuffle(self, sample: dict) -> Iterator[dict]:
+        if self.size <= 1:
+            yield sample
+            return
+        self.buffer.append(sample)
+        self.received += 1
+        if len(self.buffer) >= min(self.size, self.initial + self.received // 2):
+            index = self.rng.randrange(len(self.buffer))
+            self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
+            yield self.buffer.pop()
+
+
+def _ignore(_exception) -> bool:
+    return True
+
+
+def _labelled(sample: dict, entry: int, index: int, source: int) -> dict:
+    sample.update(__entry__=entry, __index__=index, __source__=source)
+    return sample
+
+
+def _as_state(saved) -> tuple:
+    """random.Random.setstate wants tuples; a state that went through a checkpoint may hold lists."""
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
