@@ -33,6 +33,9 @@ def test_bad_choice_under_spawned_ranks_fails_before_any_rank_starts(tmp_path, o
     (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
     (["world=cpu2", "data.workers=3"], "4 shard(s) for 2 rank(s) × 3 worker(s)"),
     (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
+    (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
+    (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
+    (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
 ])
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, overrides, message):
     result = train(tmp_path / "run", tmp_path / "cache", *overrides, timeout=120)

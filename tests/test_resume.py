@@ -1,0 +1,129 @@
+"""A stopped and resumed run is indistinguishable from one never stopped: the same batches, the same
+per-step loss — through SIGTERM and kill -9, twice, with 0–2 loader workers, epoch and resampled
+modes, 1 and 2 ranks; weighted sources mixed by weight; a changed layout restarts with a warning."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from clipdist.data.pipeline import close_stream, train_stream
+from clipdist.models import get_tokenizer
+from helpers import REPO, image_bytes, read_jsonl, train, train_command, write_samples
+
+QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def losses(run_dir):
+    rows = read_jsonl(run_dir / "train_log.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # each step logged once
+    return np.array([row["loss"] for row in rows])
+
+
+def run_until(run_dir, cache_dir, overrides, step, signum):
+    """Start the run, and send `signum` to its process group once `step` steps are logged."""
+    process = subprocess.Popen(train_command(run_dir, cache_dir, *overrides), cwd=REPO, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = run_dir / "train_log.jsonl"
+    deadline = time.time() + 240
+    while not (log.exists() and len(log.read_text().splitlines()) >= step):
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+    os.killpg(process.pid, signum)
+    process.communicate(timeout=120)
+
+
+@pytest.mark.parametrize("launch, workers, resampled", [("local", 0, False), ("local", 2, True), ("cpu2", 1, False)])
+def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, launch, workers, resampled):
+    overrides = [*QUIET, f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
+                 "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}"]
+    whole = train(tmp_path / "whole", cache_dir, *overrides)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir = tmp_path / "stopped"
+    run_until(run_dir, cache_dir, overrides, 5, signal.SIGTERM)  # a checkpoint at the step it stopped
+    run_until(run_dir, cache_dir, overrides, 11, signal.SIGKILL)  # no checkpoint: back to step 8's
+    resumed = train(run_dir, cache_dir, *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("resumed from") == 1 and "cannot continue sample for sample" not in resumed.stdout
+    np.testing.assert_allclose(losses(run_dir), losses(tmp_path / "whole"), rtol=0, atol=1e-6)
+
+
+def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir):
+    overrides = [*QUIET, "world.batch_per_device=16", "optim.max_steps=3", "eval_every=1000", "checkpoint_every=3"]
+    assert train(tmp_path / "run", cache_dir, *overrides).returncode == 0
+    resumed = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=5", "data.workers=1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: workers 0 -> 1); "
+            "it restarts reshuffled at sample 48") in resumed.stdout
+    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == [1, 2, 3, 4, 5]
+
+
+def test_checkpoint_every_minutes(tmp_path, cache_dir):
+    result = train(tmp_path / "run", cache_dir, *QUIET, "world.batch_per_device=8", "optim.max_steps=40",
+                   "eval_every=1000", "checkpoint_every=1000", "checkpoint_every_minutes=0.005", "keep_checkpoints=100")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = sorted(int(path.stem.split("_")[1]) for path in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
+    assert steps[-1] == 40 and len(steps) >= 3, steps  # the end, and every ~0.3 s on the way
+
+
+# --- the stream alone: resume from a batch's position, mixing --------------------------------------
+
+def flat(image):
+    return torch.from_numpy(np.asarray(image, dtype=np.float32)).mean()
+
+
+def two_sources(tmp_path, shards=4, per_shard=2):
+    sources = []
+    for name, base in [("a", 0), ("b", 100)]:
+        folder = tmp_path / name
+        folder.mkdir()
+        for shard in range(shards):
+            write_samples(folder / f"{shard}.tar", [{"__key__": f"{shard}-{i}", "png": image_bytes(base + shard * 10 + i),
+                                                     "txt": b"x"} for i in range(per_shard)])
+        sources.append(sorted(str(path) for path in folder.glob("*.tar")))
+    return sources
+
+
+def stream(sources, workers, resume=None, **options):
+    return train_stream(sources, 4, flat, get_tokenizer(), resampled=True, split="node", shuffle_buffer=6,
+                        workers=workers, rank=0, world_size=1, seed=3, weights=[3, 1], resume=resume, **options)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
+    sources = two_sources(tmp_path)
+    batches = stream(sources, workers)
+    readers, taken = {}, 0
+    try:
+        for _ in range(7):
+            _, _, info = next(batches)
+            readers[info["reader"]] = info["state"]
+            taken += 1
+        expected = [next(batches)[0].tolist() for _ in range(6)]
+    finally:
+        close_stream(batches)
+    resumed = stream(sources, workers, resume={"readers": readers, "batches": taken})
+    try:
+        assert [next(resumed)[0].tolist() for _ in range(6)] == expected
+    finally:
+        close_stream(resumed)
+
+
+def test_sources_are_mixed_by_weight(tmp_path):
+    batches = stream(two_sources(tmp_path), 0)
+    counts = np.sum([next(batches)[2]["sources"] for _ in range(250)], axis=0)
+    assert counts.sum() == 1000
+    # 500 shard draws of 2 samples at p = 3/4: the fraction's standard deviation is 0.019.
+    assert abs(counts[0] / 1000 - 0.75) < 0.06, counts
