@@ -294,7 +294,7 @@ class Trainer:
                 counts = [round(value * self.env.world_size) for value in agreed[3:]]
                 self.skipped_samples += counts[0]
                 self.source_samples = [total + count for total, count in zip(self.source_samples, counts[1:])]
-                self.data_readers[info["reader"]] = info["state"]
+                self.data_readers[info["reader"]] = info["state"].state
                 self.data_batches += 1
                 if not math.isfinite(global_loss):
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1

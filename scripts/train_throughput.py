@@ -5,7 +5,8 @@
         -- world=1gpu model=vit_b32
 
 Each variant is NAME=OVERRIDE[,OVERRIDE...] (Hydra overrides on top of the common ones after
-`--`); `--launcher torchrun` starts each run as `torchrun --nproc-per-node N train.py ...`.
+`--`), or NAME@CHECKOUT=... to run another checkout's train.py (another revision: `git worktree add
+/tmp/old HEAD~3`); `--launcher torchrun` starts each run as `torchrun --nproc-per-node N train.py ...`.
 Runs go round-robin (variant A, B, C, A, B, C, ...) so drift on a shared machine hits all alike.
 The figure is the median of the per-step `samples_per_s` logged after `--skip` warm-up steps
 (compilation, loader start), which excludes evaluation and checkpoint time. Prints a Markdown
@@ -26,16 +27,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one_run(overrides: list[str], launcher: str, nproc: int, steps: int, timeout: float) -> dict:
+def one_run(overrides: list[str], launcher: str, nproc: int, steps: int, timeout: float, repo: Path = REPO) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        train = [str(REPO / "train.py")]
+        train = [str(repo / "train.py")]
         command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *train]
                    if launcher == "torchrun" else [sys.executable, *train])
         command += [f"run_dir={run_dir}", "logging.wandb=disabled", "logging.progress=false", "logging.log_every=1",
                     f"optim.max_steps={steps}", f"eval_every={steps}", f"checkpoint_every={steps}", *overrides]
         started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        # The checkout's own package first (an editable install would otherwise import this one's).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=repo, env=env)
         wall = time.perf_counter() - started
         if result.returncode != 0:
             return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed",
@@ -61,12 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = {}
     for spec in args.variant:
-        name, _, overrides = spec.partition("=")
-        variants[name] = [o for o in overrides.split(",") if o]
+        label, _, overrides = spec.partition("=")
+        name, _, checkout = label.partition("@")
+        variants[name] = ([o for o in overrides.split(",") if o], Path(checkout).resolve() if checkout else REPO)
     runs = {name: [] for name in variants}
     for repeat in range(args.repeats):
-        for name, overrides in variants.items():
-            run = one_run([*args.common, *overrides], args.launcher, args.nproc, args.steps, args.timeout)
+        for name, (overrides, repo) in variants.items():
+            run = one_run([*args.common, *overrides], args.launcher, args.nproc, args.steps, args.timeout, repo)
             runs[name].append(run)
             shown = (f"{statistics.median(run['samples_per_s'][args.skip:]):.1f} samples/s"
                      if "samples_per_s" in run else run["error"])

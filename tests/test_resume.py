@@ -109,7 +109,7 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
     try:
         for _ in range(7):
             _, _, info = next(batches)
-            readers[info["reader"]] = info["state"]
+            readers[info["reader"]] = info["state"].state
             taken += 1
         expected = [next(batches)[0].tolist() for _ in range(6)]
     finally:
@@ -127,3 +127,13 @@ def test_sources_are_mixed_by_weight(tmp_path):
     assert counts.sum() == 1000
     # 500 shard draws of 2 samples at p = 3/4: the fraction's standard deviation is 0.019.
     assert abs(counts[0] / 1000 - 0.75) < 0.06, counts
+
+
+def test_a_run_logs_the_samples_of_each_source(tmp_path, cache_dir):
+    a, b = two_sources(tmp_path, shards=2, per_shard=8)
+    result = train(tmp_path / "run", cache_dir, *QUIET, "data=webdataset", f"data.train_shards={a[0]}::{b[0]}",
+                   "data.resampled=true", "data.weights=[1,1]", "data.workers=0", "world.batch_per_device=8",
+                   "optim.max_steps=3", "eval_every=1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
+    assert [sum(row["source_samples"]) for row in rows] == [8, 16, 24]

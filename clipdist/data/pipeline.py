@@ -57,12 +57,21 @@ class _MarkGood:
         return sample
 
 
+class Position:
+    """A reader's state, opaque to the DataLoader (its default_convert would walk every list in it)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: dict):
+        self.state = state
+
+
 class TrainingBatches(torch.utils.data.IterableDataset):
     """This rank's endless (images, tokens, info) batches; in a DataLoader each worker slot plays one
     of the rank's readers (see reader.py), the slots rotated on resume so that batch k of the resumed
     stream comes from the reader that would have given it.
 
-    `info`: {"reader": the rank-local reader, "state": its position after this batch, "skipped": the
+    `info`: {"reader": the rank-local reader, "state": its Position after this batch, "skipped": the
     samples and shards skipped while reading it, "sources": samples per source in this rank's rows}.
     Augmentation is seeded per sample (seed, reader, shard entry, sample number), so a resumed run
     crops and flips as the uninterrupted one did, with any number of workers.
@@ -88,6 +97,17 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             reader.load_state_dict(saved)
         return reader
 
+    def _augment(self, image, key: tuple[int, ...]):
+        """The image transform with torch's CPU generator seeded from `key` (then put back as it was).
+        Not torch.manual_seed: it also queues a CUDA seeding with a stack trace, ~0.6 ms a call."""
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(hash(key) & 0xFFFF_FFFF_FFFF_FFFF)
+        try:
+            return self.image_transform(image)
+        finally:
+            generator.set_state(saved)
+
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         slot = info.id if info is not None else 0
@@ -101,9 +121,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             for sample in reader:
                 try:
                     image, caption = training_pair(sample)
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(hash((self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"])))
-                        image = self.image_transform(image)
+                    image = self._augment(image, (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
                     text = self.tokenizer([caption])[0]
                 except DataError:
                     raise
@@ -117,7 +135,8 @@ class TrainingBatches(torch.utils.data.IterableDataset):
                 if len(images) == size:
                     counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
                     yield (torch.stack(images[rows]), torch.stack(tokens[rows]),
-                           {"reader": local, "state": reader.state_dict(), "skipped": skips.take(), "sources": counts})
+                           {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
+                            "sources": counts})
                     images, tokens, sources = [], [], []
         except DataError as error:
             yield DataFailure(str(error))
