@@ -208,6 +208,7 @@ def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, 
     assert f"step_{stopped[0]:08d}.pt" in checkpoints and "step_00000060.pt" in checkpoints
     # One log with both halves; the resumed run went on from the checkpoint, no step lost.
     assert "restart 0" in log and "restart 1" in log and f"at step {stopped[0]}" in log
+    assert "cannot continue sample for sample" not in log  # the requeued job continues the data stream exactly
     steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
     assert steps[-1] == 60 and set(steps) == set(range(1, 61))
     resumed_from = steps.index(stopped[0] + 1, stopped[0])  # the first step after the checkpoint, second run
