@@ -22,7 +22,7 @@ from tqdm import tqdm
 from clipdist import distributed
 from clipdist.checkpoint import Checkpointer, StopRequested
 from clipdist.config import Device, Precision, TrainConfig, as_dict, to_train_config, validate
-from clipdist.data.faults import DataError, DataFailure, SkipCounter
+from clipdist.data.faults import DataError, DataFailure
 from clipdist.data.pipeline import check_shard_count, close_stream, first_eval_record, train_stream
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.errors import ConfigError, TrainingDiverged

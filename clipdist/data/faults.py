@@ -94,14 +94,13 @@ class SkipCounter:
 class ShardHealth:
     """Which shards gave no sample at all (not a tar, unreadable, vanished) in this reader.
 
-    Such a shard is counted (and warned about) as one skip by the SkipCounter, and left out of the resampled draws until the
-    next pass in which some shard was read; when every shard a reader has failed, DataError — no
-    endless retry loop.
+    Such a shard is counted (and warned about) as one skip by the SkipCounter, and left out of the
+    resampled draws until the next pass in which some shard was read; when every shard a reader has
+    failed, DataError — no endless retry loop.
     """
 
     def __init__(self):
         self.failed: dict[str, str] = {}  # url -> reason, this pass
-        self.failed_total = 0
         self.read_any = False  # some shard gave a file in this pass
 
     def new_pass(self) -> None:
@@ -112,7 +111,6 @@ class ShardHealth:
         self.read_any = True
 
     def shard_failed(self, url: str, reason: str) -> None:
-        self.failed_total += url not in self.failed
         self.failed[url] = reason
 
     def check(self, urls: list[str], who: str) -> None:

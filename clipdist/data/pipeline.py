@@ -91,7 +91,8 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         index, count = (local, self.workers) if self.replicated else (self.rank * self.workers + local,
                                                                        self.world_size * self.workers)
         sequence = ShardSequence(self.sources, self.weights, self.seed, index, count, self.resampled)
-        reader = Reader(sequence, self.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health)
+        reader = Reader(sequence, self.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
+                        name=f"rank {self.rank} worker {local}")
         saved = self.resume["readers"].get(local)
         if saved is not None:
             reader.load_state_dict(saved)

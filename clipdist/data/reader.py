@@ -85,8 +85,8 @@ class Reader:
     which is part of the state)."""
 
     def __init__(self, sequence: ShardSequence, shuffle_size: int, shuffle_seed: str, handler,
-                 health: ShardHealth, initial: int = 100):
-        self.sequence, self.handler, self.health = sequence, handler, health
+                 health: ShardHealth, initial: int = 100, name: str = "this reader"):
+        self.sequence, self.handler, self.health, self.name = sequence, handler, health, name
         self.size, self.initial = shuffle_size, min(initial, shuffle_size)
         self.rng = random.Random(shuffle_seed)
         self.entry, self.taken, self.received, self.buffer = 0, 0, 0, []
@@ -129,17 +129,14 @@ class Reader:
                 yield from self._shuffle(_labelled(sample, entry, index, source))
             resume_at = 0
             if url in self.health.failed:
-                self.health.check(self.sequence.pass_urls(entry), self._who())
+                self.health.check(self.sequence.pass_urls(entry), self.name)
 
     def _end_pass(self, last_entry: int) -> None:
         if not self.sequence.resampled:
-            self.health.check(self.sequence.pass_urls(last_entry), self._who())
+            self.health.check(self.sequence.pass_urls(last_entry), self.name)
             self.health.new_pass()
         elif self.health.read_any or not self.health.failed:
             self.health.new_pass()  # failed shards get another chance; not while nothing reads at all
-
-    def _who(self) -> str:
-        return f"reader {self.sequence.reader}"
 
     def _shuffle(self, sample: dict) -> Iterator[dict]:
         if self.size <= 1:
