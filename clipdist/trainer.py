@@ -139,9 +139,12 @@ def build_optimizer(model: torch.nn.Module, optim):
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 or "logit_" in name or "positional" in name else decay).append(param)
+    # The fused kernel (CPU and CUDA) updates all parameters in one call: for a small model on the CPU the
+    # default per-parameter loop costs ~15x more (26.5 vs 1.8 ms a step for clipdist-tiny's 62 tensors).
+    fused = all(param.device.type in ("cpu", "cuda") and param.is_floating_point() for param in decay + no_decay)
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+        lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused or None,
     )
 
     def lr_factor(step: int) -> float:
