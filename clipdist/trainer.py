@@ -92,7 +92,7 @@ def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
 def check_eval_set(evalset: EvalSet) -> None:
     """Read the first sample of an evaluation set now, so a bad path or layout fails before training
     (not after the last step): it must decode, and have a caption or a label that has a class name."""
-    what = "data.val_shards" if evalset.name == "val" else f"data.eval_sets.{evalset.name}"
+    what = evalset.key
     try:
         _, captions, label = first_eval_record(evalset.urls)
     except Exception as error:  # noqa: BLE001 -- whatever reading raised is the message

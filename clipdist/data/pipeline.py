@@ -184,10 +184,7 @@ def eval_records(urls: list[str], skips: SkipCounter):
 
 def first_eval_record(urls: list[str]):
     """The first sample of a validation set, or the exception that reading it raised (no skipping)."""
-
-    def fail(exception):
-        raise exception
-
-    for record in wds.DataPipeline(wds.SimpleShardList(urls[:1]), tar_samples(handler=fail), wds.map(eval_record)):
+    first = wds.DataPipeline(wds.SimpleShardList(urls[:1]), tar_samples(handler=wds.reraise_exception), wds.map(eval_record))
+    for record in first:
         return record
     raise DataError(f"{urls[0]} holds no sample")

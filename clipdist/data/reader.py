@@ -23,6 +23,8 @@ import itertools
 import random
 from typing import Iterator
 
+import webdataset as wds
+
 from clipdist.data.faults import ShardHealth
 from clipdist.data.tar_samples import tar_samples
 
@@ -46,7 +48,9 @@ class ShardSequence:
 
     def pass_length(self) -> int:
         """Entries per pass: this reader's shards in an epoch, or as many draws as there are shards."""
-        return len(self._deal(0)) if not self.resampled else len(self.urls)
+        if self.resampled:
+            return len(self.urls)
+        return len(range(self.reader, len(self.urls), self.readers))  # the size of a deal, without dealing one
 
     def pass_urls(self, entry: int) -> list[str]:
         """The shards a pass can open (for the all-failed check)."""
@@ -108,7 +112,7 @@ class Reader:
                 if entry > max(wanted):
                     break
                 if entry in wanted:
-                    for index, sample in enumerate(shard_samples(url, _ignore)):  # counted when first read
+                    for index, sample in enumerate(shard_samples(url, wds.ignore_and_continue)):  # counted when first read
                         if index in wanted[entry]:
                             found[entry, index] = _labelled(sample, entry, index, source)
         self.buffer = [found[ref] for ref in map(tuple, state["buffer"]) if ref in found]
@@ -148,10 +152,6 @@ class Reader:
             index = self.rng.randrange(len(self.buffer))
             self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
             yield self.buffer.pop()
-
-
-def _ignore(_exception) -> bool:
-    return True
 
 
 def _labelled(sample: dict, entry: int, index: int, source: int) -> dict:

@@ -27,6 +27,11 @@ GLOB_CHARS = ("*", "?", "[")
 SPLIT_FOLDERS = ("test", "train", "val", "validation")
 
 
+def eval_set_key(name: str) -> str:
+    """The config key that names an evaluation set, for messages."""
+    return "data.val_shards" if name == "val" else f"data.eval_sets.{name}"
+
+
 @dataclass(frozen=True)
 class EvalSet:
     """A validation set: its shards and, for zero-shot classification, class names and prompts."""
@@ -35,6 +40,10 @@ class EvalSet:
     urls: list[str]
     classnames: list[str] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return eval_set_key(self.name)
 
     def metric(self, key: str) -> str:
         """The logged name of a metric: <name>/<key> (zeroshot_top1, samples, ...), but for the main set
@@ -128,8 +137,7 @@ def _beside(spec: str, urls: list[str], name: str) -> Path | None:
 def eval_set(name: str, spec: str, classnames: list[str], templates: list[str]) -> EvalSet:
     """An evaluation set from a spec. Class names: `classnames` if given, else classnames.txt beside the
     shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`."""
-    what = "data.val_shards" if name == "val" else f"data.eval_sets.{name}"
-    urls = expand_shards(spec, what)
+    urls = expand_shards(spec, eval_set_key(name))
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
     if found := _beside(spec, urls, TEMPLATES_FILE):
