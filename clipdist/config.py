@@ -158,6 +158,8 @@ class LoggingConfig:
     project: str = "clipdist"
     log_every: int = 10
     progress: bool = True
+    profile_steps: int = 0  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
+    profile_wait: int = 10  # steps run before profiling starts (warm-up left out)
 
 
 @dataclass
@@ -185,7 +187,7 @@ class TrainConfig:
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
             "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
             "world.rendezvous_timeout_s", "grad_cache.chunks")
-NON_NEGATIVE = ("optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
+NON_NEGATIVE = ("logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 
 

@@ -43,3 +43,38 @@ class RunTracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+class StepProfiler:
+    """torch.profiler over `steps` training steps after `wait` (0 steps: off, nothing recorded).
+
+    Writes <run_dir>/profile/rank<r>.trace.json (chrome://tracing, Perfetto) and rank<r>.txt, the
+    operators by self CPU (and CUDA) time, for every rank: the slow rank is the one to look at.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, steps: int, wait: int):
+        self.profiler = None
+        if steps > 0:
+            from torch.profiler import ProfilerActivity, profile, schedule
+            import torch
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.directory, self.rank = Path(run_dir) / "profile", rank
+            self.profiler = profile(activities=activities, record_shapes=True, on_trace_ready=self._write,
+                                    schedule=schedule(wait=max(0, wait - 1), warmup=1, active=steps, repeat=1))
+            self.profiler.start()
+
+    def _write(self, profiler) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.directory / f"rank{self.rank}.trace.json"))
+        sort_by = "self_cuda_time_total" if profiler.activities and len(profiler.activities) > 1 else "self_cpu_time_total"
+        (self.directory / f"rank{self.rank}.txt").write_text(profiler.key_averages().table(sort_by=sort_by, row_limit=40))
+
+    def step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None

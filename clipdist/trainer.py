@@ -17,6 +17,7 @@ from pathlib import Path
 
 import open_clip
 import torch
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from clipdist import distributed
@@ -32,7 +33,7 @@ from clipdist.losses import build as build_loss
 from clipdist.models import create_model_for_loss, get_tokenizer
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
-from clipdist.tracking import RunTracker
+from clipdist.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
 
@@ -107,7 +108,7 @@ def check_eval_set(evalset: EvalSet) -> None:
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
     env = distributed.detect_env()
-    threads, source = distributed.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node)
+    threads, source = distributed.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, cfg.data.workers)
     torch.set_num_threads(threads)
     if env.is_main:
         log.info("%d intra-op thread(s) per rank (%s)", threads, source)
@@ -276,18 +277,23 @@ class Trainer:
         if state.step >= cfg.optim.max_steps:
             self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
                                 f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
+        profiler = StepProfiler(self.run_dir, self.env.rank, cfg.logging.profile_steps, cfg.logging.profile_wait)
         try:
             while state.step < cfg.optim.max_steps:
                 started = time.perf_counter()
-                images, tokens, info = self.next_batch()
-                loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
+                profiler.step()
+                with record_function("data"):
+                    images, tokens, info = self.next_batch()
+                with record_function("forward_and_loss"):
+                    loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
                 # One collective gives every rank the global loss, whether any rank was signalled or is due
                 # a timed checkpoint, and the samples skipped and read per source on all ranks, so all ranks
                 # skip, stop, save or step together.
-                agreed = distributed.all_reduce_mean(torch.cat([
-                    torch.stack([loss.detach().float().cpu(), checkpointer.stop.flag(), checkpointer.time_flag()]),
-                    torch.tensor([info["skipped"], *info["sources"]], dtype=torch.float32),
-                ]).to(self.device)).tolist()
+                with record_function("agree"):
+                    agreed = distributed.all_reduce_mean(torch.cat([
+                        torch.stack([loss.detach().float().cpu(), checkpointer.stop.flag(), checkpointer.time_flag()]),
+                        torch.tensor([info["skipped"], *info["sources"]], dtype=torch.float32),
+                    ]).to(self.device)).tolist()
                 global_loss, stopping, time_due = agreed[0], agreed[1] > 0, agreed[2] > 0
                 if stopping:  # this step's batch is not trained on: the saved position is before it
                     self.checkpoint()
@@ -318,6 +324,7 @@ class Trainer:
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
         finally:
+            profiler.stop()
             close_stream(self.batches)
             checkpointer.close()
             self.progress.close()
@@ -345,10 +352,12 @@ class Trainer:
         """Backward (DDP averages gradients), clip, AdamW, schedule, clamp the logit scale; one step done."""
         state = self.state
         state.optimizer.zero_grad(set_to_none=True)
-        self.step_fn.backward(loss)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
-        state.optimizer.step()
-        state.scheduler.step()
+        with record_function("backward"):
+            self.step_fn.backward(loss)
+        with record_function("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+            state.optimizer.step()
+            state.scheduler.step()
         with torch.no_grad():
             self.model.logit_scale.clamp_(0, math.log(self.cfg.optim.max_logit_scale))
         state.samples_seen += self.global_batch

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = (f"{statistics.median(run['samples_per_s'][args.skip:]):.1f} samples/s"
                      if "samples_per_s" in run else run["error"])
             print(f"[{repeat + 1}/{args.repeats}] {name}: {shown} ({run['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print(f"| variant | median samples/s | wall s | final loss | zero-shot top-1 |\n|---|---:|---:|---:|---:|")
+    print("| variant | median samples/s | wall s | final loss | zero-shot top-1 |\n|---|---:|---:|---:|---:|")
     for name, results in runs.items():
         ok = [r for r in results if "samples_per_s" in r]
         if not ok:

