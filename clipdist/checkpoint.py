@@ -20,15 +20,17 @@ from clipdist.errors import CheckpointError, ConfigError
 from clipdist.state import TrainState, rng_state
 
 log = logging.getLogger(__name__)
-PATTERN = re.compile(r"step_(\d{8})\.pt$")
+PATTERN = re.compile(r"step_(\d{8})\.(pt|dcp)$")  # .pt: one file (DDP); .dcp: a folder of shards (FSDP)
+PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNGs, data position, config
 
 
 class CheckpointFiles:
-    """<run_dir>/checkpoints/step_XXXXXXXX.pt, written atomically, the newest `keep` kept.
+    """<run_dir>/checkpoints/step_XXXXXXXX.pt (or .dcp/), written atomically, the newest `keep` kept.
 
-    A checkpoint is written to a temporary file, flushed to disk, then renamed: a crash
-    mid-write leaves only a temporary file, never a truncated checkpoint under a real name.
-    Loading falls back to older checkpoints if the newest cannot be read.
+    A checkpoint is written to a temporary name, flushed to disk, then renamed: a crash
+    mid-write leaves only a hidden `.partial`, never a truncated checkpoint under a real name.
+    Loading falls back to older checkpoints if the newest cannot be read. Sharded (FSDP)
+    checkpoints are folders written by every rank with torch.distributed.checkpoint.
     """
 
     def __init__(self, run_dir: str | Path, keep: int = 3):
@@ -48,21 +50,63 @@ class CheckpointFiles:
         partial = self.directory / f".{final.name}.partial"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with open(partial, "wb") as handle:
-                torch.save(state, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
+            _write(partial, state)
             os.replace(partial, final)
         except Exception as error:  # noqa: BLE001 -- OSError, or torch's RuntimeError around one
             reason = _reason(error, self.directory)  # before the partial file frees its space
             partial.unlink(missing_ok=True)
-            previous = self.checkpoints()
-            kept = f"the previous checkpoint {previous[0].name} is intact" if previous else "no earlier checkpoint"
-            raise CheckpointError(f"could not write checkpoint {final}: {reason}; {kept}. "
-                                  "Free space (or fix the folder) and resume with resume=auto") from None
-        for old in self.checkpoints()[self.keep:]:
-            old.unlink()
+            raise self._failed(final, reason) from None
+        self._retain()
         return final
+
+    def save_sharded(self, shards: dict, progress: dict, step: int, is_main: bool) -> Path:
+        """Collective: every rank writes its shards (torch.distributed.checkpoint) into a hidden folder,
+        then rank 0 adds `progress` and renames the folder. A failure on any rank raises CheckpointError
+        on every rank, the hidden folder removed; the previous checkpoint stays the newest."""
+        import torch.distributed.checkpoint as dcp
+
+        final = self.directory / f"step_{step:08d}.dcp"
+        partial = self.directory / f".{final.name}.partial"
+
+        def stage(action, ranks_all: bool) -> None:
+            error = None
+            if ranks_all or is_main:
+                try:
+                    action()
+                except Exception as failure:  # noqa: BLE001 -- reported on every rank below
+                    error = _reason(failure, self.directory)
+            error = next((e for e in distributed.all_ranks(error) if e), None)  # every rank learns of any failure
+            if error is not None:
+                if is_main:
+                    shutil.rmtree(partial, ignore_errors=True)
+                raise self._failed(final, error)
+
+        def prepare():
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-save
+            partial.mkdir(parents=True)
+
+        def publish():
+            _write(partial / PROGRESS, progress)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+
+        stage(prepare, ranks_all=False)
+        stage(lambda: dcp.save(shards, checkpoint_id=str(partial)), ranks_all=True)
+        stage(publish, ranks_all=False)
+        if is_main:
+            self._retain()
+        return final
+
+    def _failed(self, final: Path, reason: str) -> CheckpointError:
+        previous = self.checkpoints()
+        kept = f"the previous checkpoint {previous[0].name} is intact" if previous else "no earlier checkpoint"
+        return CheckpointError(f"could not write checkpoint {final}: {reason}; {kept}. "
+                               "Free space (or fix the folder) and resume with resume=auto")
+
+    def _retain(self) -> None:
+        for old in self.checkpoints()[self.keep:]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
 
     def load_latest(self, map_location="cpu") -> tuple[dict, Path] | None:
         """The newest checkpoint that loads, with its path; None if there is none."""
@@ -72,6 +116,14 @@ class CheckpointFiles:
             except Exception as error:  # a damaged file: say so and try the one before it
                 log.warning("checkpoint %s is unreadable (%s); trying an older one", path, error)
         return None
+
+
+def _write(path: Path, obj) -> None:
+    """torch.save, flushed to disk before it returns."""
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def _reason(error: Exception, directory: Path) -> str:
@@ -86,14 +138,17 @@ def _reason(error: Exception, directory: Path) -> str:
 
 def peek(path: str | Path) -> dict:
     """A checkpoint's step, world size and config without reading its tensors (memory-mapped)."""
-    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    path = Path(path)
+    saved = torch.load(path / PROGRESS if path.is_dir() else path, map_location="cpu", weights_only=False, mmap=True)
     return {"step": saved["step"], "world_size": saved.get("world_size", len(saved.get("rng", [])) or 1),
-            "config": saved.get("config", {})}
+            "config": saved.get("config", {}), "sharded": path.is_dir()}
 
 
 def load(path: str | Path, map_location="cpu") -> dict:
+    """A .pt checkpoint whole, or a .dcp folder's progress (its shards are loaded into the model in place)."""
+    path = Path(path)
     # Our checkpoints hold optimizer/RNG state and the config: not weights-only.
-    return torch.load(path, map_location=map_location, weights_only=False)
+    return torch.load(path / PROGRESS if path.is_dir() else path, map_location=map_location, weights_only=False)
 
 
 class StopRequested(BaseException):
@@ -187,6 +242,7 @@ class Checkpointer:
         self.on_error = cfg.on_checkpoint_error
         self.config = as_dict(cfg)
         self.env = env
+        self.sharded = cfg.world.parallel == "fsdp"
         self.stop = StopSignal()
 
     @property
@@ -209,12 +265,19 @@ class Checkpointer:
         """
         rngs = distributed.all_ranks(rng_state())
         error = None
-        if self.env.is_main:
+        if self.sharded:
             try:
-                self.files.save({**state.state_dict(rngs), "config": self.config}, state.step)
-            except CheckpointError as failure:
+                self.files.save_sharded(state.sharded_state_dict(), {**state.progress(rngs), "config": self.config},
+                                        state.step, self.env.is_main)
+            except CheckpointError as failure:  # raised on every rank alike
                 error = str(failure)
-        error = distributed.all_ranks(error)[0]
+        else:
+            if self.env.is_main:
+                try:
+                    self.files.save({**state.state_dict(rngs), "config": self.config}, state.step)
+                except CheckpointError as failure:
+                    error = str(failure)
+            error = distributed.all_ranks(error)[0]
         self.last_saved = time.monotonic()
         if error is None:
             return True
@@ -230,7 +293,15 @@ class Checkpointer:
         if found is None:
             return None
         saved, path = found
-        state.load_state_dict(saved, self.env.rank, self.env.world_size)
+        if path.is_dir():  # sharded: every rank reads its part of each tensor, whatever world size wrote them
+            import torch.distributed.checkpoint as dcp
+
+            shards = state.sharded_state_dict()
+            dcp.load(shards, checkpoint_id=str(path))
+            state.load_sharded_state_dict(shards)
+            state.load_progress(saved, self.env.rank, self.env.world_size)
+        else:
+            state.load_state_dict(saved, self.env.rank, self.env.world_size)
         return path
 
     @staticmethod
@@ -245,8 +316,8 @@ class Checkpointer:
                     f"{files.directory} already holds {existing[0].name}; resume=never would overwrite "
                     "that run. Use resume=auto to continue it, or name=<new name> for a new run")
             return None
-        if cfg.resume != "auto" and not Path(cfg.resume).is_file():
-            raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file (use auto, never, or a path)")
+        if cfg.resume != "auto" and not (Path(cfg.resume).is_file() or (Path(cfg.resume) / PROGRESS).is_file()):
+            raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)")
         for path in files.checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
             try:
                 saved = peek(path)
@@ -267,6 +338,11 @@ class Checkpointer:
 
 
 def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | None:
+    parallel = config["world"]["parallel"]
+    if saved["sharded"] != (parallel == "fsdp"):
+        written = "world.parallel=fsdp (a sharded .dcp folder)" if saved["sharded"] else "world.parallel=ddp (one .pt file)"
+        raise ConfigError(f"{path} was written with {written}; resume it with that setting (a DDP run and an FSDP "
+                          "run keep different checkpoints), or start a new run with name=<new name>")
     before, now = _identity(saved["config"]), _identity(config)
     changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
     if changed:

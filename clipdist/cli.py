@@ -29,6 +29,7 @@ def _gradcheck(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout,
         chunks=args.chunks,
+        parallel=args.parallel,
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
@@ -46,7 +47,8 @@ def _print_report(report, verbose: bool) -> None:
 
     console = Console()
     cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
-    table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.dtype}{cached}")
+    table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, "
+                        f"{report.dtype}{cached}")
     table.add_column("parameter")
     table.add_column("rel. error", justify="right")
     table.add_column("verdict")
@@ -201,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "gradcheck",
         help="prove a distributed loss exact against one process on the global batch",
-        description="Spawn N local gloo ranks, run one DDP step of a tiny two-tower model with the loss, and "
+        description="Spawn N local gloo ranks, run one DDP (or FSDP) step of a tiny two-tower model with the loss, and "
         "compare the loss and every parameter's gradient with one process on the whole batch.",
     )
     check.add_argument("--backend", default="disco", help="registered backend (naive, gather_layer, disco, tiled, siglip)")
@@ -209,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world", type=int, default=2, help="number of local ranks (default 2)")
     check.add_argument("--batch", type=_batch_sizes, default=4, help="local batch per rank, or one per rank: 4,3,5")
     check.add_argument("--chunks", type=int, default=1, help="gradient caching: split each rank's batch into K chunks")
+    check.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                       help="how the model is distributed: DDP, or FSDP2 (fully_shard per block)")
     check.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     check.add_argument("--model", default="clipdist-tiny", help="open_clip model config (random init)")
     check.add_argument("--seed", type=int, default=0)

@@ -43,6 +43,11 @@ class Backend(Choice):
     nccl = "nccl"
 
 
+class Parallel(Choice):
+    ddp = "ddp"  # every rank holds the whole model, gradients and AdamW state; gradients all-reduced
+    fsdp = "fsdp"  # FSDP2: parameters, gradients and AdamW state sharded over ranks (fully_shard per block)
+
+
 class Split(Choice):
     node = "node"  # shards split over ranks and loader workers
     replicated = "replicated"  # every rank reads the same samples and keeps its slice of the global batch
@@ -129,6 +134,7 @@ class WorldConfig:
     device: Device = Device.auto
     backend: Backend = Backend.auto
     batch_per_device: int = 64
+    parallel: Parallel = Parallel.ddp
     spawn: bool = False  # started alone: launch procs_per_node local ranks with torch's elastic launcher
     timeout_s: int = 600  # bound on every collective
     rendezvous_timeout_s: int = 300  # srun: how long ranks wait for each other at start before failing

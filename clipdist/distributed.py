@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping
@@ -69,18 +70,21 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def init_process_group(env: DistEnv, backend: str | None = None, timeout_s: float = 600,
-                       rendezvous_timeout_s: float = 300) -> None:
-    """Start the default process group for `env` (nothing for a single process).
+                       rendezvous_timeout_s: float = 300, single: bool = False) -> None:
+    """Start the default process group for `env` (for a single process only if `single`: FSDP needs one).
 
     `timeout_s` bounds every collective: a rank that dies makes the others fail after
     `timeout_s` instead of hanging forever. Under srun (no launcher of torch's), the ranks meet
     at rank 0's TCP store, bounded by `rendezvous_timeout_s`: a task that never starts fails
     the others then, not after the collective timeout.
     """
-    if env.world_size == 1 or dist.is_initialized():
+    if dist.is_initialized() or (env.world_size == 1 and not single):
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and env.launcher == "single":  # no launcher, no rendezvous: an in-memory store
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
     if env.launcher == "slurm":
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
                               is_master=env.rank == 0, timeout=timedelta(seconds=rendezvous_timeout_s),
@@ -117,9 +121,20 @@ def intra_op_threads(setting: int | None, procs_per_node: int, loader_workers: i
     return max(1, cpus - loader_workers), source
 
 
-def wrap_model(model: torch.nn.Module, *, compile: bool = False) -> torch.nn.Module:
-    """What the training step calls: the towers compiled in place (torch.compile), then DDP outermost
-    when there is more than one rank — so DDP's `no_sync` stays reachable for gradient caching."""
+def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool = False,
+               param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """What the training step calls.
+
+    ddp: the towers compiled in place (torch.compile), then DDP outermost when there is more than
+    one rank — so DDP's `no_sync` stays reachable for gradient caching.
+    fsdp: FSDP2 (`fully_shard`) on every transformer block of both towers (each compiled first),
+    then on the root, which takes the rest (embeddings, projections, logit scale and bias); the
+    model is changed in place and returned. `param_dtype` (bf16 on CUDA) is the compute dtype of
+    the gathered parameters; gradients are reduced in fp32. Gradients are averaged over ranks, as
+    DDP's are, so every loss backend's exactness argument holds unchanged.
+    """
+    if parallel == "fsdp":
+        return _fully_shard(model, compile=compile, param_dtype=param_dtype)
     if compile:
         model.compile()
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -134,6 +149,88 @@ def wrap_model(model: torch.nn.Module, *, compile: bool = False) -> torch.nn.Mod
                         for module in model.modules())
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    broadcast_buffers=running_stats, gradient_as_bucket_view=True)
+
+
+BLOCK_LISTS = ("resblocks", "blocks", "layers")  # open_clip transformers, timm ViTs, HF-style text towers
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of every tower (open_clip `resblocks`, timm `blocks`): FSDP's units."""
+    return [block for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS
+            for block in module if any(True for _ in block.parameters())]
+
+
+def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dtype | None) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if not dist.is_initialized():
+        raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"world.parallel=fsdp: {type(model).__name__} has no transformer blocks "
+                         f"(module lists named {', '.join(BLOCK_LISTS)}) to shard one by one; use world.parallel=ddp")
+    for block in blocks:
+        if compile:
+            block.compile()
+        fully_shard(block, mp_policy=policy)
+    # fully_shard cannot shard 0-dim parameters (the logit scale and bias): they stay whole on every rank,
+    # outside FSDP, and their gradients are averaged by average_replicated_gradients after backward.
+    scalars = [param for param in model.parameters() if param.ndim == 0]
+    # The root's parameters are needed again at once by backward: keep them gathered after forward.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False, ignored_params=set(scalars))
+    model.replicated_parameters = scalars
+    for method in ("encode_image", "encode_text"):  # evaluation calls these, not forward
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
+    return model
+
+
+def average_replicated_gradients(model: torch.nn.Module) -> None:
+    """Average over ranks the gradients of parameters FSDP leaves whole (0-dim scalars): what DDP and
+    FSDP's reduce-scatter do for every other parameter. Called once after the step's last backward."""
+    grads = [param.grad for param in getattr(model, "replicated_parameters", ()) if param.grad is not None]
+    if grads and dist.is_initialized() and dist.get_world_size() > 1:
+        flat = torch.stack(grads)
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for grad, mean in zip(grads, flat):
+            grad.copy_(mean)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls it); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Backward passes inside accumulate gradients locally when not `enabled` (DDP's no_sync, FSDP's
+    set_requires_gradient_sync); the next backward with sync reduces everything accumulated."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def destroy_process_group() -> None:

@@ -5,7 +5,7 @@ Gradient caching (GradCache, Gao et al. 2021), exact: with K chunks of the local
   2. compute the loss once over the whole global batch from detached copies of the features
      and the model's scalars (logit scale, bias), and backpropagate it to those copies only;
   3. re-forward each chunk with its RNG state restored (same dropout masks) and backpropagate
-     the cached gradients ∂L/∂features through it; DDP averages once, on the last chunk.
+     the cached gradients ∂L/∂features through it; DDP (or FSDP) averages once, on the last chunk.
 The scalars' cached gradient is fed into exactly one chunk's backward: open_clip's feature
 accumulation recomputes the loss per chunk and counts the logit scale's gradient K times.
 The result equals keeping every chunk's graph and backpropagating the global loss once;
@@ -17,6 +17,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+from clipdist.distributed import average_replicated_gradients, gradient_sync
 
 
 class WholeBatchStep:
@@ -32,6 +34,7 @@ class WholeBatchStep:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        average_replicated_gradients(self.model)
 
 
 class GradCacheStep(WholeBatchStep):
@@ -68,14 +71,14 @@ class GradCacheStep(WholeBatchStep):
         loss.backward()
         sizes = [piece[0].shape[0] for piece in pieces]
         image_grads, text_grads = image_features.grad.split(sizes), text_features.grad.split(sizes)
-        ddp = isinstance(self.model, DistributedDataParallel)
         for k, (piece, rng) in enumerate(zip(pieces, rng_states)):
             last = k == len(pieces) - 1
-            with (nullcontext() if last or not ddp else self.model.no_sync()), _restored_rng(rng, piece[0].device):
+            with gradient_sync(self.model, enabled=last), _restored_rng(rng, piece[0].device):
                 with self.autocast:
                     outputs = self.model(*piece)
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
                 torch.autograd.backward(list(outputs), [image_grads[k], text_grads[k], *scalar_grads])
+        average_replicated_gradients(self.model)
 
 
 def build_step(model, loss_fn, chunks: int = 1, autocast=None) -> WholeBatchStep:

@@ -46,15 +46,33 @@ class TrainState:
     data: dict | None = None  # the data stream's position (see Trainer.data_position), as saved
 
     def state_dict(self, rngs: list[dict]) -> dict:
-        return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-            "rng": rngs, "world_size": len(rngs), "data": self.data,
-        }
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self.progress(rngs)}
+
+    def progress(self, rngs: list[dict]) -> dict:
+        """Everything but the model's and optimizer's tensors (all a sharded checkpoint keeps beside them)."""
+        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
+                "rng": rngs, "world_size": len(rngs), "data": self.data}
+
+    def sharded_state_dict(self) -> dict:
+        """Model and optimizer state as this rank's shards (DTensors, keyed by parameter name), for
+        torch.distributed.checkpoint; loading one into the same structure reshards to any world size."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"])
 
     def load_state_dict(self, saved: dict, rank: int, world_size: int) -> None:
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
+        self.load_progress(saved, rank, world_size)
+
+    def load_progress(self, saved: dict, rank: int, world_size: int) -> None:
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
         self.data = saved.get("data")  # None from checkpoints before the data position was saved

@@ -115,7 +115,8 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     device = select_device(cfg.world.device, env.local_rank)
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
     distributed.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
-                                   rendezvous_timeout_s=cfg.world.rendezvous_timeout_s)
+                                   rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
+                                   single=cfg.world.parallel == "fsdp")
     try:
         return Trainer(cfg, shards, env, device).fit()
     finally:
@@ -132,6 +133,12 @@ def select_device(setting: Device, local_rank: int) -> torch.device:
 def autocast_for(precision: Precision, device: torch.device):
     use_bf16 = precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+
+def fsdp_param_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
+    """FSDP's compute dtype for gathered parameters: bf16 where autocast would run in bf16 on CUDA."""
+    use_bf16 = precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
+    return torch.bfloat16 if use_bf16 and device.type == "cuda" else None
 
 
 def build_optimizer(model: torch.nn.Module, optim):
@@ -157,6 +164,16 @@ def build_optimizer(model: torch.nn.Module, optim):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most `max_norm` (0: no clipping); the norm before.
+    Under FSDP each rank holds a shard of every gradient (DTensors): the norm is reduced over ranks."""
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    norm = distributed.full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=True)
+    return norm
+
+
 class Trainer:
     """One rank's run: components built from config, then `fit`, a plain loop."""
 
@@ -176,6 +193,10 @@ class Trainer:
             grad_checkpointing=cfg.model.grad_checkpointing,
         ).to(device)
         self.tokenizer = get_tokenizer(cfg.model.name)
+        # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards.
+        self.train_model = distributed.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
+                                                  param_dtype=fsdp_param_dtype(cfg.precision, device))
+        self.sharded = distributed.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
         self.state = TrainState(self.model, optimizer, scheduler)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
@@ -186,7 +207,6 @@ class Trainer:
             for log_file in ("train_log.jsonl", "metrics.jsonl"):
                 rewind_jsonl(self.run_dir / log_file, self.state.step)
 
-        self.train_model = distributed.wrap_model(self.model, compile=cfg.model.compile)
         self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
                                   self.autocast)
 
@@ -355,7 +375,7 @@ class Trainer:
         with record_function("backward"):
             self.step_fn.backward(loss)
         with record_function("optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+            grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
             state.optimizer.step()
             state.scheduler.step()
         with torch.no_grad():
@@ -367,8 +387,9 @@ class Trainer:
     def log_step(self, global_loss: float, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         state, model = self.state, self.model
         stats = {"loss": global_loss, "lr": state.scheduler.get_last_lr()[0],
-                 "logit_scale": model.logit_scale.exp().item(),
-                 **({"logit_bias": model.logit_bias.item()} if self.loss_fn.uses_logit_bias else {}),
+                 "logit_scale": distributed.full_tensor(model.logit_scale).exp().item(),
+                 **({"logit_bias": distributed.full_tensor(model.logit_bias).item()} if self.loss_fn.uses_logit_bias
+                    else {}),
                  "samples_per_s": self.global_batch / seconds,
                  "samples_per_s_per_device": self.cfg.world.batch_per_device / seconds}
         self.progress.update(1)
@@ -381,9 +402,17 @@ class Trainer:
                                    state.step)
 
     def evaluate(self) -> dict | None:
-        """Every evaluation set on rank 0 (the other ranks wait). A set that fails is logged and counted
+        """Every evaluation set on rank 0 (the other ranks wait; under FSDP they run it alongside, since
+        every forward gathers the sharded weights from all ranks). A set that fails is logged and counted
         (eval_errors) and training goes on: evaluation never stops a run."""
         metrics = None
+        if self.sharded and self.shards.evals and not self.env.is_main:  # FSDP: every rank gathers the weights
+            for evalset in self.shards.evals:
+                try:
+                    evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device, autocast=self.autocast,
+                             max_skips_in_a_row=self.cfg.data.max_skips_in_a_row)
+                except Exception:  # noqa: BLE001 -- rank 0 reports it
+                    pass
         if self.env.is_main and self.shards.evals:
             metrics = {}
             for evalset in self.shards.evals:

@@ -1,4 +1,4 @@
-"""Prove a distributed loss exact: one DDP step on N gloo ranks vs one process on the whole batch.
+"""Prove a distributed loss exact: one DDP (or FSDP) step on N gloo ranks vs one process on the whole batch.
 
 Every parameter's gradient is compared with the single-process reference and classified:
 exact, 1/N, N×, another pure rescaling, missing, or wrong (not a rescaling: terms dropped).
@@ -63,13 +63,14 @@ def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn):
 
 
 def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str,
-               chunks: int):
-    """One DDP step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1).
+               chunks: int, parallel: str = "ddp"):
+    """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1).
 
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    from clipdist.distributed import full_tensor, wrap_model
     from clipdist.grad_cache import build_step
 
     dtype = getattr(torch, dtype_name)
@@ -80,14 +81,16 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     results = []
     for spec in loss_specs:
         loss_fn = resolve_loss(spec)
-        step = build_step(DistributedDataParallel(_model(model_name, seed, dtype, loss_fn)), loss_fn, chunks)
+        model = _model(model_name, seed, dtype, loss_fn)
+        wrapped = DistributedDataParallel(model) if parallel == "ddp" else wrap_model(model, parallel=parallel)
+        step = build_step(wrapped, loss_fn, chunks)
         loss = step.loss(images[rows], tokens[rows])
         step.backward(loss)
-        model = step.model
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss /= dist.get_world_size()
-        grads = {name: (None if p.grad is None else p.grad.clone()) for name, p in model.module.named_parameters()}
+        # Under FSDP each rank holds a shard of every gradient: gathered whole (on every rank: a collective).
+        grads = {name: (None if p.grad is None else full_tensor(p.grad).clone()) for name, p in model.named_parameters()}
         results.append((mean_loss.item(), grads))
     return results if rank == 0 else None
 
@@ -124,6 +127,7 @@ class GradcheckReport:
     parameters: list[ParameterCheck] = field(default_factory=list)
     diagnosis: list[str] = field(default_factory=list)
     chunks: int = 1  # gradient-caching chunks per rank
+    parallel: str = "ddp"  # ddp | fsdp
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -199,11 +203,15 @@ def run_gradchecks(
     seed: int = 0,
     timeout_s: float = 300,
     chunks: int = 1,
+    parallel: str = "ddp",
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
-    chunks > 1 runs each rank's step with gradient caching (clipdist.grad_cache) in that many chunks.
+    chunks > 1 runs each rank's step with gradient caching (clipdist.grad_cache) in that many chunks;
+    parallel="fsdp" shards the model with FSDP2 (clipdist.distributed.wrap_model) instead of DDP.
     """
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
     from clipdist.distributed import launch_local
 
     if dtype not in TOLERANCE:
@@ -216,7 +224,7 @@ def run_gradchecks(
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
-    rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks,
+    rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks, parallel,
                                 timeout_s=timeout_s)[0]
     tolerance = TOLERANCE[dtype]
     references = {}  # one single-process step per loss definition, shared by the backends that use it
@@ -226,7 +234,7 @@ def run_gradchecks(
         if definition not in references:
             references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn)
         reports.append(_report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance,
-                               chunks))
+                               chunks, parallel))
     return reports
 
 
@@ -235,7 +243,7 @@ def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> Gradch
     return run_gradchecks([loss], world_size, **options)[0]
 
 
-def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance, chunks):
+def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance, chunks, parallel):
     checks = [
         ParameterCheck(name, *classify(grads[name], ref, world_size, tolerance))
         for name, ref in reference_grads.items()
@@ -256,4 +264,5 @@ def _report(spec, loss, grads, reference_loss, reference_grads, world_size, size
         parameters=checks,
         diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size),
         chunks=chunks,
+        parallel=parallel,
     )
