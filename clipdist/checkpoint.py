@@ -64,6 +64,7 @@ class CheckpointFiles:
         then rank 0 adds `progress` and renames the folder. A failure on any rank raises CheckpointError
         on every rank, the hidden folder removed; the previous checkpoint stays the newest."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
         final = self.directory / f"step_{step:08d}.dcp"
         partial = self.directory / f".{final.name}.partial"
@@ -73,6 +74,9 @@ class CheckpointFiles:
             if ranks_all or is_main:
                 try:
                     action()
+                except CheckpointException as failure:  # DCP's: one (exception, traceback) per failed rank
+                    rank, (cause, _) = next(iter(failure.failures.items()))
+                    error = f"rank {rank}: {_reason(cause, self.directory)}"
                 except Exception as failure:  # noqa: BLE001 -- reported on every rank below
                     error = _reason(failure, self.directory)
             error = next((e for e in distributed.all_ranks(error) if e), None)  # every rank learns of any failure

@@ -110,11 +110,11 @@ def _plan(args: argparse.Namespace) -> int:
     checkpointing = checkpointing or args.grad_checkpointing
     world_size = plan.resolve_world(args.world)
     device_bytes = plan.parse_bytes(args.memory)
-    plan.check_request(args.backend, args.chunks, world_size, args.global_batch)
+    plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
     console = Console(stderr=args.json, width=max(Console().width, 120))
     measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
                             progress=lambda text: console.print(f"[dim]{text}[/dim]"))
-    rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes)
+    rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel)
     if args.json:
         print(json.dumps({"model": model_name, "world_size": world_size, "device_bytes": device_bytes,
                           "precision": args.precision, "grad_checkpointing": checkpointing,
@@ -128,6 +128,7 @@ def _plan(args: argparse.Namespace) -> int:
         table.add_column(column, justify="left" if column == "backend" else "right")
     for row in rows:
         name = row.backend + (f" +cache×{row.chunks}" if row.chunks > 1 else "")
+        name += f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else ""
         fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
         table.add_row(name, *(_human(x) for x in (row.parameters_optimizer, row.activations, row.loss_buffers,
                                                   row.communication_buffers, row.peak)),
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--backend", type=_csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
     planner.add_argument("--chunks", type=_csv(int), default=[1], help="gradient-caching chunks, comma-separated: 1,8")
     planner.add_argument("--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)")
+    planner.add_argument("--parallel", type=_csv(str), default=["ddp"],
+                         help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)")
     planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     planner.add_argument("--grad-checkpointing", action="store_true")
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")

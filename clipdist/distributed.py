@@ -148,17 +148,19 @@ def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool =
     running_stats = any(isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
                         for module in model.modules())
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=running_stats, gradient_as_bucket_view=True)
+                                   forward_sync_buffers=running_stats, gradient_as_bucket_view=True)
 
 
 BLOCK_LISTS = ("resblocks", "blocks", "layers")  # open_clip transformers, timm ViTs, HF-style text towers
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of every tower (open_clip `resblocks`, timm `blocks`): FSDP's units."""
-    return [block for name, module in model.named_modules()
-            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS
-            for block in module if any(True for _ in block.parameters())]
+    """The repeated blocks of every tower (open_clip `resblocks`, timm `blocks`): FSDP's units, outermost
+    only (a block list inside a block belongs to that block's unit)."""
+    lists = [name for name, module in model.named_modules()
+             if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS]
+    outer = [name for name in lists if not any(name.startswith(other + ".") for other in lists)]
+    return [block for name in outer for block in model.get_submodule(name) if any(True for _ in block.parameters())]
 
 
 def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dtype | None) -> torch.nn.Module:
@@ -167,11 +169,7 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
     if not dist.is_initialized():
         raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    blocks = transformer_blocks(model)
-    if not blocks:
-        raise ValueError(f"world.parallel=fsdp: {type(model).__name__} has no transformer blocks "
-                         f"(module lists named {', '.join(BLOCK_LISTS)}) to shard one by one; use world.parallel=ddp")
-    for block in blocks:
+    for block in transformer_blocks(model):  # preflight (trainer.check_shardable) made sure there are some
         if compile:
             block.compile()
         fully_shard(block, mp_policy=policy)

@@ -45,6 +45,7 @@ def create_model(
     grad_checkpointing: bool = False,
     init_logit_scale: float | None = None,
     init_logit_bias: float | None = None,
+    device: str = "cpu",
 ) -> torch.nn.Module:
     """An open_clip CLIP model, randomly initialised (no download ever happens here).
 
@@ -57,7 +58,7 @@ def create_model(
             f"unknown model {name!r}; open_clip knows {len(model_names())} configs, e.g. "
             "clipdist-tiny, ViT-B-32, ViT-B-16, ViT-L-14"
         )
-    kwargs = {}
+    kwargs = {"device": device}  # "meta": the structure alone, no memory (for checks)
     if init_logit_scale is not None:
         kwargs["init_logit_scale"] = init_logit_scale
     if init_logit_bias is not None:

@@ -30,7 +30,7 @@ from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
-from clipdist.models import create_model_for_loss, get_tokenizer
+from clipdist.models import create_model, create_model_for_loss, get_tokenizer
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
 from clipdist.tracking import RunTracker, StepProfiler
@@ -79,6 +79,8 @@ def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")
     Checkpointer.check_resume(cfg, world.world_size)
+    if world.parallel == "fsdp":
+        check_shardable(cfg.model.name)
     try:
         shards = resolve_shards(cfg.data)
         check_shard_count(len(shards.train), world.world_size, cfg.data.workers, resampled=cfg.data.resampled,
@@ -88,6 +90,18 @@ def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
     for evalset in shards.evals:
         check_eval_set(evalset)
     return shards
+
+
+def check_shardable(model_name: str) -> None:
+    """world.parallel=fsdp shards the towers block by block: the model must have transformer blocks
+    (built on the meta device: the structure alone, no memory)."""
+    try:
+        model = create_model(model_name, device="meta")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not distributed.transformer_blocks(model):
+        raise ConfigError(f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
+                          f"{', '.join(distributed.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
 
 
 def check_eval_set(evalset: EvalSet) -> None:

@@ -186,3 +186,50 @@ def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout
         residual = float(np.abs(design @ coefficients - kept).max())
         fits[name] = LossFit(name, tuple(float(c) for c in coefficients), residual)
     return fits
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of a tensor (a DTensor's local shard)."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's parameters, gradients and optimizer state in bytes (what DDP replicates, FSDP shards)."""
+    params = list(model.parameters())
+    moments = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    return {"parameters": sum(local_bytes(p) for p in params),
+            "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(local_bytes(m) for m in moments)}
+
+
+def _state_rank(model_name: str, parallel: str, local_batch: int) -> dict[str, int]:
+    """One training step (so gradients and AdamW moments exist) under `parallel`; this rank's state bytes."""
+    from clipdist.config import OptimConfig
+    from clipdist.distributed import wrap_model
+    from clipdist.grad_cache import build_step
+    from clipdist.losses import build
+    from clipdist.models import create_model_for_loss, get_tokenizer
+    from clipdist.trainer import build_optimizer
+
+    torch.manual_seed(0)
+    loss_fn = build("disco")
+    model = create_model_for_loss(model_name, loss_fn)
+    wrapped = wrap_model(model, parallel=parallel)
+    optimizer, _ = build_optimizer(model, OptimConfig())
+    size = model.visual.image_size
+    size = (size, size) if isinstance(size, int) else size
+    step = build_step(wrapped, loss_fn)
+    images = torch.randn(local_batch, 3, *size)
+    step.backward(step.loss(images, random_tokens(local_batch, get_tokenizer(model_name).context_length)))
+    optimizer.step()
+    return state_bytes(model, optimizer)
+
+
+def measure_state_bytes(model_name: str, parallel: str, world_size: int, local_batch: int = 4,
+                        timeout_s: float = 300) -> list[dict[str, int]]:
+    """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
+    from clipdist.distributed import launch_local
+
+    results = launch_local(_state_rank, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
+    return [results[rank] for rank in range(world_size)]

@@ -1,7 +1,10 @@
 """`clipdist plan`: per-device memory and communication of a run before it is launched.
 
 Figures per device:
-  parameters + optimizer   P·16 bytes: fp32 weights, fp32 gradients, AdamW's two moments
+  parameters + optimizer   P·16 bytes: fp32 weights, fp32 gradients, AdamW's two moments; under
+                           FSDP (--parallel fsdp) each rank's shard of them: Σ ⌈rows/N⌉·row size
+                           over the sharded tensors (dim 0 padded to a multiple of N), ·16, plus
+                           the 0-dim scalars kept whole
   activations              what the towers keep for backward: measured on CPU at batch 1 and 2
                            (same precision, same grad checkpointing), scaled linearly; with
                            gradient caching, one chunk's worth plus the cached features and
@@ -9,17 +12,22 @@ Figures per device:
   loss buffers             what the backend keeps for backward on one rank: measured on 3 gloo
                            ranks at small (b, B, d) and fitted exactly on the monomials of
                            clipdist.tools.memory.LOSS_TERMS
-  communication buffers    DDP's gradient buckets (P·4 bytes) when world size > 1
+  communication buffers    DDP: none (gradients are views into its all-reduce buckets). FSDP: the
+                           gathered weights of the root unit (kept through the step) and of two
+                           blocks (one computing, one prefetched), and their unsharded fp32
+                           gradients before the reduce-scatter
 Peak = parameters + optimizer + buffers + (activations + loss, or with chunks
 max(loss, one chunk's activations) + cached features, since the loss's graph is freed before
 the chunks are re-run). Bytes sent per rank per step: the loss's collectives (NCCL ring
-figures, clipdist.losses.*.sent_bytes_per_rank) + DDP's gradient all-reduce 2·(N−1)/N·P·4.
+figures, clipdist.losses.*.sent_bytes_per_rank) + DDP's gradient all-reduce 2·(N−1)/N·P·4, or
+FSDP's all-gathers (forward and backward) 2·(N−1)/N·P·w and reduce-scatter (N−1)/N·P·4, with w
+the bytes of a gathered weight (2 under bf16).
 """
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +38,6 @@ from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measu
 
 CONF = Path(__file__).resolve().parents[1] / "conf"  # clipdist/conf, shipped in the package
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
-DDP_BUCKET_BYTES_PER_PARAMETER = 4
 
 
 # Usable memory of common accelerators, as their makers state it.
@@ -89,6 +96,7 @@ class PlanRow:
     fits: bool
     sent_bytes_per_step: float
     max_global_batch: int
+    parallel: str = "ddp"
 
 
 @dataclass
@@ -96,6 +104,19 @@ class Measurements:
     activations: ActivationFit
     losses: dict[str, LossFit]
     feature_bytes: int  # bytes per feature element reaching the loss (2 under bf16)
+    parameter_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    block_parameters: list[int] = field(default_factory=list)  # FSDP units: each transformer block
+
+    def state_bytes(self, world_size: int, parallel: str) -> float:
+        """Parameters, gradients and AdamW moments on one rank."""
+        shards = world_size if parallel == "fsdp" else 1
+        held = sum(-(-shape[0] // shards) * math.prod(shape[1:]) if shape else 1 for shape in self.parameter_shapes)
+        return held * OPTIMIZER_BYTES_PER_PARAMETER
+
+    def fsdp_buffers(self) -> float:
+        largest = max(self.block_parameters, default=0)
+        root = self.activations.parameters - sum(self.block_parameters)
+        return (2 * largest + root) * self.feature_bytes + (largest + root) * 4
 
 
 def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_checkpointing: bool = False,
@@ -113,15 +134,24 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     feature_dtype = "bfloat16" if precision == "bf16" else "float32"
     progress(f"measuring loss buffers of {', '.join(backends)} on 3 gloo ranks…")
     losses = fit_loss_memory(backends, feature_dtype)
-    return Measurements(activations, losses, 2 if precision == "bf16" else 4)
+    return Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model))
 
 
-def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, chunks: int) -> dict:
+def parameter_layout(model) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(every parameter's shape, the parameter count of each transformer block): what sharding needs."""
+    from clipdist.distributed import transformer_blocks
+
+    return ([tuple(p.shape) for p in model.parameters()],
+            [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)])
+
+
+def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, chunks: int,
+              parallel: str = "ddp") -> dict:
     """Per-device bytes of one configuration (see the module docstring)."""
     act, dim = m.activations, m.activations.feature_dim
     global_batch = local_batch * world_size
-    params = act.parameters * OPTIMIZER_BYTES_PER_PARAMETER
-    buffers = act.parameters * DDP_BUCKET_BYTES_PER_PARAMETER if world_size > 1 else 0
+    params = m.state_bytes(world_size, parallel)
+    buffers = m.fsdp_buffers() if parallel == "fsdp" else 0
     loss = m.losses[backend].bytes(local_batch, global_batch, dim)
     if chunks > 1:
         feature_cache = 4 * local_batch * dim * m.feature_bytes  # image + text features and their gradients
@@ -137,16 +167,18 @@ def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, 
             "peak": params + buffers + kept + feature_cache}
 
 
-def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int) -> float:
+def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int, parallel: str = "ddp") -> float:
     loss_fn = build(backend)
-    ddp = 2 * (world_size - 1) / world_size * m.activations.parameters * 4
-    return loss_fn.sent_bytes_per_rank(local_batch, world_size, m.activations.feature_dim, 4) + ddp
+    share, params = (world_size - 1) / world_size, m.activations.parameters
+    weights = 2 * share * params * 4 if parallel == "ddp" else share * params * (2 * m.feature_bytes + 4)
+    return loss_fn.sent_bytes_per_rank(local_batch, world_size, m.activations.feature_dim, 4) + weights
 
 
-def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: int, device_bytes: int) -> int:
+def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: int, device_bytes: int,
+                        parallel: str = "ddp") -> int:
     """The largest b (≥ chunks) whose peak fits in device memory, 0 if none does."""
     def fits(b):
-        return breakdown(m, backend, world_size, b, chunks)["peak"] <= device_bytes
+        return breakdown(m, backend, world_size, b, chunks, parallel)["peak"] <= device_bytes
 
     low = chunks
     if not fits(low):
@@ -162,8 +194,12 @@ def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: 
     return low
 
 
-def check_request(backends: list[str], chunks_options: list[int], world_size: int, global_batch: int) -> None:
+def check_request(backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
+                  parallel_options=("ddp",)) -> None:
     """Arguments that cannot make a plan: a ValueError naming the argument, before anything is measured."""
+    for parallel in parallel_options:
+        if parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"--parallel {parallel}: choose ddp or fsdp (or both: ddp,fsdp)")
     if global_batch < 1:
         raise ValueError(f"--global-batch {global_batch}: must be at least 1")
     if world_size < 1:
@@ -178,18 +214,21 @@ def check_request(backends: list[str], chunks_options: list[int], world_size: in
 
 
 def plan(m: Measurements, backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
-         device_bytes: int) -> list[PlanRow]:
-    check_request(backends, chunks_options, world_size, global_batch)
+         device_bytes: int, parallel_options: tuple[str, ...] = ("ddp",)) -> list[PlanRow]:
+    check_request(backends, chunks_options, world_size, global_batch, parallel_options)
     local_batch = global_batch // world_size
     rows = []
-    for backend in backends:
-        for chunks in chunks_options:
-            parts = breakdown(m, backend, world_size, local_batch, chunks)
-            rows.append(PlanRow(
-                backend, chunks, local_batch, global_batch, **parts, fits=parts["peak"] <= device_bytes,
-                sent_bytes_per_step=sent_bytes(m, backend, world_size, local_batch),
-                max_global_batch=world_size * largest_local_batch(m, backend, world_size, chunks, device_bytes),
-            ))
+    for parallel in parallel_options:
+        for backend in backends:
+            for chunks in chunks_options:
+                parts = breakdown(m, backend, world_size, local_batch, chunks, parallel)
+                rows.append(PlanRow(
+                    backend, chunks, local_batch, global_batch, **parts, fits=parts["peak"] <= device_bytes,
+                    sent_bytes_per_step=sent_bytes(m, backend, world_size, local_batch, parallel),
+                    max_global_batch=world_size * largest_local_batch(m, backend, world_size, chunks, device_bytes,
+                                                                      parallel),
+                    parallel=parallel,
+                ))
     return rows
 
 
