@@ -228,6 +228,7 @@ class Trainer:
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
         self.eval_errors = 0
+        self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
         saved = self.state.data or {}
         self.skipped_samples = saved.get("skipped_samples", 0)
         self.source_samples = saved.get("source_samples") or [0] * len(shards.sources)
@@ -399,21 +400,23 @@ class Trainer:
         return grad_norm
 
     def log_step(self, global_loss: float, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
+        """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a
+        device-to-host copy (logit scale and bias, grad norm) are read only then: on a GPU each is a sync."""
         state, model = self.state, self.model
-        stats = {"loss": global_loss, "lr": state.scheduler.get_last_lr()[0],
-                 "logit_scale": distributed.full_tensor(model.logit_scale).exp().item(),
-                 **({"logit_bias": distributed.full_tensor(model.logit_bias).item()} if self.loss_fn.uses_logit_bias
-                    else {}),
-                 "samples_per_s": self.global_batch / seconds,
+        stats = {"loss": global_loss, "lr": state.scheduler.get_last_lr()[0], "samples_per_s": self.global_batch / seconds,
                  "samples_per_s_per_device": self.cfg.world.batch_per_device / seconds}
         self.progress.update(1)
-        self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
-                                  lr=f"{stats['lr']:.2e}", scale=f"{stats['logit_scale']:.1f}", refresh=False)
         if state.step % self.cfg.logging.log_every == 0:
+            stats["logit_scale"] = model.logit_scale.exp().item()
+            if self.loss_fn.uses_logit_bias:
+                stats["logit_bias"] = model.logit_bias.item()
             sources = {"source_samples": list(self.source_samples)} if len(self.source_samples) > 1 else {}
             self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
                                     "skipped_samples": self.skipped_samples, "skipped_steps": skipped_steps, **sources},
                                    state.step)
+            self.shown_scale = f"{stats['logit_scale']:.1f}"
+        self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
+                                  lr=f"{stats['lr']:.2e}", scale=self.shown_scale, refresh=False)
 
     def evaluate(self) -> dict | None:
         """Every evaluation set on rank 0 (the other ranks wait; under FSDP they run it alongside, since
