@@ -144,15 +144,12 @@ def select_device(setting: Device, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def uses_bf16(precision: Precision, device: torch.device) -> bool:
+    return precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
+
+
 def autocast_for(precision: Precision, device: torch.device):
-    use_bf16 = precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
-
-def fsdp_param_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
-    """FSDP's compute dtype for gathered parameters: bf16 where autocast would run in bf16 on CUDA."""
-    use_bf16 = precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
-    return torch.bfloat16 if use_bf16 and device.type == "cuda" else None
+    return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(precision, device) else nullcontext()
 
 
 def build_optimizer(model: torch.nn.Module, optim):
@@ -207,9 +204,11 @@ class Trainer:
             grad_checkpointing=cfg.model.grad_checkpointing,
         ).to(device)
         self.tokenizer = get_tokenizer(cfg.model.name)
-        # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards.
+        # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards,
+        # gathered in bf16 on CUDA where autocast computes in bf16 (gradients are reduced in fp32).
+        gathered_dtype = torch.bfloat16 if device.type == "cuda" and uses_bf16(cfg.precision, device) else None
         self.train_model = distributed.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
-                                                  param_dtype=fsdp_param_dtype(cfg.precision, device))
+                                                  param_dtype=gathered_dtype)
         self.sharded = distributed.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
         self.state = TrainState(self.model, optimizer, scheduler)
