@@ -15,7 +15,7 @@ from clipdist.losses import BACKENDS
 from clipdist.models import create_model
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
-from clipdist.tools.memory import measure_state_bytes
+from clipdist.tools.memory import _state_rank, measure_state_bytes
 from helpers import read_jsonl, train
 
 TRAIN = ["logging.log_every=1", "eval_every=1000", "checkpoint_every=6", "optim.warmup_steps=2", "world.batch_per_device=8"]
@@ -37,13 +37,14 @@ def test_fsdp_gradients_match_single_process_for_every_backend(world_size, local
 def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
     measured = plan.Measurements(None, {}, 4, *plan.parameter_layout(create_model("clipdist-tiny", device="meta")))
     per_rank = {}
-    for parallel, world_size in [("ddp", 2), ("fsdp", 2), ("fsdp", 4)]:
-        ranks = measure_state_bytes("clipdist-tiny", parallel, world_size)
+    for parallel, world_size in [("ddp", 1), ("fsdp", 2), ("fsdp", 4)]:  # DDP's replica is the same at any N
+        ranks = [_state_rank("clipdist-tiny", "ddp", 4)] if parallel == "ddp" else \
+            measure_state_bytes("clipdist-tiny", parallel, world_size)
         per_rank[parallel, world_size] = max(sum(rank.values()) for rank in ranks)
         assert all(rank["gradients"] == rank["parameters"] for rank in ranks)  # one fp32 gradient per weight
         assert per_rank[parallel, world_size] == pytest.approx(measured.state_bytes(world_size, parallel), rel=0.2)
-    assert per_rank["fsdp", 2] < 0.55 * per_rank["ddp", 2]
-    assert per_rank["fsdp", 4] < 0.3 * per_rank["ddp", 2]
+    assert per_rank["fsdp", 2] < 0.55 * per_rank["ddp", 1]
+    assert per_rank["fsdp", 4] < 0.3 * per_rank["ddp", 1]
 
 
 def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_dir):
@@ -67,6 +68,11 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     assert [row["step"] for row in log] == list(range(1, 10))
     assert log[-1]["loss"] < losses["ddp"][0] - 0.1  # went on from the trained model, not from scratch
     assert (fsdp_dir / "checkpoints" / "step_00000009.dcp").is_dir()
+
+    # The DDP run's .pt checkpoint cannot be resumed under FSDP: refused before any rank starts.
+    refused = train(tmp_path / "ddp", cache_dir, "world=cpu2", "world.parallel=fsdp", "optim.max_steps=8", *TRAIN)
+    assert refused.returncode != 0
+    assert "written with world.parallel=ddp" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def _save_then_load(directory: str) -> bool:
@@ -137,15 +143,12 @@ def test_sharded_save_is_atomic_and_retained(tmp_path, single_rank_group):
     assert files.load_latest()[1].name == "step_00000003.dcp"
 
 
-def test_a_ddp_checkpoint_is_refused_under_fsdp_before_any_rank_starts(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    assert train(run_dir, cache_dir, "optim.max_steps=2", *TRAIN).returncode == 0
-    refused = train(run_dir, cache_dir, "world.parallel=fsdp", "optim.max_steps=4", *TRAIN)
-    assert refused.returncode != 0
-    assert "written with world.parallel=ddp" in refused.stderr and "Traceback" not in refused.stderr
-    cfg = TrainConfig(name="x", run_dir=str(run_dir))
+def test_a_checkpoint_of_the_other_parallelism_is_refused(tmp_path):
+    files = CheckpointFiles(tmp_path)
+    files.save({"step": 2, "rng": [{}], "config": {}}, 2)  # what a DDP run writes: one .pt file
+    cfg = TrainConfig(name="x", run_dir=str(tmp_path))
     cfg.world.parallel = "fsdp"
-    with pytest.raises(ConfigError, match="resume it with that setting"):
+    with pytest.raises(ConfigError, match="written with world.parallel=ddp .*resume it with that setting"):
         Checkpointer.check_resume(cfg, 1)
 
 

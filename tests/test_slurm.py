@@ -185,7 +185,7 @@ def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, c
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 13))
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 12
-    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK)" in log  # 2 tasks never oversubscribe the node
+    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK=1" in log  # 2 tasks never oversubscribe the node
     assert json.loads(json.dumps(read_jsonl(run_dir / "train_log.jsonl")[-1]))["samples_seen"] == 12 * 32
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clipdist.losses import BACKENDS, build
+from clipdist.losses import build
 from helpers import REPO, read_jsonl, train, train_command
 
 # Two ranks × 4 == one rank × 8, and the same samples in the same order without augmentation.
@@ -51,7 +51,9 @@ def local_losses(tmp_path_factory, cache_dir):
     return losses_of
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+# The trainer's path differs by backend only through the loss's scalars (siglip's bias) and options
+# (tiled's tile); naive and gather_layer take disco's path and are proven exact by test_gradcheck / test_losses.
+@pytest.mark.parametrize("backend", ["disco", "tiled", "siglip"])
 def test_cpu2_first_step_loss_equals_local(tmp_path, cache_dir, local_losses, backend):
     expected = local_losses(backend)
     result = train(tmp_path / "run", cache_dir, f"loss={backend}", "world=cpu2", "world.batch_per_device=4",

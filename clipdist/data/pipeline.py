@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import signal
+import sys
+import traceback
 
 import torch
 import webdataset as wds
@@ -24,9 +26,23 @@ def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:
     """DataLoader worker_init_fn: SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
-    `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down."""
+    `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
+
+    A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
+    descriptors come through multiprocessing's resource sharer): the worker's sharer thread then
+    sees the connection reset and would print a traceback for a batch nobody wants any more."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
+
+
+def _quiet_on_abandoned_transfer(excepthook):
+    def hook(kind, value, trace):
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+                "resource_sharer" in frame.filename for frame in traceback.extract_tb(trace)):
+            return
+        excepthook(kind, value, trace)
+    return hook
 
 
 def close_stream(batches) -> None:
