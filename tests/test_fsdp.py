@@ -15,7 +15,7 @@ from clipdist.losses import BACKENDS
 from clipdist.models import create_model
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
-from clipdist.tools.memory import _state_rank, measure_state_bytes
+from clipdist.tools.memory import state_bytes_after_a_step, measure_state_bytes
 from helpers import read_jsonl, train
 
 TRAIN = ["logging.log_every=1", "eval_every=1000", "checkpoint_every=6", "optim.warmup_steps=2", "world.batch_per_device=8"]
@@ -38,7 +38,7 @@ def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
     measured = plan.Measurements(None, {}, 4, *plan.parameter_layout(create_model("clipdist-tiny", device="meta")))
     per_rank = {}
     for parallel, world_size in [("ddp", 1), ("fsdp", 2), ("fsdp", 4)]:  # DDP's replica is the same at any N
-        ranks = [_state_rank("clipdist-tiny", "ddp", 4)] if parallel == "ddp" else \
+        ranks = [state_bytes_after_a_step("clipdist-tiny", "ddp", 4)] if parallel == "ddp" else \
             measure_state_bytes("clipdist-tiny", parallel, world_size)
         per_rank[parallel, world_size] = max(sum(rank.values()) for rank in ranks)
         assert all(rank["gradients"] == rank["parameters"] for rank in ranks)  # one fp32 gradient per weight

@@ -203,7 +203,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
             "optimizer": sum(local_bytes(m) for m in moments)}
 
 
-def _state_rank(model_name: str, parallel: str, local_batch: int) -> dict[str, int]:
+def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -> dict[str, int]:
     """One training step (so gradients and AdamW moments exist) under `parallel`; this rank's state bytes."""
     from clipdist.config import OptimConfig
     from clipdist.distributed import wrap_model
@@ -231,5 +231,5 @@ def measure_state_bytes(model_name: str, parallel: str, world_size: int, local_b
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
     from clipdist.distributed import launch_local
 
-    results = launch_local(_state_rank, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
+    results = launch_local(state_bytes_after_a_step, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
     return [results[rank] for rank in range(world_size)]
