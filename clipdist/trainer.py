@@ -127,6 +127,8 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     if env.is_main:
         log.info("%d intra-op thread(s) per rank (%s)", threads, source)
     device = select_device(cfg.world.device, env.local_rank)
+    if device.type == "cpu" and distributed.keep_freed_memory() and env.is_main:
+        log.info("malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)")
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
     distributed.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
                                    rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,

@@ -35,3 +35,29 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
 def test_explicit_thread_counts_are_taken_as_given():
     assert intra_op_threads(3, 1, 2, {"OMP_NUM_THREADS": "1"}) == (3, "world.threads")
     assert intra_op_threads(None, 2, 2, {"OMP_NUM_THREADS": "5", "SLURM_CPUS_PER_TASK": "12"}) == (5, "OMP_NUM_THREADS")
+
+
+FAULTS_PER_ALLOCATION = """
+import resource, sys, torch
+from clipdist.distributed import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+torch.empty(10_000_000).fill_(1)  # 40 MB: above glibc's largest dynamic mmap threshold (32 MB)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    torch.empty(10_000_000).fill_(1)
+print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+def test_freed_step_memory_is_reused_not_faulted_in_again():
+    import subprocess
+    import sys
+
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", FAULTS_PER_ALLOCATION, mode], capture_output=True, text=True,
+                             timeout=120, check=True).stdout.split()
+        return out[0], float(out[1])
+
+    kept, kept_faults = faults("keep")
+    assert kept == "True"  # glibc (Linux): mallopt accepted
+    assert kept_faults < faults("default")[1] / 3  # measured 1953 vs 9766: a fresh 40 MB mapping faults in ~10k pages
