@@ -127,7 +127,7 @@ def keep_freed_memory() -> bool:
     By default every allocation above a dynamic threshold is its own mmap, and freed memory at the
     top of the heap goes back to the kernel: each step's large activations and gradients then come
     back as fresh pages, faulted in one by one (the 8.5 MB MLP activations of a patch-4 ViT took
-    21 ms to copy). With 1 GiB thresholds: 852-861 -> 921-941 samples/s at 2 ranks on 2 cores.
+    21 ms to copy). With these thresholds: 852-861 -> 899-941 samples/s at 2 ranks on 2 cores.
     False where the C library is not glibc (nothing changed)."""
     import ctypes
     import ctypes.util
@@ -210,10 +210,7 @@ def average_replicated_gradients(model: torch.nn.Module) -> None:
     FSDP's reduce-scatter do for every other parameter. Called once after the step's last backward."""
     grads = [param.grad for param in getattr(model, "replicated_parameters", ()) if param.grad is not None]
     if grads and dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.stack(grads)
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        for grad, mean in zip(grads, flat):
+        for grad, mean in zip(grads, all_reduce_mean(torch.stack(grads))):
             grad.copy_(mean)
 
 

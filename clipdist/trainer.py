@@ -424,14 +424,7 @@ class Trainer:
         every forward gathers the sharded weights from all ranks). A set that fails is logged and counted
         (eval_errors) and training goes on: evaluation never stops a run."""
         metrics = None
-        if self.sharded and self.shards.evals and not self.env.is_main:  # FSDP: every rank gathers the weights
-            for evalset in self.shards.evals:
-                try:
-                    evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device, autocast=self.autocast,
-                             max_skips_in_a_row=self.cfg.data.max_skips_in_a_row)
-                except Exception:  # noqa: BLE001 -- rank 0 reports it
-                    pass
-        if self.env.is_main and self.shards.evals:
+        if self.shards.evals and (self.env.is_main or self.sharded):  # FSDP: every rank gathers the weights
             metrics = {}
             for evalset in self.shards.evals:
                 try:
@@ -440,9 +433,13 @@ class Trainer:
                                             max_skips_in_a_row=self.cfg.data.max_skips_in_a_row))
                 except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal
                     self.eval_errors += 1
-                    log.warning("step %d: evaluation of %s failed (%s: %s); training goes on (eval_errors=%d)",
-                                self.state.step, evalset.name, type(error).__name__, error, self.eval_errors)
+                    if self.env.is_main:
+                        log.warning("step %d: evaluation of %s failed (%s: %s); training goes on (eval_errors=%d)",
+                                    self.state.step, evalset.name, type(error).__name__, error, self.eval_errors)
             metrics.update(train_skipped=self.skipped_samples, eval_errors=self.eval_errors)
+            if not self.env.is_main:
+                metrics = None
+        if metrics is not None:
             self.tracker.log_eval(metrics, self.state.step)
             self.say(f"step {self.state.step}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
