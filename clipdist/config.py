@@ -53,6 +53,12 @@ class Split(Choice):
     replicated = "replicated"  # every rank reads the same samples and keeps its slice of the global batch
 
 
+class WorkerPriority(Choice):
+    auto = "auto"  # low where a CPU rank's loader workers cannot each have a core of their own, else normal
+    normal = "normal"  # the workers compete with the ranks for CPU time as equals
+    low = "low"  # SCHED_IDLE: the workers run in the time the ranks wait (collectives, the data queue)
+
+
 class OnCheckpointError(Choice):
     stop = "stop"  # one line naming the path and the OS error, then a clean stop (exit 1)
     warn = "warn"  # the same line as a warning; training goes on and the next save tries again
@@ -87,6 +93,7 @@ class DataConfig:
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
     workers: int = 0  # DataLoader workers per rank
+    worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/performance.md)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt

@@ -18,7 +18,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from clipdist.distributed import average_replicated_gradients, gradient_sync
+from clipdist.distributed import finish_gradient_sync, gradient_sync
 
 
 class WholeBatchStep:
@@ -34,7 +34,7 @@ class WholeBatchStep:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        average_replicated_gradients(self.model)
+        finish_gradient_sync(self.model)
 
 
 class GradCacheStep(WholeBatchStep):
@@ -78,7 +78,7 @@ class GradCacheStep(WholeBatchStep):
                     outputs = self.model(*piece)
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
                 torch.autograd.backward(list(outputs), [image_grads[k], text_grads[k], *scalar_grads])
-        average_replicated_gradients(self.model)
+        finish_gradient_sync(self.model)
 
 
 def build_step(model, loss_fn, chunks: int = 1, autocast=None) -> WholeBatchStep:

@@ -39,6 +39,24 @@ def model_names() -> list[str]:
     return open_clip.list_models()
 
 
+def resolve_model_name(name: str) -> str:
+    """`name` as open_clip knows it (a ValueError says how to fix an unknown one). A path to a model
+    config file (`my-vit.json`, open_clip's format: embed_dim, vision_cfg, text_cfg) is registered
+    with open_clip under its file stem."""
+    if name.endswith(".json"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ValueError(f"model.name={name!r}: no such model config file")
+        open_clip.add_model_config(path)
+        name = path.stem
+    if name not in model_names():
+        raise ValueError(
+            f"unknown model {name!r}; open_clip knows {len(model_names())} configs, e.g. "
+            "clipdist-tiny, ViT-B-32, ViT-B-16, ViT-L-14, or give a config file: model.name=/path/to/my-vit.json"
+        )
+    return name
+
+
 def create_model(
     name: str = "clipdist-tiny",
     checkpoint: str | None = None,
@@ -49,15 +67,12 @@ def create_model(
 ) -> torch.nn.Module:
     """An open_clip CLIP model, randomly initialised (no download ever happens here).
 
-    `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny).
+    `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny) or a config file
+    (see resolve_model_name).
     `checkpoint` loads weights from a local open_clip checkpoint file. `init_logit_scale` is
     the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP).
     """
-    if name not in model_names():
-        raise ValueError(
-            f"unknown model {name!r}; open_clip knows {len(model_names())} configs, e.g. "
-            "clipdist-tiny, ViT-B-32, ViT-B-16, ViT-L-14"
-        )
+    name = resolve_model_name(name)
     kwargs = {"device": device}  # "meta": the structure alone, no memory (for checks)
     if init_logit_scale is not None:
         kwargs["init_logit_scale"] = init_logit_scale
@@ -90,7 +105,7 @@ def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = N
 def get_tokenizer(name: str = "clipdist-tiny"):
     """The model's tokenizer; the BPE vocabulary ships inside open_clip's wheel."""
     _register_model_configs()
-    return open_clip.get_tokenizer(name)
+    return open_clip.get_tokenizer(resolve_model_name(name))
 
 
 def random_tokens(batch: int, context_length: int, generator: torch.Generator | None = None) -> torch.Tensor:

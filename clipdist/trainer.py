@@ -30,7 +30,7 @@ from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
-from clipdist.models import create_model, create_model_for_loss, get_tokenizer
+from clipdist.models import create_model, create_model_for_loss, get_tokenizer, resolve_model_name
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
 from clipdist.tracking import RunTracker, StepProfiler
@@ -79,6 +79,10 @@ def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")
     Checkpointer.check_resume(cfg, world.world_size)
+    try:
+        resolve_model_name(cfg.model.name)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if world.parallel == "fsdp":
         check_shardable(cfg.model.name)
     try:
@@ -239,12 +243,17 @@ class Trainer:
         position, stream_seed, self.data_warning = self._data_resume()
         self.data_readers = dict(position["readers"]) if position else {}
         self.data_batches = position["batches"] if position else 0
+        low_priority, why = distributed.low_priority_workers(str(cfg.data.worker_priority), self.device.type,
+                                                             cfg.world.procs_per_node, cfg.data.workers)
+        if env.is_main and cfg.data.workers:
+            log.info("loader workers at %s priority (%s)", "idle" if low_priority else "normal", why)
         self.batches = train_stream(
             shards.sources, cfg.world.batch_per_device,
             open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
             self.tokenizer, resampled=cfg.data.resampled, split=cfg.data.split, shuffle_buffer=cfg.data.shuffle_buffer,
             workers=cfg.data.workers, rank=env.rank, world_size=env.world_size, seed=stream_seed,
             weights=cfg.data.weights, max_skips_in_a_row=cfg.data.max_skips_in_a_row, resume=position,
+            low_priority_workers=low_priority,
         )
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
                                   as_dict(cfg), env.is_main)

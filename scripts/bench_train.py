@@ -39,7 +39,7 @@ def torchrun(ranks: int) -> list[str]:
 def run_clipdist(args, ranks: int, work: Path) -> dict:
     world = ["world=local"] if ranks == 1 else [f"world=cpu{ranks}", "world.spawn=false"]
     command = [*torchrun(ranks), str(REPO / "train.py"), f"run_dir={work / 'run'}", *world,
-               f"model={args.clipdist_model}", "data=webdataset", f"data.train_shards='{args.shards}'",
+               f"model={args.clipdist_model}", f"model.name={args.model}", "data=webdataset", f"data.train_shards='{args.shards}'",
                f"data.val_shards='{args.val_shards}'", f"data.workers={args.workers}", "data.resampled=true",
                f"data.classnames=[{','.join(args.classnames)}]" if args.classnames else "data.classnames=[]",
                f"world.batch_per_device={args.batch}", "precision=fp32", f"optim.lr={args.lr}",
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", default=None, help="training shard spec (default: built-in digits)")
     parser.add_argument("--val-shards", default=None, help="zero-shot set (default: digits validation)")
-    parser.add_argument("--model", default="clipdist-tiny", help="open_clip model config name, for both")
-    parser.add_argument("--clipdist-model", default="tiny", help="clipdist's model= preset naming the same config")
+    parser.add_argument("--model", default="clipdist-tiny", help="open_clip model config name or config file (.json), for both")
+    parser.add_argument("--clipdist-model", default="tiny", help="clipdist's model= preset for the other model settings")
     parser.add_argument("--ranks", default="1,2")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)

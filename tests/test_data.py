@@ -12,6 +12,7 @@ from PIL import Image
 from clipdist.cli import main as cli
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.faults import DataFailure, SkipCounter
+from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.pipeline import close_stream, train_stream
 from clipdist.data.samples import SampleError, decode_image, eval_record, label_of, to_rgb
 from clipdist.data.sources import eval_set, expand_shards
@@ -26,6 +27,51 @@ def png(value):
 
 def identity_transform(image):
     return torch.from_numpy(np.array(image)).float().mean()
+
+
+@pytest.mark.parametrize("is_train", [True, False])
+def test_batched_image_conversion_is_bit_identical_to_the_transform(is_train):
+    import open_clip
+
+    transform = open_clip.image_transform(32, is_train=is_train, mean=open_clip.OPENAI_DATASET_MEAN,
+                                          std=open_clip.OPENAI_DATASET_STD)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(8, 8), (40, 31), (32, 32)]]
+    images += [Image.fromarray(rng.integers(0, 256, (20, 24), dtype=np.uint8))]  # L: open_clip converts it to RGB
+    batcher = ImageBatcher(transform)
+    expected, parts = [], []
+    for seed, image in enumerate(images):
+        torch.manual_seed(seed)
+        expected.append(transform(image))
+        torch.manual_seed(seed)
+        parts.append(batcher(image))
+    assert all(part.dtype == torch.uint8 for part in parts)  # the batched path was taken
+    assert torch.equal(batcher.stack(parts), torch.stack(expected))
+    mixed = [parts[0], transform.transforms[-1](transform.transforms[-2](np.asarray(parts[1])))]  # one converted alone
+    assert torch.equal(batcher.stack(mixed), torch.stack(expected[:2]))
+
+
+def test_a_transform_without_totensor_and_normalize_is_applied_per_image():
+    batcher = ImageBatcher(identity_transform)
+    image = Image.new("L", (4, 4), 7)
+    assert torch.equal(batcher.stack([batcher(image), batcher(image)]), torch.tensor([7.0, 7.0]))
+
+
+def test_caption_tokens_are_the_tokenizers_and_the_cache_is_bounded():
+    tokenizer = get_tokenizer()
+    calls = []
+
+    def counting(texts):
+        calls.append(list(texts))
+        return tokenizer(texts)
+
+    tokens = CaptionTokens(counting, capacity=3)
+    batch = ["a cat", "a dog", "a cat", "two birds", "a fish", "a dog"]
+    assert torch.equal(tokens(batch), tokenizer(batch))  # more new captions than the capacity
+    assert calls == [["a cat", "a dog", "two birds", "a fish"]]  # each new caption once, in one call
+    assert len(tokens.known) == 3
+    assert torch.equal(tokens(["a fish", "a cat"]), tokenizer(["a fish", "a cat"]))
+    assert calls[-1] == ["a cat"]  # forgotten: the oldest first
 
 
 def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):

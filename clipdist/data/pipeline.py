@@ -1,6 +1,8 @@
 """WebDataset streams for training (infinite, same number of batches on every rank) and evaluation."""
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import sys
 import traceback
@@ -9,6 +11,7 @@ import torch
 import webdataset as wds
 
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
+from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.reader import Reader, ShardSequence
 from clipdist.data.samples import eval_record, training_pair
 from clipdist.data.tar_samples import kill_tree, tar_samples
@@ -24,15 +27,21 @@ def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: 
         )
 
 
-def ignore_stop_signals(_worker_id: int = 0) -> None:
-    """DataLoader worker_init_fn: SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
+def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
+    """DataLoader worker_init_fn. SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
     `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
+    `low_priority`: SCHED_IDLE (see distributed.low_priority_workers; nice 19 where there is none).
 
     A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
     descriptors come through multiprocessing's resource sharer): the worker's sharer thread then
     sees the connection reset and would print a traceback for a batch nobody wants any more."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    if low_priority:
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.nice(19)
     sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
 
 
@@ -46,7 +55,7 @@ def _quiet_on_abandoned_transfer(excepthook):
 
 
 def close_stream(batches) -> None:
-    """Stop a train_stream's DataLoader workers now. They ignore SIGTERM (ignore_stop_signals), so the
+    """Stop a train_stream's DataLoader workers now. They ignore SIGTERM (start_worker), so the
     DataLoader's own terminate() could not end one blocked on a full queue at exit: they are killed —
     nothing they hold is needed once the trainer stops — with what they started (`pipe:` commands)."""
     workers = getattr(batches, "_workers", [])
@@ -114,14 +123,15 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             reader.load_state_dict(saved)
         return reader
 
-    def _augment(self, image, key: tuple[int, ...]):
-        """The image transform with torch's CPU generator seeded from `key` (then put back as it was).
-        Not torch.manual_seed: it also queues a CUDA seeding with a stack trace, ~0.6 ms a call."""
+    @staticmethod
+    def _augment(images: ImageBatcher, image, key: tuple[int, ...]):
+        """The image's per-image transform steps with torch's CPU generator seeded from `key` (then put
+        back as it was). Not torch.manual_seed: it also queues a CUDA seeding with a stack trace, ~0.6 ms a call."""
         generator = torch.default_generator
         saved = generator.get_state()
         generator.manual_seed(hash(key) & 0xFFFF_FFFF_FFFF_FFFF)
         try:
-            return self.image_transform(image)
+            return images(image)
         finally:
             generator.set_state(saved)
 
@@ -132,14 +142,15 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         skips, health = SkipCounter(self.max_skips_in_a_row), ShardHealth()
         rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.replicated else slice(None)
         size = self.batch_size * (self.world_size if self.replicated else 1)
+        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
         try:
             reader = self.reader(local, skips, health)
-            images, tokens, sources = [], [], []
+            images, captions, sources = [], [], []
             for sample in reader:
                 try:
                     image, caption = training_pair(sample)
-                    image = self._augment(image, (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
-                    text = self.tokenizer([caption])[0]
+                    image = self._augment(batcher, image,
+                                          (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
                 except DataError:
                     raise
                 except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
@@ -147,21 +158,22 @@ class TrainingBatches(torch.utils.data.IterableDataset):
                     continue
                 skips.ok()
                 images.append(image)
-                tokens.append(text)
+                captions.append(caption)
                 sources.append(sample["__source__"])
                 if len(images) == size:
                     counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
-                    yield (torch.stack(images[rows]), torch.stack(tokens[rows]),
+                    yield (batcher.stack(images[rows]), tokenize(captions[rows]),
                            {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
                             "sources": counts})
-                    images, tokens, sources = [], [], []
+                    images, captions, sources = [], [], []
         except DataError as error:
             yield DataFailure(str(error))
 
 
 def train_stream(sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, resampled: bool, split: str,
                  shuffle_buffer: int, workers: int, rank: int, world_size: int, seed: int, weights=None,
-                 max_skips_in_a_row: int = 1000, resume: dict | None = None, start_method: str | None = None):
+                 max_skips_in_a_row: int = 1000, resume: dict | None = None, start_method: str | None = None,
+                 low_priority_workers: bool = False):
     """An endless iterator of this rank's (images, tokens, info) batches (see TrainingBatches); a source
     that gives nothing usable yields a DataFailure (see faults) instead of spinning.
 
@@ -171,7 +183,8 @@ def train_stream(sources: list[list[str]], batch_size: int, image_transform, tok
     its own slice — N runs see exactly the global batches one process would (N× the decoding;
     for reproducibility checks, not for scale).
     `resume`: {"readers": {rank-local reader: state}, "batches": batches taken} from a checkpoint.
-    `start_method` (fork, spawn, forkserver; None: Python's default) starts the loader workers.
+    `start_method` (fork, spawn, forkserver; None: Python's default) starts the loader workers;
+    `low_priority_workers` runs them at idle priority (see start_worker).
     """
     if split not in ("node", "replicated"):
         raise ValueError(f"data.split={split!r}; choose node or replicated")
@@ -183,7 +196,8 @@ def train_stream(sources: list[list[str]], batch_size: int, image_transform, tok
                               rank=rank, world_size=world_size, seed=seed, max_skips_in_a_row=max_skips_in_a_row,
                               resume=resume)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
-                                         worker_init_fn=ignore_stop_signals if workers else None,
+                                         worker_init_fn=functools.partial(start_worker, low_priority=low_priority_workers)
+                                         if workers else None,
                                          multiprocessing_context=start_method if workers else None)
     return iter(loader)
 

@@ -68,8 +68,6 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
 
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     from clipdist.distributed import full_tensor, wrap_model
     from clipdist.grad_cache import build_step
 
@@ -82,7 +80,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     for spec in loss_specs:
         loss_fn = resolve_loss(spec)
         model = _model(model_name, seed, dtype, loss_fn)
-        wrapped = DistributedDataParallel(model) if parallel == "ddp" else wrap_model(model, parallel=parallel)
+        wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
         step = build_step(wrapped, loss_fn, chunks)
         loss = step.loss(images[rows], tokens[rows])
         step.backward(loss)

@@ -2,7 +2,7 @@
 run clipdist's benchmark workload: `python -m clipdist.tools.open_clip_peer <open_clip_train arguments>`.
 
 - clipdist's model configs (clipdist-tiny, ...) are registered with open_clip, so both trainers build the
-  same towers from the same config;
+  same towers from the same config; `--model path/to/config.json` is registered and named by its stem;
 - open_clip_train's `group_by_keys_nothrow` reads webdataset 1.0's end-of-shard marker `{}` as a file and
   fails with KeyError 'fname': the marker is dropped before it;
 - it wraps the model in DDP with `device_ids=[cpu]` on CPU, which torch refuses ("device_ids ... only work
@@ -32,9 +32,12 @@ def main(argv: list[str]) -> None:
     import open_clip_train.data as open_clip_data
     from open_clip_train.main import main as open_clip_main
 
-    from clipdist.models import _register_model_configs
+    from clipdist.models import _register_model_configs, resolve_model_name
 
     _register_model_configs()
+    if "--model" in argv:
+        at = argv.index("--model") + 1
+        argv = [*argv[:at], resolve_model_name(argv[at]), *argv[at + 1:]]
     _ddp_without_cpu_device_ids()
     group = open_clip_data.group_by_keys_nothrow
     open_clip_data.group_by_keys_nothrow = lambda files, *args, **kwargs: group((f for f in files if f), *args, **kwargs)
