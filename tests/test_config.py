@@ -36,12 +36,27 @@ def test_bad_choice_under_spawned_ranks_fails_before_any_rank_starts(tmp_path, o
     (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
     (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
     (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
+    (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
+    (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
 ])
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, overrides, message):
     result = train(tmp_path / "run", tmp_path / "cache", *overrides, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"error: {lines[0][len('error: '):]}"] and message in lines[0], result.stderr[-2000:]
+
+
+def test_a_model_config_file_is_a_model_name(tmp_path):
+    import json
+
+    from clipdist.models import CONFIG_DIR, create_model, get_tokenizer
+
+    config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    config["vision_cfg"]["patch_size"] = 4
+    (tmp_path / "tiny-p4.json").write_text(json.dumps(config))
+    model = create_model(str(tmp_path / "tiny-p4.json"))
+    assert model.visual.conv1.kernel_size == (4, 4)
+    assert get_tokenizer(str(tmp_path / "tiny-p4.json")).context_length == 16
 
 
 def test_loss_options_are_typed_per_backend():

@@ -109,3 +109,36 @@ def test_vocabulary_gradients_are_averaged_over_the_rows_any_rank_used(used_rows
     used = torch.zeros(2048, dtype=torch.bool)
     used[sorted({row for rows in used_rows for row in rows})] = True
     assert grads[0]["0.weight"][~used].eq(0).all() and grads[0]["0.weight"][used].ne(0).any(dim=1).all()
+
+
+def test_loader_workers_yield_to_cpu_ranks_that_cannot_spare_them_a_core():
+    from clipdist.distributed import low_priority_workers
+
+    two_cpus = {"SLURM_CPUS_PER_TASK": "2"}
+    assert low_priority_workers("auto", "cpu", 1, 1, two_cpus)[0] is False  # a core for the rank, one for the worker
+    low, why = low_priority_workers("auto", "cpu", 1, 2, two_cpus)
+    assert low and "SLURM_CPUS_PER_TASK=2" in why
+    assert low_priority_workers("auto", "cuda", 1, 4, two_cpus)[0] is False  # GPU ranks may spin on a sync
+    assert low_priority_workers("low", "cuda", 1, 1, two_cpus)[0] is True
+    assert low_priority_workers("normal", "cpu", 1, 8, two_cpus)[0] is False
+    assert low_priority_workers("low", "cpu", 1, 0, two_cpus)[0] is False  # no workers: nothing to lower
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("low", [True, False])
+def test_low_priority_loader_workers_run_under_sched_idle(tmp_path, low):
+    from clipdist.data.pipeline import close_stream, train_stream
+    from clipdist.models import get_tokenizer
+    from helpers import image_bytes, write_tar
+
+    write_tar(tmp_path / "a.tar", [(f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
+                                   for i in range(4) for ext in ("png", "txt")])
+    stream = train_stream([str(tmp_path / "a.tar")], 2, lambda image: torch.zeros(1), get_tokenizer(), resampled=True,
+                          split="node", shuffle_buffer=0, workers=1, rank=0, world_size=1, seed=0,
+                          low_priority_workers=low)
+    try:
+        next(stream)
+        (worker,) = stream._workers
+        assert (os.sched_getscheduler(worker.pid) == os.SCHED_IDLE) is low
+    finally:
+        close_stream(stream)
