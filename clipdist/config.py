@@ -93,7 +93,7 @@ class DataConfig:
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
     workers: int = 0  # DataLoader workers per rank
-    worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/performance.md)
+    worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
