@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON file for every run's figures")
     args = parser.parse_args(argv)
     args.classnames, args.templates = [], ["a photo of {}."]
+    if args.model.endswith(".json"):  # both trainers run elsewhere (open_clip_train in its own log folder)
+        args.model = str(Path(args.model).resolve())
     if args.shards is None:
         from clipdist.data.builtin import builtin_shards, classnames_of
 
