@@ -141,9 +141,9 @@ def low_priority_workers(setting: str, device_type: str, procs_per_node: int, lo
         return False, f"data.worker_priority={setting}" if loader_workers else "no loader workers"
     if setting == "low":
         return True, "data.worker_priority=low"
-    cpus, source = rank_cpus(procs_per_node, environ)
     if device_type != "cpu":
         return False, f"data.worker_priority=auto: {device_type} ranks"
+    cpus, source = rank_cpus(procs_per_node, environ)
     if cpus >= 1 + loader_workers:
         return False, f"data.worker_priority=auto: {source}, enough for the rank and {loader_workers} worker(s)"
     return True, f"data.worker_priority=auto: {source}, fewer than the rank + {loader_workers} worker(s)"

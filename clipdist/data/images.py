@@ -7,7 +7,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms as T
-from torchvision.transforms import functional as F
 
 _BYTE_MODES = ("L", "RGB", "RGBA")  # PIL modes whose pixels are uint8, one byte per channel
 
@@ -46,15 +45,15 @@ class ImageBatcher:
 
     def stack(self, images: list) -> torch.Tensor:
         """(B, C, H, W) float32 of what __call__ returned for each image."""
-        if self.normalize is not None and all(image.dtype == torch.uint8 and image.ndim == 3 for image in images):
+        if all(map(self._is_pixels, images)):
             batch = torch.stack(images).permute(0, 3, 1, 2).contiguous()
             return batch.to(torch.float32).div(255).sub_(self.mean).div_(self.std)
-        return torch.stack([self._finish(image) for image in images])
+        return torch.stack([self.normalize(self.to_tensor(image.numpy())) if self._is_pixels(image) else image
+                            for image in images])
 
-    def _finish(self, image) -> torch.Tensor:
-        if self.normalize is not None and isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3:
-            return self.normalize(F.to_tensor(image.numpy()))
-        return image
+    def _is_pixels(self, image) -> bool:
+        """Whether `image` is __call__'s uint8 (H, W, C), left for the batch conversion."""
+        return self.normalize is not None and image.dtype == torch.uint8 and image.ndim == 3
 
 
 class CaptionTokens:
