@@ -5,23 +5,21 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from clipdist import distributed
 from clipdist.config import OnCheckpointError, TrainConfig, as_dict
 from clipdist.errors import CheckpointError, ConfigError
-from clipdist.state import TrainState, rng_state
+from clipdist.launch import DistEnv, StopSignal
+from clipdist.parallel import all_ranks
+from clipdist.state import TrainState
 
 log = logging.getLogger(__name__)
 PATTERN = re.compile(r"step_(\d{8})\.(pt|dcp)$")  # .pt: one file (DDP); .dcp: a folder of shards (FSDP)
-PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNGs, data position, config
+UNSHARDED = "progress.pt"  # in a .dcp folder: TrainState.unsharded_state_dict() and the config
 
 
 class CheckpointFiles:
@@ -59,9 +57,9 @@ class CheckpointFiles:
         self._retain()
         return final
 
-    def save_sharded(self, shards: dict, progress: dict, step: int, is_main: bool) -> Path:
+    def save_sharded(self, shards: dict, unsharded: dict, step: int, is_main: bool) -> Path:
         """Collective: every rank writes its shards (torch.distributed.checkpoint) into a hidden folder,
-        then rank 0 adds `progress` and renames the folder. A failure on any rank raises CheckpointError
+        then rank 0 adds `unsharded` and renames the folder. A failure on any rank raises CheckpointError
         on every rank, the hidden folder removed; the previous checkpoint stays the newest."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -79,7 +77,7 @@ class CheckpointFiles:
                     error = f"rank {rank}: {_reason(cause, self.directory)}"
                 except Exception as failure:  # noqa: BLE001 -- reported on every rank below
                     error = _reason(failure, self.directory)
-            error = next((e for e in distributed.all_ranks(error) if e), None)  # every rank learns of any failure
+            error = next((e for e in all_ranks(error) if e), None)  # every rank learns of any failure
             if error is not None:
                 if is_main:
                     shutil.rmtree(partial, ignore_errors=True)
@@ -90,7 +88,7 @@ class CheckpointFiles:
             partial.mkdir(parents=True)
 
         def publish():
-            _write(partial / PROGRESS, progress)
+            _write(partial / UNSHARDED, unsharded)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
@@ -143,73 +141,16 @@ def _reason(error: Exception, directory: Path) -> str:
 def peek(path: str | Path) -> dict:
     """A checkpoint's step, world size and config without reading its tensors (memory-mapped)."""
     path = Path(path)
-    saved = torch.load(path / PROGRESS if path.is_dir() else path, map_location="cpu", weights_only=False, mmap=True)
-    return {"step": saved["step"], "world_size": saved.get("world_size", len(saved.get("rng", [])) or 1),
-            "config": saved.get("config", {}), "sharded": path.is_dir()}
+    saved = torch.load(path / UNSHARDED if path.is_dir() else path, map_location="cpu", weights_only=False, mmap=True)
+    return {"step": saved["step"], "world_size": saved["world_size"], "config": saved["config"],
+            "sharded": path.is_dir()}
 
 
 def load(path: str | Path, map_location="cpu") -> dict:
     """A .pt checkpoint whole, or a .dcp folder's progress (its shards are loaded into the model in place)."""
     path = Path(path)
     # Our checkpoints hold optimizer/RNG state and the config: not weights-only.
-    return torch.load(path / PROGRESS if path.is_dir() else path, map_location=map_location, weights_only=False)
-
-
-class StopRequested(BaseException):
-    """Raised by StopSignal.interruptible(): a stop signal came while the trainer waited for data."""
-
-
-class StopSignal:
-    """SIGTERM, SIGUSR1 (preemption, SLURM's --signal) and SIGINT (Ctrl-C) ask for a checkpoint at the
-    next step and a clean exit. A second SIGINT exits at once, without a checkpoint — if it comes a
-    second or more after the first: a launcher (torchrun) passes the terminal's Ctrl-C on to its
-    ranks, which get it from the terminal too."""
-
-    SAME_INTERRUPT_S = 1.0
-
-    def __init__(self):
-        self.received: int | None = None
-        self._waiting = False
-        self._first_interrupt: float | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in distributed.STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        if signum == signal.SIGINT:
-            now = time.monotonic()
-            if self._first_interrupt is not None and now - self._first_interrupt >= self.SAME_INTERRUPT_S:
-                os.write(2, b"\nsecond interrupt: exiting now, without a checkpoint\n")
-                os._exit(130)
-            self._first_interrupt = self._first_interrupt or now
-        self.received = signum
-        if self._waiting:
-            self._waiting = False
-            raise StopRequested()
-
-    @contextmanager
-    def interruptible(self):
-        """Inside, a stop signal (or one already received) raises StopRequested at once: a loader stuck on
-        a hung source (a stalled network read, a pipe: command that never writes) cannot hold a stop up.
-        A BaseException, so no `except Exception` on the way (webdataset's handlers) swallows it."""
-        if self.received is not None:
-            raise StopRequested()
-        self._waiting = True
-        try:
-            yield
-        finally:
-            self._waiting = False
-
-    def flag(self) -> torch.Tensor:
-        return torch.tensor(0.0 if self.received is None else 1.0)
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
-
-
+    return torch.load(path / UNSHARDED if path.is_dir() else path, map_location=map_location, weights_only=False)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -226,17 +167,19 @@ def _identity(config: dict) -> dict:
     """The keys whose change makes another run (refused on resume): the model and the loss, but not the
     loss's initial scalars. World size and batch may change."""
     flat = _flat(config)
-    for key in [k for k in flat if k.startswith("loss.options.")]:  # checkpoints from before typed loss options
-        flat[key.replace("loss.options.", "loss.")] = flat.pop(key)
     return {key: value for key, value in flat.items()
             if key == "model.name" or (key.startswith("loss.") and not key.startswith("loss.init_"))}
 
 
 class Checkpointer:
-    """Owns checkpointing for a run: the step interval, the stop signal, saving on every rank's
-    behalf (rank 0 writes, all ranks' RNG states included), retention and resuming."""
+    """Owns checkpointing for a run: when to save (every `checkpoint_every` steps, the last step, every
+    `checkpoint_every_minutes`, a stop signal), saving on every rank's behalf (rank 0 writes, all ranks'
+    RNG states and stream positions included), retention and resuming.
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, env: distributed.DistEnv):
+    The timer and the signal are per process; `requests()` gives this rank's, the step's one all-reduce
+    agrees them over ranks (trainer.StepAgreement), and `due` decides with the agreed timer."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv):
         self.files = CheckpointFiles(run_dir, cfg.keep_checkpoints)
         self.every = cfg.checkpoint_every
         self.every_s = None if cfg.checkpoint_every_minutes is None else 60 * cfg.checkpoint_every_minutes
@@ -253,13 +196,14 @@ class Checkpointer:
     def directory(self) -> Path:
         return self.files.directory
 
-    def time_flag(self) -> torch.Tensor:
-        """1 when checkpoint_every_minutes have passed since the last save (agreed over ranks by the caller)."""
-        late = self.every_s is not None and time.monotonic() - self.last_saved >= self.every_s
-        return torch.tensor(1.0 if late else 0.0)
+    def requests(self) -> tuple[bool, bool]:
+        """This rank's (stop signal received, checkpoint_every_minutes passed since the last save)."""
+        timer_elapsed = self.every_s is not None and time.monotonic() - self.last_saved >= self.every_s
+        return self.stop.received is not None, timer_elapsed
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0 or step == self.last_step
+    def due(self, step: int, timer_elapsed: bool) -> bool:
+        """Whether the state after `step` is saved: the step interval, the last step, or the (agreed) timer."""
+        return step % self.every == 0 or step == self.last_step or timer_elapsed
 
     def save(self, state: TrainState) -> bool:
         """Collective: every rank calls it, rank 0 writes, every rank learns whether it worked.
@@ -267,21 +211,21 @@ class Checkpointer:
         A failed write raises CheckpointError on every rank (on_checkpoint_error=stop), or is
         logged as a warning and returns False (warn).
         """
-        rngs = distributed.all_ranks(rng_state())
         error = None
         if self.sharded:
             try:
-                self.files.save_sharded(state.sharded_state_dict(), {**state.progress(rngs), "config": self.config},
+                self.files.save_sharded(state.sharded_state_dict(), {**state.unsharded_state_dict(), "config": self.config},
                                         state.step, self.env.is_main)
             except CheckpointError as failure:  # raised on every rank alike
                 error = str(failure)
         else:
+            whole = state.state_dict()  # a collective: every rank's RNG and stream position
             if self.env.is_main:
                 try:
-                    self.files.save({**state.state_dict(rngs), "config": self.config}, state.step)
+                    self.files.save({**whole, "config": self.config}, state.step)
                 except CheckpointError as failure:
                     error = str(failure)
-            error = distributed.all_ranks(error)[0]
+            error = all_ranks(error)[0]
         self.last_saved = time.monotonic()
         if error is None:
             return True
@@ -303,9 +247,9 @@ class Checkpointer:
             shards = state.sharded_state_dict()
             dcp.load(shards, checkpoint_id=str(path))
             state.load_sharded_state_dict(shards)
-            state.load_progress(saved, self.env.rank, self.env.world_size)
+            state.load_unsharded_state_dict(saved)
         else:
-            state.load_state_dict(saved, self.env.rank, self.env.world_size)
+            state.load_state_dict(saved)
         return path
 
     @staticmethod
@@ -320,7 +264,7 @@ class Checkpointer:
                     f"{files.directory} already holds {existing[0].name}; resume=never would overwrite "
                     "that run. Use resume=auto to continue it, or name=<new name> for a new run")
             return None
-        if cfg.resume != "auto" and not (Path(cfg.resume).is_file() or (Path(cfg.resume) / PROGRESS).is_file()):
+        if cfg.resume != "auto" and not (Path(cfg.resume).is_file() or (Path(cfg.resume) / UNSHARDED).is_file()):
             raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)")
         for path in files.checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
             try:

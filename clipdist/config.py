@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from clipdist.errors import ConfigError
+from clipdist.losses.tiled import DEFAULT_TILE  # the backend's default: the loss package knows no Hydra
 
 
 class Choice(str, Enum):
@@ -118,7 +119,7 @@ class LossConfig:
 @dataclass
 class TiledLossConfig(LossConfig):
     name: str = "tiled"
-    tile: int = 1024  # rows and columns per tile; the largest transient block is tile × tile logits
+    tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
 
 
 LOSS_SCHEMAS = {"tiled": TiledLossConfig}  # backends with options: loss/<name>.yaml starts from <name>_schema

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from clipdist.data.faults import SkipCounter
-from clipdist.data.pipeline import eval_records
+from clipdist.data.eval_stream import eval_records
 from clipdist.data.sources import EvalSet
 
 
@@ -44,9 +44,10 @@ def recall_at_k(similarity: torch.Tensor, owner: torch.Tensor, ks=(1, 5, 10)) ->
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, batch_size: int = 256,
-             autocast=None, max_skips_in_a_row: int = 1000) -> dict:
-    """Metrics on every usable sample of `evalset`, named by evalset.metric()."""
+def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max_skips_in_a_row: int,
+             batch_size: int = 256, autocast=None) -> dict:
+    """Metrics on every usable sample of `evalset`, named by evalset.metric(); `max_skips_in_a_row` unusable
+    samples with no good one between stop it with a DataError (data.max_skips_in_a_row)."""
     was_training = model.training
     model.eval()
     skips = SkipCounter(max_skips_in_a_row)

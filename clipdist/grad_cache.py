@@ -18,7 +18,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from clipdist.distributed import finish_gradient_sync, gradient_sync
+from clipdist.parallel import finish_gradient_sync, gradient_sync
 
 
 class WholeBatchStep:

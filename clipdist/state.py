@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+
+from clipdist.parallel import all_ranks, rank_and_world_size
 
 
 def rng_state() -> dict:
@@ -32,26 +35,25 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class TrainState:
-    """Model, optimizer, schedule, progress counters and every rank's RNG.
-
-    `state_dict(rngs)` takes the RNG states of all ranks (gathered by the caller, in rank
-    order); `load_state_dict` restores this rank's when the world size is unchanged.
-    """
+    """The stateful parts of a run — model, optimizer, schedule, data stream — with its step, samples seen
+    and every rank's RNG. `state_dict` and `unsharded_state_dict` are collectives (every rank's RNG and
+    stream position are gathered into them); loading restores this rank's part."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: Any = None  # a TrainStream (state_dict / load_state_dict), or None where there is no data
     step: int = 0
     samples_seen: int = 0
-    data: dict | None = None  # the data stream's position (see Trainer.data_position), as saved
 
-    def state_dict(self, rngs: list[dict]) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self.progress(rngs)}
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self.unsharded_state_dict()}
 
-    def progress(self, rngs: list[dict]) -> dict:
-        """Everything but the model's and optimizer's tensors (all a sharded checkpoint keeps beside them)."""
+    def unsharded_state_dict(self) -> dict:
+        """All but the model and optimizer state: what a sharded checkpoint keeps in one file beside their shards."""
+        rngs = all_ranks(rng_state())
         return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-                "rng": rngs, "world_size": len(rngs), "data": self.data}
+                "rng": rngs, "world_size": len(rngs), "stream": None if self.stream is None else self.stream.state_dict()}
 
     def sharded_state_dict(self) -> dict:
         """Model and optimizer state as this rank's shards (DTensors, keyed by parameter name), for
@@ -67,14 +69,17 @@ class TrainState:
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
 
-    def load_state_dict(self, saved: dict, rank: int, world_size: int) -> None:
+    def load_state_dict(self, saved: dict) -> None:
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
-        self.load_progress(saved, rank, world_size)
+        self.load_unsharded_state_dict(saved)
 
-    def load_progress(self, saved: dict, rank: int, world_size: int) -> None:
+    def load_unsharded_state_dict(self, saved: dict) -> None:
+        """Schedule, counters, the stream's position; this rank's RNG where the world size is unchanged."""
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
-        self.data = saved.get("data")  # None from checkpoints before the data position was saved
+        if self.stream is not None:
+            self.stream.load_state_dict(saved.get("stream"))
+        rank, world_size = rank_and_world_size()
         if len(saved["rng"]) == world_size:
             set_rng_state(saved["rng"][rank])

@@ -7,12 +7,12 @@
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import open_clip
@@ -20,12 +20,12 @@ import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from clipdist import distributed
-from clipdist.checkpoint import Checkpointer, StopRequested
+from clipdist import host, launch, parallel
+from clipdist.checkpoint import Checkpointer
 from clipdist.config import Device, Precision, TrainConfig, as_dict, to_train_config, validate
-from clipdist.data.faults import DataError, DataFailure
-from clipdist.data.pipeline import check_shard_count, close_stream, first_eval_record, train_stream
+from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
+from clipdist.data.stream import Batch, TrainStream, check_shard_count
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
@@ -42,7 +42,7 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
     """Entry point: check everything the config alone can tell, claim the run directory, then train
     here or on spawned local ranks. `overrides` (the command line) go into the run's record."""
     cfg = to_train_config(cfg)
-    env = distributed.detect_env()
+    env = launch.detect_env()
     shards = preflight(cfg, env)
     if not env.is_main:
         return train(cfg, shards)
@@ -52,12 +52,12 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         write_record(cfg.run_dir, as_dict(cfg), list(overrides))
         if env.launcher == "single" and cfg.world.world_size > 1:
-            return distributed.launch_local(train, cfg.world.world_size, cfg, shards,
+            return launch.launch_local(train, cfg.world.world_size, cfg, shards,
                                             timeout_s=cfg.world.timeout_s)[0]
         return train(cfg, shards)
 
 
-def preflight(cfg: TrainConfig, env: distributed.DistEnv) -> Shards:
+def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     """Every check that needs no process group, before any rank starts; ConfigError says what to change."""
     validate(cfg)
     world = cfg.world
@@ -103,9 +103,9 @@ def check_shardable(model_name: str) -> None:
         model = create_model(model_name, device="meta")
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if not distributed.transformer_blocks(model):
+    if not parallel.transformer_blocks(model):
         raise ConfigError(f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
-                          f"{', '.join(distributed.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
+                          f"{', '.join(parallel.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
 
 
 def check_eval_set(evalset: EvalSet) -> None:
@@ -125,22 +125,22 @@ def check_eval_set(evalset: EvalSet) -> None:
 
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
-    env = distributed.detect_env()
-    threads, source = distributed.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, cfg.data.workers)
+    env = launch.detect_env()
+    threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, cfg.data.workers)
     torch.set_num_threads(threads)
     if env.is_main:
         log.info("%d intra-op thread(s) per rank (%s)", threads, source)
     device = select_device(cfg.world.device, env.local_rank)
-    if device.type == "cpu" and distributed.keep_freed_memory() and env.is_main:
+    if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
         log.info("malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)")
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
-    distributed.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
+    launch.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
                                    rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
                                    single=cfg.world.parallel == "fsdp")
     try:
         return Trainer(cfg, shards, env, device).fit()
     finally:
-        distributed.destroy_process_group()
+        launch.destroy_process_group()
 
 
 def select_device(setting: Device, local_rank: int) -> torch.device:
@@ -185,19 +185,38 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Scale all gradients so their global norm is at most `max_norm` (0: no clipping); the norm before.
     Under FSDP each rank holds a shard of every gradient (DTensors): the norm is reduced over ranks."""
     grads = [param.grad for param in model.parameters() if param.grad is not None]
-    norm = distributed.full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
+    norm = parallel.full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
     if max_norm:
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=True)
     return norm
 
 
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank learns from the step's one all-reduce, so that all skip, stop, save or step together."""
+
+    loss: float  # the global loss: the mean of the ranks' losses
+    stop: bool  # some rank received a stop signal
+    timer_elapsed: bool  # some rank's checkpoint_every_minutes timer ran out
+    counts: list[int]  # Batch.counts summed over ranks
+
+    @classmethod
+    def reach(cls, loss: torch.Tensor, requests: tuple[bool, bool], counts: list[int],
+              device: torch.device) -> "StepAgreement":
+        """Collective. `requests`: this rank's (stop, timer) from Checkpointer.requests."""
+        local = torch.tensor([loss.detach().float().item(), *map(float, requests), *counts], dtype=torch.float64)
+        mean = parallel.all_reduce_mean(local.to(device)).tolist()
+        world_size = parallel.rank_and_world_size()[1]
+        return cls(mean[0], mean[1] > 0, mean[2] > 0, [round(value * world_size) for value in mean[3:]])
+
+
 class Trainer:
     """One rank's run: components built from config, then `fit`, a plain loop."""
 
-    def __init__(self, cfg: TrainConfig, shards: Shards, env: distributed.DistEnv, device: torch.device):
+    def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device):
         self.cfg, self.shards, self.env, self.device = cfg, shards, env, device
         # Every rank must agree on the run directory (a ${now:...} name resolved per process can differ).
-        self.run_dir = Path(distributed.all_ranks(cfg.run_dir)[0])
+        self.run_dir = Path(parallel.all_ranks(cfg.run_dir)[0])
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.autocast = autocast_for(cfg.precision, device)
@@ -213,11 +232,26 @@ class Trainer:
         # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards,
         # gathered in bf16 on CUDA where autocast computes in bf16 (gradients are reduced in fp32).
         gathered_dtype = torch.bfloat16 if device.type == "cuda" and uses_bf16(cfg.precision, device) else None
-        self.train_model = distributed.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
+        self.train_model = parallel.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
                                                   param_dtype=gathered_dtype)
-        self.sharded = distributed.is_sharded(self.model)
+        self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
-        self.state = TrainState(self.model, optimizer, scheduler)
+        self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
+                                  self.autocast)
+        visual = self.model.visual
+        mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
+        self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
+        low_priority, why = host.low_priority_workers(str(cfg.data.worker_priority), device.type,
+                                                      cfg.world.procs_per_node, cfg.data.workers)
+        if env.is_main and cfg.data.workers:
+            log.info("loader workers at %s priority (%s)", "idle" if low_priority else "normal", why)
+        self.stream = TrainStream(
+            shards.sources, cfg.data, batch_size=cfg.world.batch_per_device,
+            image_transform=open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
+            tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+            low_priority_workers=low_priority)
+
+        self.state = TrainState(self.model, optimizer, scheduler, self.stream)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
         if self.resumed_from is None:
@@ -225,82 +259,16 @@ class Trainer:
         if env.is_main:  # the logs hold no step twice: what comes after the checkpoint will be logged again
             for log_file in ("train_log.jsonl", "metrics.jsonl"):
                 rewind_jsonl(self.run_dir / log_file, self.state.step)
-
-        self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
-                                  self.autocast)
-
-        visual = self.model.visual
-        mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
-        self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
         self.eval_errors = 0
         self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
-        saved = self.state.data or {}
-        self.skipped_samples = saved.get("skipped_samples", 0)
-        self.source_samples = saved.get("source_samples") or [0] * len(shards.sources)
-        if len(self.source_samples) != len(shards.sources):
-            self.source_samples = [0] * len(shards.sources)
-        self.data_layout = self._data_layout()
-        position, stream_seed, self.data_warning = self._data_resume()
-        self.data_readers = dict(position["readers"]) if position else {}
-        self.data_batches = position["batches"] if position else 0
-        low_priority, why = distributed.low_priority_workers(str(cfg.data.worker_priority), self.device.type,
-                                                             cfg.world.procs_per_node, cfg.data.workers)
-        if env.is_main and cfg.data.workers:
-            log.info("loader workers at %s priority (%s)", "idle" if low_priority else "normal", why)
-        self.batches = train_stream(
-            shards.sources, cfg.world.batch_per_device,
-            open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
-            self.tokenizer, resampled=cfg.data.resampled, split=cfg.data.split, shuffle_buffer=cfg.data.shuffle_buffer,
-            workers=cfg.data.workers, rank=env.rank, world_size=env.world_size, seed=stream_seed,
-            weights=cfg.data.weights, max_skips_in_a_row=cfg.data.max_skips_in_a_row, resume=position,
-            low_priority_workers=low_priority,
-        )
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
                                   as_dict(cfg), env.is_main)
         self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")
 
-    def _data_layout(self) -> dict:
-        """What a saved data position depends on: it is resumed exactly only when all of this is unchanged."""
-        data = self.cfg.data
-        shards = "\n::\n".join("\n".join(urls) for urls in self.shards.sources)
-        return {"world_size": self.env.world_size, "workers": data.workers, "split": str(data.split),
-                "resampled": data.resampled, "seed": self.cfg.seed, "shuffle_buffer": data.shuffle_buffer,
-                "weights": list(data.weights) if data.weights else None,
-                "shards": hashlib.sha1(shards.encode()).hexdigest()}
-
-    def _data_resume(self) -> tuple[dict | None, int, str | None]:
-        """(this rank's saved stream position or None, the stream's seed, a warning for the user or None).
-
-        Same layout: the stream continues sample for sample. Otherwise (another world size, worker
-        count, shard list, seed, ...) it restarts reshuffled, seeded by the step, at the same global
-        sample count — said in one warning."""
-        cfg, saved = self.cfg, self.state.data
-        if self.resumed_from is None:
-            return None, cfg.seed, None
-        if saved and saved.get("layout") == self.data_layout:
-            return saved["ranks"][self.env.rank], cfg.seed, None
-        if not saved or "layout" not in saved:
-            reason = "the checkpoint holds no data position (written by an older clipdist)"
-        else:
-            changed = [key for key, value in self.data_layout.items() if saved["layout"].get(key) != value]
-            reason = "changed since the checkpoint: " + ", ".join(
-                f"{key} {saved['layout'].get(key)} -> {self.data_layout[key]}" if key != "shards" else "the shard list"
-                for key in changed)
-        return None, cfg.seed + 7919 * self.state.step, (
-            f"warning: the data stream cannot continue sample for sample ({reason}); it restarts reshuffled "
-            f"at sample {self.state.samples_seen}, so samples already seen in this epoch may come again")
-
-    def data_position(self) -> dict:
-        """Collective: every rank's readers' positions after the batches trained on, and the totals."""
-        return {"layout": self.data_layout, "skipped_samples": self.skipped_samples,
-                "source_samples": list(self.source_samples),
-                "ranks": distributed.all_ranks({"readers": self.data_readers, "batches": self.data_batches})}
-
     def checkpoint(self) -> None:
-        """Collective: the checkpoint of the state after the last step, with the data stream's position."""
-        self.state.data = self.data_position()
+        """Collective: the checkpoint of the state after the last step (the stream's position included)."""
         self.checkpointer.save(self.state)
 
     def say(self, message: str) -> None:
@@ -313,44 +281,35 @@ class Trainer:
         return self.cfg.world.batch_per_device * self.env.world_size
 
     def fit(self) -> dict | None:
-        cfg, state, checkpointer = self.cfg, self.state, self.checkpointer
+        cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
         metrics, bad_steps, skipped_steps = None, 0, 0
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
-        if self.data_warning:
-            self.say(self.data_warning)
+        if stream.restart_reason:
+            self.say(f"warning: the data stream cannot continue sample for sample ({stream.restart_reason}); it "
+                     f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
+                     "come again")
         if state.step >= cfg.optim.max_steps:
             self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
-                                f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
+                     f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
         profiler = StepProfiler(self.run_dir, self.env.rank, cfg.logging.profile_steps, cfg.logging.profile_wait)
         try:
             while state.step < cfg.optim.max_steps:
                 started = time.perf_counter()
                 profiler.step()
                 with record_function("data"):
-                    images, tokens, info = self.next_batch()
+                    batch = self.next_batch()
                 with record_function("forward_and_loss"):
-                    loss = self.step_fn.loss(images.to(self.device), tokens.to(self.device))
-                # One collective gives every rank the global loss, whether any rank was signalled or is due
-                # a timed checkpoint, and the samples skipped and read per source on all ranks, so all ranks
-                # skip, stop, save or step together.
+                    loss = self.step_fn.loss(batch.images.to(self.device), batch.tokens.to(self.device))
                 with record_function("agree"):
-                    agreed = distributed.all_reduce_mean(torch.cat([
-                        torch.stack([loss.detach().float().cpu(), checkpointer.stop.flag(), checkpointer.time_flag()]),
-                        torch.tensor([info["skipped"], *info["sources"]], dtype=torch.float32),
-                    ]).to(self.device)).tolist()
-                global_loss, stopping, time_due = agreed[0], agreed[1] > 0, agreed[2] > 0
-                if stopping:  # this step's batch is not trained on: the saved position is before it
+                    agreed = StepAgreement.reach(loss, checkpointer.requests(), batch.counts, self.device)
+                if agreed.stop:  # this step's batch is not trained on: the saved position is before it
                     self.checkpoint()
                     self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
-                counts = [round(value * self.env.world_size) for value in agreed[3:]]
-                self.skipped_samples += counts[0]
-                self.source_samples = [total + count for total, count in zip(self.source_samples, counts[1:])]
-                self.data_readers[info["reader"]] = info["state"].state
-                self.data_batches += 1
-                if not math.isfinite(global_loss):
+                stream.consumed(agreed.counts)
+                if not math.isfinite(agreed.loss):
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
                     if bad_steps >= cfg.max_nonfinite_steps:
@@ -363,35 +322,32 @@ class Trainer:
                 bad_steps = 0
                 grad_norm = self.optimize(loss)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
-                self.log_step(global_loss, grad_norm, seconds, skipped_steps)
-                if checkpointer.due(state.step) or time_due:  # before evaluating: an evaluation never costs a step
+                self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
+                if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
                     self.checkpoint()
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
         finally:
             profiler.stop()
-            close_stream(self.batches)
+            stream.close()
             checkpointer.close()
             self.progress.close()
             self.tracker.finish()
         return metrics
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """This rank's next (images, tokens, info) (see pipeline.TrainingBatches). A stop signal while waiting
-        gives zeros of the batch's shape instead: the step's collectives still match on every rank, and its
-        all-reduce stops them."""
+    def next_batch(self) -> Batch:
+        """This rank's next batch. A stop signal while waiting gives zeros of the batch's shape instead: the
+        step's collectives still match on every rank, and its agreement stops them."""
         try:
             with self.checkpointer.stop.interruptible():
-                batch = next(self.batches)
-        except StopRequested:
+                return next(self.stream)
+        except launch.StopRequested:
             size = self.model.visual.image_size
             height, width = (size, size) if isinstance(size, int) else size
             rows = self.cfg.world.batch_per_device
-            return (torch.zeros(rows, 3, height, width), torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
-                    {"skipped": 0, "sources": [0] * len(self.shards.sources)})
-        if isinstance(batch, DataFailure):
-            raise DataError(f"rank {self.env.rank}: {batch.message}")
-        return batch
+            return Batch(torch.zeros(rows, 3, height, width),
+                         torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
+                         [0] * (1 + len(self.shards.sources)))
 
     def optimize(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward (DDP averages gradients), clip, AdamW, schedule, clamp the logit scale; one step done."""
@@ -420,9 +376,10 @@ class Trainer:
             stats["logit_scale"] = model.logit_scale.exp().item()
             if self.loss_fn.uses_logit_bias:
                 stats["logit_bias"] = model.logit_bias.item()
-            sources = {"source_samples": list(self.source_samples)} if len(self.source_samples) > 1 else {}
+            stream = self.stream
+            sources = {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
             self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
-                                    "skipped_samples": self.skipped_samples, "skipped_steps": skipped_steps, **sources},
+                                    "skipped_samples": stream.skipped_samples, "skipped_steps": skipped_steps, **sources},
                                    state.step)
             self.shown_scale = f"{stats['logit_scale']:.1f}"
         self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
@@ -445,12 +402,12 @@ class Trainer:
                     if self.env.is_main:
                         log.warning("step %d: evaluation of %s failed (%s: %s); training goes on (eval_errors=%d)",
                                     self.state.step, evalset.name, type(error).__name__, error, self.eval_errors)
-            metrics.update(train_skipped=self.skipped_samples, eval_errors=self.eval_errors)
+            metrics.update(train_skipped=self.stream.skipped_samples, eval_errors=self.eval_errors)
             if not self.env.is_main:
                 metrics = None
         if metrics is not None:
             self.tracker.log_eval(metrics, self.state.step)
             self.say(f"step {self.state.step}: " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        distributed.barrier()
+        parallel.barrier()
         return metrics

@@ -84,6 +84,7 @@ def zero_shot(args, checkpoint: Path) -> float | None:
     import open_clip
     import torch
 
+    from clipdist.config import DataConfig
     from clipdist.data.sources import eval_set
     from clipdist.evaluate import evaluate
     from clipdist.models import create_model, get_tokenizer
@@ -97,7 +98,8 @@ def zero_shot(args, checkpoint: Path) -> float | None:
     transform = open_clip.image_transform(visual.image_size, is_train=False, mean=visual.preprocess_cfg["mean"],
                                           std=visual.preprocess_cfg["std"])
     evalset = eval_set("val", args.val_shards, list(args.classnames), list(args.templates))
-    return evaluate(model, get_tokenizer(args.model), evalset, transform, torch.device("cpu")).get("zeroshot_top1")
+    return evaluate(model, get_tokenizer(args.model), evalset, transform, torch.device("cpu"),
+                    max_skips_in_a_row=DataConfig.max_skips_in_a_row).get("zeroshot_top1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,3 +55,20 @@ def write_samples(path: Path, samples: list[dict]) -> Path:
     """A shard of samples given as {"__key__": ..., ext: bytes, ...}."""
     return write_tar(path, [(f"{sample['__key__']}.{ext}", data) for sample in samples
                             for ext, data in sample.items() if ext != "__key__"])
+
+
+def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 start_method: str | None = None, low_priority_workers: bool = False, **data):
+    """A TrainStream over `sources` (shard paths, or a list of such lists: one per source), with
+    DataConfig(**data) for everything else (shuffle_buffer=0 unless given)."""
+    from clipdist.config import DataConfig
+    from clipdist.data.stream import TrainStream
+    from clipdist.models import get_tokenizer
+
+    if sources and not isinstance(sources[0], (list, tuple)):
+        sources = [sources]
+    data.setdefault("shuffle_buffer", 0)
+    return TrainStream([[str(url) for url in urls] for urls in sources], DataConfig(source=None, **data),
+                       batch_size=batch_size, image_transform=image_transform, tokenizer=get_tokenizer(), rank=rank,
+                       world_size=world_size, seed=seed, low_priority_workers=low_priority_workers,
+                       start_method=start_method)

@@ -11,14 +11,13 @@ from PIL import Image
 
 from clipdist.cli import main as cli
 from clipdist.data.builtin import builtin_shards
-from clipdist.data.faults import DataFailure, SkipCounter
+from clipdist.data.faults import DataError, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
-from clipdist.data.pipeline import close_stream, train_stream
 from clipdist.data.samples import SampleError, decode_image, eval_record, label_of, to_rgb
 from clipdist.data.sources import eval_set, expand_shards
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
 from clipdist.models import get_tokenizer
-from helpers import image_bytes, write_samples, write_tar
+from helpers import image_bytes, train_stream, write_samples, write_tar
 
 
 def png(value):
@@ -81,13 +80,12 @@ def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
     members[2] = ("001.png", b"not an image")  # undecodable image
     members[5] = ("002.txt", b"   ")  # empty caption
     write_tar(tmp_path / "a.tar", members)
-    stream = train_stream([str(tmp_path / "a.tar")], 2, identity_transform, get_tokenizer(), resampled=False,
-                          split="node", shuffle_buffer=0, workers=0, rank=0, world_size=1, seed=0)
-    images, tokens, info = next(stream)
+    stream = train_stream([tmp_path / "a.tar"], 2, identity_transform)
+    images, tokens, counts = next(stream)
     assert images.tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
     assert tokens.shape[0] == 2
-    assert info["skipped"] == 2  # the batch carries the skips made while reading it
-    assert next(stream)[2]["skipped"] == 0
+    assert counts == [2, 2]  # the batch carries the skips made while reading it, and its samples of the one source
+    assert next(stream).counts[0] == 0
 
 
 def eight_sample_shard(path):
@@ -105,7 +103,7 @@ def member_offsets(data):
 
 
 def read_all_once(urls):
-    skips = SkipCounter()
+    skips = SkipCounter(max_in_a_row=1000)
     pipeline = wds.DataPipeline(wds.SimpleShardList(urls), tar_samples(handler=skips),
                                 wds.to_tuple("png", "txt", handler=skips))
     return [key for key, _ in pipeline], skips.count
@@ -197,8 +195,7 @@ def test_missing_and_empty_shards_are_clear_errors(tmp_path):
 
 def test_fewer_shards_than_workers_times_ranks_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="every worker needs at least one shard"):
-        train_stream(["a.tar"], 2, identity_transform, get_tokenizer(), resampled=False, split="node",
-                     shuffle_buffer=0, workers=2, rank=0, world_size=2, seed=0)
+        train_stream(["a.tar"], 2, identity_transform, workers=2, world_size=2)
 
 
 def test_digits_become_cached_shards(tmp_path):
@@ -340,8 +337,7 @@ def caption_shard(path, n=6, first=0):
 
 
 def stream(urls, workers=0, resampled=False, max_skips_in_a_row=1000, batch=2):
-    return train_stream([str(u) for u in urls], batch, identity_transform, get_tokenizer(), resampled=resampled,
-                        split="node", shuffle_buffer=0, workers=workers, rank=0, world_size=1, seed=0,
+    return train_stream(urls, batch, identity_transform, workers=workers, resampled=resampled,
                         max_skips_in_a_row=max_skips_in_a_row)
 
 
@@ -351,7 +347,7 @@ def test_a_shard_that_is_not_a_tar_is_counted_and_the_others_are_read(tmp_path, 
     caption_shard(tmp_path / "good.tar")
     batches = stream([tmp_path / "bad.tar", tmp_path / "good.tar"], resampled=resampled)
     with caplog.at_level(logging.WARNING, logger="clipdist.data"):
-        total = sum(next(batches)[2]["skipped"] for _ in range(12))
+        total = sum(next(batches).counts[0] for _ in range(12))
     assert total >= 1  # the text file: skipped (at most once per pass), the rest trains
     assert f"{tmp_path / 'bad.tar'}: cannot be read as a tar file" in caplog.records[0].getMessage()
 
@@ -363,20 +359,21 @@ def test_when_no_shard_can_be_read_the_stream_says_so_within_seconds(tmp_path, r
     started = time.monotonic()
     batches = stream([tmp_path / "a.tar", tmp_path / "b.tar"], workers=workers, resampled=resampled)
     try:
-        failure = next(batches)
+        with pytest.raises(DataError) as failure:
+            next(batches)
     finally:
-        close_stream(batches)  # its workers ignore SIGTERM: stopped as the trainer stops them
-    assert isinstance(failure, DataFailure)
-    assert "none of the 2 shard(s)" in failure.message and "a.tar" in failure.message and "b.tar" in failure.message
+        batches.close()  # its workers ignore SIGTERM: stopped as the trainer stops them
+    message = str(failure.value)
+    assert message.startswith("rank 0: ") and "none of the 2 shard(s)" in message
+    assert "a.tar" in message and "b.tar" in message
     assert time.monotonic() - started < 30
 
 
 def test_shards_in_the_wrong_layout_stop_with_the_reason(tmp_path):
     write_samples(tmp_path / "s.tar", [{"__key__": f"{i:04d}", "jpg": image_bytes(fmt="JPEG"), "caption": b"x"}
                                        for i in range(40)])
-    failure = next(stream([tmp_path / "s.tar"], resampled=True, max_skips_in_a_row=25))
-    assert isinstance(failure, DataFailure)
-    assert "25 samples in a row could not be used" in failure.message and "no .txt caption" in failure.message
+    with pytest.raises(DataError, match="25 samples in a row could not be used.*no .txt caption"):
+        next(stream([tmp_path / "s.tar"], resampled=True, max_skips_in_a_row=25))
 
 
 def test_skip_warnings_are_rate_limited_and_say_where(tmp_path, caplog):
@@ -428,11 +425,10 @@ def test_skips_are_counted_in_workers_of_every_start_method(tmp_path, start_meth
     for shard in range(2):
         write_samples(tmp_path / f"{shard}.tar", [{"__key__": "bad", "png": b"nope", "txt": b"x"}] + [
             {"__key__": f"{i:03d}", "png": image_bytes(i), "txt": b"a caption"} for i in range(6)])
-    batches = train_stream([str(tmp_path / "0.tar"), str(tmp_path / "1.tar")], 2, identity_transform, get_tokenizer(),
-                           resampled=False, split="node", shuffle_buffer=0, workers=2, rank=0, world_size=1, seed=0,
+    batches = train_stream([tmp_path / "0.tar", tmp_path / "1.tar"], 2, identity_transform, workers=2,
                            start_method=start_method)
     try:
         # Two workers, one shard (3 batches) each, taken in turn: the first batch of each carries its shard's bad sample.
-        assert [next(batches)[2]["skipped"] for _ in range(4)] == [1, 1, 0, 0]
+        assert [next(batches).counts[0] for _ in range(4)] == [1, 1, 0, 0]
     finally:
-        close_stream(batches)
+        batches.close()

@@ -7,6 +7,7 @@ import open_clip
 import pytest
 import torch
 
+from clipdist.config import DataConfig
 from clipdist.data.sources import EvalSet, eval_set
 from clipdist.evaluate import evaluate, fill_template, recall_at_k
 from clipdist.models import create_model, get_tokenizer
@@ -39,7 +40,8 @@ def tiny():
 
 def run_eval(tiny, evalset):
     model, tokenizer, transform = tiny
-    return evaluate(model, tokenizer, evalset, transform, torch.device("cpu"), batch_size=4)
+    return evaluate(model, tokenizer, evalset, transform, torch.device("cpu"), batch_size=4,
+                    max_skips_in_a_row=DataConfig.max_skips_in_a_row)
 
 
 def test_clip_benchmark_classification_set(tmp_path, tiny):

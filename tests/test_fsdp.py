@@ -75,13 +75,18 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     assert "written with world.parallel=ddp" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def _save_then_load(directory: str) -> bool:
-    """On each rank: an FSDP model and AdamW after a step, saved; a fresh pair loads it; all equal?"""
-    from clipdist.config import OptimConfig
-    from clipdist.distributed import wrap_model
+def _save_then_load(directory: str) -> tuple[list[str], int]:
+    """On each rank: an FSDP model and AdamW after a step, saved by the Checkpointer; a fresh pair restored
+    by it. The names of the tensors (weights, AdamW moments) that differ, and how many were compared."""
+    from pathlib import Path
+
+    from clipdist.checkpoint import Checkpointer
+    from clipdist.config import OptimConfig, TrainConfig
     from clipdist.grad_cache import build_step
+    from clipdist.launch import detect_env
     from clipdist.losses import build
     from clipdist.models import create_model_for_loss
+    from clipdist.parallel import full_tensor, wrap_model
     from clipdist.state import TrainState
     from clipdist.trainer import build_optimizer
 
@@ -90,35 +95,35 @@ def _save_then_load(directory: str) -> bool:
         model = wrap_model(create_model_for_loss("clipdist-tiny", build("siglip")), parallel="fsdp")
         return TrainState(model, *build_optimizer(model, OptimConfig()))
 
+    cfg = TrainConfig(name="fsdp", run_dir=directory)
+    cfg.world.parallel = "fsdp"
+    checkpointer = Checkpointer(cfg, Path(directory), detect_env())
     trained = fresh(0)
     step = build_step(trained.model, build("siglip"))
     step.backward(step.loss(torch.randn(4, 3, 32, 32), torch.randint(0, 49408, (4, 16))))
     trained.optimizer.step()
-    files = CheckpointFiles(directory)
-    files.save_sharded(trained.sharded_state_dict(), {"step": 1}, 1, is_main=dist.get_rank() == 0)
+    trained.step = 1
+    assert checkpointer.save(trained)
     loaded = fresh(1)
-    import torch.distributed.checkpoint as dcp
+    assert checkpointer.restore(loaded).name == "step_00000001.dcp" and loaded.step == 1
+    checkpointer.close()
 
-    shards = loaded.sharded_state_dict()
-    dcp.load(shards, checkpoint_id=str(files.checkpoints()[0]))
-    loaded.load_sharded_state_dict(shards)
-    saved, restored = trained.sharded_state_dict(), loaded.sharded_state_dict()
-    tensors = [(name, value) for name, value in saved["model"].items()]
-    tensors += [(f"{name}.{key}", value) for name, state in saved["optimizer"]["state"].items()
-                for key, value in state.items()]
-    same = []
-    for name, value in tensors:
-        other = restored["model"][name] if name in restored["model"] else \
-            restored["optimizer"]["state"][name.rsplit(".", 1)[0]][name.rsplit(".", 1)[1]]
-        same.append(torch.equal(value.full_tensor() if hasattr(value, "full_tensor") else value,
-                                other.full_tensor() if hasattr(other, "full_tensor") else other))
-    return all(same) and len(same) > 100
+    def tensors(state):
+        saved = state.sharded_state_dict()
+        flat = dict(saved["model"])
+        flat.update({f"{name}.{key}": value for name, moments in saved["optimizer"]["state"].items()
+                     for key, value in moments.items()})
+        return {name: full_tensor(value) for name, value in flat.items()}
+
+    before, after = tensors(trained), tensors(loaded)
+    return sorted(name for name in before if not torch.equal(before[name], after[name])), len(before)
 
 
 def test_sharded_checkpoint_restores_weights_and_adamw_state_exactly(tmp_path):
-    from clipdist.distributed import launch_local
+    from clipdist.launch import launch_local
 
-    assert all(launch_local(_save_then_load, 2, str(tmp_path), timeout_s=120).values())
+    for differing, compared in launch_local(_save_then_load, 2, str(tmp_path), timeout_s=120).values():
+        assert differing == [] and compared > 100
 
 
 @pytest.fixture
@@ -153,9 +158,9 @@ def test_a_checkpoint_of_the_other_parallelism_is_refused(tmp_path):
 
 
 def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
-    from clipdist import distributed, trainer
+    from clipdist import parallel, trainer
 
     trainer.check_shardable("clipdist-tiny")  # has blocks: fine
-    monkeypatch.setattr(distributed, "transformer_blocks", lambda model: [])
+    monkeypatch.setattr(parallel, "transformer_blocks", lambda model: [])
     with pytest.raises(ConfigError, match="no transformer blocks.*world.parallel=ddp"):
         trainer.check_shardable("clipdist-tiny")

@@ -112,7 +112,7 @@ def _syncs_per_step(chunks: int):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from clipdist.distributed import wrap_model
+    from clipdist.parallel import wrap_model
 
     torch.manual_seed(0)
     compiled = wrap_model(create_model_for_loss("clipdist-tiny", build("disco")), compile=True)
@@ -134,7 +134,7 @@ def _syncs_per_step(chunks: int):
 
 
 def test_compiled_ddp_keeps_no_sync_and_chunks_sync_once():
-    from clipdist.distributed import launch_local
+    from clipdist.launch import launch_local
 
     whole = launch_local(_syncs_per_step, 2, 1, timeout_s=120)
     chunked = launch_local(_syncs_per_step, 2, 4, timeout_s=120)

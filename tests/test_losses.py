@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
 
-from clipdist.distributed import launch_local
+from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build, clip_loss, siglip_loss
 
 DIM = 8

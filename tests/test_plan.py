@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from clipdist.tools import plan
-from clipdist.distributed import launch_local
+from clipdist.launch import launch_local
 from clipdist.grad_cache import build_step
 from clipdist.tools.gradcheck import _random_batch
 from clipdist.losses import build

@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from clipdist.data.pipeline import close_stream, train_stream
-from clipdist.models import get_tokenizer
-from helpers import REPO, image_bytes, read_jsonl, train, train_command, write_samples
+from helpers import REPO, image_bytes, read_jsonl, train, train_command, train_stream, write_samples
 
 QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
 STEPS = 16
@@ -96,34 +94,36 @@ def two_sources(tmp_path, shards=4, per_shard=2):
     return sources
 
 
-def stream(sources, workers, resume=None, **options):
-    return train_stream(sources, 4, flat, get_tokenizer(), resampled=True, split="node", shuffle_buffer=6,
-                        workers=workers, rank=0, world_size=1, seed=3, weights=[3, 1], resume=resume, **options)
+def stream(sources, workers):
+    return train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3, weights=[3, 1])
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
     sources = two_sources(tmp_path)
     batches = stream(sources, workers)
-    readers, taken = {}, 0
     try:
         for _ in range(7):
-            _, _, info = next(batches)
-            readers[info["reader"]] = info["state"].state
-            taken += 1
-        expected = [next(batches)[0].tolist() for _ in range(6)]
+            next(batches)
+            batches.consumed()
+        saved = batches.state_dict()
+        next(batches)  # handed out but not consumed (a stop signal came): not part of the position
+        expected = [next(batches).images.tolist() for _ in range(5)]
     finally:
-        close_stream(batches)
-    resumed = stream(sources, workers, resume={"readers": readers, "batches": taken})
+        batches.close()
+    resumed = stream(sources, workers)
+    resumed.load_state_dict(saved)
     try:
-        assert [next(resumed)[0].tolist() for _ in range(6)] == expected
+        assert resumed.restart_reason is None
+        next(resumed)
+        assert [next(resumed).images.tolist() for _ in range(5)] == expected
     finally:
-        close_stream(resumed)
+        resumed.close()
 
 
 def test_sources_are_mixed_by_weight(tmp_path):
     batches = stream(two_sources(tmp_path), 0)
-    counts = np.sum([next(batches)[2]["sources"] for _ in range(250)], axis=0)
+    counts = np.sum([next(batches).counts[1:] for _ in range(250)], axis=0)
     assert counts.sum() == 1000
     # 500 shard draws of 2 samples at p = 3/4: the fraction's standard deviation is 0.019.
     assert abs(counts[0] / 1000 - 0.75) < 0.06, counts

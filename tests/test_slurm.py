@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from clipdist.distributed import _free_port
+from clipdist.launch import free_port
 from helpers import REPO, read_jsonl
 
 pytestmark = pytest.mark.slurm
@@ -42,8 +42,8 @@ class LocalSlurm:
         self.conf.write_text(f"""\
 ClusterName=clipdist-test
 SlurmctldHost={host}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -53,7 +53,7 @@ class SkipCounter:
     last called (attached to each batch).
     """
 
-    def __init__(self, max_in_a_row: int = 1000, first_warnings: int = 10, every_s: float = 30.0):
+    def __init__(self, max_in_a_row: int, first_warnings: int = 10, every_s: float = 30.0):
         self.count, self.in_a_row, self._taken = 0, 0, 0
         self.max_in_a_row, self.first_warnings, self.every_s = max_in_a_row, first_warnings, every_s
         self._last_warning, self._unreported, self.last_reason = 0.0, 0, ""

@@ -14,15 +14,13 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
-import os
-import signal
 import tarfile
-from pathlib import Path
 
 import webdataset as wds
 from webdataset.tariterators import group_by_keys
 
 from clipdist.data.faults import ShardError, ShardHealth
+from clipdist.launch import kill_tree
 
 
 class TruncatedShardError(tarfile.ReadError):
@@ -139,35 +137,12 @@ def _shard_error(url: str, exn: Exception, files: int) -> ShardError:
     return ShardError(url, f"read error after {files} file(s) ({type(exn).__name__}: {exn})")
 
 
-def descendants(pid: int) -> list[int]:
-    """Child processes, recursively (Linux /proc; [] elsewhere)."""
-    found, frontier = [], [pid]
-    while frontier:
-        for task in Path(f"/proc/{frontier.pop()}/task").glob("*"):
-            try:
-                children = [int(child) for child in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            frontier += children
-    return found
-
-
 def _stop_command(stream) -> None:
     """A `pipe:` shard's command (the shell and what it started) is killed, not waited for, when reading
     stops early (a signal): webdataset's Pipe.close() would wait for it to finish."""
     process = getattr(stream, "proc", None)
     if process is not None and process.poll() is None:
         kill_tree(process.pid)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything it started."""
-    for member in [*descendants(pid), pid]:
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _tar_members(sources, handler, health: ShardHealth | None):

@@ -47,6 +47,9 @@ class _SummedRowLogSumExp(torch.autograd.Function):
         return grad_rows * scale, grad_columns * scale, grad_scale * grad_output, None
 
 
+DEFAULT_TILE = 1024  # the default of loss.tile too (config.TiledLossConfig reads it)
+
+
 class TiledLoss(DistributedContrastiveLoss):
     """DisCo's split of the loss, without DisCo's 2·b·B logits: memory O((b + B)·d).
 
@@ -61,7 +64,7 @@ class TiledLoss(DistributedContrastiveLoss):
     counted once — the point where Inf-CL's published code is reported to be N× off.
     """
 
-    def __init__(self, tile: int = 1024, group=None):
+    def __init__(self, tile: int = DEFAULT_TILE, group=None):
         super().__init__(group)
         if tile < 1:
             raise ValueError(f"tile must be a positive number of rows, got {tile}")

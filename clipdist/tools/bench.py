@@ -131,7 +131,7 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
 def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
         budget_bytes=16e9, timeout_s=1800):
     """Every (world size, global batch, backend) row; see the module docstring."""
-    from clipdist.distributed import launch_local
+    from clipdist.launch import launch_local
 
     names = list(names or [*BACKENDS, PEER])
     for name in names:

@@ -68,7 +68,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
 
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
-    from clipdist.distributed import full_tensor, wrap_model
+    from clipdist.parallel import full_tensor, wrap_model
     from clipdist.grad_cache import build_step
 
     dtype = getattr(torch, dtype_name)
@@ -206,11 +206,11 @@ def run_gradchecks(
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
     chunks > 1 runs each rank's step with gradient caching (clipdist.grad_cache) in that many chunks;
-    parallel="fsdp" shards the model with FSDP2 (clipdist.distributed.wrap_model) instead of DDP.
+    parallel="fsdp" shards the model with FSDP2 (clipdist.parallel.wrap_model) instead of DDP.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
-    from clipdist.distributed import launch_local
+    from clipdist.launch import launch_local
 
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {list(TOLERANCE)}")

@@ -174,7 +174,7 @@ def _measure_loss_points(backends: list[str], dtype_name: str):
 
 def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout_s: float = 120) -> dict[str, LossFit]:
     """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
-    from clipdist.distributed import launch_local
+    from clipdist.launch import launch_local
 
     points = launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype,
                           timeout_s=timeout_s)[0]
@@ -206,7 +206,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -> dict[str, int]:
     """One training step (so gradients and AdamW moments exist) under `parallel`; this rank's state bytes."""
     from clipdist.config import OptimConfig
-    from clipdist.distributed import wrap_model
+    from clipdist.parallel import wrap_model
     from clipdist.grad_cache import build_step
     from clipdist.losses import build
     from clipdist.models import create_model_for_loss, get_tokenizer
@@ -229,7 +229,7 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
 def measure_state_bytes(model_name: str, parallel: str, world_size: int, local_batch: int = 4,
                         timeout_s: float = 300) -> list[dict[str, int]]:
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
-    from clipdist.distributed import launch_local
+    from clipdist.launch import launch_local
 
     results = launch_local(state_bytes_after_a_step, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
     return [results[rank] for rank in range(world_size)]

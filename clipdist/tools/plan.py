@@ -139,7 +139,7 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
 
 def parameter_layout(model) -> tuple[list[tuple[int, ...]], list[int]]:
     """(every parameter's shape, the parameter count of each transformer block): what sharding needs."""
-    from clipdist.distributed import transformer_blocks
+    from clipdist.parallel import transformer_blocks
 
     return ([tuple(p.shape) for p in model.parameters()],
             [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)])

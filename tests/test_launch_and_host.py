@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from clipdist.distributed import _expand_first_host, detect_env, intra_op_threads
+from clipdist.host import intra_op_threads
+from clipdist.launch import _expand_first_host, detect_env
 
 
 def test_torchrun_variables_win():
@@ -42,7 +43,7 @@ def test_explicit_thread_counts_are_taken_as_given():
 
 FAULTS_PER_ALLOCATION = """
 import resource, statistics, sys, torch
-from clipdist.distributed import keep_freed_memory
+from clipdist.host import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 faults = []
 for _ in range(25):  # 40 MB: above glibc's largest dynamic mmap threshold (32 MB)
@@ -72,47 +73,8 @@ def test_freed_step_memory_is_reused_not_faulted_in_again():
 
 
 
-def _vocabulary_step(used_rows: list[list[int]]):
-    """Each rank looks up its own rows of a DDP-wrapped 2048-row table: the weights it started from
-    and its gradients after the step's sync."""
-    import torch.distributed as dist
-
-    from clipdist.distributed import finish_gradient_sync, wrap_model
-
-    torch.manual_seed(dist.get_rank())  # different starting weights: rank 0's must be taken everywhere
-    model = torch.nn.Sequential(torch.nn.Embedding(2048, 4), torch.nn.Linear(4, 1))
-    wrapped = wrap_model(model)
-    start = {name: value.clone() for name, value in model.state_dict().items()}
-    wrapped(torch.tensor(used_rows[dist.get_rank()])).square().sum().backward()
-    finish_gradient_sync(wrapped)
-    return start, {name: param.grad.clone() for name, param in model.named_parameters()}
-
-
-@pytest.mark.parametrize("used_rows", [
-    [[1, 5, 5], [5, 2000], [7]],  # overlapping and disjoint rows: the union is averaged
-    [list(range(0, 1100)), [3], list(range(900, 2048))],  # more than half the table: averaged whole
-])
-def test_vocabulary_gradients_are_averaged_over_the_rows_any_rank_used(used_rows):
-    from clipdist.distributed import launch_local
-
-    results = launch_local(_vocabulary_step, 3, used_rows, timeout_s=120)
-    starts, grads = zip(*(results[rank] for rank in range(3)))
-    for start in starts:  # rank 0's table (our broadcast) and linear layer (DDP's) everywhere
-        assert all(torch.equal(value, starts[0][name]) for name, value in start.items())
-    model = torch.nn.Sequential(torch.nn.Embedding(2048, 4), torch.nn.Linear(4, 1))
-    model.load_state_dict(starts[0])
-    for rows in used_rows:  # one process: the mean of every rank's loss
-        (model(torch.tensor(rows)).square().sum() / 3).backward()
-    for grad in grads:
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(grad[name], param.grad, rtol=1e-5, atol=1e-6)
-    used = torch.zeros(2048, dtype=torch.bool)
-    used[sorted({row for rows in used_rows for row in rows})] = True
-    assert grads[0]["0.weight"][~used].eq(0).all() and grads[0]["0.weight"][used].ne(0).any(dim=1).all()
-
-
 def test_loader_workers_yield_to_cpu_ranks_that_cannot_spare_them_a_core():
-    from clipdist.distributed import low_priority_workers
+    from clipdist.host import low_priority_workers
 
     two_cpus = {"SLURM_CPUS_PER_TASK": "2"}
     assert low_priority_workers("auto", "cpu", 1, 1, two_cpus)[0] is False  # a core for the rank, one for the worker
@@ -127,18 +89,15 @@ def test_loader_workers_yield_to_cpu_ranks_that_cannot_spare_them_a_core():
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.parametrize("low", [True, False])
 def test_low_priority_loader_workers_run_under_sched_idle(tmp_path, low):
-    from clipdist.data.pipeline import close_stream, train_stream
-    from clipdist.models import get_tokenizer
-    from helpers import image_bytes, write_tar
+    from helpers import image_bytes, train_stream, write_tar
 
     write_tar(tmp_path / "a.tar", [(f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
                                    for i in range(4) for ext in ("png", "txt")])
-    stream = train_stream([str(tmp_path / "a.tar")], 2, lambda image: torch.zeros(1), get_tokenizer(), resampled=True,
-                          split="node", shuffle_buffer=0, workers=1, rank=0, world_size=1, seed=0,
+    stream = train_stream([tmp_path / "a.tar"], 2, lambda image: torch.zeros(1), resampled=True, workers=1,
                           low_priority_workers=low)
     try:
         next(stream)
-        (worker,) = stream._workers
-        assert (os.sched_getscheduler(worker.pid) == os.SCHED_IDLE) is low
+        (worker,) = stream.worker_pids()
+        assert (os.sched_getscheduler(worker) == os.SCHED_IDLE) is low
     finally:
-        close_stream(stream)
+        stream.close()

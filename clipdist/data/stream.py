@@ -1,0 +1,284 @@
+"""This rank's training stream: endless batches, the counts a run logs, and the position that lets a
+resumed run continue sample for sample.
+
+    TrainStream        what the trainer holds: next / consumed / state_dict / load_state_dict / close
+    TrainingBatches    the IterableDataset behind it: each DataLoader worker slot plays one reader
+    start_worker       DataLoader worker_init_fn (stop signals ignored, idle priority on request)
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import signal
+import sys
+import traceback
+from typing import NamedTuple
+
+import torch
+
+from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
+from clipdist.data.images import CaptionTokens, ImageBatcher
+from clipdist.data.reader import Reader, ShardSequence
+from clipdist.data.samples import training_pair
+from clipdist.launch import STOP_SIGNALS, kill_tree
+from clipdist.parallel import all_ranks
+
+RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted after n batches is seeded seed + stride · n
+
+
+def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: bool, split: str) -> None:
+    """Epoch mode splits shards over ranks × workers: each needs at least one (a ValueError otherwise)."""
+    if not resampled and split != "replicated" and shards < world_size * max(workers, 1):
+        raise ValueError(
+            f"{shards} shard(s) for {world_size} rank(s) × {max(workers, 1)} worker(s): every worker needs "
+            "at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
+        )
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor
+    tokens: torch.Tensor
+    counts: list[int]  # this rank's [samples and shards skipped while reading it, samples of each source]
+
+
+class TrainStream:
+    """This rank's endless batches of `data` (a DataConfig: split, resampled, weights, shuffle_buffer,
+    workers, max_skips_in_a_row) and everything a checkpoint needs to continue them.
+
+    split=node: shards are dealt to ranks × workers (epoch mode: reshuffled every pass, each sample once
+    per epoch; resampled: shards drawn with replacement, by `weights` per source). split=replicated:
+    every rank streams the same samples, forms the global batch and keeps its own slice — N ranks see
+    exactly the batches one process would (N× the decoding; for checks, not for scale).
+
+    `next(stream)` gives a Batch; `consumed(counts)` says the step used it (trained on it or skipped it
+    as non-finite), with the counts summed over ranks: only then does its position count as read.
+    `state_dict` / `load_state_dict` follow the StatefulDataLoader protocol and are collectives (every
+    rank's readers are saved in one place); `load_state_dict` comes before the first `next`, which
+    starts the DataLoader. A source that gives nothing usable raises DataError instead of spinning.
+    """
+
+    def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
+                 rank: int = 0, world_size: int = 1, seed: int = 0, low_priority_workers: bool = False,
+                 start_method: str | None = None):
+        split = str(data.split)
+        if split not in ("node", "replicated"):
+            raise ValueError(f"data.split={split!r}; choose node or replicated")
+        check_shard_count(sum(map(len, sources)), world_size, data.workers, resampled=data.resampled, split=split)
+        self.sources, self.data, self.rank, self.world_size, self.seed = sources, data, rank, world_size, seed
+        self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
+        self.low_priority_workers, self.start_method = low_priority_workers, start_method
+        self.layout = {"world_size": world_size, "workers": data.workers, "split": split, "resampled": data.resampled,
+                       "seed": seed, "shuffle_buffer": data.shuffle_buffer,
+                       "weights": list(data.weights) if data.weights else None,
+                       "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest()}
+        self.skipped_samples, self.source_samples = 0, [0] * len(sources)
+        self.readers: dict[int, dict] = {}  # rank-local reader -> position after the batches consumed
+        self.batches = 0  # batches consumed
+        self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
+        self._resume = {"readers": {}, "batches": 0}
+        self._loader = None
+        self._pending: tuple[int, dict] | None = None  # the reader and position of the batch handed out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        if self._loader is None:
+            self._loader = self._start()
+        item = next(self._loader)
+        if isinstance(item, DataFailure):
+            raise DataError(f"rank {self.rank}: {item.message}")
+        images, tokens, info = item
+        self._pending = (info["reader"], info["state"].state)
+        return Batch(images, tokens, [info["skipped"], *info["sources"]])
+
+    def consumed(self, counts: list[int] | None = None) -> None:
+        """The batch last handed out was used by the step: its reader's position is now the saved one, and
+        `counts` (Batch.counts summed over ranks; this rank's own where None) are added to the totals."""
+        if self._pending is not None:
+            reader, position = self._pending
+            self.readers[reader] = position
+            self._pending = None
+        self.batches += 1
+        if counts is not None:
+            self.skipped_samples += counts[0]
+            self.source_samples = [total + count for total, count in zip(self.source_samples, counts[1:])]
+
+    def state_dict(self) -> dict:
+        """Collective: the layout, the totals, and every rank's reader positions (in rank order)."""
+        return {"layout": self.layout, "skipped_samples": self.skipped_samples,
+                "source_samples": list(self.source_samples),
+                "ranks": all_ranks({"readers": self.readers, "batches": self.batches})}
+
+    def load_state_dict(self, saved: dict | None) -> None:
+        """Continue from `saved`: sample for sample when the layout is unchanged; otherwise (another world
+        size, worker count, shard list, seed, ...) reshuffled from a seed of its own, with `restart_reason`
+        saying why. The totals carry on either way."""
+        if self._loader is not None:
+            raise RuntimeError("TrainStream.load_state_dict must come before the first batch")
+        saved = saved or {}
+        self.skipped_samples = saved.get("skipped_samples", 0)
+        totals = saved.get("source_samples") or []
+        self.source_samples = list(totals) if len(totals) == len(self.sources) else [0] * len(self.sources)
+        if saved.get("layout") == self.layout:
+            mine = saved["ranks"][self.rank]
+            self.readers, self.batches = dict(mine["readers"]), mine["batches"]
+            self._resume = {"readers": dict(mine["readers"]), "batches": mine["batches"]}
+            return
+        if "layout" not in saved:
+            reason = "the checkpoint holds no data position"
+        else:
+            changed = [key for key, value in self.layout.items() if saved["layout"].get(key) != value]
+            reason = "changed since the checkpoint: " + ", ".join(
+                f"{key} {saved['layout'].get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list"
+                for key in changed)
+        batches = max((rank["batches"] for rank in saved.get("ranks", [])), default=0)
+        self.seed += RESHUFFLE_SEED_STRIDE * batches
+        self.restart_reason = reason
+
+    def _start(self):
+        workers = self.data.workers
+        dataset = TrainingBatches(self.sources, self.batch_size, self.image_transform, self.tokenizer,
+                                  data=self.data, rank=self.rank, world_size=self.world_size, seed=self.seed,
+                                  resume=self._resume)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
+            multiprocessing_context=self.start_method if workers else None)
+        return iter(loader)
+
+    def close(self) -> None:
+        """Stop the DataLoader's workers now. They ignore SIGTERM (start_worker), so the DataLoader's own
+        shutdown could not end one blocked on a full queue at exit: they are killed — nothing they hold is
+        needed once the trainer stops — with what they started (`pipe:` commands)."""
+        loader, self._loader = self._loader, None
+        if loader is None:
+            return
+        workers = getattr(loader, "_workers", [])
+        if workers and getattr(loader, "_worker_pids_set", False):
+            # Unregister them first, or the DataLoader's SIGCHLD handler reports the kill as a worker crash.
+            torch.utils.data._utils.signal_handling._remove_worker_pids(id(loader))
+            loader._worker_pids_set = False
+        for worker in workers:
+            if worker.is_alive():
+                kill_tree(worker.pid)
+        shutdown = getattr(loader, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def worker_pids(self) -> list[int]:
+        return [worker.pid for worker in getattr(self._loader, "_workers", [])]
+
+
+def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
+    """DataLoader worker_init_fn. SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
+    `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
+    `low_priority`: SCHED_IDLE (see host.low_priority_workers; nice 19 where there is none).
+
+    A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
+    descriptors come through multiprocessing's resource sharer): the worker's sharer thread then
+    sees the connection reset and would print a traceback for a batch nobody wants any more."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if low_priority:
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.nice(19)
+    sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
+
+
+def _quiet_on_abandoned_transfer(excepthook):
+    def hook(kind, value, trace):
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+                "resource_sharer" in frame.filename for frame in traceback.extract_tb(trace)):
+            return
+        excepthook(kind, value, trace)
+    return hook
+
+
+class Position:
+    """A reader's state, opaque to the DataLoader (its default_convert would walk every list in it)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: dict):
+        self.state = state
+
+
+class TrainingBatches(torch.utils.data.IterableDataset):
+    """This rank's endless (images, tokens, info) batches; in a DataLoader each worker slot plays one
+    of the rank's readers (see reader.py), the slots rotated on resume so that batch k of the resumed
+    stream comes from the reader that would have given it.
+
+    `info`: {"reader": the rank-local reader, "state": its Position after this batch, "skipped": the
+    samples and shards skipped while reading it, "sources": samples per source in this rank's rows}.
+    Augmentation is seeded per sample (seed, reader, shard entry, sample number), so a resumed run
+    crops and flips as the uninterrupted one did, with any number of workers.
+    """
+
+    def __init__(self, sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, data, rank: int,
+                 world_size: int, seed: int, resume: dict):
+        super().__init__()
+        self.sources, self.batch_size, self.image_transform, self.tokenizer = sources, batch_size, image_transform, tokenizer
+        self.data, self.replicated = data, str(data.split) == "replicated"
+        self.workers, self.rank, self.world_size, self.seed = max(data.workers, 1), rank, world_size, seed
+        self.resume = resume
+
+    def reader(self, local: int, skips: SkipCounter, health: ShardHealth) -> Reader:
+        index, count = (local, self.workers) if self.replicated else (self.rank * self.workers + local,
+                                                                       self.world_size * self.workers)
+        sequence = ShardSequence(self.sources, self.data.weights, self.seed, index, count, self.data.resampled)
+        reader = Reader(sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
+                        name=f"rank {self.rank} worker {local}")
+        saved = self.resume["readers"].get(local)
+        if saved is not None:
+            reader.load_state_dict(saved)
+        return reader
+
+    @staticmethod
+    def _augment(images: ImageBatcher, image, key: tuple[int, ...]):
+        """The image's per-image transform steps with torch's CPU generator seeded from `key` (then put
+        back as it was). Not torch.manual_seed: it also queues a CUDA seeding with a stack trace, ~0.6 ms a call."""
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.manual_seed(hash(key) & 0xFFFF_FFFF_FFFF_FFFF)
+        try:
+            return images(image)
+        finally:
+            generator.set_state(saved)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        slot = info.id if info is not None else 0
+        local = (slot + self.resume["batches"]) % self.workers
+        skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
+        rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.replicated else slice(None)
+        size = self.batch_size * (self.world_size if self.replicated else 1)
+        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
+        try:
+            reader = self.reader(local, skips, health)
+            images, captions, sources = [], [], []
+            for sample in reader:
+                try:
+                    image, caption = training_pair(sample)
+                    image = self._augment(batcher, image,
+                                          (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
+                except DataError:
+                    raise
+                except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
+                    skips(exn)
+                    continue
+                skips.ok()
+                images.append(image)
+                captions.append(caption)
+                sources.append(sample["__source__"])
+                if len(images) == size:
+                    counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
+                    yield (batcher.stack(images[rows]), tokenize(captions[rows]),
+                           {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
+                            "sources": counts})
+                    images, captions, sources = [], [], []
+        except DataError as error:
+            yield DataFailure(str(error))

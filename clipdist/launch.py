@@ -1,0 +1,262 @@
+"""Who is who and how the ranks start: the launcher's environment (torchrun, srun, a local spawn),
+the process group, the local launcher, the stop signals a run answers with a checkpoint, and the
+killing of a process tree (loader workers, `pipe:` commands).
+
+The loss backends' collectives live in clipdist.losses.collectives, the loop's in clipdist.parallel.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+# Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
+# handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Rank, world size and local rank as the launcher set them."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _expand_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
+    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank/world from torchrun's variables, else from srun's, else one process.
+
+    Under srun (one task per device, no torchrun) MASTER_ADDR defaults to the first node
+    of the job and MASTER_PORT to a port derived from the job id, written back into
+    `os.environ` so that `init_process_group("env://")` finds them.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if environ is None:
+            os.environ.setdefault("MASTER_ADDR", _expand_first_host(env.get("SLURM_JOB_NODELIST", "localhost")))
+            os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
+    return DistEnv(0, 1, 0, "single")
+
+
+def init_process_group(env: DistEnv, backend: str | None = None, timeout_s: float = 600,
+                       rendezvous_timeout_s: float = 300, single: bool = False) -> None:
+    """Start the default process group for `env` (for a single process only if `single`: FSDP needs one).
+
+    `timeout_s` bounds every collective: a rank that dies makes the others fail after
+    `timeout_s` instead of hanging forever. Under srun (no launcher of torch's), the ranks meet
+    at rank 0's TCP store, bounded by `rendezvous_timeout_s`: a task that never starts fails
+    the others then, not after the collective timeout.
+    """
+    if dist.is_initialized() or (env.world_size == 1 and not single):
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and env.launcher == "single":  # no launcher, no rendezvous: an in-memory store
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    if env.launcher == "slurm":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                              is_master=env.rank == 0, timeout=timedelta(seconds=rendezvous_timeout_s),
+                              wait_for_workers=True)
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class StopRequested(BaseException):
+    """Raised by StopSignal.interruptible(): a stop signal came while the trainer waited for data."""
+
+
+class StopSignal:
+    """SIGTERM, SIGUSR1 (preemption, SLURM's --signal) and SIGINT (Ctrl-C) ask for a checkpoint at the
+    next step and a clean exit. A second SIGINT exits at once, without a checkpoint — if it comes a
+    second or more after the first: a launcher (torchrun) passes the terminal's Ctrl-C on to its
+    ranks, which get it from the terminal too."""
+
+    SAME_INTERRUPT_S = 1.0
+
+    def __init__(self):
+        self.received: int | None = None
+        self._waiting = False
+        self._first_interrupt: float | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is not None and now - self._first_interrupt >= self.SAME_INTERRUPT_S:
+                os.write(2, b"\nsecond interrupt: exiting now, without a checkpoint\n")
+                os._exit(130)
+            self._first_interrupt = self._first_interrupt or now
+        self.received = signum
+        if self._waiting:
+            self._waiting = False
+            raise StopRequested()
+
+    @contextmanager
+    def interruptible(self):
+        """Inside, a stop signal (or one already received) raises StopRequested at once: a loader stuck on
+        a hung source (a stalled network read, a pipe: command that never writes) cannot hold a stop up.
+        A BaseException, so no `except Exception` on the way (webdataset's handlers) swallows it."""
+        if self.received is not None:
+            raise StopRequested()
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+
+    def flag(self) -> torch.Tensor:
+        return torch.tensor(0.0 if self.received is None else 1.0)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes, recursively (Linux /proc; [] elsewhere)."""
+    found, frontier = [], [pid]
+    while frontier:
+        for task in Path(f"/proc/{frontier.pop()}/task").glob("*"):
+            try:
+                children = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            frontier += children
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything it started."""
+    for member in [*descendants(pid), pid]:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _UserError:
+    """A ClipdistError raised in a spawned rank, carried back to the launching process to be raised there."""
+
+    def __init__(self, error: Exception):
+        self.type, self.message = type(error), str(error)
+
+
+def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results):
+    from clipdist.errors import ClipdistError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.getLogger("clipdist").setLevel(logging.INFO)
+    # A real group even for one rank: that is what torchrun --nproc-per-node 1 gives.
+    dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args)
+    except ClipdistError as error:  # the same on every rank (agreed through a collective): one line, not a traceback
+        result = _UserError(error)
+    finally:
+        destroy_process_group()
+    # By value: tensors passed through a queue live in this process's shared memory, gone once it exits.
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    results.put((rank, buffer.getvalue()))
+
+
+def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[int, object]:
+    """Run `fn(*args)` on `world_size` local gloo ranks (spawned processes, torch's env:// rendezvous).
+
+    Returns {rank: return value}. `fn` must be importable (module level). A rank that fails
+    makes the others stop (5 s grace, then SIGTERM, then SIGKILL) and its error is raised here;
+    `timeout_s` bounds every collective. SIGTERM, SIGUSR1 and SIGINT sent to this process alone
+    (`timeout`, `docker stop`) are passed to the ranks (SIGINT as SIGTERM, since a terminal's
+    Ctrl-C reaches them directly too), which checkpoint and exit.
+    """
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").Queue()
+    context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results),
+                                 nprocs=world_size, join=False, start_method="spawn")
+
+    def forward(signum, _frame):
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
+    collected: dict[int, object] = {}
+    try:
+        while True:
+            done = context.join(timeout=0.2, grace_period=5)
+            try:  # drain as we go: a rank blocked on a full pipe would never exit
+                while True:
+                    rank, result = results.get_nowait()
+                    collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
+            except queue_module.Empty:
+                pass
+            if done:
+                break
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    while len(collected) < world_size:  # results put just before the last exit
+        rank, result = results.get(timeout=30)
+        collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
+    for result in collected.values():
+        if isinstance(result, _UserError):
+            raise result.type(result.message)
+    return collected

@@ -1,0 +1,148 @@
+"""How the model is spread over ranks: DDP or FSDP2 wrapping, the gradient sync the wrappers leave to
+us, and the few collectives the loop uses (the loss backends' own are in clipdist.losses.collectives)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool = False,
+               param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """What the training step calls.
+
+    ddp: the towers compiled in place (torch.compile), then DDP outermost when there is more than
+    one rank — so DDP's `no_sync` stays reachable for gradient caching.
+    fsdp: FSDP2 (`fully_shard`) on every transformer block of both towers (each compiled first),
+    then on the root, which takes the rest (embeddings, projections, logit scale and bias); the
+    model is changed in place and returned. `param_dtype` (bf16 on CUDA) is the compute dtype of
+    the gathered parameters; gradients are reduced in fp32. Gradients are averaged over ranks, as
+    DDP's are, so every loss backend's exactness argument holds unchanged.
+    """
+    if parallel == "fsdp":
+        return _fully_shard(model, compile=compile, param_dtype=param_dtype)
+    if compile:
+        model.compile()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return model
+    device = next(model.parameters()).device
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Buffers are broadcast from rank 0 before every forward (a collective and a sync per step) only when
+    # training changes them (BatchNorm statistics); CLIP towers' buffers (attention masks) are constants.
+    # Gradients live in DDP's buckets (no copy of every gradient into them and back after the all-reduce).
+    running_stats = any(isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+                        for module in model.modules())
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   forward_sync_buffers=running_stats, gradient_as_bucket_view=True)
+
+
+BLOCK_LISTS = ("resblocks", "blocks", "layers")  # open_clip transformers, timm ViTs, HF-style text towers
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of every tower (open_clip `resblocks`, timm `blocks`): FSDP's units, outermost
+    only (a block list inside a block belongs to that block's unit)."""
+    lists = [name for name, module in model.named_modules()
+             if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS]
+    outer = [name for name in lists if not any(name.startswith(other + ".") for other in lists)]
+    return [block for name in outer for block in model.get_submodule(name) if any(True for _ in block.parameters())]
+
+
+def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dtype | None) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if not dist.is_initialized():
+        raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for block in transformer_blocks(model):  # preflight (trainer.check_shardable) made sure there are some
+        if compile:
+            block.compile()
+        fully_shard(block, mp_policy=policy)
+    # fully_shard cannot shard 0-dim parameters (the logit scale and bias): they stay whole on every rank,
+    # outside FSDP, and their gradients are averaged by finish_gradient_sync after backward.
+    scalars = [param for param in model.parameters() if param.ndim == 0]
+    # The root's parameters are needed again at once by backward: keep them gathered after forward.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False, ignored_params=set(scalars))
+    model.replicated_parameters = scalars
+    for method in ("encode_image", "encode_text"):  # evaluation calls these, not forward
+        if hasattr(model, method):
+            register_fsdp_forward_method(model, method)
+    return model
+
+
+def finish_gradient_sync(model: torch.nn.Module) -> None:
+    """Average over ranks the gradients FSDP leaves to us (the 0-dim scalars it keeps whole: logit scale
+    and bias), as it averages all others. Called once after the step's last backward; nothing to do
+    under DDP, which averages every gradient itself."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    grads = [param.grad for param in getattr(model, "replicated_parameters", ()) if param.grad is not None]
+    if grads:
+        for grad, mean in zip(grads, all_reduce_mean(torch.stack(grads))):
+            grad.copy_(mean)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls it); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Backward passes inside accumulate gradients locally when not `enabled` (DDP's no_sync, FSDP's
+    set_requires_gradient_sync); the next backward with sync reduces everything accumulated."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_sharded(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean of a tensor over ranks (a copy; the input is left alone)."""
+    out = tensor.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+        out /= dist.get_world_size()
+    return out
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) without one."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_ranks(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
