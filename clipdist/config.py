@@ -143,7 +143,7 @@ class WorldConfig:
     backend: Backend = Backend.auto
     batch_per_device: int = 64
     parallel: Parallel = Parallel.ddp
-    spawn: bool = False  # started alone: launch procs_per_node local ranks with torch's elastic launcher
+    spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
     timeout_s: int = 600  # bound on every collective
     rendezvous_timeout_s: int = 300  # srun: how long ranks wait for each other at start before failing
     threads: Optional[int] = None  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,

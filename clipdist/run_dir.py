@@ -36,6 +36,11 @@ class RunLock:
             handle.close()
             raise ConfigError(f"{self.path.parent} is in use by {holder}; wait for that run to end, or start "
                               "another with name=<new name>") from None
+        except OSError as error:  # ENOSYS (Lustre without -o flock), ENOLCK (NFS without a lock manager), ...
+            handle.close()
+            raise ConfigError(f"cannot lock {self.path}: its file system does not support flock ({error.strerror}); "
+                              "put the run on one that does with run_dir=<path> (a local disk, or Lustre mounted "
+                              "with -o flock)") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

@@ -1,20 +1,22 @@
-"""Run train.py the way a user does, in a subprocess with a timeout."""
+"""Run train.py the way a user does (a subprocess with a timeout, or its own process group), build small
+shards and streams, and check refusals in this process."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1")  # no W&B, no bar, every step logged
 
 
 def train_command(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", f"data.cache_dir={cache_dir}",
-        "logging.wandb=disabled", "logging.progress=false", *overrides,
-    ]
+    return [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", f"data.cache_dir={cache_dir}", *QUIET,
+            *overrides]
 
 
 def train(run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
@@ -25,6 +27,56 @@ def train(run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300,
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def logged_steps(run_dir: Path) -> int:
+    log = Path(run_dir) / "train_log.jsonl"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+class Run:
+    """A training process in its own process group (as srun or a terminal starts one): wait for it, signal
+    it or its group, and on leaving the `with` block the whole group is killed if still running."""
+
+    def __init__(self, command: list[str], run_dir: Path, env: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.pid = self.process.pid
+
+    @classmethod
+    def train(cls, run_dir: Path, cache_dir: Path, *overrides: str, env: dict | None = None) -> "Run":
+        return cls(train_command(run_dir, cache_dir, *overrides), run_dir, env)
+
+    def wait_for(self, condition, seconds: float = 240, what: str = "the condition") -> None:
+        deadline = time.time() + seconds
+        while not condition():
+            if self.process.poll() is not None:
+                raise AssertionError(f"exited early ({self.process.returncode}): {self.process.stderr.read()[-3000:]}")
+            assert time.time() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def wait_for_steps(self, steps: int, seconds: float = 240) -> None:
+        self.wait_for(lambda: logged_steps(self.run_dir) >= steps, seconds, f"{steps} logged steps")
+
+    def signal_group(self, signum: int) -> None:
+        os.killpg(self.pid, signum)
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) once it exits by itself within `timeout`."""
+        stdout, stderr = self.process.communicate(timeout=timeout)
+        return self.process.returncode, stdout, stderr
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.communicate(timeout=60)
 
 
 def write_tar(path: Path, members) -> Path:
@@ -72,3 +124,23 @@ def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, wo
                        batch_size=batch_size, image_transform=image_transform, tokenizer=get_tokenizer(), rank=rank,
                        world_size=world_size, seed=seed, low_priority_workers=low_priority_workers,
                        start_method=start_method)
+
+
+def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
+    """Start train.py's entry point in this process and expect it to refuse before any rank starts:
+    (exit code, the non-empty lines on stderr). Starting to train fails the test instead."""
+    import pytest
+
+    from clipdist import launch, trainer
+    from clipdist.cli import train_main
+
+    def started(*_args, **_kwargs):
+        raise AssertionError(f"the start with {overrides} was not refused: it began to train")
+
+    monkeypatch.setattr(trainer, "train", started)
+    monkeypatch.setattr(launch, "launch_local", started)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    with pytest.raises(SystemExit) as stopped:
+        train_main([*overrides])
+    return stopped.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]

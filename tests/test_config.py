@@ -8,30 +8,37 @@ import time
 import pytest
 
 from clipdist.config import ConfigError, TiledLossConfig, TrainConfig, to_train_config, validate
-from helpers import train
+from helpers import refusal, train
 
 
-@pytest.mark.parametrize("override, message", [
-    ("precision=fp16", "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
-    ("world.device=tpu", "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
-    ("logging.wandb=foo", "Invalid value 'foo', expected one of [offline, online, disabled]"),
-    ("data.split=bar", "Invalid value 'bar', expected one of [node, replicated]"),
-    ("world.backend=mpi", "Invalid value 'mpi', expected one of [auto, gloo, nccl]"),
+@pytest.mark.parametrize("overrides, message", [
+    (["world=cpu2", "precision=fp16"], "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
+    (["world=cpu2", "world.device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
+    (["world=cpu2", "logging.wandb=foo"], "Invalid value 'foo', expected one of [offline, online, disabled]"),
+    (["world=cpu2", "data.split=bar"], "Invalid value 'bar', expected one of [node, replicated]"),
+    (["world=cpu2", "world.backend=mpi"], "Invalid value 'mpi', expected one of [auto, gloo, nccl]"),
+    (["optim.lrr=0.1"], "Key 'lrr' not in 'OptimConfig'"),
+    (["loss=tiled", "loss.tyle=4"], "Key 'tyle' not in 'TiledLossConfig'"),
 ])
-def test_bad_choice_under_spawned_ranks_fails_before_any_rank_starts(tmp_path, override, message):
-    started = time.monotonic()
-    result = train(tmp_path / "run", tmp_path / "cache", "world=cpu2", override, timeout=60)
-    assert result.returncode != 0
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_path, capsys, monkeypatch, overrides,
+                                                                         message):
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", *overrides)
+    assert code == 1 and any(message in line for line in lines), lines
+    assert not any("Traceback" in line for line in lines)
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
-    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
+    (["world.batch_per_device=0"], "world.batch_per_device=0: must be at least 1"),
+    (["loss.name=nope"], "unknown loss backend 'nope'"),
+    (["grad_cache.chunks=100", "world.batch_per_device=8"], "grad_cache.chunks=100 is more than world.batch_per_device=8"),
+    (["grad_cache.chunks=2", "grad_cache.micro_batch=4"], "give one of them"),
     (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
+    (["world=8gpu", "world.device=cpu", "world.backend=gloo"], "expects 8 processes (1 node(s) × 8) but this process was started alone. "
+                                         "Launch it with `torchrun --nproc-per-node 8"),
     (["world=cpu2", "data.workers=3"], "4 shard(s) for 2 rank(s) × 3 worker(s)"),
+    (["data=webdataset", "data.train_shards='{tmp}/nope/{{000..003}}.tar'"], "4 of 4 shards not found"),
     (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
     (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
     (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
@@ -39,11 +46,31 @@ def test_bad_choice_under_spawned_ranks_fails_before_any_rank_starts(tmp_path, o
     (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
     (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
 ])
-def test_config_errors_are_one_line_before_the_ranks(tmp_path, overrides, message):
-    result = train(tmp_path / "run", tmp_path / "cache", *overrides, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines == [f"error: {lines[0][len('error: '):]}"] and message in lines[0], result.stderr[-2000:]
+def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
+    overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *overrides)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_a_world_that_does_not_match_the_launcher_is_refused(tmp_path, cache_dir, capsys, monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)  # torchrun started 3 processes
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2")
+    assert code == 2 and "world=cpu2 expects 2 processes (1 node(s) × 2), but torchrun started 3" in lines[0], lines
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("overrides, code, message", [
+    (["precision=fp16"], 1, "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
+    (["world.batch_per_device=0"], 2, "error: world.batch_per_device=0: must be at least 1"),
+])
+def test_train_py_refuses_spawned_ranks_before_they_start(tmp_path, overrides, code, message):
+    """The same checks through the real entry point, under a world that spawns ranks: no rank, no traceback."""
+    started = time.monotonic()
+    result = train(tmp_path / "run", tmp_path / "cache", "world=cpu2", *overrides, timeout=60)
+    assert result.returncode == code and message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert time.monotonic() - started < 30
 
 
 def test_a_model_config_file_is_a_model_name(tmp_path):
@@ -100,3 +127,11 @@ def test_subcommand_errors_are_one_line_naming_the_argument(argv, message):
     assert result.stderr.strip().splitlines() == [f"clipdist {argv[0]}: error: {result.stderr.split('error: ', 1)[1].strip()}"]
     assert message in result.stderr
     assert time.monotonic() - started < 30  # refused before anything is measured or spawned
+
+
+def test_micro_batch_sets_the_number_of_chunks():
+    from clipdist.config import GradCacheConfig
+
+    assert GradCacheConfig(micro_batch=3).chunks_for(8) == 3
+    assert GradCacheConfig(micro_batch=8).chunks_for(8) == 1
+    assert GradCacheConfig(chunks=4).chunks_for(8) == 4

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from clipdist.data.tar_samples import descendants
-from helpers import REPO, image_bytes, read_jsonl, train, train_command, write_samples
+from clipdist.launch import descendants
+from helpers import REPO, Run, image_bytes, read_jsonl, train, train_command, write_samples
 
-QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
+pytestmark = pytest.mark.e2e
+
 
 
 def shards_with_a_bad_first_sample(folder: Path, shards: int = 4, good: int = 20) -> Path:
@@ -29,7 +30,7 @@ def shards_with_a_bad_first_sample(folder: Path, shards: int = 4, good: int = 20
 
 def webdataset(shards, *overrides):
     return ["data=webdataset", f"data.train_shards={shards}", "data.shuffle_buffer=0", "data.resampled=false",
-            *QUIET, *overrides]
+            *overrides]
 
 
 @pytest.mark.parametrize("launch", ["cpu2", "torchrun"])
@@ -71,21 +72,13 @@ def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
     run_dir, sleep = tmp_path / "run", f"sleep {1000 + os.getpid() % 9000}"  # a command line no one else runs
     command = train_command(run_dir, tmp_path / "cache", *webdataset(f"'pipe:{sleep}'", "data.workers=0"),
                             "checkpoint_every=100")
-    process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not any(sleep.replace(" ", "\0").encode() in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in descendants(process.pid)):
-            assert process.poll() is None, process.stderr.read()[-3000:]
-            assert time.time() < deadline, "the pipe: command never started"
-            time.sleep(0.1)
+    with Run(command, run_dir) as run:
+        run.wait_for(lambda: any(sleep.replace(" ", "\0").encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+                                 for pid in descendants(run.pid)), 120, "the pipe: command")
         time.sleep(1)
-        os.kill(process.pid, signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, stderr[-3000:]
+        os.kill(run.pid, signal.SIGTERM)
+        code, stdout, stderr = run.finish(timeout=60)
+    assert code == 0, stderr[-3000:]
     assert "stopped by a signal at step 0" in stdout
     assert (run_dir / "checkpoints" / "step_00000000.pt").is_file()
     assert subprocess.run(["pgrep", "-f", sleep], capture_output=True).returncode == 1  # not left behind

@@ -21,11 +21,6 @@ from helpers import read_jsonl, train
 TRAIN = ["logging.log_every=1", "eval_every=1000", "checkpoint_every=6", "optim.warmup_steps=2", "world.batch_per_device=8"]
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.mark.parametrize("world_size, local_batch, chunks", [(2, 4, 2), (3, [4, 3, 5], 1), (4, 3, 1)])
 def test_fsdp_gradients_match_single_process_for_every_backend(world_size, local_batch, chunks):
     reports = run_gradchecks(list(BACKENDS), world_size, local_batch=local_batch, chunks=chunks, parallel="fsdp")
@@ -47,6 +42,7 @@ def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
     assert per_rank["fsdp", 4] < 0.3 * per_rank["ddp", 1]
 
 
+@pytest.mark.e2e
 def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_dir):
     losses = {}
     for parallel in ("ddp", "fsdp"):
@@ -68,11 +64,6 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     assert [row["step"] for row in log] == list(range(1, 10))
     assert log[-1]["loss"] < losses["ddp"][0] - 0.1  # went on from the trained model, not from scratch
     assert (fsdp_dir / "checkpoints" / "step_00000009.dcp").is_dir()
-
-    # The DDP run's .pt checkpoint cannot be resumed under FSDP: refused before any rank starts.
-    refused = train(tmp_path / "ddp", cache_dir, "world=cpu2", "world.parallel=fsdp", "optim.max_steps=8", *TRAIN)
-    assert refused.returncode != 0
-    assert "written with world.parallel=ddp" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def _save_then_load(directory: str) -> tuple[list[str], int]:

@@ -17,6 +17,8 @@ import pytest
 
 from helpers import REPO, read_jsonl
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory):

@@ -3,24 +3,15 @@ per-step loss — through SIGTERM and kill -9, twice, with 0–2 loader workers,
 modes, 1 and 2 ranks; weighted sources mixed by weight; a changed layout restarts with a warning."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, image_bytes, read_jsonl, train, train_command, train_stream, write_samples
+from helpers import Run, image_bytes, read_jsonl, train, train_stream, write_samples
 
-QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
 STEPS = 16
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 def losses(run_dir):
@@ -31,21 +22,16 @@ def losses(run_dir):
 
 def run_until(run_dir, cache_dir, overrides, step, signum):
     """Start the run, and send `signum` to its process group once `step` steps are logged."""
-    process = subprocess.Popen(train_command(run_dir, cache_dir, *overrides), cwd=REPO, start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = run_dir / "train_log.jsonl"
-    deadline = time.time() + 240
-    while not (log.exists() and len(log.read_text().splitlines()) >= step):
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
-    os.killpg(process.pid, signum)
-    process.communicate(timeout=120)
+    with Run.train(run_dir, cache_dir, *overrides) as run:
+        run.wait_for_steps(step)
+        run.signal_group(signum)
+        run.finish()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("launch, workers, resampled", [("local", 0, False), ("local", 2, True), ("cpu2", 1, False)])
 def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, launch, workers, resampled):
-    overrides = [*QUIET, f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
+    overrides = [f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
                  "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}"]
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -58,8 +44,9 @@ def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, lau
     np.testing.assert_allclose(losses(run_dir), losses(tmp_path / "whole"), rtol=0, atol=1e-6)
 
 
+@pytest.mark.e2e
 def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir):
-    overrides = [*QUIET, "world.batch_per_device=16", "optim.max_steps=3", "eval_every=1000", "checkpoint_every=3"]
+    overrides = ["world.batch_per_device=16", "optim.max_steps=3", "eval_every=1000", "checkpoint_every=3"]
     assert train(tmp_path / "run", cache_dir, *overrides).returncode == 0
     resumed = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=5", "data.workers=1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -68,8 +55,9 @@ def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.e2e
 def test_checkpoint_every_minutes(tmp_path, cache_dir):
-    result = train(tmp_path / "run", cache_dir, *QUIET, "world.batch_per_device=8", "optim.max_steps=40",
+    result = train(tmp_path / "run", cache_dir, "world.batch_per_device=8", "optim.max_steps=40",
                    "eval_every=1000", "checkpoint_every=1000", "checkpoint_every_minutes=0.005", "keep_checkpoints=100")
     assert result.returncode == 0, result.stderr[-3000:]
     steps = sorted(int(path.stem.split("_")[1]) for path in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
@@ -129,9 +117,10 @@ def test_sources_are_mixed_by_weight(tmp_path):
     assert abs(counts[0] / 1000 - 0.75) < 0.06, counts
 
 
+@pytest.mark.e2e
 def test_a_run_logs_the_samples_of_each_source(tmp_path, cache_dir):
     a, b = two_sources(tmp_path, shards=2, per_shard=8)
-    result = train(tmp_path / "run", cache_dir, *QUIET, "data=webdataset", f"data.train_shards={a[0]}::{b[0]}",
+    result = train(tmp_path / "run", cache_dir, "data=webdataset", f"data.train_shards={a[0]}::{b[0]}",
                    "data.resampled=true", "data.weights=[1,1]", "data.workers=0", "world.batch_per_device=8",
                    "optim.max_steps=3", "eval_every=1000")
     assert result.returncode == 0, result.stderr[-3000:]

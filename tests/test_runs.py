@@ -6,35 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from helpers import REPO, read_jsonl, train, train_command
+from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, train, train_command
 
-QUIET = ["logging.wandb=disabled", "logging.progress=false", "logging.log_every=1"]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-def start_group(command: list[str], cwd: Path = REPO, env: dict | None = None) -> subprocess.Popen:
-    """A process in a process group of its own, as a shell job or a SLURM step is."""
-    return subprocess.Popen(command, cwd=cwd, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
-def wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, seconds: float = 240) -> None:
-    log = run_dir / "train_log.jsonl"
-    deadline = time.time() + seconds
-    while not (log.exists() and len(log.read_text().splitlines()) >= steps):
-        if process.poll() is not None:
-            raise AssertionError(f"exited early ({process.returncode}): {process.stderr.read()[-3000:]}")
-        assert time.time() < deadline, "timed out waiting for steps"
-        time.sleep(0.1)
+pytestmark = pytest.mark.e2e
 
 
 def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir):
@@ -66,25 +43,25 @@ def test_multirun_jobs_each_get_their_own_run(tmp_path, cache_dir):
 
 def test_second_process_on_the_same_run_is_refused_with_the_holder(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    first = start_group(train_command(run_dir, cache_dir, *QUIET, "optim.max_steps=2000", "eval_every=1000"))
-    wait_for_steps(run_dir, 2, first)
-    second = train(run_dir, cache_dir, *QUIET, "optim.max_steps=2000", "seed=1", timeout=120)
-    assert second.returncode == 2
-    assert second.stderr.strip().startswith("error: ") and len(second.stderr.strip().splitlines()) == 1
-    assert "is in use by pid" in second.stderr and str(first.pid) in second.stderr
-    assert first.poll() is None
-    os.killpg(first.pid, signal.SIGTERM)
-    _, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr[-3000:]
+    with Run.train(run_dir, cache_dir, "optim.max_steps=2000", "eval_every=1000") as first:
+        first.wait_for_steps(2)
+        second = train(run_dir, cache_dir, "optim.max_steps=2000", "seed=1", timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().startswith("error: ") and len(second.stderr.strip().splitlines()) == 1
+        assert "is in use by pid" in second.stderr and str(first.pid) in second.stderr
+        assert first.process.poll() is None
+        first.signal_group(signal.SIGTERM)
+        code, _, stderr = first.finish()
+    assert code == 0, stderr[-3000:]
     steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
     assert steps == list(range(1, len(steps) + 1))  # the first run's alone
 
 
 def test_resume_with_another_loss_is_refused_and_changes_nothing(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    assert train(run_dir, cache_dir, *QUIET, "optim.max_steps=2", "eval_every=2").returncode == 0
+    assert train(run_dir, cache_dir, "optim.max_steps=2", "eval_every=2").returncode == 0
     record = (run_dir / "hydra" / "config.yaml").read_text()
-    refused = train(run_dir, cache_dir, *QUIET, "optim.max_steps=4", "loss=siglip", timeout=120)
+    refused = train(run_dir, cache_dir, "optim.max_steps=4", "loss=siglip", timeout=120)
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "loss.name=disco" in lines[0] and "not loss.name=siglip" in lines[0] \
@@ -94,8 +71,8 @@ def test_resume_with_another_loss_is_refused_and_changes_nothing(tmp_path, cache
 
 def test_resume_with_another_world_size_warns_of_the_new_global_batch(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    assert train(run_dir, cache_dir, *QUIET, "optim.max_steps=2", "eval_every=2", "world.batch_per_device=16").returncode == 0
-    resumed = train(run_dir, cache_dir, *QUIET, "optim.max_steps=3", "eval_every=3", "world=cpu2",
+    assert train(run_dir, cache_dir, "optim.max_steps=2", "eval_every=2", "world.batch_per_device=16").returncode == 0
+    resumed = train(run_dir, cache_dir, "optim.max_steps=3", "eval_every=3", "world=cpu2",
                     "world.batch_per_device=16")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "warning: resuming" in resumed.stderr and "with global batch 32 (2 rank(s) × 16), it was 16" in resumed.stderr
@@ -117,18 +94,18 @@ def torchrun_command(run_dir, cache_dir, *overrides):
 ])
 def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, signum, launch, workers):
     run_dir = tmp_path / "run"
-    overrides = [*QUIET, "optim.max_steps=400", "eval_every=1000", "checkpoint_every=1000", f"data.workers={workers}",
+    overrides = ["optim.max_steps=400", "eval_every=1000", "checkpoint_every=1000", f"data.workers={workers}",
                  "data.resampled=true", "world.batch_per_device=16"]
     if launch == "torchrun":
         command = torchrun_command(run_dir, cache_dir, *overrides, "world=cpu2", "world.spawn=false")
     else:
         command = train_command(run_dir, cache_dir, *overrides, f"world={launch}")
-    process = start_group(command)
-    wait_for_steps(run_dir, 4, process)
-    os.killpg(process.pid, signum)
-    _, stderr = process.communicate(timeout=120)
+    with Run(command, run_dir) as run:
+        run.wait_for_steps(4)
+        run.signal_group(signum)
+        code, _, stderr = run.finish()
     if launch != "torchrun":  # torchrun's own agent exits 1 when it is signalled, after its ranks
-        assert process.returncode == 0, stderr[-3000:]
+        assert code == 0, stderr[-3000:]
     stopped = read_jsonl(run_dir / "train_log.jsonl")[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}.pt").is_file(), stderr[-3000:]
     if launch != "torchrun":  # torchrun's agent signals its ranks' whole groups itself once they have checkpointed
@@ -138,7 +115,7 @@ def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, s
 def test_second_interrupt_a_second_later_exits_at_once():
     code = """
 import os, signal, time
-from clipdist.checkpoint import StopSignal
+from clipdist.launch import StopSignal
 stop = StopSignal()
 os.kill(os.getpid(), signal.SIGINT)
 os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C passed on by a launcher: still one interrupt
@@ -157,14 +134,12 @@ print("still running")
 
 def test_kill_and_resume_logs_each_step_once(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    overrides = [*QUIET, "optim.max_steps=12", "eval_every=4", "checkpoint_every=3", "world.batch_per_device=16"]
-    process = start_group(train_command(run_dir, cache_dir, *overrides))
-    while not ((run_dir / "checkpoints" / "step_00000006.pt").exists()
-               and (run_dir / "metrics.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 8):
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
+    overrides = ["optim.max_steps=12", "eval_every=4", "checkpoint_every=3", "world.batch_per_device=16"]
+    with Run.train(run_dir, cache_dir, *overrides) as run:
+        run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000006.pt").exists()
+                     and (run_dir / "metrics.jsonl").exists() and logged_steps(run_dir) >= 8)
+        run.signal_group(signal.SIGKILL)
+        run.finish(timeout=30)
     killed = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
     assert killed[-1] > 6
 
@@ -188,7 +163,7 @@ def small_disk(tmp_path):
 
 def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir):
     run_dir = small_disk / "run"
-    result = train(run_dir, cache_dir, *QUIET, "optim.max_steps=3", "checkpoint_every=2", "eval_every=1000",
+    result = train(run_dir, cache_dir, "optim.max_steps=3", "checkpoint_every=2", "eval_every=1000",
                    timeout=120)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
@@ -197,8 +172,24 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     assert "Traceback" not in result.stderr
     assert not list((run_dir / "checkpoints").glob(".*partial"))
 
-    goes_on = train(small_disk / "run2", cache_dir, *QUIET, "optim.max_steps=3", "checkpoint_every=2",
+    goes_on = train(small_disk / "run2", cache_dir, "optim.max_steps=3", "checkpoint_every=2",
                     "eval_every=1000", "on_checkpoint_error=warn", timeout=120)
     assert goes_on.returncode == 0, goes_on.stderr[-3000:]
     assert goes_on.stderr.count("No space left on device") == 2  # steps 2 and 3 tried, warned, went on
     assert [row["step"] for row in read_jsonl(small_disk / "run2" / "train_log.jsonl")] == [1, 2, 3]
+
+
+def test_a_file_system_without_flock_is_one_line_saying_where_to_run(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from clipdist.errors import ConfigError
+    from clipdist.run_dir import RunLock
+
+    def no_flock(*_):  # what Lustre mounted without -o flock answers
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(ConfigError, match=r"does not support flock \(Function not implemented\); put the run on one "
+                                          r"that does with run_dir="):
+        RunLock(tmp_path / "run").acquire()

@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 
 from clipdist.launch import free_port
-from helpers import REPO, read_jsonl
+from helpers import QUIET, REPO, read_jsonl
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo")
-SMALL = ["world=slurm_cpu", "logging.wandb=disabled", "logging.progress=false", "logging.log_every=1",
-         "world.batch_per_device=16"]
+SMALL = ["world=slurm_cpu", *QUIET, "world.batch_per_device=16"]
 
 
 class LocalSlurm:
@@ -165,11 +164,6 @@ def cluster(tmp_path_factory):
         pytest.skip(f"SLURM could not be started here: {error}")
     yield slurm
     slurm.stop()
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 SBATCH_CPU = ["--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--time=10"]

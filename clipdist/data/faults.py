@@ -3,7 +3,7 @@ error, when a source gives nothing but failures.
 
 Everything here lives in the process that reads (a DataLoader worker under fork, spawn or
 forkserver, or the main process); nothing is shared between processes. Counts travel with
-the batches (see pipeline._AttachSkips) and are summed over ranks by the trainer.
+the batches (stream.Batch.counts) and are summed over ranks by the step's agreement.
 """
 from __future__ import annotations
 
