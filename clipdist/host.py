@@ -76,5 +76,6 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt's parameter numbers (malloc.h)
+    largest_heap_block, kept_before_trim = 1 << 30, (1 << 31) - 1
+    return bool(mallopt(m_mmap_threshold, largest_heap_block)) and bool(mallopt(m_trim_threshold, kept_before_trim))

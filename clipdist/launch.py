@@ -26,6 +26,9 @@ import torch.distributed as dist
 # Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
 # handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Under srun, rank 0's store listens on a port of this range picked by the job id: two jobs sharing a first
+# node get different ports, and no ephemeral port (32768 and up on Linux) is taken.
+SRUN_PORTS = range(20000, 32768)
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,14 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         if environ is None:
             os.environ.setdefault("MASTER_ADDR", _expand_first_host(env.get("SLURM_JOB_NODELIST", "localhost")))
-            os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+            job = int(env.get("SLURM_JOB_ID", "0"))
+            os.environ.setdefault("MASTER_PORT", str(SRUN_PORTS.start + job % len(SRUN_PORTS)))
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
     return DistEnv(0, 1, 0, "single")
 
 
-def init_process_group(env: DistEnv, backend: str | None = None, timeout_s: float = 600,
-                       rendezvous_timeout_s: float = 300, single: bool = False) -> None:
+def init_process_group(env: DistEnv, *, timeout_s: float, rendezvous_timeout_s: float, backend: str | None = None,
+                       single: bool = False) -> None:
     """Start the default process group for `env` (for a single process only if `single`: FSDP needs one).
 
     `timeout_s` bounds every collective: a rank that dies makes the others fail after
