@@ -152,9 +152,6 @@ class StopSignal:
         finally:
             self._waiting = False
 
-    def flag(self) -> torch.Tensor:
-        return torch.tensor(0.0 if self.received is None else 1.0)
-
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)

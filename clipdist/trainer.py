@@ -233,7 +233,7 @@ class Trainer:
         # gathered in bf16 on CUDA where autocast computes in bf16 (gradients are reduced in fp32).
         gathered_dtype = torch.bfloat16 if device.type == "cuda" and uses_bf16(cfg.precision, device) else None
         self.train_model = parallel.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
-                                                  param_dtype=gathered_dtype)
+                                               param_dtype=gathered_dtype)
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
         self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
@@ -266,10 +266,6 @@ class Trainer:
         self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")
-
-    def checkpoint(self) -> None:
-        """Collective: the checkpoint of the state after the last step (the stream's position included)."""
-        self.checkpointer.save(self.state)
 
     def say(self, message: str) -> None:
         """A line on the console from rank 0 (through tqdm, so the progress bar stays intact)."""
@@ -304,7 +300,7 @@ class Trainer:
                 with record_function("agree"):
                     agreed = StepAgreement.reach(loss, checkpointer.requests(), batch.counts, self.device)
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
-                    self.checkpoint()
+                    checkpointer.save(state)
                     self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
@@ -313,7 +309,7 @@ class Trainer:
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
                     if bad_steps >= cfg.max_nonfinite_steps:
-                        self.checkpoint()
+                        checkpointer.save(state)
                         raise TrainingDiverged(
                             f"{bad_steps} non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
                             f"the last good state (step {state.step}) is saved in {checkpointer.directory}. Lower "
@@ -324,7 +320,7 @@ class Trainer:
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
                 if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
-                    self.checkpoint()
+                    checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
         finally:
