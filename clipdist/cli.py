@@ -1,10 +1,11 @@
-"""`clipdist` command line: train, gradcheck, plan, bench loss, make-shards."""
+"""`clipdist` command line: train, gradcheck, plan, bench loss, make-shards, export."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 
 
@@ -93,6 +94,15 @@ def _make_shards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from clipdist.tools.export import export
+
+    checkpoint = export(args.source, args.out, overwrite=args.overwrite)
+    print(f"exported {checkpoint} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
+          f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''")
+    return 0
+
+
 def _human(nbytes: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(nbytes) >= size:
@@ -155,6 +165,22 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _created_by_hydra(run_dir: str) -> bool:
+    """Whether the run directory holds nothing but what Hydra made as it started (an empty train.log)."""
+    entries = list(os.scandir(run_dir)) if os.path.isdir(run_dir) else []
+    return all(entry.name == "train.log" and entry.stat().st_size == 0 for entry in entries)
+
+
+def _remove_run_dir(run_dir: str) -> None:
+    """Remove a run directory that a refused start made, with Hydra's log file handler into it."""
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", [])):
+            if isinstance(handler, logging.FileHandler) and handler.baseFilename.startswith(os.path.abspath(run_dir)):
+                logger.removeHandler(handler)
+                handler.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _run_composed(cfg) -> None:
     """Hydra's task: the composed config → clipdist.trainer.run in Hydra's output directory, which is
     the run directory; a ClipdistError is one line on stderr (HYDRA_FULL_ERROR=1 for the traceback)."""
@@ -168,6 +194,7 @@ def _run_composed(cfg) -> None:
     logging.getLogger("clipdist").setLevel(logging.INFO)
     hydra = HydraConfig.get()
     run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
+    created = _created_by_hydra(run_dir)
     with open_dict(cfg):
         if OmegaConf.is_interpolation(cfg, "name"):
             multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
@@ -177,6 +204,8 @@ def _run_composed(cfg) -> None:
     try:
         run(cfg, overrides=list(hydra.overrides.task))
     except ClipdistError as error:
+        if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
+            _remove_run_dir(run_dir)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {error}", file=sys.stderr)
@@ -276,6 +305,17 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out folder (as a whole, once the new shards are written)")
     shards.set_defaults(run=_make_shards)
+
+    exporter = commands.add_parser(
+        "export",
+        help="a trained model as open_clip loads it (local-dir: folder), for clip_benchmark or sharing",
+        description="Write a run's model (its newest checkpoint, or a given .pt file or .dcp folder) as a folder in "
+        "open_clip's hub layout: open_clip_config.json + open_clip_model.safetensors, the weights alone.",
+    )
+    exporter.add_argument("source", help="a run directory, a step_XXXXXXXX.pt checkpoint or a step_XXXXXXXX.dcp folder")
+    exporter.add_argument("--out", required=True, help="output folder (open_clip: 'local-dir:<out>')")
+    exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    exporter.set_defaults(run=_export)
     return parser
 
 

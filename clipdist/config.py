@@ -74,7 +74,7 @@ class WandbMode(Choice):
 @dataclass
 class ModelConfig:
     name: str = "clipdist-tiny"  # any open_clip model config; random init
-    checkpoint: Optional[str] = None  # local open_clip checkpoint file to start from
+    checkpoint: Optional[str] = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
     grad_checkpointing: bool = False
     compile: bool = False  # torch.compile the towers (before DDP wraps them)
 

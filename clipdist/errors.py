@@ -14,4 +14,4 @@ class CheckpointError(ClipdistError, RuntimeError):
 
 
 class TrainingDiverged(ClipdistError, RuntimeError):
-    """Too many non-finite losses in a row; the last good state has been checkpointed."""
+    """Too many non-finite losses in a row: the run stops without saving and says where to go on from."""

@@ -69,7 +69,7 @@ def create_model(
 
     `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny) or a config file
     (see resolve_model_name).
-    `checkpoint` loads weights from a local open_clip checkpoint file. `init_logit_scale` is
+    `checkpoint` loads weights from a local file or folder (see read_weights). `init_logit_scale` is
     the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP).
     """
     name = resolve_model_name(name)
@@ -81,12 +81,86 @@ def create_model(
     with _random_init_is_intended():
         model = open_clip.create_model(name, pretrained=None, pretrained_image=False, pretrained_text=False, **kwargs)
     if checkpoint is not None:
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"model.checkpoint={checkpoint!r} does not exist")
-        open_clip.load_checkpoint(model, checkpoint)
+        model.load_state_dict(weights_for(model, read_weights(checkpoint), checkpoint))
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights in `path`, whichever way they were saved: an open_clip checkpoint file (a state dict,
+    or {"state_dict": ...}, .pt/.bin/.safetensors), a folder in open_clip's hub layout (`clipdist export`,
+    `local-dir:`), or a clipdist run checkpoint (its model alone: a step_*.pt file or a .dcp folder).
+    A ValueError says what is wrong with a path that holds none of these."""
+    from clipdist.tools.export import find_checkpoint, read_run_checkpoint
+
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / "checkpoints").is_dir() and path.suffix != ".dcp":
+        found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+        if not found:
+            raise ValueError(f"{path} holds no weights (*.safetensors, *.bin, *.pt)")
+        path = found[0]
+    elif path.is_dir():
+        return read_run_checkpoint(find_checkpoint(path))[0]
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file or folder")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 -- not weights alone: a clipdist run checkpoint (RNG, data state) is tried next
+        saved = None
+    if saved is None:
+        try:
+            return read_run_checkpoint(path)[0]
+        except Exception as error:  # noqa: BLE001 -- whatever reading raised is the reason
+            raise ValueError(f"{path} holds no model weights that can be read ({type(error).__name__}: {error})") \
+                from None
+    if isinstance(saved, dict) and isinstance(saved.get("state_dict"), dict):
+        saved = saved["state_dict"]
+    if not isinstance(saved, dict) or not all(isinstance(value, torch.Tensor) for value in saved.values()):
+        raise ValueError(f"{path} holds no state dict of tensors")
+    return {key.removeprefix("module."): value for key, value in saved.items()}
+
+
+def weights_for(model: torch.nn.Module, weights: dict[str, torch.Tensor], source) -> dict[str, torch.Tensor]:
+    """`weights` as `model` loads them strictly, or a ValueError naming the first tensor that does not fit.
+    A model built for a loss with a logit bias (SigLIP) keeps its initial bias where the file has none; a file's
+    bias is left out for a model without one (the softmax loss has no bias)."""
+    weights = dict(weights)
+    expected = model.state_dict()
+    if "logit_bias" in expected and "logit_bias" not in weights:
+        weights["logit_bias"] = expected["logit_bias"].detach().clone()
+    if "logit_bias" not in expected:
+        weights.pop("logit_bias", None)
+    for key in ("logit_scale", "logit_bias"):  # 0-dim here, shape (1,) in some files
+        if key in weights and key in expected and weights[key].numel() == 1:
+            weights[key] = weights[key].reshape(expected[key].shape)
+    missing = [key for key in expected if key not in weights]
+    unexpected = [key for key in weights if key not in expected]
+    wrong = [key for key in expected if key in weights and weights[key].shape != expected[key].shape]
+    if wrong:
+        key = wrong[0]
+        raise ValueError(f"{source} does not fit the model: {key} is {tuple(weights[key].shape)} there, "
+                         f"{tuple(expected[key].shape)} here ({len(wrong)} tensor(s) of another shape)")
+    if missing or unexpected:
+        first = f"{missing[0]} is missing" if missing else f"{unexpected[0]} is not in the model"
+        raise ValueError(f"{source} does not fit the model: {first} ({len(missing)} missing, "
+                         f"{len(unexpected)} unexpected)")
+    return weights
+
+
+def check_checkpoint(name: str, path: str, loss_fn, init_logit_bias: float | None = None) -> None:
+    """Before any rank starts: model.checkpoint can be read and fits model `name` built for `loss_fn` (on the meta
+    device: shapes only, no memory); a ValueError names the key and the first tensor that does not fit."""
+    try:
+        weights = read_weights(path)
+    except ValueError as error:
+        raise ValueError(f"model.checkpoint: {error}") from None
+    model = create_model_for_loss(name, loss_fn, init_logit_bias=init_logit_bias, device="meta")
+    weights_for(model, weights, f"model.checkpoint={path}")
 
 
 def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = None,

@@ -2,8 +2,42 @@
 from __future__ import annotations
 
 import json
+import netrc
+import os
+import socket
 import uuid
 from pathlib import Path
+from urllib.parse import urlparse
+
+DEFAULT_WANDB_URL = "https://api.wandb.ai"
+REACH_TIMEOUT_S = 10
+
+
+def check_wandb_online(environ=None) -> None:
+    """Before any rank starts, for logging.wandb=online: an API key (WANDB_API_KEY, or `wandb login`'s
+    ~/.netrc entry) and a W&B server this machine can reach within REACH_TIMEOUT_S — else a ValueError in one
+    line that says how to log offline. wandb itself would prompt for a key on a terminal (forever, under SLURM)
+    or retry an unreachable server for minutes."""
+    env = os.environ if environ is None else environ
+    url = env.get("WANDB_BASE_URL", DEFAULT_WANDB_URL)
+    host = urlparse(url).hostname or url
+    offline = ("log offline with logging.wandb=offline and upload later with `wandb sync runs/<name>/wandb/offline-run-*`, "
+               "or turn W&B off with logging.wandb=disabled")
+    if not env.get("WANDB_API_KEY") and not _netrc_key(host, env):
+        raise ValueError(f"logging.wandb=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): {offline}")
+    port = urlparse(url).port or (80 if url.startswith("http://") else 443)
+    try:
+        socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"logging.wandb=online but {url} cannot be reached from here ({reason}): {offline}") from None
+
+
+def _netrc_key(host: str, env) -> bool:
+    try:
+        return netrc.netrc(env.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 class RunTracker:
     """Logs on the main rank only; every other rank gets a tracker that does nothing."""
@@ -20,7 +54,7 @@ class RunTracker:
             id_file.write_text(run_id)
             self.run = wandb.init(
                 mode=str(mode), project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config,
-                settings=wandb.Settings(silent=True, console="off"),
+                settings=wandb.Settings(silent=True, console="off", init_timeout=120),
             )
 
     def log_train(self, stats: dict, step: int) -> None:

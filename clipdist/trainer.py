@@ -30,10 +30,11 @@ from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
-from clipdist.models import create_model, create_model_for_loss, get_tokenizer, resolve_model_name
+from clipdist.models import (check_checkpoint, create_model, create_model_for_loss, get_tokenizer,
+                             resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
-from clipdist.tracking import RunTracker, StepProfiler
+from clipdist.tracking import RunTracker, StepProfiler, check_wandb_online
 
 log = logging.getLogger("clipdist")
 
@@ -63,10 +64,14 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     world = cfg.world
     launched_alone = env.launcher == "single" and world.world_size > 1
     if launched_alone and not world.spawn:
+        torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
+        if world.nodes > 1:
+            torchrun = (f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
+                        "--rdzv-endpoint <first node>:29500")
         raise ConfigError(
             f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
             f"{world.procs_per_node}) but this process was started alone. Launch it with "
-            f"`torchrun --nproc-per-node {world.procs_per_node} train.py world={world.name}` or srun "
+            f"`{torchrun} train.py world={world.name}`{' on every node' if world.nodes > 1 else ''} or srun "
             "(see slurm/), or pick world=local / cpu2 / cpu4"
         )
     if not launched_alone and env.world_size != world.world_size:
@@ -81,6 +86,9 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     Checkpointer.check_resume(cfg, world.world_size)
     try:
         resolve_model_name(cfg.model.name)
+        if cfg.model.checkpoint is not None:
+            check_checkpoint(cfg.model.name, cfg.model.checkpoint, build_loss(cfg.loss.name, **cfg.loss.options()),
+                             cfg.loss.init_logit_bias)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if world.parallel == "fsdp":
@@ -93,6 +101,11 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         raise ConfigError(str(error)) from None
     for evalset in shards.evals:
         check_eval_set(evalset)
+    if cfg.logging.wandb == "online" and env.is_main:
+        try:
+            check_wandb_online()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     return shards
 
 
@@ -281,6 +294,7 @@ class Trainer:
         metrics, bad_steps, skipped_steps = None, 0, 0
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
+        self.say(f"run directory: {self.run_dir}")
         if stream.restart_reason:
             self.say(f"warning: the data stream cannot continue sample for sample ({stream.restart_reason}); it "
                      f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
@@ -309,11 +323,7 @@ class Trainer:
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
                     if bad_steps >= cfg.max_nonfinite_steps:
-                        checkpointer.save(state)
-                        raise TrainingDiverged(
-                            f"{bad_steps} non-finite losses in a row (max_nonfinite_steps={cfg.max_nonfinite_steps}); "
-                            f"the last good state (step {state.step}) is saved in {checkpointer.directory}. Lower "
-                            "optim.lr, check the data, or raise max_nonfinite_steps")
+                        raise TrainingDiverged(self.divergence(bad_steps))
                     continue
                 bad_steps = 0
                 grad_norm = self.optimize(loss)
@@ -324,12 +334,26 @@ class Trainer:
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
         finally:
+            self.say(f"run directory: {self.run_dir} (step {state.step})")
             profiler.stop()
             stream.close()
             checkpointer.close()
             self.progress.close()
             self.tracker.finish()
         return metrics
+
+    def divergence(self, bad_steps: int) -> str:
+        """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them
+        may be the cause, and no finite loss vouches for the newest state (its weights can already be huge)."""
+        cfg, newest = self.cfg, self.checkpointer.files.checkpoints()
+        stopped = (f"{bad_steps} non-finite losses in a row after step {self.state.step} (max_nonfinite_steps="
+                   f"{cfg.max_nonfinite_steps}); stopped without saving, since these weights may be the cause")
+        lower = f"optim.lr={cfg.optim.lr / 10:g}"
+        if not newest:
+            return f"{stopped}. Start again with a lower learning rate ({lower}), or check the data"
+        return (f"{stopped}. Go on from the newest checkpoint in a new run with a lower learning rate: python train.py "
+                f"name=<new name> resume={newest[0]} {lower} (and your other overrides); if it fails the same way, "
+                f"resume from an older one in {self.checkpointer.directory} or start again")
 
     def next_batch(self) -> Batch:
         """This rank's next batch. A stop signal while waiting gives zeros of the batch's shape instead: the

@@ -37,6 +37,9 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_pat
     (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
     (["world=8gpu", "world.device=cpu", "world.backend=gloo"], "expects 8 processes (1 node(s) × 8) but this process was started alone. "
                                          "Launch it with `torchrun --nproc-per-node 8"),
+    (["world=64gpu", "world.device=cpu", "world.backend=gloo"], "Launch it with `torchrun --nnodes 8 --nproc-per-node 8 "
+                                                                "--rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
+                                                                "train.py world=64gpu` on every node"),
     (["world=cpu2", "data.workers=3"], "4 shard(s) for 2 rank(s) × 3 worker(s)"),
     (["data=webdataset", "data.train_shards='{tmp}/nope/{{000..003}}.tar'"], "4 of 4 shards not found"),
     (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
@@ -135,3 +138,26 @@ def test_micro_batch_sets_the_number_of_chunks():
     assert GradCacheConfig(micro_batch=3).chunks_for(8) == 3
     assert GradCacheConfig(micro_batch=8).chunks_for(8) == 1
     assert GradCacheConfig(chunks=4).chunks_for(8) == 4
+
+
+@pytest.mark.parametrize("key, message", [
+    (None, "logging.wandb=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): log offline with "
+           "logging.wandb=offline and upload later with `wandb sync"),
+    ("0123456789abcdef", "logging.wandb=online but http://127.0.0.1:{port} cannot be reached from here (Connection "
+                         "refused): log offline with logging.wandb=offline"),
+])
+def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch,
+                                                                            key, message):
+    from clipdist.launch import free_port
+
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` entry
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    if key:
+        monkeypatch.setenv("WANDB_API_KEY", key)
+    started = time.monotonic()
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          "logging=online")
+    assert code == 2 and len(lines) == 1 and message.format(port=port) in lines[0], lines
+    assert time.monotonic() - started < 30 and not (tmp_path / "run").exists()

@@ -69,7 +69,7 @@ def test_killed_rank_tears_the_job_down_and_resume_restarts(tmp_path, cache_dir)
     assert (run_dir / "checkpoints" / "step_00000005.pt").exists()  # nothing before it lost
 
 
-def test_non_finite_losses_stop_the_run_with_a_checkpoint(tmp_path, cache_dir):
+def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_dir):
     from clipdist.models import create_model
 
     model = create_model()
@@ -78,10 +78,12 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(tmp_path, cache_dir):
     torch.save({"state_dict": model.state_dict()}, tmp_path / "nan.pt")
     result = train(tmp_path / "run", cache_dir, f"model.checkpoint={tmp_path / 'nan.pt'}", "max_nonfinite_steps=3",
                    "optim.max_steps=50", timeout=120)
-    assert result.returncode != 0
-    assert "3 non-finite losses in a row" in result.stderr
+    assert result.returncode == 1
     assert result.stdout.count("non-finite loss, step skipped") == 3
-    assert (tmp_path / "run" / "checkpoints" / "step_00000000.pt").is_file()
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: 3 non-finite losses in a row after step 0") and "stopped without saving" in error
+    assert "Start again with a lower learning rate (optim.lr=0.0002)" in error  # no checkpoint to go on from
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_two_processes_started_like_srun_train(tmp_path, cache_dir):

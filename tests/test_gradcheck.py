@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -72,24 +70,17 @@ def test_classify_labels():
     assert classify(torch.tensor([1.0, 0.0, 3.0], dtype=torch.float64), reference, 4, 1e-9)[2] == "wrong"
 
 
-def test_cli_json_and_exit_codes():
-    good = subprocess.run(
-        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--backend", "gather_layer", "--world", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert good.returncode == 0, good.stderr
-    report = json.loads(good.stdout)
+def test_cli_json_and_exit_codes(capsys):
+    from clipdist.cli import main
+
+    assert main(["gradcheck", "--backend", "gather_layer", "--world", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["backend"] == "gather_layer" and report["world_size"] == 2 and report["exact"] is True
     assert report["max_rel_err"] < 1e-9
 
-    bad = subprocess.run(
-        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--loss", "clipdist.tools.wrong_losses:rank_slice_gather", "--world", "2"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert bad.returncode == 1
-    assert "NOT EXACT" in bad.stdout and "1/N" in bad.stdout
+    assert main(["gradcheck", "--loss", "clipdist.tools.wrong_losses:rank_slice_gather", "--world", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT EXACT" in out and "1/N" in out
 
-    unknown = subprocess.run(
-        [sys.executable, "-m", "clipdist.cli", "gradcheck", "--backend", "nope"], capture_output=True, text=True, timeout=60
-    )
-    assert unknown.returncode == 2 and "unknown loss backend 'nope'" in unknown.stderr
+    assert main(["gradcheck", "--backend", "nope"]) == 2
+    assert "unknown loss backend 'nope'" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""`clipdist export`: a trained model as open_clip loads it, with no clipdist installed.
+
+The output is a folder in open_clip's hub layout — `open_clip_config.json` ({"model_cfg", "preprocess_cfg"})
+beside `open_clip_model.safetensors` (the weights alone) — which open_clip 3.x opens as
+`create_model_and_transforms("local-dir:PATH")`, clip_benchmark as `--model local-dir:PATH`, and which can be
+uploaded to a hub as it is. The source is a run directory (its newest checkpoint), a `.pt` checkpoint, or a
+sharded `.dcp` folder (FSDP runs).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "open_clip_config.json"
+WEIGHTS_FILE = "open_clip_model.safetensors"
+
+
+def find_checkpoint(source: str | Path) -> Path:
+    """The checkpoint `source` names: itself (.pt file, .dcp folder), or a run directory's newest."""
+    from clipdist.checkpoint import UNSHARDED, CheckpointFiles
+
+    path = Path(source).expanduser()
+    if path.is_file() or (path / UNSHARDED).is_file():
+        return path
+    if path.is_dir():
+        found = CheckpointFiles(path).checkpoints()
+        if found:
+            return found[0]
+        raise FileNotFoundError(f"{path} holds no checkpoint (looked for {path / 'checkpoints'}/step_*.pt or .dcp)")
+    raise FileNotFoundError(f"{path}: no such run directory, checkpoint file or .dcp folder")
+
+
+def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the model's weights, the run's resolved config) of a clipdist checkpoint; a .dcp folder's shards are
+    gathered into one state dict on this process (no process group needed)."""
+    from clipdist.checkpoint import UNSHARDED, load
+
+    if path.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            whole = Path(scratch) / "whole.pt"
+            dcp_to_torch_save(str(path), str(whole))
+            weights = torch.load(whole, map_location="cpu", weights_only=True)["model"]
+        return weights, load(path)["config"] if (path / UNSHARDED).is_file() else {}
+    saved = load(path)
+    if "model" not in saved or "config" not in saved:
+        raise ValueError(f"{path} is not a clipdist checkpoint (no model and config in it)")
+    return saved["model"], saved["config"]
+
+
+def open_clip_config(model_name: str, weights: dict[str, torch.Tensor]) -> dict:
+    """open_clip's {"model_cfg", "preprocess_cfg"} for `model_name` (a name or config file clipdist knows); a
+    logit bias in the weights (SigLIP) goes into model_cfg, so open_clip builds the model with one."""
+    import open_clip
+
+    from clipdist.models import create_model, resolve_model_name
+
+    name = resolve_model_name(model_name)
+    model_cfg = dict(open_clip.get_model_config(name))
+    if "logit_bias" in weights:
+        model_cfg["init_logit_bias"] = float(weights["logit_bias"])
+    preprocess = create_model(name, device="meta").visual.preprocess_cfg
+    return {"model_cfg": model_cfg, "preprocess_cfg": {key: list(value) if isinstance(value, tuple) else value
+                                                       for key, value in preprocess.items()}}
+
+
+def export(source: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write `source`'s model to the folder `out` (see the module docstring); the checkpoint it came from.
+    The folder appears whole or not at all (written beside it, then renamed)."""
+    from safetensors.torch import save_file
+
+    checkpoint = find_checkpoint(source)
+    weights, config = read_run_checkpoint(checkpoint)
+    model_name = config.get("model", {}).get("name")
+    if not model_name:
+        raise ValueError(f"{checkpoint} does not say which model it holds (no model.name in its config)")
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} already exists and is not empty; give another --out, or --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (staging / CONFIG_FILE).write_text(json.dumps(open_clip_config(model_name, weights), indent=2) + "\n")
+        save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(staging / WEIGHTS_FILE),
+                  metadata={"format": "pt", "source": str(checkpoint)})
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in (staging, *staging.iterdir()):  # mkdtemp made them private: as any new file would be
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return checkpoint

@@ -1,0 +1,186 @@
+"""A trained model leaves clipdist: `clipdist export` writes what open_clip loads without clipdist (same image
+and text features), and clip_benchmark — the tool people evaluate with — scores it as clipdist's own zero-shot does."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+from clipdist.cli import main as cli
+from helpers import train, write_samples
+
+pytestmark = pytest.mark.e2e
+
+# Run in a fresh interpreter where clipdist cannot be imported: only open_clip reads the export.
+OPEN_CLIP_ALONE = """
+import sys
+sys.modules["clipdist"] = None
+import open_clip, torch
+model, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + sys.argv[1])
+tokenizer = open_clip.get_tokenizer("local-dir:" + sys.argv[1])
+inputs = torch.load(sys.argv[2])
+model.eval()
+with torch.no_grad():
+    features = {"image": model.encode_image(inputs["images"]), "text": model.encode_text(tokenizer(inputs["captions"]))}
+torch.save({**features, "image_size": list(preprocess.transforms[1].size)}, sys.argv[3])
+"""
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    result = train(run_dir, cache_dir, "optim.max_steps=30", "eval_every=30", "checkpoint_every=30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path, capsys):
+    from clipdist.checkpoint import load
+    from clipdist.models import create_model, get_tokenizer
+
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
+    assert "exported" in capsys.readouterr().out
+    assert sorted(path.name for path in (tmp_path / "model").iterdir()) == ["open_clip_config.json",
+                                                                           "open_clip_model.safetensors"]
+    ours = create_model("clipdist-tiny")
+    ours.load_state_dict(load(trained_run / "checkpoints" / "step_00000030.pt")["model"])
+    ours.eval()
+    images, captions = torch.randn(3, 3, 32, 32), ["a photo of a 3.", "a drawing of a 7.", "a seven"]
+    torch.save({"images": images, "captions": captions}, tmp_path / "inputs.pt")
+    result = subprocess.run([sys.executable, "-c", OPEN_CLIP_ALONE, str(tmp_path / "model"), str(tmp_path / "inputs.pt"),
+                             str(tmp_path / "features.pt")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = torch.load(tmp_path / "features.pt")
+    with torch.no_grad():
+        assert torch.equal(theirs["image"], ours.encode_image(images))
+        assert torch.equal(theirs["text"], ours.encode_text(get_tokenizer("clipdist-tiny")(captions)))
+    assert theirs["image_size"] == [32, 32]
+
+
+def test_export_refuses_to_overwrite_and_names_a_missing_source(trained_run, tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "taken")]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+    assert (tmp_path / "taken" / "x").read_text() == "mine"
+    assert cli(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
+    assert "no such run directory, checkpoint file or .dcp folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# clip_benchmark's own CLI, with one shim: its `accuracy` turns a 1-element array into a float, which NumPy 2.4
+# refuses (the same sum, read with .item()).
+CLIP_BENCHMARK = """
+import sys
+import clip_benchmark.metrics.zeroshot_classification as zeroshot
+def accuracy(output, target, topk=(1,)):
+    pred = output.topk(max(topk), 1, True, True)[1].t()
+    correct = pred.eq(target.view(1, -1).expand_as(pred))
+    return [correct[:k].reshape(-1).float().sum().item() / len(target) for k in topk]
+zeroshot.accuracy = accuracy
+from clip_benchmark.cli import main
+sys.argv = ["clip_benchmark", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def clip_benchmark_set(root, val_shard, classnames, templates):
+    """clip_benchmark's webdataset layout (test/0.tar with .png + .cls, class names, templates) from a
+    shard of digits (.png + .json labels)."""
+    (root / "test").mkdir(parents=True)
+    with tarfile.open(val_shard) as source:
+        members = {member.name: source.extractfile(member).read() for member in source.getmembers()}
+    samples = []
+    for name, data in members.items():
+        key, extension = name.rsplit(".", 1)
+        if extension == "png":
+            samples.append({"__key__": key, "png": data, "cls": str(json.loads(members[f"{key}.json"])["label"]).encode()})
+    write_samples(root / "test" / "0.tar", samples)
+    (root / "test" / "nshards.txt").write_text("1\n")
+    (root / "classnames.txt").write_text("\n".join(classnames) + "\n")
+    (root / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n")
+    return root
+
+
+def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path, cache_dir):
+    pytest.importorskip("clip_benchmark")
+    from clipdist.checkpoint import load
+    from clipdist.config import DataConfig
+    from clipdist.data.builtin import builtin_shards, classnames_of
+    from clipdist.data.sources import eval_set, expand_shards
+    from clipdist.evaluate import evaluate
+    from clipdist.models import create_model, get_tokenizer
+
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
+    templates = ["a photo of the number {c}.", "a drawing of a {c}."]
+    root = clip_benchmark_set(tmp_path / "wds_digits", expand_shards(builtin_shards("digits", str(cache_dir))[1])[0],
+                              classnames_of("digits"), templates)
+    result = subprocess.run(
+        [sys.executable, "-c", CLIP_BENCHMARK, "eval", "--dataset", "wds/digits", "--dataset_root", str(root),
+         "--task", "zeroshot_classification", "--model", f"local-dir:{tmp_path / 'model'}", "--pretrained", "",
+         "--no_amp", "--num_workers", "0", "--batch_size", "64", "--output", str(tmp_path / "result.json")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = json.loads((tmp_path / "result.json").read_text())["metrics"]["acc1"]
+
+    model = create_model("clipdist-tiny")
+    model.load_state_dict(load(trained_run / "checkpoints" / "step_00000030.pt")["model"])
+    evalset = eval_set("digits", str(root), [], [])
+    assert evalset.templates == templates and evalset.classnames == classnames_of("digits")
+    import open_clip
+
+    transform = open_clip.image_transform(32, is_train=False, mean=model.visual.preprocess_cfg["mean"],
+                                          std=model.visual.preprocess_cfg["std"])
+    ours = evaluate(model, get_tokenizer("clipdist-tiny"), evalset, transform, torch.device("cpu"),
+                    max_skips_in_a_row=DataConfig.max_skips_in_a_row)
+    assert ours["digits/zeroshot_samples"] == 359
+    assert theirs == pytest.approx(ours["digits/zeroshot_top1"], abs=0.5 / 359), (theirs, ours)
+
+
+def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(trained_run, tmp_path):
+    from clipdist.checkpoint import load
+    from clipdist.models import read_weights
+
+    checkpoint = trained_run / "checkpoints" / "step_00000030.pt"
+    expected = load(checkpoint)["model"]
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
+    torch.save({"epoch": 3, "state_dict": {f"module.{key}": value for key, value in expected.items()}},
+               tmp_path / "open_clip_train.pt")  # what open_clip_train saves
+    for source in (checkpoint, trained_run, tmp_path / "model", tmp_path / "open_clip_train.pt"):
+        weights = read_weights(source)
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected), source
+
+
+def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_dir):
+    from helpers import read_jsonl
+
+    checkpoint = trained_run / "checkpoints" / "step_00000030.pt"
+    fine_tuned = train(tmp_path / "fine", cache_dir, f"model.checkpoint={checkpoint}", "optim.max_steps=1",
+                       "eval_every=1000", "checkpoint_every=1000")
+    assert fine_tuned.returncode == 0, fine_tuned.stderr[-3000:]
+    first = read_jsonl(tmp_path / "fine" / "train_log.jsonl")[0]["loss"]
+    scratch = read_jsonl(trained_run / "train_log.jsonl")[0]["loss"]  # the same first batch, from random weights
+    assert first < scratch - 0.2, (first, scratch)
+
+
+@pytest.mark.parametrize("weights, message", [
+    (None, "model.checkpoint: {path}: no such file or folder"),
+    ({"visual.conv1.weight": torch.zeros(3)}, "does not fit the model: visual.conv1.weight is (3,) there, (64, 3, 8, 8) here"),
+    ({"the": torch.zeros(1)}, "does not fit the model: positional_embedding is missing (62 missing, 1 unexpected)"),
+    ("not a checkpoint", "holds no state dict of tensors"),
+])
+def test_a_checkpoint_that_cannot_be_used_is_one_line_and_leaves_no_run(tmp_path, cache_dir, capsys, monkeypatch,
+                                                                        weights, message):
+    from helpers import refusal
+
+    path = tmp_path / "weights.pt"
+    if weights is not None:
+        torch.save(weights, path)
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"model.checkpoint={path}")
+    assert code == 2 and len(lines) == 1 and message.format(path=path) in lines[0], lines
+    assert not (tmp_path / "run").exists()
