@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -216,9 +217,14 @@ def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout
 
 
 def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[int, object]:
-    """Run `fn(*args)` on `world_size` local gloo ranks (spawned processes, torch's env:// rendezvous).
+    """Run `fn(*args)` on `world_size` local gloo ranks (child processes, torch's env:// rendezvous).
 
-    Returns {rank: return value}. `fn` must be importable (module level). A rank that fails
+    The ranks are forked from this process, which has imported torch and the towers' libraries already
+    (about 8 s of imports a process here, that spawned ranks would each repeat), unless CUDA is initialised
+    here — then they are spawned afresh, as CUDA does not survive a fork. Either way `fn` must be importable
+    (module level) and no process group may exist here yet.
+
+    Returns {rank: return value}. A rank that fails
     makes the others stop (5 s grace, then SIGTERM, then SIGKILL) and its error is raised here;
     `timeout_s` bounds every collective. SIGTERM, SIGUSR1 and SIGINT sent to this process alone
     (`timeout`, `docker stop`) are passed to the ranks (SIGINT as SIGTERM, since a terminal's
@@ -228,9 +234,12 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
 
     import torch.multiprocessing as mp
 
-    results = mp.get_context("spawn").Queue()
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    results = mp.get_context(method).Queue()
+    sys.stdout.flush()  # a forked child would write what is still buffered here again
+    sys.stderr.flush()
     context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                 nprocs=world_size, join=False, start_method=method)
 
     def forward(signum, _frame):
         for process in context.processes:

@@ -141,7 +141,7 @@ def test_sharded_save_is_atomic_and_retained(tmp_path, single_rank_group):
 
 def test_a_checkpoint_of_the_other_parallelism_is_refused(tmp_path):
     files = CheckpointFiles(tmp_path)
-    files.save({"step": 2, "rng": [{}], "config": {}}, 2)  # what a DDP run writes: one .pt file
+    files.save({"step": 2, "world_size": 1, "rng": [{}], "config": {}}, 2)  # what a DDP run writes: one .pt file
     cfg = TrainConfig(name="x", run_dir=str(tmp_path))
     cfg.world.parallel = "fsdp"
     with pytest.raises(ConfigError, match="written with world.parallel=ddp .*resume it with that setting"):
