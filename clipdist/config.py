@@ -122,7 +122,7 @@ class TiledLossConfig(LossConfig):
     tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
 
 
-LOSS_SCHEMAS = {"tiled": TiledLossConfig}  # backends with options: loss/<name>.yaml starts from <name>_schema
+LOSS_SCHEMAS = {"tiled": TiledLossConfig}  # backends with options: loss/<name>.yaml starts from /<name>_loss_schema
 
 
 @dataclass
@@ -248,11 +248,11 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def register() -> None:
-    """Make the schemas known to Hydra: `train_schema` (config.yaml's first default) and loss/<name>_schema."""
+    """Make the schemas known to Hydra: `train_schema` (config.yaml's first default) and `<name>_loss_schema`."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for name, schema in LOSS_SCHEMAS.items():
-        store.store(group="loss", name=f"{name}_schema", node=schema)
+        store.store(name=f"{name}_loss_schema", node=schema)  # top level: not offered in the loss= menu
 
 
 def as_dict(cfg: TrainConfig) -> dict:

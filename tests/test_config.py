@@ -161,3 +161,9 @@ def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(tmp
                           "logging=online")
     assert code == 2 and len(lines) == 1 and message.format(port=port) in lines[0], lines
     assert time.monotonic() - started < 30 and not (tmp_path / "run").exists()
+
+
+def test_the_loss_menu_offers_backends_only(tmp_path, capsys, monkeypatch):
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "loss=nope")
+    offered = lines[lines.index("Available options in 'loss':") + 1:][:5]
+    assert code == 1 and [line.strip() for line in offered] == ["disco", "gather_layer", "naive", "siglip", "tiled"], lines

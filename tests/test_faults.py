@@ -55,7 +55,8 @@ def test_killed_rank_tears_the_job_down_and_resume_restarts(tmp_path, cache_dir)
     overrides = ["world=cpu2", "world.timeout_s=60", *STEPS[:-1], "checkpoint_every=5"]
     with Run.train(run_dir, cache_dir, *overrides) as run:
         run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000005.pt").exists())
-        workers = [pid for pid in children(run.pid) if b"spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        # The ranks are forked from the launcher: its command line (not the resource tracker's).
+        workers = [pid for pid in children(run.pid) if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         code, _, stderr = run.finish(timeout=180)  # torn down, not hung
