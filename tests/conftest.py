@@ -10,3 +10,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def cache_dir(tmp_path_factory):
     """One data cache for the session: the built-in datasets become shards once, not once per module."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, cache_dir):
+    """A finished default run (30 steps, its checkpoint at step 30), for tests that only read it or refuse to
+    change it."""
+    from helpers import train
+
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = train(run_dir, cache_dir, "optim.max_steps=30", "eval_every=30", "checkpoint_every=30")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir

@@ -30,14 +30,6 @@ torch.save({**features, "image_size": list(preprocess.transforms[1].size)}, sys.
 """
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, cache_dir):
-    run_dir = tmp_path_factory.mktemp("export") / "run"
-    result = train(run_dir, cache_dir, "optim.max_steps=30", "eval_every=30", "checkpoint_every=30")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
-
-
 def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path, capsys):
     from clipdist.checkpoint import load
     from clipdist.models import create_model, get_tokenizer

@@ -29,7 +29,8 @@ def run_until(run_dir, cache_dir, overrides, step, signum):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("launch, workers, resampled", [("local", 0, False), ("local", 2, True), ("cpu2", 1, False)])
+# Loader workers 2 (resampled) and 1 (epoch mode, 2 ranks); 0 workers resume in test_the_stream_resumes_from_any_batch_exactly.
+@pytest.mark.parametrize("launch, workers, resampled", [("local", 2, True), ("cpu2", 1, False)])
 def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, launch, workers, resampled):
     overrides = [f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
                  "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}"]

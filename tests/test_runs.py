@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, train, train_command
+from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, refusal, train, train_command
 
 pytestmark = pytest.mark.e2e
 
@@ -57,16 +57,13 @@ def test_second_process_on_the_same_run_is_refused_with_the_holder(tmp_path, cac
     assert steps == list(range(1, len(steps) + 1))  # the first run's alone
 
 
-def test_resume_with_another_loss_is_refused_and_changes_nothing(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    assert train(run_dir, cache_dir, "optim.max_steps=2", "eval_every=2").returncode == 0
-    record = (run_dir / "hydra" / "config.yaml").read_text()
-    refused = train(run_dir, cache_dir, "optim.max_steps=4", "loss=siglip", timeout=120)
-    assert refused.returncode == 2
-    lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and "loss.name=disco" in lines[0] and "not loss.name=siglip" in lines[0] \
-        and "name=<new name>" in lines[0], refused.stderr
-    assert (run_dir / "hydra" / "config.yaml").read_text() == record
+def test_resume_with_another_loss_is_refused_and_changes_nothing(trained_run, cache_dir, capsys, monkeypatch):
+    before = {path: path.read_bytes() for path in trained_run.rglob("*") if path.is_file()}
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={trained_run}", f"data.cache_dir={cache_dir}",
+                          "optim.max_steps=40", "loss=siglip")
+    assert code == 2 and len(lines) == 1, lines
+    assert "loss.name=disco" in lines[0] and "not loss.name=siglip" in lines[0] and "name=<new name>" in lines[0]
+    assert {path: path.read_bytes() for path in trained_run.rglob("*") if path.is_file()} == before
 
 
 def test_resume_with_another_world_size_warns_of_the_new_global_batch(tmp_path, cache_dir):
