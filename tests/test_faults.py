@@ -16,7 +16,8 @@ pytestmark = pytest.mark.e2e
 STEPS = ["optim.max_steps=400", "optim.warmup_steps=5", "eval_every=1000", "checkpoint_every=50"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+# SIGUSR1 (SLURM's --signal) takes the same path: test_every_stop_signal_asks_for_a_stop, and test_slurm for real.
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
 def test_signal_writes_a_checkpoint_and_resume_continues_the_schedule(tmp_path, cache_dir, signum):
     run_dir = tmp_path / "run"
     with Run.train(run_dir, cache_dir, *STEPS) as run:

@@ -109,6 +109,21 @@ def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, s
         assert "DataLoader worker" not in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_every_stop_signal_asks_for_a_stop(signum):
+    from clipdist.launch import StopRequested, StopSignal
+
+    stop = StopSignal()
+    try:
+        os.kill(os.getpid(), signum)
+        assert stop.received == signum
+        with pytest.raises(StopRequested):  # a loader waiting for data is interrupted at once
+            with stop.interruptible():
+                pass
+    finally:
+        stop.restore()
+
+
 def test_second_interrupt_a_second_later_exits_at_once():
     code = """
 import os, signal, time
