@@ -95,13 +95,13 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     from clipdist.tools.export import find_checkpoint, read_run_checkpoint
 
     path = Path(path).expanduser()
-    if path.is_dir() and not (path / "checkpoints").is_dir() and path.suffix != ".dcp":
+    if path.is_dir() and (path.suffix == ".dcp" or (path / "checkpoints").is_dir()):  # a sharded checkpoint, a run
+        return read_run_checkpoint(find_checkpoint(path))[0]
+    if path.is_dir():  # an export, or any folder of weights in open_clip's hub layout
         found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
         if not found:
             raise ValueError(f"{path} holds no weights (*.safetensors, *.bin, *.pt)")
         path = found[0]
-    elif path.is_dir():
-        return read_run_checkpoint(find_checkpoint(path))[0]
     if not path.is_file():
         raise ValueError(f"{path}: no such file or folder")
     if path.suffix == ".safetensors":

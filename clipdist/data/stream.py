@@ -76,7 +76,6 @@ class TrainStream:
         self.readers: dict[int, dict] = {}  # rank-local reader -> position after the batches consumed
         self.batches = 0  # batches consumed
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
-        self._resume = {"readers": {}, "batches": 0}
         self._loader = None
         self._pending: tuple[int, dict] | None = None  # the reader and position of the batch handed out
 
@@ -124,7 +123,6 @@ class TrainStream:
         if saved.get("layout") == self.layout:
             mine = saved["ranks"][self.rank]
             self.readers, self.batches = dict(mine["readers"]), mine["batches"]
-            self._resume = {"readers": dict(mine["readers"]), "batches": mine["batches"]}
             return
         if "layout" not in saved:
             reason = "the checkpoint holds no data position"
@@ -138,10 +136,12 @@ class TrainStream:
         self.restart_reason = reason
 
     def _start(self):
+        """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:
+        that is the restored position, or the start)."""
         workers = self.data.workers
         dataset = TrainingBatches(self.sources, self.batch_size, self.image_transform, self.tokenizer,
                                   data=self.data, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                                  resume=self._resume)
+                                  resume={"readers": dict(self.readers), "batches": self.batches})
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
