@@ -65,6 +65,15 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     assert log[-1]["loss"] < losses["ddp"][0] - 0.1  # went on from the trained model, not from scratch
     assert (fsdp_dir / "checkpoints" / "step_00000009.dcp").is_dir()
 
+    # The sharded checkpoint leaves clipdist whole: exported, its weights are the model's every tensor.
+    from clipdist.cli import main as cli
+    from clipdist.models import create_model, read_weights
+
+    assert cli(["export", str(fsdp_dir), "--out", str(tmp_path / "exported")]) == 0
+    exported, sharded = read_weights(tmp_path / "exported"), read_weights(fsdp_dir / "checkpoints" / "step_00000009.dcp")
+    assert exported.keys() == sharded.keys() == create_model("clipdist-tiny").state_dict().keys()
+    assert all(torch.equal(exported[key], sharded[key]) for key in exported)
+
 
 def _save_then_load(directory: str) -> tuple[list[str], int]:
     """On each rank: an FSDP model and AdamW after a step, saved by the Checkpointer; a fresh pair restored

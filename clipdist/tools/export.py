@@ -38,7 +38,7 @@ def find_checkpoint(source: str | Path) -> Path:
 def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's weights, the run's resolved config) of a clipdist checkpoint; a .dcp folder's shards are
     gathered into one state dict on this process (no process group needed)."""
-    from clipdist.checkpoint import UNSHARDED, load
+    from clipdist.checkpoint import load
 
     if path.is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -47,7 +47,7 @@ def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             whole = Path(scratch) / "whole.pt"
             dcp_to_torch_save(str(path), str(whole))
             weights = torch.load(whole, map_location="cpu", weights_only=True)["model"]
-        return weights, load(path)["config"] if (path / UNSHARDED).is_file() else {}
+        return weights, load(path)["config"]
     saved = load(path)
     if "model" not in saved or "config" not in saved:
         raise ValueError(f"{path} is not a clipdist checkpoint (no model and config in it)")
