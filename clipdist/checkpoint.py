@@ -5,7 +5,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -232,7 +231,7 @@ class Checkpointer:
         if self.on_error == OnCheckpointError.stop:
             raise CheckpointError(error)
         if self.env.is_main:
-            print(f"warning: {error} (on_checkpoint_error=warn: training goes on)", file=sys.stderr, flush=True)
+            log.warning("%s (on_checkpoint_error=warn: training goes on)", error)
         return False
 
     def restore(self, state: TrainState) -> Path | None:

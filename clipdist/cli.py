@@ -166,35 +166,26 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _created_by_hydra(run_dir: str) -> bool:
-    """Whether the run directory holds nothing but what Hydra made as it started (an empty train.log)."""
-    entries = list(os.scandir(run_dir)) if os.path.isdir(run_dir) else []
-    return all(entry.name == "train.log" and entry.stat().st_size == 0 for entry in entries)
-
-
-def _remove_run_dir(run_dir: str) -> None:
-    """Remove a run directory that a refused start made, with Hydra's log file handler into it."""
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in list(getattr(logger, "handlers", [])):
-            if isinstance(handler, logging.FileHandler) and handler.baseFilename.startswith(os.path.abspath(run_dir)):
-                logger.removeHandler(handler)
-                handler.close()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    """Whether the run directory holds nothing yet (Hydra made it as it started; the run log opens at its first line)."""
+    return not os.path.isdir(run_dir) or not any(os.scandir(run_dir))
 
 
 def _run_composed(cfg) -> None:
     """Hydra's task: the composed config → clipdist.trainer.run in Hydra's output directory, which is
-    the run directory; a ClipdistError is one line on stderr (HYDRA_FULL_ERROR=1 for the traceback)."""
+    the run directory; a ClipdistError is one `error:` line (HYDRA_FULL_ERROR=1 for the traceback), any
+    other failure its traceback, both on stderr and at the end of train.log."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
+    from clipdist import console
     from clipdist.errors import ClipdistError
+    from clipdist.launch import detect_env
     from clipdist.trainer import run
 
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("clipdist").setLevel(logging.INFO)
     hydra = HydraConfig.get()
     run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
     created = _created_by_hydra(run_dir)
+    console.configure(os.path.join(run_dir, console.LOG_FILE), main=detect_env().is_main)
     with open_dict(cfg):
         if OmegaConf.is_interpolation(cfg, "name"):
             multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
@@ -205,11 +196,15 @@ def _run_composed(cfg) -> None:
         run(cfg, overrides=list(hydra.overrides.task))
     except ClipdistError as error:
         if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
-            _remove_run_dir(run_dir)
+            console.close_log_file(run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {error}", file=sys.stderr)
+        logging.getLogger("clipdist").error("%s", error)
         sys.exit(2 if isinstance(error, ValueError) else 1)
+    except Exception as error:  # noqa: BLE001 -- logged where the run's reader looks, then raised as ever
+        logging.getLogger("clipdist").exception("%s: %s", type(error).__name__, error)
+        raise SystemExit(1) from None
 
 
 def train_main(overrides: list[str] | None = None) -> None:

@@ -7,7 +7,6 @@ The loss backends' collectives live in clipdist.losses.collectives, the loop's i
 from __future__ import annotations
 
 import io
-import logging
 import os
 import re
 import signal
@@ -195,13 +194,14 @@ class _UserError:
         self.type, self.message = type(error), str(error)
 
 
-def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results):
+def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results,
+                    log_file: str | None):
+    from clipdist import console
     from clipdist.errors import ClipdistError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    logging.getLogger("clipdist").setLevel(logging.INFO)
+    console.configure(log_file, main=rank == 0)
     # A real group even for one rank: that is what torchrun --nproc-per-node 1 gives.
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     try:
@@ -234,11 +234,13 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
 
     import torch.multiprocessing as mp
 
+    from clipdist import console
+
     method = "spawn" if torch.cuda.is_initialized() else "fork"
     results = mp.get_context(method).Queue()
     sys.stdout.flush()  # a forked child would write what is still buffered here again
     sys.stderr.flush()
-    context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results),
+    context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results, console.log_file()),
                                  nprocs=world_size, join=False, start_method=method)
 
     def forward(signum, _frame):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
     with RunLock(cfg.run_dir):
         warning = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
         if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            log.warning("%s", warning)
         write_record(cfg.run_dir, as_dict(cfg), list(overrides))
         if env.launcher == "single" and cfg.world.world_size > 1:
             return launch.launch_local(train, cfg.world.world_size, cfg, shards,
@@ -280,10 +279,10 @@ class Trainer:
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")
 
-    def say(self, message: str) -> None:
-        """A line on the console from rank 0 (through tqdm, so the progress bar stays intact)."""
+    def say(self, message: str, level: int = logging.INFO) -> None:
+        """A line from rank 0 on the console and in train.log (clipdist.console)."""
         if self.env.is_main:
-            self.progress.write(message)
+            log.log(level, message)
 
     @property
     def global_batch(self) -> int:
@@ -296,9 +295,9 @@ class Trainer:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
         if stream.restart_reason:
-            self.say(f"warning: the data stream cannot continue sample for sample ({stream.restart_reason}); it "
+            self.say(f"the data stream cannot continue sample for sample ({stream.restart_reason}); it "
                      f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
-                     "come again")
+                     "come again", logging.WARNING)
         if state.step >= cfg.optim.max_steps:
             self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
                      f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
@@ -321,7 +320,7 @@ class Trainer:
                 stream.consumed(agreed.counts)
                 if not math.isfinite(agreed.loss):
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
-                    self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)")
+                    self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)", logging.WARNING)
                     if bad_steps >= cfg.max_nonfinite_steps:
                         raise TrainingDiverged(self.divergence(bad_steps))
                     continue

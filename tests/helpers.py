@@ -29,6 +29,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_log(run_dir: Path) -> list[str]:
+    """<run_dir>/train.log's lines without their times: what the console showed."""
+    import re
+
+    text = (Path(run_dir) / "train.log").read_text()
+    return [line for line in re.sub(r"^\[[0-9-]+ [0-9:,]+\] ", "", text, flags=re.M).splitlines() if line.strip()]
+
+
 def logged_steps(run_dir: Path) -> int:
     log = Path(run_dir) / "train_log.jsonl"
     return len(log.read_text().splitlines()) if log.exists() else 0

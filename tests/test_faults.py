@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Run, read_jsonl, train
+from helpers import Run, read_jsonl, run_log, train
 
 pytestmark = pytest.mark.e2e
 
@@ -72,6 +72,8 @@ def test_killed_rank_tears_the_job_down_and_resume_restarts(tmp_path, cache_dir)
 
 
 def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_dir):
+    """Also the console convention: progress on stdout, warnings and the error on stderr, all of it in
+    train.log, the final error last."""
     from clipdist.models import create_model
 
     model = create_model()
@@ -81,8 +83,12 @@ def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_d
     result = train(tmp_path / "run", cache_dir, f"model.checkpoint={tmp_path / 'nan.pt'}", "max_nonfinite_steps=3",
                    "optim.max_steps=50", timeout=120)
     assert result.returncode == 1
-    assert result.stdout.count("non-finite loss, step skipped") == 3
+    assert result.stderr.count("warning: step 1: non-finite loss, step skipped") == 3
     error = result.stderr.strip().splitlines()[-1]
+    shown = result.stdout.splitlines() + result.stderr.splitlines()
+    assert not [line for line in result.stdout.splitlines() if line.startswith(("warning:", "error:"))]
+    assert f"run directory: {tmp_path / 'run'}" in result.stdout and run_log(tmp_path / "run")[-1] == error
+    assert sorted(run_log(tmp_path / "run")) == sorted(line for line in shown if line.strip())
     assert error.startswith("error: 3 non-finite losses in a row after step 0") and "stopped without saving" in error
     assert "Start again with a lower learning rate (optim.lr=0.0002)" in error  # no checkpoint to go on from
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -99,4 +105,6 @@ def test_two_processes_started_like_srun_train(tmp_path, cache_dir):
             assert code == 0, stderr[-3000:]
     log = read_jsonl(run_dir / "train_log.jsonl")
     assert [row["step"] for row in log] == list(range(1, 7))
+    console = run_log(run_dir)  # the main rank's lines, once
+    assert console.count(f"run directory: {run_dir}") == 1 and sum(line.startswith("step 6: ") for line in console) == 1
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 6

@@ -1,0 +1,81 @@
+"""One console convention under every launcher (alone, local ranks, torchrun, srun, submitit):
+
+- progress and results (INFO) on stdout, warnings and errors on stderr as `warning: ...` / `error: ...`;
+- every one of those lines also in <run_dir>/train.log, with its time, the run's final error included;
+- lines go through tqdm.write, so a progress bar on the terminal stays intact.
+
+The main rank says INFO; every rank may warn (a data warning names its rank). Python warnings
+(torch's, webdataset's) are routed through the same handlers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from tqdm import tqdm
+
+LOG_FILE = "train.log"
+PREFIX = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRITICAL: "error: "}
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        record.prefix = PREFIX.get(record.levelno, "")
+        return super().format(record).rstrip()
+
+
+class ConsoleHandler(logging.Handler):
+    """INFO to stdout, WARNING and above to stderr (the streams looked up as each line is written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(_Formatter("%(prefix)s%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+            tqdm.write(self.format(record), file=stream)
+            stream.flush()
+        except Exception:  # noqa: BLE001 -- logging's own contract: report, never raise
+            self.handleError(record)
+
+
+class RunLogHandler(logging.FileHandler):
+    """<run_dir>/train.log, appended to (a resumed run continues it); opened at its first line."""
+
+    def __init__(self, path: str):
+        super().__init__(path, mode="a", delay=True)
+        self.setFormatter(_Formatter("[%(asctime)s] %(prefix)s%(message)s"))
+
+
+def configure(log_file: str | None, main: bool) -> None:
+    """Install the console and the run's log file on the root logger (replacing what an earlier call
+    installed, so an in-process second run starts clean); clipdist's INFO only from the main rank."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, (ConsoleHandler, RunLogHandler)):
+            root.removeHandler(handler)
+            handler.close()
+    root.addHandler(ConsoleHandler())
+    if log_file is not None:
+        root.addHandler(RunLogHandler(log_file))
+    root.setLevel(logging.WARNING)
+    logging.getLogger("clipdist").setLevel(logging.INFO if main else logging.WARNING)
+    logging.getLogger("hydra").setLevel(logging.INFO)
+    logging.captureWarnings(True)
+
+
+def log_file() -> str | None:
+    """The run log the root logger writes to, if any (for ranks started afresh to write to it too)."""
+    return next((handler.baseFilename for handler in logging.getLogger().handlers
+                 if isinstance(handler, RunLogHandler)), None)
+
+
+def close_log_file(under: str) -> None:
+    """Stop writing to a run log under `under` (a refused start removes the directory)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, RunLogHandler) and handler.baseFilename.startswith(os.path.abspath(under)):
+            root.removeHandler(handler)
+            handler.close()
