@@ -173,7 +173,7 @@ def _created_by_hydra(run_dir: str) -> bool:
 def _run_composed(cfg) -> None:
     """Hydra's task: the composed config → clipdist.trainer.run in Hydra's output directory, which is
     the run directory; a ClipdistError is one `error:` line (HYDRA_FULL_ERROR=1 for the traceback), any
-    other failure its traceback, both on stderr and at the end of train.log."""
+    other failure its traceback, both on stderr and, once the run has started, at the end of train.log."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
@@ -185,7 +185,7 @@ def _run_composed(cfg) -> None:
     hydra = HydraConfig.get()
     run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
     created = _created_by_hydra(run_dir)
-    console.configure(os.path.join(run_dir, console.LOG_FILE), main=detect_env().is_main)
+    console.configure(main=detect_env().is_main)
     with open_dict(cfg):
         if OmegaConf.is_interpolation(cfg, "name"):
             multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
@@ -196,7 +196,6 @@ def _run_composed(cfg) -> None:
         run(cfg, overrides=list(hydra.overrides.task))
     except ClipdistError as error:
         if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
-            console.close_log_file(run_dir)
             shutil.rmtree(run_dir, ignore_errors=True)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -169,6 +169,7 @@ class OptimConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbMode = WandbMode.offline
+    tensorboard: bool = False  # also TensorBoard event files in <run_dir>/tensorboard/ (needs the tensorboard package)
     project: str = "clipdist"
     log_every: int = 10
     progress: bool = True

@@ -49,33 +49,33 @@ class RunLogHandler(logging.FileHandler):
         self.setFormatter(_Formatter("[%(asctime)s] %(prefix)s%(message)s"))
 
 
-def configure(log_file: str | None, main: bool) -> None:
-    """Install the console and the run's log file on the root logger (replacing what an earlier call
-    installed, so an in-process second run starts clean); clipdist's INFO only from the main rank."""
+def configure(main: bool) -> None:
+    """Install the console on the root logger (replacing what an earlier call installed, the run log
+    included, so an in-process second run starts clean); clipdist's INFO only from the main rank."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, (ConsoleHandler, RunLogHandler)):
             root.removeHandler(handler)
             handler.close()
     root.addHandler(ConsoleHandler())
-    if log_file is not None:
-        root.addHandler(RunLogHandler(log_file))
     root.setLevel(logging.WARNING)
     logging.getLogger("clipdist").setLevel(logging.INFO if main else logging.WARNING)
     logging.getLogger("hydra").setLevel(logging.INFO)
     logging.captureWarnings(True)
 
 
-def log_file() -> str | None:
+def open_run_log(path: str | os.PathLike) -> None:
+    """From here on, every console line also goes to `path` (<run_dir>/train.log): called once the start's
+    checks have passed, so a refused attempt adds nothing to a run it was refused to touch."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, RunLogHandler):
+            root.removeHandler(handler)
+            handler.close()
+    root.addHandler(RunLogHandler(str(path)))
+
+
+def run_log() -> str | None:
     """The run log the root logger writes to, if any (for ranks started afresh to write to it too)."""
     return next((handler.baseFilename for handler in logging.getLogger().handlers
                  if isinstance(handler, RunLogHandler)), None)
-
-
-def close_log_file(under: str) -> None:
-    """Stop writing to a run log under `under` (a refused start removes the directory)."""
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if isinstance(handler, RunLogHandler) and handler.baseFilename.startswith(os.path.abspath(under)):
-            root.removeHandler(handler)
-            handler.close()

@@ -201,7 +201,9 @@ def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    console.configure(log_file, main=rank == 0)
+    console.configure(main=rank == 0)
+    if log_file is not None:
+        console.open_run_log(log_file)
     # A real group even for one rank: that is what torchrun --nproc-per-node 1 gives.
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     try:
@@ -240,7 +242,7 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
     results = mp.get_context(method).Queue()
     sys.stdout.flush()  # a forked child would write what is still buffered here again
     sys.stderr.flush()
-    context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results, console.log_file()),
+    context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()),
                                  nprocs=world_size, join=False, start_method=method)
 
     def forward(signum, _frame):

@@ -1,4 +1,5 @@
-"""Weights & Biases (offline by default), <run_dir>/train_log.jsonl and <run_dir>/metrics.jsonl."""
+"""Weights & Biases (offline by default), TensorBoard (logging.tensorboard=true), <run_dir>/train_log.jsonl
+and <run_dir>/metrics.jsonl."""
 from __future__ import annotations
 
 import json
@@ -39,13 +40,31 @@ def _netrc_key(host: str, env) -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
 
-class RunTracker:
-    """Logs on the main rank only; every other rank gets a tracker that does nothing."""
+def check_tensorboard() -> None:
+    """Before any rank starts, for logging.tensorboard=true: torch writes event files through the
+    tensorboard package, which clipdist does not require."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                         "(or clipdist[tensorboard]), or leave logging.tensorboard=false") from None
 
-    def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict, enabled: bool):
+
+class RunTracker:
+    """Logs on the main rank only; every other rank gets a tracker that does nothing.
+
+    TensorBoard's event files go to <run_dir>/tensorboard/ (`tensorboard --logdir runs/`); a resumed run
+    starts a new file that hides the old file's steps after `start_step`, as the JSONL logs are rewound."""
+
+    def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict, enabled: bool,
+                 tensorboard: bool = False, start_step: int = 0):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self.run = None
+        self.run = self.board = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if enabled and mode != "disabled":
             import wandb
 
@@ -72,11 +91,19 @@ class RunTracker:
             handle.write(json.dumps({"step": step, **values}) + "\n")
         if self.run is not None:
             self.run.log({f"{section}/{key}": value for key, value in values.items()}, step=step)
+        if self.board is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.board.add_scalar(f"{section}/{key}", value, step)
+            self.board.flush()
 
     def finish(self) -> None:
         if self.run is not None:
             self.run.finish()
             self.run = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
 
 class StepProfiler:

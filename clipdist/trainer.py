@@ -19,7 +19,7 @@ import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from clipdist import host, launch, parallel
+from clipdist import console, host, launch, parallel
 from clipdist.checkpoint import Checkpointer
 from clipdist.config import Device, Precision, TrainConfig, as_dict, to_train_config, validate
 from clipdist.data.eval_stream import first_eval_record
@@ -33,7 +33,7 @@ from clipdist.models import (check_checkpoint, create_model, create_model_for_lo
                              resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
-from clipdist.tracking import RunTracker, StepProfiler, check_wandb_online
+from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
 log = logging.getLogger("clipdist")
 
@@ -45,12 +45,14 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
     env = launch.detect_env()
     shards = preflight(cfg, env)
     if not env.is_main:
+        console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
         return train(cfg, shards)
     with RunLock(cfg.run_dir):
         warning = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
+        write_record(cfg.run_dir, as_dict(cfg), list(overrides))
+        console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
         if warning:
             log.warning("%s", warning)
-        write_record(cfg.run_dir, as_dict(cfg), list(overrides))
         if env.launcher == "single" and cfg.world.world_size > 1:
             return launch.launch_local(train, cfg.world.world_size, cfg, shards,
                                             timeout_s=cfg.world.timeout_s)[0]
@@ -100,11 +102,13 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         raise ConfigError(str(error)) from None
     for evalset in shards.evals:
         check_eval_set(evalset)
-    if cfg.logging.wandb == "online" and env.is_main:
-        try:
+    try:
+        if cfg.logging.wandb == "online" and env.is_main:
             check_wandb_online()
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        if cfg.logging.tensorboard:
+            check_tensorboard()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return shards
 
 
@@ -274,7 +278,7 @@ class Trainer:
         self.eval_errors = 0
         self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
-                                  as_dict(cfg), env.is_main)
+                                  as_dict(cfg), env.is_main, cfg.logging.tensorboard, self.state.step)
         self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")

@@ -20,6 +20,15 @@ def losses(run_dir):
     return np.array([row["loss"] for row in rows])
 
 
+def board_losses(run_dir):
+    """train/loss as TensorBoard shows it: (step, value), the steps a resume re-logs shown once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars("train/loss")]
+
+
 def run_until(run_dir, cache_dir, overrides, step, signum):
     """Start the run, and send `signum` to its process group once `step` steps are logged."""
     with Run.train(run_dir, cache_dir, *overrides) as run:
@@ -33,7 +42,8 @@ def run_until(run_dir, cache_dir, overrides, step, signum):
 @pytest.mark.parametrize("launch, workers, resampled", [("local", 2, True), ("cpu2", 1, False)])
 def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, launch, workers, resampled):
     overrides = [f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
-                 "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}"]
+                 "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}",
+                 "logging.tensorboard=true"]
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
@@ -41,8 +51,11 @@ def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, lau
     run_until(run_dir, cache_dir, overrides, 11, signal.SIGKILL)  # no checkpoint: back to step 8's
     resumed = train(run_dir, cache_dir, *overrides)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stdout.count("resumed from") == 1 and "cannot continue sample for sample" not in resumed.stdout
+    assert resumed.stdout.count("resumed from") == 1 and "cannot continue sample for sample" not in resumed.stderr
     np.testing.assert_allclose(losses(run_dir), losses(tmp_path / "whole"), rtol=0, atol=1e-6)
+    board = board_losses(run_dir)  # TensorBoard: the same curve, killed steps 9-11 hidden behind their re-run
+    assert [step for step, _ in board] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([loss for _, loss in board], losses(run_dir), rtol=1e-6)
 
 
 @pytest.mark.e2e
@@ -52,7 +65,7 @@ def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir
     resumed = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=5", "data.workers=1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: workers 0 -> 1); "
-            "it restarts reshuffled at sample 48") in resumed.stdout
+            "it restarts reshuffled at sample 48") in resumed.stderr
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == [1, 2, 3, 4, 5]
 
 
