@@ -73,8 +73,11 @@ class WandbMode(Choice):
 
 @dataclass
 class ModelConfig:
-    name: str = "clipdist-tiny"  # any open_clip model config; random init
+    # Any open_clip model config (random init), a config file, or hf-hub:ORG/REPO / local-dir:PATH (with weights).
+    name: str = "clipdist-tiny"
+    pretrained: Optional[str] = None  # an open_clip pretrained tag of `name` (laion2b_s34b_b79k, openai, ...)
     checkpoint: Optional[str] = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
+    cache_dir: Optional[str] = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
     grad_checkpointing: bool = False
     compile: bool = False  # torch.compile the towers (before DDP wraps them)
 

@@ -146,3 +146,14 @@ def all_ranks(obj) -> list:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def node_leaders_first(local_rank: int, needed: bool = True):
+    """Local rank 0 of every node runs the block first (to fetch a download into the node's cache), the
+    node's other ranks after it (to read that cache): one barrier, which every rank reaches once."""
+    if needed and local_rank != 0:
+        barrier()
+    yield
+    if needed and local_rank == 0:
+        barrier()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import netrc
 import os
-import socket
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse
+
+from clipdist.launch import unreachable
 
 DEFAULT_WANDB_URL = "https://api.wandb.ai"
 REACH_TIMEOUT_S = 10
@@ -26,12 +27,9 @@ def check_wandb_online(environ=None) -> None:
                "or turn W&B off with logging.wandb=disabled")
     if not env.get("WANDB_API_KEY") and not _netrc_key(host, env):
         raise ValueError(f"logging.wandb=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): {offline}")
-    port = urlparse(url).port or (80 if url.startswith("http://") else 443)
-    try:
-        socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise ValueError(f"logging.wandb=online but {url} cannot be reached from here ({reason}): {offline}") from None
+    reason = unreachable(url, REACH_TIMEOUT_S)
+    if reason:
+        raise ValueError(f"logging.wandb=online but {url} cannot be reached from here ({reason}): {offline}")
 
 
 def _netrc_key(host: str, env) -> bool:

@@ -29,7 +29,7 @@ from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
-from clipdist.models import (check_checkpoint, create_model, create_model_for_loss, get_tokenizer,
+from clipdist.models import (check_weights, create_model, create_model_for_loss, get_tokenizer,
                              resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
@@ -87,9 +87,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     Checkpointer.check_resume(cfg, world.world_size)
     try:
         resolve_model_name(cfg.model.name)
-        if cfg.model.checkpoint is not None:
-            check_checkpoint(cfg.model.name, cfg.model.checkpoint, build_loss(cfg.loss.name, **cfg.loss.options()),
-                             cfg.loss.init_logit_bias)
+        if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
+            check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if world.parallel == "fsdp":
@@ -239,12 +238,15 @@ class Trainer:
         self.loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        self.model = create_model_for_loss(
-            cfg.model.name, self.loss_fn, init_logit_scale=cfg.loss.init_logit_scale,
-            init_logit_bias=cfg.loss.init_logit_bias, checkpoint=cfg.model.checkpoint,
-            grad_checkpointing=cfg.model.grad_checkpointing,
-        ).to(device)
-        self.tokenizer = get_tokenizer(cfg.model.name)
+        fetches = cfg.model.pretrained is not None or cfg.model.name.startswith("hf-hub:")
+        with parallel.node_leaders_first(env.local_rank, needed=fetches):
+            self.model = create_model_for_loss(
+                cfg.model.name, self.loss_fn, init_logit_scale=cfg.loss.init_logit_scale,
+                init_logit_bias=cfg.loss.init_logit_bias, checkpoint=cfg.model.checkpoint,
+                grad_checkpointing=cfg.model.grad_checkpointing, pretrained=cfg.model.pretrained,
+                cache_dir=cfg.model.cache_dir,
+            ).to(device)
+            self.tokenizer = get_tokenizer(cfg.model.name, cfg.model.cache_dir)
         # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards,
         # gathered in bf16 on CUDA where autocast computes in bf16 (gradients are reduced in fp32).
         gathered_dtype = torch.bfloat16 if device.type == "cuda" and uses_bf16(cfg.precision, device) else None

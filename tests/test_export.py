@@ -159,6 +159,50 @@ def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_d
     assert first < scratch - 0.2, (first, scratch)
 
 
+def test_a_local_dir_model_starts_from_its_weights(trained_run, tmp_path, cache_dir):
+    """model.name=local-dir:<export>, as open_clip names it: with lr 0 the run's weights stay the export's."""
+    from clipdist.models import read_weights
+
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
+    run = train(tmp_path / "run", cache_dir, f"model.name=local-dir:{tmp_path / 'model'}", "optim.lr=0",
+                "optim.max_steps=1", "world.batch_per_device=8")
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported, trained = read_weights(tmp_path / "model"), read_weights(tmp_path / "run")
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in exported)
+
+
+def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_them_is_one_line(
+        tmp_path, cache_dir, capsys, monkeypatch):
+    """open_clip's ViT-B-32 `openai` weights, placed in a Hugging Face cache as a download leaves them, with the
+    hub offline: the model starts from them, with the tag's preprocessing; another tag, not cached, is refused."""
+    import huggingface_hub.constants
+    import open_clip
+    from safetensors.torch import save_file
+
+    from clipdist.models import create_model
+    from helpers import refusal
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo = hub / "models--timm--vit_base_patch32_clip_224.openai"  # open_clip's pretrained entry for the tag
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    torch.manual_seed(1)
+    weights = {key: value.half() for key, value in create_model("ViT-B-32").state_dict().items()}
+    save_file(weights, repo / "snapshots" / commit / "open_clip_model.safetensors")
+
+    model = create_model("ViT-B-32", pretrained="openai", cache_dir=str(hub))
+    assert all(torch.equal(value, weights[key].float()) for key, value in model.state_dict().items())
+    assert model.visual.preprocess_cfg["mean"] == open_clip.OPENAI_DATASET_MEAN
+
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          "model.name=ViT-B-32", "model.pretrained=laion2b_s34b_b79k", f"model.cache_dir={hub}")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: model.pretrained=laion2b_s34b_b79k: the weights are not in the cache ({hub})")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("weights, message", [
     (None, "model.checkpoint: {path}: no such file or folder"),
     ({"visual.conv1.weight": torch.zeros(3)}, "does not fit the model: visual.conv1.weight is (3,) there, (64, 3, 8, 8) here"),
