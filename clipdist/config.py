@@ -96,7 +96,7 @@ class DataConfig:
     split: Split = Split.node
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
-    workers: int = 0  # DataLoader workers per rank
+    workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (host.loader_workers)
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
@@ -216,6 +216,8 @@ def validate(cfg: TrainConfig) -> None:
     node = OmegaConf.structured(cfg)
     for key in POSITIVE + NON_NEGATIVE:
         value = OmegaConf.select(node, key)
+        if value is None:  # automatic
+            continue
         if value < 0 or (value == 0 and key in POSITIVE):
             bound = "at least 1" if key in POSITIVE else "0 or more"
             raise ConfigError(f"{key}={value}: must be {bound}")

@@ -76,7 +76,7 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
             if not labels:
                 raise ValueError(f"eval set {evalset.name}: no sample could be read from {evalset.urls[:3]} "
                                  f"({skips.count} skipped; the last: {skips.last_reason})")
-            metrics = {"samples": len(labels), "skipped": skips.count}
+            metrics = {"samples": len(labels), "skipped": skips.samples, "skipped_shards": skips.shards}
             all_images = torch.cat(image_features)
             if text_features:
                 owner = torch.tensor(owners)

@@ -28,6 +28,25 @@ def intra_op_threads(setting: int | None, procs_per_node: int, loader_workers: i
     return max(1, cpus - loader_workers), source
 
 
+MAX_AUTO_WORKERS = 4
+
+
+def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: int | None = None,
+                   environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Loader workers per rank and why. An explicit `setting` wins; automatic (None): one per CPU the rank
+    can spare beside itself, at least 1 (decoding overlaps the step even on a core shared with the rank,
+    whose workers then run at idle priority: low_priority_workers), at most MAX_AUTO_WORKERS, and no more
+    than the shards each rank reads (`shards_per_rank`, epoch mode), so that every worker has one."""
+    if setting is not None:
+        return setting, "data.workers"
+    cpus, source = rank_cpus(procs_per_node, environ)
+    workers = min(max(1, cpus - 1), MAX_AUTO_WORKERS)
+    why = f"data.workers=auto: {source}, 1 to {MAX_AUTO_WORKERS}"
+    if shards_per_rank is not None and shards_per_rank < workers:
+        workers, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
+    return workers, why
+
+
 def rank_cpus(procs_per_node: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
     """The CPUs one rank may use and where the number came from: srun's SLURM_CPUS_PER_TASK, else
     the CPUs this process may run on shared by the node's ranks."""

@@ -95,7 +95,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         check_shardable(cfg.model.name)
     try:
         shards = resolve_shards(cfg.data)
-        check_shard_count(len(shards.train), world.world_size, cfg.data.workers, resampled=cfg.data.resampled,
+        workers, _ = loader_workers_for(cfg, len(shards.train))
+        check_shard_count(len(shards.train), world.world_size, workers, resampled=cfg.data.resampled,
                           split=cfg.data.split)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
@@ -138,9 +139,19 @@ def check_eval_set(evalset: EvalSet) -> None:
         raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
 
 
+def loader_workers_for(cfg: TrainConfig, shards: int) -> tuple[int, str]:
+    """data.workers, or the automatic choice for this host (the same on every rank of like nodes)."""
+    each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
+    return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each)
+
+
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
     env = launch.detect_env()
+    automatic = cfg.data.workers is None
+    cfg.data.workers, why = loader_workers_for(cfg, len(shards.train))
+    if env.is_main and automatic:
+        log.info("%d loader worker(s) per rank (%s)", cfg.data.workers, why)
     threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, cfg.data.workers)
     torch.set_num_threads(threads)
     if env.is_main:
@@ -404,7 +415,8 @@ class Trainer:
             stream = self.stream
             sources = {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
             self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
-                                    "skipped_samples": stream.skipped_samples, "skipped_steps": skipped_steps, **sources},
+                                    "skipped_samples": stream.skipped_samples,
+                                    "skipped_shards": stream.skipped_shards, "skipped_steps": skipped_steps, **sources},
                                    state.step)
             self.shown_scale = f"{stats['logit_scale']:.1f}"
         self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
@@ -427,7 +439,8 @@ class Trainer:
                     if self.env.is_main:
                         log.warning("step %d: evaluation of %s failed (%s: %s); training goes on (eval_errors=%d)",
                                     self.state.step, evalset.name, type(error).__name__, error, self.eval_errors)
-            metrics.update(train_skipped=self.stream.skipped_samples, eval_errors=self.eval_errors)
+            metrics.update(train_skipped=self.stream.skipped_samples, train_skipped_shards=self.stream.skipped_shards,
+                           eval_errors=self.eval_errors)
             if not self.env.is_main:
                 metrics = None
         if metrics is not None:

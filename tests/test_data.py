@@ -84,7 +84,7 @@ def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
     images, tokens, counts = next(stream)
     assert images.tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
     assert tokens.shape[0] == 2
-    assert counts == [2, 2]  # the batch carries the skips made while reading it, and its samples of the one source
+    assert counts == [2, 0, 2]  # the batch carries the skips made while reading it (samples, shards), and its samples of the one source
     assert next(stream).counts[0] == 0
 
 
@@ -106,7 +106,7 @@ def read_all_once(urls):
     skips = SkipCounter(max_in_a_row=1000)
     pipeline = wds.DataPipeline(wds.SimpleShardList(urls), tar_samples(handler=skips),
                                 wds.to_tuple("png", "txt", handler=skips))
-    return [key for key, _ in pipeline], skips.count
+    return [key for key, _ in pipeline], skips.take()  # (samples, shards) skipped
 
 
 def tar_of(format, members, compression=""):
@@ -175,14 +175,14 @@ def test_truncated_or_damaged_shard_is_counted_and_reading_goes_on(tmp_path, cut
     }[cut]
     (tmp_path / "bad.tar").write_bytes(damaged)
     keys, skipped = read_all_once([str(tmp_path / "bad.tar"), str(tmp_path / "whole.tar")])
-    assert skipped == 1
+    assert skipped == (0, 1)  # the rest of the shard: one shard, counted apart from samples
     assert len(keys) == 5 + 8  # the five samples before the cut, then every sample of the next shard
 
 
 def test_intact_shards_skip_nothing(tmp_path):
     eight_sample_shard(tmp_path / "whole.tar")
     keys, skipped = read_all_once([str(tmp_path / "whole.tar")] * 2)
-    assert (len(keys), skipped) == (16, 0)
+    assert (len(keys), skipped) == (16, (0, 0))
 
 
 def test_missing_and_empty_shards_are_clear_errors(tmp_path):
@@ -347,8 +347,9 @@ def test_a_shard_that_is_not_a_tar_is_counted_and_the_others_are_read(tmp_path, 
     caption_shard(tmp_path / "good.tar")
     batches = stream([tmp_path / "bad.tar", tmp_path / "good.tar"], resampled=resampled)
     with caplog.at_level(logging.WARNING, logger="clipdist.data"):
-        total = sum(next(batches).counts[0] for _ in range(12))
-    assert total >= 1  # the text file: skipped (at most once per pass), the rest trains
+        counts = [next(batches).counts for _ in range(12)]
+    assert sum(count[1] for count in counts) >= 1  # the text file: one shard skipped (at most once per pass)
+    assert sum(count[0] for count in counts) == 0  # and not counted as samples; the rest trains
     assert f"{tmp_path / 'bad.tar'}: cannot be read as a tar file" in caplog.records[0].getMessage()
 
 

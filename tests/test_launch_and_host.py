@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+from clipdist import host
 from clipdist.host import intra_op_threads
 from clipdist.launch import _expand_first_host, detect_env
 
@@ -34,6 +35,17 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
     assert intra_op_threads(None, 1, 1, {})[0] == max(1, cpus - 1)
     assert intra_op_threads(None, 1, 4, {"SLURM_CPUS_PER_TASK": "12"}) == (8, "SLURM_CPUS_PER_TASK=12 - 4 loader worker(s)")
     assert intra_op_threads(None, 2, 8, {"SLURM_CPUS_PER_TASK": "4"})[0] == 1  # never fewer than one
+
+
+@pytest.mark.parametrize("setting, cpus, shards_per_rank, expected", [
+    (3, "1", None, 3),  # a number is taken as given
+    (None, "1", None, 1), (None, "2", None, 1), (None, "4", None, 3), (None, "32", None, 4),  # spare CPUs, 1 to 4
+    (None, "32", 2, 2), (None, "32", 0, 1),  # no more than the shards each rank reads
+])
+def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, expected):
+    workers, why = host.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus})
+    assert workers == expected
+    assert why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
 
 
 def test_explicit_thread_counts_are_taken_as_given():

@@ -43,23 +43,33 @@ class ShardError(OSError):
 
 
 class SkipCounter:
-    """A webdataset handler: skip the bad sample (or the rest of a bad shard), warn, count.
+    """A webdataset handler: skip the bad sample (or the rest of a bad shard), warn, count — samples and
+    shards apart (`samples`, `shards`: a shard that cannot be opened or is cut short is one shard, whatever
+    it held).
 
     Warnings name the shard, the key and the reason; the first `first_warnings` are logged in
     full, later ones at most once per `every_s` seconds as a summary, so a bad source cannot
     flood the log. `max_in_a_row` skips with no good sample in between raise DataError: a
     source that gives nothing usable (wrong layout, wrong keys) stops the run in seconds
-    instead of spinning. `ok()` marks a good sample; `take()` returns the skips since it was
-    last called (attached to each batch).
+    instead of spinning. `ok()` marks a good sample; `take()` returns the (samples, shards) skipped since
+    it was last called (attached to each batch).
     """
 
     def __init__(self, max_in_a_row: int, first_warnings: int = 10, every_s: float = 30.0):
-        self.count, self.in_a_row, self._taken = 0, 0, 0
+        self.samples, self.shards, self.in_a_row, self._taken = 0, 0, 0, (0, 0)
         self.max_in_a_row, self.first_warnings, self.every_s = max_in_a_row, first_warnings, every_s
         self._last_warning, self._unreported, self.last_reason = 0.0, 0, ""
 
+    @property
+    def count(self) -> int:
+        """Everything skipped: samples and shards."""
+        return self.samples + self.shards
+
     def __call__(self, exception: Exception) -> bool:
-        self.count += 1
+        if isinstance(exception, ShardError):
+            self.shards += 1
+        else:
+            self.samples += 1
         self.in_a_row += 1
         self.last_reason = describe(exception)
         self._warn()
@@ -85,9 +95,10 @@ class SkipCounter:
     def ok(self) -> None:
         self.in_a_row = 0
 
-    def take(self) -> int:
-        """Skips counted since the last call."""
-        fresh, self._taken = self.count - self._taken, self.count
+    def take(self) -> tuple[int, int]:
+        """(samples, shards) skipped since the last call."""
+        fresh = (self.samples - self._taken[0], self.shards - self._taken[1])
+        self._taken = (self.samples, self.shards)
         return fresh
 
 

@@ -39,7 +39,7 @@ def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: 
 class Batch(NamedTuple):
     images: torch.Tensor
     tokens: torch.Tensor
-    counts: list[int]  # this rank's [samples and shards skipped while reading it, samples of each source]
+    counts: list[int]  # this rank's [samples skipped, shards skipped while reading it, samples of each source]
 
 
 class TrainStream:
@@ -72,7 +72,7 @@ class TrainStream:
                        "seed": seed, "shuffle_buffer": data.shuffle_buffer,
                        "weights": list(data.weights) if data.weights else None,
                        "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest()}
-        self.skipped_samples, self.source_samples = 0, [0] * len(sources)
+        self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
         self.readers: dict[int, dict] = {}  # rank-local reader -> position after the batches consumed
         self.batches = 0  # batches consumed
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
@@ -90,7 +90,7 @@ class TrainStream:
             raise DataError(f"rank {self.rank}: {item.message}")
         images, tokens, info = item
         self._pending = (info["reader"], info["state"].state)
-        return Batch(images, tokens, [info["skipped"], *info["sources"]])
+        return Batch(images, tokens, [*info["skipped"], *info["sources"]])
 
     def consumed(self, counts: list[int] | None = None) -> None:
         """The batch last handed out was used by the step: its reader's position is now the saved one, and
@@ -102,11 +102,12 @@ class TrainStream:
         self.batches += 1
         if counts is not None:
             self.skipped_samples += counts[0]
-            self.source_samples = [total + count for total, count in zip(self.source_samples, counts[1:])]
+            self.skipped_shards += counts[1]
+            self.source_samples = [total + count for total, count in zip(self.source_samples, counts[2:])]
 
     def state_dict(self) -> dict:
         """Collective: the layout, the totals, and every rank's reader positions (in rank order)."""
-        return {"layout": self.layout, "skipped_samples": self.skipped_samples,
+        return {"layout": self.layout, "skipped_samples": self.skipped_samples, "skipped_shards": self.skipped_shards,
                 "source_samples": list(self.source_samples),
                 "ranks": all_ranks({"readers": self.readers, "batches": self.batches})}
 
@@ -117,7 +118,7 @@ class TrainStream:
         if self._loader is not None:
             raise RuntimeError("TrainStream.load_state_dict must come before the first batch")
         saved = saved or {}
-        self.skipped_samples = saved.get("skipped_samples", 0)
+        self.skipped_samples, self.skipped_shards = saved.get("skipped_samples", 0), saved.get("skipped_shards", 0)
         totals = saved.get("source_samples") or []
         self.source_samples = list(totals) if len(totals) == len(self.sources) else [0] * len(self.sources)
         if saved.get("layout") == self.layout:
@@ -213,7 +214,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     stream comes from the reader that would have given it.
 
     `info`: {"reader": the rank-local reader, "state": its Position after this batch, "skipped": the
-    samples and shards skipped while reading it, "sources": samples per source in this rank's rows}.
+    (samples, shards) skipped while reading it, "sources": samples per source in this rank's rows}.
     Augmentation is seeded per sample (seed, reader, shard entry, sample number), so a resumed run
     crops and flips as the uninterrupted one did, with any number of workers.
     """
