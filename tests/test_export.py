@@ -203,6 +203,27 @@ def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_the
     assert not (tmp_path / "run").exists()
 
 
+def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, monkeypatch):
+    """model.name=hf-hub:ORG/REPO: an export published as a hub repo (config + weights), read from the cache."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from clipdist.models import create_model, get_tokenizer, read_weights
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "export")]) == 0
+    hub, commit = tmp_path / "hub", "fedcba9876543210fedcba9876543210fedcba98"
+    repo = hub / "models--someone--tiny-clip"
+    shutil.copytree(tmp_path / "export", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = create_model("hf-hub:someone/tiny-clip", cache_dir=str(hub))
+    exported = read_weights(tmp_path / "export")
+    assert all(torch.equal(value, exported[key]) for key, value in model.state_dict().items())
+    assert get_tokenizer("hf-hub:someone/tiny-clip", str(hub))(["a cat"]).shape[1] == model.context_length
+
+
 @pytest.mark.parametrize("weights, message", [
     (None, "model.checkpoint: {path}: no such file or folder"),
     ({"visual.conv1.weight": torch.zeros(3)}, "does not fit the model: visual.conv1.weight is (3,) there, (64, 3, 8, 8) here"),
