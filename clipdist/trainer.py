@@ -383,7 +383,7 @@ class Trainer:
             rows = self.cfg.world.batch_per_device
             return Batch(torch.zeros(rows, 3, height, width),
                          torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
-                         [0] * (1 + len(self.shards.sources)))
+                         Batch.zero_counts(len(self.shards.sources)))
 
     def optimize(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward (DDP averages gradients), clip, AdamW, schedule, clamp the logit scale; one step done."""

@@ -15,6 +15,7 @@ from clipdist.data.faults import DataError, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.samples import SampleError, decode_image, eval_record, label_of, to_rgb
 from clipdist.data.sources import eval_set, expand_shards
+from clipdist.data.stream import Batch
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
 from clipdist.models import get_tokenizer
 from helpers import image_bytes, train_stream, write_samples, write_tar
@@ -85,6 +86,7 @@ def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
     assert images.tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
     assert tokens.shape[0] == 2
     assert counts == [2, 0, 2]  # the batch carries the skips made while reading it (samples, shards), and its samples of the one source
+    assert len(Batch.zero_counts(1)) == len(counts)  # what a rank stopped while waiting sends to the step's agreement
     assert next(stream).counts[0] == 0
 
 

@@ -125,7 +125,7 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
 
 def test_sources_are_mixed_by_weight(tmp_path):
     batches = stream(two_sources(tmp_path), 0)
-    counts = np.sum([next(batches).counts[1:] for _ in range(250)], axis=0)
+    counts = np.sum([next(batches).counts[2:] for _ in range(250)], axis=0)  # [samples skipped, shards skipped, *sources]
     assert counts.sum() == 1000
     # 500 shard draws of 2 samples at p = 3/4: the fraction's standard deviation is 0.019.
     assert abs(counts[0] / 1000 - 0.75) < 0.06, counts

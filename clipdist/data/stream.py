@@ -41,6 +41,11 @@ class Batch(NamedTuple):
     tokens: torch.Tensor
     counts: list[int]  # this rank's [samples skipped, shards skipped while reading it, samples of each source]
 
+    @staticmethod
+    def zero_counts(sources: int) -> list[int]:
+        """The counts of a batch that read nothing (the step's agreement sums counts of one length)."""
+        return [0, 0] + [0] * sources
+
 
 class TrainStream:
     """This rank's endless batches of `data` (a DataConfig: split, resampled, weights, shuffle_buffer,
