@@ -3,6 +3,7 @@ shards and streams, and check refusals in this process."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,10 +20,76 @@ def train_command(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
             *overrides]
 
 
-def train(run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
-    return subprocess.run(train_command(run_dir, cache_dir, *overrides), capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=environment)
+def train(run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300, env=None,
+          fresh: bool = False) -> subprocess.CompletedProcess:
+    """train.py with these overrides: (exit code, stdout, stderr) as a user's shell sees them.
+
+    Run in this process — train.py's entry point, called as train.py calls it; `world=cpu2` forks its
+    ranks from here as it would from train.py — since a fresh interpreter spends ~8 s importing torch and
+    the towers' libraries. `env` or `fresh=True`: in a fresh interpreter (with `timeout`), for what
+    only a process start shows (environment variables, imports, the interpreter's exit)."""
+    command = train_command(run_dir, cache_dir, *overrides)
+    if env is not None or fresh:
+        environment = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment)
+    return _train_here(command)
+
+
+def _train_here(command: list[str]) -> subprocess.CompletedProcess:
+    import tempfile
+
+    import torch
+
+    from clipdist.cli import train_main
+    from clipdist.console import RunLogHandler
+
+    threads, argv, full_error = torch.get_num_threads(), list(sys.argv), os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "0"
+    code = 0
+    with tempfile.TemporaryDirectory() as folder, console_into(Path(folder) / "out", Path(folder) / "err"):
+        try:
+            train_main(command[2:])
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)
+            sys.argv = argv
+            os.environ.pop("HYDRA_FULL_ERROR") if full_error is None else os.environ.update(HYDRA_FULL_ERROR=full_error)
+            root = logging.getLogger()
+            for handler in [handler for handler in root.handlers if isinstance(handler, RunLogHandler)]:
+                root.removeHandler(handler)
+                handler.close()
+    return subprocess.CompletedProcess(command, code, console_into.text[0], console_into.text[1])
+
+
+class console_into:
+    """stdout and stderr of this process and of what it forks (ranks, loader workers) into two files, at the
+    Python and the file-descriptor level; their text is in `console_into.text` once the block ends."""
+    text = ("", "")
+
+    def __init__(self, out: Path, err: Path):
+        self.paths = (out, err)
+
+    def __enter__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.saved, self.saved_fds = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
+        self.files = [open(path, "a", buffering=1) for path in self.paths]
+        for fd, handle in zip((1, 2), self.files):
+            os.dup2(handle.fileno(), fd)
+        sys.stdout, sys.stderr = self.files
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.files:
+            handle.flush()
+        sys.stdout, sys.stderr = self.saved
+        for fd, saved in zip((1, 2), self.saved_fds):
+            os.dup2(saved, fd)
+            os.close(saved)
+        for handle in self.files:
+            handle.close()
+        console_into.text = tuple(path.read_text() for path in self.paths)
 
 
 def read_jsonl(path: Path) -> list[dict]:
