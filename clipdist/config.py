@@ -84,7 +84,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # Built-in real datasets turned into shards on first use (digits, fashion_mnist), or null
+    # Built-in real datasets turned into shards on first use (digits, fashion_mnist, web_photos), or null
     # to read your own shards from train_shards / val_shards.
     source: Optional[str] = "digits"
     # A shard spec: file, brace pattern 'dir/{000..099}.tar', directory, glob, URL or 'pipe:cmd'; '::' joins several.

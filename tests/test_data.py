@@ -210,6 +210,22 @@ def test_digits_become_cached_shards(tmp_path):
     assert builtin_shards("digits", str(tmp_path)) == (train, val)  # cached
 
 
+def test_web_photos_are_web_like_jpegs_of_real_photographs():
+    """The 224-px loader workload: JPEGs of 256-512 px on the short side, tens of KB, labelled by photograph."""
+    import io
+
+    from PIL import Image
+
+    from clipdist.data.builtin import CLASSNAMES, _web_photos
+
+    images, labels, names = _web_photos(None, samples=64)
+    decoded = [Image.open(io.BytesIO(data)) for data in images]
+    assert {image.format for image in decoded} == {"JPEG"} and {image.mode for image in decoded} == {"RGB"}
+    assert all(256 <= min(image.size) <= 512 for image in decoded)
+    assert 15_000 < np.mean([len(data) for data in images]) < 100_000
+    assert names == CLASSNAMES["web_photos"] and len(set(labels.tolist())) > len(names) // 2
+
+
 def test_fashion_mnist_without_the_package_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
         builtin_shards("fashion_mnist", str(tmp_path), source_dir=str(tmp_path / "none"))

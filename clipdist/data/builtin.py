@@ -2,6 +2,9 @@
 
 digits: scikit-learn's 1,797 handwritten digits (8×8, ships inside the wheel).
 fashion_mnist: Debian's dataset-fashion-mnist (idx files under /usr/share/datasets/fashion-mnist).
+web_photos: web-like JPEGs (256-512 px on the short side, quality 80-95, tens of KB, as img2dataset and
+    DataComp shards hold) cut from the photographs that ship inside scikit-image and scikit-learn; the
+    label is the photograph a sample was cut from. For loader and 224-px benchmarks (pip install scikit-image).
 """
 from __future__ import annotations
 
@@ -23,7 +26,17 @@ CAPTIONS = {
     "fashion_mnist": ["a photo of a {}.", "a grayscale photo of a {}.", "a product photo of a {}.", "a small {}."],
 }
 VAL_FRACTION = 0.2
-SHARDS = {"digits": 4, "fashion_mnist": 8}
+SHARDS = {"digits": 4, "fashion_mnist": 8, "web_photos": 8}
+# Photographs in scikit-image's data folder (and scikit-learn's two sample images), by what they show.
+WEB_PHOTOS = {
+    "astronaut.png": "astronaut", "chelsea.png": "cat", "coffee.png": "cup of coffee", "hubble_deep_field.jpg": "galaxy",
+    "ihc.png": "microscope slide", "motorcycle_left.png": "motorcycle", "motorcycle_right.png": "motorcycle",
+    "retina.jpg": "retina", "rocket.jpg": "rocket", "camera.png": "cameraman", "coins.png": "coins", "moon.png": "moon",
+    "brick.png": "brick wall", "grass.png": "lawn", "gravel.png": "gravel", "china.jpg": "temple", "flower.jpg": "flower",
+}
+WEB_SAMPLES = 2560
+CAPTIONS["web_photos"] = ["a photo of a {}.", "a picture of the {}.", "a close-up photo of a {}.", "a cropped photo of a {}.",
+                          "{} in a photo."]
 
 
 def _digits(_source_dir):
@@ -49,8 +62,46 @@ def _fashion_mnist(source_dir):
     return images, labels, FASHION_NAMES
 
 
-LOADERS = {"digits": _digits, "fashion_mnist": _fashion_mnist}
-CLASSNAMES = {"digits": DIGIT_WORDS, "fashion_mnist": FASHION_NAMES}
+def _web_photos(_source_dir, samples: int = WEB_SAMPLES):
+    """`samples` JPEG bytes: a random crop (30-100 % of a photograph's area, aspect 3:4 to 4:3) of a random
+    photograph, resized to a short side of 256-512 px and encoded at quality 80-95 (seeded)."""
+    import io
+
+    try:
+        import skimage
+    except ImportError:
+        raise FileNotFoundError("data.source=web_photos cuts its images from scikit-image's photographs: "
+                                "pip install scikit-image") from None
+    from sklearn.datasets import load_sample_images
+
+    folder = Path(skimage.__file__).parent / "data"
+    photos = {name: Image.open(folder / name).convert("RGB") for name in WEB_PHOTOS if (folder / name).exists()}
+    photos.update(zip(("china.jpg", "flower.jpg"), map(Image.fromarray, load_sample_images().images)))
+    names = sorted(set(WEB_PHOTOS.values()))
+    files = sorted(photos)
+    rng = random.Random(0)
+    images, labels = [], []
+    for _ in range(samples):
+        name = rng.choice(files)
+        photo = photos[name]
+        area = photo.width * photo.height * rng.uniform(0.3, 1.0)
+        aspect = rng.uniform(3 / 4, 4 / 3)
+        width = min(photo.width, round((area * aspect) ** 0.5))
+        height = min(photo.height, round((area / aspect) ** 0.5))
+        left, top = rng.randint(0, photo.width - width), rng.randint(0, photo.height - height)
+        crop = photo.crop((left, top, left + width, top + height))
+        short = rng.randint(256, 512)
+        scale = short / min(crop.size)
+        crop = crop.resize((round(crop.width * scale), round(crop.height * scale)), Image.BICUBIC)
+        buffer = io.BytesIO()
+        crop.save(buffer, format="JPEG", quality=rng.randint(80, 95))
+        images.append(buffer.getvalue())
+        labels.append(names.index(WEB_PHOTOS[name]))
+    return images, np.array(labels), names
+
+
+LOADERS = {"digits": _digits, "fashion_mnist": _fashion_mnist, "web_photos": _web_photos}
+CLASSNAMES = {"digits": DIGIT_WORDS, "fashion_mnist": FASHION_NAMES, "web_photos": sorted(set(WEB_PHOTOS.values()))}
 
 
 def classnames_of(source: str) -> list[str]:
@@ -76,7 +127,8 @@ def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -
     def pairs(indices):
         for i in indices:
             caption = rng.choice(CAPTIONS[source]).format(names[labels[i]])
-            yield Image.fromarray(images[i]), caption, {"label": int(labels[i]), "index": int(i)}
+            image = images[i] if isinstance(images[i], bytes) else Image.fromarray(images[i])
+            yield image, caption, {"label": int(labels[i]), "index": int(i)}
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: concurrent ranks never collide
     n_train = len(order) - n_val

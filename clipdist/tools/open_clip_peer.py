@@ -28,8 +28,21 @@ def _ddp_without_cpu_device_ids():
     torch.nn.parallel.DistributedDataParallel = CpuFriendlyDDP
 
 
-def main(argv: list[str]) -> None:
+def patch_open_clip_data():
+    """open_clip_train.data, its grouping made to skip webdataset 1.0's end-of-shard marker (once)."""
     import open_clip_train.data as open_clip_data
+
+    group = open_clip_data.group_by_keys_nothrow
+    if not getattr(group, "skips_end_marker", False):
+        def grouped(files, *args, **kwargs):
+            return group((f for f in files if f), *args, **kwargs)
+
+        grouped.skips_end_marker = True
+        open_clip_data.group_by_keys_nothrow = grouped
+    return open_clip_data
+
+
+def main(argv: list[str]) -> None:
     from open_clip_train.main import main as open_clip_main
 
     from clipdist.models import _register_model_configs, resolve_model_name
@@ -39,8 +52,7 @@ def main(argv: list[str]) -> None:
         at = argv.index("--model") + 1
         argv = [*argv[:at], resolve_model_name(argv[at]), *argv[at + 1:]]
     _ddp_without_cpu_device_ids()
-    group = open_clip_data.group_by_keys_nothrow
-    open_clip_data.group_by_keys_nothrow = lambda files, *args, **kwargs: group((f for f in files if f), *args, **kwargs)
+    patch_open_clip_data()
     open_clip_main(argv)
 
 
