@@ -52,11 +52,8 @@ class RunLogHandler(logging.FileHandler):
 def configure(main: bool) -> None:
     """Install the console on the root logger (replacing what an earlier call installed, the run log
     included, so an in-process second run starts clean); clipdist's INFO only from the main rank."""
+    _remove(ConsoleHandler, RunLogHandler)
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        if isinstance(handler, (ConsoleHandler, RunLogHandler)):
-            root.removeHandler(handler)
-            handler.close()
     root.addHandler(ConsoleHandler())
     root.setLevel(logging.WARNING)
     logging.getLogger("clipdist").setLevel(logging.INFO if main else logging.WARNING)
@@ -67,12 +64,20 @@ def configure(main: bool) -> None:
 def open_run_log(path: str | os.PathLike) -> None:
     """From here on, every console line also goes to `path` (<run_dir>/train.log): called once the start's
     checks have passed, so a refused attempt adds nothing to a run it was refused to touch."""
+    close_run_log()
+    logging.getLogger().addHandler(RunLogHandler(str(path)))
+
+
+def close_run_log() -> None:
+    """Stop writing to the run log (an in-process caller that outlives the run)."""
+    _remove(RunLogHandler)
+
+
+def _remove(*kinds: type) -> None:
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        if isinstance(handler, RunLogHandler):
-            root.removeHandler(handler)
-            handler.close()
-    root.addHandler(RunLogHandler(str(path)))
+    for handler in [handler for handler in root.handlers if isinstance(handler, kinds)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def run_log() -> str | None:

@@ -255,8 +255,8 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
     results = mp.get_context(method).Queue()
     sys.stdout.flush()  # a forked child would write what is still buffered here again
     sys.stderr.flush()
-    context = mp.start_processes(_spawned_worker, args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()),
-                                 nprocs=world_size, join=False, start_method=method)
+    context = mp.start_processes(_spawned_worker, nprocs=world_size, join=False, start_method=method,
+                                 args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()))
 
     def forward(signum, _frame):
         for process in context.processes:

@@ -337,7 +337,8 @@ class Trainer:
                 stream.consumed(agreed.counts)
                 if not math.isfinite(agreed.loss):
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
-                    self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)", logging.WARNING)
+                    self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)",
+                             logging.WARNING)
                     if bad_steps >= cfg.max_nonfinite_steps:
                         raise TrainingDiverged(self.divergence(bad_steps))
                     continue

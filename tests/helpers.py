@@ -3,7 +3,6 @@ shards and streams, and check refusals in this process."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -41,7 +40,7 @@ def _train_here(command: list[str]) -> subprocess.CompletedProcess:
     import torch
 
     from clipdist.cli import train_main
-    from clipdist.console import RunLogHandler
+    from clipdist.console import close_run_log
 
     threads, argv, full_error = torch.get_num_threads(), list(sys.argv), os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "0"
@@ -55,10 +54,7 @@ def _train_here(command: list[str]) -> subprocess.CompletedProcess:
             torch.set_num_threads(threads)
             sys.argv = argv
             os.environ.pop("HYDRA_FULL_ERROR") if full_error is None else os.environ.update(HYDRA_FULL_ERROR=full_error)
-            root = logging.getLogger()
-            for handler in [handler for handler in root.handlers if isinstance(handler, RunLogHandler)]:
-                root.removeHandler(handler)
-                handler.close()
+            close_run_log()
     return subprocess.CompletedProcess(command, code, console_into.text[0], console_into.text[1])
 
 
