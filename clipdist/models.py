@@ -87,6 +87,11 @@ def pretrained_cfg(name: str, pretrained: str | None) -> dict:
     return found
 
 
+def fetches_weights(name: str, pretrained: str | None) -> bool:
+    """Whether the starting weights come over the network into a cache (a pretrained tag, an `hf-hub:` model)."""
+    return pretrained is not None or name.startswith("hf-hub:")
+
+
 def pretrained_weights(name: str, pretrained: str | None = None, cache_dir: str | None = None) -> str | None:
     """The local file or folder that model `name` starts from, fetched into Hugging Face's cache (or `cache_dir`)
     if it is not there yet: the weights of open_clip pretrained tag `pretrained`, or of an `hf-hub:` or

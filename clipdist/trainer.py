@@ -29,7 +29,7 @@ from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
-from clipdist.models import (check_weights, create_model, create_model_for_loss, get_tokenizer,
+from clipdist.models import (check_weights, create_model, create_model_for_loss, fetches_weights, get_tokenizer,
                              resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.state import TrainState, seed_everything
@@ -249,8 +249,7 @@ class Trainer:
         self.loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        fetches = cfg.model.pretrained is not None or cfg.model.name.startswith("hf-hub:")
-        with parallel.node_leaders_first(env.local_rank, needed=fetches):
+        with parallel.node_leaders_first(env.local_rank, needed=fetches_weights(cfg.model.name, cfg.model.pretrained)):
             self.model = create_model_for_loss(
                 cfg.model.name, self.loss_fn, init_logit_scale=cfg.loss.init_logit_scale,
                 init_logit_bias=cfg.loss.init_logit_bias, checkpoint=cfg.model.checkpoint,
