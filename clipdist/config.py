@@ -60,6 +60,12 @@ class WorkerPriority(Choice):
     low = "low"  # SCHED_IDLE: the workers run in the time the ranks wait (collectives, the data queue)
 
 
+class NormalizeOn(Choice):
+    auto = "auto"  # device on CUDA ranks, loader on CPU ranks
+    loader = "loader"  # the workers make normalized float32 batches
+    device = "device"  # the workers make uint8 batches; the rank normalizes them on its device after the copy
+
+
 class OnCheckpointError(Choice):
     stop = "stop"  # one line naming the path and the OS error, then a clean stop (exit 1)
     warn = "warn"  # the same line as a warning; training goes on and the next save tries again
@@ -98,6 +104,7 @@ class DataConfig:
     shuffle_buffer: int = 1000
     workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (host.loader_workers)
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
+    normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt

@@ -57,26 +57,94 @@ def rank_cpus(procs_per_node: int, environ: Mapping[str, str] | None = None) -> 
     return max(1, available // procs_per_node), f"{available} CPUs / {procs_per_node} rank(s) per node"
 
 
-def low_priority_workers(setting: str, device_type: str, procs_per_node: int, loader_workers: int,
-                         environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """Whether the loader workers run at idle priority (SCHED_IDLE), and why.
+def loader_priority(setting: str, device_type: str, procs_per_node: int, loader_workers: int,
+                    environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """How the loader workers are scheduled and why: "low" (SCHED_IDLE from the start), "normal", or
+    "measured" (normal until the run shows whether idle priority pays: MeasuredPriority).
 
-    auto: yes for CPU ranks whose workers cannot each have a core beside the rank's (rank CPUs <
-    1 + workers). Sharing cores as equals, a worker preempts its rank mid-step and every other rank
-    waits for it at the next collective; at idle priority the workers decode in the time the ranks
-    wait anyway (collectives, an empty data queue — where a rank that outruns its loader blocks and
-    yields the core). Measured on 2 cores, 2 ranks × 1 worker: 715-777 -> 790-965 samples/s. GPU ranks
-    keep normal priority: a rank spinning on a CUDA sync would starve its workers."""
+    auto: measured for CPU ranks whose workers cannot each have a core beside the rank's (rank CPUs <
+    1 + workers). There, sharing cores as equals, a worker preempts its rank mid-step and every other
+    rank waits for it at the next collective; at idle priority the workers decode in the time the ranks
+    wait anyway (collectives, an empty data queue) — measured on 2 cores, 2 ranks × 1 worker, a model-bound
+    run: 715-777 -> 790-965 samples/s. But when the loader is what the rank waits for, or another process
+    is busy on the node, idle workers starve (a loader-bound run beside another job: 0.77× open_clip_train's
+    samples/s): so only a run whose loader measurably keeps up lowers them. GPU ranks keep normal priority: a
+    rank spinning on a CUDA sync would starve its workers."""
     if setting == "normal" or loader_workers == 0:
-        return False, f"data.worker_priority={setting}" if loader_workers else "no loader workers"
+        return "normal", f"data.worker_priority={setting}" if loader_workers else "no loader workers"
     if setting == "low":
-        return True, "data.worker_priority=low"
+        return "low", "data.worker_priority=low"
     if device_type != "cpu":
-        return False, f"data.worker_priority=auto: {device_type} ranks"
+        return "normal", f"data.worker_priority=auto: {device_type} ranks"
     cpus, source = rank_cpus(procs_per_node, environ)
     if cpus >= 1 + loader_workers:
-        return False, f"data.worker_priority=auto: {source}, enough for the rank and {loader_workers} worker(s)"
-    return True, f"data.worker_priority=auto: {source}, fewer than the rank + {loader_workers} worker(s)"
+        return "normal", f"data.worker_priority=auto: {source}, enough for the rank and {loader_workers} worker(s)"
+    return "measured", (f"data.worker_priority=auto: {source}, fewer than the rank + {loader_workers} worker(s); "
+                        "idle priority once the run shows the loader keeps up")
+
+
+def set_low_priority(pid: int, low: bool) -> bool:
+    """Put every thread of process `pid` (0: this one) under SCHED_IDLE, or back under SCHED_OTHER (nice 19
+    / 0 where there is no SCHED_IDLE). False where the OS refuses: going back needs CAP_SYS_NICE or
+    RLIMIT_NICE >= 20 (sched(7): an unprivileged process cannot leave SCHED_IDLE)."""
+    pid = pid or os.getpid()
+    try:
+        if not hasattr(os, "SCHED_IDLE"):
+            os.setpriority(os.PRIO_PROCESS, pid, 19 if low else 0)
+            return True
+        policy = os.SCHED_IDLE if low else os.SCHED_OTHER
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
+        for tid in threads:
+            try:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
+            except ProcessLookupError:  # a thread that has just ended
+                pass
+        return True
+    except PermissionError:
+        return False
+
+
+class MeasuredPriority:
+    """data.worker_priority=auto where CPU ranks share cores with their workers: decided from the run.
+
+    The workers start at normal priority. After `skip` warm-up steps, over `window` steps: if the rank
+    waited for data less than `idle_below` of its time (the loader keeps up, with room to spare), the
+    workers go to idle priority. While they are there, each further window where the rank waits more
+    than `normal_above` of its time (contention, slower data) brings them back to normal priority, for the
+    rest of the run — where the OS lets this process do it (set_low_priority), else it says how to fix it.
+    `observe` returns the decision's line for the log, once, when one is made."""
+
+    def __init__(self, set_low, skip: int = 10, window: int = 20, idle_below: float = 0.02, normal_above: float = 0.1):
+        self.set_low, self.skip, self.window = set_low, skip, window
+        self.idle_below, self.normal_above = idle_below, normal_above
+        self.state, self.steps, self.waited, self.total = "measuring", 0, 0.0, 0.0
+
+    def observe(self, wait_s: float, step_s: float) -> str | None:
+        """One step: `wait_s` spent waiting for its batch, `step_s` the whole step (the wait included)."""
+        self.steps += 1
+        if self.state == "settled" or self.steps <= self.skip:
+            return None
+        self.waited, self.total = self.waited + wait_s, self.total + step_s
+        if (self.steps - self.skip) % self.window:
+            return None
+        share, first, last = self.waited / max(self.total, 1e-9), self.steps - self.window + 1, self.steps
+        self.waited = self.total = 0.0
+        measured = f"over steps {first}-{last} the rank waited {share:.1%} of its time for data"
+        if self.state == "measuring":
+            if share >= self.idle_below:
+                self.state = "settled"
+                return f"loader workers stay at normal priority: {measured} (the loader is what it waits for)"
+            self.state = "low" if self.set_low(True) else "settled"
+            return (f"loader workers to idle priority: {measured} (the loader keeps up); they now decode in the time "
+                    "the rank leaves idle" if self.state == "low"
+                    else "loader workers stay at normal priority: the OS refused idle priority")
+        if share <= self.normal_above:
+            return None
+        self.state = "settled"
+        if self.set_low(False):
+            return f"loader workers back to normal priority: {measured} at idle priority"
+        return (f"loader workers cannot return to normal priority ({measured}): this process may not raise a "
+                "priority (RLIMIT_NICE < 20); set data.worker_priority=normal for runs on a shared node")
 
 
 def keep_freed_memory() -> bool:

@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from clipdist import console, host, launch, parallel
 from clipdist.checkpoint import Checkpointer
-from clipdist.config import Device, Precision, TrainConfig, as_dict, to_train_config, validate
+from clipdist.config import Device, NormalizeOn, Precision, TrainConfig, as_dict, to_train_config, validate
 from clipdist.data.eval_stream import first_eval_record
+from clipdist.data.images import PixelNormalize
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import Batch, TrainStream, check_shard_count
 from clipdist.errors import ConfigError, TrainingDiverged
@@ -176,6 +177,13 @@ def select_device(setting: Device, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def normalize_on_device(setting: NormalizeOn, device: torch.device) -> tuple[bool, str]:
+    """Whether the loader hands over uint8 pixels for the rank to normalize on its device, and why."""
+    if setting != NormalizeOn.auto:
+        return setting == NormalizeOn.device, f"data.normalize_on={setting}"
+    return device.type != "cpu", f"data.normalize_on=auto: {device.type} ranks"
+
+
 def uses_bf16(precision: Precision, device: torch.device) -> bool:
     return precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
 
@@ -269,16 +277,21 @@ class Trainer:
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
-        low_priority, why = host.low_priority_workers(str(cfg.data.worker_priority), device.type,
-                                                      cfg.world.procs_per_node, cfg.data.workers)
+        priority, why = host.loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
+                                             cfg.data.workers)
         if env.is_main and cfg.data.workers:
-            log.info("loader workers at %s priority (%s)", "idle" if low_priority else "normal", why)
+            log.info("loader workers at %s priority (%s)", "idle" if priority == "low" else "normal", why)
+        on_device, why = normalize_on_device(cfg.data.normalize_on, device)
+        if env.is_main:
+            log.info("images normalized %s (%s)", f"on {device.type} after the copy" if on_device else "by the loader", why)
+        self.model_input = PixelNormalize(mean, std, device)
         self.stream = TrainStream(
             shards.sources, cfg.data, batch_size=cfg.world.batch_per_device,
             image_transform=open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
             tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-            low_priority_workers=low_priority)
+            low_priority_workers=priority == "low", pixels=on_device, pin_memory=on_device and device.type == "cuda")
 
+        self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
         self.state = TrainState(self.model, optimizer, scheduler, self.stream)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
@@ -324,8 +337,10 @@ class Trainer:
                 profiler.step()
                 with record_function("data"):
                     batch = self.next_batch()
+                waited = time.perf_counter() - started
                 with record_function("forward_and_loss"):
-                    loss = self.step_fn.loss(batch.images.to(self.device), batch.tokens.to(self.device))
+                    images = self.model_input(batch.images.to(self.device, non_blocking=True))
+                    loss = self.step_fn.loss(images, batch.tokens.to(self.device, non_blocking=True))
                 with record_function("agree"):
                     agreed = StepAgreement.reach(loss, checkpointer.requests(), batch.counts, self.device)
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
@@ -345,6 +360,8 @@ class Trainer:
                 grad_norm = self.optimize(loss)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
+                if self.priority is not None and (decision := self.priority.observe(waited, seconds)):
+                    self.say(f"step {state.step}: {decision}")
                 if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
                     checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:

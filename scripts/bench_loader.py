@@ -1,7 +1,9 @@
 """The loader alone on web-like JPEGs at 224 px: clipdist's TrainStream against open_clip_train's own webdataset
 pipeline (`get_wds_dataset`, from the installed open_clip_torch wheel), same shards, same transform (open_clip's
 training transform for a 224-px tower: random resized crop, RGB, normalize), same tokenizer, same batch and
-loader workers; runs interleaved (clipdist, open_clip, clipdist, ...).
+loader workers; runs interleaved (clipdist, clipdist uint8, open_clip, clipdist, ...). "clipdist" makes
+normalized float32 batches (CPU runs); "clipdist uint8" makes the uint8 batches GPU runs copy to the device and
+normalize there (data.normalize_on). --background N: N busy-looping processes run beside (a shared machine).
 
     python scripts/bench_loader.py --workers 1,2 --repeats 3 --batches 30 --out docs/bench/loader_web.json
     python scripts/bench_loader.py --shards '/data/datacomp/{00000000..00000099}.tar' ...
@@ -25,6 +27,8 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from clipdist.tools.background import busy_processes  # noqa: E402
+
 
 def transform_and_tokenizer(model: str):
     import open_clip
@@ -37,13 +41,14 @@ def transform_and_tokenizer(model: str):
             get_tokenizer(model))
 
 
-def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tokenizer):
+def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tokenizer, pixels: bool = False):
+    """clipdist's stream; `pixels`: uint8 batches, as GPU runs have them (data.normalize_on=device)."""
     from clipdist.config import DataConfig
     from clipdist.data.stream import TrainStream
 
     data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=1000)
     stream = TrainStream([shards], data, batch_size=batch, image_transform=transform, tokenizer=tokenizer, rank=0,
-                         world_size=1, seed=0)
+                         world_size=1, seed=0, pixels=pixels)
     try:
         while True:
             images, _tokens, _counts = next(stream)
@@ -86,42 +91,48 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", type=int, default=5, help="warm-up batches left out")
     parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--background", type=int, default=0,
+                        help="shared machine: this many busy-looping processes run beside the loaders")
     parser.add_argument("--out", help="write the runs and the summary here as JSON")
     args = parser.parse_args()
+    with busy_processes(args.background):
+        run(args)
 
+
+def run(args) -> None:
     from clipdist.data.builtin import builtin_shards
     from clipdist.data.sources import expand_shards
 
     pattern = args.shards or builtin_shards("web_photos", args.cache_dir)[0]
     shards = expand_shards(pattern)
     transform, tokenizer = transform_and_tokenizer(args.model)
+    loaders = {"clipdist": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer),
+               "clipdist uint8": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer,
+                                                                  pixels=True),
+               "open_clip": lambda workers: open_clip_batches(pattern, args.batch, workers, transform, tokenizer)}
     runs = []
     for workers in map(int, args.workers.split(",")):
         for repeat in range(args.repeats):
-            for name in ("clipdist", "open_clip"):
-                batches = clipdist_batches(shards, args.batch, workers, transform, tokenizer) if name == "clipdist" \
-                    else open_clip_batches(pattern, args.batch, workers, transform, tokenizer)
-                rate = measure(batches, args.skip, args.batches)
+            for name, batches in loaders.items():
+                rate = measure(batches(workers), args.skip, args.batches)
                 runs.append({"loader": name, "workers": workers, "repeat": repeat, "samples_per_s": rate})
-                print(f"{name:9s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "
+                print(f"{name:14s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "
                       f"({rate / max(workers, 1):.1f} per worker)", flush=True)
     summary = []
     for workers in sorted({run["workers"] for run in runs}):
-        median = {name: statistics.median(run["samples_per_s"] for run in runs
-                                          if run["loader"] == name and run["workers"] == workers)
-                  for name in ("clipdist", "open_clip")}
-        ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(
-            [r for r in runs if r["loader"] == "clipdist" and r["workers"] == workers],
-            [r for r in runs if r["loader"] == "open_clip" and r["workers"] == workers])]
-        summary.append({"workers": workers, "clipdist": median["clipdist"], "open_clip": median["open_clip"],
-                        "ratio": median["clipdist"] / median["open_clip"], "per_repeat_ratios": ratios})
-    print("\n| loader workers | clipdist samples/s (per worker) | open_clip samples/s (per worker) | ratio | per-repeat ratios |")
+        of = {name: [run["samples_per_s"] for run in runs if run["loader"] == name and run["workers"] == workers]
+              for name in loaders}
+        for name in loaders:
+            summary.append({"workers": workers, "loader": name, "samples_per_s": statistics.median(of[name]),
+                            "ratio": statistics.median(of[name]) / statistics.median(of["open_clip"]),
+                            "per_repeat_ratios": [a / b for a, b in zip(of[name], of["open_clip"])]})
+    print(f"\n{args.background} busy process(es) beside the loaders")
+    print("| loader workers | loader | samples/s (per worker) | ratio to open_clip | per-repeat ratios |")
     print("|---|---|---|---|---|")
     for row in summary:
         w = row["workers"]
-        print(f"| {w} | {row['clipdist']:.0f} ({row['clipdist'] / w:.0f}) | {row['open_clip']:.0f} "
-              f"({row['open_clip'] / w:.0f}) | {row['ratio']:.2f}× | "
-              f"{', '.join(f'{r:.2f}' for r in row['per_repeat_ratios'])} |")
+        print(f"| {w} | {row['loader']} | {row['samples_per_s']:.0f} ({row['samples_per_s'] / max(w, 1):.0f}) | "
+              f"{row['ratio']:.2f}× | {', '.join(f'{r:.2f}' for r in row['per_repeat_ratios'])} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "cpus": len(os.sched_getaffinity(0)),

@@ -1,4 +1,5 @@
 import io
+import math
 import logging
 import tarfile
 import time
@@ -31,7 +32,12 @@ def identity_transform(image):
 
 @pytest.mark.parametrize("is_train", [True, False])
 def test_batched_image_conversion_is_bit_identical_to_the_transform(is_train):
+    """ToTensor + Normalize once per batch (and PixelNormalize after a copy of uint8 pixels) give the
+    per-image transform's floats bit for bit, from the same decoded crop."""
     import open_clip
+    from torchvision import transforms as T
+
+    from clipdist.data.images import PixelNormalize
 
     transform = open_clip.image_transform(32, is_train=is_train, mean=open_clip.OPENAI_DATASET_MEAN,
                                           std=open_clip.OPENAI_DATASET_STD)
@@ -39,16 +45,22 @@ def test_batched_image_conversion_is_bit_identical_to_the_transform(is_train):
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(8, 8), (40, 31), (32, 32)]]
     images += [Image.fromarray(rng.integers(0, 256, (20, 24), dtype=np.uint8))]  # L: open_clip converts it to RGB
     batcher = ImageBatcher(transform)
+    after_crop = T.Compose(transform.transforms[1:]) if is_train else transform  # the batcher crops as it decodes
     expected, parts = [], []
     for seed, image in enumerate(images):
         torch.manual_seed(seed)
-        expected.append(transform(image))
+        expected.append(after_crop(batcher.decode(image.copy())))
         torch.manual_seed(seed)
         parts.append(batcher(image))
     assert all(part.dtype == torch.uint8 for part in parts)  # the batched path was taken
     assert torch.equal(batcher.stack(parts), torch.stack(expected))
+    pixels = batcher.stack(parts, pixels=True)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (4, 32, 32, 3)
+    normalize = PixelNormalize(open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
+    assert torch.equal(normalize(pixels), torch.stack(expected))  # on the device: the same floats
     mixed = [parts[0], transform.transforms[-1](transform.transforms[-2](np.asarray(parts[1])))]  # one converted alone
     assert torch.equal(batcher.stack(mixed), torch.stack(expected[:2]))
+    assert batcher.stack(mixed, pixels=True).dtype == torch.float32  # not all pixels: normalized where made
 
 
 def test_a_transform_without_totensor_and_normalize_is_applied_per_image():
@@ -451,3 +463,142 @@ def test_skips_are_counted_in_workers_of_every_start_method(tmp_path, start_meth
         assert [next(batches).counts[0] for _ in range(4)] == [1, 1, 0, 0]
     finally:
         batches.close()
+
+
+# --- decoding at the size the crop needs; bad images stay bad samples ------------------------------
+
+def photo_like(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A smooth image with sharp edges (gradients, discs): resampling differences show, a crop in another
+    place shows much more."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    image = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], axis=-1)
+    for _ in range(12):
+        cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(10, width / 4)
+        image[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
+    return Image.fromarray(image.astype(np.uint8))
+
+
+def jpeg_sample(image: Image.Image, **save) -> dict:
+    return {"__url__": "s.tar", "__key__": "k", "jpg": encoded(image, "JPEG") if not save else _jpeg(image, **save)}
+
+
+def _jpeg(image: Image.Image, **save) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", **save)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("size", [(640, 520), (520, 680), (300, 260), (200, 150)])
+def test_the_crop_decodes_at_the_size_it_needs_with_the_transforms_boxes(size):
+    """open_clip's training crop on an image not decoded yet: the box drawn as RandomResizedCrop draws it
+    (same seed, same box), the JPEG decoded at the fewest eighths that still cover the output, and the
+    224-px result within ~1 level of 255 of the full-size decode + crop + resize."""
+    import open_clip
+
+    from clipdist.data.samples import load_rgb, open_image
+
+    transform = open_clip.image_transform(224, is_train=True)
+    crop = transform.transforms[0]
+    batcher = ImageBatcher(transform)
+    sample = jpeg_sample(photo_like(*size), quality=90)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        expected = np.asarray(crop(decode_image(sample)), dtype=np.float32)
+        torch.manual_seed(seed)
+        got = np.asarray(batcher.decode(open_image(sample)), dtype=np.float32)
+        assert got.shape == expected.shape == (224, 224, 3)
+        assert np.abs(got - expected).mean() < 1, seed
+        torch.manual_seed(seed + 100)  # another box: far apart (the test can tell a box from another)
+        other = np.asarray(crop(decode_image(sample)), dtype=np.float32)
+        assert np.abs(other - expected).mean() > 3 * np.abs(got - expected).mean()
+    image, scale = load_rgb(open_image(sample), (224, 224))
+    assert scale == pytest.approx(min(1.0, math.ceil(8 * 224 / min(size)) / 8), abs=1 / 8)
+    assert image.size == (math.ceil(size[0] * scale), math.ceil(size[1] * scale)) and image.mode == "RGB"
+
+
+def test_jpegs_of_every_kind_decode_like_pil():
+    """Greyscale, CMYK, progressive and 4:4:4 JPEGs decode (reduced or not) to what PIL decodes."""
+    from clipdist.data.samples import load_rgb, open_image
+
+    photo = photo_like(400, 320)
+    for image, save in [(photo.convert("L"), {}), (photo.convert("CMYK"), {}), (photo, {"progressive": True}),
+                        (photo, {"subsampling": 0}), (photo, {"quality": 75})]:
+        sample = jpeg_sample(image, **save)
+        reference = decode_image(sample)
+        assert np.abs(np.asarray(reference, np.float32) - np.asarray(image.convert("RGB"), np.float32)).mean() < 6
+        whole, scale = load_rgb(open_image(sample))
+        assert scale == 1 and whole.mode == "RGB"
+        assert np.abs(np.asarray(whole, np.float32) - np.asarray(reference, np.float32)).mean() < 1
+        half, scale = load_rgb(open_image(sample), (200, 160))
+        assert scale == 0.5 and half.size == (200, 160)
+        shrunk = np.asarray(reference.resize((200, 160), Image.BICUBIC), np.float32)
+        assert np.abs(np.asarray(half, np.float32) - shrunk).mean() < 3
+
+
+def test_exif_orientation_is_not_applied_as_in_open_clip():
+    """open_clip's loader (webdataset's pilrgb) uses an image as stored, whatever its EXIF orientation says."""
+    from clipdist.data.samples import open_image
+
+    image = photo_like(64, 32)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to view"
+    sample = {"__url__": "s.tar", "__key__": "k", "jpg": _jpeg(image, exif=exif.tobytes())}
+    assert open_image(sample).opened.getexif()[0x0112] == 6
+    assert decode_image(sample).size == (64, 32)
+    assert ImageBatcher(lambda x: x).decode(open_image(sample)).size == (64, 32)
+
+
+def test_a_png_or_webp_named_jpg_decodes_as_what_it_is():
+    from clipdist.data.samples import load_rgb, open_image
+
+    for fmt in ("PNG", "WEBP"):
+        sample = {"__url__": "s.tar", "__key__": "k", "jpg": encoded(photo_like(300, 200), fmt)}
+        image, scale = load_rgb(open_image(sample), (100, 60))  # no DCT scaling: decoded whole
+        assert open_image(sample).opened.format == fmt and scale == 1 and image.size == (300, 200)
+
+
+@pytest.fixture(scope="module")
+def huge_jpeg():
+    """A 12,000 x 12,000 JPEG (144 M pixels, 432 MB decoded whole; PIL warns above 89 M)."""
+    image = Image.new("L", (12_000, 12_000), 90)
+    image.paste(200, (0, 0, 6_000, 6_000))
+    return _jpeg(image, quality=70)
+
+
+def test_a_huge_jpeg_is_decoded_at_the_crops_size_and_a_huge_png_is_refused(huge_jpeg):
+    import open_clip
+
+    from clipdist.data.samples import load_rgb, open_image
+
+    sample = {"__url__": "s.tar", "__key__": "big", "jpg": huge_jpeg}
+    batcher = ImageBatcher(open_clip.image_transform(224, is_train=True))
+    torch.manual_seed(0)
+    crop = batcher.decode(open_image(sample))  # decoded at 1/8 at most: 1,500 x 1,500
+    assert crop.size == (224, 224)
+    assert np.asarray(crop).min() <= 95 and np.asarray(crop).max() >= 195  # both halves are in it
+    with pytest.raises(Image.DecompressionBombError, match="MAX_IMAGE_PIXELS"):
+        load_rgb(open_image(sample))  # whole: more than PIL's limit
+    with pytest.raises(SampleError, match=r"sample 'big': \.jpg does not decode \(DecompressionBombError"):
+        decode_image(sample)
+    png_bomb = {"__url__": "s.tar", "__key__": "big", "png": encoded(Image.new("1", (12_000, 12_000)))}
+    with pytest.raises(Image.DecompressionBombError):
+        load_rgb(open_image(png_bomb), (224, 224))  # not a JPEG: no reduced decode, so refused
+
+
+def test_bad_images_are_skipped_and_counted_in_the_stream(tmp_path, huge_jpeg):
+    """A truncated JPEG and a PNG bomb are skipped (counted, named); CMYK, progressive, greyscale JPEGs, a
+    PNG named .jpg and a 12,000-px JPEG are trained on."""
+    import open_clip
+
+    photo = photo_like(300, 260)
+    good = [_jpeg(photo.convert("CMYK")), _jpeg(photo, progressive=True), _jpeg(photo.convert("L")),
+            encoded(photo, "PNG"), huge_jpeg]
+    bad = [_jpeg(photo)[:2000], encoded(Image.new("1", (12_000, 12_000)))]
+    members = [item for i, data in enumerate(good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:])
+               for item in [(f"{i:03d}.jpg", data), (f"{i:03d}.txt", b"a photo")]]
+    write_tar(tmp_path / "a.tar", members)
+    stream = train_stream([tmp_path / "a.tar"], 5, open_clip.image_transform(224, is_train=True))
+    images, _tokens, counts = next(stream)
+    assert images.shape == (5, 3, 224, 224) and counts == [2, 0, 5]
+    stream.close()

@@ -85,22 +85,51 @@ def test_freed_step_memory_is_reused_not_faulted_in_again():
 
 
 
-def test_loader_workers_yield_to_cpu_ranks_that_cannot_spare_them_a_core():
-    from clipdist.host import low_priority_workers
+def test_loader_workers_priority_is_measured_where_cpu_ranks_cannot_spare_them_a_core():
+    from clipdist.host import loader_priority
 
     two_cpus = {"SLURM_CPUS_PER_TASK": "2"}
-    assert low_priority_workers("auto", "cpu", 1, 1, two_cpus)[0] is False  # a core for the rank, one for the worker
-    low, why = low_priority_workers("auto", "cpu", 1, 2, two_cpus)
-    assert low and "SLURM_CPUS_PER_TASK=2" in why
-    assert low_priority_workers("auto", "cuda", 1, 4, two_cpus)[0] is False  # GPU ranks may spin on a sync
-    assert low_priority_workers("low", "cuda", 1, 1, two_cpus)[0] is True
-    assert low_priority_workers("normal", "cpu", 1, 8, two_cpus)[0] is False
-    assert low_priority_workers("low", "cpu", 1, 0, two_cpus)[0] is False  # no workers: nothing to lower
+    assert loader_priority("auto", "cpu", 1, 1, two_cpus)[0] == "normal"  # a core for the rank, one for the worker
+    mode, why = loader_priority("auto", "cpu", 1, 2, two_cpus)
+    assert mode == "measured" and "SLURM_CPUS_PER_TASK=2" in why
+    assert loader_priority("auto", "cuda", 1, 4, two_cpus)[0] == "normal"  # GPU ranks may spin on a sync
+    assert loader_priority("low", "cuda", 1, 1, two_cpus)[0] == "low"
+    assert loader_priority("normal", "cpu", 1, 8, two_cpus)[0] == "normal"
+    assert loader_priority("low", "cpu", 1, 0, two_cpus)[0] == "normal"  # no workers: nothing to lower
+
+
+def priority_run(waits: list[float], allowed: bool = True, step_s: float = 1.0):
+    """MeasuredPriority over steps waiting `waits` seconds each: (the calls it made, its lines by step)."""
+    from clipdist.host import MeasuredPriority
+
+    calls = []
+
+    def set_low(low):
+        calls.append(low)
+        return allowed or low
+
+    control, lines = MeasuredPriority(set_low, skip=2, window=4), {}
+    for step, wait in enumerate(waits, 1):
+        if line := control.observe(wait, step_s):
+            lines[step] = line
+    return calls, lines
+
+
+def test_loader_workers_go_idle_only_when_the_run_shows_the_loader_keeps_up():
+    calls, lines = priority_run([5.0, 5.0] + [0.001] * 4 + [0.05] * 8)  # warm-up waits are not counted
+    assert calls == [True] and list(lines) == [6]
+    assert "to idle priority: over steps 3-6 the rank waited 0.1% of its time" in lines[6]
+    calls, lines = priority_run([0.0] * 2 + [0.3] * 12)  # loader-bound: stays normal, decided once
+    assert calls == [] and list(lines) == [6] and "stay at normal priority" in lines[6] and "30.0%" in lines[6]
+    calls, lines = priority_run([0.0] * 6 + [0.05] * 4 + [0.4] * 4 + [0.0] * 8)  # contention after going idle
+    assert calls == [True, False] and list(lines) == [6, 14] and "back to normal priority" in lines[14]
+    calls, lines = priority_run([0.0] * 6 + [0.4] * 4, allowed=False)  # an unprivileged process cannot go back
+    assert calls == [True, False] and "cannot return" in lines[10] and "data.worker_priority=normal" in lines[10]
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.parametrize("low", [True, False])
-def test_low_priority_loader_workers_run_under_sched_idle(tmp_path, low):
+def test_low_priority_loader_workers_run_under_sched_idle_and_can_change(tmp_path, low):
     from helpers import image_bytes, train_stream, write_tar
 
     write_tar(tmp_path / "a.tar", [(f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
@@ -111,5 +140,8 @@ def test_low_priority_loader_workers_run_under_sched_idle(tmp_path, low):
         next(stream)
         (worker,) = stream.worker_pids()
         assert (os.sched_getscheduler(worker) == os.SCHED_IDLE) is low
+        assert stream.set_worker_priority(True) and os.sched_getscheduler(worker) == os.SCHED_IDLE
+        if os.geteuid() == 0:  # leaving SCHED_IDLE takes CAP_SYS_NICE (or RLIMIT_NICE >= 20)
+            assert stream.set_worker_priority(False) and os.sched_getscheduler(worker) == os.SCHED_OTHER
     finally:
         stream.close()

@@ -10,12 +10,15 @@ from __future__ import annotations
 import io
 import json
 import warnings
+from typing import NamedTuple
 
 import numpy as np
+import simplejpeg
 from PIL import Image
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "0.webp")  # first found wins
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited onto white
+DCT_SCALES = (8, 4, 2)  # the reductions PIL's draft mode decodes a JPEG at (1/8, 1/4, 1/2), largest first
 
 
 class SampleError(ValueError):
@@ -49,19 +52,98 @@ def to_rgb(image: Image.Image, background=BACKGROUND) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+class EncodedImage(NamedTuple):
+    """An image read from its header only: the file's bytes and PIL's lazily opened view of them (format,
+    mode, size); load_rgb decodes it, at the size it is needed."""
+
+    data: bytes
+    opened: Image.Image
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.opened.size
+
+
+def open_image(sample: dict) -> EncodedImage:
+    """The sample's first image (by IMAGE_EXTENSIONS), its header read, its pixels not decoded yet. The
+    format is the file's own, whatever the extension says (a PNG or WebP named .jpg opens as what it is).
+    EXIF orientation is not applied, as in open_clip's loader (webdataset's "pilrgb" decoder): an image
+    is used as it is stored."""
+    ext = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+    if ext is None:
+        raise SampleError(sample, f"no image ({', '.join(IMAGE_EXTENSIONS)}); it has {_extensions(sample)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DecompressionBombWarning: load_rgb decides
+            return EncodedImage(sample[ext], Image.open(io.BytesIO(sample[ext])))
+    except Exception as exn:  # noqa: BLE001 -- any decoder failure is this sample's problem
+        raise undecodable(sample, exn) from None
+
+
+def undecodable(sample: dict, exn: Exception) -> SampleError:
+    """The SampleError for a sample whose image fails to open or decode."""
+    ext = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), "image")
+    return SampleError(sample, f".{ext} does not decode ({type(exn).__name__}: {exn})")
+
+
+def load_rgb(image: EncodedImage | Image.Image, min_size: tuple[int, int] = (0, 0)) -> tuple[Image.Image, float]:
+    """Decode as 8-bit RGB at the smallest size libjpeg can decode to that is at least `min_size`
+    (width, height); returns the image and its scale (decoded size / stored size, at most 1).
+
+    A JPEG in YCbCr or greyscale is decoded by libjpeg-turbo (simplejpeg) with its DCT scaling, which
+    reduces by any M/8 (an IDCT of fewer points: a low-pass, not a subsampling), converting straight to
+    RGB; other JPEGs (CMYK) by PIL, which reduces by 1/2, 1/4, 1/8 (its draft mode); other formats in
+    full. An image that would still decode to more pixels than PIL's MAX_IMAGE_PIXELS is refused with
+    that reason: the memory one image takes stays bounded, and a huge JPEG is read at the size needed."""
+    if isinstance(image, Image.Image):  # decoded already, or opened without its bytes
+        image = EncodedImage(b"", image)
+    data, opened = image
+    width, height = opened.size
+    eighths = dct_eighths(opened.size, min_size)
+    if data and opened.format == "JPEG" and opened.mode in ("RGB", "L"):
+        size = (-(-width * eighths // 8), -(-height * eighths // 8))  # libjpeg rounds up
+        _check_pixels(*size)
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=size[0], min_height=size[1])
+        decoded = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
+        return decoded, eighths / 8 if decoded.size == size else decoded.size[0] / width
+    scale = 1.0
+    power = next((step for step in DCT_SCALES if step * eighths <= 8), 1)
+    if power > 1 and opened.format == "JPEG":
+        drafted = opened.draft(None, (width // power, height // power))
+        if drafted is not None:
+            scale = drafted[1][2] / width
+    _check_pixels(*opened.size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "Palette images with Transparency..."
+        opened.load()
+    return to_rgb(opened), scale
+
+
+def dct_eighths(size: tuple[int, int], min_size: tuple[int, int]) -> int:
+    """The fewest eighths M (1..8) of `size` at which both sides are still at least `min_size` (libjpeg
+    decodes a side s at M/8 as ceil(s·M/8) pixels); 8 (whole) for no `min_size`, or where the image is
+    smaller than that already."""
+    width, height = size
+    if not any(min_size):
+        return 8
+    return next((m for m in range(1, 8) if -(-width * m // 8) >= min_size[0] and -(-height * m // 8) >= min_size[1]), 8)
+
+
+def _check_pixels(width: int, height: int) -> None:
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and width * height > limit:
+        raise Image.DecompressionBombError(
+            f"{width}x{height} pixels to decode exceed the limit of {limit} (PIL's MAX_IMAGE_PIXELS), which "
+            "guards against a decompression bomb")
+
+
 def decode_image(sample: dict) -> Image.Image:
-    """The sample's first image (by IMAGE_EXTENSIONS), fully decoded, as RGB."""
-    for ext in IMAGE_EXTENSIONS:
-        if ext in sample:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # e.g. "Palette images with Transparency..."
-                    image = Image.open(io.BytesIO(sample[ext]))
-                    image.load()
-                    return to_rgb(image)
-            except Exception as exn:  # noqa: BLE001 -- any decoder failure is this sample's problem
-                raise SampleError(sample, f".{ext} does not decode ({type(exn).__name__}: {exn})") from None
-    raise SampleError(sample, f"no image ({', '.join(IMAGE_EXTENSIONS)}); it has {_extensions(sample)}")
+    """The sample's first image, fully decoded, as RGB."""
+    image = open_image(sample)
+    try:
+        return load_rgb(image)[0]
+    except Exception as exn:  # noqa: BLE001 -- any decoder failure is this sample's problem
+        raise undecodable(sample, exn) from None
 
 
 def captions_of(sample: dict) -> list[str]:
@@ -93,14 +175,15 @@ def label_of(sample: dict) -> int | None:
     return None
 
 
-def training_pair(sample: dict) -> tuple[Image.Image, str]:
-    """(image, caption) for training: the whole .txt is the caption; it must not be blank."""
+def training_pair(sample: dict) -> tuple[EncodedImage, str]:
+    """(image, caption) for training: the image opened, not yet decoded (ImageBatcher decodes it at the
+    size its crop needs); the whole .txt is the caption, which must not be blank."""
     if "txt" not in sample:
         raise SampleError(sample, f"no .txt caption; it has {_extensions(sample)}")
     captions = captions_of(sample)
     if not captions:
         raise SampleError(sample, "empty caption")
-    return decode_image(sample), " ".join(captions)
+    return open_image(sample), " ".join(captions)
 
 
 def eval_record(sample: dict) -> tuple[Image.Image, list[str], int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import signal
 import sys
 import traceback
@@ -20,7 +19,8 @@ import torch
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.reader import Reader, ShardSequence
-from clipdist.data.samples import training_pair
+from clipdist.data.samples import training_pair, undecodable
+from clipdist.host import set_low_priority
 from clipdist.launch import STOP_SIGNALS, kill_tree
 from clipdist.parallel import all_ranks
 
@@ -61,11 +61,13 @@ class TrainStream:
     `state_dict` / `load_state_dict` follow the StatefulDataLoader protocol and are collectives (every
     rank's readers are saved in one place); `load_state_dict` comes before the first `next`, which
     starts the DataLoader. A source that gives nothing usable raises DataError instead of spinning.
+    `pixels`: images come as uint8 (B, H, W, C), for the rank to normalize on its device
+    (images.PixelNormalize); `pin_memory`: batches are put in pinned memory for an asynchronous copy.
     """
 
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
                  rank: int = 0, world_size: int = 1, seed: int = 0, low_priority_workers: bool = False,
-                 start_method: str | None = None):
+                 pixels: bool = False, pin_memory: bool = False, start_method: str | None = None):
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
@@ -73,6 +75,7 @@ class TrainStream:
         self.sources, self.data, self.rank, self.world_size, self.seed = sources, data, rank, world_size, seed
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method
+        self.pixels, self.pin_memory = pixels, pin_memory
         self.layout = {"world_size": world_size, "workers": data.workers, "split": split, "resampled": data.resampled,
                        "seed": seed, "shuffle_buffer": data.shuffle_buffer,
                        "weights": list(data.weights) if data.weights else None,
@@ -147,9 +150,9 @@ class TrainStream:
         workers = self.data.workers
         dataset = TrainingBatches(self.sources, self.batch_size, self.image_transform, self.tokenizer,
                                   data=self.data, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                                  resume={"readers": dict(self.readers), "batches": self.batches})
+                                  resume={"readers": dict(self.readers), "batches": self.batches}, pixels=self.pixels)
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0, pin_memory=self.pin_memory,
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
             multiprocessing_context=self.start_method if workers else None)
         return iter(loader)
@@ -173,6 +176,10 @@ class TrainStream:
         if shutdown is not None:
             shutdown()
 
+    def set_worker_priority(self, low: bool) -> bool:
+        """Every loader worker to idle priority (`low`) or back to normal; False where the OS refuses."""
+        return all([set_low_priority(pid, low) for pid in self.worker_pids()])
+
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in getattr(self._loader, "_workers", [])]
 
@@ -180,7 +187,7 @@ class TrainStream:
 def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
     """DataLoader worker_init_fn. SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
     `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
-    `low_priority`: SCHED_IDLE (see host.low_priority_workers; nice 19 where there is none).
+    `low_priority`: SCHED_IDLE (see host.loader_priority; nice 19 where there is none).
 
     A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
     descriptors come through multiprocessing's resource sharer): the worker's sharer thread then
@@ -188,10 +195,7 @@ def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if low_priority:
-        if hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.nice(19)
+        set_low_priority(0, True)
     sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
 
 
@@ -225,12 +229,12 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, data, rank: int,
-                 world_size: int, seed: int, resume: dict):
+                 world_size: int, seed: int, resume: dict, pixels: bool = False):
         super().__init__()
         self.sources, self.batch_size, self.image_transform, self.tokenizer = sources, batch_size, image_transform, tokenizer
         self.data, self.replicated = data, str(data.split) == "replicated"
         self.workers, self.rank, self.world_size, self.seed = max(data.workers, 1), rank, world_size, seed
-        self.resume = resume
+        self.resume, self.pixels = resume, pixels
 
     def reader(self, local: int, skips: SkipCounter, health: ShardHealth) -> Reader:
         index, count = (local, self.workers) if self.replicated else (self.rank * self.workers + local,
@@ -269,12 +273,16 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             for sample in reader:
                 try:
                     image, caption = training_pair(sample)
-                    image = self._augment(batcher, image,
-                                          (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
                 except DataError:
                     raise
                 except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
                     skips(exn)
+                    continue
+                try:  # decoded here, at the size its crop needs
+                    image = self._augment(batcher, image,
+                                          (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
+                except Exception as exn:  # noqa: BLE001 -- as above, named by shard and key
+                    skips(undecodable(sample, exn))
                     continue
                 skips.ok()
                 images.append(image)
@@ -282,7 +290,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
                 sources.append(sample["__source__"])
                 if len(images) == size:
                     counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
-                    yield (batcher.stack(images[rows]), tokenize(captions[rows]),
+                    yield (batcher.stack(images[rows], pixels=self.pixels), tokenize(captions[rows]),
                            {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
                             "sources": counts})
                     images, captions, sources = [], [], []
