@@ -8,6 +8,8 @@ import os
 import shutil
 import sys
 
+from clipdist import host
+
 
 def _csv(cast):
     return lambda text: [cast(part) for part in text.split(",")]
@@ -208,6 +210,7 @@ def _run_composed(cfg) -> None:
 
 def train_main(overrides: list[str] | None = None) -> None:
     """`python train.py [overrides]`, `clipdist train [overrides]`: Hydra composes clipdist/conf and trains."""
+    host.spin_briefly()  # before torch loads libgomp
     import hydra
 
     from clipdist.config import register
@@ -314,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    host.spin_briefly()  # before torch loads libgomp
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
         train_main(argv[1:])

@@ -143,7 +143,8 @@ def check_eval_set(evalset: EvalSet) -> None:
 def loader_workers_for(cfg: TrainConfig, shards: int) -> tuple[int, str]:
     """data.workers, or the automatic choice for this host (the same on every rank of like nodes)."""
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
-    return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each)
+    gpu = cfg.world.device == Device.cuda or (cfg.world.device == Device.auto and torch.cuda.is_available())
+    return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each, device_type="cuda" if gpu else "cpu")
 
 
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
@@ -156,7 +157,7 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, cfg.data.workers)
     torch.set_num_threads(threads)
     if env.is_main:
-        log.info("%d intra-op thread(s) per rank (%s)", threads, source)
+        log.info("%d intra-op thread(s) per rank (%s; waiting: %s)", threads, source, host.openmp_wait())
     device = select_device(cfg.world.device, env.local_rank)
     if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
         log.info("malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)")

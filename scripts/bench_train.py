@@ -5,9 +5,9 @@ workers, steps — 1 and 2 ranks, both under torchrun, runs interleaved (A, B, A
     python scripts/bench_train.py --ranks 1,2 --repeats 2 --steps 100 --batch 128 --out docs/bench/train_cpu.json
     python scripts/bench_train.py --shards '/data/cc3m/{00000..00099}.tar' --model ViT-B-32 ...
 
-Default shards: the built-in digits (written to the cache on first use). Per run: the median of the per-step
+Default shards: a built-in set, --source digits or web_photos (written to the cache on first use). Per run: the median of the per-step
 samples/s after --skip warm-up steps (clipdist: train_log.jsonl, evaluation and checkpoints excluded;
-open_clip_train: its `Batch (t)` log lines), wall time, and zero-shot top-1 on the digits validation set
+open_clip_train: its `Batch (t)` log lines), wall time, and zero-shot top-1 on the set's validation shards (same class names and templates for both)
 (both evaluated by clipdist's evaluate(), open_clip_train's model from its final checkpoint).
 
 Shims open_clip_train needs here, all in clipdist/tools/open_clip_peer.py: clipdist's model configs
@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from clipdist.tools.background import busy_processes  # noqa: E402
 OPEN_CLIP_RATE = re.compile(r"Batch \(t\): [0-9.]+, ([0-9.]+)/s,")
 
 
@@ -36,12 +39,18 @@ def torchrun(ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
 
 
+def quoted(text: str) -> str:
+    """A string as a quoted Hydra override value."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def run_clipdist(args, ranks: int, work: Path) -> dict:
     world = ["world=local"] if ranks == 1 else [f"world=cpu{ranks}", "world.spawn=false"]
     command = [*torchrun(ranks), str(REPO / "train.py"), f"run_dir={work / 'run'}", *world,
                f"model={args.clipdist_model}", f"model.name={args.model}", "data=webdataset", f"data.train_shards='{args.shards}'",
                f"data.val_shards='{args.val_shards}'", f"data.workers={args.workers}", "data.resampled=true",
-               f"data.classnames=[{','.join(args.classnames)}]" if args.classnames else "data.classnames=[]",
+               f"data.classnames=[{','.join(map(quoted, args.classnames))}]",
+               f"data.templates=[{','.join(map(quoted, args.templates))}]",
                f"world.batch_per_device={args.batch}", "precision=fp32", f"optim.lr={args.lr}",
                f"optim.weight_decay={args.wd}", f"optim.warmup_steps={args.warmup}", f"optim.max_steps={args.steps}",
                "optim.grad_clip=0", "logging.wandb=disabled", "logging.progress=false", "logging.log_every=1",
@@ -104,8 +113,10 @@ def zero_shot(args, checkpoint: Path) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", default=None, help="training shard spec (default: built-in digits)")
-    parser.add_argument("--val-shards", default=None, help="zero-shot set (default: digits validation)")
+    parser.add_argument("--source", default="digits", help="a built-in set (digits, web_photos) when no --shards")
+    parser.add_argument("--shards", default=None, help="training shard spec (default: the built-in --source)")
+    parser.add_argument("--val-shards", default=None, help="zero-shot set (default: the built-in --source's)")
+    parser.add_argument("--cache-dir", default="~/.cache/clipdist", help="where a built-in set is written on first use")
     parser.add_argument("--model", default="clipdist-tiny", help="open_clip model config name or config file (.json), for both")
     parser.add_argument("--clipdist-model", default="tiny", help="clipdist's model= preset for the other model settings")
     parser.add_argument("--ranks", default="1,2")
@@ -120,23 +131,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--clipdist-override", action="append", default=[], help="extra Hydra override")
     parser.add_argument("--open-clip-arg", action="append", default=[], help="extra open_clip_train argument")
+    parser.add_argument("--background", type=int, default=0,
+                        help="shared machine: this many busy-looping processes run beside every run")
     parser.add_argument("--out", default=None, help="JSON file for every run's figures")
     args = parser.parse_args(argv)
     args.classnames, args.templates = [], ["a photo of {}."]
     if args.model.endswith(".json"):  # both trainers run elsewhere (open_clip_train in its own log folder)
         args.model = str(Path(args.model).resolve())
     if args.shards is None:
-        from clipdist.data.builtin import builtin_shards, classnames_of
+        from clipdist.data.builtin import CAPTIONS, builtin_shards, classnames_of
 
-        args.shards, digits_val = builtin_shards("digits", os.path.expanduser("~/.cache/clipdist"))
-        args.val_shards = args.val_shards or digits_val
-        args.classnames = classnames_of("digits")
-        args.templates = ["a photo of the digit {}.", "a handwritten {}.", "the number {}."]
+        args.shards, builtin_val = builtin_shards(args.source, os.path.expanduser(args.cache_dir))
+        args.val_shards = args.val_shards or builtin_val
+        args.classnames = classnames_of(args.source)
+        args.templates = CAPTIONS[args.source][:3]
     if args.val_shards is None:
         parser.error("--val-shards is needed with --shards")
 
     runners = {"open_clip_train": run_open_clip, "clipdist": run_clipdist}
     runs = {(name, ranks): [] for ranks in map(int, args.ranks.split(",")) for name in runners}
+    with busy_processes(args.background):
+        measure(args, runners, runs)
+    report(args, runs)
+    return 0
+
+
+def measure(args, runners, runs) -> None:
     for repeat in range(args.repeats):
         for (name, ranks), results in runs.items():
             with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{repeat + 1}/{args.repeats}] {name} x{ranks}: {shown} ({run['wall_s']:.0f} s)",
                   file=sys.stderr, flush=True)
 
+
+def report(args, runs) -> None:
+    print(f"{args.background} busy process(es) beside the runs")
     print("| ranks | trainer | median samples/s | ratio | wall s | zero-shot top-1 |\n|---:|---|---:|---:|---:|---:|")
     summary = {}
     for (name, ranks), results in runs.items():
@@ -167,7 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps({"args": vars(args), "host": os.uname().nodename,
                                               "runs": {f"{name} x{ranks}": results for (name, ranks), results in runs.items()}},
                                              indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,9 +41,12 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
     (3, "1", None, 3),  # a number is taken as given
     (None, "1", None, 1), (None, "2", None, 1), (None, "4", None, 3), (None, "32", None, 4),  # spare CPUs, 1 to 4
     (None, "32", 2, 2), (None, "32", 0, 1),  # no more than the shards each rank reads
+    (None, "12", None, 11), (None, "12", 5, 5),  # a GPU rank: every CPU it can spare
 ])
 def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, expected):
-    workers, why = host.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus})
+    device = "cuda" if cpus == "12" else "cpu"
+    workers, why = host.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus},
+                                       device_type=device)
     assert workers == expected
     assert why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
 
@@ -83,6 +86,16 @@ def test_freed_step_memory_is_reused_not_faulted_in_again():
     assert kept == "True"  # glibc (Linux): mallopt accepted
     assert kept_faults < faults("default")[1] / 3  # measured 0 vs 9766: a fresh 40 MB mapping faults in ~10k pages
 
+
+
+def test_waiting_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
+    environ = {}
+    assert host.spin_briefly(environ) == "GOMP_SPINCOUNT=300" and environ == {"GOMP_SPINCOUNT": "300"}
+    assert host.openmp_wait(environ) == "GOMP_SPINCOUNT=300"
+    for given in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "infinite"}):
+        environ = dict(given)
+        assert host.spin_briefly(environ) is None and environ == given
+    assert host.openmp_wait({}) == "libgomp's default spinning"
 
 
 def test_loader_workers_priority_is_measured_where_cpu_ranks_cannot_spare_them_a_core():
