@@ -113,7 +113,9 @@ def zero_shot(args, checkpoint: Path) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default="digits", help="a built-in set (digits, web_photos) when no --shards")
+    parser.add_argument("--source", default=None,
+                        help="a built-in set (digits, web_photos): its shards where no --shards, its class names and "
+                             "templates for zero-shot (default: digits where no --shards)")
     parser.add_argument("--shards", default=None, help="training shard spec (default: the built-in --source)")
     parser.add_argument("--val-shards", default=None, help="zero-shot set (default: the built-in --source's)")
     parser.add_argument("--cache-dir", default="~/.cache/clipdist", help="where a built-in set is written on first use")
@@ -139,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.model.endswith(".json"):  # both trainers run elsewhere (open_clip_train in its own log folder)
         args.model = str(Path(args.model).resolve())
     if args.shards is None:
+        args.source = args.source or "digits"
+    if args.source is not None:
         from clipdist.data.builtin import CAPTIONS, builtin_shards, classnames_of
 
-        args.shards, builtin_val = builtin_shards(args.source, os.path.expanduser(args.cache_dir))
-        args.val_shards = args.val_shards or builtin_val
+        train_shards, builtin_val = builtin_shards(args.source, os.path.expanduser(args.cache_dir))
+        args.shards, args.val_shards = args.shards or train_shards, args.val_shards or builtin_val
         args.classnames = classnames_of(args.source)
         args.templates = CAPTIONS[args.source][:3]
     if args.val_shards is None:

@@ -2,11 +2,12 @@
 determinism: test_resume.py, where a stopped run equals one never stopped; bad input: test_config.py)."""
 from __future__ import annotations
 
+import re
 
 import pytest
 
 from clipdist.losses import build
-from helpers import read_jsonl, train
+from helpers import read_jsonl, run_log, train
 
 pytestmark = pytest.mark.e2e
 
@@ -77,3 +78,30 @@ def test_grad_cached_run_follows_the_unchunked_run(tmp_path, cache_dir, local_lo
     losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")]
     assert losses[0] == pytest.approx(expected[0], rel=1e-6)
     assert losses[1] == pytest.approx(expected[1], rel=1e-4)  # the chunked update equals the whole-batch one
+
+
+def test_uint8_batches_normalized_on_the_device_train_exactly_as_the_loaders(tmp_path, cache_dir, local_losses):
+    """data.normalize_on=device (GPU ranks' default): the loader hands over uint8 pixels and the rank
+    normalizes them after the copy; on the CPU the losses are the loader-normalized run's, bit for bit."""
+    expected = local_losses("disco")
+    result = train(tmp_path / "run", cache_dir, "data.normalize_on=device", "world=local", "world.batch_per_device=8",
+                   "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == expected
+    assert "images normalized on cpu after the copy (data.normalize_on=device)" in run_log(tmp_path / "run")  # a line
+
+
+def test_loader_workers_priority_follows_what_the_run_measures(tmp_path, cache_dir, monkeypatch):
+    """Where a CPU rank cannot spare its worker a core, the worker starts at normal priority and the run's own
+    wait for data decides at step 30 (warm-up 10 + a 20-step window), in the log."""
+    from clipdist import host
+
+    monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (1, "1 CPU (test)"))
+    result = train(tmp_path / "run", cache_dir, "data.workers=1", "optim.max_steps=31", "eval_every=1000",
+                   "checkpoint_every=1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = "\n".join(run_log(tmp_path / "run"))
+    assert ("loader workers at normal priority (data.worker_priority=auto: 1 CPU (test), fewer than the rank + 1 "
+            "worker(s); idle priority once the run shows the loader keeps up)") in log
+    assert re.search(r"step 30: loader workers (to idle|stay at normal) priority: over steps 11-30 the rank waited "
+                     r"[0-9.]+% of its time for data", log), log
