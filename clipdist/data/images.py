@@ -30,7 +30,7 @@ class ReducedDecodeCrop:
     So the augmentation distribution is the transform's, box for box under the same seed; only the
     resampling differs — from an image the IDCT has already low-passed, never below the output size
     (mean |difference| ~1 of 255 levels). On 256-512 px web JPEGs at 224 px: decode + crop + resize
-    4.3 -> 2.9 ms an image (scripts/bench_loader.py has the loader's figures)."""
+    4.3 -> 3.1 ms an image (PIL decode + RandomResizedCrop against this; README has the loader's figures)."""
 
     def __init__(self, crop: T.RandomResizedCrop):
         self.crop = crop
