@@ -143,8 +143,8 @@ def check_eval_set(evalset: EvalSet) -> None:
 def loader_workers_for(cfg: TrainConfig, shards: int) -> tuple[int, str]:
     """data.workers, or the automatic choice for this host (the same on every rank of like nodes)."""
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
-    gpu = cfg.world.device == Device.cuda or (cfg.world.device == Device.auto and torch.cuda.is_available())
-    return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each, device_type="cuda" if gpu else "cpu")
+    return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
+                               device_type="cuda" if uses_cuda(cfg.world.device) else "cpu")
 
 
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
@@ -171,8 +171,13 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
         launch.destroy_process_group()
 
 
+def uses_cuda(setting: Device) -> bool:
+    """Whether world.device puts the ranks on CUDA devices."""
+    return setting == Device.cuda or (setting == Device.auto and torch.cuda.is_available())
+
+
 def select_device(setting: Device, local_rank: int) -> torch.device:
-    if setting == Device.cuda or (setting == Device.auto and torch.cuda.is_available()):
+    if uses_cuda(setting):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
