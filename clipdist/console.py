@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 from tqdm import tqdm
 
@@ -47,6 +48,17 @@ class RunLogHandler(logging.FileHandler):
     def __init__(self, path: str):
         super().__init__(path, mode="a", delay=True)
         self.setFormatter(_Formatter("[%(asctime)s] %(prefix)s%(message)s"))
+
+
+def _own_write_lock() -> None:
+    """In a forked child (a loader worker, a rank): tqdm's write lock replaced by one of the child's own.
+    The inherited lock is a semaphore shared with the parent; a child killed while it writes a line
+    (workers and ranks are stopped with SIGKILL) would leave it held, and the parent's next console line
+    would wait for it forever."""
+    tqdm.set_lock(threading.RLock())
+
+
+os.register_at_fork(after_in_child=_own_write_lock)
 
 
 def configure(main: bool) -> None:

@@ -22,3 +22,18 @@ def trained_run(tmp_path_factory, cache_dir):
     result = train(run_dir, cache_dir, "optim.max_steps=30", "eval_every=30", "checkpoint_every=30")
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A test that runs the CLI in-process installs clipdist's console on the root logger; later tests start
+    without it, as a fresh process would."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [handler for handler in root.handlers if handler not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)

@@ -98,6 +98,28 @@ def test_waiting_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
     assert host.openmp_wait({}) == "libgomp's default spinning"
 
 
+def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console():
+    """Loader workers and forked ranks are stopped with SIGKILL; one killed inside a console line (holding
+    tqdm's write lock, a semaphore a forked child shares with its parent) must not leave the trainer's
+    next line waiting forever."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, time\n"
+        "from tqdm import tqdm\n"
+        "import clipdist.console\n"
+        "tqdm.write('before')\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    tqdm.get_lock().acquire()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "os.waitpid(pid, 0)\n"
+        "tqdm.write('after')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.split() == ["before", "after"], done.stderr
+
+
 def test_loader_workers_priority_is_measured_where_cpu_ranks_cannot_spare_them_a_core():
     from clipdist.host import loader_priority
 
