@@ -2,8 +2,10 @@
 the CPUs the rank may use (never from one workload's tuning) and logged with its reason by the trainer."""
 from __future__ import annotations
 
+import math
 import os
-from typing import Mapping
+import statistics
+from typing import Mapping, NamedTuple
 
 
 def intra_op_threads(setting: int | None, procs_per_node: int, loader_workers: int = 0,
@@ -57,30 +59,99 @@ def openmp_wait(environ: Mapping[str, str] | None = None) -> str:
     return "libgomp's default spinning"
 
 
-MAX_CPU_RANK_WORKERS = 4
+MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at the start, until the run measures how many it needs
+
+
+class LoaderPlan(NamedTuple):
+    """A rank's loader: `readers` (the rank's shards are dealt to them: the stream's layout), `workers` (the
+    processes that run them at the start), `choices` (worker counts the run may move to once it has measured
+    the loader against the step: MeasuredWorkers; one choice: fixed) and why."""
+
+    readers: int
+    workers: int
+    choices: tuple[int, ...]
+    why: str
 
 
 def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: int | None = None,
-                   environ: Mapping[str, str] | None = None, device_type: str = "cpu") -> tuple[int, str]:
-    """Loader workers per rank and why. An explicit `setting` wins; automatic (None): one per CPU the rank
-    can spare beside itself, at least 1, and no more than the shards each rank reads (`shards_per_rank`,
-    epoch mode), so that every worker has one.
+                   environ: Mapping[str, str] | None = None, device_type: str = "cpu") -> LoaderPlan:
+    """The rank's loader plan. An explicit `setting` (data.workers) is taken as it is: that many readers and
+    workers. Automatic (None): the readers are the CPUs the rank can spare beside itself (at least 1, at most
+    the shards each rank reads in epoch mode, `shards_per_rank`), and
 
-    A GPU rank computes on the GPU: every CPU it can spare decodes (an H100 takes ~2,300 samples/s of
-    ViT-B/32 at 224 px; a core decodes ~250). A CPU rank's spare CPUs also run its intra-op threads, so it
-    takes at most MAX_CPU_RANK_WORKERS (1 where it has 2 CPUs: decoding overlaps the step even on a core
-    shared with the rank, whose workers' priority is then measured: loader_priority)."""
+    - a GPU rank computes on the GPU: every spare CPU decodes (an H100 takes ~2,300 samples/s of ViT-B/32
+      at 224 px; a core decodes ~250-300), one worker per reader;
+    - a CPU rank's spare CPUs also run its intra-op threads: it starts with at most MAX_CPU_RANK_WORKERS
+      workers and moves to the count the run's own measurements favour (MeasuredWorkers) — the readers are
+      then the count with the most divisors, so that more worker counts are open to it."""
     if setting is not None:
-        return setting, "data.workers"
+        return LoaderPlan(max(setting, 1), setting, (setting,), "data.workers")
     cpus, source = rank_cpus(procs_per_node, environ)
-    if device_type == "cpu":
-        workers = min(max(1, cpus - 1), MAX_CPU_RANK_WORKERS)
-        why = f"data.workers=auto: {source}, CPU ranks 1 to {MAX_CPU_RANK_WORKERS}"
-    else:
-        workers, why = max(1, cpus - 1), f"data.workers=auto: {source}, all but one for {device_type} ranks"
-    if shards_per_rank is not None and shards_per_rank < workers:
-        workers, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
-    return workers, why
+    spare, why = max(1, cpus - 1), f"data.workers=auto: {source}"
+    if shards_per_rank is not None and shards_per_rank < spare:
+        spare, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
+    if device_type != "cpu":
+        return LoaderPlan(spare, spare, (spare,), why + f", all but one for {device_type} ranks")
+    readers = max(range(spare, 0, -1), key=lambda n: len(divisors(n)))  # the largest of the most divisible
+    choices = divisors(readers)
+    workers = max(n for n in choices if n <= MAX_CPU_RANK_WORKERS)
+    return LoaderPlan(readers, workers, choices,
+                      why + f", CPU ranks start with up to {MAX_CPU_RANK_WORKERS} and measure ({readers} readers)")
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+class MeasuredWorkers:
+    """data.workers=auto: how many loader workers a rank needs, from what the run measures.
+
+    After `skip` warm-up steps, over `window` steps: L, the CPU time one worker spends on a batch (reading,
+    decoding, augmenting: thread CPU time in the worker, so not inflated by sharing a core), and C, the
+    step's own time (the step less its wait for data). W workers deliver W / L batches a second; the rank
+    computes 1 / C with its T threads now, T(W) / (T · C) with the threads W workers leave it
+    (`threads(W)`: the rank's CPUs less W, or fixed where world.threads / OMP_NUM_THREADS says). The count
+    among `choices` whose slower side is fastest is taken, if it beats the current count by more than
+    `gain` (else no restart for noise). With one choice (GPU ranks, an explicit data.workers) it only says
+    whether the loader keeps up. `observe` returns (the new count or None, the line for the log) once."""
+
+    def __init__(self, choices: tuple[int, ...], workers: int, threads, skip: int = 10, window: int = 20,
+                 gain: float = 1.1):
+        self.choices, self.workers, self.threads = choices, workers, threads
+        self.skip, self.window, self.gain = skip, window, gain
+        self.steps, self.loads, self.computes, self.waited, self.total = 0, [], [], 0.0, 0.0
+
+    def observe(self, wait_s: float, step_s: float, load_s: float | None) -> tuple[int | None, str | None]:
+        self.steps += 1
+        if self.steps <= self.skip or self.steps > self.skip + self.window:
+            return None, None
+        self.waited, self.total = self.waited + wait_s, self.total + step_s
+        self.computes.append(max(step_s - wait_s, 1e-9))
+        if load_s is not None:
+            self.loads.append(load_s)
+        if self.steps < self.skip + self.window or not self.loads:
+            return None, None
+        load, compute = statistics.median(self.loads), statistics.median(self.computes)
+        now = self.threads(self.workers)
+
+        def rate(workers: int) -> float:  # batches a second: the slower of the loader and the step
+            return min(workers / load, self.threads(workers) / (now * compute))
+
+        best = max(self.choices, key=lambda workers: (rate(workers), -workers))
+        measured = (f"over steps {self.skip + 1}-{self.steps} a batch took {load * 1e3:.0f} ms of a loader worker's "
+                    f"CPU and the step {compute * 1e3:.0f} ms, and the rank waited {self.waited / self.total:.1%} "
+                    "of its time for data")
+        if best != self.workers and rate(best) > self.gain * rate(self.workers):
+            moved = f"{self.workers} -> {best} loader worker(s)"
+            if self.threads(best) != now:
+                moved += f", {now} -> {self.threads(best)} intra-op thread(s)"
+            return best, f"{moved}: {measured}"
+        if len(self.choices) > 1:
+            return None, f"{self.workers} loader worker(s) kept: {measured}"
+        needed = math.ceil(load / compute)
+        verdict = ("the loader keeps up" if needed <= self.workers else
+                   f"the loader limits this run: it needs ~{needed} worker(s) to keep up, this rank has {self.workers}")
+        return None, f"{verdict}: {measured}"
 
 
 def rank_cpus(procs_per_node: int, environ: Mapping[str, str] | None = None) -> tuple[int, str]:

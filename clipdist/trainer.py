@@ -96,9 +96,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         check_shardable(cfg.model.name)
     try:
         shards = resolve_shards(cfg.data)
-        workers, _ = loader_workers_for(cfg, len(shards.train))
-        check_shard_count(len(shards.train), world.world_size, workers, resampled=cfg.data.resampled,
-                          split=cfg.data.split)
+        check_shard_count(len(shards.train), world.world_size, loader_workers_for(cfg, len(shards.train)).readers,
+                          resampled=cfg.data.resampled, split=cfg.data.split)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
     for evalset in shards.evals:
@@ -140,8 +139,9 @@ def check_eval_set(evalset: EvalSet) -> None:
         raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
 
 
-def loader_workers_for(cfg: TrainConfig, shards: int) -> tuple[int, str]:
-    """data.workers, or the automatic choice for this host (the same on every rank of like nodes)."""
+def loader_workers_for(cfg: TrainConfig, shards: int) -> host.LoaderPlan:
+    """The loader plan for data.workers: as given, or automatic for this host (the same on every rank of like
+    nodes)."""
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
     return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
                                device_type="cuda" if uses_cuda(cfg.world.device) else "cpu")
@@ -151,10 +151,11 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
     env = launch.detect_env()
     automatic = cfg.data.workers is None
-    cfg.data.workers, why = loader_workers_for(cfg, len(shards.train))
+    plan = loader_workers_for(cfg, len(shards.train))
+    cfg.data.workers = plan.workers
     if env.is_main and automatic:
-        log.info("%d loader worker(s) per rank (%s)", cfg.data.workers, why)
-    threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, cfg.data.workers)
+        log.info("%d loader worker(s) per rank (%s)", plan.workers, plan.why)
+    threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, plan.workers)
     torch.set_num_threads(threads)
     if env.is_main:
         log.info("%d intra-op thread(s) per rank (%s; waiting: %s)", threads, source, host.openmp_wait())
@@ -166,7 +167,7 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
                                    rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
                                    single=cfg.world.parallel == "fsdp")
     try:
-        return Trainer(cfg, shards, env, device).fit()
+        return Trainer(cfg, shards, env, device, plan).fit()
     finally:
         launch.destroy_process_group()
 
@@ -253,7 +254,8 @@ class StepAgreement:
 class Trainer:
     """One rank's run: components built from config, then `fit`, a plain loop."""
 
-    def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device):
+    def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device,
+                 plan: host.LoaderPlan):
         self.cfg, self.shards, self.env, self.device = cfg, shards, env, device
         # Every rank must agree on the run directory (a ${now:...} name resolved per process can differ).
         self.run_dir = Path(parallel.all_ranks(cfg.run_dir)[0])
@@ -283,10 +285,7 @@ class Trainer:
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
-        priority, why = host.loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
-                                             cfg.data.workers)
-        if env.is_main and cfg.data.workers:
-            log.info("loader workers at %s priority (%s)", "idle" if priority == "low" else "normal", why)
+        priority = self.loader_priority(cfg.data.workers)
         on_device, why = normalize_on_device(cfg.data.normalize_on, device)
         if env.is_main:
             log.info("images normalized %s (%s)", f"on {device.type} after the copy" if on_device else "by the loader", why)
@@ -295,9 +294,13 @@ class Trainer:
             shards.sources, cfg.data, batch_size=cfg.world.batch_per_device,
             image_transform=open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
             tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-            low_priority_workers=priority == "low", pixels=on_device, pin_memory=on_device and device.type == "cuda")
-
+            low_priority_workers=priority == "low", pixels=on_device, pin_memory=on_device and device.type == "cuda",
+            readers=plan.readers)
         self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
+        self.worker_count = host.MeasuredWorkers(
+            plan.choices, plan.workers,
+            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0]
+        ) if plan.workers else None
         self.state = TrainState(self.model, optimizer, scheduler, self.stream)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
@@ -366,8 +369,7 @@ class Trainer:
                 grad_norm = self.optimize(loss)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
-                if self.priority is not None and (decision := self.priority.observe(waited, seconds)):
-                    self.say(f"step {state.step}: {decision}")
+                self.tune_loader(waited, seconds, batch.load_s)
                 if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
                     checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
@@ -380,6 +382,34 @@ class Trainer:
             self.progress.close()
             self.tracker.finish()
         return metrics
+
+    def loader_priority(self, workers: int) -> str:
+        """How `workers` loader workers are scheduled (host.loader_priority), said on the log."""
+        cfg = self.cfg
+        priority, why = host.loader_priority(str(cfg.data.worker_priority), self.device.type, cfg.world.procs_per_node,
+                                             workers)
+        if workers:
+            self.say(f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({why})")
+        return priority
+
+    def tune_loader(self, waited: float, seconds: float, load_s: float | None) -> None:
+        """The loader's worker count, then its workers' priority, from the step's measurements (host.MeasuredWorkers,
+        host.MeasuredPriority). A new count restarts the stream's workers where the consumed batches left it: the
+        stream is sample for sample the same (its readers are unchanged)."""
+        step = self.state.step
+        if self.worker_count is not None:
+            workers, line = self.worker_count.observe(waited, seconds, load_s)
+            if line:
+                self.say(f"step {step}: {line}")
+            if workers is not None:
+                torch.set_num_threads(self.worker_count.threads(workers))
+                self.stream.set_workers(workers)
+                priority = self.loader_priority(workers)
+                self.stream.low_priority_workers = priority == "low"
+                self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
+                return
+        if self.priority is not None and (decision := self.priority.observe(waited, seconds)):
+            self.say(f"step {step}: {decision}")
 
     def divergence(self, bad_steps: int) -> str:
         """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them

@@ -181,7 +181,8 @@ def write_samples(path: Path, samples: list[dict]) -> Path:
 
 
 def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 start_method: str | None = None, low_priority_workers: bool = False, **data):
+                 start_method: str | None = None, low_priority_workers: bool = False, readers: int | None = None,
+                 **data):
     """A TrainStream over `sources` (shard paths, or a list of such lists: one per source), with
     DataConfig(**data) for everything else (shuffle_buffer=0 unless given)."""
     from clipdist.config import DataConfig
@@ -194,7 +195,7 @@ def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, wo
     return TrainStream([[str(url) for url in urls] for urls in sources], DataConfig(source=None, **data),
                        batch_size=batch_size, image_transform=image_transform, tokenizer=get_tokenizer(), rank=rank,
                        world_size=world_size, seed=seed, low_priority_workers=low_priority_workers,
-                       start_method=start_method)
+                       start_method=start_method, readers=readers)
 
 
 def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:

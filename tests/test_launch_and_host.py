@@ -37,18 +37,53 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
     assert intra_op_threads(None, 2, 8, {"SLURM_CPUS_PER_TASK": "4"})[0] == 1  # never fewer than one
 
 
-@pytest.mark.parametrize("setting, cpus, shards_per_rank, expected", [
-    (3, "1", None, 3),  # a number is taken as given
-    (None, "1", None, 1), (None, "2", None, 1), (None, "4", None, 3), (None, "32", None, 4),  # spare CPUs, 1 to 4
-    (None, "32", 2, 2), (None, "32", 0, 1),  # no more than the shards each rank reads
-    (None, "12", None, 11), (None, "12", 5, 5),  # a GPU rank: every CPU it can spare
+@pytest.mark.parametrize("setting, cpus, shards_per_rank, readers, workers, choices", [
+    (3, "1", None, 3, 3, (3,)), (0, "8", None, 1, 0, (0,)),  # a number is taken as given
+    (None, "1", None, 1, 1, (1,)), (None, "2", None, 1, 1, (1,)), (None, "4", None, 3, 3, (1, 3)),
+    (None, "8", None, 6, 3, (1, 2, 3, 6)),  # 7 spare CPUs: 6 readers, the most divisible; start with <= 4
+    (None, "32", None, 30, 3, (1, 2, 3, 5, 6, 10, 15, 30)),  # 31 spare: 30 (as many divisors as 24, and larger)
+    (None, "32", 2, 2, 2, (1, 2)), (None, "32", 0, 1, 1, (1,)),  # no more than the shards each rank reads
+    (None, "12", None, 11, 11, (11,)), (None, "12", 5, 5, 5, (5,)),  # a GPU rank: every CPU it can spare
 ])
-def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, expected):
+def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, readers, workers,
+                                                                      choices):
     device = "cuda" if cpus == "12" else "cpu"
-    workers, why = host.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus},
-                                       device_type=device)
-    assert workers == expected
-    assert why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
+    plan = host.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus}, device_type=device)
+    assert (plan.readers, plan.workers, plan.choices) == (readers, workers, choices)
+    assert plan.why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
+
+
+def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0):
+    """A MeasuredWorkers fed 30 steps of a loader taking `load_s` CPU seconds a batch and a step computing
+    `compute_s` with the threads `workers` workers leave of `cpus`; returns what it decided."""
+    threads = (lambda w: fixed_threads) if fixed_threads else (lambda w: max(1, cpus - w))
+    tuner = host.MeasuredWorkers(choices, workers, threads)
+    decisions = [tuner.observe(wait_s, compute_s + wait_s, load_s) for _ in range(30)]
+    assert all(decision == (None, None) for decision in decisions[:29])
+    assert tuner.observe(wait_s, compute_s + wait_s, load_s) == (None, None)  # once only
+    return decisions[29]
+
+
+def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measures():
+    # 16 CPUs, 12 readers, started with 4 workers (12 threads). A loader-bound run (a batch: 1.2 s of a worker's
+    # CPU, the step 0.1 s): 4 workers give 3.3 batches/s; 6 give 5 while the step slows to 0.12 s (8.3/s); 12
+    # would give 10 but leave 4 threads (3.3/s)
+    workers, line = measured_workers((1, 2, 3, 4, 6, 12), 4, 16, load_s=1.2, compute_s=0.1, wait_s=0.2)
+    assert workers == 6 and line.startswith("4 -> 6 loader worker(s), 12 -> 10 intra-op thread(s): over steps 11-30 "
+                                             "a batch took 1200 ms of a loader worker's CPU and the step 100 ms")
+    # A model-bound run (0.05 s a batch, 1 s a step): one worker keeps up and frees three cores for threads
+    workers, line = measured_workers((1, 2, 3, 4, 6, 12), 4, 16, load_s=0.05, compute_s=1.0)
+    assert workers == 1 and line.startswith("4 -> 1 loader worker(s), 12 -> 15 intra-op thread(s)")
+    # Close to balanced: no restart for less than the 10% it would gain
+    workers, line = measured_workers((1, 2, 4), 2, 8, load_s=0.39, compute_s=0.2)
+    assert workers is None and line.startswith("2 loader worker(s) kept: ")
+    # Threads fixed (world.threads, OMP_NUM_THREADS): only the loader's side counts — the fewest that keep up
+    assert measured_workers((1, 2, 3, 6), 1, 8, load_s=0.5, compute_s=0.3, fixed_threads=2)[0] == 2
+    # One choice (a GPU rank, an explicit count): said, not changed
+    assert measured_workers((7,), 7, 8, load_s=0.5, compute_s=0.1, wait_s=0.01)[1].startswith(
+        "the loader keeps up: ")
+    assert measured_workers((3,), 3, 8, load_s=0.5, compute_s=0.1, wait_s=0.1)[1].startswith(
+        "the loader limits this run: it needs ~5 worker(s) to keep up, this rank has 3: ")
 
 
 def test_explicit_thread_counts_are_taken_as_given():

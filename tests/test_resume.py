@@ -62,9 +62,9 @@ def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, lau
 def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir):
     overrides = ["world.batch_per_device=16", "optim.max_steps=3", "eval_every=1000", "checkpoint_every=3"]
     assert train(tmp_path / "run", cache_dir, *overrides).returncode == 0
-    resumed = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=5", "data.workers=1")
+    resumed = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=5", "data.workers=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: workers 0 -> 1); "
+    assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: readers 1 -> 2); "
             "it restarts reshuffled at sample 48") in resumed.stderr
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == [1, 2, 3, 4, 5]
 
@@ -121,6 +121,37 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
         assert [next(resumed).images.tolist() for _ in range(5)] == expected
     finally:
         resumed.close()
+
+
+def test_any_worker_count_that_divides_the_readers_gives_the_same_stream(tmp_path):
+    """Readers are the layout; the processes running them are not: 4 readers on 0, 1, 2 or 4 workers give the
+    same batches, a stream moved to another worker count between batches goes on unchanged, and a checkpoint
+    resumes exactly on another worker count."""
+    sources = two_sources(tmp_path)
+
+    def run(workers, count=9, switch=None, saved=None):
+        batches = train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3,
+                               weights=[3, 1], readers=4)
+        batches.load_state_dict(saved)
+        try:
+            seen = []
+            for index in range(count):
+                if switch and index == switch[0]:
+                    batches.set_workers(switch[1])
+                seen.append(next(batches).images.tolist())
+                batches.consumed()
+            return seen, batches.state_dict()
+        finally:
+            batches.close()
+
+    expected, _ = run(0)
+    assert run(1)[0] == expected and run(2)[0] == expected and run(4)[0] == expected
+    assert run(2, switch=(3, 4))[0] == expected and run(4, switch=(5, 1))[0] == expected
+    head, saved = run(4, count=5)
+    tail, _ = run(2, count=4, saved=saved)
+    assert head + tail == expected
+    with pytest.raises(ValueError, match="3 loader worker\\(s\\) cannot share 4 reader\\(s\\) evenly"):
+        run(3)
 
 
 def test_sources_are_mixed_by_weight(tmp_path):

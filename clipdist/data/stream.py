@@ -11,6 +11,7 @@ import functools
 import hashlib
 import signal
 import sys
+import time
 import traceback
 from typing import NamedTuple
 
@@ -27,12 +28,12 @@ from clipdist.parallel import all_ranks
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted after n batches is seeded seed + stride · n
 
 
-def check_shard_count(shards: int, world_size: int, workers: int, *, resampled: bool, split: str) -> None:
-    """Epoch mode splits shards over ranks × workers: each needs at least one (a ValueError otherwise)."""
-    if not resampled and split != "replicated" and shards < world_size * max(workers, 1):
+def check_shard_count(shards: int, world_size: int, readers: int, *, resampled: bool, split: str) -> None:
+    """Epoch mode splits shards over ranks × readers: each needs at least one (a ValueError otherwise)."""
+    if not resampled and split != "replicated" and shards < world_size * max(readers, 1):
         raise ValueError(
-            f"{shards} shard(s) for {world_size} rank(s) × {max(workers, 1)} worker(s): every worker needs "
-            "at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
+            f"{shards} shard(s) for {world_size} rank(s) × {max(readers, 1)} reader(s) (loader workers): every "
+            "reader needs at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
         )
 
 
@@ -40,6 +41,7 @@ class Batch(NamedTuple):
     images: torch.Tensor
     tokens: torch.Tensor
     counts: list[int]  # this rank's [samples skipped, shards skipped while reading it, samples of each source]
+    load_s: float | None = None  # CPU seconds the loader spent making it (reading, decoding, augmenting)
 
     @staticmethod
     def zero_counts(sources: int) -> list[int]:
@@ -63,20 +65,28 @@ class TrainStream:
     starts the DataLoader. A source that gives nothing usable raises DataError instead of spinning.
     `pixels`: images come as uint8 (B, H, W, C), for the rank to normalize on its device
     (images.PixelNormalize); `pin_memory`: batches are put in pinned memory for an asynchronous copy.
+
+    `readers` (default: data.workers, at least 1) is how many readers the rank's shards are dealt to,
+    part of the layout; the worker processes that run them (data.workers) may be any divisor of it, and
+    may change between batches (`set_workers`) without changing a sample of the stream.
     """
 
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
                  rank: int = 0, world_size: int = 1, seed: int = 0, low_priority_workers: bool = False,
-                 pixels: bool = False, pin_memory: bool = False, start_method: str | None = None):
+                 pixels: bool = False, pin_memory: bool = False, start_method: str | None = None,
+                 readers: int | None = None):
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
-        check_shard_count(sum(map(len, sources)), world_size, data.workers, resampled=data.resampled, split=split)
+        self.readers_count = readers or max(data.workers, 1)
+        self.workers = data.workers
+        check_workers(self.workers, self.readers_count)
+        check_shard_count(sum(map(len, sources)), world_size, self.readers_count, resampled=data.resampled, split=split)
         self.sources, self.data, self.rank, self.world_size, self.seed = sources, data, rank, world_size, seed
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method
         self.pixels, self.pin_memory = pixels, pin_memory
-        self.layout = {"world_size": world_size, "workers": data.workers, "split": split, "resampled": data.resampled,
+        self.layout = {"world_size": world_size, "readers": self.readers_count, "split": split, "resampled": data.resampled,
                        "seed": seed, "shuffle_buffer": data.shuffle_buffer,
                        "weights": list(data.weights) if data.weights else None,
                        "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest()}
@@ -98,7 +108,7 @@ class TrainStream:
             raise DataError(f"rank {self.rank}: {item.message}")
         images, tokens, info = item
         self._pending = (info["reader"], info["state"].state)
-        return Batch(images, tokens, [*info["skipped"], *info["sources"]])
+        return Batch(images, tokens, [*info["skipped"], *info["sources"]], info["load_s"])
 
     def consumed(self, counts: list[int] | None = None) -> None:
         """The batch last handed out was used by the step: its reader's position is now the saved one, and
@@ -121,7 +131,7 @@ class TrainStream:
 
     def load_state_dict(self, saved: dict | None) -> None:
         """Continue from `saved`: sample for sample when the layout is unchanged; otherwise (another world
-        size, worker count, shard list, seed, ...) reshuffled from a seed of its own, with `restart_reason`
+        size, reader count, shard list, seed, ...) reshuffled from a seed of its own, with `restart_reason`
         saying why. The totals carry on either way."""
         if self._loader is not None:
             raise RuntimeError("TrainStream.load_state_dict must come before the first batch")
@@ -129,6 +139,9 @@ class TrainStream:
         self.skipped_samples, self.skipped_shards = saved.get("skipped_samples", 0), saved.get("skipped_shards", 0)
         totals = saved.get("source_samples") or []
         self.source_samples = list(totals) if len(totals) == len(self.sources) else [0] * len(self.sources)
+        if "layout" in saved and "workers" in saved["layout"]:  # written before readers and workers were apart
+            saved = {**saved, "layout": {("readers" if key == "workers" else key): (max(value, 1) if key == "workers" else value)
+                                         for key, value in saved["layout"].items()}}
         if saved.get("layout") == self.layout:
             mine = saved["ranks"][self.rank]
             self.readers, self.batches = dict(mine["readers"]), mine["batches"]
@@ -147,10 +160,11 @@ class TrainStream:
     def _start(self):
         """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:
         that is the restored position, or the start)."""
-        workers = self.data.workers
+        workers = self.workers
         dataset = TrainingBatches(self.sources, self.batch_size, self.image_transform, self.tokenizer,
                                   data=self.data, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                                  resume={"readers": dict(self.readers), "batches": self.batches}, pixels=self.pixels)
+                                  resume={"readers": dict(self.readers), "batches": self.batches}, pixels=self.pixels,
+                                  readers=self.readers_count, workers=workers)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0, pin_memory=self.pin_memory,
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
@@ -176,12 +190,27 @@ class TrainStream:
         if shutdown is not None:
             shutdown()
 
+    def set_workers(self, workers: int) -> None:
+        """Run the readers on `workers` processes from the next batch on (a divisor of the reader count):
+        the DataLoader is restarted where the consumed batches left it, so the stream is sample for sample
+        the same; batches read ahead are read again."""
+        check_workers(workers, self.readers_count)
+        if workers != self.workers:
+            self.close()
+            self.workers = workers
+
     def set_worker_priority(self, low: bool) -> bool:
         """Every loader worker to idle priority (`low`) or back to normal; False where the OS refuses."""
         return all([set_low_priority(pid, low) for pid in self.worker_pids()])
 
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in getattr(self._loader, "_workers", [])]
+
+
+def check_workers(workers: int, readers: int) -> None:
+    """Each worker runs every (workers)th reader: their count must divide the readers'."""
+    if workers and readers % workers:
+        raise ValueError(f"{workers} loader worker(s) cannot share {readers} reader(s) evenly; use a divisor of {readers}")
 
 
 def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
@@ -218,27 +247,31 @@ class Position:
 
 
 class TrainingBatches(torch.utils.data.IterableDataset):
-    """This rank's endless (images, tokens, info) batches; in a DataLoader each worker slot plays one
-    of the rank's readers (see reader.py), the slots rotated on resume so that batch k of the resumed
-    stream comes from the reader that would have given it.
+    """This rank's endless (images, tokens, info) batches from its `readers` readers (see reader.py).
+    Batch g of the stream (counted from the start of the run) comes from reader g mod readers; in a
+    DataLoader with W workers (W divides readers), batch g is worker g mod W's, so worker slot s runs the
+    readers s', s' + W, ... (s' = (s + resumed batches) mod W) in turn — the same batches, in the same order,
+    for any W. Augmentation is seeded per sample (seed, reader, shard entry, sample number).
 
     `info`: {"reader": the rank-local reader, "state": its Position after this batch, "skipped": the
-    (samples, shards) skipped while reading it, "sources": samples per source in this rank's rows}.
-    Augmentation is seeded per sample (seed, reader, shard entry, sample number), so a resumed run
-    crops and flips as the uninterrupted one did, with any number of workers.
+    (samples, shards) skipped while reading it, "sources": samples per source in this rank's rows,
+    "load_s": the CPU seconds this thread spent on the batch (reading, decoding, augmenting)}.
     """
 
     def __init__(self, sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, data, rank: int,
-                 world_size: int, seed: int, resume: dict, pixels: bool = False):
+                 world_size: int, seed: int, resume: dict, pixels: bool = False, readers: int | None = None,
+                 workers: int | None = None):
         super().__init__()
         self.sources, self.batch_size, self.image_transform, self.tokenizer = sources, batch_size, image_transform, tokenizer
         self.data, self.replicated = data, str(data.split) == "replicated"
-        self.workers, self.rank, self.world_size, self.seed = max(data.workers, 1), rank, world_size, seed
+        self.workers = max(data.workers if workers is None else workers, 1)
+        self.readers = readers or self.workers
+        self.rank, self.world_size, self.seed = rank, world_size, seed
         self.resume, self.pixels = resume, pixels
 
     def reader(self, local: int, skips: SkipCounter, health: ShardHealth) -> Reader:
-        index, count = (local, self.workers) if self.replicated else (self.rank * self.workers + local,
-                                                                       self.world_size * self.workers)
+        index, count = (local, self.readers) if self.replicated else (self.rank * self.readers + local,
+                                                                       self.world_size * self.readers)
         sequence = ShardSequence(self.sources, self.data.weights, self.seed, index, count, self.data.resampled)
         reader = Reader(sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
                         name=f"rank {self.rank} worker {local}")
@@ -261,38 +294,52 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        slot = info.id if info is not None else 0
-        local = (slot + self.resume["batches"]) % self.workers
+        first = self.resume["batches"] + (info.id if info is not None else 0)  # this worker's first batch
+        locals_ = sorted({(first + self.workers * k) % self.readers for k in range(self.readers)})
+        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
+        streams = {local: self._batches(local, batcher, tokenize) for local in locals_}
+        try:
+            for batch in range(first, sys.maxsize, self.workers):
+                item = next(streams[batch % self.readers], None)
+                if item is None:  # a reader that ends ends the stream
+                    return
+                yield item
+        except DataError as error:
+            yield DataFailure(str(error))
+        finally:
+            for stream in streams.values():
+                stream.close()
+
+    def _batches(self, local: int, batcher: ImageBatcher, tokenize: CaptionTokens):
+        """Reader `local`'s batches, each with its info."""
         skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
         rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.replicated else slice(None)
         size = self.batch_size * (self.world_size if self.replicated else 1)
-        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
-        try:
-            reader = self.reader(local, skips, health)
-            images, captions, sources = [], [], []
-            for sample in reader:
-                try:
-                    image, caption = training_pair(sample)
-                except DataError:
-                    raise
-                except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
-                    skips(exn)
-                    continue
-                try:  # decoded here, at the size its crop needs
-                    image = self._augment(batcher, image,
-                                          (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
-                except Exception as exn:  # noqa: BLE001 -- as above, named by shard and key
-                    skips(undecodable(sample, exn))
-                    continue
-                skips.ok()
-                images.append(image)
-                captions.append(caption)
-                sources.append(sample["__source__"])
-                if len(images) == size:
-                    counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
-                    yield (batcher.stack(images[rows], pixels=self.pixels), tokenize(captions[rows]),
-                           {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
-                            "sources": counts})
-                    images, captions, sources = [], [], []
-        except DataError as error:
-            yield DataFailure(str(error))
+        reader = self.reader(local, skips, health)
+        images, captions, sources = [], [], []
+        started = time.thread_time()
+        for sample in reader:
+            try:
+                image, caption = training_pair(sample)
+            except DataError:
+                raise
+            except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
+                skips(exn)
+                continue
+            try:  # decoded here, at the size its crop needs
+                image = self._augment(batcher, image,
+                                      (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
+            except Exception as exn:  # noqa: BLE001 -- as above, named by shard and key
+                skips(undecodable(sample, exn))
+                continue
+            skips.ok()
+            images.append(image)
+            captions.append(caption)
+            sources.append(sample["__source__"])
+            if len(images) == size:
+                counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
+                batch = (batcher.stack(images[rows], pixels=self.pixels), tokenize(captions[rows]))
+                yield (*batch, {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
+                                "sources": counts, "load_s": time.thread_time() - started})
+                images, captions, sources = [], [], []
+                started = time.thread_time()

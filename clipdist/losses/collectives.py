@@ -141,16 +141,23 @@ def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGradient.apply(tensor, factor)
 
 
-def _exchange(tensors, shifts, receive_rows, layout):
-    """Send tensors[k] to rank + shifts[k], receive from rank − shifts[k] (all posted at once)."""
+def post_exchange(tensors, shifts, receive_rows, layout, tag: int = 0):
+    """Post sending tensors[k] to rank + shifts[k] and receiving a block of receive_rows[k] rows from
+    rank − shifts[k] (all at once, message tags tag + k); returns (the receive buffers, the requests)."""
     rank, world_size = layout.rank, layout.world_size
     received = [tensors[k].new_empty((rows, *tensors[k].shape[1:])) for k, rows in enumerate(receive_rows)]
     operations = []
     for k, (tensor, shift) in enumerate(zip(tensors, shifts)):
         peer_to, peer_from = (rank + shift) % world_size, (rank - shift) % world_size
-        operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer_to, layout.group, tag=k))
-        operations.append(dist.P2POp(dist.irecv, received[k], peer_from, layout.group, tag=k))
-    for request in dist.batch_isend_irecv(operations):
+        operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer_to, layout.group, tag=tag + k))
+        operations.append(dist.P2POp(dist.irecv, received[k], peer_from, layout.group, tag=tag + k))
+    return received, dist.batch_isend_irecv(operations)
+
+
+def _exchange(tensors, shifts, receive_rows, layout):
+    """Send tensors[k] to rank + shifts[k], receive from rank − shifts[k], and wait for all of it."""
+    received, requests = post_exchange(tensors, shifts, receive_rows, layout)
+    for request in requests:
         request.wait()
     return received
 

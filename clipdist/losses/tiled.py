@@ -1,67 +1,120 @@
-"""`tiled`: the softmax CLIP loss in tiles with an online log-sum-exp — no b×B logit block kept."""
+"""`tiled`: the softmax CLIP loss in tiles with an online log-sum-exp, the other ranks' features passed
+around a ring — no b×B logit block and no gathered features: O(b·d) kept per rank."""
 from __future__ import annotations
 
 import torch
 
 from clipdist.losses.base import DistributedContrastiveLoss
-from clipdist.losses.collectives import all_gather_with_grad
+from clipdist.losses.collectives import WorldLayout, post_exchange
 
 
-class _SummedRowLogSumExp(torch.autograd.Function):
-    """Σ_i LSE_j(s·r_i·c_j) over rows r (b, d) and columns c (B, d), tile by tile.
+def _tiles_lse(rows, columns, logit_scale, tile: int) -> torch.Tensor:
+    """LSE_j(s·r_i·c_j) per row over these columns, one tile×tile block of logits at a time."""
+    lse = torch.empty(rows.shape[0], dtype=rows.dtype, device=rows.device)
+    for r in range(0, rows.shape[0], tile):
+        running = torch.full((min(tile, rows.shape[0] - r),), -torch.inf, dtype=rows.dtype, device=rows.device)
+        for c in range(0, columns.shape[0], tile):
+            logits = logit_scale * (rows[r : r + tile] @ columns[c : c + tile].T)
+            running = torch.logaddexp(running, torch.logsumexp(logits, dim=1))
+        lse[r : r + tile] = running
+    return lse
 
-    Forward keeps a running log-sum-exp per row (logaddexp of each tile's LSE), so at most
-    one tile×tile block of logits exists at a time and only the b row LSEs are saved.
-    Backward recomputes each tile's probabilities P_ij = exp(s·r_i·c_j − LSE_i) and
-    accumulates ∂/∂r_i = s·Σ_j P_ij c_j, ∂/∂c_j = s·Σ_i P_ij r_i, ∂/∂s = Σ_ij P_ij (r_i·c_j).
-    """
+
+def _tiles_backward(rows, columns, logit_scale, lse, tile: int, grad_rows) -> torch.Tensor:
+    """With P_ij = exp(s·r_i·c_j − LSE_i) recomputed tile by tile: adds Σ_j P_ij c_j to `grad_rows` and
+    returns Σ_i P_ij r_i for these columns (both before the factor s·g)."""
+    grad_columns = torch.zeros_like(columns)
+    for r in range(0, rows.shape[0], tile):
+        row_block = rows[r : r + tile]
+        for c in range(0, columns.shape[0], tile):
+            column_block = columns[c : c + tile]
+            probs = (row_block @ column_block.T).mul_(logit_scale).sub_(lse[r : r + tile, None]).exp_()
+            grad_rows[r : r + tile] += probs @ column_block
+            grad_columns[c : c + tile] += probs.T @ row_block
+    return grad_columns
+
+
+FEATURES, GRADIENTS = 0, 1  # message tags: a block and an accumulator may be in flight between two ranks at once
+
+
+def _pass_right(tensor, origin: int, layout: WorldLayout, tag: int = FEATURES):
+    """Post sending `tensor` to the next rank and receiving, from the previous one, the block that
+    originated on rank `origin`; returns a function that waits for both and gives the received block."""
+    (received,), requests = post_exchange([tensor], [1], [layout.local_sizes[origin]], layout, tag)
+
+    def wait():
+        for request in requests:
+            request.wait()
+        return received
+
+    return wait
+
+
+class _RingRowLogSumExp(torch.autograd.Function):
+    """Σ_{i∈r} LSE_j(s·r_i·c_j): rows r are this rank's (b, d); columns c are every rank's, met block by
+    block as they travel around the ring (rank q sends to q + 1).
+
+    Forward: N steps; at step t the rank holds the column block that originated on rank r − t, posts its
+    send onward and the receive of the next, and folds its tiles into a running LSE per row meanwhile.
+    Saved for backward: the rank's rows and own columns (its inputs) and b row LSEs.
+
+    Backward, a second ring pass: each block travels with its gradient accumulator. At step t the rank
+    recomputes P_ij = exp(s·r_i·c_j − LSE_i) tile by tile, adds g·s·Σ_j P_ij c_j to its rows' gradient
+    and g·s·Σ_i P_ij r_i to the block's accumulator (g: this rank's upstream gradient), and passes both
+    on; after N steps the accumulator has met every rank and one more hop brings it home:
+    Σ_q ∂l_q/∂c_r, what an all_gather's backward gives. ∂l_r/∂s = g·Σ_i r_i·(Σ_j P_ij c_j) from the
+    rows' inner sums, counted once. In flight: a block and an accumulator."""
 
     @staticmethod
-    def forward(ctx, rows, columns, logit_scale, tile):
-        row_lse = torch.empty(rows.shape[0], dtype=rows.dtype, device=rows.device)
-        for r in range(0, rows.shape[0], tile):
-            running = torch.full((min(tile, rows.shape[0] - r),), -torch.inf, dtype=rows.dtype, device=rows.device)
-            for c in range(0, columns.shape[0], tile):
-                logits = logit_scale * (rows[r : r + tile] @ columns[c : c + tile].T)
-                running = torch.logaddexp(running, torch.logsumexp(logits, dim=1))
-            row_lse[r : r + tile] = running
-        ctx.save_for_backward(rows, columns, logit_scale, row_lse)
-        ctx.tile = tile
-        return row_lse.sum()
+    def forward(ctx, rows, columns, logit_scale, tile, layout):
+        rank, world_size = layout.rank, layout.world_size
+        lse = torch.full((rows.shape[0],), -torch.inf, dtype=rows.dtype, device=rows.device)
+        block = columns
+        for step in range(world_size):
+            wait = _pass_right(block, (rank - step - 1) % world_size, layout) if step < world_size - 1 else None
+            lse = torch.logaddexp(lse, _tiles_lse(rows, block, logit_scale, tile))
+            if wait is not None:
+                block = wait()
+        ctx.save_for_backward(rows, columns, logit_scale, lse)
+        ctx.tile, ctx.layout = tile, layout
+        return lse.sum()
 
     @staticmethod
     def backward(ctx, grad_output):
-        rows, columns, logit_scale, row_lse = ctx.saved_tensors
-        tile = ctx.tile
-        grad_rows, grad_columns = torch.zeros_like(rows), torch.zeros_like(columns)
-        for r in range(0, rows.shape[0], tile):
-            row_block = rows[r : r + tile]
-            for c in range(0, columns.shape[0], tile):
-                column_block = columns[c : c + tile]
-                probs = (row_block @ column_block.T).mul_(logit_scale).sub_(row_lse[r : r + tile, None]).exp_()
-                grad_rows[r : r + tile] += probs @ column_block
-                grad_columns[c : c + tile] += probs.T @ row_block
-        # ∂/∂s = Σ_ij P_ij r_i·c_j = Σ_i r_i·(Σ_j P_ij c_j): the row gradient already holds the inner sum.
-        grad_scale = (rows * grad_rows).sum()
-        scale = grad_output * logit_scale
-        return grad_rows * scale, grad_columns * scale, grad_scale * grad_output, None
+        rows, columns, logit_scale, lse = ctx.saved_tensors
+        layout, tile = ctx.layout, ctx.tile
+        rank, world_size = layout.rank, layout.world_size
+        factor = grad_output * logit_scale
+        grad_rows = torch.zeros_like(rows)
+        block, arriving = columns, None
+        for step in range(world_size):
+            origin = (rank - step - 1) % world_size  # of the block (and accumulator) that arrives next
+            wait_block = _pass_right(block, origin, layout) if step < world_size - 1 else None
+            mine = _tiles_backward(rows, block, logit_scale, lse, tile, grad_rows).mul_(factor)
+            accumulated = mine if arriving is None else arriving() + mine
+            arriving = _pass_right(accumulated, origin, layout, GRADIENTS) if world_size > 1 else (lambda: accumulated)
+            if wait_block is not None:
+                block = wait_block()
+        grad_columns = arriving()  # this rank's columns, back from their trip: every rank's term
+        grad_scale = (rows * grad_rows).sum() * grad_output
+        return grad_rows.mul_(factor), grad_columns, grad_scale, None, None
 
 
 DEFAULT_TILE = 1024  # the default of loss.tile too (config.TiledLossConfig reads it)
 
 
 class TiledLoss(DistributedContrastiveLoss):
-    """DisCo's split of the loss, without DisCo's 2·b·B logits: memory O((b + B)·d).
+    """DisCo's split of the loss, without DisCo's 2·b·B logits and without gathering: memory O(b·d).
 
-    Per rank, with I, T = all_gather_with_grad(local) and the rank's rows I_r, T_r:
+    Per rank, over the global batch's images I and texts T and the rank's rows:
         l_r = N/(2B) · [Σ_{i∈r} LSE_j(s·I_i·T_j) + Σ_{i∈r} LSE_j(s·T_i·I_j) − 2s·Σ_{i∈r} I_i·T_i]
-    which is DisCo's l_r term by term (CE_i = LSE_i − positive logit), so it is exact for
-    the same reasons: the gather's backward sums over ranks (N·∂L/∂f after DDP's average
-    becomes ∂L/∂f) and the scale gets ∂l_r/∂s on rank r (average ∂L/∂s). Each LSE is a
-    `_SummedRowLogSumExp` over tiles of `tile` rows and columns: kept for backward are the
-    gathered features (2·B·d) and 2·b row LSEs; the largest transient is tile² logits.
-    The scale's gradient comes out of the same tiles as the features' (∂/∂s above), so it is
-    counted once — the point where Inf-CL's published code is reported to be N× off.
+    which is DisCo's l_r term by term (CE_i = LSE_i − positive logit), so it is exact for the same
+    reasons: each feature block's gradient sums every rank's term (N·∂L/∂f after DDP's average becomes
+    ∂L/∂f) and the scale gets ∂l_r/∂s on rank r (average ∂L/∂s). Each LSE is a `_RingRowLogSumExp`: the
+    other ranks' features come by, block by block, in tiles of `tile` rows and columns; kept for backward
+    are the rank's own features and 2·b row LSEs, the largest transient is tile² logits, and in flight
+    are one feature block and one gradient block. The scale's gradient comes out of the same tiles as the
+    features' (counted once: the point where Inf-CL's published code is reported to be N× off).
     """
 
     def __init__(self, tile: int = DEFAULT_TILE, group=None):
@@ -71,9 +124,13 @@ class TiledLoss(DistributedContrastiveLoss):
         self.tile = tile
 
     def compute(self, image_features, text_features, logit_scale, layout):
-        all_image = all_gather_with_grad(image_features, layout)
-        all_text = all_gather_with_grad(text_features, layout)
-        image_lse = _SummedRowLogSumExp.apply(image_features, all_text, logit_scale, self.tile)
-        text_lse = _SummedRowLogSumExp.apply(text_features, all_image, logit_scale, self.tile)
+        image_lse = _RingRowLogSumExp.apply(image_features, text_features, logit_scale, self.tile, layout)
+        text_lse = _RingRowLogSumExp.apply(text_features, image_features, logit_scale, self.tile, layout)
         positives = logit_scale * (image_features * text_features).sum()
         return (image_lse + text_lse - 2 * positives) * (layout.world_size / (2 * layout.global_batch))
+
+    def sent_bytes_per_rank(self, local_batch: int, world_size: int, dim: int, element_size: int) -> float:
+        """Per modality: N − 1 feature blocks forward; N − 1 feature blocks and N gradient blocks backward."""
+        if world_size == 1:
+            return 0.0
+        return 2 * (3 * world_size - 2) * local_batch * dim * element_size
