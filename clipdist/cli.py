@@ -105,18 +105,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human(nbytes: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from clipdist.tools import plan
+    from clipdist.tools.memory import human_bytes
 
     model_name, checkpointing = plan.resolve_model(args.model)
     checkpointing = checkpointing or args.grad_checkpointing
@@ -134,7 +128,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
                         f"global batch {args.global_batch} ({rows[0].local_batch}/device), {args.precision}, "
-                        f"device {_human(device_bytes)}")
+                        f"device {human_bytes(device_bytes)}")
     for column in ("backend", "params+optim", "activations", "loss", "comm buf.", "peak", "fits", "sent/step",
                    "max global batch"):
         table.add_column(column, justify="left" if column == "backend" else "right")
@@ -142,12 +136,12 @@ def _plan(args: argparse.Namespace) -> int:
         name = row.backend + (f" +cache×{row.chunks}" if row.chunks > 1 else "")
         name += f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else ""
         fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
-        table.add_row(name, *(_human(x) for x in (row.parameters_optimizer, row.activations, row.loss_buffers,
+        table.add_row(name, *(human_bytes(x) for x in (row.parameters_optimizer, row.activations, row.loss_buffers,
                                                   row.communication_buffers, row.peak)),
-                      fits, _human(row.sent_bytes_per_step), f"{row.max_global_batch:,}")
+                      fits, human_bytes(row.sent_bytes_per_step), f"{row.max_global_batch:,}")
     console.print(table)
-    console.print(f"[dim]activations measured on CPU: {_human(measured.activations.per_sample)}/sample + "
-                  f"{_human(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
+    console.print(f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
+                  f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
                   "less. Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included.[/dim]")
     return 0
 

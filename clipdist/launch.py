@@ -237,7 +237,9 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -
     The ranks are forked from this process, which has imported torch and the towers' libraries already
     (about 8 s of imports a process here, that spawned ranks would each repeat), unless CUDA is initialised
     here — then they are spawned afresh, as CUDA does not survive a fork. Either way `fn` must be importable
-    (module level) and no process group may exist here yet.
+    (module level) and no process group may exist here yet. Launch before this process runs parallel CPU
+    ops: a fork of a process whose OpenMP threads have run hangs in its first parallel op (libgomp is not
+    fork-safe; `clipdist plan` measures the loss on ranks before it runs the towers here).
 
     Returns {rank: return value}. A rank that fails
     makes the others stop (5 s grace, then SIGTERM, then SIGKILL) and its error is raised here;

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -104,8 +105,8 @@ def test_cli_plan_json():
     result = subprocess.run(
         [sys.executable, "-m", "clipdist.cli", "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
          "--backend", "disco,tiled", "--chunks", "1,2", "--memory", "1GB", "--precision", "fp32", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )  # two threads: the towers run multi-threaded here, as for a user (the suite's default is one)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"] == "clipdist-tiny" and report["world_size"] == 2

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from clipdist.losses import BACKENDS, build
-from clipdist.tools.memory import fit_loss_memory, loss_inputs, loss_kept_bytes
+from clipdist.tools.memory import fit_loss_memory, human_bytes, loss_inputs, loss_kept_bytes
 
 PEER = "open_clip"  # open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
 
@@ -123,7 +123,7 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
             rows.append({**row, "kept_bytes": kept, "peak_bytes": max(p for _, p in per_rank),
                          "seconds": statistics.median(slowest)})
             if rank == 0:
-                print(f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {kept / 1e6:9.1f} MB  "
+                print(f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {human_bytes(kept, 1):>9}  "
                       f"{statistics.median(slowest) * 1e3:8.1f} ms", flush=True)
     return rows if rank == 0 else None
 
@@ -173,7 +173,7 @@ def markdown(rows, world_size: int, global_batch: int) -> str:
             continue
         kept_ratio = f"{row['kept_bytes'] / disco['kept_bytes']:.3f}" if disco and "kept_bytes" in disco else ""
         time_ratio = f"{row['seconds'] / disco['seconds']:.2f}" if disco and "seconds" in disco else ""
-        lines.append(f"| {name} | {row['kept_bytes'] / 1e6:.1f} MB | {kept_ratio} | {row['peak_bytes'] / 1e6:.1f} MB "
+        lines.append(f"| {name} | {human_bytes(row['kept_bytes'], 1)} | {kept_ratio} | {human_bytes(row['peak_bytes'], 1)} "
                      f"| {row['seconds'] * 1e3:.0f} ms | {time_ratio} |")
     return "\n".join(lines)
 

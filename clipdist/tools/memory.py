@@ -112,6 +112,14 @@ def measure_activations(model, context_length: int, autocast=None, batches=(1, 2
                          sum(p.numel() for p in model.parameters()))
 
 
+def human_bytes(nbytes: float, digits: int = 2) -> str:
+    """1234567 -> '1.23 MB' (decimal units, as device makers state memory)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.{digits}f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 # Bytes a loss keeps for backward on one rank, as a function of local batch b, global batch B
 # and feature dim d: coefficients of these monomials, fitted from exact measurements.
 LOSS_TERMS = ("B·B", "b·B", "B·d", "b·d", "B", "b", "d", "1")

@@ -126,14 +126,15 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
 
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision={precision!r}; choose bf16 or fp32")
+    # The loss ranks first: they are forked from this process, and a fork of a process whose OpenMP
+    # threads have run (the towers below) hangs in its first parallel op (libgomp is not fork-safe).
+    progress(f"measuring loss buffers of {', '.join(backends)} on 3 gloo ranks…")
+    losses = fit_loss_memory(backends, "bfloat16" if precision == "bf16" else "float32")
     progress(f"measuring {model_name} activations (CPU, batch 1 and 2, {precision})…")
     torch.manual_seed(0)
     model = create_model(model_name, grad_checkpointing=grad_checkpointing)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
     activations = measure_activations(model, get_tokenizer(model_name).context_length, autocast)
-    feature_dtype = "bfloat16" if precision == "bf16" else "float32"
-    progress(f"measuring loss buffers of {', '.join(backends)} on 3 gloo ranks…")
-    losses = fit_loss_memory(backends, feature_dtype)
     return Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model))
 
 
