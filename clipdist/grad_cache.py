@@ -10,6 +10,11 @@ The scalars' cached gradient is fed into exactly one chunk's backward: open_clip
 accumulation recomputes the loss per chunk and counts the logit scale's gradient K times.
 The result equals keeping every chunk's graph and backpropagating the global loss once;
 encoder activations are kept for one chunk at a time.
+
+Inputs: `prepare(images, tokens)` puts a batch, or a chunk of it, on the device (copy, normalise).
+The whole-batch step prepares the batch once; the chunked step keeps the batch where the loader left
+it (pinned host memory on CUDA) and prepares each chunk as it runs, twice (forward, re-forward): the
+device holds one chunk's inputs, not the local batch's (a million 224-px images are ~150 GB of uint8).
 """
 from __future__ import annotations
 
@@ -21,15 +26,21 @@ from torch.nn.parallel import DistributedDataParallel
 from clipdist.parallel import finish_gradient_sync, gradient_sync
 
 
+def _as_given(images, tokens):
+    return images, tokens
+
+
 class WholeBatchStep:
     """The plain step: forward the local batch with its graph, loss, backward."""
 
-    def __init__(self, model, loss_fn, autocast=None):
+    def __init__(self, model, loss_fn, autocast=None, prepare=None):
         self.model, self.loss_fn, self.autocast = model, loss_fn, autocast or nullcontext()
+        self.prepare = prepare or _as_given
 
     def loss(self, images, tokens) -> torch.Tensor:
+        inputs = self.prepare(images, tokens)
         with self.autocast:
-            outputs = self.model(images, tokens)
+            outputs = self.model(*inputs)
         return self.loss_fn(*outputs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -40,8 +51,8 @@ class WholeBatchStep:
 class GradCacheStep(WholeBatchStep):
     """The same step in `chunks` pieces; `loss` runs phases 1–2's forward, `backward` the rest."""
 
-    def __init__(self, model, loss_fn, chunks: int, autocast=None):
-        super().__init__(model, loss_fn, autocast)
+    def __init__(self, model, loss_fn, chunks: int, autocast=None, prepare=None):
+        super().__init__(model, loss_fn, autocast, prepare)
         if chunks < 1:
             raise ValueError(f"grad_cache.chunks must be at least 1, got {chunks}")
         self.chunks = chunks
@@ -55,9 +66,11 @@ class GradCacheStep(WholeBatchStep):
         rng_states, outputs = [], []
         with torch.no_grad():
             for piece in pieces:
-                rng_states.append(_rng_state(images.device))
+                inputs = self.prepare(*piece)
+                rng_states.append(_rng_state(inputs[0].device))
                 with self.autocast:
-                    outputs.append(module(*piece))
+                    outputs.append(module(*inputs))
+                del inputs
         # Detached leaves: the loss's backward stops here and leaves the gradients in .grad.
         image_features = torch.cat([out[0] for out in outputs]).requires_grad_()
         text_features = torch.cat([out[1] for out in outputs]).requires_grad_()
@@ -73,16 +86,19 @@ class GradCacheStep(WholeBatchStep):
         image_grads, text_grads = image_features.grad.split(sizes), text_features.grad.split(sizes)
         for k, (piece, rng) in enumerate(zip(pieces, rng_states)):
             last = k == len(pieces) - 1
-            with gradient_sync(self.model, enabled=last), _restored_rng(rng, piece[0].device):
+            inputs = self.prepare(*piece)
+            with gradient_sync(self.model, enabled=last), _restored_rng(rng, inputs[0].device):
                 with self.autocast:
-                    outputs = self.model(*piece)
+                    outputs = self.model(*inputs)
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
                 torch.autograd.backward(list(outputs), [image_grads[k], text_grads[k], *scalar_grads])
         finish_gradient_sync(self.model)
 
 
-def build_step(model, loss_fn, chunks: int = 1, autocast=None) -> WholeBatchStep:
-    return GradCacheStep(model, loss_fn, chunks, autocast) if chunks > 1 else WholeBatchStep(model, loss_fn, autocast)
+def build_step(model, loss_fn, chunks: int = 1, autocast=None, prepare=None) -> WholeBatchStep:
+    if chunks > 1:
+        return GradCacheStep(model, loss_fn, chunks, autocast, prepare)
+    return WholeBatchStep(model, loss_fn, autocast, prepare)
 
 
 def _rng_state(device: torch.device):

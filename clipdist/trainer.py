@@ -281,7 +281,7 @@ class Trainer:
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
         self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
-                                  self.autocast)
+                                  self.autocast, self.to_device)
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
@@ -348,8 +348,7 @@ class Trainer:
                     batch = self.next_batch()
                 waited = time.perf_counter() - started
                 with record_function("forward_and_loss"):
-                    images = self.model_input(batch.images.to(self.device, non_blocking=True))
-                    loss = self.step_fn.loss(images, batch.tokens.to(self.device, non_blocking=True))
+                    loss = self.step_fn.loss(batch.images, batch.tokens)
                 with record_function("agree"):
                     agreed = StepAgreement.reach(loss, checkpointer.requests(), batch.counts, self.device)
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
@@ -382,6 +381,12 @@ class Trainer:
             self.progress.close()
             self.tracker.finish()
         return metrics
+
+    def to_device(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch or a chunk of it from the loader to the model: on the device, the pixels normalised there
+        where the loader hands over uint8 (grad_cache: chunked steps call it per chunk)."""
+        return (self.model_input(images.to(self.device, non_blocking=True)),
+                tokens.to(self.device, non_blocking=True))
 
     def loader_priority(self, workers: int) -> str:
         """How `workers` loader workers are scheduled (host.loader_priority), said on the log."""

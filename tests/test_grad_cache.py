@@ -141,3 +141,24 @@ def test_compiled_ddp_keeps_no_sync_and_chunks_sync_once():
     assert whole[0][0] and chunked[0][0]  # compiled in place, DDP outermost
     assert whole[0][1] >= 1
     assert chunked[0][1] == whole[0][1]  # 4 chunks, one gradient sync: no all-reduce per chunk
+
+
+def test_the_chunked_step_puts_one_chunk_at_a_time_on_the_device():
+    """The loader's batch stays where it is (pinned host memory on CUDA); `prepare` moves and normalises a
+    chunk as it runs — in the forward and again in the re-forward — and the step equals the whole one whose
+    batch is prepared at once."""
+    loss_fn = build("tiled")
+    pixels = torch.randint(0, 256, (BATCH, 32, 32, 3), dtype=torch.uint8)  # as the loader hands them over
+    _, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
+    seen = []
+
+    def prepare(images, tokens):
+        seen.append(images.shape[0])
+        return images.permute(0, 3, 1, 2).double().div(255), tokens
+
+    cached = run_step(GradCacheStep(tiny_model(False, False), loss_fn, 3, prepare=prepare), pixels, tokens)
+    assert seen == [2, 2, 2, 2, 2, 2]  # three chunks forward, the same three re-forwarded
+    seen.clear()
+    whole = run_step(WholeBatchStep(tiny_model(False, False), loss_fn, prepare=prepare), pixels, tokens)
+    assert seen == [BATCH]
+    assert cached[0] == pytest.approx(whole[0], rel=1e-12) and max_rel_error(cached[1], whole[1]) < 1e-10
