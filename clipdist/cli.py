@@ -15,6 +15,11 @@ def _csv(cast):
     return lambda text: [cast(part) for part in text.split(",")]
 
 
+def _chunk_counts(text: str) -> list[int]:
+    """--chunks: counts, or 'auto' (plan.AUTO, 0)."""
+    return [0 if part.strip() == "auto" else int(part) for part in text.split(",")]
+
+
 def _batch_sizes(text: str) -> int | list[int]:
     sizes = _csv(int)(text)
     return sizes[0] if len(sizes) == 1 else sizes
@@ -114,35 +119,45 @@ def _plan(args: argparse.Namespace) -> int:
 
     model_name, checkpointing = plan.resolve_model(args.model)
     checkpointing = checkpointing or args.grad_checkpointing
-    world_size = plan.resolve_world(args.world)
+    world_size, ranks_per_node = plan.resolve_world(args.world)
     device_bytes = plan.parse_bytes(args.memory)
+    host = plan.Host(args.ranks_per_node or ranks_per_node, args.loader_workers, plan.parse_bytes(args.host_memory))
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
-    console = Console(stderr=args.json, width=max(Console().width, 120))
+    console = Console(stderr=args.json, width=max(Console().width, 200))
     measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
                             progress=lambda text: console.print(f"[dim]{text}[/dim]"))
-    rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel)
+    rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel,
+                     host)
     if args.json:
         print(json.dumps({"model": model_name, "world_size": world_size, "device_bytes": device_bytes,
+                          "host": {"ranks_per_node": host.ranks_per_node, "loader_workers": host.loader_workers,
+                                   "memory": host.memory},
                           "precision": args.precision, "grad_checkpointing": checkpointing,
                           "rows": plan.rows_as_dicts(rows)}, indent=2))
         return 0
     table = Table(title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
-                        f"global batch {args.global_batch} ({rows[0].local_batch}/device), {args.precision}, "
-                        f"device {human_bytes(device_bytes)}")
-    for column in ("backend", "params+optim", "activations", "loss", "comm buf.", "peak", "fits", "sent/step",
-                   "max global batch"):
-        table.add_column(column, justify="left" if column == "backend" else "right")
+                        f"global batch {args.global_batch:,} ({rows[0].local_batch:,}/device), {args.precision}, "
+                        f"device {human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node "
+                        f"({host.ranks_per_node} ranks × {host.loader_workers} loader workers)")
+    for column in ("backend", "chunks", "params+optim", "activations", "cached feat.", "loss", "inputs", "comm buf.",
+                   "peak", "fits", "host/node", "sent/step", "max global batch", "limited by"):
+        table.add_column(column, justify="left" if column in ("backend", "limited by") else "right", no_wrap=True)
     for row in rows:
-        name = row.backend + (f" +cache×{row.chunks}" if row.chunks > 1 else "")
-        name += f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else ""
+        name = row.backend + (f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
+        chunks = f"{row.chunks:,}×{row.micro_batch:,}" if row.chunks > 1 else "1"
         fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
-        table.add_row(name, *(human_bytes(x) for x in (row.parameters_optimizer, row.activations, row.loss_buffers,
-                                                  row.communication_buffers, row.peak)),
-                      fits, human_bytes(row.sent_bytes_per_step), f"{row.max_global_batch:,}")
+        table.add_row(name, chunks, *(human_bytes(x) for x in (row.parameters_optimizer, row.activations,
+                                                          row.cached_features, row.loss_buffers, row.inputs,
+                                                          row.communication_buffers, row.peak)),
+                      fits, human_bytes(row.host_per_node), human_bytes(row.sent_bytes_per_step),
+                      f"{row.max_global_batch:,}", row.limit)
     console.print(table)
     console.print(f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
                   f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
-                  "less. Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included.[/dim]")
+                  f"less. Inputs: {human_bytes(measured.input_bytes)}/sample (uint8 pixels + int64 tokens). "
+                  "Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included. With gradient caching, "
+                  "run with grad_cache.micro_batch=<per chunk> and data.pieces=<chunks> (the loader reads the batch "
+                  "in chunks into host memory).[/dim]")
     return 0
 
 
@@ -152,12 +167,19 @@ def _bench(args: argparse.Namespace) -> int:
     from clipdist.tools import bench
     from clipdist.tools.plan import parse_bytes
 
-    rows = bench.run(args.backend, args.world, args.batch, args.dim, args.repeats, parse_bytes(args.budget))
-    for path in bench.write(rows, Path(args.out), args.tag):
+    names = bench.backends(args.backend)
+    fits = bench.loss_fits(names)
+    rows = bench.run(names, args.world, args.batch, args.dim, args.repeats, parse_bytes(args.budget), fits=fits)
+    scaling = bench.scaling(fits, names, args.scaling_world, args.scaling_batch or bench.SCALING_BATCHES,
+                                                args.scaling_dim) if args.scaling_world else []
+    for path in bench.write(rows, Path(args.out), args.tag, scaling):
         print(f"wrote {path}")
     for world_size in args.world:
         for global_batch in args.batch:
             print(f"\n{bench.markdown(rows, world_size, global_batch)}")
+    if scaling:
+        print(f"\n{bench.scaling_markdown(scaling)}\n(kept for backward; in brackets with what the backward "
+              "holds on top. From the exact fits above, not run.)")
     return 0
 
 
@@ -252,10 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks")
     planner.add_argument("--global-batch", type=int, default=32768)
     planner.add_argument("--backend", type=_csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
-    planner.add_argument("--chunks", type=_csv(int), default=[1], help="gradient-caching chunks, comma-separated: 1,8")
+    planner.add_argument("--chunks", type=_chunk_counts, default=[1],
+                         help="gradient-caching chunks, comma-separated: 1,8; auto: the chunk size that reaches the "
+                              "largest batch (within 5%%) in the fewest chunks")
     planner.add_argument("--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)")
     planner.add_argument("--parallel", type=_csv(str), default=["ddp"],
                          help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)")
+    planner.add_argument("--host-memory", default="2TB",
+                         help="host memory per node, for the batch's inputs (default 2TB: a DGX H100 node)")
+    planner.add_argument("--loader-workers", type=int, default=8,
+                         help="loader workers per rank (each reads 2 loader batches ahead)")
+    planner.add_argument("--ranks-per-node", type=int, default=None,
+                         help="default: the world preset's procs_per_node (8 at most for a number of ranks)")
     planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     planner.add_argument("--grad-checkpointing", action="store_true")
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
@@ -278,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     loss_bench.add_argument("--budget", default="16GB", help="skip configurations predicted to need more, all ranks")
     loss_bench.add_argument("--out", default="docs/bench", help="folder for the JSON and the PNG plot")
     loss_bench.add_argument("--tag", default="cpu", help="file name suffix: loss_<tag>.json")
+    loss_bench.add_argument("--scaling-world", type=int, default=8,
+                            help="the predicted table (Inf-CL's Table 1 shape) at this many ranks; 0: none")
+    loss_bench.add_argument("--scaling-batch", type=_csv(int), default=None,
+                            help="its global batches (default 32k … 1M)")
+    loss_bench.add_argument("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)")
     loss_bench.set_defaults(run=_bench)
 
     shards = commands.add_parser(

@@ -103,6 +103,7 @@ class DataConfig:
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
     workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (host.loader_workers)
+    pieces: int = 1  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
@@ -211,7 +212,7 @@ class TrainConfig:
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
             "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
-            "world.rendezvous_timeout_s", "grad_cache.chunks")
+            "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces")
 NON_NEGATIVE = ("logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 
@@ -239,6 +240,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.grad_cache.chunks > cfg.world.batch_per_device:
         raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
                           f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
+    if cfg.world.batch_per_device % cfg.data.pieces:
+        raise ConfigError(f"data.pieces={cfg.data.pieces} does not divide world.batch_per_device="
+                          f"{cfg.world.batch_per_device}: use a divisor of the rank's batch")
     if cfg.optim.max_logit_scale <= 1:
         raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
     if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:

@@ -34,6 +34,8 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_pat
     (["loss.name=nope"], "unknown loss backend 'nope'"),
     (["grad_cache.chunks=100", "world.batch_per_device=8"], "grad_cache.chunks=100 is more than world.batch_per_device=8"),
     (["grad_cache.chunks=2", "grad_cache.micro_batch=4"], "give one of them"),
+    (["data.pieces=3", "world.batch_per_device=8"], "data.pieces=3 does not divide world.batch_per_device=8"),
+    (["data.pieces=0"], "data.pieces=0: must be at least 1"),
     (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
     (["world=8gpu", "world.device=cpu", "world.backend=gloo"], "expects 8 processes (1 node(s) × 8) but this process was started alone. "
                                          "Launch it with `torchrun --nproc-per-node 8"),

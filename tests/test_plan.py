@@ -75,17 +75,50 @@ def test_plan_predicts_the_memory_a_real_step_keeps(measured):
     configs, local_batch, world_size = [("disco", 1), ("tiled", 1), ("siglip", 1), ("disco", 4)], 32, 2
     real = launch_local(kept_bytes_of_configs, world_size, configs, local_batch, timeout_s=300)[0]
     for (backend, chunks), got in zip(configs, real):
-        predicted = plan.breakdown(measured, backend, world_size, local_batch, chunks)["kept_for_backward"]
+        predicted = plan.breakdown(measured, backend, world_size, local_batch, -(-local_batch // chunks))["kept_for_backward"]
         assert predicted == pytest.approx(got, rel=0.2), (backend, chunks, predicted, got)
 
 
 def test_largest_batch_is_the_boundary(measured):
     device = 200e6
-    b = plan.largest_local_batch(measured, "disco", 4, 1, device)
-    assert b > 0
-    assert plan.breakdown(measured, "disco", 4, b, 1)["peak"] <= device < plan.breakdown(measured, "disco", 4, b + 1, 1)["peak"]
-    cached = plan.largest_local_batch(measured, "disco", 4, 8, device)
+    b, limit = plan.largest_local_batch(measured, "disco", 4, 1, device)
+    assert b > 0 and limit.startswith("device: ")
+    assert plan.breakdown(measured, "disco", 4, b, b)["peak"] <= device < plan.breakdown(measured, "disco", 4, b + 1, b + 1)["peak"]
+    cached, _ = plan.largest_local_batch(measured, "disco", 4, 8, device)
     assert cached > b  # gradient caching trades activations for re-computation
+
+
+def test_inputs_are_counted_on_the_device_and_on_the_host(measured):
+    """The batch's inputs: all of it on the device without chunks, one chunk with them; the host holds the
+    batch and what the loader reads ahead (2 per worker: whole batches, or chunks read as pieces)."""
+    assert measured.input_bytes == 3 * 32 * 32 + 8 * 16  # clipdist-tiny: 32-px images, 16 tokens
+    host = plan.Host(ranks_per_node=4, loader_workers=3, memory=10**12)
+    whole = plan.breakdown(measured, "tiled", 4, 64, 64, host=host)
+    chunked = plan.breakdown(measured, "tiled", 4, 64, 8, host=host)
+    assert whole["inputs"] == 64 * measured.input_bytes and chunked["inputs"] == 8 * measured.input_bytes
+    assert whole["host_per_node"] == 4 * (64 + 2 * 3 * 64) * measured.input_bytes
+    assert chunked["host_per_node"] == 4 * (64 + 2 * 3 * 8) * measured.input_bytes
+    assert chunked["cached_features"] == 4 * 64 * measured.activations.feature_dim * 4
+
+
+def test_host_memory_can_be_what_limits_the_batch(measured):
+    device = 10**12
+    roomy, _ = plan.largest_local_batch(measured, "tiled", 4, None, device, host=plan.Host(4, 1, 10**12), micro_batch=8)
+    tight, limit = plan.largest_local_batch(measured, "tiled", 4, None, device, host=plan.Host(4, 1, 10**8),
+                                            micro_batch=8)
+    assert tight < roomy and limit == "host: inputs"
+    assert plan.breakdown(measured, "tiled", 4, tight, 8, host=plan.Host(4, 1, 10**8))["host_per_node"] <= 10**8
+    assert plan.breakdown(measured, "tiled", 4, tight + 1, 8, host=plan.Host(4, 1, 10**8))["host_per_node"] > 10**8
+
+
+def test_automatic_chunks_reach_nearly_the_largest_batch_with_the_largest_chunk(measured):
+    host, device = plan.Host(4, 2, 10**12), 300e6
+    micro, batch, _ = plan.auto_micro_batch(measured, "tiled", 4, device, "ddp", host)
+    best = max(plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=size)[0]
+               for size in (1, 2, 4))
+    assert batch >= plan.AUTO_CHUNK_SHARE * best
+    bigger, _ = plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=2 * micro)
+    assert bigger < plan.AUTO_CHUNK_SHARE * best  # a larger chunk would give up more than 5%
 
 
 def test_parse_bytes_and_presets():
@@ -95,7 +128,7 @@ def test_parse_bytes_and_presets():
     assert plan.parse_bytes("A100-40GB") == 40 * 10**9
     with pytest.raises(ValueError, match="40GB"):
         plan.parse_bytes("lots")
-    assert plan.resolve_world("64gpu") == 64 and plan.resolve_world("3") == 3
+    assert plan.resolve_world("64gpu") == (64, 8) and plan.resolve_world("3") == (3, 3)
     assert plan.resolve_model("vit_b32") == ("ViT-B-32", False)
     with pytest.raises(ValueError, match="64gpu"):
         plan.resolve_world("65gpu")

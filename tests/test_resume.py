@@ -123,6 +123,37 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
         resumed.close()
 
 
+def test_a_batch_read_in_pieces_is_the_batch_and_resumes_exactly(tmp_path):
+    """data.pieces: one reader's pieces make the very batch it reads whole; with more readers each piece
+    comes from the next reader, the same on any worker count, and a checkpoint between batches resumes it."""
+    sources = two_sources(tmp_path)
+
+    def run(pieces, readers, workers=0, count=6, saved=None):
+        batches = train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3,
+                               weights=[3, 1], readers=readers, pieces=pieces)
+        batches.load_state_dict(saved)
+        try:
+            seen = []
+            for _ in range(count):
+                batch = next(batches)
+                assert batch.images.shape[0] == 4 and sum(batch.counts[2:]) == 4
+                seen.append(batch.images.tolist())
+                batches.consumed()
+            return seen, batches.state_dict()
+        finally:
+            batches.close()
+
+    whole, _ = run(1, readers=1)
+    assert run(2, readers=1)[0] == whole and run(4, readers=1)[0] == whole
+    pieces, _ = run(2, readers=2)
+    assert pieces != whole and run(2, readers=2, workers=2)[0] == pieces
+    head, saved = run(2, readers=2, workers=1, count=2)
+    tail, _ = run(2, readers=2, workers=2, count=4, saved=saved)
+    assert head + tail == pieces
+    with pytest.raises(ValueError, match="data.pieces=3 does not divide world.batch_per_device=4"):
+        run(3, readers=1)
+
+
 def test_any_worker_count_that_divides_the_readers_gives_the_same_stream(tmp_path):
     """Readers are the layout; the processes running them are not: 4 readers on 0, 1, 2 or 4 workers give the
     same batches, a stream moved to another worker count between batches goes on unchanged, and a checkpoint

@@ -69,10 +69,13 @@ def test_siglip_with_grad_cache_trains_on_two_ranks(tmp_path, cache_dir):
     assert rows[0]["logit_bias"] == pytest.approx(-10.0, abs=0.01)
 
 
-@pytest.mark.parametrize("chunking", ["grad_cache.chunks=4", "grad_cache.micro_batch=3"])
+@pytest.mark.parametrize("chunking", [("grad_cache.chunks=4",), ("grad_cache.micro_batch=3",),
+                                      ("grad_cache.chunks=4", "data.pieces=4", "data.normalize_on=device")])
 def test_grad_cached_run_follows_the_unchunked_run(tmp_path, cache_dir, local_losses, chunking):
+    """Gradient caching changes no loss; nor does the loader reading the batch in pieces into host memory
+    while the step moves one chunk at a time to the device (the last case: inputs off the device)."""
     expected = local_losses("disco")
-    result = train(tmp_path / "run", cache_dir, chunking, "world=local", "world.batch_per_device=8",
+    result = train(tmp_path / "run", cache_dir, *chunking, "world=local", "world.batch_per_device=8",
                    "optim.max_steps=2", *SAME_GLOBAL_BATCH)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")]

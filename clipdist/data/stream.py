@@ -69,6 +69,11 @@ class TrainStream:
     `readers` (default: data.workers, at least 1) is how many readers the rank's shards are dealt to,
     part of the layout; the worker processes that run them (data.workers) may be any divisor of it, and
     may change between batches (`set_workers`) without changing a sample of the stream.
+
+    `data.pieces` (dividing batch_size): the loader reads each batch as that many pieces, piece g of the
+    stream from reader g mod readers, copied one by one into the batch's host buffer (pinned where
+    `pin_memory`). Host memory is then the batch plus the pieces read ahead (workers × 2), not whole
+    batches read ahead: what lets a batch larger than the device (gradient caching) be held at all.
     """
 
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
@@ -78,6 +83,8 @@ class TrainStream:
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
+        self.pieces = int(getattr(data, "pieces", 1) or 1)
+        check_pieces(self.pieces, batch_size)
         self.readers_count = readers or max(data.workers, 1)
         self.workers = data.workers
         check_workers(self.workers, self.readers_count)
@@ -92,10 +99,10 @@ class TrainStream:
                        "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest()}
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
         self.readers: dict[int, dict] = {}  # rank-local reader -> position after the batches consumed
-        self.batches = 0  # batches consumed
+        self.batches = 0  # loader batches consumed (pieces, where data.pieces > 1)
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
         self._loader = None
-        self._pending: tuple[int, dict] | None = None  # the reader and position of the batch handed out
+        self._pending: list[tuple[int, dict]] = []  # the reader and position of each piece handed out
 
     def __iter__(self):
         return self
@@ -103,21 +110,42 @@ class TrainStream:
     def __next__(self) -> Batch:
         if self._loader is None:
             self._loader = self._start()
+        self._pending = []
+        if self.pieces == 1:
+            images, tokens, counts, load_s = self._piece()
+            return Batch(images, tokens, counts, load_s)
+        images = tokens = counts = None
+        load_s, rows = 0.0, self.batch_size // self.pieces
+        for piece in range(self.pieces):
+            piece_images, piece_tokens, piece_counts, piece_load_s = self._piece()
+            if images is None:  # the batch's host buffer, filled piece by piece as the pieces arrive
+                images = torch.empty((self.batch_size, *piece_images.shape[1:]), dtype=piece_images.dtype,
+                                     pin_memory=self.pin_memory)
+                tokens = torch.empty((self.batch_size, *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
+                counts = [0] * len(piece_counts)
+            images[piece * rows:(piece + 1) * rows] = piece_images
+            tokens[piece * rows:(piece + 1) * rows] = piece_tokens
+            counts = [total + count for total, count in zip(counts, piece_counts)]
+            load_s += piece_load_s
+            del piece_images
+        return Batch(images, tokens, counts, load_s)
+
+    def _piece(self) -> tuple[torch.Tensor, torch.Tensor, list[int], float]:
+        """The loader's next batch (a piece of the rank's batch where data.pieces > 1), its position pending."""
         item = next(self._loader)
         if isinstance(item, DataFailure):
             raise DataError(f"rank {self.rank}: {item.message}")
         images, tokens, info = item
-        self._pending = (info["reader"], info["state"].state)
-        return Batch(images, tokens, [*info["skipped"], *info["sources"]], info["load_s"])
+        self._pending.append((info["reader"], info["state"].state))
+        return images, tokens, [*info["skipped"], *info["sources"]], info["load_s"]
 
     def consumed(self, counts: list[int] | None = None) -> None:
-        """The batch last handed out was used by the step: its reader's position is now the saved one, and
+        """The batch last handed out was used by the step: its readers' positions are now the saved ones, and
         `counts` (Batch.counts summed over ranks; this rank's own where None) are added to the totals."""
-        if self._pending is not None:
-            reader, position = self._pending
+        for reader, position in self._pending:
             self.readers[reader] = position
-            self._pending = None
-        self.batches += 1
+        self._pending = []
+        self.batches += self.pieces
         if counts is not None:
             self.skipped_samples += counts[0]
             self.skipped_shards += counts[1]
@@ -161,12 +189,13 @@ class TrainStream:
         """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:
         that is the restored position, or the start)."""
         workers = self.workers
-        dataset = TrainingBatches(self.sources, self.batch_size, self.image_transform, self.tokenizer,
+        dataset = TrainingBatches(self.sources, self.batch_size // self.pieces, self.image_transform, self.tokenizer,
                                   data=self.data, rank=self.rank, world_size=self.world_size, seed=self.seed,
                                   resume={"readers": dict(self.readers), "batches": self.batches}, pixels=self.pixels,
                                   readers=self.readers_count, workers=workers)
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0, pin_memory=self.pin_memory,
+            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            pin_memory=self.pin_memory and self.pieces == 1,  # pieces are copied into a pinned batch instead
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
             multiprocessing_context=self.start_method if workers else None)
         return iter(loader)
@@ -205,6 +234,12 @@ class TrainStream:
 
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in getattr(self._loader, "_workers", [])]
+
+
+def check_pieces(pieces: int, batch_size: int) -> None:
+    if pieces < 1 or batch_size % pieces:
+        raise ValueError(f"data.pieces={pieces} does not divide world.batch_per_device={batch_size}: "
+                         "use a divisor of the rank's batch (1: the loader reads whole batches)")
 
 
 def check_workers(workers: int, readers: int) -> None:

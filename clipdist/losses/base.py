@@ -53,6 +53,11 @@ class DistributedContrastiveLoss(nn.Module):
     exchanged_modalities = 2
     backward_communicates = True
 
+    def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
+        """For `clipdist plan`: the most bytes the loss's backward holds beyond what it kept (counted from
+        the code, not measured). b×B-logit backends: the logits' gradient, one b×B fp32 block per direction."""
+        return 2 * local_batch * global_batch * 4
+
     def sent_bytes_per_rank(self, local_batch: int, world_size: int, dim: int, element_size: int) -> float:
         one_pass = self.exchanged_modalities * (world_size - 1) * local_batch * dim * element_size
         return one_pass * (2 if self.backward_communicates else 1)

@@ -41,6 +41,10 @@ class SigLipLoss(DistributedContrastiveLoss):
     exchanged_modalities = 1  # texts travel, images stay
     reference = staticmethod(siglip_loss)
 
+    def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
+        """Backward: one b×b_q block's logit gradient (fp32), and two text blocks with their gradients in flight."""
+        return local_batch * local_batch * 4 + 4 * local_batch * dim * 4
+
     def compute(self, image_features, text_features, logit_scale, layout, logit_bias):
         scaled_images = logit_scale * image_features  # once, not once per text block
 

@@ -129,6 +129,13 @@ class TiledLoss(DistributedContrastiveLoss):
         positives = logit_scale * (image_features * text_features).sum()
         return (image_lse + text_lse - 2 * positives) * (layout.world_size / (2 * layout.global_batch))
 
+    def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
+        """Backward of one direction (fp32): the rows' gradient, the block held and the one arriving, this
+        rank's column term, the accumulator being sent and the one arriving (6·b·d), and two tile² logit
+        blocks (probs and their product). No term grows with B."""
+        tile = min(self.tile, global_batch)
+        return 6 * local_batch * dim * 4 + 2 * tile * tile * 4
+
     def sent_bytes_per_rank(self, local_batch: int, world_size: int, dim: int, element_size: int) -> float:
         """Per modality: N − 1 feature blocks forward; N − 1 feature blocks and N gradient blocks backward."""
         if world_size == 1:

@@ -128,11 +128,8 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
     return rows if rank == 0 else None
 
 
-def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
-        budget_bytes=16e9, timeout_s=1800):
-    """Every (world size, global batch, backend) row; see the module docstring."""
-    from clipdist.launch import launch_local
-
+def backends(names=None) -> list[str]:
+    """The benchmarked names (default: every backend and open_clip's), checked before any rank starts."""
     names = list(names or [*BACKENDS, PEER])
     for name in names:
         if name != PEER:
@@ -140,10 +137,24 @@ def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65
                 build(name)  # an unknown name fails here, not in N workers
             except ValueError as error:
                 raise ValueError(f"{error}, or {PEER} (open_clip's local loss)") from None
+    return names
+
+
+def loss_fits(names) -> dict:
+    """The exact memory fits (clipdist.tools.memory) of these backends and `disco` (open_clip's stand-in)."""
+    return fit_loss_memory(sorted(n for n in {*names, "disco"} if n != PEER))
+
+
+def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
+        budget_bytes=16e9, timeout_s=1800, fits=None):
+    """Every (world size, global batch, backend) row; see the module docstring."""
+    from clipdist.launch import launch_local
+
+    names = backends(names)
     # Large CPU buffers through mmap, so that freed memory leaves the resident set at once and
     # one configuration's peak is not hidden by the last one's heap (glibc's threshold is dynamic).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    fits = fit_loss_memory([n for n in {*names, "disco"} if n != PEER])
+    fits = fits or loss_fits(names)
     rows = []
     for world_size in world_sizes:
         ranks_here = 1 if torch.cuda.is_available() else world_size
@@ -178,16 +189,50 @@ def markdown(rows, world_size: int, global_batch: int) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path: Path) -> None:
-    """Kept bytes per rank against global batch, log-log, one panel per world size."""
+SCALING_BATCHES = (32768, 65536, 131072, 262144, 524288, 1048576)  # Inf-CL's Table 1 columns: 32k … 1M
+
+
+def scaling(fits, names, world_size: int = 8, global_batches=SCALING_BATCHES, dim: int = 768) -> list[dict]:
+    """Loss memory per rank at Inf-CL's Table 1 sizes, from the exact fits (predicted, not run): kept for
+    backward, and with what the backward holds on top (the backend's transient_bytes), float32 features."""
+    rows = []
+    for name in names:
+        fit, loss_fn = fits["disco" if name == PEER else name], build("disco" if name == PEER else name)
+        for global_batch in global_batches:
+            local_batch = global_batch // world_size
+            kept = fit.bytes(local_batch, global_batch, dim)
+            rows.append({"backend": name, "world_size": world_size, "global_batch": global_batch, "dim": dim,
+                         "predicted_kept_bytes": kept,
+                         "predicted_peak_bytes": kept + loss_fn.transient_bytes(local_batch, global_batch, dim, 4)})
+    return rows
+
+
+def scaling_markdown(rows) -> str:
+    """The scaling rows as Inf-CL's Table 1: backends × global batch, kept (kept + in flight) per rank."""
+    batches = sorted({r["global_batch"] for r in rows})
+    first = rows[0]
+    lines = [f"| loss memory per rank, N={first['world_size']}, d={first['dim']}, fp32 (predicted) | "
+             + " | ".join(f"{b // 1024}k" if b % 1024 == 0 else f"{b:,}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
+    for name in dict.fromkeys(r["backend"] for r in rows):
+        cells = {r["global_batch"]: r for r in rows if r["backend"] == name}
+        lines.append(f"| {name} | " + " | ".join(
+            f"{human_bytes(cells[b]['predicted_kept_bytes'], 1)} ({human_bytes(cells[b]['predicted_peak_bytes'], 1)})"
+            for b in batches) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path, scaling_rows=()) -> None:
+    """Kept bytes per rank against global batch, log-log, one panel per world size; the scaling rows
+    (predicted) in a last panel, kept and kept + in flight."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     world_sizes = sorted({r["world_size"] for r in rows})
-    figure, axes = plt.subplots(1, len(world_sizes), figsize=(5 * len(world_sizes), 4), sharey=True, squeeze=False)
-    names = list(dict.fromkeys(r["backend"] for r in rows))
+    panels = len(world_sizes) + (1 if scaling_rows else 0)
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    names = list(dict.fromkeys(r["backend"] for r in [*rows, *scaling_rows]))
     markers = "os^vDx*P"
     for axis, world_size in zip(axes[0], world_sizes):
         for index, name in enumerate(names):  # same-memory backends overlap: markers and dashes tell them apart
@@ -196,22 +241,38 @@ def plot(rows, path: Path) -> None:
             if points:
                 axis.loglog(*zip(*points), marker=markers[index % len(markers)], linestyle="--" if index % 2 else "-",
                             label=name, alpha=0.85)
-        axis.set_title(f"{world_size} rank(s)")
+        axis.set_title(f"{world_size} rank(s), d={rows[0]['dim']}, measured")
+        axis.set_ylabel("bytes kept for backward per rank")
+    if scaling_rows:
+        axis, first = axes[0][-1], scaling_rows[0]
+        for index, name in enumerate(names):
+            points = sorted((r["global_batch"], r["predicted_kept_bytes"], r["predicted_peak_bytes"])
+                            for r in scaling_rows if r["backend"] == name)
+            if points:
+                batches, kept, peak = zip(*points)
+                line, = axis.loglog(batches, peak, marker=markers[index % len(markers)], label=f"{name} (+ in flight)")
+                axis.loglog(batches, kept, linestyle=":", color=line.get_color())
+        axis.set_title(f"{first['world_size']} ranks, d={first['dim']}, predicted (dotted: kept)")
+        axis.set_ylabel("loss bytes per rank")
+        axis.legend(fontsize=7)
+    for axis in axes[0]:
         axis.set_xlabel("global batch")
         axis.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("bytes kept for backward per rank")
-    axes[0][-1].legend()
+    axes[0][0].legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
-def write(rows, out_dir: Path, tag: str) -> list[Path]:
+def write(rows, out_dir: Path, tag: str, scaling_rows=()) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"loss_{tag}.json"
     json_path.write_text(json.dumps(rows, indent=1))
     written = [json_path]
+    if scaling_rows:
+        written.append(out_dir / f"loss_scaling_{tag}.json")
+        written[-1].write_text(json.dumps(list(scaling_rows), indent=1))
     try:
-        plot(rows, out_dir / f"loss_memory_{tag}.png")
+        plot(rows, out_dir / f"loss_memory_{tag}.png", scaling_rows)
         written.append(out_dir / f"loss_memory_{tag}.png")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")

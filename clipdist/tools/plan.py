@@ -1,4 +1,4 @@
-"""`clipdist plan`: per-device memory and communication of a run before it is launched.
+"""`clipdist plan`: per-device and per-node memory and communication of a run before it is launched.
 
 Figures per device:
   parameters + optimizer   P·16 bytes: fp32 weights, fp32 gradients, AdamW's two moments; under
@@ -7,21 +7,35 @@ Figures per device:
                            the 0-dim scalars kept whole
   activations              what the towers keep for backward: measured on CPU at batch 1 and 2
                            (same precision, same grad checkpointing), scaled linearly; with
-                           gradient caching, one chunk's worth plus the cached features and
-                           their gradients (4·b·d elements)
-  loss buffers             what the backend keeps for backward on one rank: measured on 3 gloo
-                           ranks at small (b, B, d) and fitted exactly on the monomials of
-                           clipdist.tools.memory.LOSS_TERMS
+                           gradient caching, one chunk's worth
+  cached features          with gradient caching: the local batch's image and text features and
+                           their gradients, 4·b·d elements
+  loss                     what the backend keeps for backward on one rank (measured on 3 gloo ranks
+                           at small (b, B, d), fitted exactly on the monomials of
+                           clipdist.tools.memory.LOSS_TERMS) + what its backward holds on top
+                           (the backend's transient_bytes, counted from its code)
+  inputs                   the batch as the loader hands it over: uint8 pixels 3·H·W and int64
+                           tokens 8·context per sample; with gradient caching one chunk's (the rest
+                           waits in host memory, each chunk copied over as it runs)
   communication buffers    DDP: none (gradients are views into its all-reduce buckets). FSDP: the
                            gathered weights of the root unit (kept through the step) and of two
                            blocks (one computing, one prefetched), and their unsharded fp32
                            gradients before the reduce-scatter
-Peak = parameters + optimizer + buffers + (activations + loss, or with chunks
-max(loss, one chunk's activations) + cached features, since the loss's graph is freed before
-the chunks are re-run). Bytes sent per rank per step: the loss's collectives (NCCL ring
-figures, clipdist.losses.*.sent_bytes_per_rank) + DDP's gradient all-reduce 2·(N−1)/N·P·4, or
-FSDP's all-gathers (forward and backward) 2·(N−1)/N·P·w and reduce-scatter (N−1)/N·P·4, with w
-the bytes of a gathered weight (2 under bf16).
+Peak = parameters + optimizer + buffers + inputs + (activations + loss, or with chunks cached
+features + max(loss, one chunk's activations), since the loss's graph is freed before the chunks
+are re-run).
+
+Host memory per node: ranks per node × the inputs of the local batch and of what the loader reads
+ahead (2 loader batches per worker: DataLoader's prefetch). With gradient caching the plan has the
+loader read the batch in pieces of a chunk (data.pieces = chunks), so it reads ahead chunks, not batches.
+
+Bytes sent per rank per step: the loss's collectives (NCCL ring figures,
+clipdist.losses.*.sent_bytes_per_rank) + DDP's gradient all-reduce 2·(N−1)/N·P·4, or FSDP's all-gathers
+(forward and backward) 2·(N−1)/N·P·w and reduce-scatter (N−1)/N·P·4, with w the bytes of a gathered
+weight (2 under bf16).
+
+`--chunks auto` picks the chunk size: the largest power of two whose largest batch is within 5% of the
+largest any chunk size reaches (smaller chunks add steps of overhead and little batch).
 """
 from __future__ import annotations
 
@@ -38,6 +52,8 @@ from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measu
 
 CONF = Path(__file__).resolve().parents[1] / "conf"  # clipdist/conf, shipped in the package
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
+READ_AHEAD_PER_WORKER = 2  # DataLoader's prefetch_factor: loader batches each worker holds ready
+AUTO_CHUNK_SHARE = 0.95  # --chunks auto: the largest chunk whose largest batch is this share of the best
 
 
 # Usable memory of common accelerators, as their makers state it.
@@ -70,32 +86,45 @@ def resolve_model(preset: str) -> tuple[str, bool]:
     return (cfg.name, bool(cfg.get("grad_checkpointing", False))) if cfg is not None else (preset, False)
 
 
-def resolve_world(preset: str) -> int:
-    """A conf/world preset (64gpu) or a number of ranks → world size."""
+def resolve_world(preset: str) -> tuple[int, int]:
+    """A conf/world preset (64gpu) or a number of ranks → (world size, ranks per node; 8 at most for a number)."""
     if preset.isdigit():
-        return int(preset)
+        return int(preset), min(int(preset), 8)
     cfg = _preset("world", preset)
     if cfg is None:
         known = sorted(p.stem for p in (CONF / "world").glob("*.yaml")) if CONF.is_dir() else []
         raise ValueError(f"world {preset!r}: not a number of ranks nor a preset ({', '.join(known)})")
-    return int(cfg.nodes) * int(cfg.procs_per_node)
+    return int(cfg.nodes) * int(cfg.procs_per_node), int(cfg.procs_per_node)
+
+
+@dataclass
+class Host:
+    """The node around the devices: its ranks, loader workers per rank and memory (bytes)."""
+
+    ranks_per_node: int = 8
+    loader_workers: int = 8
+    memory: float = 2 * 10**12
 
 
 @dataclass
 class PlanRow:
     backend: str
     chunks: int
+    micro_batch: int  # samples per chunk (the local batch when chunks = 1)
     local_batch: int
     global_batch: int
     parameters_optimizer: float
     activations: float
-    loss_buffers: float
+    cached_features: float
+    loss_buffers: float  # kept for backward + what the loss's backward holds on top
+    inputs: float
     communication_buffers: float
-    kept_for_backward: float  # peak bytes autograd holds: what SavedTensorMeter measures in a real step
     peak: float
+    host_per_node: float
     fits: bool
     sent_bytes_per_step: float
     max_global_batch: int
+    limit: str  # what stops the batch from growing past max_global_batch
     parallel: str = "ddp"
 
 
@@ -104,6 +133,7 @@ class Measurements:
     activations: ActivationFit
     losses: dict[str, LossFit]
     feature_bytes: int  # bytes per feature element reaching the loss (2 under bf16)
+    input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels + int64 tokens
     parameter_shapes: list[tuple[int, ...]] = field(default_factory=list)
     block_parameters: list[int] = field(default_factory=list)  # FSDP units: each transformer block
 
@@ -134,8 +164,15 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     torch.manual_seed(0)
     model = create_model(model_name, grad_checkpointing=grad_checkpointing)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
-    activations = measure_activations(model, get_tokenizer(model_name).context_length, autocast)
-    return Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model))
+    context = get_tokenizer(model_name).context_length
+    activations = measure_activations(model, context, autocast)
+    height, width = _pair(model.visual.image_size)
+    return Measurements(activations, losses, 2 if precision == "bf16" else 4, 3 * height * width + 8 * context,
+                        *parameter_layout(model))
+
+
+def _pair(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def parameter_layout(model) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -146,26 +183,37 @@ def parameter_layout(model) -> tuple[list[tuple[int, ...]], list[int]]:
             [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)])
 
 
-def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, chunks: int,
-              parallel: str = "ddp") -> dict:
-    """Per-device bytes of one configuration (see the module docstring)."""
+def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, micro_batch: int,
+              parallel: str = "ddp", host: Host | None = None) -> dict:
+    """Per-device bytes (and host bytes per node) of one configuration (see the module docstring);
+    micro_batch = local_batch: no gradient caching."""
+    host = host or Host()
     act, dim = m.activations, m.activations.feature_dim
     global_batch = local_batch * world_size
     params = m.state_bytes(world_size, parallel)
     buffers = m.fsdp_buffers() if parallel == "fsdp" else 0
-    loss = m.losses[backend].bytes(local_batch, global_batch, dim)
-    if chunks > 1:
-        feature_cache = 4 * local_batch * dim * m.feature_bytes  # image + text features and their gradients
-        chunk_activations = act.bytes(math.ceil(local_batch / chunks))
-        activations = chunk_activations + feature_cache
-        kept = max(loss, chunk_activations)  # the loss's graph is gone before the chunks re-run
+    loss_kept = m.losses[backend].bytes(local_batch, global_batch, dim)
+    loss = loss_kept + build(backend).transient_bytes(local_batch, global_batch, dim, m.feature_bytes)
+    micro_batch = min(micro_batch, local_batch)
+    inputs = micro_batch * m.input_bytes
+    if micro_batch < local_batch:
+        cached = 4 * local_batch * dim * m.feature_bytes  # image + text features and their gradients
+        activations = act.bytes(micro_batch)
+        terms = {"activations": activations, "loss": loss} if activations > loss else {"loss": loss}
+        held = max(loss, activations)  # the loss's graph is gone before the chunks re-run
+        kept = max(loss_kept, activations)
     else:
-        feature_cache = 0
-        activations = act.bytes(local_batch)
-        kept = activations + loss
-    return {"parameters_optimizer": params, "activations": activations, "loss_buffers": loss,
-            "communication_buffers": buffers, "kept_for_backward": kept,
-            "peak": params + buffers + kept + feature_cache}
+        cached, activations = 0, act.bytes(local_batch)
+        terms, held = {"activations": activations, "loss": loss}, activations + loss
+        kept = activations + loss_kept
+    read_ahead = READ_AHEAD_PER_WORKER * max(host.loader_workers, 1) * micro_batch  # loader batches: chunks
+    host_bytes = host.ranks_per_node * (local_batch + read_ahead) * m.input_bytes
+    terms.update({"cached features": cached, "inputs": inputs})
+    return {"parameters_optimizer": params, "activations": activations, "cached_features": cached,
+            "loss_buffers": loss, "inputs": inputs, "communication_buffers": buffers,
+            "peak": params + buffers + inputs + cached + held, "host_per_node": host_bytes,
+            "growing": max(terms, key=terms.get),  # the largest term that grows with the batch
+            "kept_for_backward": kept}  # what autograd holds at most: what SavedTensorMeter measures
 
 
 def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int, parallel: str = "ddp") -> float:
@@ -175,24 +223,59 @@ def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int,
     return loss_fn.sent_bytes_per_rank(local_batch, world_size, m.activations.feature_dim, 4) + weights
 
 
-def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: int, device_bytes: int,
-                        parallel: str = "ddp") -> int:
-    """The largest b (≥ chunks) whose peak fits in device memory, 0 if none does."""
-    def fits(b):
-        return breakdown(m, backend, world_size, b, chunks, parallel)["peak"] <= device_bytes
+def _fits(parts: dict, device_bytes: float, host: Host) -> bool:
+    return parts["peak"] <= device_bytes and parts["host_per_node"] <= host.memory
 
-    low = chunks
+
+def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: int | None, device_bytes: int,
+                        parallel: str = "ddp", host: Host | None = None, micro_batch: int | None = None) -> tuple[int, str]:
+    """(the largest b that fits on the device and the host, what stops a larger one; 0 if none fits) with
+    `chunks` chunks per batch, or chunks of `micro_batch` samples."""
+    host = host or Host()
+
+    def parts(b):
+        size = micro_batch if micro_batch is not None else -(-b // chunks)
+        return breakdown(m, backend, world_size, b, size, parallel, host)
+
+    def fits(b):
+        return _fits(parts(b), device_bytes, host)
+
+    low = chunks if micro_batch is None else 1
     if not fits(low):
-        return 0
+        return 0, limit_of(parts(low), device_bytes, host)
     high = low * 2
     while fits(high):
         low, high = high, high * 2
         if high > 1 << 40:
-            return low
+            return low, "none below 2^40 samples"
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return low, limit_of(parts(high), device_bytes, host)
+
+
+def limit_of(parts: dict, device_bytes: float, host: Host) -> str:
+    """What a configuration that does not fit runs out of, and the term that grows into it."""
+    if parts["peak"] > device_bytes:
+        return f"device: {parts['growing']}"
+    return "host: inputs"
+
+
+def auto_micro_batch(m: Measurements, backend: str, world_size: int, device_bytes: int, parallel: str,
+                     host: Host) -> tuple[int, int, str]:
+    """--chunks auto: (chunk size, its largest local batch, its limit); see the module docstring."""
+    found = []
+    size = 1
+    while True:
+        batch, limit = largest_local_batch(m, backend, world_size, None, device_bytes, parallel, host, size)
+        if batch < size:
+            break
+        found.append((size, batch, limit))
+        size *= 2
+    if not found:
+        return 1, 0, largest_local_batch(m, backend, world_size, None, device_bytes, parallel, host, 1)[1]
+    best = max(batch for _, batch, _ in found)
+    return max((entry for entry in found if entry[1] >= AUTO_CHUNK_SHARE * best), key=lambda entry: entry[0])
 
 
 def check_request(backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
@@ -208,27 +291,41 @@ def check_request(backends: list[str], chunks_options: list[int], world_size: in
     if global_batch % world_size:
         raise ValueError(f"--global-batch {global_batch} does not divide over {world_size} ranks")
     for chunks in chunks_options:
+        if chunks == AUTO:
+            continue
         if not 1 <= chunks <= global_batch // world_size:
             raise ValueError(f"--chunks {chunks}: need 1 ≤ chunks ≤ the local batch ({global_batch // world_size})")
     for backend in backends:
         build(backend)
 
 
+AUTO = 0  # --chunks auto
+
+
 def plan(m: Measurements, backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
-         device_bytes: int, parallel_options: tuple[str, ...] = ("ddp",)) -> list[PlanRow]:
+         device_bytes: int, parallel_options: tuple[str, ...] = ("ddp",), host: Host | None = None) -> list[PlanRow]:
+    """One row per (parallel, backend, chunks): the requested batch's figures and the largest batch.
+    chunks AUTO: the chunk size from auto_micro_batch, kept for the requested and the largest batch."""
+    host = host or Host()
     check_request(backends, chunks_options, world_size, global_batch, parallel_options)
     local_batch = global_batch // world_size
     rows = []
     for parallel in parallel_options:
         for backend in backends:
             for chunks in chunks_options:
-                parts = breakdown(m, backend, world_size, local_batch, chunks, parallel)
+                if chunks == AUTO:
+                    micro, largest, limit = auto_micro_batch(m, backend, world_size, device_bytes, parallel, host)
+                    micro = min(micro, local_batch)
+                    chunks = -(-local_batch // micro)
+                else:
+                    micro = -(-local_batch // chunks)
+                    largest, limit = largest_local_batch(m, backend, world_size, chunks, device_bytes, parallel, host)
+                parts = breakdown(m, backend, world_size, local_batch, micro, parallel, host)
+                del parts["growing"], parts["kept_for_backward"]
                 rows.append(PlanRow(
-                    backend, chunks, local_batch, global_batch, **parts, fits=parts["peak"] <= device_bytes,
+                    backend, chunks, micro, local_batch, global_batch, **parts, fits=_fits(parts, device_bytes, host),
                     sent_bytes_per_step=sent_bytes(m, backend, world_size, local_batch, parallel),
-                    max_global_batch=world_size * largest_local_batch(m, backend, world_size, chunks, device_bytes,
-                                                                      parallel),
-                    parallel=parallel,
+                    max_global_batch=world_size * largest, limit=limit, parallel=parallel,
                 ))
     return rows
 
