@@ -133,9 +133,9 @@ class Measurements:
     activations: ActivationFit
     losses: dict[str, LossFit]
     feature_bytes: int  # bytes per feature element reaching the loss (2 under bf16)
-    input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels + int64 tokens
     parameter_shapes: list[tuple[int, ...]] = field(default_factory=list)
     block_parameters: list[int] = field(default_factory=list)  # FSDP units: each transformer block
+    input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels + int64 tokens
 
     def state_bytes(self, world_size: int, parallel: str) -> float:
         """Parameters, gradients and AdamW moments on one rank."""
@@ -167,8 +167,8 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     context = get_tokenizer(model_name).context_length
     activations = measure_activations(model, context, autocast)
     height, width = _pair(model.visual.image_size)
-    return Measurements(activations, losses, 2 if precision == "bf16" else 4, 3 * height * width + 8 * context,
-                        *parameter_layout(model))
+    return Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model),
+                        input_bytes=3 * height * width + 8 * context)
 
 
 def _pair(size) -> tuple[int, int]:
