@@ -39,6 +39,7 @@ class DistEnv:
     world_size: int
     local_rank: int
     launcher: str  # "torchrun" | "slurm" | "single"
+    nodes: int | None = None  # the launch's node count, where the launcher says it
 
     @property
     def is_main(self) -> bool:
@@ -65,13 +66,17 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+        world_size, local_size = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 0))
+        nodes = world_size // local_size if local_size and world_size % local_size == 0 else None
+        return DistEnv(int(env["RANK"]), world_size, int(env.get("LOCAL_RANK", 0)), "torchrun", nodes)
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         if environ is None:
             os.environ.setdefault("MASTER_ADDR", _expand_first_host(env.get("SLURM_JOB_NODELIST", "localhost")))
             job = int(env.get("SLURM_JOB_ID", "0"))
             os.environ.setdefault("MASTER_PORT", str(SRUN_PORTS.start + job % len(SRUN_PORTS)))
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
+        nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm",
+                       int(nodes) if nodes else None)
     return DistEnv(0, 1, 0, "single")
 
 

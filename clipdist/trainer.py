@@ -82,6 +82,12 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
             f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
             f"matches the launch, or override world.nodes / world.procs_per_node"
         )
+    if not launched_alone and env.nodes is not None and env.nodes != world.nodes:
+        raise ConfigError(
+            f"world={world.name} expects {world.nodes} node(s) × {world.procs_per_node}, but {env.launcher} started "
+            f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
+            f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
+        )
     if world.device == Device.cuda and not torch.cuda.is_available():
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")

@@ -64,6 +64,23 @@ def test_a_world_that_does_not_match_the_launcher_is_refused(tmp_path, cache_dir
     assert code == 2 and "world=cpu2 expects 2 processes (1 node(s) × 2), but torchrun started 3" in lines[0], lines
 
 
+@pytest.mark.parametrize("launch", [
+    {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},  # torchrun --nnodes 2
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2",
+     "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7"},  # srun over 2 nodes, one task each
+])
+def test_a_world_whose_nodes_do_not_match_the_launch_is_refused(tmp_path, cache_dir, capsys, monkeypatch, launch):
+    """The same process count on another node layout is refused too: 2 nodes × 1 is not world=cpu2's 1 × 2."""
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2")
+    assert code == 2 and len(lines) == 1, lines
+    assert "world=cpu2 expects 1 node(s) × 2, but" in lines[0] and "started 2 node(s) × 1" in lines[0], lines
+    assert "world.nodes=2 world.procs_per_node=1" in lines[0]
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("overrides, code, message", [
     (["precision=fp16"], 1, "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),

@@ -205,3 +205,43 @@ def test_a_file_system_without_flock_is_one_line_saying_where_to_run(tmp_path, m
     with pytest.raises(ConfigError, match=r"does not support flock \(Function not implemented\); put the run on one "
                                           r"that does with run_dir="):
         RunLock(tmp_path / "run").acquire()
+
+
+@pytest.mark.e2e
+def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path, cache_dir):
+    """`torchrun --nnodes 2` on one machine: two agents (one per "node", one rank each) meet at a c10d rendezvous on
+    127.0.0.1 and train world=cpu2 laid out as 2 nodes × 1, then resume from the checkpoint they wrote."""
+    from clipdist.launch import free_port
+
+    run_dir = tmp_path / "run"
+
+    def agents(steps):
+        port = free_port()
+        overrides = ["world=cpu2", "world.nodes=2", "world.procs_per_node=1", "world.spawn=false",
+                     f"optim.max_steps={steps}", "checkpoint_every=2", "eval_every=1000", "logging.log_every=1",
+                     "world.batch_per_device=16"]
+        started = []
+        for node in range(2):
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{steps}",
+                       f"--rdzv-conf=is_host={int(node == 0)}", *train_command(run_dir, cache_dir, *overrides)[1:]]
+            started.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                            env={**os.environ, "HYDRA_FULL_ERROR": "0"}))
+        outputs = []
+        for agent in started:
+            try:
+                outputs.append(agent.communicate(timeout=240))
+            except subprocess.TimeoutExpired:
+                for other in started:
+                    other.kill()
+                raise
+        for agent, (_, stderr) in zip(started, outputs):
+            assert agent.returncode == 0, stderr[-3000:]
+        return outputs
+
+    agents(2)
+    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2]
+    (first_out, _), _ = agents(3)
+    assert "resumed from" in first_out and "at step 2" in first_out
+    rows = read_jsonl(run_dir / "train_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3] and all(row["loss"] == row["loss"] for row in rows)
