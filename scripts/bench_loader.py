@@ -41,18 +41,19 @@ def transform_and_tokenizer(model: str):
             get_tokenizer(model))
 
 
-def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tokenizer, pixels: bool = False):
-    """clipdist's stream; `pixels`: uint8 batches, as GPU runs have them (data.normalize_on=device)."""
+def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tokenizer, pixels: bool = False,
+                     pieces: int = 1):
+    """clipdist's stream; `pixels`: uint8 batches, as GPU runs have them (data.normalize_on=device); `pieces`:
+    each batch read as that many pieces and put together in one buffer (data.pieces)."""
     from clipdist.config import DataConfig
     from clipdist.data.stream import TrainStream
 
-    data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=1000)
+    data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=1000, pieces=pieces)
     stream = TrainStream([shards], data, batch_size=batch, image_transform=transform, tokenizer=tokenizer, rank=0,
                          world_size=1, seed=0, pixels=pixels)
     try:
         while True:
-            images, _tokens, _counts = next(stream)
-            yield images.shape[0]
+            yield next(stream).images.shape[0]
     finally:
         stream.close()
 
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", type=int, default=5, help="warm-up batches left out")
     parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--pieces", type=int, default=1,
+                        help="above 1: also clipdist uint8 reading each batch in this many pieces (data.pieces)")
     parser.add_argument("--background", type=int, default=0,
                         help="shared machine: this many busy-looping processes run beside the loaders")
     parser.add_argument("--out", help="write the runs and the summary here as JSON")
@@ -110,13 +113,16 @@ def run(args) -> None:
                "clipdist uint8": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer,
                                                                   pixels=True),
                "open_clip": lambda workers: open_clip_batches(pattern, args.batch, workers, transform, tokenizer)}
+    if args.pieces > 1:
+        loaders[f"clipdist uint8 ×{args.pieces} pieces"] = lambda workers: clipdist_batches(
+            shards, args.batch, workers, transform, tokenizer, pixels=True, pieces=args.pieces)
     runs = []
     for workers in map(int, args.workers.split(",")):
         for repeat in range(args.repeats):
             for name, batches in loaders.items():
                 rate = measure(batches(workers), args.skip, args.batches)
                 runs.append({"loader": name, "workers": workers, "repeat": repeat, "samples_per_s": rate})
-                print(f"{name:14s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "
+                print(f"{name:24s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "
                       f"({rate / max(workers, 1):.1f} per worker)", flush=True)
     summary = []
     for workers in sorted({run["workers"] for run in runs}):

@@ -51,3 +51,23 @@ def test_the_scaling_table_predicts_what_a_run_keeps(rows):
         assert row["predicted_peak_bytes"] > row["predicted_kept_bytes"]
     markdown = bench.scaling_markdown(scaling)
     assert "| 256 | 1k |" in markdown and markdown.count("\n| ") == 3
+
+
+def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_path):
+    """scripts/bench_loader.py's clipdist side runs on the stream as it is (a Batch of more fields broke it once)."""
+    import importlib.util
+
+    import torchvision.transforms as T
+
+    from clipdist.models import get_tokenizer
+    from helpers import REPO, image_bytes, write_samples
+
+    spec = importlib.util.spec_from_file_location("bench_loader", REPO / "scripts" / "bench_loader.py")
+    bench_loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_loader)
+    shard = write_samples(tmp_path / "0.tar", [{"__key__": str(i), "png": image_bytes(i), "txt": b"x"} for i in range(8)])
+    for pieces in (1, 2):
+        batches = bench_loader.clipdist_batches([str(shard)], 4, 0, T.ToTensor(), get_tokenizer(), pixels=False,
+                                                pieces=pieces)
+        assert [next(batches), next(batches)] == [4, 4]
+        batches.close()
