@@ -219,6 +219,7 @@ NON_NEGATIVE = ("logging.profile_steps", "logging.profile_wait", "optim.warmup_s
 
 def validate(cfg: TrainConfig) -> None:
     """Values and combinations the types cannot rule out: a ConfigError naming the key and what to change."""
+    from clipdist.data.stream import check_pieces
     from clipdist.losses import build
 
     node = OmegaConf.structured(cfg)
@@ -240,9 +241,10 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.grad_cache.chunks > cfg.world.batch_per_device:
         raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
                           f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
-    if cfg.world.batch_per_device % cfg.data.pieces:
-        raise ConfigError(f"data.pieces={cfg.data.pieces} does not divide world.batch_per_device="
-                          f"{cfg.world.batch_per_device}: use a divisor of the rank's batch")
+    try:
+        check_pieces(cfg.data.pieces, cfg.world.batch_per_device)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     if cfg.optim.max_logit_scale <= 1:
         raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
     if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:

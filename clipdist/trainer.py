@@ -300,9 +300,8 @@ class Trainer:
             shards.sources, cfg.data, batch_size=cfg.world.batch_per_device,
             image_transform=open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
             tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-            low_priority_workers=priority == "low", pixels=on_device, pin_memory=on_device and device.type == "cuda",
-            readers=plan.readers)
-        self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
+            pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers)
+        self.schedule_workers(priority)
         self.worker_count = host.MeasuredWorkers(
             plan.choices, plan.workers,
             lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0]
@@ -403,6 +402,12 @@ class Trainer:
             self.say(f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({why})")
         return priority
 
+    def schedule_workers(self, priority: str) -> None:
+        """The stream's workers at `priority` (loader_priority's answer) from their start; "measured": the run decides
+        (host.MeasuredPriority)."""
+        self.stream.low_priority_workers = priority == "low"
+        self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
+
     def tune_loader(self, waited: float, seconds: float, load_s: float | None) -> None:
         """The loader's worker count, then its workers' priority, from the step's measurements (host.MeasuredWorkers,
         host.MeasuredPriority). A new count restarts the stream's workers where the consumed batches left it: the
@@ -415,9 +420,7 @@ class Trainer:
             if workers is not None:
                 torch.set_num_threads(self.worker_count.threads(workers))
                 self.stream.set_workers(workers)
-                priority = self.loader_priority(workers)
-                self.stream.low_priority_workers = priority == "low"
-                self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
+                self.schedule_workers(self.loader_priority(workers))
                 return
         if self.priority is not None and (decision := self.priority.observe(waited, seconds)):
             self.say(f"step {step}: {decision}")

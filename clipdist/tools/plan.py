@@ -199,16 +199,14 @@ def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, 
     if micro_batch < local_batch:
         cached = 4 * local_batch * dim * m.feature_bytes  # image + text features and their gradients
         activations = act.bytes(micro_batch)
-        terms = {"activations": activations, "loss": loss} if activations > loss else {"loss": loss}
         held = max(loss, activations)  # the loss's graph is gone before the chunks re-run
         kept = max(loss_kept, activations)
     else:
         cached, activations = 0, act.bytes(local_batch)
-        terms, held = {"activations": activations, "loss": loss}, activations + loss
-        kept = activations + loss_kept
+        held, kept = activations + loss, activations + loss_kept
     read_ahead = READ_AHEAD_PER_WORKER * max(host.loader_workers, 1) * micro_batch  # loader batches: chunks
     host_bytes = host.ranks_per_node * (local_batch + read_ahead) * m.input_bytes
-    terms.update({"cached features": cached, "inputs": inputs})
+    terms = {"activations": activations, "loss": loss, "cached features": cached, "inputs": inputs}
     return {"parameters_optimizer": params, "activations": activations, "cached_features": cached,
             "loss_buffers": loss, "inputs": inputs, "communication_buffers": buffers,
             "peak": params + buffers + inputs + cached + held, "host_per_node": host_bytes,
@@ -272,8 +270,8 @@ def auto_micro_batch(m: Measurements, backend: str, world_size: int, device_byte
             break
         found.append((size, batch, limit))
         size *= 2
-    if not found:
-        return 1, 0, largest_local_batch(m, backend, world_size, None, device_bytes, parallel, host, 1)[1]
+    if not found:  # not even one sample a chunk fits
+        return 1, 0, limit
     best = max(batch for _, batch, _ in found)
     return max((entry for entry in found if entry[1] >= AUTO_CHUNK_SHARE * best), key=lambda entry: entry[0])
 
