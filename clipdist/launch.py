@@ -47,14 +47,29 @@ class DistEnv:
 
 
 def _expand_first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
-    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\])?", nodelist)
+    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003', 'r[2-3]-ib' -> 'r2-ib'."""
+    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\]([^,\[]*))?", nodelist)
     if not match:
         raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, ranges = match.groups()
+    prefix, ranges, suffix = match.groups()
     if not ranges:
         return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def placement(env: DistEnv) -> str:
+    """Where the ranks run and where they met, for rank 0 to log (a collective: every rank calls it).
+
+    '4 ranks on 2 node(s) (n1: ranks 0-1, n2: ranks 2-3), rendezvous at n1:20017'."""
+    hosts: list = [None] * env.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks.setdefault(host, []).append(rank)
+    spans = ", ".join(f"{host}: ranks {r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) else
+                      f"{host}: ranks {','.join(map(str, r))}" for host, r in ranks.items())
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return f"{env.world_size} ranks on {len(ranks)} node(s) ({spans}), rendezvous at {where} ({env.launcher})"
 
 
 def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:

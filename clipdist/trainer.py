@@ -173,6 +173,10 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
                                    rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
                                    single=cfg.world.parallel == "fsdp")
     try:
+        if env.world_size > 1:
+            where = launch.placement(env)
+            if env.is_main:
+                log.info("%s", where)
         return Trainer(cfg, shards, env, device, plan).fit()
     finally:
         launch.destroy_process_group()

@@ -27,6 +27,7 @@ def test_single_process_without_launcher_variables():
 def test_first_host_of_a_slurm_node_list():
     assert _expand_first_host("gpu[003-005,9],cpu1") == "gpu003"
     assert _expand_first_host("node7") == "node7"
+    assert _expand_first_host("rack[2-3]-ib,gpu1") == "rack2-ib"
 
 
 def test_intra_op_threads_leave_a_core_to_each_loader_worker():

@@ -27,20 +27,79 @@ DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "s
 SMALL = ["world=slurm_cpu", *QUIET, "world.batch_per_device=16"]
 
 
-class LocalSlurm:
-    """A one-node cluster: its config, daemons and the environment that points clients at it."""
+class Hosts:
+    """Nodes on this machine: each a network and UTS namespace with its own address and hostname, on a bridge.
 
-    def __init__(self, root: Path):
+    The namespaces, their veth pairs and the bridge (10.213.x.0/24, the controller on .1) are made here and
+    removed by `remove`; a node's processes see an /etc/hosts naming every node and the controller. Traffic
+    stays on the bridge."""
+
+    def __init__(self, root: Path, count: int, controller: str):
+        tag = f"{os.getpid() % 0xFFFFF:x}"
+        self.bridge, self.controller = f"cdbr{tag}", controller
+        taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
+        subnet = next(f"10.213.{n}" for n in range(1, 255) if f" 10.213.{n}." not in taken)
+        self.gateway = f"{subnet}.1"
+        self.names = [f"cd{tag}n{i}" for i in range(1, count + 1)]
+        self.addresses = [f"{subnet}.{10 + i}" for i in range(1, count + 1)]
+        self.namespaces = [f"cd{tag}ns{i}" for i in range(1, count + 1)]
+        self.hosts_file = root / "hosts"
+        self.hosts_file.write_text(f"127.0.0.1 localhost\n{self.gateway} {controller}\n" + "".join(
+            f"{address} {name}\n" for address, name in zip(self.addresses, self.names)))
+
+    def create(self) -> None:
+        def ip(*arguments: str) -> None:
+            subprocess.run(["ip", *arguments], check=True, capture_output=True, text=True, timeout=30)
+
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        for i, (namespace, address) in enumerate(zip(self.namespaces, self.addresses)):
+            veth = f"{self.bridge}v{i}"
+            ip("netns", "add", namespace)
+            ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            ip("link", "set", veth, "master", self.bridge, "up")
+            ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            ip("-n", namespace, "link", "set", "eth0", "up")
+            ip("-n", namespace, "link", "set", "lo", "up")
+
+    def on(self, index: int, command: list[str]) -> list[str]:
+        """`command` on node `index`: in its namespaces, with its hostname and the nodes' /etc/hosts."""
+        # nsenter, not `ip netns exec`: that mounts a fresh /sys without the cgroup tree slurmd needs.
+        return ["nsenter", f"--net=/run/netns/{self.namespaces[index]}", "--", "unshare", "--uts", "--mount",
+                "--propagation", "private", "--", "sh", "-c",
+                'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"', "sh",
+                self.names[index], str(self.hosts_file), *command]
+
+    def remove(self) -> None:
+        for namespace in self.namespaces:  # its end of the veth pair goes with it
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+
+class LocalSlurm:
+    """A cluster on this machine: its config, daemons and the environment that points clients at it.
+
+    One node (this host), or `nodes` nodes, each slurmd in its own namespaces (`Hosts`)."""
+
+    def __init__(self, root: Path, nodes: int = 0):
         self.root = root
         self.processes: list[subprocess.Popen] = []
         host = socket.gethostname()
+        self.hosts = Hosts(root, nodes, host) if nodes else None
         state, spool = root / "state", root / "spool"
         state.mkdir()
         spool.mkdir()
+        if self.hosts:
+            controller = f"{host}({self.hosts.gateway})"
+            node_lines = "".join(f"NodeName={name} NodeAddr={address} CPUs=2 RealMemory=8000 State=UNKNOWN\n"
+                                 for name, address in zip(self.hosts.names, self.hosts.addresses))
+        else:
+            controller, node_lines = host, f"NodeName={host} CPUs=8 RealMemory=8000 State=UNKNOWN\n"
         self.conf = root / "slurm.conf"
         self.conf.write_text(f"""\
 ClusterName=clipdist-test
-SlurmctldHost={host}
+SlurmctldHost={controller}
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 SlurmUser=root
@@ -49,11 +108,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={root / 'munge.socket'},cred_expire=10
 StateSaveLocation={state}
-SlurmdSpoolDir={spool}
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
+SlurmdPidFile={root / 'slurmd-%n.pid'}
 SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd.log'}
+SlurmdLogFile={root / 'slurmd-%n.log'}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -66,8 +125,7 @@ SlurmdParameters=config_overrides
 MinJobAge=600
 JobRequeue=1
 KillWait=10
-NodeName={host} CPUs=8 RealMemory=8000 State=UNKNOWN
-PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{node_lines}PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
         # Jobs inherit this environment (sbatch --export=ALL): this Python first on PATH, and no
         # OMP_NUM_THREADS, so the tasks' threads come from --cpus-per-task as on a cluster.
@@ -83,22 +141,31 @@ PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=
                       f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
                       f"--seed-file={self.root / 'munged.seed'}"])
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._daemon(["slurmd", "-D", "-f", str(self.conf)])
+        if self.hosts:
+            self.hosts.create()
+            for index, name in enumerate(self.hosts.names):
+                (self.root / "spool" / name).mkdir()
+                self._daemon(self.hosts.on(index, ["slurmd", "-D", "-N", name, "-f", str(self.conf)]), f"slurmd-{name}")
+        else:
+            (self.root / "spool" / socket.gethostname()).mkdir()
+            self._daemon(["slurmd", "-D", "-f", str(self.conf)])
+        nodes = len(self.hosts.names) if self.hosts else 1
         deadline = time.time() + 60
         while time.time() < deadline:
-            state = self.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip()
-            if state == "idle":
+            states = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout.split()
+            if states == ["idle"] * nodes:
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the node never became idle (sinfo: {state!r}); logs in {self.root}")
+        raise RuntimeError(f"the nodes never became idle (sinfo: {states!r}); logs in {self.root}")
 
-    def _daemon(self, command: list[str]) -> None:
-        log = open(self.root / f"{command[0]}.out", "w")
+    def _daemon(self, command: list[str], name: str | None = None) -> None:
+        name = name or command[0]
+        log = open(self.root / f"{name}.out", "w")
         self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                                start_new_session=True))
         time.sleep(0.3)
         if self.processes[-1].poll() is not None:
-            raise RuntimeError(f"{command[0]} exited at start: {(self.root / f'{command[0]}.out').read_text()[-500:]}")
+            raise RuntimeError(f"{name} exited at start: {(self.root / f'{name}.out').read_text()[-500:]}")
 
     def stop(self) -> None:
         for job in self.run("squeue", "-h", "-o", "%i", check=False).stdout.split():
@@ -110,6 +177,8 @@ PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+        if self.hosts:
+            self.hosts.remove()
 
     def run(self, *command: str, check: bool = True, cwd: Path | None = None, timeout: float = 60):
         return subprocess.run(list(command), env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
@@ -151,17 +220,33 @@ def _slurm_unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def _started(root: Path, nodes: int = 0):
     reason = _slurm_unavailable()
     if reason:
         pytest.skip(reason)
-    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    slurm = LocalSlurm(root, nodes)
     try:
         slurm.start()
     except (RuntimeError, subprocess.SubprocessError) as error:
         slurm.stop()
         pytest.skip(f"SLURM could not be started here: {error}")
+    return slurm
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    slurm = _started(tmp_path_factory.mktemp("slurm"))
+    yield slurm
+    slurm.stop()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    missing = [tool for tool in ("ip", "nsenter", "unshare") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"two nodes need network namespaces ({', '.join(missing)} missing: apt-get install iproute2 "
+                    "util-linux)")
+    slurm = _started(tmp_path_factory.mktemp("slurm2"), nodes=2)
     yield slurm
     slurm.stop()
 
@@ -270,3 +355,53 @@ def test_hydra_submitit_launcher_trains_on_the_cluster(cluster, cache_dir, tmp_p
     run_dir = tmp_path / "run" / "0"  # a sweep's job 0: its own run directory
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 7))
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 6
+
+
+SCRIPT_64 = str(REPO / "slurm" / "train_64gpu.sbatch")
+TWO_BY_TWO = ["--nodes=2", *SBATCH_CPU]  # over the script's 8 nodes × 8 GPUs; world and model on the command line
+CPU_WORLD = ["world=slurm_cpu", "world.nodes=2", "world.procs_per_node=2", "model=tiny", "data=digits", "optim=tiny",
+             *QUIET, "world.batch_per_device=16"]
+
+
+def test_64gpu_script_on_two_nodes_meets_on_the_first_requeues_and_resumes(two_nodes, cache_dir, tmp_path):
+    """The unmodified 64-GPU script on 2 nodes × 2 tasks: the ranks meet at the first node of the allocation,
+    USR1 → checkpoint → requeue → resume at that step, both halves in one log."""
+    job_id = two_nodes.sbatch(tmp_path, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD, f"data.cache_dir={cache_dir}",
+                              "optim.max_steps=40", "eval_every=1000", "checkpoint_every=1000")
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    deadline = time.time() + 240
+    while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 6):
+        assert time.time() < deadline and not finished(two_nodes.job(job_id)), \
+            (two_nodes.job(job_id), _tail(tmp_path / f"slurm-{job_id}.out"))
+        time.sleep(0.3)
+    two_nodes.run("scancel", "--signal=USR1", "--batch", str(job_id))
+    two_nodes.wait(job_id, lambda job: job["Restarts"] == "1", 120)
+    job = two_nodes.wait(job_id, finished, 400, poke_requeued=True)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert job["JobState"] == "COMPLETED", log[-3000:]
+    first, second = two_nodes.hosts.names
+    placed = f"4 ranks on 2 node(s) ({first}: ranks 0-1, {second}: ranks 2-3), rendezvous at {first}:"
+    assert log.count(placed) == 2, log[-3000:]  # both runs of the job, each met at the allocation's first node
+    stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
+    assert len(stopped) == 1 and 6 <= stopped[0] < 40, log[-3000:]
+    assert "restart 0" in log and "restart 1" in log and f"at step {stopped[0]}" in log
+    assert "cannot continue sample for sample" not in log
+    steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+    assert steps[-1] == 40 and steps[steps.index(stopped[0] + 1, stopped[0]):] == list(range(stopped[0] + 1, 41))
+    assert read_jsonl(run_dir / "train_log.jsonl")[-1]["samples_seen"] == 40 * 4 * 16
+
+
+def test_a_world_preset_that_does_not_match_the_allocation_fails_in_one_line(two_nodes, cache_dir, tmp_path):
+    started = time.time()
+    job_id = two_nodes.sbatch(tmp_path, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD, "world.nodes=1",
+                              f"data.cache_dir={cache_dir}")
+    job = two_nodes.wait(job_id, finished, 120)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert job["JobState"] == "FAILED" and time.time() - started < 90, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert errors and all(line == errors[0] for line in errors), log[-3000:]  # one line (from each task)
+    assert errors[0].startswith("error: world=slurm_cpu expects 2 processes (1 node(s) × 2), but slurm started 4")
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else f"(no {path.name} yet)"
