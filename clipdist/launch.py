@@ -7,6 +7,7 @@ The loss backends' collectives live in clipdist.losses.collectives, the loop's i
 from __future__ import annotations
 
 import io
+import ipaddress
 import os
 import re
 import signal
@@ -55,6 +56,19 @@ def _expand_first_host(nodelist: str) -> str:
     if not ranges:
         return prefix
     return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def loopback_rendezvous(env: DistEnv) -> str | None:
+    """MASTER_ADDR when an srun job over several nodes meets at an address only one node reaches (an inherited
+    `localhost`, 127.x, ::1): the other nodes' ranks would wait out the rendezvous timeout. Else None."""
+    address = os.environ.get("MASTER_ADDR", "")
+    if env.launcher != "slurm" or (env.nodes or 1) < 2 or not address:
+        return None
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost")
+    return address if loopback else None
 
 
 def placement(env: DistEnv) -> str:

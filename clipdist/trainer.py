@@ -88,6 +88,13 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
             f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
             f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
         )
+    address = launch.loopback_rendezvous(env)
+    if address:
+        raise ConfigError(
+            f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node and the job "
+            f"spans {env.nodes}: unset MASTER_ADDR and MASTER_PORT before sbatch/srun (clipdist then meets at the "
+            "job's first node) or set MASTER_ADDR to an address every node reaches"
+        )
     if world.device == Device.cuda and not torch.cuda.is_available():
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")

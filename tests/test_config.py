@@ -73,12 +73,34 @@ def test_a_world_whose_nodes_do_not_match_the_launch_is_refused(tmp_path, cache_
     """The same process count on another node layout is refused too: 2 nodes × 1 is not world=cpu2's 1 × 2."""
     for name, value in launch.items():
         monkeypatch.setenv(name, value)
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    without_rendezvous(monkeypatch)
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2")
     assert code == 2 and len(lines) == 1, lines
     assert "world=cpu2 expects 1 node(s) × 2, but" in lines[0] and "started 2 node(s) × 1" in lines[0], lines
     assert "world.nodes=2 world.procs_per_node=1" in lines[0]
+
+
+def without_rendezvous(monkeypatch) -> None:
+    """No MASTER_ADDR / MASTER_PORT now, and none after the test: detect_env sets them under srun, and a
+    leftover would follow later tests into their jobs (monkeypatch restores only what it set or deleted)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("address", ["localhost", "127.0.0.1", "::1"])
+def test_a_loopback_rendezvous_on_several_nodes_is_refused(tmp_path, cache_dir, capsys, monkeypatch, address):
+    """An srun job over 2 nodes that inherited MASTER_ADDR=localhost would leave the second node's ranks waiting
+    out the rendezvous timeout; it is one line instead."""
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2",
+                        "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)
+    without_rendezvous(monkeypatch)
+    monkeypatch.setenv("MASTER_ADDR", address)
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          "world=cpu2", "world.nodes=2", "world.procs_per_node=1")
+    assert code == 2 and len(lines) == 1, lines
+    assert f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node" in lines[0]
 
 
 @pytest.mark.e2e

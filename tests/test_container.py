@@ -124,6 +124,7 @@ def test_dockerfile_is_hadolint_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.timeout(1800)  # the first test that asks for the image builds it: ~4 min here from nothing
 def test_image_trains_as_the_user_stops_on_podman_stop_and_resumes(image, tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -139,7 +140,8 @@ def test_image_trains_as_the_user_stops_on_podman_stop_and_resumes(image, tmp_pa
             time.sleep(0.3)
         podman("stop", "--time", "60", name, timeout=90)  # SIGTERM to train.py (PID 1), SIGKILL after 60 s
         code = podman("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
-        log = podman("logs", name).stdout + podman("logs", name).stderr
+        logs = podman("logs", name)
+        log = logs.stdout + logs.stderr
     finally:
         podman("rm", "-f", name, check=False)
     assert code == "0", log[-3000:]
@@ -155,6 +157,7 @@ def test_image_trains_as_the_user_stops_on_podman_stop_and_resumes(image, tmp_pa
     assert (run_dir / "checkpoints" / "step_00000060.pt").stat().st_uid == 1000
 
 
+@pytest.mark.timeout(1800)
 def test_image_runs_the_planner(image):
     _, result = run_container(image, "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
                               "--backend", "disco,tiled", "--memory", "1GB", "--precision", "fp32", "--json",

@@ -129,7 +129,10 @@ KillWait=10
 """)
         # Jobs inherit this environment (sbatch --export=ALL): this Python first on PATH, and no
         # OMP_NUM_THREADS, so the tasks' threads come from --cpus-per-task as on a cluster.
-        self.env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "SLURM_CONF": str(self.conf),
+        # Nor a launcher's variables another test may have left in this process (a login shell has none).
+        launcher = {"OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE"}
+        self.env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "SLURM_CONF": str(self.conf),
                     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
     def start(self) -> None:
