@@ -42,4 +42,3 @@ RUN torch_now=$(python -c "import torch; print(torch.__version__.split('+')[0])"
 
 USER 1000:1000
 ENTRYPOINT ["python", "train.py"]
-

@@ -197,6 +197,19 @@ KillWait=10
         text = self.run("scontrol", "show", "job", str(job_id)).stdout
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
+    def wait_for_steps(self, job_id: int, run_dir: Path, steps: int, log: Path, seconds: float = 240) -> None:
+        """Until the job's run has logged `steps` steps; fails if the job ends first or the time runs out."""
+        deadline = time.time() + seconds
+        while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= steps):
+            assert time.time() < deadline and not finished(self.job(job_id)), (self.job(job_id), _tail(log))
+            time.sleep(0.3)
+
+    def usr1_and_requeue(self, job_id: int) -> dict[str, str]:
+        """What the time limit does: USR1 to the batch script (checkpoint, requeue); the job once it has ended."""
+        self.run("scancel", "--signal=USR1", "--batch", str(job_id))
+        self.wait(job_id, lambda job: job["Restarts"] == "1", 120)
+        return self.wait(job_id, finished, 400, poke_requeued=True)
+
     def wait(self, job_id: int, until, seconds: float, poke_requeued: bool = False) -> dict[str, str]:
         deadline, held_since = time.time() + seconds, None
         while time.time() < deadline:
@@ -280,13 +293,8 @@ def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, 
     job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
                             "optim.max_steps=60", "eval_every=1000", "checkpoint_every=1000")
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    deadline = time.time() + 240
-    while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 8):
-        assert time.time() < deadline and not finished(cluster.job(job_id)), cluster.job(job_id)
-        time.sleep(0.3)
-    cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
-    cluster.wait(job_id, lambda job: job["Restarts"] == "1", 120)
-    job = cluster.wait(job_id, finished, 400, poke_requeued=True)
+    cluster.wait_for_steps(job_id, run_dir, 8, tmp_path / f"slurm-{job_id}.out")
+    job = cluster.usr1_and_requeue(job_id)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert job["JobState"] == "COMPLETED", log[-3000:]
     stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
@@ -315,10 +323,7 @@ def test_failed_rank_ends_the_job_promptly_with_its_error_in_the_log(cluster, ca
     job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
                             "optim.max_steps=400", "eval_every=1000")
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    deadline = time.time() + 240
-    while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 3):
-        assert time.time() < deadline and not finished(cluster.job(job_id)), cluster.job(job_id)
-        time.sleep(0.3)
+    cluster.wait_for_steps(job_id, run_dir, 3, tmp_path / f"slurm-{job_id}.out")
     tasks = [pid for pid in _pids_with(f"run_dir={run_dir}") if _environ(pid).get("SLURM_PROCID") == "1"]
     assert tasks, "rank 1's process not found"
     killed = time.time()
@@ -372,14 +377,8 @@ def test_64gpu_script_on_two_nodes_meets_on_the_first_requeues_and_resumes(two_n
     job_id = two_nodes.sbatch(tmp_path, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD, f"data.cache_dir={cache_dir}",
                               "optim.max_steps=40", "eval_every=1000", "checkpoint_every=1000")
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    deadline = time.time() + 240
-    while not ((run_dir / "train_log.jsonl").exists() and len(read_jsonl(run_dir / "train_log.jsonl")) >= 6):
-        assert time.time() < deadline and not finished(two_nodes.job(job_id)), \
-            (two_nodes.job(job_id), _tail(tmp_path / f"slurm-{job_id}.out"))
-        time.sleep(0.3)
-    two_nodes.run("scancel", "--signal=USR1", "--batch", str(job_id))
-    two_nodes.wait(job_id, lambda job: job["Restarts"] == "1", 120)
-    job = two_nodes.wait(job_id, finished, 400, poke_requeued=True)
+    two_nodes.wait_for_steps(job_id, run_dir, 6, tmp_path / f"slurm-{job_id}.out")
+    job = two_nodes.usr1_and_requeue(job_id)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert job["JobState"] == "COMPLETED", log[-3000:]
     first, second = two_nodes.hosts.names
