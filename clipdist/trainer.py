@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,14 +25,16 @@ from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.images import PixelNormalize
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import Batch, TrainStream, check_shard_count
+from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
-from clipdist.grad_cache import build_step
 from clipdist.losses import build as build_loss
 from clipdist.models import (check_weights, create_model, create_model_for_loss, fetches_weights, get_tokenizer,
                              resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
+from clipdist.optim import build_optimizer
 from clipdist.state import TrainState, seed_everything
+from clipdist.step import build_step
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
 log = logging.getLogger("clipdist")
@@ -152,11 +153,11 @@ def check_eval_set(evalset: EvalSet) -> None:
         raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
 
 
-def loader_workers_for(cfg: TrainConfig, shards: int) -> host.LoaderPlan:
+def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
     """The loader plan for data.workers: as given, or automatic for this host (the same on every rank of like
     nodes)."""
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
-    return host.loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
+    return loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
                                device_type="cuda" if uses_cuda(cfg.world.device) else "cpu")
 
 
@@ -216,63 +217,11 @@ def autocast_for(precision: Precision, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(precision, device) else nullcontext()
 
 
-def build_optimizer(model: torch.nn.Module, optim):
-    """AdamW (no weight decay on gains, biases, logit scale/bias, positional embeddings) + warmup/cosine."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or "logit_" in name or "positional" in name else decay).append(param)
-    # The fused kernel (CPU and CUDA) updates all parameters in one call: for a small model on the CPU the
-    # default per-parameter loop costs ~15x more (26.5 vs 1.8 ms a step for clipdist-tiny's 62 tensors).
-    fused = all(param.device.type in ("cpu", "cuda") and param.is_floating_point() for param in decay + no_decay)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused or None,
-    )
-
-    def lr_factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        progress = (step - optim.warmup_steps) / max(1, optim.max_steps - optim.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale all gradients so their global norm is at most `max_norm` (0: no clipping); the norm before.
-    Under FSDP each rank holds a shard of every gradient (DTensors): the norm is reduced over ranks."""
-    grads = [param.grad for param in model.parameters() if param.grad is not None]
-    norm = parallel.full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=True)
-    return norm
-
-
-@dataclass(frozen=True)
-class StepAgreement:
-    """What every rank learns from the step's one all-reduce, so that all skip, stop, save or step together."""
-
-    loss: float  # the global loss: the mean of the ranks' losses
-    stop: bool  # some rank received a stop signal
-    timer_elapsed: bool  # some rank's checkpoint_every_minutes timer ran out
-    counts: list[int]  # Batch.counts summed over ranks
-
-    @classmethod
-    def reach(cls, loss: torch.Tensor, requests: tuple[bool, bool], counts: list[int],
-              device: torch.device) -> "StepAgreement":
-        """Collective. `requests`: this rank's (stop, timer) from Checkpointer.requests."""
-        local = torch.tensor([loss.detach().float().item(), *map(float, requests), *counts], dtype=torch.float64)
-        mean = parallel.all_reduce_mean(local.to(device)).tolist()
-        world_size = parallel.rank_and_world_size()[1]
-        return cls(mean[0], mean[1] > 0, mean[2] > 0, [round(value * world_size) for value in mean[3:]])
-
-
 class Trainer:
     """One rank's run: components built from config, then `fit`, a plain loop."""
 
     def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device,
-                 plan: host.LoaderPlan):
+                 plan: LoaderPlan):
         self.cfg, self.shards, self.env, self.device = cfg, shards, env, device
         # Every rank must agree on the run directory (a ${now:...} name resolved per process can differ).
         self.run_dir = Path(parallel.all_ranks(cfg.run_dir)[0])
@@ -297,26 +246,26 @@ class Trainer:
                                                param_dtype=gathered_dtype)
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
-        self.step_fn = build_step(self.train_model, self.loss_fn, cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
-                                  self.autocast, self.to_device)
         visual = self.model.visual
         mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
         self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
-        priority = self.loader_priority(cfg.data.workers)
+        self.step = build_step(self.train_model, self.loss_fn, optimizer, scheduler,
+                               chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
+                               device=device, normalize=PixelNormalize(mean, std, device),
+                               grad_clip=cfg.optim.grad_clip, max_logit_scale=cfg.optim.max_logit_scale)
         on_device, why = normalize_on_device(cfg.data.normalize_on, device)
-        if env.is_main:
-            log.info("images normalized %s (%s)", f"on {device.type} after the copy" if on_device else "by the loader", why)
-        self.model_input = PixelNormalize(mean, std, device)
+        self.say(f"images normalized {f'on {device.type} after the copy' if on_device else 'by the loader'} ({why})")
         self.stream = TrainStream(
             shards.sources, cfg.data, batch_size=cfg.world.batch_per_device,
             image_transform=open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
             tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
             pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers)
-        self.schedule_workers(priority)
-        self.worker_count = host.MeasuredWorkers(
-            plan.choices, plan.workers,
-            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0]
-        ) if plan.workers else None
+        started = self.stream.tune(
+            plan, lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
+                                                  workers),
+            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0])
+        if started:
+            self.say(started)
         self.state = TrainState(self.model, optimizer, scheduler, self.stream)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
@@ -363,17 +312,14 @@ class Trainer:
                 with record_function("data"):
                     batch = self.next_batch()
                 waited = time.perf_counter() - started
-                with record_function("forward_and_loss"):
-                    loss = self.step_fn.loss(batch.images, batch.tokens)
-                with record_function("agree"):
-                    agreed = StepAgreement.reach(loss, checkpointer.requests(), batch.counts, self.device)
+                agreed, grad_norm = self.step(batch.images, batch.tokens, checkpointer.requests(), batch.counts)
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
                     checkpointer.save(state)
                     self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
                 stream.consumed(agreed.counts)
-                if not math.isfinite(agreed.loss):
+                if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)",
                              logging.WARNING)
@@ -381,10 +327,11 @@ class Trainer:
                         raise TrainingDiverged(self.divergence(bad_steps))
                     continue
                 bad_steps = 0
-                grad_norm = self.optimize(loss)
+                state.step, state.samples_seen = state.step + 1, state.samples_seen + self.global_batch
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
-                self.tune_loader(waited, seconds, batch.load_s)
+                for line in stream.observe(waited, seconds, batch.load_s):
+                    self.say(f"step {state.step}: {line}")
                 if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
                     checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
@@ -397,44 +344,6 @@ class Trainer:
             self.progress.close()
             self.tracker.finish()
         return metrics
-
-    def to_device(self, images: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch or a chunk of it from the loader to the model: on the device, the pixels normalised there
-        where the loader hands over uint8 (grad_cache: chunked steps call it per chunk)."""
-        return (self.model_input(images.to(self.device, non_blocking=True)),
-                tokens.to(self.device, non_blocking=True))
-
-    def loader_priority(self, workers: int) -> str:
-        """How `workers` loader workers are scheduled (host.loader_priority), said on the log."""
-        cfg = self.cfg
-        priority, why = host.loader_priority(str(cfg.data.worker_priority), self.device.type, cfg.world.procs_per_node,
-                                             workers)
-        if workers:
-            self.say(f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({why})")
-        return priority
-
-    def schedule_workers(self, priority: str) -> None:
-        """The stream's workers at `priority` (loader_priority's answer) from their start; "measured": the run decides
-        (host.MeasuredPriority)."""
-        self.stream.low_priority_workers = priority == "low"
-        self.priority = host.MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
-
-    def tune_loader(self, waited: float, seconds: float, load_s: float | None) -> None:
-        """The loader's worker count, then its workers' priority, from the step's measurements (host.MeasuredWorkers,
-        host.MeasuredPriority). A new count restarts the stream's workers where the consumed batches left it: the
-        stream is sample for sample the same (its readers are unchanged)."""
-        step = self.state.step
-        if self.worker_count is not None:
-            workers, line = self.worker_count.observe(waited, seconds, load_s)
-            if line:
-                self.say(f"step {step}: {line}")
-            if workers is not None:
-                torch.set_num_threads(self.worker_count.threads(workers))
-                self.stream.set_workers(workers)
-                self.schedule_workers(self.loader_priority(workers))
-                return
-        if self.priority is not None and (decision := self.priority.observe(waited, seconds)):
-            self.say(f"step {step}: {decision}")
 
     def divergence(self, bad_steps: int) -> str:
         """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them
@@ -462,22 +371,6 @@ class Trainer:
             return Batch(torch.zeros(rows, 3, height, width),
                          torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
                          Batch.zero_counts(len(self.shards.sources)))
-
-    def optimize(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward (DDP averages gradients), clip, AdamW, schedule, clamp the logit scale; one step done."""
-        state = self.state
-        state.optimizer.zero_grad(set_to_none=True)
-        with record_function("backward"):
-            self.step_fn.backward(loss)
-        with record_function("optimizer"):
-            grad_norm = clip_gradients(self.model, self.cfg.optim.grad_clip)
-            state.optimizer.step()
-            state.scheduler.step()
-        with torch.no_grad():
-            self.model.logit_scale.clamp_(0, math.log(self.cfg.optim.max_logit_scale))
-        state.samples_seen += self.global_batch
-        state.step += 1
-        return grad_norm
 
     def log_step(self, global_loss: float, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a

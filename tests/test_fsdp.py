@@ -82,13 +82,13 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
 
     from clipdist.checkpoint import Checkpointer
     from clipdist.config import OptimConfig, TrainConfig
-    from clipdist.grad_cache import build_step
+    from clipdist.step import build_step
     from clipdist.launch import detect_env
     from clipdist.losses import build
     from clipdist.models import create_model_for_loss
     from clipdist.parallel import full_tensor, wrap_model
     from clipdist.state import TrainState
-    from clipdist.trainer import build_optimizer
+    from clipdist.optim import build_optimizer
 
     def fresh(seed):
         torch.manual_seed(seed)
@@ -99,8 +99,7 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     cfg.world.parallel = "fsdp"
     checkpointer = Checkpointer(cfg, Path(directory), detect_env())
     trained = fresh(0)
-    step = build_step(trained.model, build("siglip"))
-    step.backward(step.loss(torch.randn(4, 3, 32, 32), torch.randint(0, 49408, (4, 16))))
+    build_step(trained.model, build("siglip")).gradients(torch.randn(4, 3, 32, 32), torch.randint(0, 49408, (4, 16)))
     trained.optimizer.step()
     trained.step = 1
     assert checkpointer.save(trained)

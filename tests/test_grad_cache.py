@@ -5,7 +5,7 @@ import pytest
 import torch
 from open_clip.transformer import PatchDropout
 
-from clipdist.grad_cache import GradCacheStep, WholeBatchStep, _restored_rng, _rng_state, build_step
+from clipdist.step import CachedStep, Step, _restored_rng, _rng_state, build_step
 from clipdist.tools.gradcheck import _random_batch, run_gradchecks
 from clipdist.losses import build
 from clipdist.models import create_model_for_loss
@@ -27,28 +27,27 @@ def gradients(model):
 
 def run_step(step, images, tokens):
     torch.manual_seed(123)
-    loss = step.loss(images, tokens)
-    step.backward(loss)
+    loss = step.gradients(images, tokens)
     return loss.item(), gradients(step.model)
 
 
-class ChunksWithGraphs(WholeBatchStep):
+class ChunksWithGraphs(Step):
     """The reference for dropout: forward the same chunks with their graphs kept, one global loss."""
 
     def __init__(self, model, loss_fn, chunks):
         super().__init__(model, loss_fn)
         self.chunks = chunks
 
-    def loss(self, images, tokens):
+    def forward(self, images, tokens):
         outputs = [self.model(*piece) for piece in zip(images.tensor_split(self.chunks), tokens.tensor_split(self.chunks))]
-        return self.loss_fn(torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *outputs[0][2:])
+        return (torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *outputs[0][2:]), None
 
 
-class ScaleInEveryChunk(GradCacheStep):
+class ScaleInEveryChunk(CachedStep):
     """The accumulation bug: the scalars' cached gradient fed to every chunk's backward."""
 
-    def backward(self, loss):
-        pieces, rng_states, image_features, text_features, scalars = self._pending
+    def backward(self, loss, outputs, replay):
+        (image_features, text_features, *scalars), (pieces, rng_states) = outputs, replay
         loss.backward()
         sizes = [piece[0].shape[0] for piece in pieces]
         for piece, rng, g_image, g_text in zip(pieces, rng_states, image_features.grad.split(sizes),
@@ -67,7 +66,7 @@ def max_rel_error(got, want):
 def test_grad_cache_with_dropout_equals_the_step_that_keeps_every_graph(backend, chunks):
     loss_fn = build(backend)
     images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
-    cached = run_step(GradCacheStep(tiny_model(True, loss_fn.uses_logit_bias), loss_fn, chunks), images, tokens)
+    cached = run_step(CachedStep(tiny_model(True, loss_fn.uses_logit_bias), loss_fn, chunks=chunks), images, tokens)
     whole = run_step(ChunksWithGraphs(tiny_model(True, loss_fn.uses_logit_bias), loss_fn, chunks), images, tokens)
     assert cached[0] == pytest.approx(whole[0], rel=1e-12)
     assert max_rel_error(cached[1], whole[1]) < 1e-10
@@ -78,8 +77,8 @@ def test_grad_cache_with_dropout_equals_the_step_that_keeps_every_graph(backend,
 def test_grad_cache_without_dropout_equals_one_whole_batch_forward():
     loss_fn = build("tiled")
     images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
-    cached = run_step(GradCacheStep(tiny_model(False, False), loss_fn, 3), images, tokens)
-    whole = run_step(WholeBatchStep(tiny_model(False, False), loss_fn), images, tokens)
+    cached = run_step(CachedStep(tiny_model(False, False), loss_fn, chunks=3), images, tokens)
+    whole = run_step(Step(tiny_model(False, False), loss_fn), images, tokens)
     assert cached[0] == pytest.approx(whole[0], rel=1e-12)
     assert max_rel_error(cached[1], whole[1]) < 1e-10
 
@@ -87,8 +86,8 @@ def test_grad_cache_without_dropout_equals_one_whole_batch_forward():
 def test_scale_counted_in_every_chunk_is_caught():
     loss_fn = build("disco")
     images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
-    broken = run_step(ScaleInEveryChunk(tiny_model(False, False), loss_fn, 3), images, tokens)[1]
-    right = run_step(GradCacheStep(tiny_model(False, False), loss_fn, 3), images, tokens)[1]
+    broken = run_step(ScaleInEveryChunk(tiny_model(False, False), loss_fn, chunks=3), images, tokens)[1]
+    right = run_step(CachedStep(tiny_model(False, False), loss_fn, chunks=3), images, tokens)[1]
     assert broken["logit_scale"].item() == pytest.approx(3 * right["logit_scale"].item(), rel=1e-9)
 
 
@@ -128,8 +127,7 @@ def _syncs_per_step(chunks: int):
 
     model.register_comm_hook(None, counting_allreduce)
     images, tokens = _random_batch(8, "clipdist-tiny", dist.get_rank(), torch.float32)
-    step = build_step(model, build("disco"), chunks)
-    step.backward(step.loss(images, tokens))
+    build_step(model, build("disco"), chunks=chunks).gradients(images, tokens)
     return keeps_no_sync, len(calls)
 
 
@@ -144,7 +142,7 @@ def test_compiled_ddp_keeps_no_sync_and_chunks_sync_once():
 
 
 def test_the_chunked_step_puts_one_chunk_at_a_time_on_the_device():
-    """The loader's batch stays where it is (pinned host memory on CUDA); `prepare` moves and normalises a
+    """The loader's batch stays where it is (pinned host memory on CUDA); the step moves and normalises a
     chunk as it runs — in the forward and again in the re-forward — and the step equals the whole one whose
     batch is prepared at once."""
     loss_fn = build("tiled")
@@ -152,13 +150,13 @@ def test_the_chunked_step_puts_one_chunk_at_a_time_on_the_device():
     _, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
     seen = []
 
-    def prepare(images, tokens):
+    def normalize(images):
         seen.append(images.shape[0])
-        return images.permute(0, 3, 1, 2).double().div(255), tokens
+        return images.permute(0, 3, 1, 2).double().div(255)
 
-    cached = run_step(GradCacheStep(tiny_model(False, False), loss_fn, 3, prepare=prepare), pixels, tokens)
+    cached = run_step(CachedStep(tiny_model(False, False), loss_fn, chunks=3, normalize=normalize), pixels, tokens)
     assert seen == [2, 2, 2, 2, 2, 2]  # three chunks forward, the same three re-forwarded
     seen.clear()
-    whole = run_step(WholeBatchStep(tiny_model(False, False), loss_fn, prepare=prepare), pixels, tokens)
+    whole = run_step(Step(tiny_model(False, False), loss_fn, normalize=normalize), pixels, tokens)
     assert seen == [BATCH]
     assert cached[0] == pytest.approx(whole[0], rel=1e-12) and max_rel_error(cached[1], whole[1]) < 1e-10

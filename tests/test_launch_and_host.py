@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from clipdist import host
+from clipdist.data import workers as loader
 from clipdist.host import intra_op_threads
 from clipdist.launch import _expand_first_host, detect_env
 
@@ -49,7 +50,7 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
 def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, readers, workers,
                                                                       choices):
     device = "cuda" if cpus == "12" else "cpu"
-    plan = host.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus}, device_type=device)
+    plan = loader.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus}, device_type=device)
     assert (plan.readers, plan.workers, plan.choices) == (readers, workers, choices)
     assert plan.why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
 
@@ -58,7 +59,7 @@ def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads
     """A MeasuredWorkers fed 30 steps of a loader taking `load_s` CPU seconds a batch and a step computing
     `compute_s` with the threads `workers` workers leave of `cpus`; returns what it decided."""
     threads = (lambda w: fixed_threads) if fixed_threads else (lambda w: max(1, cpus - w))
-    tuner = host.MeasuredWorkers(choices, workers, threads)
+    tuner = loader.MeasuredWorkers(choices, workers, threads)
     decisions = [tuner.observe(wait_s, compute_s + wait_s, load_s) for _ in range(30)]
     assert all(decision == (None, None) for decision in decisions[:29])
     assert tuner.observe(wait_s, compute_s + wait_s, load_s) == (None, None)  # once only
@@ -157,7 +158,7 @@ def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console
 
 
 def test_loader_workers_priority_is_measured_where_cpu_ranks_cannot_spare_them_a_core():
-    from clipdist.host import loader_priority
+    from clipdist.data.workers import loader_priority
 
     two_cpus = {"SLURM_CPUS_PER_TASK": "2"}
     assert loader_priority("auto", "cpu", 1, 1, two_cpus)[0] == "normal"  # a core for the rank, one for the worker
@@ -171,7 +172,7 @@ def test_loader_workers_priority_is_measured_where_cpu_ranks_cannot_spare_them_a
 
 def priority_run(waits: list[float], allowed: bool = True, step_s: float = 1.0):
     """MeasuredPriority over steps waiting `waits` seconds each: (the calls it made, its lines by step)."""
-    from clipdist.host import MeasuredPriority
+    from clipdist.data.workers import MeasuredPriority
 
     calls = []
 

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clipdist.tools import plan
 from clipdist.launch import launch_local
-from clipdist.grad_cache import build_step
+from clipdist.step import build_step
 from clipdist.tools.gradcheck import _random_batch
 from clipdist.losses import build
 from clipdist.tools.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
@@ -61,9 +61,9 @@ def step_kept_bytes(backend, chunks, local_batch):
     model = create_model_for_loss("clipdist-tiny", loss_fn)
     ddp = DistributedDataParallel(model)
     images, tokens = _random_batch(local_batch, "clipdist-tiny", dist.get_rank(), torch.float32)
-    step = build_step(ddp, loss_fn, chunks)
+    step = build_step(ddp, loss_fn, chunks=chunks)
     with SavedTensorMeter(exclude=list(model.parameters())) as meter:
-        step.backward(step.loss(images, tokens))
+        step.gradients(images, tokens)
     return meter.peak
 
 

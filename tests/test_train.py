@@ -115,9 +115,10 @@ def test_the_loader_worker_count_the_run_measures_changes_no_sample(tmp_path, ca
     the count its measurements favour (made to move here: no minimum gain; a digits step outweighs its loading,
     so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 3 fixed workers."""
     from clipdist import host
+    from clipdist.data import workers
 
     monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (4, "4 CPUs (test)"))
-    monkeypatch.setattr(host.MeasuredWorkers.__init__, "__defaults__", (10, 20, 0.0))
+    monkeypatch.setattr(workers.MeasuredWorkers.__init__, "__defaults__", (10, 20, 0.0))
     common = ["data.resampled=true", "world.batch_per_device=16", "optim.max_steps=36", "eval_every=1000",
               "checkpoint_every=1000"]
     measured = train(tmp_path / "measured", cache_dir, "data.workers=null", *common)

@@ -21,7 +21,7 @@ from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounte
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.reader import Reader, ShardSequence
 from clipdist.data.samples import training_pair, undecodable
-from clipdist.host import set_low_priority
+from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 from clipdist.launch import STOP_SIGNALS, kill_tree
 from clipdist.parallel import all_ranks
 
@@ -102,6 +102,7 @@ class TrainStream:
         self.batches = 0  # loader batches consumed (pieces, where data.pieces > 1)
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
         self._loader = None
+        self.tuning: LoaderTuning | None = None
         self._pending: list[tuple[int, dict]] = []  # the reader and position of each piece handed out
 
     def __iter__(self):
@@ -219,6 +220,15 @@ class TrainStream:
         if shutdown is not None:
             shutdown()
 
+    def tune(self, plan: LoaderPlan, priority_for, threads) -> str | None:
+        """Let the run decide the workers' count and priority (data.workers.LoaderTuning); the start's line."""
+        self.tuning = LoaderTuning(self, plan, priority_for, threads)
+        return self.tuning.started
+
+    def observe(self, waited: float, seconds: float, load_s: float | None) -> list[str]:
+        """After a step: what the tuning changed or found, as lines for the log (none without tuning)."""
+        return [] if self.tuning is None else self.tuning.observe(waited, seconds, load_s)
+
     def set_workers(self, workers: int) -> None:
         """Run the readers on `workers` processes from the next batch on (a divisor of the reader count):
         the DataLoader is restarted where the consumed batches left it, so the stream is sample for sample
@@ -251,7 +261,7 @@ def check_workers(workers: int, readers: int) -> None:
 def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
     """DataLoader worker_init_fn. SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
     `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
-    `low_priority`: SCHED_IDLE (see host.loader_priority; nice 19 where there is none).
+    `low_priority`: SCHED_IDLE (see data.workers.loader_priority; nice 19 where there is none).
 
     A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
     descriptors come through multiprocessing's resource sharer): the worker's sharer thread then

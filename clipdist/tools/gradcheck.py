@@ -69,7 +69,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
     from clipdist.parallel import full_tensor, wrap_model
-    from clipdist.grad_cache import build_step
+    from clipdist.step import build_step
 
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
@@ -81,9 +81,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
         loss_fn = resolve_loss(spec)
         model = _model(model_name, seed, dtype, loss_fn)
         wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
-        step = build_step(wrapped, loss_fn, chunks)
-        loss = step.loss(images[rows], tokens[rows])
-        step.backward(loss)
+        loss = build_step(wrapped, loss_fn, chunks=chunks).gradients(images[rows], tokens[rows])
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss /= dist.get_world_size()
@@ -205,7 +203,7 @@ def run_gradchecks(
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
-    chunks > 1 runs each rank's step with gradient caching (clipdist.grad_cache) in that many chunks;
+    chunks > 1 runs each rank's step with gradient caching (clipdist.step) in that many chunks;
     parallel="fsdp" shards the model with FSDP2 (clipdist.parallel.wrap_model) instead of DDP.
     """
     if parallel not in ("ddp", "fsdp"):

@@ -215,10 +215,10 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
     """One training step (so gradients and AdamW moments exist) under `parallel`; this rank's state bytes."""
     from clipdist.config import OptimConfig
     from clipdist.parallel import wrap_model
-    from clipdist.grad_cache import build_step
+    from clipdist.step import build_step
     from clipdist.losses import build
     from clipdist.models import create_model_for_loss, get_tokenizer
-    from clipdist.trainer import build_optimizer
+    from clipdist.optim import build_optimizer
 
     torch.manual_seed(0)
     loss_fn = build("disco")
@@ -227,9 +227,8 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
     optimizer, _ = build_optimizer(model, OptimConfig())
     size = model.visual.image_size
     size = (size, size) if isinstance(size, int) else size
-    step = build_step(wrapped, loss_fn)
     images = torch.randn(local_batch, 3, *size)
-    step.backward(step.loss(images, random_tokens(local_batch, get_tokenizer(model_name).context_length)))
+    build_step(wrapped, loss_fn).gradients(images, random_tokens(local_batch, get_tokenizer(model_name).context_length))
     optimizer.step()
     return state_bytes(model, optimizer)
 

@@ -1,0 +1,185 @@
+"""One optimisation step, read top to bottom: forward → loss → agree → backward → clip → optimizer step.
+
+    step = build_step(model, loss_fn, optimizer, scheduler, chunks=K, ...)
+    agreed, grad_norm = step(images, tokens, requests, counts)     # training: grad_norm None if not stepped
+    loss = step.gradients(images, tokens)                           # gradients only (gradcheck, plan)
+
+Gradient caching (GradCache, Gao et al. 2021) is the same step with another forward and backward
+(`CachedStep`), exact: with K chunks of the local batch,
+  1. forward every chunk without a graph, remembering each chunk's RNG state;
+  2. compute the loss once over the whole global batch from detached copies of the features
+     and the model's scalars (logit scale, bias), and backpropagate it to those copies only;
+  3. re-forward each chunk with its RNG state restored (same dropout masks) and backpropagate
+     the cached gradients ∂L/∂features through it; DDP (or FSDP) averages once, on the last chunk.
+The scalars' cached gradient is fed into exactly one chunk's backward: open_clip's feature
+accumulation recomputes the loss per chunk and counts the logit scale's gradient K times.
+The result equals keeping every chunk's graph and backpropagating the global loss once;
+encoder activations are kept for one chunk at a time. The batch stays where the loader put it (pinned
+host memory on CUDA) and each chunk is put on the device as it runs: the device holds one chunk's inputs.
+
+The step's agreement (global loss, stop signal, checkpoint timer, the stream's counts) is one all-reduce,
+issued after the loss and read after backward: the step's one host sync, where the optimizer needs it.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
+
+from clipdist import parallel
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank learns from the step's one all-reduce, so that all skip, stop, save or step together."""
+
+    loss: float  # the global loss: the mean of the ranks' losses
+    stop: bool  # some rank received a stop signal
+    timer_elapsed: bool  # some rank's checkpoint_every_minutes timer ran out
+    counts: list[int]  # Batch.counts summed over ranks
+
+    @staticmethod
+    def start(loss: torch.Tensor, requests: tuple[bool, bool], counts: list[int]) -> torch.Tensor:
+        """Collective, not read yet: the mean over ranks of (loss, stop, timer, *counts), on the loss's device."""
+        flags = torch.tensor([*map(float, requests), *counts], dtype=torch.float64)
+        local = torch.cat([loss.detach().reshape(1).double(), flags.to(loss.device, non_blocking=True)])
+        return parallel.all_reduce_mean(local)
+
+    @classmethod
+    def read(cls, mean: torch.Tensor) -> "StepAgreement":
+        values, world_size = mean.tolist(), parallel.rank_and_world_size()[1]
+        return cls(values[0], values[1] > 0, values[2] > 0, [round(value * world_size) for value in values[3:]])
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most `max_norm` (0: no clipping); the norm before.
+    Under FSDP each rank holds a shard of every gradient (DTensors): the norm is reduced over ranks."""
+    grads = [param.grad for param in model.parameters() if param.grad is not None]
+    norm = parallel.full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=True)
+    return norm
+
+
+class Step:
+    """The plain step: the local batch forwarded with its graph. `model` is what runs (DDP/FSDP-wrapped,
+    compiled); `device` and `normalize` put a batch (or a chunk) on the device and normalise uint8 pixels
+    there (None: as given)."""
+
+    def __init__(self, model, loss_fn, optimizer=None, scheduler=None, *, autocast=None, device=None,
+                 normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0):
+        self.model, self.loss_fn, self.optimizer, self.scheduler = model, loss_fn, optimizer, scheduler
+        self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
+        self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
+        self.module = model.module if isinstance(model, DistributedDataParallel) else model
+
+    def __call__(self, images, tokens, requests=(False, False), counts=()) -> tuple[StepAgreement, torch.Tensor | None]:
+        """One training step on this rank's batch; every rank calls it. The optimizer steps unless a rank was
+        asked to stop or the global loss is not finite (then grad_norm is None and nothing changed)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("forward_and_loss"):
+            outputs, replay = self.forward(images, tokens)
+            loss = self.loss_fn(*outputs)
+        agreement = StepAgreement.start(loss, requests, list(counts))
+        with record_function("backward"):
+            self.backward(loss, outputs, replay)
+        agreed = StepAgreement.read(agreement)
+        if agreed.stop or not math.isfinite(agreed.loss):
+            return agreed, None
+        with record_function("optimizer"):
+            grad_norm = clip_gradients(self.module, self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            with torch.no_grad():
+                self.module.logit_scale.clamp_(0, self.max_log_scale)
+        return agreed, grad_norm
+
+    def gradients(self, images, tokens) -> torch.Tensor:
+        """This rank's loss, with the gradients it leaves (averaged over ranks, as DDP does) in .grad."""
+        outputs, replay = self.forward(images, tokens)
+        loss = self.loss_fn(*outputs)
+        self.backward(loss, outputs, replay)
+        return loss
+
+    def inputs(self, images, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device is not None:
+            images, tokens = images.to(self.device, non_blocking=True), tokens.to(self.device, non_blocking=True)
+        return (images if self.normalize is None else self.normalize(images)), tokens
+
+    def forward(self, images, tokens):
+        """(the model's outputs: features and scalars, what backward needs again: nothing here)."""
+        with self.autocast:
+            return self.model(*self.inputs(images, tokens)), None
+
+    def backward(self, loss, outputs, replay) -> None:
+        loss.backward()
+        parallel.finish_gradient_sync(self.model)
+
+
+class CachedStep(Step):
+    """The same step with gradient caching in `chunks` pieces (the module docstring's steps 1-3)."""
+
+    def __init__(self, model, loss_fn, optimizer=None, scheduler=None, *, chunks: int, **options):
+        super().__init__(model, loss_fn, optimizer, scheduler, **options)
+        if chunks < 1:
+            raise ValueError(f"grad_cache.chunks must be at least 1, got {chunks}")
+        self.chunks = chunks
+
+    def forward(self, images, tokens):
+        if images.shape[0] < self.chunks:
+            raise ValueError(f"grad_cache.chunks={self.chunks} is more than the local batch ({images.shape[0]})")
+        pieces = list(zip(images.tensor_split(self.chunks), tokens.tensor_split(self.chunks)))
+        rng_states, outputs = [], []
+        with torch.no_grad():
+            for piece in pieces:
+                inputs = self.inputs(*piece)
+                rng_states.append(_rng_state(inputs[0].device))
+                with self.autocast:
+                    outputs.append(self.module(*inputs))
+                del inputs
+        # Detached leaves: the loss's backward stops here and leaves the gradients in .grad.
+        image_features = torch.cat([out[0] for out in outputs]).requires_grad_()
+        text_features = torch.cat([out[1] for out in outputs]).requires_grad_()
+        scalars = [s.detach().requires_grad_() for s in outputs[0][2:]]  # logit scale (and bias)
+        return (image_features, text_features, *scalars), (pieces, rng_states)
+
+    def backward(self, loss, outputs, replay) -> None:
+        (image_features, text_features, *scalars), (pieces, rng_states) = outputs, replay
+        loss.backward()
+        sizes = [piece[0].shape[0] for piece in pieces]
+        image_grads, text_grads = image_features.grad.split(sizes), text_features.grad.split(sizes)
+        for k, (piece, rng) in enumerate(zip(pieces, rng_states)):
+            last = k == len(pieces) - 1
+            inputs = self.inputs(*piece)
+            with parallel.gradient_sync(self.model, enabled=last), _restored_rng(rng, inputs[0].device):
+                with self.autocast:
+                    chunk_outputs = self.model(*inputs)
+                scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
+                torch.autograd.backward(list(chunk_outputs), [image_grads[k], text_grads[k], *scalar_grads])
+        parallel.finish_gradient_sync(self.model)
+
+
+def build_step(model, loss_fn, optimizer=None, scheduler=None, *, chunks: int = 1, **options) -> Step:
+    """The step for `chunks` (1: the plain step; more: gradient caching); `options` as Step takes them."""
+    if chunks > 1:
+        return CachedStep(model, loss_fn, optimizer, scheduler, chunks=chunks, **options)
+    return Step(model, loss_fn, optimizer, scheduler, **options)
+
+
+def _rng_state(device: torch.device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextmanager
+def _restored_rng(state, device: torch.device):
+    """Run a block with a saved RNG state (the chunk's dropout masks again), then put the current one back."""
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
