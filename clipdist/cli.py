@@ -25,20 +25,19 @@ def _batch_sizes(text: str) -> int | list[int]:
     return sizes[0] if len(sizes) == 1 else sizes
 
 
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """The options the user gave (argparse.SUPPRESS leaves the others out): the called function's own
+    defaults apply to the rest, so no default is written twice."""
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
 def _gradcheck(args: argparse.Namespace) -> int:
     from clipdist.tools.gradcheck import run_gradcheck
 
-    report = run_gradcheck(
-        loss=args.loss or args.backend,
-        world_size=args.world,
-        local_batch=args.batch,
-        dtype=args.dtype,
-        model=args.model,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        chunks=args.chunks,
-        parallel=args.parallel,
-    )
+    options = _given(args, "world_size", "local_batch", "dtype", "model", "seed", "timeout_s", "chunks", "parallel")
+    if args.loss or hasattr(args, "backend"):
+        options["loss"] = args.loss or args.backend
+    report = run_gradcheck(**options)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, default=str))
     else:
@@ -169,13 +168,17 @@ def _bench(args: argparse.Namespace) -> int:
 
     names = bench.backends(args.backend)
     fits = bench.loss_fits(names)
-    rows = bench.run(names, args.world, args.batch, args.dim, args.repeats, parse_bytes(args.budget), fits=fits)
+    options = _given(args, "world_sizes", "global_batches", "dim", "repeats")
+    if hasattr(args, "budget"):
+        options["budget_bytes"] = parse_bytes(args.budget)
+    rows = bench.run(names, fits=fits, **options)
+
     scaling = bench.scaling(fits, names, args.scaling_world, args.scaling_batch or bench.SCALING_BATCHES,
                                                 args.scaling_dim) if args.scaling_world else []
     for path in bench.write(rows, Path(args.out), args.tag, scaling):
         print(f"wrote {path}")
-    for world_size in args.world:
-        for global_batch in args.batch:
+    for world_size in options.get("world_sizes", bench.WORLD_SIZES):
+        for global_batch in options.get("global_batches", bench.GLOBAL_BATCHES):
             print(f"\n{bench.markdown(rows, world_size, global_batch)}")
     if scaling:
         print(f"\n{bench.scaling_markdown(scaling)}\n(kept for backward; in brackets with what the backward "
@@ -249,19 +252,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Spawn N local gloo ranks, run one DDP (or FSDP) step of a tiny two-tower model with the loss, and "
         "compare the loss and every parameter's gradient with one process on the whole batch.",
     )
-    check.add_argument("--backend", default="disco", help="registered backend (naive, gather_layer, disco, tiled, siglip)")
-    check.add_argument("--loss", help="your own loss instead: 'package.module:name', same call signature")
-    check.add_argument("--world", type=int, default=2, help="number of local ranks (default 2)")
-    check.add_argument("--batch", type=_batch_sizes, default=4, help="local batch per rank, or one per rank: 4,3,5")
-    check.add_argument("--chunks", type=int, default=1, help="gradient caching: split each rank's batch into K chunks")
-    check.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
-                       help="how the model is distributed: DDP, or FSDP2 (fully_shard per block)")
-    check.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    check.add_argument("--model", default="clipdist-tiny", help="open_clip model config (random init)")
-    check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--timeout", type=float, default=300, help="seconds before a stuck collective fails")
-    check.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
-    check.add_argument("--verbose", action="store_true", help="list every parameter")
+    # Defaults: run_gradcheck's (argparse.SUPPRESS: an option not given is not passed).
+    check.argument_default = argparse.SUPPRESS
+    check.add_argument("--backend", help="registered backend (naive, gather_layer, disco, tiled, siglip; default disco)")
+    check.add_argument("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature")
+    check.add_argument("--world", dest="world_size", type=int, help="number of local ranks (default 2)")
+    check.add_argument("--batch", dest="local_batch", type=_batch_sizes,
+                       help="local batch per rank, or one per rank: 4,3,5 (default 4)")
+    check.add_argument("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks")
+    check.add_argument("--parallel", choices=["ddp", "fsdp"],
+                       help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)")
+    check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
+    check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
+    check.add_argument("--seed", type=int)
+    check.add_argument("--timeout", dest="timeout_s", type=float, help="seconds before a stuck collective fails")
+    check.add_argument("--json", action="store_true", default=False, help="print a JSON object instead of the table")
+    check.add_argument("--verbose", action="store_true", default=False, help="list every parameter")
     check.set_defaults(run=_gradcheck)
 
     planner = commands.add_parser(
@@ -301,11 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     loss_bench.add_argument("--backend", type=_csv(str), default=None,
                             help="comma-separated backends (default: all, plus open_clip)")
-    loss_bench.add_argument("--world", type=_csv(int), default=[1, 2, 4])
-    loss_bench.add_argument("--batch", type=_csv(int), default=[1024, 4096, 16384, 65536], help="global batches")
-    loss_bench.add_argument("--dim", type=int, default=128)
-    loss_bench.add_argument("--repeats", type=int, default=3)
-    loss_bench.add_argument("--budget", default="16GB", help="skip configurations predicted to need more, all ranks")
+    # Defaults: bench.run's (argparse.SUPPRESS: an option not given is not passed).
+    loss_bench.add_argument("--world", dest="world_sizes", type=_csv(int), default=argparse.SUPPRESS,
+                            help="world sizes (default 1,2,4)")
+    loss_bench.add_argument("--batch", dest="global_batches", type=_csv(int), default=argparse.SUPPRESS,
+                            help="global batches (default 1024,4096,16384,65536)")
+    loss_bench.add_argument("--dim", type=int, default=argparse.SUPPRESS, help="feature dim (default 128)")
+    loss_bench.add_argument("--repeats", type=int, default=argparse.SUPPRESS, help="default 3")
+    loss_bench.add_argument("--budget", default=argparse.SUPPRESS,
+                            help="skip configurations predicted to need more, all ranks (default 16GB)")
     loss_bench.add_argument("--out", default="docs/bench", help="folder for the JSON and the PNG plot")
     loss_bench.add_argument("--tag", default="cpu", help="file name suffix: loss_<tag>.json")
     loss_bench.add_argument("--scaling-world", type=int, default=8,

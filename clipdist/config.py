@@ -16,6 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from clipdist.errors import ConfigError
+from clipdist.launch import COLLECTIVE_TIMEOUT_S
+from clipdist.models import DEFAULT_MODEL
 from clipdist.losses.tiled import DEFAULT_TILE  # the backend's default: the loss package knows no Hydra
 
 
@@ -80,7 +82,7 @@ class WandbMode(Choice):
 @dataclass
 class ModelConfig:
     # Any open_clip model config (random init), a config file, or hf-hub:ORG/REPO / local-dir:PATH (with weights).
-    name: str = "clipdist-tiny"
+    name: str = DEFAULT_MODEL
     pretrained: Optional[str] = None  # an open_clip pretrained tag of `name` (laion2b_s34b_b79k, openai, ...)
     checkpoint: Optional[str] = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
     cache_dir: Optional[str] = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
@@ -110,7 +112,9 @@ class DataConfig:
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
     max_skips_in_a_row: int = 1000  # this many unusable samples with no good one between: stop with an error
-    templates: List[str] = field(default_factory=lambda: ["a photo of {}."])  # where no templates file is beside the shards
+    # Zero-shot prompts; empty: a built-in source's own, else 'a photo of {}.' (a zeroshot_classification_templates.txt
+    # beside an evaluation set's shards wins over both)
+    templates: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -155,7 +159,7 @@ class WorldConfig:
     batch_per_device: int = 64
     parallel: Parallel = Parallel.ddp
     spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
-    timeout_s: int = 600  # bound on every collective
+    timeout_s: int = COLLECTIVE_TIMEOUT_S  # bound on every collective
     rendezvous_timeout_s: int = 300  # srun: how long ranks wait for each other at start before failing
     threads: Optional[int] = None  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,
     #                                else this process's CPUs / procs_per_node

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import ipaddress
 import os
-import re
 import signal
 import socket
 import sys
@@ -18,11 +17,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = 600  # the default bound on one collective, for runs and tools alike (world.timeout_s)
 
 # Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
 # handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
@@ -48,14 +48,14 @@ class DistEnv:
 
 
 def _expand_first_host(nodelist: str) -> str:
-    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003', 'r[2-3]-ib' -> 'r2-ib'."""
-    match = re.match(r"([^\[,]+)(?:\[([^\]]+)\]([^,\[]*))?", nodelist)
-    if not match:
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, ranges, suffix = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003', 'r[2-3]-ib' -> 'r2-ib' (python-hostlist,
+    SLURM's own syntax)."""
+    import hostlist
+
+    try:
+        return hostlist.expand_hostlist(nodelist)[0]
+    except (hostlist.BadHostlist, IndexError):
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}") from None
 
 
 def loopback_rendezvous(env: DistEnv) -> str | None:
@@ -192,26 +192,19 @@ class StopSignal:
         self._previous = {}
 
 
-def descendants(pid: int) -> list[int]:
-    """Child processes, recursively (Linux /proc; [] elsewhere)."""
-    found, frontier = [], [pid]
-    while frontier:
-        for task in Path(f"/proc/{frontier.pop()}/task").glob("*"):
-            try:
-                children = [int(child) for child in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            frontier += children
-    return found
-
-
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything it started."""
-    for member in [*descendants(pid), pid]:
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        members = [*process.children(recursive=True), process]
+    except psutil.NoSuchProcess:
+        return
+    for member in members:
         try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
+            member.kill()
+        except psutil.NoSuchProcess:
             pass
 
 
@@ -265,7 +258,7 @@ def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout
     results.put((rank, buffer.getvalue()))
 
 
-def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = 120) -> dict[int, object]:
+def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict[int, object]:
     """Run `fn(*args)` on `world_size` local gloo ranks (child processes, torch's env:// rendezvous).
 
     The ranks are forked from this process, which has imported torch and the towers' libraries already

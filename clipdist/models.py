@@ -12,6 +12,7 @@ import open_clip
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
+DEFAULT_MODEL = "clipdist-tiny"  # ~3.4M parameters, 32-px images: trains on a laptop CPU in minutes (conf/model/tiny.yaml)
 
 
 @functools.cache
@@ -148,7 +149,7 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
 
 
 def create_model(
-    name: str = "clipdist-tiny",
+    name: str = DEFAULT_MODEL,
     checkpoint: str | None = None,
     grad_checkpointing: bool = False,
     init_logit_scale: float | None = None,
@@ -290,7 +291,7 @@ def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = N
     return create_model(name, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias, **options)
 
 
-def get_tokenizer(name: str = "clipdist-tiny", cache_dir: str | None = None):
+def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None):
     """The model's tokenizer; the BPE vocabulary ships inside open_clip's wheel (a Hugging Face tokenizer
     is fetched into the cache)."""
     _register_model_configs()

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from clipdist.tools.background import busy_processes  # noqa: E402
+sys.path.insert(0, str(REPO / "scripts"))
+from background import busy_processes  # noqa: E402
 
 
 def transform_and_tokenizer(model: str):
@@ -59,7 +60,7 @@ def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tok
 
 
 def open_clip_batches(pattern: str, batch: int, workers: int, transform, tokenizer):
-    from clipdist.tools.open_clip_peer import patch_open_clip_data
+    from open_clip_peer import patch_open_clip_data
 
     open_clip_data = patch_open_clip_data()
     args = SimpleNamespace(train_data=pattern, train_num_samples=10**9, batch_size=batch, workers=workers, seed=0,

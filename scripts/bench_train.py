@@ -10,7 +10,7 @@ samples/s after --skip warm-up steps (clipdist: train_log.jsonl, evaluation and 
 open_clip_train: its `Batch (t)` log lines), wall time, and zero-shot top-1 on the set's validation shards (same class names and templates for both)
 (both evaluated by clipdist's evaluate(), open_clip_train's model from its final checkpoint).
 
-Shims open_clip_train needs here, all in clipdist/tools/open_clip_peer.py: clipdist's model configs
+Shims open_clip_train needs here, all in scripts/open_clip_peer.py: clipdist's model configs
 registered with open_clip; its webdataset grouping (`group_by_keys_nothrow`) skips webdataset 1.0's
 end-of-shard marker `{}`, which it would otherwise fail on with KeyError 'fname'. It also needs pandas
 (`pip install pandas`). On CPU it falls back from CUDA by itself; `--dist-backend gloo` for 2 ranks.
@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from clipdist.tools.background import busy_processes  # noqa: E402
+sys.path.insert(0, str(REPO / "scripts"))
+from background import busy_processes  # noqa: E402
 OPEN_CLIP_RATE = re.compile(r"Batch \(t\): [0-9.]+, ([0-9.]+)/s,")
 
 
@@ -68,7 +69,7 @@ def run_clipdist(args, ranks: int, work: Path) -> dict:
 
 def run_open_clip(args, ranks: int, work: Path) -> dict:
     samples = args.steps * args.batch * ranks
-    peer = REPO / "clipdist" / "tools" / "open_clip_peer.py"
+    peer = REPO / "scripts" / "open_clip_peer.py"
     # "--": torchrun's parser would take open_clip_train's --logs for an abbreviation of its own --logs-specs.
     command = [*torchrun(ranks), "--", str(peer), "--train-data", args.shards,
                "--dataset-type", "webdataset", "--dataset-resampled", "--train-num-samples", str(samples),
@@ -143,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards is None:
         args.source = args.source or "digits"
     if args.source is not None:
-        from clipdist.data.builtin import CAPTIONS, builtin_shards, classnames_of
+        from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
 
         train_shards, builtin_val = builtin_shards(args.source, os.path.expanduser(args.cache_dir))
         args.shards, args.val_shards = args.shards or train_shards, args.val_shards or builtin_val
         args.classnames = classnames_of(args.source)
-        args.templates = CAPTIONS[args.source][:3]
+        args.templates = templates_of(args.source)
     if args.val_shards is None:
         parser.error("--val-shards is needed with --shards")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clipdist.launch import descendants
+import psutil
 from helpers import REPO, Run, image_bytes, read_jsonl, train, train_command, write_samples
 
 pytestmark = pytest.mark.e2e
@@ -73,8 +73,8 @@ def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
     command = train_command(run_dir, tmp_path / "cache", *webdataset(f"'pipe:{sleep}'", "data.workers=0"),
                             "checkpoint_every=100")
     with Run(command, run_dir) as run:
-        run.wait_for(lambda: any(sleep.replace(" ", "\0").encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-                                 for pid in descendants(run.pid)), 120, "the pipe: command")
+        run.wait_for(lambda: any(child.cmdline() == sleep.split()
+                                 for child in psutil.Process(run.pid).children(recursive=True)), 120, "the pipe: command")
         time.sleep(1)
         os.kill(run.pid, signal.SIGTERM)
         code, stdout, stderr = run.finish(timeout=60)

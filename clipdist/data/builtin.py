@@ -104,6 +104,19 @@ LOADERS = {"digits": _digits, "fashion_mnist": _fashion_mnist, "web_photos": _we
 CLASSNAMES = {"digits": DIGIT_WORDS, "fashion_mnist": FASHION_NAMES, "web_photos": sorted(set(WEB_PHOTOS.values()))}
 
 
+# Zero-shot prompts per built-in source (a few of its captions' phrasings); data.templates replaces them.
+ZEROSHOT_TEMPLATES = {
+    "digits": ["a photo of the digit {}.", "a handwritten {}.", "the number {}."],
+    "fashion_mnist": ["a photo of a {}.", "a grayscale photo of a {}."],
+    "web_photos": ["a photo of a {}.", "a picture of the {}.", "a cropped photo of a {}."],
+}
+
+
+def templates_of(source: str) -> list[str]:
+    """The zero-shot prompt templates of a built-in source."""
+    return list(ZEROSHOT_TEMPLATES[source])
+
+
 def classnames_of(source: str) -> list[str]:
     """The class names of a built-in source, in label order (its zero-shot classes)."""
     return list(CLASSNAMES[source])

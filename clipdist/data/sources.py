@@ -19,10 +19,11 @@ from pathlib import Path
 
 import braceexpand
 
-from clipdist.data.builtin import builtin_shards, classnames_of
+from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
 
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
+DEFAULT_TEMPLATES = ["a photo of {}."]  # where neither data.templates, a built-in source nor a templates file gives any
 GLOB_CHARS = ("*", "?", "[")
 SPLIT_FOLDERS = ("test", "train", "val", "validation")
 
@@ -153,11 +154,12 @@ def resolve_shards(data) -> Shards:
         classnames = list(data.classnames) or classnames_of(data.source)
     else:
         train_spec, val_spec, classnames = data.train_shards, data.val_shards, list(data.classnames)
-    evals = [eval_set("val", val_spec, classnames, list(data.templates))] if val_spec else []
+    templates = list(data.templates) or (templates_of(data.source) if data.source else DEFAULT_TEMPLATES)
+    evals = [eval_set("val", val_spec, classnames, templates)] if val_spec else []
     for name, spec in data.eval_sets.items():
         if name == "val":
             raise ValueError("data.eval_sets: the name 'val' is data.val_shards' own; choose another")
-        evals.append(eval_set(name, spec, [], list(data.templates)))
+        evals.append(eval_set(name, spec, [], list(data.templates) or DEFAULT_TEMPLATES))
     sources = [expand_shards(part, "data.train_shards") for part in train_spec.split("::")]
     if data.weights is not None and len(data.weights) != len(sources):
         raise ValueError(f"data.weights has {len(data.weights)} weight(s) for {len(sources)} source(s) in "

@@ -14,7 +14,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from clipdist.launch import COLLECTIVE_TIMEOUT_S
 from clipdist.losses import BACKENDS, build, clip_loss
+from clipdist.models import DEFAULT_MODEL
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -195,9 +197,9 @@ def run_gradchecks(
     world_size: int = 2,
     local_batch: int | Sequence[int] = 4,
     dtype: str = "float64",
-    model: str = "clipdist-tiny",
+    model: str = DEFAULT_MODEL,
     seed: int = 0,
-    timeout_s: float = 300,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
     chunks: int = 1,
     parallel: str = "ddp",
 ) -> list[GradcheckReport]:

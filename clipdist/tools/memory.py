@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from clipdist.launch import COLLECTIVE_TIMEOUT_S
 from clipdist.models import random_tokens
 
 
@@ -180,7 +181,7 @@ def _measure_loss_points(backends: list[str], dtype_name: str):
     return {name: [p for rank_points in gathered for p in rank_points[name]] for name in backends} if rank == 0 else None
 
 
-def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout_s: float = 120) -> dict[str, LossFit]:
+def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict[str, LossFit]:
     """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
     from clipdist.launch import launch_local
 
@@ -234,7 +235,7 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
 
 
 def measure_state_bytes(model_name: str, parallel: str, world_size: int, local_batch: int = 4,
-                        timeout_s: float = 300) -> list[dict[str, int]]:
+                        timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict[str, int]]:
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
     from clipdist.launch import launch_local
 

@@ -1,5 +1,5 @@
 """open_clip's own trainer (open_clip_train, shipped in the open_clip_torch wheel) with the shims it needs to
-run clipdist's benchmark workload: `python -m clipdist.tools.open_clip_peer <open_clip_train arguments>`.
+run clipdist's benchmark workload: `python scripts/open_clip_peer.py <open_clip_train arguments>`.
 
 - clipdist's model configs (clipdist-tiny, ...) are registered with open_clip, so both trainers build the
   same towers from the same config; `--model path/to/config.json` is registered and named by its stem;
