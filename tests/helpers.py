@@ -150,34 +150,10 @@ class Run:
             self.process.communicate(timeout=60)
 
 
-def write_tar(path: Path, members) -> Path:
-    """A tar file of (name, bytes) members, in order."""
-    import io
-    import tarfile
-
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
 
 
-def image_bytes(value: int = 128, fmt: str = "PNG", mode: str = "RGB", size: int = 8) -> bytes:
-    """A small flat image encoded as `fmt`."""
-    import io
-
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new(mode, (size, size), value if mode in ("L", "I", "I;16") else (value,) * len(mode)).save(buffer, format=fmt)
-    return buffer.getvalue()
 
 
-def write_samples(path: Path, samples: list[dict]) -> Path:
-    """A shard of samples given as {"__key__": ..., ext: bytes, ...}."""
-    return write_tar(path, [(f"{sample['__key__']}.{ext}", data) for sample in samples
-                            for ext, data in sample.items() if ext != "__key__"])
 
 
 def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, world_size: int = 1, seed: int = 0,

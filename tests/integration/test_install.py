@@ -14,10 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, read_jsonl
 
-pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

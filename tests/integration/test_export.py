@@ -9,11 +9,11 @@ import tarfile
 
 import pytest
 import torch
+from fixtures import clip_benchmark_set
+from helpers import train
 
 from clipdist.cli import main as cli
-from helpers import train, write_samples
 
-pytestmark = pytest.mark.e2e
 
 # Run in a fresh interpreter where clipdist cannot be imported: only open_clip reads the export.
 OPEN_CLIP_ALONE = """
@@ -53,17 +53,6 @@ def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path
     assert theirs["image_size"] == [32, 32]
 
 
-def test_export_refuses_to_overwrite_and_names_a_missing_source(trained_run, tmp_path, capsys):
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "x").write_text("mine")
-    assert cli(["export", str(trained_run), "--out", str(tmp_path / "taken")]) == 2
-    assert "already exists and is not empty" in capsys.readouterr().err
-    assert (tmp_path / "taken" / "x").read_text() == "mine"
-    assert cli(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
-    assert "no such run directory, checkpoint file or .dcp folder" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 # clip_benchmark's own CLI, with one shim: its `accuracy` turns a 1-element array into a float, which NumPy 2.4
 # refuses (the same sum, read with .item()).
 CLIP_BENCHMARK = """
@@ -80,22 +69,13 @@ sys.exit(main())
 """
 
 
-def clip_benchmark_set(root, val_shard, classnames, templates):
-    """clip_benchmark's webdataset layout (test/0.tar with .png + .cls, class names, templates) from a
-    shard of digits (.png + .json labels)."""
-    (root / "test").mkdir(parents=True)
+def digits_as_clip_benchmark(root, val_shard, classnames, templates):
+    """clip_benchmark's webdataset layout from a shard of digits (.png + .json labels -> .png + .cls)."""
     with tarfile.open(val_shard) as source:
         members = {member.name: source.extractfile(member).read() for member in source.getmembers()}
-    samples = []
-    for name, data in members.items():
-        key, extension = name.rsplit(".", 1)
-        if extension == "png":
-            samples.append({"__key__": key, "png": data, "cls": str(json.loads(members[f"{key}.json"])["label"]).encode()})
-    write_samples(root / "test" / "0.tar", samples)
-    (root / "test" / "nshards.txt").write_text("1\n")
-    (root / "classnames.txt").write_text("\n".join(classnames) + "\n")
-    (root / "zeroshot_classification_templates.txt").write_text("\n".join(templates) + "\n")
-    return root
+    samples = [{"__key__": name[:-4], "png": data, "cls": str(json.loads(members[f"{name[:-4]}.json"])["label"]).encode()}
+               for name, data in members.items() if name.endswith(".png")]
+    return clip_benchmark_set(root, [samples], classnames, templates)
 
 
 def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path, cache_dir):
@@ -109,8 +89,8 @@ def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     templates = ["a photo of the number {c}.", "a drawing of a {c}."]
-    root = clip_benchmark_set(tmp_path / "wds_digits", expand_shards(builtin_shards("digits", str(cache_dir))[1])[0],
-                              classnames_of("digits"), templates)
+    root = digits_as_clip_benchmark(tmp_path / "wds_digits", expand_shards(builtin_shards("digits", str(cache_dir))[1])[0],
+                                    classnames_of("digits"), templates)
     result = subprocess.run(
         [sys.executable, "-c", CLIP_BENCHMARK, "eval", "--dataset", "wds/digits", "--dataset_root", str(root),
          "--task", "zeroshot_classification", "--model", f"local-dir:{tmp_path / 'model'}", "--pretrained", "",
@@ -131,20 +111,6 @@ def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path
                     max_skips_in_a_row=DataConfig.max_skips_in_a_row)
     assert ours["digits/zeroshot_samples"] == 359
     assert theirs == pytest.approx(ours["digits/zeroshot_top1"], abs=0.5 / 359), (theirs, ours)
-
-
-def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(trained_run, tmp_path):
-    from clipdist.checkpoint import load
-    from clipdist.models import read_weights
-
-    checkpoint = trained_run / "checkpoints" / "step_00000030.pt"
-    expected = load(checkpoint)["model"]
-    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
-    torch.save({"epoch": 3, "state_dict": {f"module.{key}": value for key, value in expected.items()}},
-               tmp_path / "open_clip_train.pt")  # what open_clip_train saves
-    for source in (checkpoint, trained_run, tmp_path / "model", tmp_path / "open_clip_train.pt"):
-        weights = read_weights(source)
-        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected), source
 
 
 def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_dir):
@@ -171,73 +137,3 @@ def test_a_local_dir_model_starts_from_its_weights(trained_run, tmp_path, cache_
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in exported)
 
 
-def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_them_is_one_line(
-        tmp_path, cache_dir, capsys, monkeypatch):
-    """open_clip's ViT-B-32 `openai` weights, placed in a Hugging Face cache as a download leaves them, with the
-    hub offline: the model starts from them, with the tag's preprocessing; another tag, not cached, is refused."""
-    import huggingface_hub.constants
-    import open_clip
-    from safetensors.torch import save_file
-
-    from clipdist.models import create_model
-    from helpers import refusal
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    hub, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
-    repo = hub / "models--timm--vit_base_patch32_clip_224.openai"  # open_clip's pretrained entry for the tag
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    torch.manual_seed(1)
-    weights = {key: value.half() for key, value in create_model("ViT-B-32").state_dict().items()}
-    save_file(weights, repo / "snapshots" / commit / "open_clip_model.safetensors")
-
-    model = create_model("ViT-B-32", pretrained="openai", cache_dir=str(hub))
-    assert all(torch.equal(value, weights[key].float()) for key, value in model.state_dict().items())
-    assert model.visual.preprocess_cfg["mean"] == open_clip.OPENAI_DATASET_MEAN
-
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          "model.name=ViT-B-32", "model.pretrained=laion2b_s34b_b79k", f"model.cache_dir={hub}")
-    assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith(f"error: model.pretrained=laion2b_s34b_b79k: the weights are not in the cache ({hub})")
-    assert not (tmp_path / "run").exists()
-
-
-def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, monkeypatch):
-    """model.name=hf-hub:ORG/REPO: an export published as a hub repo (config + weights), read from the cache."""
-    import shutil
-
-    import huggingface_hub.constants
-
-    from clipdist.models import create_model, get_tokenizer, read_weights
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert cli(["export", str(trained_run), "--out", str(tmp_path / "export")]) == 0
-    hub, commit = tmp_path / "hub", "fedcba9876543210fedcba9876543210fedcba98"
-    repo = hub / "models--someone--tiny-clip"
-    shutil.copytree(tmp_path / "export", repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    model = create_model("hf-hub:someone/tiny-clip", cache_dir=str(hub))
-    exported = read_weights(tmp_path / "export")
-    assert all(torch.equal(value, exported[key]) for key, value in model.state_dict().items())
-    assert get_tokenizer("hf-hub:someone/tiny-clip", str(hub))(["a cat"]).shape[1] == model.context_length
-
-
-@pytest.mark.parametrize("weights, message", [
-    (None, "model.checkpoint: {path}: no such file or folder"),
-    ({"visual.conv1.weight": torch.zeros(3)}, "does not fit the model: visual.conv1.weight is (3,) there, (64, 3, 8, 8) here"),
-    ({"the": torch.zeros(1)}, "does not fit the model: positional_embedding is missing (62 missing, 1 unexpected)"),
-    ("not a checkpoint", "holds no state dict of tensors"),
-])
-def test_a_checkpoint_that_cannot_be_used_is_one_line_and_leaves_no_run(tmp_path, cache_dir, capsys, monkeypatch,
-                                                                        weights, message):
-    from helpers import refusal
-
-    path = tmp_path / "weights.pt"
-    if weights is not None:
-        torch.save(weights, path)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"model.checkpoint={path}")
-    assert code == 2 and len(lines) == 1 and message.format(path=path) in lines[0], lines
-    assert not (tmp_path / "run").exists()

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import Run, read_jsonl, run_log, train
 
-pytestmark = pytest.mark.e2e
 
 STEPS = ["optim.max_steps=400", "optim.warmup_steps=5", "eval_every=1000", "checkpoint_every=50"]
 

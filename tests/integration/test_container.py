@@ -21,10 +21,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers import QUIET, REPO, read_jsonl
 
-pytestmark = [pytest.mark.container, pytest.mark.e2e]
+pytestmark = pytest.mark.container
 BASE, IMAGE = "localhost/clipdist-test-base:bookworm", "localhost/clipdist-test:latest"
 PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
 # Within this machine's hard limits (podman's defaults ask for more than a sandbox may grant).

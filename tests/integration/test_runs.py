@@ -8,10 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, train, train_command
 
-from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, refusal, train, train_command
-
-pytestmark = pytest.mark.e2e
 
 
 def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir):
@@ -57,15 +55,6 @@ def test_second_process_on_the_same_run_is_refused_with_the_holder(tmp_path, cac
     assert steps == list(range(1, len(steps) + 1))  # the first run's alone
 
 
-def test_resume_with_another_loss_is_refused_and_changes_nothing(trained_run, cache_dir, capsys, monkeypatch):
-    before = {path: path.read_bytes() for path in trained_run.rglob("*") if path.is_file()}
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={trained_run}", f"data.cache_dir={cache_dir}",
-                          "optim.max_steps=40", "loss=siglip")
-    assert code == 2 and len(lines) == 1, lines
-    assert "loss.name=disco" in lines[0] and "not loss.name=siglip" in lines[0] and "name=<new name>" in lines[0]
-    assert {path: path.read_bytes() for path in trained_run.rglob("*") if path.is_file()} == before
-
-
 def test_resume_with_another_world_size_warns_of_the_new_global_batch(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     assert train(run_dir, cache_dir, "optim.max_steps=2", "eval_every=2", "world.batch_per_device=16").returncode == 0
@@ -107,21 +96,6 @@ def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, s
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}.pt").is_file(), stderr[-3000:]
     if launch != "torchrun":  # torchrun's agent signals its ranks' whole groups itself once they have checkpointed
         assert "DataLoader worker" not in stderr and "Traceback" not in stderr
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
-def test_every_stop_signal_asks_for_a_stop(signum):
-    from clipdist.launch import StopRequested, StopSignal
-
-    stop = StopSignal()
-    try:
-        os.kill(os.getpid(), signum)
-        assert stop.received == signum
-        with pytest.raises(StopRequested):  # a loader waiting for data is interrupted at once
-            with stop.interruptible():
-                pass
-    finally:
-        stop.restore()
 
 
 def test_second_interrupt_a_second_later_exits_at_once():
@@ -191,23 +165,6 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     assert [row["step"] for row in read_jsonl(small_disk / "run2" / "train_log.jsonl")] == [1, 2, 3]
 
 
-def test_a_file_system_without_flock_is_one_line_saying_where_to_run(tmp_path, monkeypatch):
-    import errno
-    import fcntl
-
-    from clipdist.errors import ConfigError
-    from clipdist.run_dir import RunLock
-
-    def no_flock(*_):  # what Lustre mounted without -o flock answers
-        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
-
-    monkeypatch.setattr(fcntl, "flock", no_flock)
-    with pytest.raises(ConfigError, match=r"does not support flock \(Function not implemented\); put the run on one "
-                                          r"that does with run_dir="):
-        RunLock(tmp_path / "run").acquire()
-
-
-@pytest.mark.e2e
 def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path, cache_dir):
     """`torchrun --nnodes 2` on one machine: two agents (one per "node", one rank each) meet at a c10d rendezvous on
     127.0.0.1 and train world=cpu2 laid out as 2 nodes × 1, then resume from the checkpoint they wrote."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import open_clip
 import pytest
 import torch
+from fixtures import caption_shards, image_bytes, pets, write_samples
+from helpers import refusal
 
 from clipdist.config import DataConfig
 from clipdist.data.sources import EvalSet, eval_set
 from clipdist.evaluate import evaluate, fill_template, recall_at_k
 from clipdist.models import create_model, get_tokenizer
-from helpers import image_bytes, read_jsonl, refusal, train, write_samples
-from test_data import clip_benchmark_set
 
 
 def test_recall_counts_an_image_right_when_any_of_its_captions_is_among_the_best():
@@ -45,7 +45,7 @@ def run_eval(tiny, evalset):
 
 
 def test_clip_benchmark_classification_set(tmp_path, tiny):
-    root = clip_benchmark_set(tmp_path / "wds_pets", samples_per_shard=5, shards=2)
+    root = pets(tmp_path / "wds_pets", samples_per_shard=5, shards=2)
     metrics = run_eval(tiny, eval_set("pets", str(root), [], ["a photo of {}."]))
     assert metrics["pets/samples"] == 10 and metrics["pets/zeroshot_samples"] == 10 and metrics["pets/skipped"] == 0
     assert 0 <= metrics["pets/zeroshot_top1"] <= 1 and metrics["pets/zeroshot_top5"] == 1.0  # 2 classes
@@ -69,46 +69,6 @@ def webdataset_run_overrides(shards):
     return ["data=webdataset", f"data.train_shards={shards}", "data.workers=0", "data.shuffle_buffer=0",
             "world.batch_per_device=8", "optim.max_steps=4", "eval_every=2", "checkpoint_every=2", "logging.log_every=1"]
 
-
-def caption_shards(folder, shards=2, per_shard=16, label=None):
-    folder.mkdir(parents=True, exist_ok=True)
-    for shard in range(shards):
-        write_samples(folder / f"{shard}.tar", [
-            {"__key__": f"{shard}-{i:03d}", "png": image_bytes(i * 7 % 256), "txt": f"a grey square number {i}".encode(),
-             **({"json": f'{{"label": {label(i)}}}'.encode()} if label else {})}
-            for i in range(per_shard)])
-    return folder
-
-
-@pytest.mark.e2e
-def test_several_eval_sets_in_one_run_each_under_its_own_name(tmp_path):
-    train_dir = caption_shards(tmp_path / "train")
-    caption_shards(tmp_path / "val", shards=1, label=lambda i: i % 2)
-    (tmp_path / "val" / "classnames.txt").write_text("even\nodd\n")
-    pets = clip_benchmark_set(tmp_path / "wds_pets")
-    result = train(tmp_path / "run", tmp_path / "cache", *webdataset_run_overrides(train_dir),
-                   f"data.val_shards={tmp_path}/val", f"+data.eval_sets.pets={pets}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [2, 4]
-    assert rows[-1]["zeroshot_samples"] == 16 and rows[-1]["i2t_r10"] >= 0  # the main set: names as ever
-    assert rows[-1]["pets/zeroshot_samples"] == 6 and "pets/i2t_r1" not in rows[-1]
-    assert rows[-1]["eval_errors"] == 0
-
-
-@pytest.mark.e2e
-def test_an_evaluation_that_fails_is_counted_and_training_goes_on(tmp_path):
-    train_dir = caption_shards(tmp_path / "train")
-    # The first sample passes the check before training; a later label has no class name: evaluate() fails.
-    caption_shards(tmp_path / "val", shards=1, label=lambda i: 0 if i == 0 else 7)
-    (tmp_path / "val" / "classnames.txt").write_text("even\nodd\n")
-    result = train(tmp_path / "run", tmp_path / "cache", *webdataset_run_overrides(train_dir),
-                   f"data.val_shards={tmp_path}/val")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "evaluation of val failed (ValueError: eval set val: label 7 but only 2 class names)" in result.stdout + result.stderr
-    assert [row["eval_errors"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
-    assert (tmp_path / "run" / "checkpoints" / "step_00000004.pt").is_file()
-    assert len(read_jsonl(tmp_path / "run" / "train_log.jsonl")) == 4
 
 
 @pytest.mark.parametrize("make_val, message", [

@@ -1,7 +1,6 @@
 import os
 
 import pytest
-import torch
 
 from clipdist import host
 from clipdist.data import workers as loader
@@ -93,38 +92,6 @@ def test_explicit_thread_counts_are_taken_as_given():
     assert intra_op_threads(None, 2, 2, {"OMP_NUM_THREADS": "5", "SLURM_CPUS_PER_TASK": "12"}) == (5, "OMP_NUM_THREADS")
 
 
-FAULTS_PER_ALLOCATION = """
-import resource, statistics, sys, torch
-from clipdist.host import keep_freed_memory
-kept = keep_freed_memory() if sys.argv[1] == "keep" else None
-faults = []
-for _ in range(25):  # 40 MB: above glibc's largest dynamic mmap threshold (32 MB)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    step = torch.empty(10_000_000)
-    step.fill_(1)
-    del step
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-# The first few grow the heap (a 64-byte-aligned block does not fit the exact hole the last one left)
-# until the freed blocks have merged: seen settled after 3-7 allocations.
-print(kept, statistics.median(faults[15:]))
-"""
-
-
-def test_freed_step_memory_is_reused_not_faulted_in_again():
-    import subprocess
-    import sys
-
-    def faults(mode):
-        out = subprocess.run([sys.executable, "-c", FAULTS_PER_ALLOCATION, mode], capture_output=True, text=True,
-                             timeout=120, check=True).stdout.split()
-        return out[0], float(out[1])
-
-    kept, kept_faults = faults("keep")
-    assert kept == "True"  # glibc (Linux): mallopt accepted
-    assert kept_faults < faults("default")[1] / 3  # measured 0 vs 9766: a fresh 40 MB mapping faults in ~10k pages
-
-
-
 def test_waiting_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
     environ = {}
     assert host.spin_briefly(environ) == "GOMP_SPINCOUNT=300" and environ == {"GOMP_SPINCOUNT": "300"}
@@ -133,28 +100,6 @@ def test_waiting_openmp_threads_spin_briefly_unless_the_user_says_otherwise():
         environ = dict(given)
         assert host.spin_briefly(environ) is None and environ == given
     assert host.openmp_wait({}) == "libgomp's default spinning"
-
-
-def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console():
-    """Loader workers and forked ranks are stopped with SIGKILL; one killed inside a console line (holding
-    tqdm's write lock, a semaphore a forked child shares with its parent) must not leave the trainer's
-    next line waiting forever."""
-    import subprocess
-    import sys
-
-    script = (
-        "import os, signal, time\n"
-        "from tqdm import tqdm\n"
-        "import clipdist.console\n"
-        "tqdm.write('before')\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    tqdm.get_lock().acquire()\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "os.waitpid(pid, 0)\n"
-        "tqdm.write('after')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0 and done.stdout.split() == ["before", "after"], done.stderr
 
 
 def test_loader_workers_priority_is_measured_where_cpu_ranks_cannot_spare_them_a_core():
@@ -199,21 +144,3 @@ def test_loader_workers_go_idle_only_when_the_run_shows_the_loader_keeps_up():
     assert calls == [True, False] and "cannot return" in lines[10] and "data.worker_priority=normal" in lines[10]
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-@pytest.mark.parametrize("low", [True, False])
-def test_low_priority_loader_workers_run_under_sched_idle_and_can_change(tmp_path, low):
-    from helpers import image_bytes, train_stream, write_tar
-
-    write_tar(tmp_path / "a.tar", [(f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
-                                   for i in range(4) for ext in ("png", "txt")])
-    stream = train_stream([tmp_path / "a.tar"], 2, lambda image: torch.zeros(1), resampled=True, workers=1,
-                          low_priority_workers=low)
-    try:
-        next(stream)
-        (worker,) = stream.worker_pids()
-        assert (os.sched_getscheduler(worker) == os.SCHED_IDLE) is low
-        assert stream.set_worker_priority(True) and os.sched_getscheduler(worker) == os.SCHED_IDLE
-        if os.geteuid() == 0:  # leaving SCHED_IDLE takes CAP_SYS_NICE (or RLIMIT_NICE >= 20)
-            assert stream.set_worker_priority(False) and os.sched_getscheduler(worker) == os.SCHED_OTHER
-    finally:
-        stream.close()

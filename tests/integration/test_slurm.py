@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from clipdist.launch import free_port
 from helpers import QUIET, REPO, read_jsonl
 
-pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
+from clipdist.launch import free_port
+
+pytestmark = pytest.mark.slurm
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo")
 SMALL = ["world=slurm_cpu", *QUIET, "world.batch_per_device=16"]
 

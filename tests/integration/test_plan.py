@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from clipdist.tools import plan
 from clipdist.launch import launch_local
-from clipdist.step import build_step
-from clipdist.tools.gradcheck import _random_batch
 from clipdist.losses import build
-from clipdist.tools.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
 from clipdist.models import create_model_for_loss
+from clipdist.step import build_step
+from clipdist.tools import plan
+from clipdist.tools.gradcheck import _random_batch
+from clipdist.tools.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
 
 BACKENDS = ["disco", "tiled", "siglip"]
 
@@ -79,6 +79,19 @@ def test_plan_predicts_the_memory_a_real_step_keeps(measured):
         assert predicted == pytest.approx(got, rel=0.2), (backend, chunks, predicted, got)
 
 
+def test_cli_plan_json():
+    result = subprocess.run(
+        [sys.executable, "-m", "clipdist.cli", "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
+         "--backend", "disco,tiled", "--chunks", "1,2", "--memory", "1GB", "--precision", "fp32", "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )  # two threads: the towers run multi-threaded here, as for a user (the suite's default is one)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"] == "clipdist-tiny" and report["world_size"] == 2
+    assert [(r["backend"], r["chunks"]) for r in report["rows"]] == [("disco", 1), ("disco", 2), ("tiled", 1), ("tiled", 2)]
+    assert all(r["fits"] and r["max_global_batch"] >= 64 for r in report["rows"])
+
+
 def test_largest_batch_is_the_boundary(measured):
     device = 200e6
     b, limit = plan.largest_local_batch(measured, "disco", 4, 1, device)
@@ -119,29 +132,3 @@ def test_automatic_chunks_reach_nearly_the_largest_batch_with_the_largest_chunk(
     assert batch >= plan.AUTO_CHUNK_SHARE * best
     bigger, _ = plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=2 * micro)
     assert bigger < plan.AUTO_CHUNK_SHARE * best  # a larger chunk would give up more than 5%
-
-
-def test_parse_bytes_and_presets():
-    assert plan.parse_bytes("40GB") == 40 * 10**9
-    assert plan.parse_bytes("80GiB") == 80 * 2**30
-    assert plan.parse_bytes("512M") == 512 * 10**6
-    assert plan.parse_bytes("A100-40GB") == 40 * 10**9
-    with pytest.raises(ValueError, match="40GB"):
-        plan.parse_bytes("lots")
-    assert plan.resolve_world("64gpu") == (64, 8) and plan.resolve_world("3") == (3, 3)
-    assert plan.resolve_model("vit_b32") == ("ViT-B-32", False)
-    with pytest.raises(ValueError, match="64gpu"):
-        plan.resolve_world("65gpu")
-
-
-def test_cli_plan_json():
-    result = subprocess.run(
-        [sys.executable, "-m", "clipdist.cli", "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
-         "--backend", "disco,tiled", "--chunks", "1,2", "--memory", "1GB", "--precision", "fp32", "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"},
-    )  # two threads: the towers run multi-threaded here, as for a user (the suite's default is one)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    assert report["model"] == "clipdist-tiny" and report["world_size"] == 2
-    assert [(r["backend"], r["chunks"]) for r in report["rows"]] == [("disco", 1), ("disco", 2), ("tiled", 1), ("tiled", 2)]
-    assert all(r["fits"] and r["max_global_batch"] >= 64 for r in report["rows"])

@@ -7,25 +7,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 import psutil
-from helpers import REPO, Run, image_bytes, read_jsonl, train, train_command, write_samples
+import pytest
+from fixtures import caption_shards
+from helpers import REPO, Run, read_jsonl, train, train_command
 
-pytestmark = pytest.mark.e2e
 
 
-
-def shards_with_a_bad_first_sample(folder: Path, shards: int = 4, good: int = 20) -> Path:
-    folder.mkdir()
-    for shard in range(shards):
-        samples = [{"__key__": f"{shard}-bad", "png": b"not a png", "txt": b"a caption"}]
-        samples += [{"__key__": f"{shard}-{i:03d}", "png": image_bytes(i * 9 % 256), "txt": b"a grey square"}
-                    for i in range(good)]
-        write_samples(folder / f"{shard}.tar", samples)
-    return folder
 
 
 def webdataset(shards, *overrides):
@@ -37,7 +26,8 @@ def webdataset(shards, *overrides):
 def test_skips_in_loader_workers_are_summed_over_ranks(tmp_path, launch):
     # 4 shards of 1 bad + 20 good samples; 2 ranks x 1 worker x 4 samples per step: step 1 opens one shard per
     # rank, by step 8 each rank is 12 samples into its second shard: all four bad samples read, and no other.
-    shards = shards_with_a_bad_first_sample(tmp_path / "shards")
+    shards = caption_shards(tmp_path / "shards", shards=4, per_shard=20, bad_first=True,
+                            pixel=lambda shard, i: i * 9 % 256, caption=lambda i: b"a grey square")
     overrides = webdataset(shards, "data.workers=1", "world.batch_per_device=4", "optim.max_steps=8",
                            "eval_every=100", "checkpoint_every=100")
     run_dir = tmp_path / "run"

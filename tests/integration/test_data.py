@@ -1,0 +1,57 @@
+import time
+
+import numpy as np
+import pytest
+import torch
+from fixtures import image_bytes, write_samples
+from helpers import train_stream
+
+from clipdist.data.faults import DataError
+
+
+def png(value):
+    return image_bytes(value)
+
+
+def identity_transform(image):
+    return torch.from_numpy(np.array(image)).float().mean()
+
+
+def stream(urls, workers=0, resampled=False, max_skips_in_a_row=1000, batch=2):
+    return train_stream(urls, batch, identity_transform, workers=workers, resampled=resampled,
+                        max_skips_in_a_row=max_skips_in_a_row)
+
+
+@pytest.mark.parametrize("resampled, workers", [(False, 0), (True, 0), (False, 1)])
+def test_when_no_shard_can_be_read_the_stream_says_so_within_seconds(tmp_path, resampled, workers):
+    for name in ["a.tar", "b.tar"]:
+        (tmp_path / name).write_text("not a tar at all\n" * 50)
+    started = time.monotonic()
+    batches = stream([tmp_path / "a.tar", tmp_path / "b.tar"], workers=workers, resampled=resampled)
+    try:
+        with pytest.raises(DataError) as failure:
+            next(batches)
+    finally:
+        batches.close()  # its workers ignore SIGTERM: stopped as the trainer stops them
+    message = str(failure.value)
+    assert message.startswith("rank 0: ") and "none of the 2 shard(s)" in message
+    assert "a.tar" in message and "b.tar" in message
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_skips_are_counted_in_workers_of_every_start_method(tmp_path, start_method):
+    for shard in range(2):
+        write_samples(tmp_path / f"{shard}.tar", [{"__key__": "bad", "png": b"nope", "txt": b"x"}] + [
+            {"__key__": f"{i:03d}", "png": image_bytes(i), "txt": b"a caption"} for i in range(6)])
+    batches = train_stream([tmp_path / "0.tar", tmp_path / "1.tar"], 2, identity_transform, workers=2,
+                           start_method=start_method)
+    try:
+        # Two workers, one shard (3 batches) each, taken in turn: the first batch of each carries its shard's bad sample.
+        assert [next(batches).counts[0] for _ in range(4)] == [1, 1, 0, 0]
+    finally:
+        batches.close()
+
+
+# --- decoding at the size the crop needs; bad images stay bad samples ------------------------------
+

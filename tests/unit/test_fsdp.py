@@ -1,0 +1,53 @@
+"""FSDP2 (world.parallel=fsdp): exact gradients for every backend, sharded state as planned, sharded
+checkpoints that are atomic and reshard on resume, and clear errors before any rank starts."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from clipdist.checkpoint import Checkpointer, CheckpointFiles
+from clipdist.config import TrainConfig
+from clipdist.errors import CheckpointError, ConfigError
+
+
+@pytest.fixture
+def single_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharded_save_is_atomic_and_retained(tmp_path, single_rank_group):
+    files = CheckpointFiles(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        files.save_sharded({"weights": torch.full((4,), float(step))}, {"step": step}, step, is_main=True)
+    assert [path.name for path in files.checkpoints()] == ["step_00000003.dcp", "step_00000002.dcp"]
+    # A save that fails mid-write (an object DCP cannot pickle) leaves no folder and no newer "latest".
+    with pytest.raises(CheckpointError, match="step_00000004.dcp.*step_00000003.dcp is intact"):
+        files.save_sharded({"weights": torch.ones(4), "bad": lambda: None}, {"step": 4}, 4, is_main=True)
+    assert files.checkpoints()[0].name == "step_00000003.dcp"
+    assert sorted(path.name for path in files.directory.iterdir()) == ["step_00000002.dcp", "step_00000003.dcp"]
+    # A crash mid-save (the process killed) leaves only a hidden .partial folder: never picked up.
+    (files.directory / ".step_00000005.dcp.partial").mkdir()
+    assert files.load_latest()[1].name == "step_00000003.dcp"
+
+
+def test_a_checkpoint_of_the_other_parallelism_is_refused(tmp_path):
+    files = CheckpointFiles(tmp_path)
+    files.save({"step": 2, "world_size": 1, "rng": [{}], "config": {}}, 2)  # what a DDP run writes: one .pt file
+    cfg = TrainConfig(name="x", run_dir=str(tmp_path))
+    cfg.world.parallel = "fsdp"
+    with pytest.raises(ConfigError, match="written with world.parallel=ddp .*resume it with that setting"):
+        Checkpointer.check_resume(cfg, 1)
+
+
+def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
+    from clipdist import parallel, trainer
+
+    trainer.check_shardable("clipdist-tiny")  # has blocks: fine
+    monkeypatch.setattr(parallel, "transformer_blocks", lambda model: [])
+    with pytest.raises(ConfigError, match="no transformer blocks.*world.parallel=ddp"):
+        trainer.check_shardable("clipdist-tiny")

@@ -1,0 +1,30 @@
+"""The training loop in the fast loop: train.py's own entry point in this process (no rank, no loader worker
+started) trains the embedded default for three steps, checkpoints, and a second start continues from it."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from helpers import read_jsonl, train
+
+
+def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=3", "optim.warmup_steps=2"]
+    first = train(run_dir, cache_dir, "optim.max_steps=3", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = read_jsonl(run_dir / "train_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows)
+    assert [row["lr"] for row in rows] == sorted(row["lr"] for row in rows)[::-1]  # warmup over: cosine decay
+    assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [3]
+    checkpoint = run_dir / "checkpoints" / "step_00000003.pt"
+    assert checkpoint.is_file()
+
+    resumed = train(run_dir, cache_dir, "optim.max_steps=4", *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint} at step 3" in resumed.stdout
+    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2, 3, 4]
+    saved = torch.load(run_dir / "checkpoints" / "step_00000004.pt", map_location="cpu", weights_only=False)
+    assert saved["step"] == 4 and saved["samples_seen"] == 4 * 16
