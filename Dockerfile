@@ -31,8 +31,9 @@ RUN useradd --create-home --uid 1000 clipdist \
     && chown -R clipdist:clipdist /app
 WORKDIR /app
 
-# Dependencies first (cached while only the code changes), then the package itself. pip checks the base's
-# torch against pyproject.toml's range: a base outside it stops the build here instead of downloading another.
+# The package and its dependencies in one layer (a code change re-runs the install; pip then finds every
+# dependency already there). pip checks the base's torch against pyproject.toml's range: a base outside it
+# stops the build here instead of downloading another.
 COPY --chown=clipdist:clipdist pyproject.toml README.md ./
 COPY --chown=clipdist:clipdist clipdist ./clipdist
 COPY --chown=clipdist:clipdist train.py ./

@@ -104,7 +104,7 @@ class DataConfig:
     split: Split = Split.node
     augment: bool = True  # random resized crops for training images
     shuffle_buffer: int = 1000
-    workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (host.loader_workers)
+    workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
     pieces: int = 1  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)

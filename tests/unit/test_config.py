@@ -59,6 +59,7 @@ def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys
     overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *overrides)
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not (tmp_path / "run").exists()  # refused before the run began: nothing left behind
 
 
 def test_a_world_that_does_not_match_the_launcher_is_refused(tmp_path, cache_dir, capsys, monkeypatch):
