@@ -245,7 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", add_help=False,
                         help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)")
+    for add in (_add_gradcheck, _add_plan, _add_bench, _add_make_shards, _add_export):
+        add(commands)
+    return parser
 
+
+def _add_gradcheck(commands) -> None:
     check = commands.add_parser(
         "gradcheck",
         help="prove a distributed loss exact against one process on the global batch",
@@ -270,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--verbose", action="store_true", default=False, help="list every parameter")
     check.set_defaults(run=_gradcheck)
 
+
+def _add_plan(commands) -> None:
     planner = commands.add_parser(
         "plan",
         help="per-device memory, communication and largest batch of a run, before launching it",
@@ -297,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     planner.set_defaults(run=_plan)
 
+
+def _add_bench(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     loss_bench = bench_kinds.add_parser(
@@ -325,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     loss_bench.add_argument("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)")
     loss_bench.set_defaults(run=_bench)
 
+
+def _add_make_shards(commands) -> None:
     shards = commands.add_parser(
         "make-shards",
         help="write an image folder or a CSV of (path, caption) as WebDataset shards",
@@ -342,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace a non-empty --out folder (as a whole, once the new shards are written)")
     shards.set_defaults(run=_make_shards)
 
+
+def _add_export(commands) -> None:
     exporter = commands.add_parser(
         "export",
         help="a trained model as open_clip loads it (local-dir: folder), for clip_benchmark or sharing",
@@ -352,7 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument("--out", required=True, help="output folder (open_clip: 'local-dir:<out>')")
     exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     exporter.set_defaults(run=_export)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,36 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
 def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     """Every check that needs no process group, before any rank starts; ConfigError says what to change."""
     validate(cfg)
-    world = cfg.world
+    check_launch(cfg.world, env)
+    Checkpointer.check_resume(cfg, cfg.world.world_size)
+    try:
+        resolve_model_name(cfg.model.name)
+        if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
+            check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.world.parallel == "fsdp":
+        check_shardable(cfg.model.name)
+    try:
+        shards = resolve_shards(cfg.data)
+        check_shard_count(len(shards.train), cfg.world.world_size, loader_workers_for(cfg, len(shards.train)).readers,
+                          resampled=cfg.data.resampled, split=cfg.data.split)
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+    for evalset in shards.evals:
+        check_eval_set(evalset)
+    try:
+        if cfg.logging.wandb == "online" and env.is_main:
+            check_wandb_online()
+        if cfg.logging.tensorboard:
+            check_tensorboard()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return shards
+
+
+def check_launch(world, env: launch.DistEnv) -> None:
+    """The world preset against how this process was launched (process count, node layout, rendezvous, CUDA)."""
     launched_alone = env.launcher == "single" and world.world_size > 1
     if launched_alone and not world.spawn:
         torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
@@ -99,31 +128,6 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     if world.device == Device.cuda and not torch.cuda.is_available():
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")
-    Checkpointer.check_resume(cfg, world.world_size)
-    try:
-        resolve_model_name(cfg.model.name)
-        if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
-            check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if world.parallel == "fsdp":
-        check_shardable(cfg.model.name)
-    try:
-        shards = resolve_shards(cfg.data)
-        check_shard_count(len(shards.train), world.world_size, loader_workers_for(cfg, len(shards.train)).readers,
-                          resampled=cfg.data.resampled, split=cfg.data.split)
-    except (ValueError, FileNotFoundError) as error:
-        raise ConfigError(str(error)) from None
-    for evalset in shards.evals:
-        check_eval_set(evalset)
-    try:
-        if cfg.logging.wandb == "online" and env.is_main:
-            check_wandb_online()
-        if cfg.logging.tensorboard:
-            check_tensorboard()
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return shards
 
 
 def check_shardable(model_name: str) -> None:
@@ -253,19 +257,8 @@ class Trainer:
                                chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
                                device=device, normalize=PixelNormalize(mean, std, device),
                                grad_clip=cfg.optim.grad_clip, max_logit_scale=cfg.optim.max_logit_scale)
-        on_device, why = normalize_on_device(cfg.data.normalize_on, device)
-        self.say(f"images normalized {f'on {device.type} after the copy' if on_device else 'by the loader'} ({why})")
-        self.stream = TrainStream(
-            shards.sources, cfg.data, batch_size=cfg.world.batch_per_device,
-            image_transform=open_clip.image_transform(visual.image_size, is_train=cfg.data.augment, mean=mean, std=std),
-            tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-            pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers)
-        started = self.stream.tune(
-            plan, lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
-                                                  workers),
-            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0])
-        if started:
-            self.say(started)
+        self.stream = self.build_stream(plan, open_clip.image_transform(visual.image_size, is_train=cfg.data.augment,
+                                                                        mean=mean, std=std))
         self.state = TrainState(self.model, optimizer, scheduler, self.stream)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
@@ -281,6 +274,23 @@ class Trainer:
         self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")
+
+    def build_stream(self, plan: LoaderPlan, image_transform) -> TrainStream:
+        """This rank's training stream, its loader workers tuned by the stream from the run's measurements."""
+        cfg, device, env = self.cfg, self.device, self.env
+        on_device, why = normalize_on_device(cfg.data.normalize_on, device)
+        self.say(f"images normalized {f'on {device.type} after the copy' if on_device else 'by the loader'} ({why})")
+        stream = TrainStream(self.shards.sources, cfg.data,
+                             batch_size=cfg.world.batch_per_device, image_transform=image_transform,
+                             tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
+                             pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers)
+        started = stream.tune(
+            plan, lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
+                                                  workers),
+            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0])
+        if started:
+            self.say(started)
+        return stream
 
     def say(self, message: str, level: int = logging.INFO) -> None:
         """A line from rank 0 on the console and in train.log (clipdist.console)."""
