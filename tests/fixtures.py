@@ -66,3 +66,66 @@ def pets(root: Path, samples_per_shard: int = 3, shards: int = 2) -> Path:
                                        "cls": str(i % 2).encode()} for i in range(samples_per_shard)]
                                      for shard in range(shards)],
                               ["cat", "dog"], ["a photo of a {c}.", "a drawing of a {c}."])
+
+
+# --- features and references for the loss tests --------------------------------------------------------------------
+
+FEATURE_DIM = 8
+
+
+def global_batch(sizes, seed, dim: int = FEATURE_DIM):
+    """L2-normalised float64 (image, text) features of the global batch: ranks' slices of `sizes`, rank-major."""
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(seed)
+    image = F.normalize(torch.randn(sum(sizes), dim, generator=generator, dtype=torch.float64), dim=-1)
+    text = F.normalize(torch.randn(sum(sizes), dim, generator=generator, dtype=torch.float64), dim=-1)
+    return image, text
+
+
+def scalar_parameters(scale, with_bias):
+    """Logit scale (and the SigLIP bias, at its usual init of −10) as leaves that want gradients."""
+    import torch
+
+    values = [scale, -10.0] if with_bias else [scale]
+    return [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in values]
+
+
+def single_process(loss_fn, sizes, seed, scale, with_bias=False):
+    """(loss, ∂L/∂I, ∂L/∂T, ∂L/∂s[, ∂L/∂t]) of one process on the global batch."""
+    image, text = (t.requires_grad_(True) for t in global_batch(sizes, seed))
+    scalars = scalar_parameters(scale, with_bias)
+    loss = loss_fn(image, text, *scalars)
+    loss.backward()
+    return loss.detach(), image.grad, text.grad, *(s.grad for s in scalars)
+
+
+def max_error(got, want):
+    """The largest relative error over pairs of tensors (max |g − w| / max |w|)."""
+    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+
+
+# --- two weighted sources for the stream's resume and mixing tests ------------------------------------------------
+
+def flat(image):
+    """A flat grey image's value: which sample it is (two_sources)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.asarray(image, dtype=np.float32)).mean()
+
+
+def two_sources(tmp_path, shards=4, per_shard=2):
+    """Source a's images are flat grey base + 10·shard + i with base 0, source b's with base 100."""
+    return [sorted(str(path) for path in caption_shards(tmp_path / name, shards, per_shard, caption=lambda i: b"x",
+                                                        pixel=lambda shard, i, base=base: base + shard * 10 + i
+                                                        ).glob("*.tar"))
+            for name, base in [("a", 0), ("b", 100)]]
+
+
+def weighted_stream(sources, workers):
+    """The two sources mixed 3:1, resampled, 4 a batch, read as flat values."""
+    from helpers import train_stream
+
+    return train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3, weights=[3, 1])

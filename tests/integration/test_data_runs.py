@@ -14,9 +14,6 @@ from fixtures import caption_shards
 from helpers import REPO, Run, read_jsonl, train, train_command
 
 
-
-
-
 def webdataset(shards, *overrides):
     return ["data=webdataset", f"data.train_shards={shards}", "data.shuffle_buffer=0", "data.resampled=false",
             *overrides]

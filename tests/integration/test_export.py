@@ -14,7 +14,6 @@ from helpers import train
 
 from clipdist.cli import main as cli
 
-
 # Run in a fresh interpreter where clipdist cannot be imported: only open_clip reads the export.
 OPEN_CLIP_ALONE = """
 import sys

@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers import Run, read_jsonl, run_log, train
 
-
 STEPS = ["optim.max_steps=400", "optim.warmup_steps=5", "eval_every=1000", "checkpoint_every=50"]
 
 

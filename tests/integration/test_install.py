@@ -17,7 +17,6 @@ import pytest
 from helpers import REPO, read_jsonl
 
 
-
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory):
     root = tmp_path_factory.mktemp("wheel")

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fixtures import global_batch, max_error, scalar_parameters, single_process
 from open_clip.loss import ClipLoss, SigLipLoss
 
 from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build
 
-DIM = 8
 TOLERANCE = 1e-12
 
 # (local batch per rank for world size n, logit scale). One loss module per backend runs
@@ -30,26 +30,7 @@ CASES = [
 ]
 
 
-def global_batch(sizes, seed):
-    generator = torch.Generator().manual_seed(seed)
-    image = F.normalize(torch.randn(sum(sizes), DIM, generator=generator, dtype=torch.float64), dim=-1)
-    text = F.normalize(torch.randn(sum(sizes), DIM, generator=generator, dtype=torch.float64), dim=-1)
-    return image, text
 
-
-def scalar_parameters(scale, with_bias):
-    """Logit scale (and the SigLIP bias, at its usual init of −10) as leaves that want gradients."""
-    values = [scale, -10.0] if with_bias else [scale]
-    return [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in values]
-
-
-def single_process(loss_fn, sizes, seed, scale, with_bias=False):
-    """(loss, ∂L/∂I, ∂L/∂T, ∂L/∂s[, ∂L/∂t]) of one process on the global batch."""
-    image, text = (t.requires_grad_(True) for t in global_batch(sizes, seed))
-    scalars = scalar_parameters(scale, with_bias)
-    loss = loss_fn(image, text, *scalars)
-    loss.backward()
-    return loss.detach(), image.grad, text.grad, *(s.grad for s in scalars)
 
 
 def distributed(loss_fn, sizes, seed, scale, with_bias=False):
@@ -76,9 +57,6 @@ def open_clip_reference(loss_fn):
     """open_clip's definition of the loss `loss_fn` computes, at world size 1."""
     return SigLipLoss() if loss_fn.uses_logit_bias else ClipLoss()
 
-
-def max_error(got, want):
-    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
 
 
 # Every registered backend, plus `tiled` with tiles smaller than the local and global batch

@@ -7,8 +7,7 @@ import signal
 
 import numpy as np
 import pytest
-import torch
-from fixtures import caption_shards
+from fixtures import flat, two_sources, weighted_stream
 from helpers import Run, read_jsonl, train, train_stream
 
 STEPS = 16
@@ -77,26 +76,13 @@ def test_checkpoint_every_minutes(tmp_path, cache_dir):
 
 # --- the stream alone: resume from a batch's position, mixing --------------------------------------
 
-def flat(image):
-    return torch.from_numpy(np.asarray(image, dtype=np.float32)).mean()
 
-
-def two_sources(tmp_path, shards=4, per_shard=2):
-    """Source a's images are flat grey base + 10·shard + i with base 0, source b's with base 100."""
-    return [sorted(str(path) for path in caption_shards(tmp_path / name, shards, per_shard, caption=lambda i: b"x",
-                                                        pixel=lambda shard, i, base=base: base + shard * 10 + i
-                                                        ).glob("*.tar"))
-            for name, base in [("a", 0), ("b", 100)]]
-
-
-def stream(sources, workers):
-    return train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3, weights=[3, 1])
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
     sources = two_sources(tmp_path)
-    batches = stream(sources, workers)
+    batches = weighted_stream(sources, workers)
     try:
         for _ in range(7):
             next(batches)
@@ -106,7 +92,7 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
         expected = [next(batches).images.tolist() for _ in range(5)]
     finally:
         batches.close()
-    resumed = stream(sources, workers)
+    resumed = weighted_stream(sources, workers)
     resumed.load_state_dict(saved)
     try:
         assert resumed.restart_reason is None

@@ -11,7 +11,6 @@ import pytest
 from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, train, train_command
 
 
-
 def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), f"data.cache_dir={cache_dir}", *QUIET,
                              "optim.max_steps=2", "eval_every=2"], cwd=tmp_path, capture_output=True, text=True,

@@ -9,7 +9,6 @@ from helpers import read_jsonl, run_log, train
 
 from clipdist.losses import build
 
-
 # Two ranks × 4 == one rank × 8, and the same samples in the same order without augmentation.
 SAME_GLOBAL_BATCH = ["data.split=replicated", "data.augment=false", "logging.log_every=1", "eval_every=1000"]
 

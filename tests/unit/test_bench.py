@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 
-
-
 def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_path):
     """scripts/bench_loader.py's clipdist side runs on the stream as it is (a Batch of more fields broke it once)."""
     import importlib.util

@@ -1,7 +1,6 @@
 """Model-level exactness under DDP, and proof that the harness catches the classic bugs."""
 from __future__ import annotations
 
-
 from clipdist.tools.gradcheck import classify
 
 PITFALLS = {

@@ -1,47 +1,20 @@
-"""Every backend against the single-process loss on the global batch, at the feature level.
-
-Each rank calls the loss on its slice of a global float64 batch. The contract checked:
-mean over ranks of the loss == L; gradient at rank r's features == N·∂L/∂f_r (what DDP's
-average turns into the single-process gradient); mean over ranks of the logit scale's
-gradient == ∂L/∂s (and the logit bias's, for siglip). References: ours and open_clip's
-ClipLoss / SigLipLoss with world size 1.
-"""
+"""The loss backends on one process: without a process group each is the single-process loss (value and
+gradients), our references equal open_clip's ClipLoss / SigLipLoss, bf16 features give a float32 loss, and bad
+shapes are clear errors. The multi-rank contract (N·∂L/∂f_r, the scalars' gradient once) is checked in
+tests/integration/test_losses.py."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from fixtures import global_batch, max_error, single_process
 from open_clip.loss import ClipLoss, SigLipLoss
 
 from clipdist.losses import BACKENDS, build, clip_loss, siglip_loss
 
-DIM = 8
 TOLERANCE = 1e-12
 
-def global_batch(sizes, seed):
-    generator = torch.Generator().manual_seed(seed)
-    image = F.normalize(torch.randn(sum(sizes), DIM, generator=generator, dtype=torch.float64), dim=-1)
-    text = F.normalize(torch.randn(sum(sizes), DIM, generator=generator, dtype=torch.float64), dim=-1)
-    return image, text
 
 
-def scalar_parameters(scale, with_bias):
-    """Logit scale (and the SigLIP bias, at its usual init of −10) as leaves that want gradients."""
-    values = [scale, -10.0] if with_bias else [scale]
-    return [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in values]
-
-
-def single_process(loss_fn, sizes, seed, scale, with_bias=False):
-    """(loss, ∂L/∂I, ∂L/∂T, ∂L/∂s[, ∂L/∂t]) of one process on the global batch."""
-    image, text = (t.requires_grad_(True) for t in global_batch(sizes, seed))
-    scalars = scalar_parameters(scale, with_bias)
-    loss = loss_fn(image, text, *scalars)
-    loss.backward()
-    return loss.detach(), image.grad, text.grad, *(s.grad for s in scalars)
-
-
-def max_error(got, want):
-    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

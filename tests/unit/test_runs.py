@@ -9,7 +9,6 @@ import pytest
 from helpers import refusal
 
 
-
 def test_resume_with_another_loss_is_refused_and_changes_nothing(trained_run, cache_dir, capsys, monkeypatch):
     before = {path: path.read_bytes() for path in trained_run.rglob("*") if path.is_file()}
     code, lines = refusal(capsys, monkeypatch, f"run_dir={trained_run}", f"data.cache_dir={cache_dir}",
