@@ -11,6 +11,8 @@ from pathlib import Path
 import open_clip
 import torch
 
+from clipdist.weights import read_weights
+
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 DEFAULT_MODEL = "clipdist-tiny"  # ~3.4M parameters, 32-px images: trains on a laptop CPU in minutes (conf/model/tiny.yaml)
 
@@ -163,7 +165,7 @@ def create_model(
     `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny), a config file, or
     `hf-hub:` / `local-dir:` (see resolve_model_name); those two bring their weights, as does a pretrained
     tag (`pretrained`, with its image preprocessing). `checkpoint` loads weights from a local file or folder
-    instead (see read_weights). Weights are fetched, where they must be, into open_clip's cache (`cache_dir`).
+    instead (clipdist.weights.read_weights: nothing in it runs). Weights are fetched, where they must be, into open_clip's cache (`cache_dir`).
     `init_logit_scale` is the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP);
     a file's scalars replace them, except a bias the file does not have.
     """
@@ -189,44 +191,6 @@ def create_model(
     if grad_checkpointing:
         model.set_grad_checkpointing(True)
     return model
-
-
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model weights in `path`, whichever way they were saved: an open_clip checkpoint file (a state dict,
-    or {"state_dict": ...}, .pt/.bin/.safetensors), a folder in open_clip's hub layout (`clipdist export`,
-    `local-dir:`), or a clipdist run checkpoint (its model alone: a step_*.pt file or a .dcp folder).
-    A ValueError says what is wrong with a path that holds none of these."""
-    from clipdist.tools.export import find_checkpoint, read_run_checkpoint
-
-    path = Path(path).expanduser()
-    if path.is_dir() and (path.suffix == ".dcp" or (path / "checkpoints").is_dir()):  # a sharded checkpoint, a run
-        return read_run_checkpoint(find_checkpoint(path))[0]
-    if path.is_dir():  # an export, or any folder of weights in open_clip's hub layout
-        found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-        if not found:
-            raise ValueError(f"{path} holds no weights (*.safetensors, *.bin, *.pt)")
-        path = found[0]
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file or folder")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 -- not weights alone: a clipdist run checkpoint (RNG, data state) is tried next
-        saved = None
-    if saved is None:
-        try:
-            return read_run_checkpoint(path)[0]
-        except Exception as error:  # noqa: BLE001 -- whatever reading raised is the reason
-            raise ValueError(f"{path} holds no model weights that can be read ({type(error).__name__}: {error})") \
-                from None
-    if isinstance(saved, dict) and isinstance(saved.get("state_dict"), dict):
-        saved = saved["state_dict"]
-    if not isinstance(saved, dict) or not all(isinstance(value, torch.Tensor) for value in saved.values()):
-        raise ValueError(f"{path} holds no state dict of tensors")
-    return {key.removeprefix("module."): value for key, value in saved.items()}
 
 
 def weights_for(model: torch.nn.Module, weights: dict[str, torch.Tensor], source) -> dict[str, torch.Tensor]:

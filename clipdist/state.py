@@ -12,8 +12,11 @@ from clipdist.parallel import all_ranks, rank_and_world_size
 
 
 def rng_state() -> dict:
-    """This process's Python, NumPy, torch (and CUDA) generator states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's Python, NumPy, torch (and CUDA) generator states, as plain types and tensors (what a
+    checkpoint may hold: clipdist.weights reads them back with weights_only)."""
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, cached),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -21,7 +24,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -36,8 +40,8 @@ def seed_everything(seed: int) -> None:
 @dataclass
 class TrainState:
     """The stateful parts of a run — model, optimizer, schedule, data stream — with its step, samples seen
-    and every rank's RNG. `state_dict` and `unsharded_state_dict` are collectives (every rank's RNG and
-    stream position are gathered into them); loading restores this rank's part."""
+    and every rank's RNG. `progress` is a collective (every rank's RNG and stream position are gathered into
+    it); loading restores this rank's part."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -46,18 +50,10 @@ class TrainState:
     step: int = 0
     samples_seen: int = 0
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self.unsharded_state_dict()}
-
-    def unsharded_state_dict(self) -> dict:
-        """All but the model and optimizer state: what a sharded checkpoint keeps in one file beside their shards."""
-        rngs = all_ranks(rng_state())
-        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-                "rng": rngs, "world_size": len(rngs), "stream": None if self.stream is None else self.stream.state_dict()}
-
     def sharded_state_dict(self) -> dict:
-        """Model and optimizer state as this rank's shards (DTensors, keyed by parameter name), for
-        torch.distributed.checkpoint; loading one into the same structure reshards to any world size."""
+        """Model and optimizer state keyed by parameter name (DDP: whole tensors; FSDP: this rank's shards as
+        DTensors), for torch.distributed.checkpoint; loading one into the same structure reshards to any world
+        size and either parallelism."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(self.model, self.optimizer)
@@ -69,12 +65,14 @@ class TrainState:
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
 
-    def load_state_dict(self, saved: dict) -> None:
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.load_unsharded_state_dict(saved)
+    def progress(self) -> dict:
+        """Collective. All but the model and optimizer tensors: schedule, counters, every rank's RNG, the
+        stream's position, the world size."""
+        rngs = all_ranks(rng_state())
+        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
+                "rng": rngs, "world_size": len(rngs), "stream": None if self.stream is None else self.stream.state_dict()}
 
-    def load_unsharded_state_dict(self, saved: dict) -> None:
+    def load_progress(self, saved: dict) -> None:
         """Schedule, counters, the stream's position; this rank's RNG where the world size is unchanged."""
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
@@ -83,3 +81,8 @@ class TrainState:
         rank, world_size = rank_and_world_size()
         if len(saved["rng"]) == world_size:
             set_rng_state(saved["rng"][rank])
+
+    def load_legacy_state_dict(self, saved: dict) -> None:
+        """The model and optimizer of a step_*.pt checkpoint (DDP, before the one format): whole state dicts."""
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])

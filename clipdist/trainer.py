@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import open_clip

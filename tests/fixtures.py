@@ -129,3 +129,67 @@ def weighted_stream(sources, workers):
     from helpers import train_stream
 
     return train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3, weights=[3, 1])
+
+
+# --- files that would run code if unpickled ----------------------------------------------------------------------
+
+class RunsCode:
+    """Unpickled, it runs `touch <marker>`: the marker file appearing is the proof that a reader ran it."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def inst_pickle(marker: Path) -> bytes:
+    """The same call by pickle protocol 0's INST opcode (no GLOBAL + REDUCE): `os.system('touch marker')`."""
+    return f"(S'touch {marker}'\nios\nsystem\n.".encode()
+
+
+def untrusted_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, Path]:
+    """Copies of the real .dcp checkpoint `real` with code in one part each, and .pt files that carry it:
+    name -> path. Each would `touch marker` if unpickled."""
+    import pickle
+    import shutil
+
+    import torch
+
+    from clipdist.weights import PROGRESS, read_progress, read_run_checkpoint
+
+    folder.mkdir(parents=True, exist_ok=True)
+    made = {}
+    progress, (model, _) = read_progress(real), read_run_checkpoint(real)
+
+    def copy(name: str) -> Path:
+        path = folder / name / "checkpoints" / "step_00000099.dcp"
+        shutil.copytree(real, path)
+        return path
+
+    made["dcp_progress"] = copy("dcp_progress")
+    torch.save({**progress, "extra": RunsCode(marker)}, made["dcp_progress"] / PROGRESS)
+    made["dcp_metadata"] = copy("dcp_metadata")
+    with open(made["dcp_metadata"] / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # ours, just written: trusted
+    metadata.extra = RunsCode(marker)
+    with open(made["dcp_metadata"] / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    made["dcp_item"] = copy("dcp_item")
+    shutil.rmtree(made["dcp_item"])
+    import torch.distributed.checkpoint as dcp
+    from clipdist.weights import single_process_quietly
+
+    with single_process_quietly():
+        dcp.save({"model": model, "extra": RunsCode(marker)}, checkpoint_id=str(made["dcp_item"]))
+    torch.save(progress, made["dcp_item"] / PROGRESS)
+    made["pt_checkpoint"] = folder / "pt_checkpoint" / "checkpoints" / "step_00000099.pt"
+    made["pt_checkpoint"].parent.mkdir(parents=True)
+    torch.save({**progress, "model": model, "optimizer": {}, "extra": RunsCode(marker)}, made["pt_checkpoint"])
+    made["pt_weights"] = folder / "weights.pt"
+    torch.save({"state_dict": model, "epoch": RunsCode(marker)}, made["pt_weights"])
+    made["inst_weights"] = folder / "inst.bin"
+    made["inst_weights"].write_bytes(inst_pickle(marker))
+    return made

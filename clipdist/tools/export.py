@@ -3,8 +3,8 @@
 The output is a folder in open_clip's hub layout — `open_clip_config.json` ({"model_cfg", "preprocess_cfg"})
 beside `open_clip_model.safetensors` (the weights alone) — which open_clip 3.x opens as
 `create_model_and_transforms("local-dir:PATH")`, clip_benchmark as `--model local-dir:PATH`, and which can be
-uploaded to a hub as it is. The source is a run directory (its newest checkpoint), a `.pt` checkpoint, or a
-sharded `.dcp` folder (FSDP runs).
+uploaded to a hub as it is. The source is a run directory (its newest checkpoint), a `.dcp` checkpoint folder,
+or a `.pt` checkpoint of the days before the one format; all read without running anything in them.
 """
 from __future__ import annotations
 
@@ -16,42 +16,10 @@ from pathlib import Path
 
 import torch
 
+from clipdist.weights import find_checkpoint, read_run_checkpoint
+
 CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
-
-
-def find_checkpoint(source: str | Path) -> Path:
-    """The checkpoint `source` names: itself (.pt file, .dcp folder), or a run directory's newest."""
-    from clipdist.checkpoint import UNSHARDED, CheckpointFiles
-
-    path = Path(source).expanduser()
-    if path.is_file() or (path / UNSHARDED).is_file():
-        return path
-    if path.is_dir():
-        found = CheckpointFiles(path).checkpoints()
-        if found:
-            return found[0]
-        raise FileNotFoundError(f"{path} holds no checkpoint (looked for {path / 'checkpoints'}/step_*.pt or .dcp)")
-    raise FileNotFoundError(f"{path}: no such run directory, checkpoint file or .dcp folder")
-
-
-def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(the model's weights, the run's resolved config) of a clipdist checkpoint; a .dcp folder's shards are
-    gathered into one state dict on this process (no process group needed)."""
-    from clipdist.checkpoint import load
-
-    if path.is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as scratch:
-            whole = Path(scratch) / "whole.pt"
-            dcp_to_torch_save(str(path), str(whole))
-            weights = torch.load(whole, map_location="cpu", weights_only=True)["model"]
-        return weights, load(path)["config"]
-    saved = load(path)
-    if "model" not in saved or "config" not in saved:
-        raise ValueError(f"{path} is not a clipdist checkpoint (no model and config in it)")
-    return saved["model"], saved["config"]
 
 
 def open_clip_config(model_name: str, weights: dict[str, torch.Tensor]) -> dict:

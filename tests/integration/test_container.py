@@ -145,7 +145,7 @@ def test_image_trains_as_the_user_stops_on_podman_stop_and_resumes(image, tmp_pa
         podman("rm", "-f", name, check=False)
     assert code == "0", log[-3000:]
     stopped = int(re.findall(r"stopped by a signal at step (\d+)", log)[-1])
-    checkpoint = run_dir / "checkpoints" / f"step_{stopped:08d}.pt"
+    checkpoint = run_dir / "checkpoints" / f"step_{stopped:08d}.dcp"
     assert checkpoint.exists() and checkpoint.stat().st_uid == 1000, sorted(run_dir.rglob("*"))
 
     _, resumed = run_container(image, *overrides, "resume=auto", volumes={runs: "/app/runs"})
@@ -153,7 +153,7 @@ def test_image_trains_as_the_user_stops_on_podman_stop_and_resumes(image, tmp_pa
     steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
     assert steps[-1] == 60 and steps[steps.index(stopped + 1, stopped):] == list(range(stopped + 1, 61))
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 60
-    assert (run_dir / "checkpoints" / "step_00000060.pt").stat().st_uid == 1000
+    assert (run_dir / "checkpoints" / "step_00000060.dcp").stat().st_uid == 1000
 
 
 @pytest.mark.timeout(1800)

@@ -67,5 +67,5 @@ def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
         code, stdout, stderr = run.finish(timeout=60)
     assert code == 0, stderr[-3000:]
     assert "stopped by a signal at step 0" in stdout
-    assert (run_dir / "checkpoints" / "step_00000000.pt").is_file()
+    assert (run_dir / "checkpoints" / "step_00000000.dcp").is_dir()
     assert subprocess.run(["pgrep", "-f", sleep], capture_output=True).returncode == 1  # not left behind

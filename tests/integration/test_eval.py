@@ -38,7 +38,7 @@ def test_an_evaluation_that_fails_is_counted_and_training_goes_on(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "evaluation of val failed (ValueError: eval set val: label 7 but only 2 class names)" in result.stdout + result.stderr
     assert [row["eval_errors"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
-    assert (tmp_path / "run" / "checkpoints" / "step_00000004.pt").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004.dcp").is_dir()
     assert len(read_jsonl(tmp_path / "run" / "train_log.jsonl")) == 4
 
 

@@ -30,7 +30,7 @@ torch.save({**features, "image_size": list(preprocess.transforms[1].size)}, sys.
 
 
 def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path, capsys):
-    from clipdist.checkpoint import load
+    from clipdist.weights import read_run_checkpoint
     from clipdist.models import create_model, get_tokenizer
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
@@ -38,7 +38,7 @@ def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path
     assert sorted(path.name for path in (tmp_path / "model").iterdir()) == ["open_clip_config.json",
                                                                            "open_clip_model.safetensors"]
     ours = create_model("clipdist-tiny")
-    ours.load_state_dict(load(trained_run / "checkpoints" / "step_00000030.pt")["model"])
+    ours.load_state_dict(read_run_checkpoint(trained_run / "checkpoints" / "step_00000030.dcp")[0])
     ours.eval()
     images, captions = torch.randn(3, 3, 32, 32), ["a photo of a 3.", "a drawing of a 7.", "a seven"]
     torch.save({"images": images, "captions": captions}, tmp_path / "inputs.pt")
@@ -79,7 +79,7 @@ def digits_as_clip_benchmark(root, val_shard, classnames, templates):
 
 def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path, cache_dir):
     pytest.importorskip("clip_benchmark")
-    from clipdist.checkpoint import load
+    from clipdist.weights import read_run_checkpoint
     from clipdist.config import DataConfig
     from clipdist.data.builtin import builtin_shards, classnames_of
     from clipdist.data.sources import eval_set, expand_shards
@@ -99,7 +99,7 @@ def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path
     theirs = json.loads((tmp_path / "result.json").read_text())["metrics"]["acc1"]
 
     model = create_model("clipdist-tiny")
-    model.load_state_dict(load(trained_run / "checkpoints" / "step_00000030.pt")["model"])
+    model.load_state_dict(read_run_checkpoint(trained_run / "checkpoints" / "step_00000030.dcp")[0])
     evalset = eval_set("digits", str(root), [], [])
     assert evalset.templates == templates and evalset.classnames == classnames_of("digits")
     import open_clip
@@ -115,7 +115,7 @@ def test_clip_benchmark_scores_the_export_as_clipdist_does(trained_run, tmp_path
 def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_dir):
     from helpers import read_jsonl
 
-    checkpoint = trained_run / "checkpoints" / "step_00000030.pt"
+    checkpoint = trained_run / "checkpoints" / "step_00000030.dcp"
     fine_tuned = train(tmp_path / "fine", cache_dir, f"model.checkpoint={checkpoint}", "optim.max_steps=1",
                        "eval_every=1000", "checkpoint_every=1000")
     assert fine_tuned.returncode == 0, fine_tuned.stderr[-3000:]
@@ -126,7 +126,7 @@ def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_d
 
 def test_a_local_dir_model_starts_from_its_weights(trained_run, tmp_path, cache_dir):
     """model.name=local-dir:<export>, as open_clip names it: with lr 0 the run's weights stay the export's."""
-    from clipdist.models import read_weights
+    from clipdist.weights import read_weights
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     run = train(tmp_path / "run", cache_dir, f"model.name=local-dir:{tmp_path / 'model'}", "optim.lr=0",

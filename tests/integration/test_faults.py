@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clipdist.weights import read_progress
 from helpers import Run, read_jsonl, run_log, train
 
 STEPS = ["optim.max_steps=400", "optim.warmup_steps=5", "eval_every=1000", "checkpoint_every=50"]
@@ -25,14 +26,14 @@ def test_signal_writes_a_checkpoint_and_resume_continues_the_schedule(tmp_path, 
     before = read_jsonl(run_dir / "train_log.jsonl")
     stopped_at = before[-1]["step"]
     assert stopped_at < 400
-    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}.pt").is_file()
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}.dcp").is_dir()
 
     resumed = train(run_dir, cache_dir, *STEPS[:-1], "optim.max_steps=" + str(stopped_at + 5), "checkpoint_every=50")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = read_jsonl(run_dir / "train_log.jsonl")[len(before):]
     assert [row["step"] for row in after] == list(range(stopped_at + 1, stopped_at + 6))
     # The checkpoint holds the state after exactly the steps that were logged.
-    saved = torch.load(run_dir / "checkpoints" / f"step_{stopped_at:08d}.pt", weights_only=False)
+    saved = read_progress(run_dir / "checkpoints" / f"step_{stopped_at:08d}.dcp")
     assert saved["step"] == stopped_at and saved["samples_seen"] == stopped_at * 64
 
 
@@ -52,20 +53,20 @@ def test_killed_rank_tears_the_job_down_and_resume_restarts(tmp_path, cache_dir)
     run_dir = tmp_path / "run"
     overrides = ["world=cpu2", "world.timeout_s=60", *STEPS[:-1], "checkpoint_every=5"]
     with Run.train(run_dir, cache_dir, *overrides) as run:
-        run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000005.pt").exists())
+        run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000005.dcp").exists())
         # The ranks are forked from the launcher: its command line (not the resource tracker's).
         workers = [pid for pid in children(run.pid) if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         code, _, stderr = run.finish(timeout=180)  # torn down, not hung
     assert code != 0
-    newest = max(int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    newest = max(int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.dcp"))
 
     resumed = train(run_dir, cache_dir, *overrides[:-1], f"optim.max_steps={newest + 3}", "checkpoint_every=5")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
     assert steps[-3:] == [newest + 1, newest + 2, newest + 3]
-    assert (run_dir / "checkpoints" / "step_00000005.pt").exists()  # nothing before it lost
+    assert (run_dir / "checkpoints" / "step_00000005.dcp").exists()  # nothing before it lost
 
 
 def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_dir):

@@ -47,7 +47,7 @@ def test_wheel_ships_the_config_and_trains_from_any_directory(wheel_venv, tmp_pa
     trained = run_in(venv, tmp_path, str(venv / "bin" / "clipdist"), "train", "name=wheel", *overrides)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert [row["step"] for row in read_jsonl(tmp_path / "runs" / "wheel" / "train_log.jsonl")] == [1, 2, 3]
-    assert (tmp_path / "runs" / "wheel" / "checkpoints" / "step_00000003.pt").is_file()
+    assert (tmp_path / "runs" / "wheel" / "checkpoints" / "step_00000003.dcp").is_dir()
 
     module = run_in(venv, tmp_path, str(venv / "bin" / "python"), "-m", "clipdist", "train", "name=module",
                     "loss=tiled", "loss.tile=8", *overrides)

@@ -70,7 +70,7 @@ def test_checkpoint_every_minutes(tmp_path, cache_dir):
     result = train(tmp_path / "run", cache_dir, "world.batch_per_device=8", "optim.max_steps=40",
                    "eval_every=1000", "checkpoint_every=1000", "checkpoint_every_minutes=0.005", "keep_checkpoints=100")
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = sorted(int(path.stem.split("_")[1]) for path in (tmp_path / "run" / "checkpoints").glob("step_*.pt"))
+    steps = sorted(int(path.stem.split("_")[1]) for path in (tmp_path / "run" / "checkpoints").glob("step_*.dcp"))
     assert steps[-1] == 40 and len(steps) >= 3, steps  # the end, and every ~0.3 s on the way
 
 

@@ -33,7 +33,7 @@ def test_multirun_jobs_each_get_their_own_run(tmp_path, cache_dir):
     for job in ("0", "1"):
         run_dir = tmp_path / "runs" / "sweep" / job
         assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2], job
-        assert (run_dir / "checkpoints" / "step_00000002.pt").is_file()
+        assert (run_dir / "checkpoints" / "step_00000002.dcp").is_dir()
     lrs = {read_jsonl(tmp_path / "runs" / "sweep" / job / "train_log.jsonl")[0]["lr"] for job in ("0", "1")}
     assert len(lrs) == 2  # two different runs, not one run resumed
 
@@ -92,7 +92,7 @@ def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, s
     if launch != "torchrun":  # torchrun's own agent exits 1 when it is signalled, after its ranks
         assert code == 0, stderr[-3000:]
     stopped = read_jsonl(run_dir / "train_log.jsonl")[-1]["step"]
-    assert (run_dir / "checkpoints" / f"step_{stopped:08d}.pt").is_file(), stderr[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{stopped:08d}.dcp").is_dir(), stderr[-3000:]
     if launch != "torchrun":  # torchrun's agent signals its ranks' whole groups itself once they have checkpointed
         assert "DataLoader worker" not in stderr and "Traceback" not in stderr
 
@@ -121,7 +121,7 @@ def test_kill_and_resume_logs_each_step_once(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     overrides = ["optim.max_steps=12", "eval_every=4", "checkpoint_every=3", "world.batch_per_device=16"]
     with Run.train(run_dir, cache_dir, *overrides) as run:
-        run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000006.pt").exists()
+        run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000006.dcp").exists()
                      and (run_dir / "metrics.jsonl").exists() and logged_steps(run_dir) >= 8)
         run.signal_group(signal.SIGKILL)
         run.finish(timeout=30)
@@ -153,7 +153,7 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: could not write checkpoint ") and "No space left on device" in lines[-1]
-    assert str(run_dir / "checkpoints" / "step_00000002.pt") in lines[-1]
+    assert str(run_dir / "checkpoints" / "step_00000002.dcp") in lines[-1]
     assert "Traceback" not in result.stderr
     assert not list((run_dir / "checkpoints").glob(".*partial"))
 

@@ -299,8 +299,8 @@ def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, 
     assert job["JobState"] == "COMPLETED", log[-3000:]
     stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
     assert len(stopped) == 1 and 8 <= stopped[0] < 60, log[-3000:]
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.pt"))
-    assert f"step_{stopped[0]:08d}.pt" in checkpoints and "step_00000060.pt" in checkpoints
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.dcp"))
+    assert f"step_{stopped[0]:08d}.dcp" in checkpoints and "step_00000060.dcp" in checkpoints
     # One log with both halves; the resumed run went on from the checkpoint, no step lost.
     assert "restart 0" in log and "restart 1" in log and f"at step {stopped[0]}" in log
     assert "cannot continue sample for sample" not in log  # the requeued job continues the data stream exactly

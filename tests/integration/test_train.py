@@ -26,7 +26,7 @@ def test_default_run_learns_digits(tmp_path, cache_dir):
         assert last[f"{direction}_r10"] > 10 / last["val_samples"], last
     log = read_jsonl(tmp_path / "run" / "train_log.jsonl")
     assert log[-1]["loss"] < log[0]["loss"]
-    assert (tmp_path / "run" / "checkpoints" / "step_00000150.pt").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_00000150.dcp").is_dir()
 
 
 @pytest.fixture(scope="module")

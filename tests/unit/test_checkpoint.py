@@ -1,27 +1,79 @@
+"""Checkpoint files: one format (a DCP folder + progress.pt), atomic, retained, the newest readable resumed;
+checkpoints of the .pt days still resume."""
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy as np
 import torch
 
-from clipdist.checkpoint import CheckpointFiles
+from clipdist.checkpoint import Checkpointer, CheckpointFiles
+from clipdist.config import TrainConfig
+from clipdist.launch import detect_env
+from clipdist.state import TrainState
+
+
+def tiny_state(value: float) -> TrainState:
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(value)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # AdamW moments exist
+    return TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+
+
+def save(files: CheckpointFiles, state: TrainState, step: int):
+    state.step = step
+    return files.save(state.sharded_state_dict(), {**state.progress(), "config": {}}, step, is_main=True)
+
+
+def restore(run_dir) -> tuple[TrainState, object]:
+    state = tiny_state(0.0)
+    return state, Checkpointer(TrainConfig(name="x", run_dir=str(run_dir)), run_dir, detect_env()).restore(state)
 
 
 def test_newest_complete_checkpoint_wins_and_partial_writes_are_ignored(tmp_path):
-    manager = CheckpointFiles(tmp_path, keep=2)
+    files = CheckpointFiles(tmp_path, keep=2)
     for step in (10, 20, 30):
-        manager.save({"step": step, "weights": torch.full((3,), float(step))}, step)
-    assert [p.name for p in manager.checkpoints()] == ["step_00000030.pt", "step_00000020.pt"]  # keep=2
-    # A process killed mid-write leaves only a hidden partial file: never picked.
-    (manager.directory / ".step_00000040.pt.partial").write_bytes(b"\x80truncated")
-    state, path = manager.load_latest()
-    assert state["step"] == 30 and path.name == "step_00000030.pt"
-    assert torch.equal(state["weights"], torch.full((3,), 30.0))
+        save(files, tiny_state(float(step)), step)
+    assert [p.name for p in files.checkpoints()] == ["step_00000030.dcp", "step_00000020.dcp"]  # keep=2
+    # A process killed mid-write leaves only a hidden partial folder: never picked.
+    (files.directory / ".step_00000040.dcp.partial").mkdir()
+    state, path = restore(tmp_path)
+    assert path.name == "step_00000030.dcp" and state.step == 30
+    saved = tiny_state(30.0)
+    assert torch.equal(state.model.weight.detach(), saved.model.weight.detach())
+    assert torch.equal(state.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"])
 
 
-def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    manager = CheckpointFiles(tmp_path, keep=3)
-    manager.save({"step": 10}, 10)
-    (manager.directory / "step_00000020.pt").write_bytes(b"not a checkpoint")
-    state, path = manager.load_latest()
-    assert state["step"] == 10
+def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+    files = CheckpointFiles(tmp_path, keep=3)
+    save(files, tiny_state(1.0), 10)
+    newest = save(files, tiny_state(2.0), 20)
+    (newest / "progress.pt").write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.WARNING):
+        state, path = restore(tmp_path)
+    assert path.name == "step_00000010.dcp" and state.step == 10
+    assert "step_00000020.dcp is unreadable" in caplog.text
 
 
 def test_no_checkpoint_is_none(tmp_path):
-    assert CheckpointFiles(tmp_path).load_latest() is None
+    assert restore(tmp_path)[1] is None
+
+
+def test_a_checkpoint_of_the_pt_days_still_resumes(tmp_path):
+    """step_*.pt as DDP runs wrote them before the one format: one torch.save of everything, NumPy's RNG state as
+    arrays (read with those allowed by name, nothing else)."""
+    old = tiny_state(5.0)
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save({"model": old.model.state_dict(), "optimizer": old.optimizer.state_dict(),
+                "scheduler": old.scheduler.state_dict(), "step": 7, "samples_seen": 70, "rng": [rng], "world_size": 1,
+                "stream": None, "config": {}}, folder / "step_00000007.pt")
+    state, path = restore(tmp_path)
+    assert path.name == "step_00000007.pt" and (state.step, state.samples_seen) == (7, 70)
+    assert torch.equal(state.model.weight.detach(), old.model.weight.detach())

@@ -15,16 +15,16 @@ def test_export_refuses_to_overwrite_and_names_a_missing_source(trained_run, tmp
     assert "already exists and is not empty" in capsys.readouterr().err
     assert (tmp_path / "taken" / "x").read_text() == "mine"
     assert cli(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")]) == 2
-    assert "no such run directory, checkpoint file or .dcp folder" in capsys.readouterr().err
+    assert "no such run directory, checkpoint folder or file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
 def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(trained_run, tmp_path):
-    from clipdist.checkpoint import load
-    from clipdist.models import read_weights
+    from clipdist.weights import read_run_checkpoint
+    from clipdist.weights import read_weights
 
-    checkpoint = trained_run / "checkpoints" / "step_00000030.pt"
-    expected = load(checkpoint)["model"]
+    checkpoint = trained_run / "checkpoints" / "step_00000030.dcp"
+    expected = read_run_checkpoint(checkpoint)[0]
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     torch.save({"epoch": 3, "state_dict": {f"module.{key}": value for key, value in expected.items()}},
                tmp_path / "open_clip_train.pt")  # what open_clip_train saves

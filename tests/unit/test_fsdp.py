@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from clipdist.checkpoint import Checkpointer, CheckpointFiles
-from clipdist.config import TrainConfig
+from clipdist.config import TrainConfig, as_dict
 from clipdist.errors import CheckpointError, ConfigError
 
 
@@ -20,27 +20,30 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
-def test_sharded_save_is_atomic_and_retained(tmp_path, single_rank_group):
+def test_a_save_is_atomic_and_retained(tmp_path, single_rank_group):
     files = CheckpointFiles(tmp_path, keep=2)
     for step in (1, 2, 3):
-        files.save_sharded({"weights": torch.full((4,), float(step))}, {"step": step}, step, is_main=True)
+        files.save({"weights": torch.full((4,), float(step))}, {"step": step}, step, is_main=True)
     assert [path.name for path in files.checkpoints()] == ["step_00000003.dcp", "step_00000002.dcp"]
     # A save that fails mid-write (an object DCP cannot pickle) leaves no folder and no newer "latest".
     with pytest.raises(CheckpointError, match="step_00000004.dcp.*step_00000003.dcp is intact"):
-        files.save_sharded({"weights": torch.ones(4), "bad": lambda: None}, {"step": 4}, 4, is_main=True)
+        files.save({"weights": torch.ones(4), "bad": lambda: None}, {"step": 4}, 4, is_main=True)
     assert files.checkpoints()[0].name == "step_00000003.dcp"
     assert sorted(path.name for path in files.directory.iterdir()) == ["step_00000002.dcp", "step_00000003.dcp"]
     # A crash mid-save (the process killed) leaves only a hidden .partial folder: never picked up.
     (files.directory / ".step_00000005.dcp.partial").mkdir()
-    assert files.load_latest()[1].name == "step_00000003.dcp"
+    assert files.checkpoints()[0].name == "step_00000003.dcp"
 
 
-def test_a_checkpoint_of_the_other_parallelism_is_refused(tmp_path):
-    files = CheckpointFiles(tmp_path)
-    files.save({"step": 2, "world_size": 1, "rng": [{}], "config": {}}, 2)  # what a DDP run writes: one .pt file
+def test_a_checkpoint_of_the_pt_days_is_resumed_under_ddp_only(tmp_path):
+    """DDP and FSDP share the .dcp format; a step_*.pt file (DDP, before it) cannot be resharded."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
     cfg = TrainConfig(name="x", run_dir=str(tmp_path))
+    torch.save({"step": 2, "world_size": 1, "rng": [{}], "config": as_dict(cfg)}, folder / "step_00000002.pt")
+    assert Checkpointer.check_resume(cfg, 1) is None
     cfg.world.parallel = "fsdp"
-    with pytest.raises(ConfigError, match="written with world.parallel=ddp .*resume it with that setting"):
+    with pytest.raises(ConfigError, match="checkpoint of the .pt days .*resume it with world.parallel=ddp"):
         Checkpointer.check_resume(cfg, 1)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from clipdist.weights import read_progress
 from helpers import read_jsonl, train
 
 
@@ -18,12 +18,12 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
     assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows)
     assert [row["lr"] for row in rows] == sorted(row["lr"] for row in rows)[::-1]  # warmup over: cosine decay
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [3]
-    checkpoint = run_dir / "checkpoints" / "step_00000003.pt"
-    assert checkpoint.is_file()
+    checkpoint = run_dir / "checkpoints" / "step_00000003.dcp"
+    assert checkpoint.is_dir()
 
     resumed = train(run_dir, cache_dir, "optim.max_steps=4", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint} at step 3" in resumed.stdout
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2, 3, 4]
-    saved = torch.load(run_dir / "checkpoints" / "step_00000004.pt", map_location="cpu", weights_only=False)
+    saved = read_progress(run_dir / "checkpoints" / "step_00000004.dcp")
     assert saved["step"] == 4 and saved["samples_seen"] == 4 * 16

@@ -1,0 +1,331 @@
+"""Every file clipdist reads weights or checkpoints from, read without running anything in it.
+
+A pickle can run any code while it is read; checkpoints and weights travel between people and machines, so
+nothing here unpickles freely:
+
+- `.pt` / `.bin` files: `torch.load(weights_only=True)`, which builds tensors and plain containers only; the
+  one other type clipdist itself ever saved (NumPy arrays, in the RNG state of checkpoints written before the
+  DCP format) is allowed by name (SAFE_GLOBALS);
+- `.safetensors`: safetensors (no code at all);
+- torch.distributed.checkpoint folders (`.dcp`): DCP reads its `.metadata` with a plain `pickle.load` and its
+  non-tensor items with `torch.load(weights_only=False)`; `SafeReader` reads the metadata through an unpickler
+  that builds DCP's own classes only, and `SafeLoadPlanner` / `SafeModelPlanner` read non-tensor items with
+  weights_only.
+
+A file that needs anything else is refused (UnsafeFileError, one line naming the file and the type it asked
+for). `clipdist trust FILE` converts a file the user trusts, once (docs/checkpoints.md says what that risks).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+from clipdist.errors import ClipdistError
+
+PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
+LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
+
+# NumPy arrays: what np.random.get_state() put into checkpoints before the one format (reading only).
+SAFE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class UnsafeFileError(ClipdistError, ValueError):
+    """A file that cannot be read without running code that came with it."""
+
+
+def refusal(path, wanted: str) -> UnsafeFileError:
+    return UnsafeFileError(
+        f"{path}: refused: reading it would build {wanted}, which clipdist never saves (unpickling it could run "
+        f"code that came with the file). If you trust where it came from, convert it once with "
+        f"`clipdist trust {path}` (see docs/checkpoints.md), and use the converted copy")
+
+
+def _wanted(error: Exception) -> str | None:
+    """What torch's weights-only unpickler refused to build ('Unsupported global: GLOBAL x.y was not an allowed
+    global', an opcode that builds objects), or None where the file is merely damaged (not a pickle at all)."""
+    message = str(error)
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    if found:
+        return found.group(1)
+    found = re.search(r"Unsupported operand (\d+)", message)
+    if found and int(found.group(1)) in _BUILDING_OPCODES:
+        return f"an object by pickle's {_BUILDING_OPCODES[int(found.group(1))]} instruction"
+    return None
+
+
+def _first_global(source) -> str | None:
+    """The first class or function a plain pickle names (GLOBAL, INST, STACK_GLOBAL), read with pickletools,
+    which parses the opcodes without running any: why torch refused a pickle it cannot read at all (protocol 0's
+    INST, say). None for what is no pickle."""
+    import pickletools
+
+    data = source.getvalue() if isinstance(source, io.BytesIO) else Path(source).read_bytes()
+    strings: list[str] = []
+    try:
+        for opcode, argument, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "INST"):
+                return str(argument).replace(" ", ".")
+            if opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                return ".".join(strings[-2:])
+            if isinstance(argument, str):
+                strings.append(argument)
+    except Exception:  # noqa: BLE001 -- not a pickle: damaged, not dangerous
+        return None
+    return None
+
+
+# Opcodes that name a class or a registered callable to build (refused by torch as "Unsupported operand N"); any
+# other unsupported byte is a file that is not a pickle at all.
+_BUILDING_OPCODES = {ord("i"): "INST", ord("o"): "OBJ", 0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x92: "NEWOBJ_EX"}
+
+
+def load_pickle(source, map_location="cpu", mmap: bool = False, path=None):
+    """torch.load(`source`) with weights_only=True (and SAFE_GLOBALS); UnsafeFileError for anything else."""
+    path = path if path is not None else source
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError as error:
+            wanted = _wanted(error) or _first_global(source)
+            if wanted is None:  # damaged, not dangerous: the caller's "unreadable"
+                raise ValueError(f"{path} cannot be read: {str(error).splitlines()[-1][:200]}") from None
+            raise refusal(path, wanted) from None
+
+
+# --- torch.distributed.checkpoint, read safely ------------------------------------------------------------------
+
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                              "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata`: its own dataclasses, torch dtypes and sizes, paths; nothing else is built."""
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise refusal(self.path, f"{module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose metadata read builds DCP's own classes only."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as metadata_file:
+            metadata = _MetadataUnpickler(metadata_file, Path(self.path)).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """load_bytes for a DCP planner: non-tensor items with weights_only."""
+
+    checkpoint: Path
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = load_pickle(value, path=self.checkpoint)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """DCP's default load planner (into a state dict of the right structure) with non-tensor items read safely."""
+
+    def __init__(self, checkpoint: Path, **options):
+        super().__init__(**options)
+        self.checkpoint = checkpoint
+
+
+class SafeModelPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """Loads the items under `keys` into an empty state dict, built from the metadata (no model needed)."""
+
+    def __init__(self, checkpoint: Path, keys: set[str]):
+        super().__init__(keys=keys)
+        self.checkpoint = checkpoint
+
+
+@contextmanager
+def single_process_quietly():
+    """DCP warns on every save and load without a process group that it assumes one process: it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+@contextmanager
+def _refusals_unwrapped():
+    """DCP wraps what its steps raise in a CheckpointException (per rank): a refusal comes out as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as failure:
+        for cause in failure.failures.values():
+            cause = cause[0] if isinstance(cause, tuple) else cause
+            if isinstance(cause, UnsafeFileError):
+                raise cause from None
+        raise
+
+
+def load_dcp(state_dict: dict, path: Path) -> None:
+    """Collective where a process group exists: `state_dict`'s tensors (and items) read from the folder `path`
+    in place, resharded to whatever this state dict's layout is (any world size, DDP or FSDP)."""
+    import torch.distributed.checkpoint as dcp
+
+    SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an AssertionError's text)
+    with single_process_quietly(), _refusals_unwrapped():
+        dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
+
+
+def read_dcp(path: Path, keys: set[str]) -> dict:
+    """The items under `keys` of a DCP folder, whole, on this process alone (no process group). As torch's own
+    `_load_state_dict_from_keys` (the public load fills only keys the state dict already has), safely planned."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an AssertionError's text)
+    with single_process_quietly(), _refusals_unwrapped():
+        _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeModelPlanner(path, keys),
+                         no_dist=True)
+    return state
+
+
+# --- clipdist checkpoints and weights files ----------------------------------------------------------------------
+
+CHECKPOINT = re.compile(r"step_(\d{8})\.(pt|dcp)$")  # .dcp: a folder (the format); .pt: one file (before it)
+
+
+def checkpoints_in(directory: Path) -> list[Path]:
+    """Complete checkpoints in a run's checkpoints/ folder, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [path for path in directory.iterdir() if CHECKPOINT.search(path.name)]
+    return sorted(found, key=lambda path: int(CHECKPOINT.search(path.name).group(1)), reverse=True)
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".pt" or (path / PROGRESS).is_file()
+
+
+def find_checkpoint(source: str | Path) -> Path:
+    """The checkpoint `source` names: itself (a .dcp folder, a .pt file), or a run directory's newest."""
+    path = Path(source).expanduser()
+    if is_checkpoint(path):
+        return path
+    if path.is_dir():
+        found = checkpoints_in(path / "checkpoints")
+        if found:
+            return found[0]
+        raise FileNotFoundError(f"{path} holds no checkpoint (looked for {path / 'checkpoints'}/step_*.dcp or .pt)")
+    raise FileNotFoundError(f"{path}: no such run directory, checkpoint folder or file")
+
+
+def read_progress(path: Path, map_location="cpu") -> dict:
+    """A checkpoint's progress: everything but the model and optimizer tensors of a .dcp folder (step, samples,
+    schedule, RNG, stream, world size, config); a legacy .pt file whole (its model and optimizer included)."""
+    return load_pickle(path / PROGRESS if path.is_dir() else path, map_location=map_location, mmap=not path.is_dir())
+
+
+def verify(path: Path) -> None:
+    """Read every pickled part of checkpoint `path` the safe way, tensors left out where they can be: nothing in
+    it may build more than clipdist saves (UnsafeFileError names the first thing that would). Before any rank
+    starts, so that a refused file stops the run at once."""
+    if not path.is_dir():
+        load_pickle(path, mmap=True)
+        return
+    read_progress(path)
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = SafeReader(str(path)).read_metadata()
+    items = {key for key, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+    if items:
+        read_dcp(path, items)
+
+
+def peek(path: str | Path) -> dict:
+    """A checkpoint's step, world size and config, without its tensors."""
+    saved = read_progress(Path(path))
+    return {"step": saved["step"], "world_size": saved["world_size"], "config": saved["config"]}
+
+
+def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone. Every
+    pickled part is checked first, the parts the model does not need included: a checkpoint that carries code
+    anywhere is refused, whatever is read of it."""
+    verify(path)
+    progress = read_progress(path)
+    if "config" not in progress:
+        raise ValueError(f"{path} is not a clipdist checkpoint (no config in it)")
+    if path.is_dir():
+        return read_dcp(path, {"model"})["model"], progress["config"]
+    if "model" not in progress:
+        raise ValueError(f"{path} is not a clipdist checkpoint (no model in it)")
+    return progress["model"], progress["config"]
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights in `path`, whichever way they were saved: an open_clip checkpoint file (a state dict,
+    or {"state_dict": ...}, .pt/.bin/.safetensors), a folder in open_clip's hub layout (`clipdist export`,
+    `local-dir:`), or a clipdist run or checkpoint (its model alone). A ValueError says what is wrong with a path
+    that holds none of these; UnsafeFileError, a file that would run code."""
+    path = Path(path).expanduser()
+    if path.is_dir() and (is_checkpoint(path) or (path / "checkpoints").is_dir()):
+        return read_run_checkpoint(find_checkpoint(path))[0]
+    if path.is_dir():  # an export, or any folder of weights in open_clip's hub layout
+        found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+        if not found:
+            raise ValueError(f"{path} holds no weights (*.safetensors, *.bin, *.pt)")
+        path = found[0]
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file or folder")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        saved = load_pickle(path)
+    except UnsafeFileError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- whatever reading raised is the reason
+        raise ValueError(f"{path} holds no model weights that can be read ({type(error).__name__}: {error})") from None
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict) and "config" in saved:
+        saved = saved["model"]  # a clipdist checkpoint of the .pt days
+    elif isinstance(saved, dict) and isinstance(saved.get("state_dict"), dict):
+        saved = saved["state_dict"]
+    if not isinstance(saved, dict) or not all(isinstance(value, torch.Tensor) for value in saved.values()):
+        raise ValueError(f"{path} holds no state dict of tensors")
+    return {key.removeprefix("module."): value for key, value in saved.items()}

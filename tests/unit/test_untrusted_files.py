@@ -1,0 +1,75 @@
+"""Nothing clipdist reads runs code: checkpoints and weights that would run `touch <marker>` when unpickled are
+refused in one line, before any rank starts, by every route a user hands them over — and the marker never
+appears. Real clipdist checkpoints with one extra object in one part each (DCP progress, DCP metadata, a DCP
+item, a .pt checkpoint), weights files, a protocol-0 INST pickle."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from fixtures import untrusted_checkpoints
+from helpers import refusal
+
+from clipdist.cli import main as cli
+
+CHECKPOINTS = ["dcp_progress", "dcp_metadata", "dcp_item", "pt_checkpoint"]
+WEIGHTS = ["pt_weights", "inst_weights", *CHECKPOINTS]
+
+
+@pytest.fixture(scope="module")
+def untrusted(trained_run, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("untrusted")
+    marker = folder / "code-ran"
+    made = untrusted_checkpoints(trained_run / "checkpoints" / "step_00000030.dcp", folder, marker)
+    assert not marker.exists()
+    return made, marker
+
+
+def refused_in_one_line(lines: list[str], path) -> None:
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "refused" in lines[0], lines
+    assert str(path) in lines[0] and "clipdist trust" in lines[0], lines
+
+
+@pytest.mark.parametrize("name", WEIGHTS)
+def test_model_checkpoint_that_would_run_code_is_refused(untrusted, tmp_path, cache_dir, capsys, monkeypatch, name):
+    made, marker = untrusted
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"model.checkpoint={made[name]}")
+    assert code == 2 and not marker.exists()
+    refused_in_one_line(lines, made[name].parent if name.startswith("dcp") else made[name])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_resume_from_a_checkpoint_that_would_run_code_is_refused(untrusted, tmp_path, cache_dir, capsys, monkeypatch,
+                                                                name):
+    made, marker = untrusted
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"resume={made[name]}")
+    assert code == 2 and not marker.exists()
+    refused_in_one_line(lines, made[name])
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_a_checkpoint_dropped_into_a_run_is_refused_not_resumed(untrusted, trained_run, tmp_path, cache_dir, capsys,
+                                                               monkeypatch, name):
+    """The silent route: a real run (resume=auto) whose newest checkpoint someone replaced."""
+    made, marker = untrusted
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    shutil.move(made[name], run_dir / "checkpoints" / made[name].name)
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={run_dir}", f"data.cache_dir={cache_dir}",
+                          "optim.max_steps=200")
+    assert code == 2 and not marker.exists()
+    refused_in_one_line(lines, run_dir / "checkpoints" / made[name].name)
+    shutil.move(run_dir / "checkpoints" / made[name].name, made[name])
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_export_of_a_checkpoint_that_would_run_code_is_refused(untrusted, tmp_path, capsys, name):
+    made, marker = untrusted
+    run_dir = made[name].parent.parent  # the run directory the checkpoint is the newest of
+    assert cli(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "refused" in lines[0] and not marker.exists(), lines
+    assert not (tmp_path / "out").exists()
