@@ -27,6 +27,7 @@ from clipdist.config import OnCheckpointError, TrainConfig, as_dict
 from clipdist.errors import CheckpointError, ConfigError
 from clipdist.launch import DistEnv, StopSignal
 from clipdist.parallel import all_ranks
+from clipdist.remote import RemoteCopies
 from clipdist.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,9 @@ class Checkpointer:
         self.config = as_dict(cfg)
         self.env = env
         self.stop = StopSignal()
+        remote = cfg.checkpoint.remote
+        self.remote = RemoteCopies(remote, cfg.keep_checkpoints, cfg.checkpoint.remote_retries) \
+            if remote and env.is_main else None
 
     @property
     def directory(self) -> Path:
@@ -174,12 +178,14 @@ class Checkpointer:
         """
         error = None
         try:
-            self.files.save(state.sharded_state_dict(), {**state.progress(), "config": self.config}, state.step,
-                            self.env.is_main)
+            path = self.files.save(state.sharded_state_dict(), {**state.progress(), "config": self.config}, state.step,
+                                   self.env.is_main)
         except CheckpointError as failure:  # raised on every rank alike
             error = str(failure)
         self.last_saved = time.monotonic()
         if error is None:
+            if self.remote is not None:
+                self.remote.upload(path)
             return True
         if self.on_error == OnCheckpointError.stop:
             raise CheckpointError(error)
@@ -238,8 +244,30 @@ class Checkpointer:
             return _compare(saved, as_dict(cfg), world_size, path)
         return None
 
+    @staticmethod
+    def fetch_remote(cfg: TrainConfig) -> str | None:
+        """resume=auto with checkpoint.remote: a remote checkpoint newer than any local one is downloaded into the
+        run directory first (a job requeued onto a fresh node). The line to log, or None."""
+        if cfg.resume != "auto" or not cfg.checkpoint.remote:
+            return None
+        files = CheckpointFiles(cfg.run_dir)
+        local = files.checkpoints()
+        newest_local = int(weights.CHECKPOINT.search(local[0].name).group(1)) if local else -1
+        remote = RemoteCopies(cfg.checkpoint.remote)
+        try:
+            found = remote.checkpoints()
+            if not found or found[0][0] <= newest_local:
+                return None
+            path = remote.fetch(found[0][1], files.directory)
+        except Exception as error:  # noqa: BLE001 -- an unreachable remote: resume from what is here, and say so
+            return (f"warning: checkpoint.remote={cfg.checkpoint.remote} could not be read "
+                    f"({' '.join(str(error).split())[:200]}); resuming from the local checkpoints")
+        return f"fetched {path.name} from {cfg.checkpoint.remote} (newer than any checkpoint in {files.directory})"
+
     def close(self) -> None:
         self.stop.restore()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | None:

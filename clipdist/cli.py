@@ -1,4 +1,4 @@
-"""`clipdist` command line: train, gradcheck, plan, bench loss, make-shards, export."""
+"""`clipdist` command line: train, gradcheck, plan, bench loss, make-shards, export, trust."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +106,15 @@ def _export(args: argparse.Namespace) -> int:
     checkpoint = export(args.source, args.out, overwrite=args.overwrite)
     print(f"exported {checkpoint} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
           f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''")
+    return 0
+
+
+def _trust(args: argparse.Namespace) -> int:
+    from clipdist.tools.trust import trust
+
+    out = trust(args.source, args.out)
+    print(f"converted {args.source} to {out}: tensors and plain values only, read without running anything "
+          f"(model.checkpoint={out}, resume={out}, clipdist export {out})")
     return 0
 
 
@@ -245,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", add_help=False,
                         help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)")
-    for add in (_add_gradcheck, _add_plan, _add_bench, _add_make_shards, _add_export):
+    for add in (_add_gradcheck, _add_plan, _add_bench, _add_make_shards, _add_export, _add_trust):
         add(commands)
     return parser
 
@@ -365,6 +374,20 @@ def _add_export(commands) -> None:
     exporter.add_argument("--out", required=True, help="output folder (open_clip: 'local-dir:<out>')")
     exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     exporter.set_defaults(run=_export)
+
+
+def _add_trust(commands) -> None:
+    trusting = commands.add_parser(
+        "trust",
+        help="convert a checkpoint or weights file you trust into a copy clipdist reads without running code",
+        description="Read SOURCE the unsafe way -- any code it carries RUNS NOW, as you: only for files whose origin "
+        "you trust -- and write a copy of its tensors and plain values, which clipdist then reads safely. "
+        "See docs/checkpoints.md.",
+    )
+    trusting.add_argument("source", help="a .pt/.bin/.pth file or a .dcp checkpoint folder that clipdist refused")
+    trusting.add_argument("--out", default=None,
+                          help="where the copy goes (default: beside it, <stem>.trusted<suffix> / <name>.trusted.dcp)")
+    trusting.set_defaults(run=_trust)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,6 +182,14 @@ class OptimConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # A copy of every checkpoint off the node: an fsspec URL (s3://bucket/runs/x, gs://..., a mounted path), e.g.
+    # s3://bucket/runs/${name}; resume=auto takes the newest of local and remote (docs/checkpoints.md).
+    remote: Optional[str] = None
+    remote_retries: int = 3  # a failed upload is tried again this many times (1, 2, 4, ... s apart), then reported
+
+
+@dataclass
 class LoggingConfig:
     wandb: WandbMode = WandbMode.offline
     tensorboard: bool = False  # also TensorBoard event files in <run_dir>/tensorboard/ (needs the tensorboard package)
@@ -212,12 +220,13 @@ class TrainConfig:
     world: WorldConfig = field(default_factory=WorldConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
             "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
             "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces")
-NON_NEGATIVE = ("logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
+NON_NEGATIVE = ("checkpoint.remote_retries", "logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 
 
@@ -261,6 +270,8 @@ def validate(cfg: TrainConfig) -> None:
                               "(in epoch mode every shard is read once per epoch, whatever its weight)")
         if any(weight <= 0 for weight in cfg.data.weights):
             raise ConfigError(f"data.weights={list(cfg.data.weights)}: every weight must be above 0")
+    if cfg.checkpoint.remote:
+        check_remote(cfg.checkpoint.remote)
     if cfg.data.source is None and not cfg.data.train_shards:
         raise ConfigError("data.train_shards is not set: give your shards, e.g. "
                           "data.train_shards='/data/{000..099}.tar' (or data.source=digits)")
@@ -268,6 +279,17 @@ def validate(cfg: TrainConfig) -> None:
         build(cfg.loss.name, **cfg.loss.options())
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_remote(url: str) -> None:
+    """checkpoint.remote names a file system fsspec can open here (s3:// needs s3fs, gs:// gcsfs, ...)."""
+    import fsspec
+
+    try:
+        fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as error:
+        raise ConfigError(f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
+                          "`pip install s3fs`, gs:// gcsfs, az:// adlfs)") from None
 
 
 def register() -> None:

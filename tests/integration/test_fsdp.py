@@ -62,7 +62,8 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
 
     # The sharded checkpoint leaves clipdist whole: exported, its weights are the model's every tensor.
     from clipdist.cli import main as cli
-    from clipdist.models import create_model, read_weights
+    from clipdist.models import create_model
+    from clipdist.weights import read_weights
 
     assert cli(["export", str(fsdp_dir), "--out", str(tmp_path / "exported")]) == 0
     exported, sharded = read_weights(tmp_path / "exported"), read_weights(fsdp_dir / "checkpoints" / "step_00000009.dcp")

@@ -6,7 +6,6 @@ import torch
 FAULTS_PER_ALLOCATION = """
 import resource, statistics, sys, torch
 from clipdist.host import keep_freed_memory
-from fixtures import image_bytes, write_tar
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 faults = []
 for _ in range(25):  # 40 MB: above glibc's largest dynamic mmap threshold (32 MB)
@@ -61,7 +60,8 @@ def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.parametrize("low", [True, False])
 def test_low_priority_loader_workers_run_under_sched_idle_and_can_change(tmp_path, low):
-    from helpers import image_bytes, train_stream, write_tar
+    from fixtures import image_bytes, write_tar
+    from helpers import train_stream
 
     write_tar(tmp_path / "a.tar", [(f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
                                    for i in range(4) for ext in ("png", "txt")])

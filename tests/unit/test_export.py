@@ -71,7 +71,8 @@ def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, mon
 
     import huggingface_hub.constants
 
-    from clipdist.models import create_model, get_tokenizer, read_weights
+    from clipdist.models import create_model, get_tokenizer
+    from clipdist.weights import read_weights
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "export")]) == 0

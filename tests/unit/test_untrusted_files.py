@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from fixtures import untrusted_checkpoints
 from helpers import refusal
 
@@ -73,3 +74,30 @@ def test_export_of_a_checkpoint_that_would_run_code_is_refused(untrusted, tmp_pa
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and "refused" in lines[0] and not marker.exists(), lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["pt_weights", "pt_checkpoint", "dcp_progress", "dcp_metadata", "dcp_item"])
+def test_a_trusted_file_is_converted_once_and_then_read_safely(untrusted, trained_run, tmp_path, capsys, name):
+    """`clipdist trust` reads the file the unsafe way (the code runs: that is what trusting means) and writes a
+    copy of tensors and plain values, which clipdist then reads — the same weights, nothing refused."""
+    from clipdist.weights import read_run_checkpoint, read_weights, verify
+
+    made, marker = untrusted
+    out = tmp_path / ("copy.dcp" if made[name].is_dir() else "copy.pt")
+    assert cli(["trust", str(made[name]), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert marker.exists()  # trusting ran it, as the command says it will
+    marker.unlink()
+    if name != "pt_weights":
+        verify(out)
+    weights = read_weights(out)
+    expected = read_run_checkpoint(trained_run / "checkpoints" / "step_00000030.dcp")[0]
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[key], expected[key]) for key in weights)
+    assert not marker.exists()  # reading the copy ran nothing
+
+
+def test_trust_refuses_what_no_checkpoint_holds(tmp_path, capsys):
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hook": print}, tmp_path / "odd.pt")
+    assert cli(["trust", str(tmp_path / "odd.pt")]) == 2
+    assert "['hook'] is a builtins.builtin_function_or_method, which no checkpoint or weights file holds" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "odd.trusted.pt").exists()

@@ -1,0 +1,129 @@
+"""A copy of each checkpoint off the node (`checkpoint.remote=URL`): any fsspec URL — `s3://bucket/runs/x`,
+`gs://...`, `az://...`, a mounted path. A node's local disk dies with the node; the remote copy lets a job
+requeued onto a fresh node, with an empty run directory, continue (`resume=auto` takes the newest of local and
+remote).
+
+    <URL>/step_XXXXXXXX.dcp/<the checkpoint's files>, then COMPLETE   (written last: a copy without it is partial)
+
+Uploads run on rank 0 in a background thread, one checkpoint after another, from hard links taken when the
+checkpoint was published (retention may remove the local folder meanwhile). A failed upload is retried
+(`checkpoint.remote_retries` times, waiting 1, 2, 4, ... s), then reported as a warning; it never touches the
+local copy and never stops training. The newest `keep_checkpoints` complete copies are kept remotely too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from clipdist.weights import CHECKPOINT
+
+log = logging.getLogger(__name__)
+COMPLETE = "COMPLETE"
+
+
+class RemoteCopies:
+    def __init__(self, url: str, keep: int = 3, retries: int = 3, backoff_s: float = 1.0):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.root = self.root.rstrip("/")
+        self.keep, self.retries, self.backoff_s = keep, retries, backoff_s
+        self.failures = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """(step, remote folder) of every complete remote checkpoint, newest first."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            match = CHECKPOINT.search(entry.rstrip("/").rsplit("/", 1)[-1])
+            if match and match.group(2) == "dcp" and self.fs.exists(f"{entry.rstrip('/')}/{COMPLETE}"):
+                found.append((int(match.group(1)), entry.rstrip("/")))
+        return sorted(found, reverse=True)
+
+    def fetch(self, remote: str, directory: Path) -> Path:
+        """Download the remote checkpoint folder `remote` into `directory` (whole or not at all); its local path."""
+        name = remote.rsplit("/", 1)[-1]
+        final, partial = directory / name, directory / f".{name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            for path in self.fs.ls(remote, detail=False):
+                file = path.rstrip("/").rsplit("/", 1)[-1]
+                if file != COMPLETE:
+                    self.fs.get_file(path, str(partial / file))
+            os.replace(partial, final)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return final
+
+    def upload(self, folder: Path) -> None:
+        """Queue a copy of the published checkpoint `folder` (hard links now: the folder may be retired before
+        the upload runs)."""
+        snapshot = folder.parent / f".{folder.name}.upload"
+        shutil.rmtree(snapshot, ignore_errors=True)
+        snapshot.mkdir()
+        for file in folder.iterdir():
+            os.link(file, snapshot / file.name)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="clipdist-remote-copies", daemon=True)
+            self._thread.start()
+        self._queue.put((folder.name, snapshot))
+
+    def close(self, timeout_s: float = 600) -> None:
+        """Wait (at most `timeout_s`) for the queued uploads; say what did not reach the remote."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("remote copies to %s still running after %.0f s; the local checkpoints are complete",
+                        self.url, timeout_s)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            name, snapshot = item
+            try:
+                self._upload_with_retries(name, snapshot)
+            finally:
+                shutil.rmtree(snapshot, ignore_errors=True)
+
+    def _upload_with_retries(self, name: str, snapshot: Path) -> None:
+        for attempt in range(self.retries + 1):
+            try:
+                started = time.monotonic()
+                self._upload(name, snapshot)
+                log.info("copied %s to %s in %.1f s", name, self.url, time.monotonic() - started)
+                self._retain()
+                return
+            except Exception as error:  # noqa: BLE001 -- any failure of the copy is retried, then reported
+                reason = " ".join(str(error).split())[:300] or type(error).__name__
+                if attempt < self.retries:
+                    time.sleep(self.backoff_s * 2 ** attempt)
+                    continue
+                self.failures += 1
+                log.warning("could not copy %s to %s after %d attempt(s) (%s); the local checkpoint is intact and "
+                            "training goes on", name, self.url, self.retries + 1, reason)
+
+    def _upload(self, name: str, snapshot: Path) -> None:
+        target = f"{self.root}/{name}"
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+        self.fs.makedirs(target, exist_ok=True)  # a mounted path needs the folder; object stores ignore it
+        for file in sorted(snapshot.iterdir()):
+            self.fs.put_file(str(file), f"{target}/{file.name}")
+        self.fs.pipe_file(f"{target}/{COMPLETE}", b"")
+
+    def _retain(self) -> None:
+        for _, old in self.checkpoints()[self.keep:]:
+            self.fs.rm(old, recursive=True)
