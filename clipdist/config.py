@@ -187,6 +187,9 @@ class CheckpointConfig:
     # s3://bucket/runs/${name}; resume=auto takes the newest of local and remote (docs/checkpoints.md).
     remote: Optional[str] = None
     remote_retries: int = 3  # a failed upload is tried again this many times (1, 2, 4, ... s apart), then reported
+    # The state copied to host memory at the save, written to disk in the background while training goes on;
+    # published once every rank has written (false: the step waits for the write).
+    async_save: bool = True
 
 
 @dataclass

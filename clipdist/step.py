@@ -40,11 +40,13 @@ class StepAgreement:
     loss: float  # the global loss: the mean of the ranks' losses
     stop: bool  # some rank received a stop signal
     timer_elapsed: bool  # some rank's checkpoint_every_minutes timer ran out
+    saved: bool  # every rank has written its part of the checkpoint being saved in the background
     counts: list[int]  # Batch.counts summed over ranks
 
     @staticmethod
-    def start(loss: torch.Tensor, requests: tuple[bool, bool], counts: list[int]) -> torch.Tensor:
-        """Collective, not read yet: the mean over ranks of (loss, stop, timer, *counts), on the loss's device."""
+    def start(loss: torch.Tensor, requests: tuple[bool, bool, bool], counts: list[int]) -> torch.Tensor:
+        """Collective, not read yet: the mean over ranks of (loss, stop, timer, written, *counts), on the loss's
+        device; `requests` from Checkpointer.requests."""
         flags = torch.tensor([*map(float, requests), *counts], dtype=torch.float64)
         local = torch.cat([loss.detach().reshape(1).double(), flags.to(loss.device, non_blocking=True)])
         return parallel.all_reduce_mean(local)
@@ -52,7 +54,8 @@ class StepAgreement:
     @classmethod
     def read(cls, mean: torch.Tensor) -> "StepAgreement":
         values, world_size = mean.tolist(), parallel.rank_and_world_size()[1]
-        return cls(values[0], values[1] > 0, values[2] > 0, [round(value * world_size) for value in values[3:]])
+        return cls(values[0], values[1] > 0, values[2] > 0, values[3] > 1 - 1e-9,
+                   [round(value * world_size) for value in values[4:]])
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -77,7 +80,8 @@ class Step:
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
-    def __call__(self, images, tokens, requests=(False, False), counts=()) -> tuple[StepAgreement, torch.Tensor | None]:
+    def __call__(self, images, tokens, requests=(False, False, False), counts=()) -> tuple[StepAgreement,
+                                                                                         torch.Tensor | None]:
         """One training step on this rank's batch; every rank calls it. The optimizer steps unless a rank was
         asked to stop or the global loss is not finite (then grad_norm is None and nothing changed)."""
         self.optimizer.zero_grad(set_to_none=True)

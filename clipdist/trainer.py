@@ -325,8 +325,10 @@ class Trainer:
                     batch = self.next_batch()
                 waited = time.perf_counter() - started
                 agreed, grad_norm = self.step(batch.images, batch.tokens, checkpointer.requests(), batch.counts)
+                if agreed.saved:  # every rank has written the checkpoint begun earlier: it is published now
+                    checkpointer.finish()
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
-                    checkpointer.save(state)
+                    checkpointer.save(state, wait=True)
                     self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
@@ -348,6 +350,7 @@ class Trainer:
                     checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:
                     metrics = self.evaluate()
+            checkpointer.finish()  # the last save, written in the background while the run evaluated
         finally:
             self.say(f"run directory: {self.run_dir} (step {state.step})")
             profiler.stop()

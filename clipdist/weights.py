@@ -178,11 +178,14 @@ class SafeModelPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
         self.checkpoint = checkpoint
 
 
+SINGLE_PROCESS_WARNING = "torch.distributed is (disabled, )?unavailable or uninitialized"
+
+
 @contextmanager
 def single_process_quietly():
     """DCP warns on every save and load without a process group that it assumes one process: it is meant."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
 
 

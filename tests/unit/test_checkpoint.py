@@ -77,3 +77,29 @@ def test_a_checkpoint_of_the_pt_days_still_resumes(tmp_path):
     state, path = restore(tmp_path)
     assert path.name == "step_00000007.pt" and (state.step, state.samples_seen) == (7, 70)
     assert torch.equal(state.model.weight.detach(), old.model.weight.detach())
+
+
+def test_a_save_in_the_background_holds_the_state_of_its_step(tmp_path, monkeypatch):
+    """checkpoint.async_save: the state is copied when the save begins, so what training changes while the write
+    runs (made certain here: the writer starts half a second late) is not in it; the checkpoint appears only once
+    it is published."""
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+    monkeypatch.setattr(FileSystemWriter, "write_data",
+                        lambda self, *args, **kwargs: (time.sleep(0.5), write_data(self, *args, **kwargs))[1])
+    cfg = TrainConfig(name="x", run_dir=str(tmp_path))
+    assert cfg.checkpoint.async_save
+    checkpointer = Checkpointer(cfg, tmp_path, detect_env())
+    state = tiny_state(3.0)
+    state.step = 5
+    at_save = state.model.weight.detach().clone()
+    assert checkpointer.save(state)
+    with torch.no_grad():
+        state.model.weight.add_(100.0)  # training goes on while the write runs
+    assert checkpointer.files.checkpoints() == [] and not checkpointer.pending.written
+    assert checkpointer.finish() and [path.name for path in checkpointer.files.checkpoints()] == ["step_00000005.dcp"]
+    restored, path = restore(tmp_path)
+    assert torch.equal(restored.model.weight.detach(), at_save)

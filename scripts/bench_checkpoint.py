@@ -1,0 +1,117 @@
+"""How long a checkpoint stalls the training loop: a save written in the step (checkpoint.async_save=false)
+against one written in the background (true), beside the copy of the state to host memory, which is the least a
+save can stall (the state must be copied before training changes it). One process, CPU, interleaved rounds.
+
+    python scripts/bench_checkpoint.py --model clipdist-tiny ViT-B-32 --rounds 3
+
+Prints, per model: the state's bytes (weights + AdamW), the median stall of a synchronous save, of a background
+save, and of the copy to host alone; and how long the background write took after the step went on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def state_for(model_name: str):
+    import torch
+
+    from clipdist.config import OptimConfig
+    from clipdist.losses import build
+    from clipdist.models import create_model_for_loss
+    from clipdist.optim import build_optimizer
+    from clipdist.state import TrainState
+
+    torch.manual_seed(0)
+    model = create_model_for_loss(model_name, build("disco"))
+    optimizer, scheduler = build_optimizer(model, OptimConfig())
+    for param in model.parameters():  # AdamW's moments exist after a step
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    return TrainState(model, optimizer, scheduler)
+
+
+def state_bytes(state) -> int:
+    tensors = list(state.model.state_dict().values())
+    tensors += [value for moments in state.optimizer.state.values() for value in moments.values()]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def one_save(state, folder: Path, background: bool, step: int) -> tuple[float, float]:
+    """(the stall: how long `save` held the loop, the write's total time until published)."""
+    from clipdist.checkpoint import Checkpointer
+    from clipdist.config import TrainConfig
+    from clipdist.launch import detect_env
+
+    cfg = TrainConfig(name="bench", run_dir=str(folder))
+    cfg.checkpoint.async_save = background
+    checkpointer = Checkpointer(cfg, folder, detect_env())
+    state.step = step
+    os.sync()  # the last save's dirty pages flushed first: each save starts from a quiet disk, as between real saves
+    started = time.perf_counter()
+    assert checkpointer.save(state)
+    stall = time.perf_counter() - started
+    assert checkpointer.finish()
+    return stall, time.perf_counter() - started
+
+
+def copy_to_host(state) -> float:
+    """The staging copy alone: every tensor of the sharded state dict cloned (DCP's stager does this)."""
+    import torch
+
+    os.sync()
+    started = time.perf_counter()
+    copies = [value.clone() for value in _tensors(state.sharded_state_dict())]
+    elapsed = time.perf_counter() - started
+    del copies
+    assert torch  # the import is for the clone above
+    return elapsed
+
+
+def _tensors(tree):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", nargs="+", default=["clipdist-tiny", "ViT-B-32"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print("| model | state (weights + AdamW) | stall, sync save | stall, background save | copy to host | "
+          "background / copy (per round) | background write, until published |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    median = statistics.median
+    for model_name in args.model:
+        state = state_for(model_name)
+        rows = []  # per round: (sync stall, background stall, copy, background total)
+        with tempfile.TemporaryDirectory() as scratch:
+            for round_number in range(args.rounds):
+                copy = copy_to_host(state)
+                sync, _ = one_save(state, Path(scratch) / f"sync{round_number}", False, round_number)
+                background, total = one_save(state, Path(scratch) / f"bg{round_number}", True, round_number)
+                rows.append((sync, background, copy, total))
+        sync, background, copy, total = (median(column) for column in zip(*rows))
+        ratio = median(row[1] / row[2] for row in rows)
+        print(f"| {model_name} | {state_bytes(state) / 1e6:.0f} MB | {sync * 1e3:.0f} ms | {background * 1e3:.0f} ms | "
+              f"{copy * 1e3:.0f} ms | {ratio:.2f} | {total * 1e3:.0f} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
