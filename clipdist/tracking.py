@@ -48,11 +48,52 @@ def check_tensorboard() -> None:
                          "(or clipdist[tensorboard]), or leave logging.tensorboard=false") from None
 
 
+def wandb_records(path: Path):
+    """The records of a local W&B run file (`run-<id>.wandb`, offline or online), as wandb's protobuf Records:
+    LevelDB's log format (32 KiB blocks of [crc32 u32, length u16, kind u8] + data; kinds full, first, middle,
+    last) after a 7-byte ':W&B' header. Read up to the first torn record: a killed run's file ends anywhere."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        return
+    position, block, pending = 7, 32768, b""
+    while position + 7 <= len(data):
+        room = block - position % block
+        if room < 7:  # too little of the block left for a header: the writer padded it
+            position += room
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        chunk = data[position + 7:position + 7 + length]
+        if kind == 0 or len(chunk) < length:
+            return
+        position += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def wandb_steps(run_dir: Path, run_id: str) -> set[int]:
+    """The history steps W&B recorded locally for run `run_id`, over every segment (one per start of the run)."""
+    steps: set[int] = set()
+    for path in (Path(run_dir) / "wandb").glob(f"*run-*-{run_id}/run-{run_id}.wandb"):
+        steps.update(record.history.step.num for record in wandb_records(path) if record.HasField("history"))
+    return steps
+
+
 class RunTracker:
     """Logs on the main rank only; every other rank gets a tracker that does nothing.
 
     TensorBoard's event files go to <run_dir>/tensorboard/ (`tensorboard --logdir runs/`); a resumed run
-    starts a new file that hides the old file's steps after `start_step`, as the JSONL logs are rewound."""
+    starts a new file that hides the old file's steps after `start_step`, as the JSONL logs are rewound.
+
+    W&B: a resumed run continues the same W&B run (its id in <run_dir>/wandb_id), in a new segment. A run killed
+    with -9 loses what W&B had not written yet (often everything: a 7-byte file), while train_log.jsonl and
+    metrics.jsonl keep every step; so the new segment first logs, from the JSONL, the steps after the last one
+    W&B recorded, and from then on only steps after it. W&B's steps must grow within a run: this keeps every
+    step once, in order."""
 
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict, enabled: bool,
                  tensorboard: bool = False, start_step: int = 0):
@@ -69,10 +110,13 @@ class RunTracker:
             id_file = Path(run_dir) / "wandb_id"  # same W&B run when the job resumes
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
+            recorded = wandb_steps(run_dir, run_id)
             self.run = wandb.init(
                 mode=str(mode), project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config,
                 settings=wandb.Settings(silent=True, console="off", init_timeout=120),
             )
+            self.wandb_after = max(recorded, default=0)  # W&B has every step up to this one
+            self._fill_wandb(start_step)
 
     def log_train(self, stats: dict, step: int) -> None:
         """Training stats: a line in train_log.jsonl, and train/<key> in W&B."""
@@ -82,12 +126,26 @@ class RunTracker:
         """One JSON object per evaluation in metrics.jsonl, and eval/<key> in W&B."""
         self._write("metrics.jsonl", "eval", metrics, step)
 
+    def _fill_wandb(self, start_step: int) -> None:
+        """Log to W&B, from the JSONL logs, the steps up to `start_step` it has not recorded."""
+        rows: dict[int, dict] = {}
+        for filename, section in (("train_log.jsonl", "train"), ("metrics.jsonl", "eval")):
+            path = self.run_dir / filename
+            for line in path.read_text().splitlines() if path.exists() else []:
+                row = json.loads(line)
+                step = row.pop("step")
+                if self.wandb_after < step <= start_step:
+                    rows.setdefault(step, {}).update({f"{section}/{key}": value for key, value in row.items()})
+        for step in sorted(rows):
+            self.run.log(rows[step], step=step)
+        self.wandb_after = max(self.wandb_after, start_step)
+
     def _write(self, filename: str, section: str, values: dict, step: int) -> None:
         if not self.enabled:
             return
         with open(self.run_dir / filename, "a") as handle:
             handle.write(json.dumps({"step": step, **values}) + "\n")
-        if self.run is not None:
+        if self.run is not None and step > self.wandb_after:  # a re-run step W&B recorded before the kill: once
             self.run.log({f"{section}/{key}": value for key, value in values.items()}, step=step)
         if self.board is not None:
             for key, value in values.items():

@@ -14,8 +14,18 @@ REPO = Path(__file__).resolve().parents[1]
 QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1")  # no W&B, no bar, every step logged
 
 
+def own_environment() -> dict[str, str]:
+    """This process's environment for a run started as a user starts one: without WANDB_SERVICE, which wandb sets
+    here once a run in this process used it — a process started with it joins this process's W&B service, and a
+    run killed there would leave its W&B run open in it."""
+    return {key: value for key, value in os.environ.items() if key != "WANDB_SERVICE"}
+
+
 def train_command(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", f"data.cache_dir={cache_dir}", *QUIET,
+    """train.py with QUIET's settings, unless an override sets the same key."""
+    given = {override.split("=", 1)[0] for override in overrides}
+    quiet = [setting for setting in QUIET if setting.split("=", 1)[0] not in given]
+    return [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", f"data.cache_dir={cache_dir}", *quiet,
             *overrides]
 
 
@@ -29,7 +39,7 @@ def train(run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300,
     only a process start shows (environment variables, imports, the interpreter's exit)."""
     command = train_command(run_dir, cache_dir, *overrides)
     if env is not None or fresh:
-        environment = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
+        environment = {**own_environment(), "HYDRA_FULL_ERROR": "0", **(env or {})}
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment)
     return _train_here(command)
 
@@ -112,7 +122,7 @@ class Run:
     def __init__(self, command: list[str], run_dir: Path, env: dict | None = None):
         self.run_dir = Path(run_dir)
         self.process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                                        stderr=subprocess.PIPE, text=True, env={**own_environment(), **(env or {})})
         self.pid = self.process.pid
 
     @classmethod

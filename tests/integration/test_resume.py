@@ -19,6 +19,19 @@ def losses(run_dir):
     return np.array([row["loss"] for row in rows])
 
 
+def wandb_losses(run_dir):
+    """train/loss as the run's local W&B files hold it, over every segment (one per start): (step, value)."""
+    from clipdist.tracking import wandb_records
+
+    rows = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for record in wandb_records(path):
+            if record.HasField("history"):
+                values = {"/".join(item.nested_key) or item.key: item.value_json for item in record.history.item}
+                rows.append((record.history.step.num, float(values["train/loss"])))
+    return rows
+
+
 def board_losses(run_dir):
     """train/loss as TensorBoard shows it: (step, value), the steps a resume re-logs shown once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -41,7 +54,7 @@ def run_until(run_dir, cache_dir, overrides, step, signum):
 def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, launch, workers, resampled):
     overrides = [f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
                  "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}",
-                 "logging.tensorboard=true"]
+                 "logging.tensorboard=true", "logging.wandb=offline"]
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
@@ -54,6 +67,11 @@ def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, lau
     board = board_losses(run_dir)  # TensorBoard: the same curve, killed steps 9-11 hidden behind their re-run
     assert [step for step, _ in board] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([loss for _, loss in board], losses(run_dir), rtol=1e-6)
+    # W&B (offline, read back from its files): the kills lost what W&B had not written; the resumed segments
+    # filled the gaps from train_log.jsonl: every step once, in order, across the segments, the same losses.
+    logged = wandb_losses(run_dir)
+    assert [step for step, _ in logged] == list(range(1, STEPS + 1)), logged
+    np.testing.assert_allclose([loss for _, loss in logged], losses(run_dir), rtol=1e-6)
 
 
 def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir):
@@ -172,3 +190,23 @@ def test_a_run_logs_the_samples_of_each_source(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
     assert [sum(row["source_samples"]) for row in rows] == [8, 16, 24]
+
+
+def test_wandb_holds_every_step_once_after_a_kill_that_lost_its_buffer(tmp_path, cache_dir):
+    """kill -9 before W&B wrote anything leaves a 7-byte run file (seen: W&B's service exits with the killed run,
+    its buffer unwritten); made certain here by cutting the killed segment back to that header. The resumed run
+    logs to W&B, from train_log.jsonl, the steps it lacks, then goes on: every step once, the same losses."""
+    overrides = ["world.batch_per_device=16", "optim.max_steps=12", "eval_every=1000", "checkpoint_every=4",
+                 "logging.wandb=offline"]
+    run_dir = tmp_path / "run"
+    run_until(run_dir, cache_dir, overrides, 10, signal.SIGKILL)  # the checkpoint at step 8 survives
+    killed = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(killed) == 1
+    killed[0].write_bytes(killed[0].read_bytes()[:7])
+    resumed = train(run_dir, cache_dir, *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_jsonl(run_dir / "train_log.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 13))
+    logged = wandb_losses(run_dir)
+    assert [step for step, _ in logged] == list(range(1, 13)), logged
+    np.testing.assert_allclose([loss for _, loss in logged], [row["loss"] for row in rows], rtol=1e-6)
