@@ -73,6 +73,9 @@ class CheckpointFiles:
                 write = lambda: dcp.async_save(shards, checkpoint_id=str(pending.partial), process_group=group,  # noqa: E731
                                                async_stager=_HostCopy() if _HostCopy.fits(shards) else None)
                 pending.future = self._agree(pending, write, run=True)
+                if is_main:  # a failed write gives its space back at once (a full disk fails the logs beside it too)
+                    pending.future.add_done_callback(
+                        lambda future: future.exception() and shutil.rmtree(pending.partial, ignore_errors=True))
             else:
                 self._agree(pending, lambda: dcp.save(shards, checkpoint_id=str(pending.partial)), run=True)
         return pending
@@ -183,9 +186,12 @@ def _reason(error: Exception, directory: Path) -> str:
     """The OS-level cause of a failed save in a few words (torch wraps it in a long RuntimeError)."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
-    # torch's writer reports a short write as "unexpected pos"; the disk's free space tells why.
+    # torch's writer reports a short write as "unexpected pos" (a full disk, a quota; in the background the failed
+    # write has given its space back by the time it is reported); the disk's free space tells why otherwise.
     if "No space left on device" in str(error) or (directory.exists() and shutil.disk_usage(directory).free < 2**20):
         return "No space left on device"
+    if "unexpected pos" in str(error):
+        return "No space left on device, or over a quota (the write came up short)"
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
@@ -364,11 +370,15 @@ class Checkpointer:
         """After the loop, however it ended: a save still in flight is left unpublished (the run did not reach
         `finish`; the newest published checkpoint stands), its writer waited for."""
         self.stop.restore()
-        if self.pending is not None and self.pending.future is not None:
-            try:
-                self.pending.future.result()
-            except Exception:  # noqa: BLE001 -- unpublished either way
-                pass
+        if self.pending is not None:
+            if self.pending.future is not None:
+                try:
+                    self.pending.future.result()
+                except Exception:  # noqa: BLE001 -- unpublished either way
+                    pass
+            if self.env.is_main:
+                shutil.rmtree(self.pending.partial, ignore_errors=True)
+            self.pending = None
         if self.remote is not None:
             self.remote.close()
 

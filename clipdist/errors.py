@@ -13,5 +13,9 @@ class CheckpointError(ClipdistError, RuntimeError):
     """A checkpoint could not be written (disk full, permissions); earlier checkpoints are intact."""
 
 
+class RunDirError(ClipdistError, OSError):
+    """The run directory cannot take a log line (disk full, permissions); the checkpoints are intact."""
+
+
 class TrainingDiverged(ClipdistError, RuntimeError):
     """Too many non-finite losses in a row: the run stops without saving and says where to go on from."""

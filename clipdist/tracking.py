@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
+from clipdist.errors import RunDirError
 from clipdist.launch import unreachable
 
 DEFAULT_WANDB_URL = "https://api.wandb.ai"
@@ -143,8 +144,12 @@ class RunTracker:
     def _write(self, filename: str, section: str, values: dict, step: int) -> None:
         if not self.enabled:
             return
-        with open(self.run_dir / filename, "a") as handle:
-            handle.write(json.dumps({"step": step, **values}) + "\n")
+        try:
+            with open(self.run_dir / filename, "a") as handle:
+                handle.write(json.dumps({"step": step, **values}) + "\n")
+        except OSError as error:  # a full disk (a checkpoint written beside it, say): one line, not a traceback
+            raise RunDirError(f"could not write {self.run_dir / filename}: {error.strerror or error}; free space (or "
+                              "fix the folder) and resume with resume=auto") from None
         if self.run is not None and step > self.wandb_after:  # a re-run step W&B recorded before the kill: once
             self.run.log({f"{section}/{key}": value for key, value in values.items()}, step=step)
         if self.board is not None:

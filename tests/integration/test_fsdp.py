@@ -97,7 +97,7 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     build_step(trained.model, build("siglip")).gradients(torch.randn(4, 3, 32, 32), torch.randint(0, 49408, (4, 16)))
     trained.optimizer.step()
     trained.step = 1
-    assert checkpointer.save(trained)
+    assert checkpointer.save(trained, wait=True)
     loaded = fresh(1)
     assert checkpointer.restore(loaded).name == "step_00000001.dcp" and loaded.step == 1
     checkpointer.close()
@@ -120,3 +120,22 @@ def test_sharded_checkpoint_restores_weights_and_adamw_state_exactly(tmp_path):
         assert differing == [] and compared > 100
 
 
+
+
+def test_ddp_and_fsdp_resume_each_others_checkpoints(tmp_path, cache_dir):
+    """One checkpoint format: a DDP run's step-3 checkpoint continues under FSDP and an FSDP run's under DDP, each
+    later step's loss the uninterrupted run's (sharded = replicated, to float32's reduction order)."""
+    common = ["world=cpu2", "optim.max_steps=6", *TRAIN[:2], "checkpoint_every=3", *TRAIN[3:]]
+    whole = train(tmp_path / "whole", cache_dir, *common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = [row["loss"] for row in read_jsonl(tmp_path / "whole" / "train_log.jsonl")]
+    for first, then in (("ddp", "fsdp"), ("fsdp", "ddp")):
+        run_dir = tmp_path / f"{first}-then-{then}"
+        begun = train(run_dir, cache_dir, *common, f"world.parallel={first}")
+        assert begun.returncode == 0, begun.stderr[-3000:]
+        checkpoint = run_dir / "checkpoints" / "step_00000003.dcp"
+        resumed = train(run_dir, cache_dir, *common, f"world.parallel={then}", f"resume={checkpoint}")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resumed from {checkpoint} at step 3" in resumed.stdout
+        losses = [row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")]
+        assert losses == pytest.approx(expected, rel=1e-5), (first, then)

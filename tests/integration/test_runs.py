@@ -3,6 +3,7 @@ to the whole process group (as SLURM, `timeout` and Ctrl-C send them) end in a c
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,9 +148,20 @@ def small_disk(tmp_path):
 
 
 def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir):
+    """The 12 MB disk takes the logs but not a checkpoint (41 MB). Written in the step, the save's failure is the
+    one line; in the background (the default), whichever of the checkpoint and the log line beside it meets the
+    full disk first says so in one line. No partial file is left either way."""
+    background = train(small_disk / "background", cache_dir, "optim.max_steps=3", "checkpoint_every=2",
+                       "eval_every=1000", timeout=120)
+    assert background.returncode == 1 and "Traceback" not in background.stderr
+    last = background.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not write ") and "No space left on device" in last, last
+    assert not list((small_disk / "background" / "checkpoints").glob(".*partial"))
+    shutil.rmtree(small_disk / "background")
+
     run_dir = small_disk / "run"
     result = train(run_dir, cache_dir, "optim.max_steps=3", "checkpoint_every=2", "eval_every=1000",
-                   timeout=120)
+                   "checkpoint.async_save=false", timeout=120)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: could not write checkpoint ") and "No space left on device" in lines[-1]
@@ -158,7 +170,7 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     assert not list((run_dir / "checkpoints").glob(".*partial"))
 
     goes_on = train(small_disk / "run2", cache_dir, "optim.max_steps=3", "checkpoint_every=2",
-                    "eval_every=1000", "on_checkpoint_error=warn", timeout=120)
+                    "eval_every=1000", "on_checkpoint_error=warn", "checkpoint.async_save=false", timeout=120)
     assert goes_on.returncode == 0, goes_on.stderr[-3000:]
     assert goes_on.stderr.count("No space left on device") == 2  # steps 2 and 3 tried, warned, went on
     assert [row["step"] for row in read_jsonl(small_disk / "run2" / "train_log.jsonl")] == [1, 2, 3]
