@@ -14,6 +14,7 @@ one format) still resume, read as safely.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
@@ -61,7 +62,11 @@ class CheckpointFiles:
         import torch.distributed.checkpoint as dcp
 
         final = self.directory / f"step_{step:08d}.dcp"
-        pending = PendingSave(final, self.directory / f".{final.name}.partial", progress, is_main)
+        # Serialized now: the progress holds live objects (the stream's reader positions) that training goes on
+        # changing before a save in the background is published.
+        buffer = io.BytesIO()
+        torch.save(progress, buffer)
+        pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main)
 
         def prepare():
             shutil.rmtree(pending.partial, ignore_errors=True)  # left by a crash mid-save
@@ -164,7 +169,7 @@ class PendingSave:
 
     final: Path
     partial: Path
-    progress: dict
+    progress: bytes  # progress.pt's contents, serialized when the save began
     is_main: bool
     future: Future | None = None
 
@@ -174,10 +179,10 @@ class PendingSave:
         return self.future is None or self.future.done()
 
 
-def _write(path: Path, obj) -> None:
-    """torch.save, flushed to disk before it returns."""
+def _write(path: Path, data: bytes) -> None:
+    """`data` written and flushed to disk before it returns."""
     with open(path, "wb") as handle:
-        torch.save(obj, handle)
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
 

@@ -12,6 +12,20 @@ from clipdist.checkpoint import Checkpointer, CheckpointFiles
 from clipdist.config import TrainConfig
 from clipdist.launch import detect_env
 from clipdist.state import TrainState
+from clipdist.weights import read_progress
+
+
+class LiveStream:
+    """A stream whose state dict hands out its live reader positions, as TrainStream's does on one rank."""
+
+    def __init__(self):
+        self.readers = {0: 5}
+
+    def state_dict(self) -> dict:
+        return {"readers": self.readers}
+
+    def load_state_dict(self, saved) -> None:
+        pass
 
 
 def tiny_state(value: float) -> TrainState:
@@ -95,11 +109,14 @@ def test_a_save_in_the_background_holds_the_state_of_its_step(tmp_path, monkeypa
     checkpointer = Checkpointer(cfg, tmp_path, detect_env())
     state = tiny_state(3.0)
     state.step = 5
+    state.stream = LiveStream()
     at_save = state.model.weight.detach().clone()
     assert checkpointer.save(state)
     with torch.no_grad():
         state.model.weight.add_(100.0)  # training goes on while the write runs
+    state.stream.readers[0] = 99  # and the stream reads on: its state dict holds this very dict
     assert checkpointer.files.checkpoints() == [] and not checkpointer.pending.written
     assert checkpointer.finish() and [path.name for path in checkpointer.files.checkpoints()] == ["step_00000005.dcp"]
     restored, path = restore(tmp_path)
     assert torch.equal(restored.model.weight.detach(), at_save)
+    assert read_progress(path)["stream"] == {"readers": {0: 5}}
