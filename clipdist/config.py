@@ -308,6 +308,28 @@ def as_dict(cfg: TrainConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
+def _unknown_keys(given: dict, schema, prefix: str = "") -> tuple[str, str] | None:
+    """The first key of `given` that its schema node does not have, as (dotted path, schema type name); keys
+    under a free-form field (a Dict such as data.eval_sets) are the user's own."""
+    import dataclasses
+
+    from omegaconf import DictConfig
+
+    owner = OmegaConf.get_type(schema)
+    if not dataclasses.is_dataclass(owner):
+        return None
+    for key, value in given.items():
+        path = f"{prefix}{key}"
+        if key not in list(schema.keys()):  # (`key in schema` is False for a key whose value is ??? yet)
+            return path, owner.__name__
+        child = schema._get_node(key)
+        if isinstance(value, dict) and isinstance(child, DictConfig):
+            found = _unknown_keys(value, child, f"{path}.")
+            if found:
+                return found
+    return None
+
+
 def to_train_config(cfg) -> TrainConfig:
     """A resolved TrainConfig object from a composed DictConfig or a plain dict."""
     if isinstance(cfg, TrainConfig):
@@ -316,6 +338,12 @@ def to_train_config(cfg) -> TrainConfig:
     loss_name = OmegaConf.select(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, "loss.name")
     if loss_name in LOSS_SCHEMAS:
         schema.loss = OmegaConf.structured(LOSS_SCHEMAS[loss_name])
+    given = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    unknown = _unknown_keys(given, schema)
+    if unknown:  # `+optim.lrr=1` adds a key Hydra lets through and the schema would drop without a word
+        path, owner = unknown
+        raise ConfigError(f"{path}: no such key ({owner} has no '{path.rsplit('.', 1)[-1]}'); check the spelling "
+                          "(python train.py --cfg job lists every key)")
     merged = OmegaConf.merge(schema, cfg)
     OmegaConf.resolve(merged)
     return OmegaConf.to_object(merged)

@@ -54,6 +54,9 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_pat
     (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
     (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
     (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
+    (["+optim.lrr=1"], "optim.lrr: no such key (OptimConfig has no 'lrr')"),  # `+` adds what the schema would drop
+    (["+data.csv=x"], "data.csv: no such key (DataConfig has no 'csv')"),
+    (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key (TiledLossConfig has no 'tyle')"),
 ])
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
     overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]
