@@ -17,6 +17,7 @@ for). `clipdist trust FILE` converts a file the user trusts, once (docs/checkpoi
 """
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -126,9 +127,20 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in _DCP_CLASSES.get(module, ()):
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):  # how some Pythons pickle an enum member (3.11.2: Debian's)
+            return self._member_of
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise refusal(self.path, f"{module}.{name}")
+
+
+    def _member_of(self, owner, name):
+        """getattr as an enum member's pickle uses it, and nothing more: `owner` one of the allowed enums, `name`
+        one of its members (a free getattr would reach any attribute of anything)."""
+        if isinstance(owner, type) and issubclass(owner, enum.Enum) and isinstance(name, str) \
+                and name in owner.__members__:
+            return owner[name]
+        raise refusal(self.path, f"builtins.getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r})")
 
 
 class SafeReader(FileSystemReader):

@@ -101,3 +101,29 @@ def test_trust_refuses_what_no_checkpoint_holds(tmp_path, capsys):
     assert "['hook'] is a builtins.builtin_function_or_method, which no checkpoint or weights file holds" in \
         capsys.readouterr().err
     assert not (tmp_path / "odd.trusted.pt").exists()
+
+
+def test_dcp_metadata_may_name_an_enum_member_by_getattr_and_nothing_else(tmp_path):
+    """Python 3.11.2 (Debian's) pickles an enum member as getattr(Enum, 'NAME'): DCP's metadata then holds
+    builtins.getattr. Allowed for a member of an allowed enum; any other getattr is refused."""
+    import io
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from clipdist.weights import UnsafeFileError, _MetadataUnpickler
+
+    class ByGetattr:
+        def __init__(self, owner, name):
+            self.owner, self.name = owner, name
+
+        def __reduce__(self):
+            return getattr, (self.owner, self.name)
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    loaded = _MetadataUnpickler(io.BytesIO(pickle.dumps(ByGetattr(_MEM_FORMAT_ENCODING, member.name))), tmp_path).load()
+    assert loaded is member
+    for owner, name in ((_MEM_FORMAT_ENCODING, "__class__"), (pathlib.Path, "__init__")):
+        with pytest.raises(UnsafeFileError, match="refused"):
+            _MetadataUnpickler(io.BytesIO(pickle.dumps(ByGetattr(owner, name))), tmp_path).load()
