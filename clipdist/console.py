@@ -4,7 +4,7 @@
 - every one of those lines also in <run_dir>/train.log, with its time, the run's final error included;
 - lines go through tqdm.write, so a progress bar on the terminal stays intact.
 
-The main rank says INFO; every rank may warn (a data warning names its rank). Python warnings
+The main rank says INFO; every rank may warn (a data warning names its rank: `warning: rank 1: skipped: ...`). Python warnings
 (torch's, webdataset's) are routed through the same handlers.
 """
 from __future__ import annotations
@@ -20,9 +20,20 @@ LOG_FILE = "train.log"
 PREFIX = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRITICAL: "error: "}
 
 
+_RANK = ""  # "rank N: " in a run of several ranks (name_rank), for the data warnings any rank may give
+
+
+def name_rank(rank: int, world_size: int) -> None:
+    """From here on (and in what this process forks: its loader workers), data warnings say which rank gave them."""
+    global _RANK
+    _RANK = f"rank {rank}: " if world_size > 1 else ""
+
+
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         record.prefix = PREFIX.get(record.levelno, "")
+        if record.name.startswith("clipdist.data") and record.levelno >= logging.WARNING:
+            record.prefix += _RANK
         return super().format(record).rstrip()
 
 

@@ -186,6 +186,7 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     launch.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
                                    rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
                                    single=cfg.world.parallel == "fsdp")
+    console.name_rank(env.rank, env.world_size)
     try:
         if env.world_size > 1:
             where = launch.placement(env)

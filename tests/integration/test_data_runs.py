@@ -37,6 +37,8 @@ def test_skips_in_loader_workers_are_summed_over_ranks(tmp_path, launch):
     assert result.returncode == 0, result.stderr[-3000:]
     skipped = [row["skipped_samples"] for row in read_jsonl(run_dir / "train_log.jsonl")]
     assert skipped[0] == 2 and skipped[-1] == 4, skipped
+    for rank in (0, 1):  # each rank's loader worker warns of its own skips, and says which rank it is
+        assert f"warning: rank {rank}: skipped: " in result.stderr, result.stderr[-3000:]
 
 
 def test_shards_that_are_not_tar_files_stop_the_run_in_seconds(tmp_path):
