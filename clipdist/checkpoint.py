@@ -62,10 +62,11 @@ class CheckpointFiles:
         import torch.distributed.checkpoint as dcp
 
         final = self.directory / f"step_{step:08d}.dcp"
-        # Serialized now: the progress holds live objects (the stream's reader positions) that training goes on
-        # changing before a save in the background is published.
+        # Serialized now, by rank 0 which writes it: the progress holds live objects (the stream's reader positions)
+        # that training goes on changing before a save in the background is published.
         buffer = io.BytesIO()
-        torch.save(progress, buffer)
+        if is_main:
+            torch.save(progress, buffer)
         pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main)
 
         def prepare():
@@ -169,7 +170,7 @@ class PendingSave:
 
     final: Path
     partial: Path
-    progress: bytes  # progress.pt's contents, serialized when the save began
+    progress: bytes  # progress.pt's contents, serialized when the save began (rank 0's; empty elsewhere)
     is_main: bool
     future: Future | None = None
 
@@ -342,8 +343,7 @@ class Checkpointer:
             raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)")
         for path in files.checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
             try:
-                weights.verify(path)
-                saved = weights.peek(path)
+                saved = weights.verify(path)
             except weights.UnsafeFileError as error:
                 raise ConfigError(str(error)) from None
             except Exception:  # noqa: BLE001 -- unreadable: restore falls back to an older one and says so
@@ -352,9 +352,9 @@ class Checkpointer:
         return None
 
     @staticmethod
-    def fetch_remote(cfg: TrainConfig) -> str | None:
+    def fetch_remote(cfg: TrainConfig) -> tuple[int, str] | None:
         """resume=auto with checkpoint.remote: a remote checkpoint newer than any local one is downloaded into the
-        run directory first (a job requeued onto a fresh node). The line to log, or None."""
+        run directory first (a job requeued onto a fresh node). (logging level, the line to log), or None."""
         if cfg.resume != "auto" or not cfg.checkpoint.remote:
             return None
         files = CheckpointFiles(cfg.run_dir)
@@ -367,9 +367,10 @@ class Checkpointer:
                 return None
             path = remote.fetch(found[0][1], files.directory)
         except Exception as error:  # noqa: BLE001 -- an unreachable remote: resume from what is here, and say so
-            return (f"warning: checkpoint.remote={cfg.checkpoint.remote} could not be read "
-                    f"({' '.join(str(error).split())[:200]}); resuming from the local checkpoints")
-        return f"fetched {path.name} from {cfg.checkpoint.remote} (newer than any checkpoint in {files.directory})"
+            return logging.WARNING, (f"checkpoint.remote={cfg.checkpoint.remote} could not be read "
+                                     f"({' '.join(str(error).split())[:200]}); resuming from the local checkpoints")
+        return logging.INFO, (f"fetched {path.name} from {cfg.checkpoint.remote} (newer than any checkpoint in "
+                              f"{files.directory})")
 
     def close(self) -> None:
         """After the loop, however it ended: a save still in flight is left unpublished (the run did not reach

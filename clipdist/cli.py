@@ -181,14 +181,12 @@ def _bench(args: argparse.Namespace) -> int:
     if hasattr(args, "budget"):
         options["budget_bytes"] = parse_bytes(args.budget)
     rows = bench.run(names, fits=fits, **options)
-
     scaling = bench.scaling(fits, names, args.scaling_world, args.scaling_batch or bench.SCALING_BATCHES,
                                                 args.scaling_dim) if args.scaling_world else []
     for path in bench.write(rows, Path(args.out), args.tag, scaling):
         print(f"wrote {path}")
-    for world_size in options.get("world_sizes", bench.WORLD_SIZES):
-        for global_batch in options.get("global_batches", bench.GLOBAL_BATCHES):
-            print(f"\n{bench.markdown(rows, world_size, global_batch)}")
+    for world_size, global_batch in dict.fromkeys((row["world_size"], row["global_batch"]) for row in rows):
+        print(f"\n{bench.markdown(rows, world_size, global_batch)}")
     if scaling:
         print(f"\n{bench.scaling_markdown(scaling)}\n(kept for backward; in brackets with what the backward "
               "holds on top. From the exact fits above, not run.)")

@@ -54,7 +54,7 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
         write_record(cfg.run_dir, as_dict(cfg), list(overrides))
         console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
         if fetched:
-            (log.warning if fetched.startswith("warning: ") else log.info)("%s", fetched.removeprefix("warning: "))
+            log.log(*fetched)
         if warning:
             log.warning("%s", warning)
         if env.launcher == "single" and cfg.world.world_size > 1:

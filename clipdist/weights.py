@@ -275,34 +275,27 @@ def read_progress(path: Path, map_location="cpu") -> dict:
     return load_pickle(path / PROGRESS if path.is_dir() else path, map_location=map_location, mmap=not path.is_dir())
 
 
-def verify(path: Path) -> None:
+def verify(path: Path) -> dict:
     """Read every pickled part of checkpoint `path` the safe way, tensors left out where they can be: nothing in
     it may build more than clipdist saves (UnsafeFileError names the first thing that would). Before any rank
-    starts, so that a refused file stops the run at once."""
+    starts, so that a refused file stops the run at once. Returns its progress (read_progress), read once."""
+    progress = read_progress(path)  # a .pt file whole: every pickled part there is
     if not path.is_dir():
-        load_pickle(path, mmap=True)
-        return
-    read_progress(path)
+        return progress
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = SafeReader(str(path)).read_metadata()
     items = {key for key, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
     if items:
         read_dcp(path, items)
-
-
-def peek(path: str | Path) -> dict:
-    """A checkpoint's step, world size and config, without its tensors."""
-    saved = read_progress(Path(path))
-    return {"step": saved["step"], "world_size": saved["world_size"], "config": saved["config"]}
+    return progress
 
 
 def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone. Every
     pickled part is checked first, the parts the model does not need included: a checkpoint that carries code
     anywhere is refused, whatever is read of it."""
-    verify(path)
-    progress = read_progress(path)
+    progress = verify(path)
     if "config" not in progress:
         raise ValueError(f"{path} is not a clipdist checkpoint (no config in it)")
     if path.is_dir():

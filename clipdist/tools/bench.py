@@ -146,10 +146,7 @@ def loss_fits(names) -> dict:
     return fit_loss_memory(sorted(n for n in {*names, "disco"} if n != PEER))
 
 
-WORLD_SIZES, GLOBAL_BATCHES = (1, 2, 4), (1024, 4096, 16384, 65536)
-
-
-def run(names=None, world_sizes=WORLD_SIZES, global_batches=GLOBAL_BATCHES, dim=128, repeats=3,
+def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
         budget_bytes=16e9, timeout_s=COLLECTIVE_TIMEOUT_S, fits=None):
     """Every (world size, global batch, backend) row; see the module docstring."""
     from clipdist.launch import launch_local
