@@ -204,6 +204,17 @@ KillWait=10
             assert time.time() < deadline and not finished(self.job(job_id)), (self.job(job_id), _tail(log))
             time.sleep(0.3)
 
+    def stopped_and_requeued(self, cwd: Path, steps: int, *arguments: str) -> tuple[Path, str]:
+        """Submit, wait for `steps` logged steps, USR1 -> checkpoint -> requeue -> run to the end; the run directory
+        and the job's one log, once the job has COMPLETED."""
+        job_id = self.sbatch(cwd, *arguments)
+        run_dir, output = cwd / "runs" / f"slurm-{job_id}", cwd / f"slurm-{job_id}.out"
+        self.wait_for_steps(job_id, run_dir, steps, output)
+        job = self.usr1_and_requeue(job_id)
+        log = output.read_text()
+        assert job["JobState"] == "COMPLETED", log[-3000:]
+        return run_dir, log
+
     def usr1_and_requeue(self, job_id: int) -> dict[str, str]:
         """What the time limit does: USR1 to the batch script (checkpoint, requeue); the job once it has ended."""
         self.run("scancel", "--signal=USR1", "--batch", str(job_id))
@@ -290,13 +301,8 @@ def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, c
 
 
 def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, tmp_path):
-    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
-                            "optim.max_steps=60", "eval_every=1000", "checkpoint_every=1000")
-    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    cluster.wait_for_steps(job_id, run_dir, 8, tmp_path / f"slurm-{job_id}.out")
-    job = cluster.usr1_and_requeue(job_id)
-    log = (tmp_path / f"slurm-{job_id}.out").read_text()
-    assert job["JobState"] == "COMPLETED", log[-3000:]
+    run_dir, log = cluster.stopped_and_requeued(tmp_path, 8, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
+                                                "optim.max_steps=60", "eval_every=1000", "checkpoint_every=1000")
     stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
     assert len(stopped) == 1 and 8 <= stopped[0] < 60, log[-3000:]
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.dcp"))
@@ -374,13 +380,9 @@ CPU_WORLD = ["world=slurm_cpu", "world.nodes=2", "world.procs_per_node=2", "mode
 def test_64gpu_script_on_two_nodes_meets_on_the_first_requeues_and_resumes(two_nodes, cache_dir, tmp_path):
     """The unmodified 64-GPU script on 2 nodes × 2 tasks: the ranks meet at the first node of the allocation,
     USR1 → checkpoint → requeue → resume at that step, both halves in one log."""
-    job_id = two_nodes.sbatch(tmp_path, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD, f"data.cache_dir={cache_dir}",
-                              "optim.max_steps=40", "eval_every=1000", "checkpoint_every=1000")
-    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    two_nodes.wait_for_steps(job_id, run_dir, 6, tmp_path / f"slurm-{job_id}.out")
-    job = two_nodes.usr1_and_requeue(job_id)
-    log = (tmp_path / f"slurm-{job_id}.out").read_text()
-    assert job["JobState"] == "COMPLETED", log[-3000:]
+    run_dir, log = two_nodes.stopped_and_requeued(tmp_path, 6, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD,
+                                                  f"data.cache_dir={cache_dir}", "optim.max_steps=40",
+                                                  "eval_every=1000", "checkpoint_every=1000")
     first, second = two_nodes.hosts.names
     placed = f"4 ranks on 2 node(s) ({first}: ranks 0-1, {second}: ranks 2-3), rendezvous at {first}:"
     assert log.count(placed) == 2, log[-3000:]  # both runs of the job, each met at the allocation's first node
