@@ -211,12 +211,30 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+# Keys whose change makes another model or optimizer state (refused on resume), beside the loss's own keys: the
+# architecture (force_*: shapes, activations, classes), which parameters train (their optimizer state), the optimizer.
+STRUCTURE = ("model.name", "model.force_image_size", "model.force_context_length", "model.force_quick_gelu",
+             "model.force_custom_text", "model.lock_image", "model.lock_image_unlocked_groups", "model.lock_text",
+             "model.lock_text_unlocked_layers", "model.lock_text_freeze_layer_norm", "optim.name")
+# Keys whose change resumes the same state differently (warned on resume): numerics, schedule, what an image is.
+# FLIP-style training switches patch dropout off for its last steps this way.
+WARNED = ("precision", "optim.schedule", "optim.cooldown_steps", "optim.cooldown_end_lr", "optim.cooldown_power",
+          "model.force_patch_dropout", "model.image_mean", "model.image_std", "model.image_interpolation",
+          "model.image_resize_mode")
+
+
+def _settings(config: dict, keys) -> dict:
+    """`config`'s values of `keys`, a key its run's schema did not have yet taking today's default."""
+    flat = {**_flat(as_dict(TrainConfig(name=""))), **_flat(config)}
+    return {key: flat.get(key) for key in keys}
+
+
 def _identity(config: dict) -> dict:
-    """The keys whose change makes another run (refused on resume): the model and the loss, but not the
-    loss's initial scalars. World size, batch and parallelism may change."""
-    flat = _flat(config)
-    return {key: value for key, value in flat.items()
-            if key == "model.name" or (key.startswith("loss.") and not key.startswith("loss.init_"))}
+    """The keys whose change makes another run (refused on resume): the model's structure, which parameters train,
+    the optimizer and the loss, but not the loss's initial scalars. World size, batch and parallelism may change."""
+    loss = {key: value for key, value in _flat(config).items()
+            if key.startswith("loss.") and not key.startswith("loss.init_")}
+    return {**_settings(config, STRUCTURE), **loss}
 
 
 class Checkpointer:
@@ -397,12 +415,15 @@ def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | No
         asked = ", ".join(f"{key}={now.get(key, '(unset)')}" for key in changed)
         raise ConfigError(f"{path} was trained with {was}, not {asked}: resume it with the same settings, "
                           "or start a new run with name=<new name>")
+    before, now = _settings(saved["config"], WARNED), _settings(config, WARNED)
+    warned = [f"{key} {before[key]} -> {now[key]}" for key in WARNED if before[key] != now[key]]
     if path.suffix == ".pt" and config["world"]["parallel"] == "fsdp":
         raise ConfigError(f"{path} is a checkpoint of the .pt days (one file, DDP): resume it with "
                           "world.parallel=ddp; its next checkpoint, a .dcp folder, resumes under FSDP too")
     old_batch = saved["world_size"] * saved["config"].get("world", {}).get("batch_per_device", 0)
     new_batch = world_size * config["world"]["batch_per_device"]
+    lines = [f"changed since {path.name}: {', '.join(warned)}"] if warned else []
     if old_batch != new_batch:
-        return (f"resuming {path} (step {saved['step']}) with global batch {new_batch} "
-                f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}")
-    return None
+        lines.append(f"resuming {path} (step {saved['step']}) with global batch {new_batch} "
+                     f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}")
+    return "; ".join(lines) or None

@@ -34,7 +34,8 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
 def _gradcheck(args: argparse.Namespace) -> int:
     from clipdist.tools.gradcheck import run_gradcheck
 
-    options = _given(args, "world_size", "local_batch", "dtype", "model", "seed", "timeout_s", "chunks", "parallel")
+    options = _given(args, "world_size", "local_batch", "dtype", "model", "seed", "timeout_s", "chunks", "parallel",
+                     "lock_image", "lock_text", "scaler")
     if args.loss or hasattr(args, "backend"):
         options["loss"] = args.loss or args.backend
     report = run_gradcheck(**options)
@@ -50,10 +51,12 @@ def _print_report(report, verbose: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from clipdist.tools.gradcheck import SCALAR_PARAMETERS
+    from clipdist.tools.gradcheck import SCALAR_PARAMETERS, SCALE
 
     console = Console()
     cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
+    cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
+    cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
     table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, "
                         f"{report.dtype}{cached}")
     table.add_column("parameter")
@@ -79,6 +82,7 @@ def _print_report(report, verbose: bool) -> None:
         f"{verdict}: {report.backend} on {report.world_size} ranks, max relative error "
         f"{report.max_rel_err:.2e} (tolerance {report.tolerance:.0e}), "
         f"{len(report.parameters) - len(failing)}/{len(report.parameters)} parameters exact"
+        + (f" ({report.locked_parameters} locked: no gradient, as in the reference)" if report.locked_parameters else "")
     )
 
 
@@ -274,6 +278,12 @@ def _add_gradcheck(commands) -> None:
     check.add_argument("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks")
     check.add_argument("--parallel", choices=["ddp", "fsdp"],
                        help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)")
+    check.add_argument("--lock-image", type=int, nargs="?", const=0, metavar="UNLOCKED_GROUPS",
+                       help="lock the image tower (open_clip's lock_image_tower), its last N groups left trainable")
+    check.add_argument("--lock-text", type=int, nargs="?", const=0, metavar="UNLOCKED_LAYERS",
+                       help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable")
+    check.add_argument("--scaler", action="store_true",
+                       help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)")
     check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
     check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
     check.add_argument("--seed", type=int)

@@ -31,7 +31,28 @@ class Choice(str, Enum):
 class Precision(Choice):
     auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
     fp32 = "fp32"
-    bf16 = "bf16"
+    bf16 = "bf16"  # bf16 autocast, fp32 weights (open_clip's amp_bf16)
+    fp16 = "fp16"  # fp16 autocast, fp32 weights, gradients scaled (GradScaler; open_clip's amp)
+    pure_bf16 = "pure_bf16"  # weights, activations and gradients in bf16 (open_clip's pure_bf16)
+    pure_fp16 = "pure_fp16"  # weights, activations and gradients in fp16, no scaler (open_clip's pure_fp16)
+
+
+class Schedule(Choice):
+    cosine = "cosine"  # linear warmup, then cosine decay to 0 at optim.max_steps
+    const = "const"  # linear warmup, then optim.lr
+    const_cooldown = "const_cooldown"  # warmup, optim.lr, then the last optim.cooldown_steps decay to cooldown_end_lr
+
+
+class Interpolation(Choice):
+    bicubic = "bicubic"
+    bilinear = "bilinear"
+    random = "random"  # bilinear or bicubic, drawn per image (training only; open_clip's 'random')
+
+
+class ResizeMode(Choice):
+    shortest = "shortest"  # resize the shorter side, then centre crop (evaluation)
+    longest = "longest"  # resize the longer side, then pad
+    squash = "squash"  # resize both sides, aspect ratio not kept
 
 
 class Device(Choice):
@@ -88,6 +109,39 @@ class ModelConfig:
     cache_dir: Optional[str] = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
     grad_checkpointing: bool = False
     compile: bool = False  # torch.compile the towers (before DDP wraps them)
+    # Locked towers (LiT, fine-tuning): open_clip's own lock functions; a locked parameter gets no gradient.
+    lock_image: bool = False  # freeze the image tower
+    lock_image_unlocked_groups: int = 0  # ... but its last N layer groups (open_clip's groups) still train
+    lock_image_freeze_bn_stats: bool = False  # BatchNorm running statistics of locked layers frozen too
+    lock_text: bool = False  # freeze the text tower
+    lock_text_unlocked_layers: int = 0  # ... but its last N layers still train
+    lock_text_freeze_layer_norm: bool = True  # false: the LayerNorms of locked layers still train (HF text towers)
+    # Per-run changes to the model config (no JSON needed), as open_clip's --force-* flags:
+    force_image_size: Optional[int] = None
+    force_context_length: Optional[int] = None
+    force_patch_dropout: Optional[float] = None  # fraction of image patches dropped in training (FLIP); 0: none
+    force_quick_gelu: bool = False  # QuickGELU activations (OpenAI's pretrained weights need them)
+    force_custom_text: bool = False  # the text tower as a separate module (CustomTextCLIP)
+    pretrained_image: bool = False  # a timm image tower starts from timm's ImageNet weights (fetched into the cache)
+    # Image preprocessing for training and evaluation; null: the model config's (or its pretrained tag's)
+    image_mean: Optional[List[float]] = None
+    image_std: Optional[List[float]] = None
+    image_interpolation: Optional[Interpolation] = None
+    image_resize_mode: Optional[ResizeMode] = None
+
+
+@dataclass
+class AugmentationConfig:
+    """Training-image augmentation, open_clip's AugmentationCfg field for field (open_clip.transform)."""
+
+    scale: List[float] = field(default_factory=lambda: [0.9, 1.0])  # random resized crop: area fraction range
+    ratio: Optional[List[float]] = None  # crop aspect-ratio range; null: [3/4, 4/3]
+    color_jitter: Optional[List[float]] = None  # brightness, contrast, saturation[, hue]
+    color_jitter_prob: Optional[float] = None  # with gray_scale_prob: SimCLR-style jitter applied with this probability
+    gray_scale_prob: Optional[float] = None
+    re_prob: Optional[float] = None  # random erasing probability (with use_timm)
+    re_count: Optional[int] = None
+    use_timm: bool = False  # timm's create_transform (RandAugment-style pipelines, random erasing)
 
 
 @dataclass
@@ -102,7 +156,8 @@ class DataConfig:
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
     weights: Optional[List[float]] = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
     split: Split = Split.node
-    augment: bool = True  # random resized crops for training images
+    augment: bool = True  # augment training images (data.augmentation); false: the evaluation transform
+    augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
     shuffle_buffer: int = 1000
     workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
     pieces: int = 1  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
@@ -171,12 +226,24 @@ class WorldConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw (torch's, fused), or any timm optimizer: lion, lamb, nadamw, sgd, ... (timm.optim)
     lr: float = 2e-3
     weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-6
+    betas: Optional[List[float]] = field(default_factory=lambda: [0.9, 0.98])  # null: the optimizer's own
+    eps: Optional[float] = 1e-6  # null: the optimizer's own
+    momentum: Optional[float] = None  # for optimizers that take one (sgd, ...)
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the optimizer
+    # Parameters with no weight decay: every gain, bias and scalar (ndim < 2), and any parameter whose name contains
+    # one of these (open_clip_train's rule is ndim < 2 or a name containing bn, ln, bias or logit_scale)
+    no_decay: List[str] = field(default_factory=lambda: ["positional", "logit_"])
+    image_layer_decay: Optional[float] = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
+    text_layer_decay: Optional[float] = None  # the same in the text tower
+    schedule: Schedule = Schedule.cosine
     warmup_steps: int = 50
     max_steps: int = 600
+    cooldown_steps: Optional[int] = None  # const_cooldown: the last this many steps decay
+    cooldown_end_lr: float = 0.0  # const_cooldown: the lr at the last step
+    cooldown_power: float = 1.0  # const_cooldown: 1 linear, else polynomial decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     max_logit_scale: float = 100.0
 

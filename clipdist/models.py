@@ -64,8 +64,7 @@ def resolve_model_name(name: str) -> str:
         path = Path(name).expanduser()
         if not path.is_file():
             raise ValueError(f"model.name={name!r}: no such model config file")
-        open_clip.add_model_config(path)
-        name = path.stem
+        name = _register_config_file(path)
     if name not in model_names():
         raise ValueError(
             f"unknown model {name!r}; open_clip knows {len(model_names())} configs, e.g. "
@@ -73,6 +72,112 @@ def resolve_model_name(name: str) -> str:
             "hf-hub:ORG/REPO or local-dir:PATH"
         )
     return name
+
+
+_CONFIG_PREPROCESS: dict[str, dict] = {}  # image preprocessing a model config file carries (open_clip's preprocess_cfg)
+
+
+def _register_config_file(path: Path) -> str:
+    """Register a model config file with open_clip under its stem: open_clip's model config, or its hub layout
+    {"model_cfg", "preprocess_cfg"} (what `clipdist export` and open_clip write); a `preprocess_cfg` is kept
+    apart and applied as the model's preprocessing (open_clip would pass it to the model's constructor)."""
+    import json
+
+    from open_clip import factory
+
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model.name={path}: not a readable JSON model config ({error})") from None
+    model_cfg = dict(config.get("model_cfg", config))
+    preprocess = {**model_cfg.pop("preprocess_cfg", {}), **config.get("preprocess_cfg", {})}
+    missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
+    if missing:
+        raise ValueError(f"model.name={path}: not an open_clip model config (no {', '.join(missing)})")
+    factory._MODEL_CONFIGS[path.stem] = model_cfg  # what open_clip.add_model_config does, without the extra key
+    _CONFIG_PREPROCESS[path.stem] = preprocess
+    return path.stem
+
+
+MODEL_OVERRIDES = ("force_image_size", "force_context_length", "force_patch_dropout", "force_quick_gelu",
+                   "force_custom_text", "pretrained_image")
+PREPROCESS_OVERRIDES = {"image_mean": "mean", "image_std": "std", "image_interpolation": "interpolation",
+                        "image_resize_mode": "resize_mode"}
+
+
+def model_overrides(model_cfg) -> dict:
+    """open_clip.create_model's keyword arguments for the per-run overrides of `model` config (model.force_*,
+    model.pretrained_image) and the image preprocessing it sets (model.image_*: "preprocess")."""
+    overrides = {key: getattr(model_cfg, key) for key in MODEL_OVERRIDES if getattr(model_cfg, key)
+                 not in (None, False)}
+    preprocess = {field: value if not isinstance(value, list) else tuple(value)
+                  for key, field in PREPROCESS_OVERRIDES.items() if (value := getattr(model_cfg, key)) is not None}
+    if preprocess:
+        overrides["preprocess"] = {key: str(value) if key in ("interpolation", "resize_mode") else value
+                                   for key, value in preprocess.items()}
+    return overrides
+
+
+def built_model_config(name: str, overrides: dict | None = None) -> dict:
+    """open_clip's model config of `name` with `overrides` applied as open_clip.create_model applies them: the
+    config of the model as built (what an export must carry)."""
+    model_cfg = dict(open_clip.get_model_config(resolve_model_name(name)))
+    model_cfg = {key: dict(value) if isinstance(value, dict) else value for key, value in model_cfg.items()}
+    overrides = overrides or {}
+    if overrides.get("force_quick_gelu"):
+        model_cfg["quick_gelu"] = True
+    if overrides.get("force_custom_text"):
+        model_cfg["custom_text"] = True
+    for key, tower, field in (("force_patch_dropout", "vision_cfg", "patch_dropout"),
+                              ("force_image_size", "vision_cfg", "image_size"),
+                              ("force_context_length", "text_cfg", "context_length")):
+        if overrides.get(key) is not None:
+            model_cfg[tower][field] = overrides[key]
+    return model_cfg
+
+
+def lock_towers(model: torch.nn.Module, model_cfg) -> None:
+    """model.lock_image / model.lock_text with open_clip's own lock functions: the locked parameters stop
+    requiring gradients (so they get no gradient, no optimizer state, and a fully locked tower no backward)."""
+    if model_cfg.lock_image:
+        model.lock_image_tower(unlocked_groups=model_cfg.lock_image_unlocked_groups,
+                               freeze_bn_stats=model_cfg.lock_image_freeze_bn_stats)
+    if model_cfg.lock_text:
+        model.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers,
+                              freeze_layer_norm=model_cfg.lock_text_freeze_layer_norm)
+
+
+def check_model_options(model_cfg) -> None:
+    """Before any rank starts: the overrides and locks fit the model (built on the meta device, no memory)."""
+    from open_clip.hf_model import HFTextEncoder
+
+    if model_cfg.force_patch_dropout is not None and not 0 <= model_cfg.force_patch_dropout < 1:
+        raise ValueError(f"model.force_patch_dropout={model_cfg.force_patch_dropout}: must be in [0, 1)")
+    for key in ("force_image_size", "force_context_length"):
+        if getattr(model_cfg, key) is not None and getattr(model_cfg, key) < 1:
+            raise ValueError(f"model.{key}={getattr(model_cfg, key)}: must be at least 1")
+    for key in ("lock_image_unlocked_groups", "lock_text_unlocked_layers"):
+        if getattr(model_cfg, key) < 0:
+            raise ValueError(f"model.{key}={getattr(model_cfg, key)}: must be 0 or more")
+    overrides = model_overrides(model_cfg)
+    uses_tower = model_cfg.lock_image or model_cfg.lock_text or overrides.get("pretrained_image")
+    if not uses_tower:
+        return
+    model = create_model(model_cfg.name, device="meta", overrides={**overrides, "pretrained_image": False})
+    if overrides.get("pretrained_image") and type(model.visual).__name__ != "TimmModel":
+        raise ValueError(f"model.pretrained_image=true starts a timm image tower from timm's weights, but "
+                         f"{model_cfg.name}'s image tower is {type(model.visual).__name__} (use a timm tower, e.g. "
+                         "model=timm_tiny, or model.pretrained / model.checkpoint for the whole model)")
+    if model_cfg.lock_text and not model_cfg.lock_text_freeze_layer_norm:
+        text = getattr(model, "text", None)
+        if not isinstance(text, HFTextEncoder):
+            raise ValueError("model.lock_text_freeze_layer_norm=false: open_clip's own text towers lock their "
+                             "LayerNorms with their layers (only Hugging Face text towers can leave them unlocked); "
+                             "leave it true")
+    try:
+        lock_towers(model, model_cfg)
+    except (AssertionError, ValueError, TypeError, AttributeError) as error:
+        raise ValueError(f"model.lock_image/lock_text on {model_cfg.name}: {error or type(error).__name__}") from None
 
 
 def pretrained_cfg(name: str, pretrained: str | None) -> dict:
@@ -90,9 +195,10 @@ def pretrained_cfg(name: str, pretrained: str | None) -> dict:
     return found
 
 
-def fetches_weights(name: str, pretrained: str | None) -> bool:
-    """Whether the starting weights come over the network into a cache (a pretrained tag, an `hf-hub:` model)."""
-    return pretrained is not None or name.startswith("hf-hub:")
+def fetches_weights(name: str, pretrained: str | None, pretrained_image: bool = False) -> bool:
+    """Whether the starting weights come over the network into a cache (a pretrained tag, an `hf-hub:` model, a
+    timm image tower's own weights)."""
+    return pretrained is not None or name.startswith("hf-hub:") or pretrained_image
 
 
 def pretrained_weights(name: str, pretrained: str | None = None, cache_dir: str | None = None) -> str | None:
@@ -159,6 +265,7 @@ def create_model(
     device: str = "cpu",
     pretrained: str | None = None,
     cache_dir: str | None = None,
+    overrides: dict | None = None,
 ) -> torch.nn.Module:
     """An open_clip CLIP model, randomly initialised unless weights are given.
 
@@ -167,7 +274,8 @@ def create_model(
     tag (`pretrained`, with its image preprocessing). `checkpoint` loads weights from a local file or folder
     instead (clipdist.weights.read_weights: nothing in it runs). Weights are fetched, where they must be, into open_clip's cache (`cache_dir`).
     `init_logit_scale` is the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP);
-    a file's scalars replace them, except a bias the file does not have.
+    a file's scalars replace them, except a bias the file does not have. `overrides`: open_clip.create_model's
+    force_* / pretrained_image arguments and the image preprocessing ("preprocess"), as model_overrides makes them.
     """
     from open_clip.transform import merge_preprocess_dict
 
@@ -178,11 +286,15 @@ def create_model(
         kwargs["init_logit_scale"] = init_logit_scale
     if init_logit_bias is not None:
         kwargs["init_logit_bias"] = init_logit_bias
-    if tag:
-        kwargs["force_preprocess_cfg"] = merge_preprocess_dict({}, tag)
+    overrides = dict(overrides or {})
+    preprocess = merge_preprocess_dict(_CONFIG_PREPROCESS.get(name, {}), tag)  # open_clip's order: config, tag, run
+    preprocess = merge_preprocess_dict(preprocess, overrides.pop("preprocess", {}))
+    if preprocess:
+        kwargs["force_preprocess_cfg"] = preprocess
+    overrides.setdefault("pretrained_image", False)
     with _random_init_is_intended():
-        model = open_clip.create_model(name, pretrained=None, load_weights=False, pretrained_image=False,
-                                       pretrained_text=False, **kwargs)
+        model = open_clip.create_model(name, pretrained=None, load_weights=False, pretrained_text=False,
+                                       **kwargs, **overrides)
     source = checkpoint
     if source is None and device != "meta":
         source = pretrained_weights(name, pretrained, cache_dir)
@@ -231,6 +343,7 @@ def check_weights(model_cfg, loss_fn, init_logit_bias: float | None = None) -> N
     source = checkpoint or pretrained_weights(name, model_cfg.pretrained, model_cfg.cache_dir)
     if source is None:
         return
+    overrides = {**model_overrides(model_cfg), "pretrained_image": False}
     what = f"model.checkpoint={checkpoint}" if checkpoint else \
         f"model.pretrained={model_cfg.pretrained}" if model_cfg.pretrained else f"model.name={name}"
     try:
@@ -238,7 +351,7 @@ def check_weights(model_cfg, loss_fn, init_logit_bias: float | None = None) -> N
     except ValueError as error:
         raise ValueError(f"{'model.checkpoint' if checkpoint else what}: {error}") from None
     model = create_model_for_loss(name, loss_fn, init_logit_bias=init_logit_bias, device="meta",
-                                  pretrained=model_cfg.pretrained, cache_dir=model_cfg.cache_dir)
+                                  pretrained=model_cfg.pretrained, cache_dir=model_cfg.cache_dir, overrides=overrides)
     weights_for(model, weights, what)
 
 

@@ -1,40 +1,167 @@
-"""The optimizer and its schedule, built from `optim` config: AdamW with decoupled weight decay on the
-matrices only, linear warmup then cosine decay to 0."""
+"""The optimizer and its schedule, built from `optim` config.
+
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+
+- Optimizer: `adamw` is torch's AdamW (fused kernel); any other name is timm's optimizer factory
+  (`lion`, `lamb`, `nadamw`, `sgd`, ...; open_clip's `timm/<name>` spelling is accepted), given the
+  betas / eps / momentum it takes and `optim.kwargs`.
+- Parameter groups: decoupled weight decay on the matrices only — every parameter with ndim < 2 and every
+  name containing an `optim.no_decay` pattern is left undecayed; frozen (locked) parameters are left out.
+  Layer-wise lr decay per tower (`optim.image_layer_decay`, `optim.text_layer_decay`): with L blocks, the
+  stem (patch / token / position embeddings, the pre-norm) is layer 0, block i is layer i + 1, the rest
+  (final norm, projection, pooling) is layer L + 1, and layer l's lr is lr · decay^(L + 1 − l).
+- Schedule: open_clip_train's scheduler functions as a LambdaLR factor, so the lr at optimizer step s
+  (0-based) is open_clip_train's lr at step s: warmup (s + 1)/W · lr, then `cosine`
+  ½(1 + cos(π (s − W)/(S − W))) · lr, `const` lr, or `const_cooldown` lr until S − C, then
+  (1 − e/C)^p · (lr − end) + end with e = s − (S − C).
+"""
 from __future__ import annotations
 
 import math
+import re
+from typing import Callable
 
 import torch
 
+ADAMW = "adamw"
+_BLOCK = re.compile(r"\.(?:resblocks|blocks|layers?)\.(\d+)\.")  # open_clip, timm and HF transformer blocks
+_STEM = re.compile(r"embed|conv1|ln_pre|cls_token|patch_|pos_|stem")  # what comes before the blocks (layer 0)
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Trainable parameters in two groups: decayed, and not (gains, biases, logit scale/bias, positional
-    embeddings — open_clip's rule)."""
-    decay, no_decay = [], []
+
+def optimizer_name(name: str) -> str:
+    """`name` as timm lists it: open_clip's `timm/lion` is `lion`."""
+    return name.lower().removeprefix("timm/")
+
+
+def check_optimizer(name: str) -> None:
+    """A ValueError naming the choices when `name` is neither adamw nor one of timm's optimizers."""
+    from timm.optim import list_optimizers
+
+    if optimizer_name(name) != ADAMW and optimizer_name(name) not in list_optimizers():
+        known = ", ".join(n for n in list_optimizers() if not n.startswith(("bnb", "c")))
+        raise ValueError(f"optim.name={name}: no such optimizer; adamw (torch's) or one of timm's: {known}")
+
+
+def tower_of(name: str) -> str | None:
+    """Which tower a parameter belongs to ('image', 'text'), or None for the model's scalars."""
+    if name.startswith(("logit_scale", "logit_bias")):
+        return None
+    return "image" if name.startswith("visual.") else "text"
+
+
+def layer_scales(model: torch.nn.Module, decays: dict[str, float | None]) -> dict[str, float]:
+    """Each trainable parameter's lr multiplier under layer-wise decay (`decays`: tower -> decay or None)."""
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    scales = dict.fromkeys(names, 1.0)
+    for tower, decay in decays.items():
+        if decay is None:
+            continue
+        members = [name for name in names if tower_of(name) == tower]
+        blocks = {name: int(found.group(1)) for name in members if (found := _BLOCK.search(name))}
+        if not blocks:
+            raise ValueError(f"optim.{tower}_layer_decay: the {tower} tower has no numbered blocks to decay over")
+        depth = max(blocks.values()) + 1
+        for name in members:
+            layer = blocks[name] + 1 if name in blocks else 0 if _STEM.search(name) else depth + 1
+            scales[name] = decay ** (depth + 1 - layer)
+    return scales
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay=("positional", "logit_"),
+                     decays: dict[str, float | None] | None = None, lr: float = 1.0) -> list[dict]:
+    """Trainable parameters grouped by (decayed or not, lr multiplier); each group's lr is `lr` × its multiplier."""
+    scales = layer_scales(model, decays or {})
+    groups: dict[tuple[bool, float], list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (no_decay if param.ndim < 2 or "logit_" in name or "positional" in name else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            decayed = param.ndim >= 2 and not any(pattern in name for pattern in no_decay)
+            groups.setdefault((decayed, scales[name]), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale}
+            for (decayed, scale), params in sorted(groups.items(), key=lambda item: (not item[0][0], -item[0][1]))]
 
 
-def warmup_cosine(warmup_steps: int, max_steps: int):
-    """The learning-rate factor at a step: (step + 1) / warmup during warmup, then ½(1 + cos(π·progress))."""
+def lr_factor(optim) -> Callable[[int], float]:
+    """The lr at optimizer step `step` (0-based) as a multiple of optim.lr: open_clip_train's schedule."""
+    warmup, steps, base = optim.warmup_steps, optim.max_steps, optim.lr
+    schedule = str(optim.schedule)
+    cooldown = optim.cooldown_steps or 0
 
     def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "const":
+            return 1.0
+        if schedule == "const_cooldown":
+            start = steps - cooldown
+            if step < start:
+                return 1.0
+            decay = max(0.0, 1 - (step - start) / cooldown) ** optim.cooldown_power
+            end = optim.cooldown_end_lr / base if base else 0.0
+            return decay * (1 - end) + end
+        progress = (step - warmup) / max(1, steps - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
 
 
-def build_optimizer(model: torch.nn.Module, optim):
-    """(AdamW, its LambdaLR schedule) for `model`'s trainable parameters."""
-    groups = parameter_groups(model, optim.weight_decay)
-    # The fused kernel (CPU and CUDA) updates all parameters in one call: for a small model on the CPU the
-    # default per-parameter loop costs ~15x more (26.5 vs 1.8 ms a step for the tiny model's 62 tensors).
+def check_schedule(optim) -> None:
+    """A ValueError for a schedule that cannot run: const_cooldown without cooldown_steps, a cooldown longer
+    than the steps after warmup."""
+    if str(optim.schedule) == "const_cooldown":
+        if not optim.cooldown_steps or optim.cooldown_steps < 1:
+            raise ValueError("optim.schedule=const_cooldown needs optim.cooldown_steps (the last N steps decay), e.g. "
+                             f"optim.cooldown_steps={max(1, optim.max_steps // 10)}")
+        if optim.cooldown_steps > optim.max_steps - optim.warmup_steps:
+            raise ValueError(f"optim.cooldown_steps={optim.cooldown_steps} is more than the steps after warmup "
+                             f"({optim.max_steps} - {optim.warmup_steps})")
+    elif optim.cooldown_steps is not None:
+        raise ValueError(f"optim.cooldown_steps={optim.cooldown_steps} is for optim.schedule=const_cooldown, "
+                         f"not {optim.schedule}")
+
+
+def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
+    """The optimizer `optim.name` over `groups` (each with its own lr and weight decay)."""
+    name = optimizer_name(optim.name)
     params = [param for group in groups for param in group["params"]]
-    fused = all(param.device.type in ("cpu", "cuda") and param.is_floating_point() for param in params)
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=fused or None)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(optim.warmup_steps, optim.max_steps))
+    if name == ADAMW:
+        # The fused kernel (CPU and CUDA) updates all parameters in one call: for a small model on the CPU the
+        # default per-parameter loop costs ~15x more (26.5 vs 1.8 ms a step for the tiny model's 62 tensors).
+        fused = all(param.device.type in ("cpu", "cuda") and param.is_floating_point() for param in params)
+        options = {"betas": tuple(optim.betas)} if optim.betas else {}
+        if optim.eps is not None:
+            options["eps"] = optim.eps
+        return torch.optim.AdamW(groups, lr=optim.lr, fused=fused or None, **{**options, **optim.kwargs})
+    from timm.optim import create_optimizer_v2, get_optimizer_info
+
+    info, options = get_optimizer_info(name), {}
+    if info.has_betas and optim.betas:
+        options["betas"] = tuple(optim.betas[:info.num_betas])
+    if info.has_eps and optim.eps is not None:
+        options["eps"] = optim.eps
+    if info.has_momentum and optim.momentum is not None:
+        options["momentum"] = optim.momentum
+    return create_optimizer_v2(groups, opt=name, lr=optim.lr, weight_decay=optim.weight_decay,
+                               **{**options, **optim.kwargs})
+
+
+def build_optimizer(model: torch.nn.Module, optim):
+    """(the optimizer, its LambdaLR schedule) for `model`'s trainable parameters."""
+    groups = parameter_groups(model, optim.weight_decay, tuple(optim.no_decay),
+                              {"image": optim.image_layer_decay, "text": optim.text_layer_decay}, optim.lr)
+    optimizer = create_optimizer(groups, optim)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim))
+
+
+def check_optim(optim) -> None:
+    """Before any rank starts: the optimizer can be built with these options (on a stand-in parameter), and the
+    schedule can run. A ValueError says what to change."""
+    check_optimizer(optim.name)
+    check_schedule(optim)
+    for key in ("image_layer_decay", "text_layer_decay"):
+        value = getattr(optim, key)
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"optim.{key}={value}: must be in (0, 1]")
+    try:
+        create_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "lr": optim.lr}], optim)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"optim.name={optim.name} with {dict(optim.kwargs) or 'these options'}: {error}") from None

@@ -39,14 +39,15 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class TrainState:
-    """The stateful parts of a run — model, optimizer, schedule, data stream — with its step, samples seen
-    and every rank's RNG. `progress` is a collective (every rank's RNG and stream position are gathered into
+    """The stateful parts of a run — model, optimizer, schedule, data stream, gradient scaler — with its step,
+    samples seen and every rank's RNG. `progress` is a collective (every rank's RNG and stream position are gathered into
     it); loading restores this rank's part."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stream: Any = None  # a TrainStream (state_dict / load_state_dict), or None where there is no data
+    scaler: Any = None  # precision=fp16's gradient scaler (its scale and growth count), or None
     step: int = 0
     samples_seen: int = 0
 
@@ -70,12 +71,15 @@ class TrainState:
         stream's position, the world size."""
         rngs = all_ranks(rng_state())
         return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-                "rng": rngs, "world_size": len(rngs), "stream": None if self.stream is None else self.stream.state_dict()}
+                "rng": rngs, "world_size": len(rngs), "stream": None if self.stream is None else self.stream.state_dict(),
+                "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def load_progress(self, saved: dict) -> None:
         """Schedule, counters, the stream's position; this rank's RNG where the world size is unchanged."""
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
+        if self.scaler is not None and saved.get("scaler"):  # a run that changed to fp16 starts a new scale
+            self.scaler.load_state_dict(saved["scaler"])
         if self.stream is not None:
             self.stream.load_state_dict(saved.get("stream"))
         rank, world_size = rank_and_world_size()

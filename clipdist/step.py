@@ -19,6 +19,11 @@ host memory on CUDA) and each chunk is put on the device as it runs: the device 
 
 The step's agreement (global loss, stop signal, checkpoint timer, the stream's counts) is one all-reduce,
 issued after the loss and read after backward: the step's one host sync, where the optimizer needs it.
+
+With a gradient scaler (precision=fp16, clipdist.precision) the loss is scaled before its backward (the
+cached feature gradients carry the scale into every chunk's backward) and the gradients unscaled once,
+before clipping; an overflow anywhere skips the update on every rank (`Step.overflowed`); the step still
+counts and the schedule advances, as in open_clip_train.
 """
 from __future__ import annotations
 
@@ -74,10 +79,13 @@ class Step:
     there (None: as given)."""
 
     def __init__(self, model, loss_fn, optimizer=None, scheduler=None, *, autocast=None, device=None,
-                 normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0):
+                 normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0, scaler=None,
+                 input_dtype: torch.dtype | None = None):
         self.model, self.loss_fn, self.optimizer, self.scheduler = model, loss_fn, optimizer, scheduler
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
+        self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
+        self.overflowed = False  # the last step's scaled gradients overflowed: its update was skipped on every rank
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
     def __call__(self, images, tokens, requests=(False, False, False), counts=()) -> tuple[StepAgreement,
@@ -95,8 +103,15 @@ class Step:
         if agreed.stop or not math.isfinite(agreed.loss):
             return agreed, None
         with record_function("optimizer"):
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # found_inf agreed over ranks here
             grad_norm = clip_gradients(self.module, self.grad_clip)
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # no update where found_inf
+                self.scaler.update()
+                self.overflowed = not math.isfinite(grad_norm)  # the global norm: the same on every rank
+            else:
+                self.optimizer.step()
             self.scheduler.step()
             with torch.no_grad():
                 self.module.logit_scale.clamp_(0, self.max_log_scale)
@@ -112,15 +127,19 @@ class Step:
     def inputs(self, images, tokens) -> tuple[torch.Tensor, torch.Tensor]:
         if self.device is not None:
             images, tokens = images.to(self.device, non_blocking=True), tokens.to(self.device, non_blocking=True)
-        return (images if self.normalize is None else self.normalize(images)), tokens
+        images = images if self.normalize is None else self.normalize(images)
+        return (images if self.input_dtype is None else images.to(self.input_dtype)), tokens
 
     def forward(self, images, tokens):
         """(the model's outputs: features and scalars, what backward needs again: nothing here)."""
         with self.autocast:
             return self.model(*self.inputs(images, tokens)), None
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
     def backward(self, loss, outputs, replay) -> None:
-        loss.backward()
+        self.scaled(loss).backward()
         parallel.finish_gradient_sync(self.model)
 
 
@@ -153,7 +172,7 @@ class CachedStep(Step):
 
     def backward(self, loss, outputs, replay) -> None:
         (image_features, text_features, *scalars), (pieces, rng_states) = outputs, replay
-        loss.backward()
+        self.scaled(loss).backward()
         sizes = [piece[0].shape[0] for piece in pieces]
         image_grads, text_grads = image_features.grad.split(sizes), text_features.grad.split(sizes)
         for k, (piece, rng) in enumerate(zip(pieces, rng_states)):
@@ -163,7 +182,9 @@ class CachedStep(Step):
                 with self.autocast:
                     chunk_outputs = self.model(*inputs)
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
-                torch.autograd.backward(list(chunk_outputs), [image_grads[k], text_grads[k], *scalar_grads])
+                pairs = [(out, grad) for out, grad in zip(chunk_outputs, [image_grads[k], text_grads[k], *scalar_grads])
+                         if out.requires_grad]  # a locked tower's features have no graph
+                torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         parallel.finish_gradient_sync(self.model)
 
 

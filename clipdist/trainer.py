@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
-import open_clip
 import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from clipdist import console, host, launch, parallel
+from clipdist import console, host, launch, parallel, precision
 from clipdist.checkpoint import Checkpointer
-from clipdist.config import Device, NormalizeOn, Precision, TrainConfig, as_dict, to_train_config, validate
+from clipdist.config import Device, NormalizeOn, TrainConfig, as_dict, to_train_config, validate
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.images import PixelNormalize
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
@@ -28,10 +26,10 @@ from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.models import (check_weights, create_model, create_model_for_loss, fetches_weights, get_tokenizer,
-                             resolve_model_name)
+from clipdist.models import (check_model_options, check_weights, create_model, create_model_for_loss, fetches_weights,
+                             get_tokenizer, lock_towers, model_overrides, resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
-from clipdist.optim import build_optimizer
+from clipdist.optim import build_optimizer, check_optim
 from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
@@ -70,6 +68,9 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     Checkpointer.check_resume(cfg, cfg.world.world_size)
     try:
         resolve_model_name(cfg.model.name)
+        check_model_options(cfg.model)
+        check_optim(cfg.optim)
+        augmentation_cfg(cfg.data)
         if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
             check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
     except ValueError as error:
@@ -216,12 +217,43 @@ def normalize_on_device(setting: NormalizeOn, device: torch.device) -> tuple[boo
     return device.type != "cpu", f"data.normalize_on=auto: {device.type} ranks"
 
 
-def uses_bf16(precision: Precision, device: torch.device) -> bool:
-    return precision == Precision.bf16 or (precision == Precision.auto and device.type == "cuda")
+def image_transforms(preprocess_cfg: dict, data) -> tuple:
+    """(training transform, evaluation transform) for an image tower's `preprocess_cfg`: open_clip's own, from
+    the model's preprocessing (size, mean, std, interpolation, resize mode) and data.augmentation (open_clip's
+    AugmentationCfg); data.augment=false trains on the evaluation transform."""
+    import warnings
+
+    from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
+
+    preprocess = PreprocessCfg(**preprocess_cfg)
+    evaluation = image_transform_v2(preprocess, is_train=False)
+    if not data.augment:
+        return evaluation, evaluation
+    with warnings.catch_warnings():  # open_clip 3.3 names color_jitter(_prob) and gray_scale_prob unused, and uses them
+        warnings.filterwarnings("ignore", "Unused augmentation cfg items")
+        train = image_transform_v2(preprocess, is_train=True, aug_cfg=AugmentationCfg(**augmentation_cfg(data)))
+    return train, evaluation
 
 
-def autocast_for(precision: Precision, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if uses_bf16(precision, device) else nullcontext()
+def augmentation_cfg(data) -> dict:
+    """data.augmentation as open_clip's AugmentationCfg takes it; a ValueError for a setting open_clip's pipeline
+    would leave unused (without use_timm it applies scale, and color jitter / grayscale with a probability)."""
+    augmentation = {key: tuple(value) if isinstance(value, list) and len(value) > 1 else
+                    value[0] if isinstance(value, list) else value
+                    for key, value in as_dict(data)["augmentation"].items() if value is not None}
+    if not augmentation.get("use_timm"):
+        unused = [key for key in ("ratio", "re_prob", "re_count") if key in augmentation]
+        if "color_jitter" in augmentation and not augmentation.get("color_jitter_prob"):
+            unused.append("color_jitter")
+        if unused:
+            raise ValueError(f"data.augmentation.{unused[0]}: open_clip's own pipeline does not use it (it applies "
+                             "scale, and color_jitter with color_jitter_prob, gray_scale_prob); set "
+                             "data.augmentation.use_timm=true for timm's pipeline, which takes it")
+        jitter = augmentation.get("color_jitter")
+        if augmentation.get("color_jitter_prob") and (not isinstance(jitter, tuple) or len(jitter) != 4):
+            raise ValueError("data.augmentation.color_jitter_prob needs color_jitter as four values (brightness, "
+                             "contrast, saturation, hue), e.g. data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]")
+    return augmentation
 
 
 class Trainer:
@@ -234,35 +266,38 @@ class Trainer:
         self.run_dir = Path(parallel.all_ranks(cfg.run_dir)[0])
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.autocast = autocast_for(cfg.precision, device)
+        self.autocast = precision.autocast(cfg.precision, device)
         self.loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        with parallel.node_leaders_first(env.local_rank, needed=fetches_weights(cfg.model.name, cfg.model.pretrained)):
+        with parallel.node_leaders_first(env.local_rank, needed=fetches_weights(cfg.model.name, cfg.model.pretrained,
+                                                                                cfg.model.pretrained_image)):
             self.model = create_model_for_loss(
                 cfg.model.name, self.loss_fn, init_logit_scale=cfg.loss.init_logit_scale,
                 init_logit_bias=cfg.loss.init_logit_bias, checkpoint=cfg.model.checkpoint,
                 grad_checkpointing=cfg.model.grad_checkpointing, pretrained=cfg.model.pretrained,
-                cache_dir=cfg.model.cache_dir,
-            ).to(device)
+                cache_dir=cfg.model.cache_dir, overrides=model_overrides(cfg.model),
+            ).to(device, precision.weights_dtype(cfg.precision))
             self.tokenizer = get_tokenizer(cfg.model.name, cfg.model.cache_dir)
-        # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards,
-        # gathered in bf16 on CUDA where autocast computes in bf16 (gradients are reduced in fp32).
-        gathered_dtype = torch.bfloat16 if device.type == "cuda" and uses_bf16(cfg.precision, device) else None
+        lock_towers(self.model, cfg.model)
+        # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
+        # the autocast dtype on CUDA (gradients are reduced in fp32).
+        gathered_dtype = precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" \
+            else None
         self.train_model = parallel.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
                                                param_dtype=gathered_dtype)
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
-        visual = self.model.visual
-        mean, std = visual.preprocess_cfg["mean"], visual.preprocess_cfg["std"]
-        self.val_transform = open_clip.image_transform(visual.image_size, is_train=False, mean=mean, std=std)
+        self.scaler = precision.gradient_scaler(cfg.precision, device)
+        train_transform, self.val_transform = image_transforms(self.model.visual.preprocess_cfg, cfg.data)
+        mean, std = self.model.visual.preprocess_cfg["mean"], self.model.visual.preprocess_cfg["std"]
         self.step = build_step(self.train_model, self.loss_fn, optimizer, scheduler,
                                chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
                                device=device, normalize=PixelNormalize(mean, std, device),
-                               grad_clip=cfg.optim.grad_clip, max_logit_scale=cfg.optim.max_logit_scale)
-        self.stream = self.build_stream(plan, open_clip.image_transform(visual.image_size, is_train=cfg.data.augment,
-                                                                        mean=mean, std=std))
-        self.state = TrainState(self.model, optimizer, scheduler, self.stream)
+                               grad_clip=cfg.optim.grad_clip, max_logit_scale=cfg.optim.max_logit_scale,
+                               scaler=self.scaler, input_dtype=precision.weights_dtype(cfg.precision))
+        self.stream = self.build_stream(plan, train_transform)
+        self.state = TrainState(self.model, optimizer, scheduler, self.stream, scaler=self.scaler)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
         if self.resumed_from is None:
@@ -306,7 +341,7 @@ class Trainer:
 
     def fit(self) -> dict | None:
         cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
-        metrics, bad_steps, skipped_steps = None, 0, 0
+        metrics, bad_steps, skipped_steps, self.overflow_steps = None, 0, 0, 0
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
@@ -342,6 +377,7 @@ class Trainer:
                         raise TrainingDiverged(self.divergence(bad_steps))
                     continue
                 bad_steps = 0
+                self.overflow_steps += self.step.overflowed  # fp16: the update skipped on every rank; the step counts
                 state.step, state.samples_seen = state.step + 1, state.samples_seen + self.global_batch
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
@@ -399,6 +435,8 @@ class Trainer:
             stats["logit_scale"] = model.logit_scale.exp().item()
             if self.loss_fn.uses_logit_bias:
                 stats["logit_bias"] = model.logit_bias.item()
+            if self.scaler is not None:
+                stats.update(loss_scale=self.scaler.get_scale(), overflow_steps=self.overflow_steps)
             stream = self.stream
             sources = {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
             self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import random
 import signal
 import sys
 import time
@@ -327,15 +328,18 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
     @staticmethod
     def _augment(images: ImageBatcher, image, key: tuple[int, ...]):
-        """The image's per-image transform steps with torch's CPU generator seeded from `key` (then put
-        back as it was). Not torch.manual_seed: it also queues a CUDA seeding with a stack trace, ~0.6 ms a call."""
-        generator = torch.default_generator
-        saved = generator.get_state()
-        generator.manual_seed(hash(key) & 0xFFFF_FFFF_FFFF_FFFF)
+        """The image's per-image transform steps with torch's CPU generator and Python's `random` (timm's
+        augmentations draw from it) seeded from `key`, then put back as they were. Not torch.manual_seed: it
+        also queues a CUDA seeding with a stack trace, ~0.6 ms a call."""
+        generator, seed = torch.default_generator, hash(key) & 0xFFFF_FFFF_FFFF_FFFF
+        saved, saved_random = generator.get_state(), random.getstate()
+        generator.manual_seed(seed)
+        random.seed(seed)
         try:
             return images(image)
         finally:
             generator.set_state(saved)
+            random.setstate(saved_random)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

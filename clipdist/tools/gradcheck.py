@@ -57,20 +57,47 @@ def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dt
     return images, random_tokens(global_batch, get_tokenizer(model_name).context_length, generator)
 
 
-def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn):
+@dataclass(frozen=True)
+class Locks:
+    """Locked towers as model.lock_* config gives them: None for a trainable tower, else the number of its last
+    layer groups (image) or layers (text) left unlocked."""
+
+    image: int | None = None
+    text: int | None = None
+
+    def apply(self, model: torch.nn.Module) -> None:
+        from types import SimpleNamespace
+
+        from clipdist.models import lock_towers
+
+        lock_towers(model, SimpleNamespace(
+            lock_image=self.image is not None, lock_image_unlocked_groups=self.image or 0,
+            lock_image_freeze_bn_stats=False, lock_text=self.text is not None,
+            lock_text_unlocked_layers=self.text or 0, lock_text_freeze_layer_norm=True))
+
+
+SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a power of two: scaling is exact)
+
+
+def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks = Locks()):
     from clipdist.models import create_model_for_loss
 
     torch.manual_seed(seed)
-    return create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
+    model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
+    locks.apply(model)
+    return model
 
 
 def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str,
-               chunks: int, parallel: str = "ddp"):
-    """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1).
+               chunks: int, parallel: str = "ddp", locks: Locks = Locks(), scaler: bool = False):
+    """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1;
+    with `scaler`, the loss scaled by SCALE through precision=fp16's GradScaler and the gradients unscaled, as
+    precision=fp16 trains).
 
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
     from clipdist.parallel import full_tensor, wrap_model
+    from clipdist.precision import gradient_scaler
     from clipdist.step import build_step
 
     dtype = getattr(torch, dtype_name)
@@ -81,9 +108,13 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     results = []
     for spec in loss_specs:
         loss_fn = resolve_loss(spec)
-        model = _model(model_name, seed, dtype, loss_fn)
+        model = _model(model_name, seed, dtype, loss_fn, locks)
         wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
-        loss = build_step(wrapped, loss_fn, chunks=chunks).gradients(images[rows], tokens[rows])
+        grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
+        step = build_step(wrapped, loss_fn, chunks=chunks, scaler=grad_scaler)
+        loss = step.gradients(images[rows], tokens[rows])
+        if grad_scaler is not None:
+            grad_scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss /= dist.get_world_size()
@@ -93,13 +124,14 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     return results if rank == 0 else None
 
 
-def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str, loss_fn):
-    """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process."""
-    model = _model(model_name, seed, dtype, loss_fn)
+def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str, loss_fn, locks: Locks = Locks()):
+    """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process; a locked
+    parameter's gradient is None."""
+    model = _model(model_name, seed, dtype, loss_fn, locks)
     images, tokens = _random_batch(global_batch, model_name, seed, dtype)
     loss = getattr(loss_fn, "reference", clip_loss)(*model(images, tokens))
     loss.backward()
-    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.item(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
 @dataclass
@@ -126,13 +158,18 @@ class GradcheckReport:
     diagnosis: list[str] = field(default_factory=list)
     chunks: int = 1  # gradient-caching chunks per rank
     parallel: str = "ddp"  # ddp | fsdp
+    locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
+    scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
+    locked_parameters: int = 0  # parameters that got no gradient, as in the reference
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def classify(grad: torch.Tensor | None, reference: torch.Tensor, world_size: int, tolerance: float):
-    """(rel_err, ratio, verdict) of one gradient against its reference."""
+def classify(grad: torch.Tensor | None, reference: torch.Tensor | None, world_size: int, tolerance: float):
+    """(rel_err, ratio, verdict) of one gradient against its reference (None: a locked parameter)."""
+    if reference is None:
+        return (0.0, None, "exact") if grad is None else (math.inf, None, "spurious")
     ref_norm = reference.norm().item()
     if grad is None or (grad.norm().item() == 0 and ref_norm > 0):
         return math.inf, 0.0, "missing"
@@ -202,11 +239,16 @@ def run_gradchecks(
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     chunks: int = 1,
     parallel: str = "ddp",
+    lock_image: int | None = None,
+    lock_text: int | None = None,
+    scaler: bool = False,
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
     chunks > 1 runs each rank's step with gradient caching (clipdist.step) in that many chunks;
-    parallel="fsdp" shards the model with FSDP2 (clipdist.parallel.wrap_model) instead of DDP.
+    parallel="fsdp" shards the model with FSDP2 (clipdist.parallel.wrap_model) instead of DDP;
+    lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
+    trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
@@ -222,17 +264,22 @@ def run_gradchecks(
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
+    locks = Locks(lock_image, lock_text)
     rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks, parallel,
-                                timeout_s=timeout_s)[0]
+                                locks, scaler, timeout_s=timeout_s)[0]
     tolerance = TOLERANCE[dtype]
     references = {}  # one single-process step per loss definition, shared by the backends that use it
     reports = []
     for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
         definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))
         if definition not in references:
-            references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn)
-        reports.append(_report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance,
-                               chunks, parallel))
+            references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks)
+        report = _report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance, chunks,
+                         parallel)
+        report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
+        report.scaler = scaler
+        report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
+        reports.append(report)
     return reports
 
 

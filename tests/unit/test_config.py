@@ -16,7 +16,7 @@ from clipdist.config import (
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["world=cpu2", "precision=fp16"], "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
+    (["world=cpu2", "precision=fp8"], "Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16, pure_bf16, pure_fp16]"),
     (["world=cpu2", "world.device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
     (["world=cpu2", "logging.wandb=foo"], "Invalid value 'foo', expected one of [offline, online, disabled]"),
     (["world=cpu2", "data.split=bar"], "Invalid value 'bar', expected one of [node, replicated]"),
@@ -112,7 +112,7 @@ def test_a_loopback_rendezvous_on_several_nodes_is_refused(tmp_path, cache_dir, 
 
 
 @pytest.mark.parametrize("overrides, code, message", [
-    (["precision=fp16"], 1, "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
+    (["precision=fp8"], 1, "Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16, pure_bf16, pure_fp16]"),
     (["world.batch_per_device=0"], 2, "error: world.batch_per_device=0: must be at least 1"),
 ])
 def test_train_py_refuses_spawned_ranks_before_they_start(tmp_path, overrides, code, message):
