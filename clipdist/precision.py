@@ -13,8 +13,7 @@ With a scaler the loss is multiplied by the scale S before backward and every gr
 after the last backward of the step (gradient caching included) and before clipping; an inf/NaN in any
 rank's gradients skips the optimizer update on every rank and halves S on every rank, so the ranks'
 weights and scales never drift apart: under DDP every rank holds the same averaged gradients, so the same
-found_inf; under FSDP2 each rank holds a shard, and the unscale of the sharded (DTensor) gradients
-all-reduces found_inf (max) over the mesh — torch's own DTensor rule for the op (GradScaler below). Multiplying by a power of two is exact, so a step that does not
+found_inf; under FSDP2 each rank holds a shard, and found_inf is all-reduced (max) over ranks (GradScaler below). Multiplying by a power of two is exact, so a step that does not
 overflow gives the same update as without the scaler.
 """
 from __future__ import annotations
@@ -53,26 +52,27 @@ def weights_dtype(precision) -> torch.dtype | None:
 
 
 class GradScaler(torch.amp.GradScaler):
-    """torch's GradScaler, whose unscale also takes FSDP2's mix of gradients: the sharded ones (DTensors) and
-    the whole 0-dim scalars FSDP leaves out (logit scale and bias). torch's op takes one kind per call, so
-    each kind is unscaled in its own call into the same found_inf — the scalars first, so the DTensor call's
-    all-reduce agrees the total."""
+    """torch's GradScaler, which also unscales FSDP2's sharded gradients (DTensors, beside the whole 0-dim scalars
+    FSDP leaves out) and agrees found_inf over ranks: each rank unscales its shards' local tensors, then found_inf
+    is all-reduced (max), so a rank whose shard holds no inf still skips the update another rank's shard needs
+    skipped. (torch's own DTensor rule for the unscale op takes no such mix and, on CPU, left found_inf at 0.)"""
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        from types import SimpleNamespace
-
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        params = [param for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-        sharded = [param for param in params if isinstance(param.grad, DTensor)]
-        if not sharded or len(sharded) == len(params):
+        grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+        if not any(isinstance(grad, DTensor) for grad in grads):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        found = {}
-        for kind in ([param for param in params if not isinstance(param.grad, DTensor)], sharded):
-            part = SimpleNamespace(param_groups=[{"params": kind}])
-            for device, flag in super()._unscale_grads_(part, inv_scale, found_inf, allow_fp16).items():
-                found.setdefault(device, flag)  # found_inf itself (or its copy per device): accumulated in place
-        return found
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:  # one rank, one device: the scale's
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+        with torch.no_grad():
+            for locals_ in by_dtype.values():  # what the base class runs, on the shards' own tensors
+                torch._amp_foreach_non_finite_check_and_unscale_(locals_, found_inf, inv_scale)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return {found_inf.device: found_inf}
 
 
 def gradient_scaler(precision, device: torch.device, init_scale: float = 2.0**16):

@@ -93,6 +93,7 @@ class Step:
         """One training step on this rank's batch; every rank calls it. The optimizer steps unless a rank was
         asked to stop or the global loss is not finite (then grad_norm is None and nothing changed)."""
         self.optimizer.zero_grad(set_to_none=True)
+        rng = _rng_state(self.device or torch.device("cpu"))  # a stop gives back what this step drew (dropout masks)
         with record_function("forward_and_loss"):
             outputs, replay = self.forward(images, tokens)
             loss = self.loss_fn(*outputs)
@@ -100,7 +101,10 @@ class Step:
         with record_function("backward"):
             self.backward(loss, outputs, replay)
         agreed = StepAgreement.read(agreement)
-        if agreed.stop or not math.isfinite(agreed.loss):
+        if agreed.stop:  # not trained on: the checkpoint saved next holds the state before this step, RNG included
+            _set_rng_state(rng, self.device or torch.device("cpu"))
+            return agreed, None
+        if not math.isfinite(agreed.loss):
             return agreed, None
         with record_function("optimizer"):
             if self.scaler is not None:
@@ -199,12 +203,16 @@ def _rng_state(device: torch.device):
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
+def _set_rng_state(state, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
 @contextmanager
 def _restored_rng(state, device: torch.device):
     """Run a block with a saved RNG state (the chunk's dropout masks again), then put the current one back."""
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-        cpu, cuda = state
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
+        _set_rng_state(state, device)
         yield

@@ -199,7 +199,10 @@ class TrainStream:
             dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
             pin_memory=self.pin_memory and self.pieces == 1,  # pieces are copied into a pinned batch instead
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
-            multiprocessing_context=self.start_method if workers else None)
+            multiprocessing_context=self.start_method if workers else None,
+            # its own generator for the workers' base seed: the rank's RNG (dropout masks) is not drawn from, so a
+            # loader started after a resume leaves the restored RNG as it was (samples are seeded by key instead)
+            generator=torch.Generator().manual_seed(self.seed))
         return iter(loader)
 
     def close(self) -> None:

@@ -1,0 +1,108 @@
+"""open_clip_train's recipes over real ranks: an fp16 overflow on one rank skips the update on every rank (DDP and
+FSDP2), and a run with fp16, a locked tower, a timm optimizer and a cooldown schedule resumes exactly."""
+from __future__ import annotations
+
+import math
+import signal
+
+import numpy as np
+import pytest
+import torch
+from helpers import Run, read_jsonl, train
+
+from clipdist.launch import launch_local
+
+STEPS = 12
+
+
+def _overflow_on_rank_1(parallel: str):
+    """Two steps on this rank: the first with an inf put into rank 1's own gradients only (after the reduction,
+    into its shard under FSDP), the second clean. (overflowed, parameters unchanged, scale) per step."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from clipdist.losses import build
+    from clipdist.models import create_model_for_loss, random_tokens
+    from clipdist.optim import build_optimizer
+    from clipdist.parallel import full_tensor, wrap_model
+    from clipdist.precision import autocast, gradient_scaler
+    from clipdist.step import Step
+    from tests.unit.test_recipes import _optim
+
+    class PoisonedStep(Step):
+        poison = True
+
+        def backward(self, loss, outputs, replay):
+            super().backward(loss, outputs, replay)
+            if self.poison and dist.get_rank() == 1:
+                grad = self.module.visual.proj.grad
+                (grad._local_tensor if isinstance(grad, DTensor) else grad).view(-1)[0] = math.inf
+
+    torch.manual_seed(0)
+    loss_fn = build("disco")
+    model = create_model_for_loss("clipdist-tiny", loss_fn)
+    wrapped = wrap_model(model, parallel=parallel)
+    optimizer, scheduler = build_optimizer(model, _optim(lr=1e-3, warmup_steps=1))
+    device = torch.device("cpu")
+    scaler = gradient_scaler("fp16", device)
+    step = PoisonedStep(wrapped, loss_fn, optimizer, scheduler, autocast=autocast("fp16", device), scaler=scaler)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    images, tokens = torch.randn(4, 3, 32, 32, generator=generator), random_tokens(4, 16, generator)
+    results = []
+    for poison in (True, False):
+        before = [full_tensor(param.detach()).clone() for param in model.parameters()]
+        step.poison = poison
+        step(images, tokens)
+        after = [full_tensor(param.detach()) for param in model.parameters()]
+        results.append((step.overflowed, all(torch.equal(a, b) for a, b in zip(after, before)), scaler.get_scale()))
+    return results
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_fp16_overflow_on_one_rank_skips_the_update_on_every_rank(parallel):
+    ranks = launch_local(_overflow_on_rank_1, 2, parallel, timeout_s=120)
+    assert ranks[0] == ranks[1], ranks  # the same decision, the same scale, on both ranks
+    (overflowed, unchanged, scale), (clean_overflowed, clean_unchanged, clean_scale) = ranks[0]
+    assert overflowed and unchanged and scale == 2.0**15
+    assert not clean_overflowed and not clean_unchanged and clean_scale == 2.0**15
+
+
+def losses(run_dir):
+    rows = read_jsonl(run_dir / "train_log.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    return np.array([row["loss"] for row in rows]), rows
+
+
+def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_uninterrupted(tmp_path, cache_dir):
+    overrides = ["world=cpu2", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
+                 "checkpoint_every=4", "precision=fp16", "model.lock_image=true", "model.lock_image_unlocked_groups=1",
+                 "optim.name=lion", "optim.lr=1e-4", "optim.warmup_steps=2", "optim.schedule=const_cooldown",
+                 "optim.cooldown_steps=6", "data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]",
+                 "data.augmentation.color_jitter_prob=0.5", "model.force_patch_dropout=0.25"]
+    whole = train(tmp_path / "whole", cache_dir, *overrides)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir = tmp_path / "stopped"
+    with Run.train(run_dir, cache_dir, *overrides) as run:
+        run.wait_for_steps(6)
+        run.signal_group(signal.SIGTERM)
+        run.finish()
+    resumed = train(run_dir, cache_dir, *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("resumed from") == 1
+    whole_losses, whole_rows = losses(tmp_path / "whole")
+    resumed_losses, resumed_rows = losses(run_dir)
+    np.testing.assert_array_equal(resumed_losses, whole_losses)
+    assert [row["loss_scale"] for row in resumed_rows] == [row["loss_scale"] for row in whole_rows]
+    assert [row["lr"] for row in resumed_rows][-1] == 0.0  # the cooldown reached cooldown_end_lr
+
+
+def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropout_is_warned(tmp_path, cache_dir):
+    overrides = ["world.batch_per_device=8", "optim.max_steps=2", "eval_every=1000", "checkpoint_every=2",
+                 "model.lock_image=true", "model.force_patch_dropout=0.5"]
+    assert train(tmp_path / "run", cache_dir, *overrides).returncode == 0
+    unlocked = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=3", "model.force_patch_dropout=0.5")
+    assert unlocked.returncode == 2 and "was trained with model.lock_image=True, not model.lock_image=False" in \
+        unlocked.stderr, unlocked.stderr[-2000:]
+    flip = train(tmp_path / "run", cache_dir, *overrides[:-1], "optim.max_steps=3", "model.force_patch_dropout=0")
+    assert flip.returncode == 0, flip.stderr[-3000:]
+    assert "changed since step_00000002.dcp: model.force_patch_dropout 0.5 -> 0.0" in flip.stderr
