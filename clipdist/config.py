@@ -213,6 +213,7 @@ class WorldConfig:
     backend: Backend = Backend.auto
     batch_per_device: int = 64
     parallel: Parallel = Parallel.ddp
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm; towers with BatchNorm)
     spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
     timeout_s: int = COLLECTIVE_TIMEOUT_S  # bound on every collective
     rendezvous_timeout_s: int = 300  # srun: how long ranks wait for each other at start before failing
@@ -264,6 +265,7 @@ class LoggingConfig:
     wandb: WandbMode = WandbMode.offline
     tensorboard: bool = False  # also TensorBoard event files in <run_dir>/tensorboard/ (needs the tensorboard package)
     project: str = "clipdist"
+    wandb_notes: Optional[str] = None  # the W&B run's notes
     log_every: int = 10
     progress: bool = True
     profile_steps: int = 0  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)

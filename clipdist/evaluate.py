@@ -54,7 +54,8 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
     image_features, text_features, owners, labels = [], [], [], []
 
     def flush(images, captions, owner_of):
-        image_features.append(F.normalize(model.encode_image(torch.stack(images).to(device)).float(), dim=-1))
+        pixels = torch.stack(images).to(device, model.logit_scale.dtype)  # pure_bf16 / pure_fp16: the weights' dtype
+        image_features.append(F.normalize(model.encode_image(pixels).float(), dim=-1))
         if captions:
             text_features.append(F.normalize(model.encode_text(tokenizer(captions).to(device)).float(), dim=-1))
             owners.extend(owner_of)

@@ -108,8 +108,8 @@ PREPROCESS_OVERRIDES = {"image_mean": "mean", "image_std": "std", "image_interpo
 def model_overrides(model_cfg) -> dict:
     """open_clip.create_model's keyword arguments for the per-run overrides of `model` config (model.force_*,
     model.pretrained_image) and the image preprocessing it sets (model.image_*: "preprocess")."""
-    overrides = {key: getattr(model_cfg, key) for key in MODEL_OVERRIDES if getattr(model_cfg, key)
-                 not in (None, False)}
+    overrides = {key: value for key in MODEL_OVERRIDES
+                 if (value := getattr(model_cfg, key)) is not None and value is not False}  # 0.0 patch dropout counts
     preprocess = {field: value if not isinstance(value, list) else tuple(value)
                   for key, field in PREPROCESS_OVERRIDES.items() if (value := getattr(model_cfg, key)) is not None}
     if preprocess:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool = False,
-               param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+               param_dtype: torch.dtype | None = None, sync_batchnorm: bool = False) -> torch.nn.Module:
     """What the training step calls.
 
     ddp: the towers compiled in place (torch.compile), then DDP outermost when there is more than
@@ -18,8 +18,11 @@ def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool =
     then on the root, which takes the rest (embeddings, projections, logit scale and bias); the
     model is changed in place and returned. `param_dtype` (bf16 on CUDA) is the compute dtype of
     the gathered parameters; gradients are reduced in fp32. Gradients are averaged over ranks, as
-    DDP's are, so every loss backend's exactness argument holds unchanged.
+    DDP's are, so every loss backend's exactness argument holds unchanged. `sync_batchnorm`: BatchNorm layers
+    become SyncBatchNorm (statistics over every rank's samples), before either wrapper.
     """
+    if sync_batchnorm and dist.is_initialized() and dist.get_world_size() > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if parallel == "fsdp":
         return _fully_shard(model, compile=compile, param_dtype=param_dtype)
     if compile:

@@ -97,7 +97,7 @@ class RunTracker:
     step once, in order."""
 
     def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict, enabled: bool,
-                 tensorboard: bool = False, start_step: int = 0):
+                 tensorboard: bool = False, start_step: int = 0, notes: str | None = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.run = self.board = None
@@ -114,6 +114,7 @@ class RunTracker:
             recorded = wandb_steps(run_dir, run_id)
             self.run = wandb.init(
                 mode=str(mode), project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config,
+                notes=notes,
                 settings=wandb.Settings(silent=True, console="off", init_timeout=120),
             )
             self.wandb_after = max(recorded, default=0)  # W&B has every step up to this one

@@ -285,7 +285,7 @@ class Trainer:
         gathered_dtype = precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" \
             else None
         self.train_model = parallel.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
-                                               param_dtype=gathered_dtype)
+                                               param_dtype=gathered_dtype, sync_batchnorm=cfg.world.sync_batchnorm)
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler = build_optimizer(self.model, cfg.optim)
         self.scaler = precision.gradient_scaler(cfg.precision, device)
@@ -308,7 +308,8 @@ class Trainer:
         self.eval_errors = 0
         self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
-                                  as_dict(cfg), env.is_main, cfg.logging.tensorboard, self.state.step)
+                                  as_dict(cfg), env.is_main, cfg.logging.tensorboard, self.state.step,
+                                  notes=cfg.logging.wandb_notes)
         self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
                              disable=not (env.is_main and cfg.logging.progress),
                              desc=f"train {cfg.loss.name} ×{env.world_size}")

@@ -22,18 +22,23 @@ CONFIG_FILE = "open_clip_config.json"
 WEIGHTS_FILE = "open_clip_model.safetensors"
 
 
-def open_clip_config(model_name: str, weights: dict[str, torch.Tensor]) -> dict:
-    """open_clip's {"model_cfg", "preprocess_cfg"} for `model_name` (a name or config file clipdist knows); a
-    logit bias in the weights (SigLIP) goes into model_cfg, so open_clip builds the model with one."""
-    import open_clip
+def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_settings: dict | None = None) -> dict:
+    """open_clip's {"model_cfg", "preprocess_cfg"} for `model_name` (a name or config file clipdist knows) as the
+    run built it: its `model` config's overrides (force_*, image_*) applied; a logit bias in the weights (SigLIP)
+    goes into model_cfg, so open_clip builds the model with one."""
+    from omegaconf import OmegaConf
 
-    from clipdist.models import create_model, resolve_model_name
+    from clipdist.config import ModelConfig
+    from clipdist.models import built_model_config, create_model, model_overrides, resolve_model_name
 
     name = resolve_model_name(model_name)
-    model_cfg = dict(open_clip.get_model_config(name))
+    known = {key: value for key, value in (model_settings or {}).items() if key in ModelConfig.__dataclass_fields__}
+    overrides = model_overrides(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known)))
+    overrides["pretrained_image"] = False
+    model_cfg = built_model_config(name, overrides)
     if "logit_bias" in weights:
         model_cfg["init_logit_bias"] = float(weights["logit_bias"])
-    preprocess = create_model(name, device="meta").visual.preprocess_cfg
+    preprocess = create_model(name, device="meta", overrides=overrides).visual.preprocess_cfg
     return {"model_cfg": model_cfg, "preprocess_cfg": {key: list(value) if isinstance(value, tuple) else value
                                                        for key, value in preprocess.items()}}
 
@@ -54,7 +59,8 @@ def export(source: str | Path, out: str | Path, *, overwrite: bool = False) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        (staging / CONFIG_FILE).write_text(json.dumps(open_clip_config(model_name, weights), indent=2) + "\n")
+        config_json = open_clip_config(model_name, weights, config.get("model"))
+        (staging / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
         save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(staging / WEIGHTS_FILE),
                   metadata={"format": "pt", "source": str(checkpoint)})
         umask = os.umask(0)

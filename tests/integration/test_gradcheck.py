@@ -25,6 +25,21 @@ def test_every_backend_gives_ddp_the_single_process_gradients(world_size):
         assert len(report.parameters) > 50  # every parameter of both towers and the logit scale
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_locked_towers_and_the_fp16_scaler_keep_every_backend_exact(parallel):
+    """What precision=fp16 and model.lock_* change in the step (the loss scaled, the gradients unscaled once after
+    the last chunk; locked parameters out of the graph), at unequal batches with gradient caching."""
+    reports = run_gradchecks(list(BACKENDS), 3, local_batch=[4, 3, 5], chunks=2, parallel=parallel, lock_image=1,
+                             lock_text=0, scaler=True)
+    for report in reports:
+        assert report.exact, (report.backend, report.max_rel_err, report.diagnosis)
+        locked = [check for check in report.parameters if check.name.startswith("visual.conv1")]
+        assert report.locked_parameters > 30 and locked and report.scaler
+    fully_locked = run_gradchecks(["disco"], 2, lock_image=0)[0]  # the whole image tower: no backward through it
+    assert fully_locked.exact
+    assert fully_locked.locked_parameters == sum(check.name.startswith("visual.") for check in fully_locked.parameters)
+
+
 def test_unequal_local_batches_are_exact_under_ddp():
     for report in run_gradchecks(list(BACKENDS), 3, local_batch=[2, 5, 3]):
         assert report.exact, (report.backend, report.diagnosis)

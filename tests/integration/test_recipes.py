@@ -2,6 +2,7 @@
 FSDP2), and a run with fp16, a locked tower, a timm optimizer and a cooldown schedule resumes exactly."""
 from __future__ import annotations
 
+import json
 import math
 import signal
 
@@ -106,3 +107,37 @@ def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropou
     flip = train(tmp_path / "run", cache_dir, *overrides[:-1], "optim.max_steps=3", "model.force_patch_dropout=0")
     assert flip.returncode == 0, flip.stderr[-3000:]
     assert "changed since step_00000002.dcp: model.force_patch_dropout 0.5 -> 0.0" in flip.stderr
+
+
+def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, cache_dir):
+    """open_clip alone loads the export of a run with force_* overrides and its own image mean as the run built it."""
+    import subprocess
+    import sys
+
+    from tests.integration.test_export import OPEN_CLIP_ALONE
+
+    from clipdist.cli import main as cli
+    from clipdist.models import create_model, get_tokenizer, model_overrides
+    from clipdist.weights import find_checkpoint, read_run_checkpoint
+    from tests.unit.test_recipes import _model_cfg
+
+    overrides = {"force_image_size": 48, "force_quick_gelu": True, "image_mean": [0.5, 0.4, 0.3]}
+    run = train(tmp_path / "run", cache_dir, "world.batch_per_device=8", "optim.max_steps=2", "eval_every=1000",
+                "model.force_image_size=48", "model.force_quick_gelu=true", "model.image_mean=[0.5,0.4,0.3]")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "model")]) == 0
+    ours = create_model("clipdist-tiny", overrides=model_overrides(_model_cfg(**overrides)))
+    ours.load_state_dict(read_run_checkpoint(find_checkpoint(tmp_path / "run"))[0])
+    ours.eval()
+    images, captions = torch.randn(2, 3, 48, 48), ["a photo of a 3.", "a seven"]
+    torch.save({"images": images, "captions": captions}, tmp_path / "inputs.pt")
+    result = subprocess.run([sys.executable, "-c", OPEN_CLIP_ALONE, str(tmp_path / "model"), str(tmp_path / "inputs.pt"),
+                             str(tmp_path / "features.pt")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = torch.load(tmp_path / "features.pt")
+    with torch.no_grad():
+        assert torch.equal(theirs["image"], ours.encode_image(images))
+        assert torch.equal(theirs["text"], ours.encode_text(get_tokenizer("clipdist-tiny")(captions)))
+    assert theirs["image_size"] == [48, 48]
+    exported = json.loads((tmp_path / "model" / "open_clip_config.json").read_text())
+    assert exported["preprocess_cfg"]["mean"] == [0.5, 0.4, 0.3] and exported["model_cfg"]["quick_gelu"] is True

@@ -172,7 +172,7 @@ def test_an_augmentation_open_clip_would_ignore_or_crash_on_is_refused(augmentat
 
 
 @pytest.mark.parametrize("overrides", [
-    {"force_image_size": 48}, {"force_context_length": 32}, {"force_patch_dropout": 0.5},
+    {"force_image_size": 48}, {"force_context_length": 32}, {"force_patch_dropout": 0.5}, {"force_patch_dropout": 0.0},
     {"force_quick_gelu": True}, {"force_custom_text": True},
 ])
 def test_model_overrides_build_what_open_clip_builds(tmp_path, overrides):
@@ -282,3 +282,29 @@ def test_a_resume_that_changes_the_structure_is_refused_and_one_that_changes_num
     assert "precision auto -> fp16" in warning and "model.force_patch_dropout None -> 0.0" in warning
     old = {**saved, "config": {k: v for k, v in as_dict(saved_cfg).items() if k != "optim"}}  # before these keys
     assert _compare(old, as_dict(saved_cfg), 1, tmp_path / "step_00000010.dcp") is None
+
+
+def test_force_patch_dropout_zero_switches_off_a_configs_patch_dropout(tmp_path):
+    """FLIP's last steps: model.force_patch_dropout=0 on a model whose config drops patches."""
+    config = dict(open_clip.get_model_config("clipdist-tiny"))
+    config["vision_cfg"] = {**config["vision_cfg"], "patch_dropout": 0.5}
+    path = tmp_path / "tiny-flip.json"
+    path.write_text(json.dumps(config))
+    assert type(create_model(str(path)).visual.patch_dropout).__name__ == "PatchDropout"
+    off = create_model(str(path), overrides=model_overrides(_model_cfg(force_patch_dropout=0.0)))
+    assert isinstance(off.visual.patch_dropout, torch.nn.Identity)
+
+
+@pytest.mark.parametrize("precision", ["pure_bf16", "fp16"])
+def test_two_steps_and_an_evaluation_in_each_precision(tmp_path, cache_dir, precision):
+    from clipdist.weights import read_progress
+    from tests.helpers import read_jsonl, train
+
+    result = train(tmp_path / "run", cache_dir, f"precision={precision}", "world.batch_per_device=16",
+                   "optim.max_steps=2", "eval_every=2", "checkpoint_every=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["loss"]) for row in rows)
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["zeroshot_samples"] > 0
+    scaler = read_progress(tmp_path / "run" / "checkpoints" / "step_00000002.dcp")["scaler"]
+    assert (scaler is not None) == (precision == "fp16")  # the scaler's state travels in the checkpoint
