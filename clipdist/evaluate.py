@@ -1,17 +1,36 @@
-"""Zero-shot classification and image↔text retrieval recall@k on an evaluation set.
+"""Zero-shot classification, image↔text retrieval and the validation loss on an evaluation set — on every rank.
 
-Zero-shot uses the labelled samples (.cls or .json "label") when the set has class names;
-retrieval uses the samples with captions, an image matching any of its captions (a .txt may
-hold several, one per line, as clip_benchmark's retrieval sets do).
+Zero-shot uses the labelled samples (.cls or .json "label") when the set has class names; retrieval uses the
+samples with captions, an image matching any of its captions (a .txt may hold several, one per line, as
+clip_benchmark's retrieval sets do).
+
+Every rank evaluates (a collective where there is a process group): sample i of the set (in shard order) is
+encoded by rank i mod N, the features are gathered onto every rank in set order, and the metrics are computed
+from them — each rank ranking its share of the images and captions, chunk by chunk (memory bounded: no
+images × captions matrix is made), the rank counts gathered. So no rank waits on another one's encoding, the
+work is split N ways, and every rank returns the metrics one process computes (the features differ from one
+process's only by floating-point batching).
+
+Metrics, as open_clip names them where it has them:
+- `zeroshot_top1`, `zeroshot_top5`: each class's prompts averaged into a classifier;
+- `i2t_r{1,5,10}`, `t2i_r{1,5,10}`: recall@k; `i2t_mean_rank`, `i2t_median_rank`, `t2i_mean_rank`,
+  `t2i_median_rank` (1 = right at the top; open_clip's mean_rank / median_rank);
+- `clip_loss`: the CLIP loss (softmax, both directions, the model's logit scale) over consecutive blocks of
+  `batch_size` captioned samples in set order (each image with its first caption), weighted by block size —
+  open_clip's `clip_val_loss`, the same at any world size.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clipdist.data.faults import SkipCounter
 from clipdist.data.eval_stream import eval_records
+from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
+from clipdist.parallel import all_ranks, rank_and_world_size
+
+SIMILARITY_BLOCK = 1 << 24  # similarities held at once while ranking (64 MB of float32)
 
 
 def fill_template(template: str, classname: str) -> str:
@@ -19,88 +38,235 @@ def fill_template(template: str, classname: str) -> str:
     return template.format(classname, c=classname)
 
 
-@torch.no_grad()
-def zero_shot_classifier(model, tokenizer, classnames, templates, device) -> torch.Tensor:
-    """(num_classes, d): each class's text embedding averaged over the prompt templates."""
-    weights = []
-    for name in classnames:
-        tokens = tokenizer([fill_template(template, name) for template in templates]).to(device)
-        embedding = F.normalize(model.encode_text(tokens).float(), dim=-1).mean(dim=0)
-        weights.append(F.normalize(embedding, dim=-1))
-    return torch.stack(weights)
-
-
 def recall_at_k(similarity: torch.Tensor, owner: torch.Tensor, ks=(1, 5, 10)) -> tuple[dict, dict]:
-    """(image→text, text→image) recall@k for images × captions similarities, caption j belonging to
-    image owner[j]: an image is right when any of its captions is among its k best, a caption
-    when its image is among the k best."""
-    truth = owner.unsqueeze(0) == torch.arange(similarity.shape[0]).unsqueeze(1)  # (images, captions)
-    best_true = similarity.masked_fill(~truth, float("-inf")).amax(dim=1, keepdim=True)
-    image_rank = (similarity > best_true).sum(dim=1)  # captions of other images that beat its best one
-    caption_scores = similarity.T
-    caption_rank = (caption_scores > caption_scores.gather(1, owner.unsqueeze(1))).sum(dim=1)
+    """(image→text, text→image) recall@k for images × captions similarities, caption j belonging to image
+    owner[j]: an image is right when any of its captions is among its k best, a caption when its image is among
+    the k best."""
+    image_rank, caption_rank = retrieval_ranks(similarity, owner)
     return ({k: (image_rank < k).float().mean().item() for k in ks},
             {k: (caption_rank < k).float().mean().item() for k in ks})
 
 
+def retrieval_ranks(similarity: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-based ranks from a whole images × captions matrix: per image, the captions of other images that beat its
+    best caption; per caption, the images that beat its own."""
+    return image_ranks(similarity, owner), caption_ranks(similarity.T, owner)
+
+
+def image_ranks(similarity: torch.Tensor, owner: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Image→text ranks of the images `offset`, ... of a block of rows of the images × captions similarities."""
+    images = torch.arange(offset, offset + similarity.shape[0]).unsqueeze(1)
+    truth = owner.unsqueeze(0) == images
+    best_true = similarity.masked_fill(~truth, float("-inf")).amax(dim=1, keepdim=True)
+    return (similarity > best_true).sum(dim=1)
+
+
+def caption_ranks(scores: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Text→image ranks of a block of captions (rows: captions × images), caption j's image owner[j]."""
+    return (scores > scores.gather(1, owner.unsqueeze(1))).sum(dim=1)
+
+
+def _mine(count: int) -> range:
+    """This rank's contiguous share of `count` items."""
+    rank, world_size = rank_and_world_size()
+    return range(count * rank // world_size, count * (rank + 1) // world_size)
+
+
+def _ranked(queries: torch.Tensor, keys: torch.Tensor, rank_block) -> torch.Tensor:
+    """0-based ranks of every query, each rank ranking its share in blocks of SIMILARITY_BLOCK similarities, the
+    shares gathered in order: `rank_block(similarities, first query index)` ranks one block."""
+    share = _mine(len(queries))
+    step = max(1, SIMILARITY_BLOCK // max(1, len(keys)))
+    ranks = [rank_block(queries[start:min(start + step, share.stop)] @ keys.T, start)
+             for start in range(share.start, share.stop, step)]
+    mine = torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.long)
+    return torch.cat(all_ranks(mine))
+
+
+class _Encoder:
+    """Features of images and captions in batches; under FSDP (`lockstep`) every rank runs the same number of
+    forwards (each gathers the sharded weights from all ranks), a rank with nothing left encoding a stand-in."""
+
+    def __init__(self, model, tokenizer, device, lockstep: bool):
+        self.model, self.tokenizer, self.device, self.lockstep = model, tokenizer, device, lockstep
+        self.dtype = model.logit_scale.dtype  # pure_bf16 / pure_fp16: the weights' dtype
+
+    def images(self, images: list[torch.Tensor]) -> torch.Tensor:
+        pixels = torch.stack(images).to(self.device, self.dtype)
+        return F.normalize(self.model.encode_image(pixels).float(), dim=-1).cpu()
+
+    def texts(self, texts: list[str]) -> torch.Tensor:
+        if not texts:
+            if not self.lockstep:
+                return torch.zeros(0)
+            self.model.encode_text(self.tokenizer([""]).to(self.device))
+            return torch.zeros(0)
+        return F.normalize(self.model.encode_text(self.tokenizer(texts).to(self.device)).float(), dim=-1).cpu()
+
+    def more(self, mine: bool) -> bool:
+        """Whether any rank has another batch (every rank asks, under lockstep); else whether this one has."""
+        if not self.lockstep:
+            return mine
+        flag = torch.tensor([float(mine)], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: SkipCounter, batch_size: int,
+                  stand_in: torch.Tensor) -> dict:
+    """This rank's share of the set, encoded: sample indices, image features, caption features and their owners
+    (sample indices), labels; or the error that stopped it (reported on every rank by `_gathered`)."""
+    rank, world_size = rank_and_world_size()
+    indices, image_features, text_features, owners, labels, error = [], [], [], [], [], None
+    records = iter(eval_records(evalset.urls, skips, rank=rank, world_size=world_size))
+    while True:
+        batch = []
+        try:
+            for record in records:
+                batch.append(record)
+                if len(batch) == batch_size:
+                    break
+            if not encoder.more(bool(batch)):
+                break
+            if not batch:  # lockstep: another rank still encodes
+                encoder.images([stand_in])
+                encoder.texts([])
+                continue
+            image_features.append(encoder.images([image_transform(image) for _, image, _, _ in batch]))
+            text_features.append(encoder.texts([caption for _, _, captions, _ in batch for caption in captions]))
+        except Exception as failure:  # noqa: BLE001 -- agreed with the other ranks (_gathered), then raised on all
+            if encoder.lockstep:
+                raise  # the ranks' forwards are out of step: nothing to agree on
+            error = f"{type(failure).__name__}: {failure}"
+            break
+        for index, _, captions, label in batch:
+            indices.append(index)
+            owners += [index] * len(captions)
+            labels.append(label)
+    return {"indices": torch.tensor(indices, dtype=torch.long), "images": _rows(image_features),
+            "texts": _rows(text_features), "owners": torch.tensor(owners, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long), "skipped": skips.samples, "skipped_shards": skips.shards,
+            "skip_count": skips.count, "last_reason": skips.last_reason, "error": error}
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The non-empty (n, d) parts stacked (torch.zeros(0) where all are empty)."""
+    parts = [part for part in parts if part.numel()]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _gathered(share: dict, evalset: EvalSet) -> dict:
+    """Every rank's share in set order: samples by index; captions by their sample's index (stable: a sample's
+    captions are contiguous and in order on its rank), each caption's owner as its sample's position. An error
+    on any rank is raised on every rank."""
+    shares = all_ranks(share)
+    errors = [(f"rank {rank}: " if len(shares) > 1 else "") + part["error"]
+              for rank, part in enumerate(shares) if part["error"]]
+    if errors:
+        raise ValueError(f"eval set {evalset.name}: {errors[0]}")
+    indices = torch.cat([part["indices"] for part in shares])
+    if not len(indices):
+        reason = next((part["last_reason"] for part in shares if part["last_reason"]), None)
+        raise ValueError(f"eval set {evalset.name}: no sample could be read from {evalset.urls[:3]} "
+                         f"({sum(part['skip_count'] for part in shares)} skipped; the last: {reason})")
+    order = indices.argsort()
+    owners = torch.cat([part["owners"] for part in shares])
+    caption_order = owners.argsort(stable=True)
+    texts = _rows([part["texts"] for part in shares])
+    return {"images": _rows([part["images"] for part in shares])[order],
+            "labels": torch.cat([part["labels"] for part in shares])[order],
+            "texts": texts[caption_order] if texts.numel() else None,
+            "owners": torch.searchsorted(indices[order], owners[caption_order]),
+            "skipped": sum(part["skipped"] for part in shares),
+            "skipped_shards": sum(part["skipped_shards"] for part in shares)}
+
+
+def zero_shot_classifier(encoder: _Encoder, classnames: list[str], templates: list[str]) -> torch.Tensor:
+    """(classes, d): each class's prompt embeddings averaged and normalised; each rank encodes its share of the
+    classes (under lockstep the same number of forwards), the rows gathered."""
+    share = _mine(len(classnames))
+    _, world_size = rank_and_world_size()
+    most = -(-len(classnames) // world_size)
+    rows = []
+    for position in range(most if encoder.lockstep else len(share)):
+        if position < len(share):
+            name = classnames[share.start + position]
+            embedding = encoder.texts([fill_template(template, name) for template in templates]).mean(dim=0)
+            rows.append(F.normalize(embedding, dim=-1))
+        else:
+            encoder.texts([])
+    mine = torch.stack(rows) if rows else torch.zeros(0)
+    return _rows(all_ranks(mine))
+
+
+def clip_loss_in_blocks(images: torch.Tensor, texts: torch.Tensor, logit_scale: float, block: int) -> float:
+    """The CLIP loss over consecutive blocks of `block` pairs, weighted by block size (open_clip's val loss)."""
+    total = 0.0
+    for start in range(0, len(images), block):
+        logits = logit_scale * images[start:start + block] @ texts[start:start + block].T
+        target = torch.arange(len(logits))
+        total += (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)).item() / 2 * len(logits)
+    return total / len(images)
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max_skips_in_a_row: int,
-             batch_size: int = 256, autocast=None) -> dict:
-    """Metrics on every usable sample of `evalset`, named by evalset.metric(); `max_skips_in_a_row` unusable
-    samples with no good one between stop it with a DataError (data.max_skips_in_a_row)."""
+             batch_size: int = 256, autocast=None, lockstep: bool = False) -> dict:
+    """Metrics on every usable sample of `evalset` (the module docstring), named by evalset.metric(). A collective
+    where a process group has several ranks: every rank calls it and gets the same metrics. `lockstep` (FSDP):
+    the ranks' forwards are kept in step. `max_skips_in_a_row` unusable samples with no good one between stop it
+    (data.max_skips_in_a_row), with a ValueError on every rank."""
     was_training = model.training
     model.eval()
-    skips = SkipCounter(max_skips_in_a_row)
-    image_features, text_features, owners, labels = [], [], [], []
-
-    def flush(images, captions, owner_of):
-        pixels = torch.stack(images).to(device, model.logit_scale.dtype)  # pure_bf16 / pure_fp16: the weights' dtype
-        image_features.append(F.normalize(model.encode_image(pixels).float(), dim=-1))
-        if captions:
-            text_features.append(F.normalize(model.encode_text(tokenizer(captions).to(device)).float(), dim=-1))
-            owners.extend(owner_of)
-
+    encoder = _Encoder(model, tokenizer, device, lockstep)
+    size = model.visual.image_size
+    height, width = (size, size) if isinstance(size, int) else size
     try:
         with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
-            images, captions, owner_of, seen = [], [], [], 0
-            for image, sample_captions, label in eval_records(evalset.urls, skips):
-                images.append(image_transform(image))
-                captions += sample_captions
-                owner_of += [seen] * len(sample_captions)
-                labels.append(label)
-                seen += 1
-                if len(images) == batch_size:
-                    flush(images, captions, owner_of)
-                    images, captions, owner_of = [], [], []
-            if images:
-                flush(images, captions, owner_of)
-            if not labels:
-                raise ValueError(f"eval set {evalset.name}: no sample could be read from {evalset.urls[:3]} "
-                                 f"({skips.count} skipped; the last: {skips.last_reason})")
-            metrics = {"samples": len(labels), "skipped": skips.samples, "skipped_shards": skips.shards}
-            all_images = torch.cat(image_features)
-            if text_features:
-                owner = torch.tensor(owners)
-                keep = torch.unique(owner)  # retrieval over the images that have captions
-                remap = torch.full((len(labels),), -1, dtype=torch.long)
-                remap[keep] = torch.arange(len(keep))
-                similarity = all_images[keep] @ torch.cat(text_features).T
-                image_to_text, text_to_image = recall_at_k(similarity, remap[owner])
-                metrics.update({f"i2t_r{k}": v for k, v in image_to_text.items()})
-                metrics.update({f"t2i_r{k}": v for k, v in text_to_image.items()})
-            truth = torch.tensor(labels)
-            labelled = truth >= 0
-            if evalset.classnames and labelled.any():
-                if int(truth.max()) >= len(evalset.classnames):
-                    raise ValueError(f"eval set {evalset.name}: label {int(truth.max())} but only "
-                                     f"{len(evalset.classnames)} class names")
-                classifier = zero_shot_classifier(model, tokenizer, evalset.classnames, evalset.templates, device)
-                logits = all_images[labelled] @ classifier.T
-                top = logits.topk(min(5, len(evalset.classnames)), dim=1).indices.cpu()
-                target = truth[labelled].unsqueeze(1)
-                metrics["zeroshot_samples"] = int(labelled.sum())
-                metrics["zeroshot_top1"] = (top[:, :1] == target).any(dim=1).float().mean().item()
-                metrics["zeroshot_top5"] = (top == target).any(dim=1).float().mean().item()
+            share = _encode_share(encoder, evalset, image_transform, SkipCounter(max_skips_in_a_row), batch_size,
+                                  torch.zeros(3, height, width))
+            found = _gathered(share, evalset)
+            classifier = None
+            if evalset.classnames and bool((found["labels"] >= 0).any()):
+                classifier = zero_shot_classifier(encoder, evalset.classnames, evalset.templates)
+        metrics = {"samples": len(found["labels"]), "skipped": found["skipped"],
+                   "skipped_shards": found["skipped_shards"]}
+        if found["texts"] is not None:
+            metrics.update(retrieval_metrics(found["images"], found["texts"], found["owners"]))
+            first = torch.ones(len(found["owners"]), dtype=torch.bool)
+            first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
+            metrics["clip_loss"] = clip_loss_in_blocks(found["images"][found["owners"][first]], found["texts"][first],
+                                                       model.logit_scale.exp().item(), batch_size)
+        if classifier is not None:
+            metrics.update(zero_shot_metrics(found["images"], found["labels"], classifier, evalset))
     finally:
         model.train(was_training)
     return {evalset.metric(key): value for key, value in metrics.items()}
+
+
+def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.Tensor, ks=(1, 5, 10)) -> dict:
+    """recall@k and mean/median rank both ways, over the images that have captions (ranks split over ranks)."""
+    keep = torch.unique(owners)
+    remap = torch.full((len(images),), -1, dtype=torch.long)
+    remap[keep] = torch.arange(len(keep))
+    owner, kept = remap[owners], images[keep]
+    image_rank = _ranked(kept, texts, lambda block, start: image_ranks(block, owner, start))
+    caption_rank = _ranked(texts, kept, lambda block, start: caption_ranks(block, owner[start:start + len(block)]))
+    metrics = {}
+    for name, ranks in (("i2t", image_rank), ("t2i", caption_rank)):
+        metrics.update({f"{name}_r{k}": (ranks < k).float().mean().item() for k in ks})
+        metrics[f"{name}_mean_rank"] = ranks.float().mean().item() + 1
+        metrics[f"{name}_median_rank"] = int(np.floor(np.median(ranks.numpy()))) + 1  # open_clip's, numpy's median
+    return metrics
+
+
+def zero_shot_metrics(images: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor, evalset: EvalSet) -> dict:
+    labelled = labels >= 0
+    if int(labels.max()) >= len(evalset.classnames):
+        raise ValueError(f"eval set {evalset.name}: label {int(labels.max())} but only {len(evalset.classnames)} "
+                         "class names")
+    top = (images[labelled] @ classifier.T).topk(min(5, len(evalset.classnames)), dim=1).indices
+    target = labels[labelled].unsqueeze(1)
+    return {"zeroshot_samples": int(labelled.sum()),
+            "zeroshot_top1": (top[:, :1] == target).any(dim=1).float().mean().item(),
+            "zeroshot_top5": (top == target).any(dim=1).float().mean().item()}

@@ -449,29 +449,26 @@ class Trainer:
                                   lr=f"{stats['lr']:.2e}", scale=self.shown_scale, refresh=False)
 
     def evaluate(self) -> dict | None:
-        """Every evaluation set on rank 0 (the other ranks wait; under FSDP they run it alongside, since
-        every forward gathers the sharded weights from all ranks). A set that fails is logged and counted
-        (eval_errors) and training goes on: evaluation never stops a run."""
-        metrics = None
-        if self.shards.evals and (self.env.is_main or self.sharded):  # FSDP: every rank gathers the weights
-            metrics = {}
-            for evalset in self.shards.evals:
-                try:
-                    metrics.update(evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device,
-                                            autocast=self.autocast,
-                                            max_skips_in_a_row=self.cfg.data.max_skips_in_a_row))
-                except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal
-                    self.eval_errors += 1
-                    if self.env.is_main:
-                        log.warning("step %d: evaluation of %s failed (%s: %s); training goes on (eval_errors=%d)",
-                                    self.state.step, evalset.name, type(error).__name__, error, self.eval_errors)
-            metrics.update(train_skipped=self.stream.skipped_samples, train_skipped_shards=self.stream.skipped_shards,
-                           eval_errors=self.eval_errors)
-            if not self.env.is_main:
-                metrics = None
-        if metrics is not None:
-            self.tracker.log_eval(metrics, self.state.step)
-            self.say(f"step {self.state.step}: " + ", ".join(
-                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        parallel.barrier()
+        """Every evaluation set, on every rank: each encodes its share, all get the same metrics
+        (clipdist.evaluate), so no rank waits on another's evaluation. A set that fails (on any rank: the failure is
+        agreed) is logged and counted (eval_errors) and training goes on: evaluation never stops a run."""
+        if not self.shards.evals:
+            return None
+        metrics = {}
+        for evalset in self.shards.evals:
+            try:
+                metrics.update(evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device,
+                                        autocast=self.autocast, max_skips_in_a_row=self.cfg.data.max_skips_in_a_row,
+                                        lockstep=self.sharded))
+            except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal
+                self.eval_errors += 1
+                self.say(f"step {self.state.step}: evaluation of {evalset.name} failed ({type(error).__name__}: "
+                         f"{error}); training goes on (eval_errors={self.eval_errors})", logging.WARNING)
+        metrics.update(train_skipped=self.stream.skipped_samples, train_skipped_shards=self.stream.skipped_shards,
+                       eval_errors=self.eval_errors)
+        if not self.env.is_main:
+            return None
+        self.tracker.log_eval(metrics, self.state.step)
+        self.say(f"step {self.state.step}: " + ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
         return metrics

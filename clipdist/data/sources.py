@@ -135,10 +135,11 @@ def _beside(spec: str, urls: list[str], name: str) -> Path | None:
     return next((folder / name for folder in candidates if (folder / name).is_file()), None)
 
 
-def eval_set(name: str, spec: str, classnames: list[str], templates: list[str]) -> EvalSet:
+def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], key: str | None = None) -> EvalSet:
     """An evaluation set from a spec. Class names: `classnames` if given, else classnames.txt beside the
-    shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`."""
-    urls = expand_shards(spec, eval_set_key(name))
+    shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`. `key`: how
+    errors name the set (default: its config key)."""
+    urls = expand_shards(spec, key or eval_set_key(name))
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
     if found := _beside(spec, urls, TEMPLATES_FILE):

@@ -3,6 +3,7 @@ sets with several captions per image, mixed labelled/unlabelled shards, several 
 and an evaluation that fails never stops training."""
 from __future__ import annotations
 
+import pytest
 from fixtures import caption_shards, pets
 from helpers import read_jsonl, train
 
@@ -42,3 +43,63 @@ def test_an_evaluation_that_fails_is_counted_and_training_goes_on(tmp_path):
     assert len(read_jsonl(tmp_path / "run" / "train_log.jsonl")) == 4
 
 
+
+
+def _noise_set(folder, shards=3, per_shard=23):
+    """Distinct random images, each with one or two distinct captions and a label of 3 classes; a few undecodable."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from fixtures import write_samples
+
+    generator = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard in range(shards):
+        samples = []
+        for i in range(per_shard):
+            buffer = io.BytesIO()
+            Image.fromarray(generator.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(buffer, format="PNG")
+            captions = f"picture {shard} {i}" + (f"\nanother view of {i} in {shard}" if i % 4 == 0 else "")
+            samples.append({"__key__": f"{shard}-{i:03d}", "png": buffer.getvalue() if i != 5 else b"not a png",
+                            "txt": captions.encode(), "cls": str((shard + i) % 3).encode()})
+        write_samples(folder / f"{shard}.tar", samples)
+    (folder / "classnames.txt").write_text("red\ngreen\nblue\n")
+    return folder
+
+
+def _evaluate_on_ranks(folder, parallel):
+    import torch
+
+    from clipdist.config import DataConfig
+    from clipdist.data.sources import EvalSet
+    from clipdist.evaluate import evaluate
+    from clipdist.models import create_model, get_tokenizer
+    from clipdist.parallel import wrap_model
+    from clipdist.trainer import image_transforms
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny")
+    if parallel == "fsdp":
+        wrap_model(model, parallel="fsdp")
+    evalset = EvalSet("val", sorted(str(path) for path in folder.glob("*.tar")), ["red", "green", "blue"],
+                      ["a {} photo.", "a photo of {}."])
+    _, transform = image_transforms(model.visual.preprocess_cfg, DataConfig())
+    return evaluate(model, get_tokenizer(), evalset, transform, torch.device("cpu"), max_skips_in_a_row=100,
+                    batch_size=8, lockstep=parallel == "fsdp")
+
+
+@pytest.mark.parametrize("world_size, parallel", [(2, "ddp"), (3, "ddp"), (2, "fsdp")])
+def test_every_rank_evaluates_its_share_and_gets_the_one_process_metrics(tmp_path, world_size, parallel):
+    from clipdist.launch import launch_local
+
+    folder = _noise_set(tmp_path / "val")
+    alone = _evaluate_on_ranks(folder, "ddp")
+    assert alone["val_samples"] == 66 and alone["val_skipped"] == 3 and alone["zeroshot_samples"] == 66
+    assert {"i2t_mean_rank", "i2t_median_rank", "t2i_mean_rank", "t2i_median_rank", "val_clip_loss"} <= set(alone)
+    ranks = launch_local(_evaluate_on_ranks, world_size, folder, parallel, timeout_s=120)
+    for metrics in ranks.values():
+        assert metrics.keys() == alone.keys()
+        assert metrics.pop("val_clip_loss") == pytest.approx(alone["val_clip_loss"], rel=1e-5)
+        assert metrics == {key: value for key, value in alone.items() if key != "val_clip_loss"}

@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 import torch
-from fixtures import clip_benchmark_set
+from fixtures import clip_benchmark_set, pets
 from helpers import train
 
 from clipdist.cli import main as cli
@@ -136,3 +136,42 @@ def test_a_local_dir_model_starts_from_its_weights(trained_run, tmp_path, cache_
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in exported)
 
 
+
+
+def test_clipdist_eval_scores_a_run_its_export_and_clip_benchmark_alike(trained_run, tmp_path, cache_dir, capsys):
+    """`clipdist eval` on a run (its checkpoint), on its export, on 1 and 2 ranks: the same metrics, the run's own
+    last zero-shot top-1, and clip_benchmark's top-1 on the same set."""
+    pytest.importorskip("clip_benchmark")
+    from clipdist.data.builtin import builtin_shards, classnames_of
+    from clipdist.data.sources import expand_shards
+
+    templates = ["a photo of the number {c}.", "a drawing of a {c}."]
+    root = digits_as_clip_benchmark(tmp_path / "wds_digits", expand_shards(builtin_shards("digits", str(cache_dir))[1])[0],
+                                    classnames_of("digits"), templates)
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
+    results = {}
+    for name, target, world in (("run", trained_run, 1), ("export", tmp_path / "model", 1), ("ranks", trained_run, 2)):
+        assert cli(["eval", str(target), "--set", f"digits={root}", "--world", str(world),
+                    "--out", str(tmp_path / f"{name}.json")]) == 0
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    capsys.readouterr()
+    assert results["run"] == results["export"] == results["ranks"]
+    assert results["run"]["digits/zeroshot_samples"] == 359
+    result = subprocess.run(
+        [sys.executable, "-c", CLIP_BENCHMARK, "eval", "--dataset", "wds/digits", "--dataset_root", str(root),
+         "--task", "zeroshot_classification", "--model", f"local-dir:{tmp_path / 'model'}", "--pretrained", "",
+         "--no_amp", "--num_workers", "0", "--batch_size", "64", "--output", str(tmp_path / "result.json")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = json.loads((tmp_path / "result.json").read_text())["metrics"]["acc1"]
+    assert theirs == pytest.approx(results["export"]["digits/zeroshot_top1"], abs=0.5 / 359)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("no-such-model", "unknown model 'no-such-model'"),
+    ("ViT-B-32 --pretrained nope", "model.pretrained=nope: open_clip has no such tag for ViT-B-32"),
+])
+def test_clipdist_eval_refuses_a_target_it_cannot_load_in_one_line(tmp_path, capsys, target, message):
+    code = cli(["eval", *target.split(), "--set", f"val={pets(tmp_path / 'pets')}", "--world", "2"])
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1, err

@@ -83,3 +83,47 @@ def test_a_bad_eval_set_is_refused_before_training(tmp_path, capsys, monkeypatch
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", *webdataset_run_overrides(train_dir),
                           f"data.val_shards={tmp_path}/val.tar")
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: data.val_shards") and message in lines[0], lines
+
+
+def test_retrieval_metrics_equal_open_clip_trains_get_clip_metrics():
+    """One caption per image (open_clip's case): recall@k, mean and median rank as open_clip_train computes them."""
+    from open_clip_train.train import get_clip_metrics
+
+    from clipdist.evaluate import SIMILARITY_BLOCK, retrieval_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.nn.functional.normalize(torch.randn(300, 16, generator=generator), dim=-1)
+    texts = torch.nn.functional.normalize(images + 0.9 * torch.randn(300, 16, generator=generator), dim=-1)
+    theirs = get_clip_metrics(images, texts, 1.0)
+    ours = retrieval_metrics(images, texts, torch.arange(300))
+    for name, short in (("image_to_text", "i2t"), ("text_to_image", "t2i")):
+        assert ours[f"{short}_mean_rank"] == pytest.approx(float(theirs[f"{name}_mean_rank"]))
+        assert ours[f"{short}_median_rank"] == theirs[f"{name}_median_rank"]
+        for k in (1, 5, 10):
+            assert ours[f"{short}_r{k}"] == pytest.approx(float(theirs[f"{name}_R@{k}"]))
+    assert SIMILARITY_BLOCK > 300 * 300  # one block here; the blocked path is the integration test's (3 ranks)
+
+
+def test_the_validation_loss_is_open_clips_clip_loss_over_blocks():
+    from open_clip.loss import ClipLoss
+
+    from clipdist.evaluate import clip_loss_in_blocks
+
+    generator = torch.Generator().manual_seed(1)
+    images = torch.nn.functional.normalize(torch.randn(20, 8, generator=generator), dim=-1)
+    texts = torch.nn.functional.normalize(torch.randn(20, 8, generator=generator), dim=-1)
+    blocks = [(0, 8), (8, 16), (16, 20)]
+    expected = sum(ClipLoss()(images[a:b], texts[a:b], torch.tensor(10.0)).item() * (b - a) for a, b in blocks) / 20
+    assert clip_loss_in_blocks(images, texts, 10.0, 8) == pytest.approx(expected, rel=1e-6)
+
+
+def test_ranking_in_small_blocks_equals_ranking_the_whole_matrix(monkeypatch):
+    from clipdist import evaluate as evaluation
+
+    generator = torch.Generator().manual_seed(2)
+    images = torch.nn.functional.normalize(torch.randn(50, 8, generator=generator), dim=-1)
+    texts = torch.nn.functional.normalize(torch.randn(80, 8, generator=generator), dim=-1)
+    owners = torch.randint(0, 50, (80,), generator=generator).sort().values
+    whole = evaluation.retrieval_metrics(images, texts, owners)
+    monkeypatch.setattr(evaluation, "SIMILARITY_BLOCK", 7 * 80)  # 7 images (or captions) at a time
+    assert evaluation.retrieval_metrics(images, texts, owners) == whole
