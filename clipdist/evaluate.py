@@ -54,11 +54,13 @@ def retrieval_ranks(similarity: torch.Tensor, owner: torch.Tensor) -> tuple[torc
 
 
 def image_ranks(similarity: torch.Tensor, owner: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Image→text ranks of the images `offset`, ... of a block of rows of the images × captions similarities."""
-    images = torch.arange(offset, offset + similarity.shape[0]).unsqueeze(1)
-    truth = owner.unsqueeze(0) == images
-    best_true = similarity.masked_fill(~truth, float("-inf")).amax(dim=1, keepdim=True)
-    return (similarity > best_true).sum(dim=1)
+    """Image→text ranks of the images `offset`, ... of a block of rows of the images × captions similarities
+    (caption j belongs to image owner[j])."""
+    rows = torch.arange(len(owner))
+    mine = (owner >= offset) & (owner < offset + len(similarity))
+    best_true = torch.full((len(similarity),), float("-inf"), dtype=similarity.dtype)
+    best_true.scatter_reduce_(0, owner[mine] - offset, similarity[owner[mine] - offset, rows[mine]], "amax")
+    return (similarity > best_true.unsqueeze(1)).sum(dim=1)
 
 
 def caption_ranks(scores: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
@@ -119,10 +121,18 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
     rank, world_size = rank_and_world_size()
     indices, image_features, text_features, owners, labels, error = [], [], [], [], [], None
     records = iter(eval_records(evalset.urls, skips, rank=rank, world_size=world_size))
+    # Split by shard, a batch never spans two shards: its samples are then the same at any world size, and so
+    # are their features, bit for bit (a forward's rounding can depend on what else is in its batch).
+    shard_of = (lambda index: index >> 32) if len(evalset.urls) >= world_size else (lambda index: 0)
+    waiting = None  # a record read past the end of the last batch (the next shard's first)
     while True:
-        batch = []
+        batch = [waiting] if waiting is not None else []
+        waiting = None
         try:
             for record in records:
+                if batch and shard_of(record[0]) != shard_of(batch[0][0]):
+                    waiting = record
+                    break
                 batch.append(record)
                 if len(batch) == batch_size:
                     break
@@ -255,7 +265,7 @@ def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.T
     metrics = {}
     for name, ranks in (("i2t", image_rank), ("t2i", caption_rank)):
         metrics.update({f"{name}_r{k}": (ranks < k).float().mean().item() for k in ks})
-        metrics[f"{name}_mean_rank"] = ranks.float().mean().item() + 1
+        metrics[f"{name}_mean_rank"] = ranks.double().mean().item() + 1  # exact: float32 would round the sum
         metrics[f"{name}_median_rank"] = int(np.floor(np.median(ranks.numpy()))) + 1  # open_clip's, numpy's median
     return metrics
 

@@ -22,13 +22,23 @@ class _MarkGood:
         return sample
 
 
-def _share(rank: int, world_size: int):
-    """The samples this rank evaluates, undecoded: sample i of the set (counting every sample read, in shard
-    order) goes to rank i mod world_size; its index travels with it."""
+def _share(urls: list[str], rank: int, world_size: int):
+    """The samples this rank evaluates, undecoded, each with its place in the set (`__eval_index__`, ordering
+    the samples as the set does). With at least as many shards as ranks, shard k goes to rank k mod world_size
+    and a sample's place is (k, position in its shard); with fewer, every rank reads every shard and sample i
+    (counting every sample read) goes to rank i mod world_size."""
+    by_shard = len(urls) >= world_size
+    shard_of = {url: position for position, url in enumerate(urls)}
 
     def samples(source):
+        seen: dict[int, int] = {}
         for index, sample in enumerate(source):
-            if index % world_size == rank:
+            if by_shard:
+                shard = shard_of[sample["__url__"]]
+                seen[shard] = seen.get(shard, -1) + 1
+                sample["__eval_index__"] = (shard << 32) | seen[shard]
+                yield sample
+            elif index % world_size == rank:
                 sample["__eval_index__"] = index
                 yield sample
 
@@ -41,13 +51,14 @@ def _indexed_record(sample: dict) -> tuple[int, object, list[str], int]:
 
 def eval_records(urls: list[str], skips: SkipCounter, rank: int = 0, world_size: int = 1):
     """Every usable (index in the set, image, captions, label) of this rank's share of the shards, once, in
-    order (see samples.eval_record). Every rank reads every shard (only its share is decoded): what is wrong with
-    a shard itself is counted and warned about by rank 0 alone."""
-    reading = skips if rank == 0 else SkipCounter(skips.max_in_a_row, first_warnings=0, every_s=math.inf)
+    order (see samples.eval_record; `_share` for who reads what). Where every rank reads every shard, what is
+    wrong with a shard itself is counted and warned about by rank 0 alone."""
+    by_shard = len(urls) >= world_size
+    reading = skips if rank == 0 or by_shard else SkipCounter(skips.max_in_a_row, first_warnings=0, every_s=math.inf)
     return wds.DataPipeline(
-        wds.SimpleShardList(urls),
+        wds.SimpleShardList(urls[rank::world_size] if by_shard else urls),
         tar_samples(handler=reading),
-        _share(rank, world_size),
+        _share(urls, rank, world_size),
         wds.map(_indexed_record, handler=skips),
         wds.map(_MarkGood(skips, reading)),
     )

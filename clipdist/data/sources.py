@@ -156,6 +156,9 @@ def resolve_shards(data) -> Shards:
     else:
         train_spec, val_spec, classnames = data.train_shards, data.val_shards, list(data.classnames)
     templates = list(data.templates) or (templates_of(data.source) if data.source else DEFAULT_TEMPLATES)
+    if data.source and data.val_shards:  # your own main evaluation set beside a built-in training set
+        val_spec, classnames = data.val_shards, list(data.classnames)
+        templates = list(data.templates) or DEFAULT_TEMPLATES
     evals = [eval_set("val", val_spec, classnames, templates)] if val_spec else []
     for name, spec in data.eval_sets.items():
         if name == "val":

@@ -92,6 +92,10 @@ def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_si
     from clipdist.models import get_tokenizer
     from clipdist.trainer import image_transforms
 
+    from clipdist.host import intra_op_threads
+    from clipdist.parallel import rank_and_world_size
+
+    torch.set_num_threads(intra_op_threads(None, rank_and_world_size()[1])[0])  # the CPUs shared by the ranks
     device = torch.device("cpu")
     model, name = load_model(target, pretrained, model_name, cache_dir)
     model = model.to(device, precisions.weights_dtype(precision))

@@ -90,7 +90,7 @@ def _evaluate_on_ranks(folder, parallel):
                     batch_size=8, lockstep=parallel == "fsdp")
 
 
-@pytest.mark.parametrize("world_size, parallel", [(2, "ddp"), (3, "ddp"), (2, "fsdp")])
+@pytest.mark.parametrize("world_size, parallel", [(2, "ddp"), (3, "ddp"), (4, "ddp"), (2, "fsdp")])  # 3 shards: split by shard, and by sample at 4
 def test_every_rank_evaluates_its_share_and_gets_the_one_process_metrics(tmp_path, world_size, parallel):
     from clipdist.launch import launch_local
 

@@ -127,3 +127,16 @@ def test_ranking_in_small_blocks_equals_ranking_the_whole_matrix(monkeypatch):
     whole = evaluation.retrieval_metrics(images, texts, owners)
     monkeypatch.setattr(evaluation, "SIMILARITY_BLOCK", 7 * 80)  # 7 images (or captions) at a time
     assert evaluation.retrieval_metrics(images, texts, owners) == whole
+
+
+def test_your_own_val_shards_beside_a_built_in_training_source_are_the_ones_evaluated(tmp_path, cache_dir):
+    """data.val_shards with data.source=digits was ignored for the source's own set (a silent fallback)."""
+    from omegaconf import OmegaConf
+
+    from clipdist.data.sources import resolve_shards
+
+    root = pets(tmp_path / "wds_pets")
+    data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig),
+                                               {"val_shards": str(root), "cache_dir": str(cache_dir)}))
+    (val,) = resolve_shards(data).evals
+    assert all(url.startswith(str(root)) for url in val.urls) and val.classnames == ["cat", "dog"]
