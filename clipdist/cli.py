@@ -89,7 +89,8 @@ def _print_report(report, verbose: bool) -> None:
 def _make_shards(args: argparse.Namespace) -> int:
     from clipdist.data.shard_writer import make_shards, pairs_from_csv, pairs_from_folder
 
-    pairs = pairs_from_folder(args.images) if args.images else pairs_from_csv(args.csv, args.path_column, args.caption_column)
+    pairs = pairs_from_folder(args.images) if args.images else pairs_from_csv(args.csv, args.path_column, args.caption_column,
+                                                                                args.separator)
     unreadable = []
 
     def skip(message: str) -> None:
@@ -386,6 +387,8 @@ def _add_make_shards(commands) -> None:
     source = shards.add_mutually_exclusive_group(required=True)
     source.add_argument("--images", help="folder of images; caption from a same-name .txt, else the parent folder's name")
     source.add_argument("--csv", help="CSV with image paths (relative to the CSV) and captions")
+    shards.add_argument("--separator", default=",",
+                        help="--csv's column separator: , (default) or \\t / tab for open_clip's TSV")
     shards.add_argument("--path-column", default="path")
     shards.add_argument("--caption-column", default="caption")
     shards.add_argument("--out", required=True, help="output folder")

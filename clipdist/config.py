@@ -150,9 +150,14 @@ class DataConfig:
     # to read your own shards from train_shards / val_shards.
     source: Optional[str] = "digits"
     # A shard spec: file, brace pattern 'dir/{000..099}.tar', directory, glob, URL or 'pipe:cmd'; '::' joins several.
+    # ... or a CSV/TSV table of image paths and captions (.csv/.tsv: open_clip's --dataset-type csv), read as shards
     train_shards: Optional[str] = None
     val_shards: Optional[str] = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
     eval_sets: Dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
+    csv_separator: str = "\t"  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
+    csv_image_key: str = "filepath"  # the column of image paths (relative to the table, or absolute)
+    csv_caption_key: str = "title"  # the column of captions
+    csv_rows_per_part: int = 1000  # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
     weights: Optional[List[float]] = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
     split: Split = Split.node
@@ -297,7 +302,7 @@ class TrainConfig:
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
             "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
-            "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces")
+            "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces", "data.csv_rows_per_part")
 NON_NEGATIVE = ("checkpoint.remote_retries", "logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 

@@ -70,6 +70,9 @@ def open_image(sample: dict) -> EncodedImage:
     EXIF orientation is not applied, as in open_clip's loader (webdataset's "pilrgb" decoder): an image
     is used as it is stored."""
     ext = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+    for note in ("missing", "bad"):  # a table row whose image could not be read, or whose fields do not fit
+        if ext is None and note in sample:
+            raise SampleError(sample, sample[note].decode("utf-8", "replace"))
     if ext is None:
         raise SampleError(sample, f"no image ({', '.join(IMAGE_EXTENSIONS)}); it has {_extensions(sample)}")
     try:

@@ -126,11 +126,15 @@ def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
         raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {folder}")
 
 
-def pairs_from_csv(table: str | Path, path_column: str = "path", caption_column: str = "caption") -> Iterator[tuple[bytes, str, dict]]:
-    """Rows of a CSV with an image path column and a caption column (paths relative to the CSV)."""
+def pairs_from_csv(table: str | Path, path_column: str = "path", caption_column: str = "caption",
+                   separator: str = ",") -> Iterator[tuple[bytes, str, dict]]:
+    """Rows of a CSV (or TSV: `separator` \\t) with an image path column and a caption column (paths relative to
+    the table)."""
+    from clipdist.data.tables import TableFormat
+
     table = Path(table)
     with open(table, newline="") as handle:
-        reader = csv.DictReader(handle)
+        reader = csv.DictReader(handle, delimiter=TableFormat(separator).delimiter)
         missing = {path_column, caption_column} - set(reader.fieldnames or [])
         if missing:
             raise ValueError(f"{table}: missing column(s) {sorted(missing)}; found {reader.fieldnames}")

@@ -20,6 +20,7 @@ from pathlib import Path
 import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
+from clipdist.data.tables import TableFormat, is_part, is_table, table_parts
 
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
@@ -68,7 +69,8 @@ class Shards:
 
 
 def _is_remote(item: str) -> bool:
-    return "://" in item or item.startswith("pipe:")
+    """Not a local file: a URL, a `pipe:` command, or a part of a table (its table was checked when it was cut)."""
+    return "://" in item or item.startswith("pipe:") or is_part(item)
 
 
 def _natural(path: str):
@@ -80,10 +82,14 @@ def _benchmark_root(path: Path) -> bool:
     return (path / "test").is_dir() and any((path / name).exists() for name in (CLASSNAMES_FILE, "dataset_type.txt"))
 
 
-def _expand_item(item: str, what: str) -> list[str]:
+def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
     if _is_remote(item):
         return [item]
     path = Path(item).expanduser()
+    if is_table(item):
+        if not path.is_file():
+            raise FileNotFoundError(f"{what}: no such table {item}")
+        return table_parts(item, table, what)
     if path.is_dir():
         folder = path / "test" if _benchmark_root(path) else path
         found = sorted((str(p) for p in folder.glob("*.tar")), key=_natural)
@@ -99,11 +105,12 @@ def _expand_item(item: str, what: str) -> list[str]:
     return [str(path)]
 
 
-def expand_shards(spec: str, what: str = "data.train_shards") -> list[str]:
-    """Every shard of a spec (see the module docstring), checked: local shards exist and are not empty."""
+def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat = TableFormat()) -> list[str]:
+    """Every shard of a spec (see the module docstring), checked: local shards exist and are not empty; a CSV/TSV
+    table is cut into parts read as shards (data/tables.py, in `table`'s format)."""
     if not spec:
         raise ValueError(f"{what} is empty: give a shard path, directory, glob, brace pattern or pipe: command")
-    urls = [url for part in spec.split("::") for item in braceexpand.braceexpand(part) for url in _expand_item(item, what)]
+    urls = [url for part in spec.split("::") for item in braceexpand.braceexpand(part) for url in _expand_item(item, what, table)]
     local = [url for url in urls if not _is_remote(url)]
     missing = [url for url in local if not Path(url).is_file()]
     if missing:
@@ -135,16 +142,22 @@ def _beside(spec: str, urls: list[str], name: str) -> Path | None:
     return next((folder / name for folder in candidates if (folder / name).is_file()), None)
 
 
-def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], key: str | None = None) -> EvalSet:
+def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], key: str | None = None,
+             table: TableFormat = TableFormat()) -> EvalSet:
     """An evaluation set from a spec. Class names: `classnames` if given, else classnames.txt beside the
     shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`. `key`: how
     errors name the set (default: its config key)."""
-    urls = expand_shards(spec, key or eval_set_key(name))
+    urls = expand_shards(spec, key or eval_set_key(name), table)
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
     if found := _beside(spec, urls, TEMPLATES_FILE):
         templates = _lines(found)
     return EvalSet(name, urls, list(classnames), list(templates))
+
+
+def table_format(data) -> TableFormat:
+    """How data config reads CSV/TSV tables."""
+    return TableFormat(data.csv_separator, data.csv_image_key, data.csv_caption_key, data.csv_rows_per_part)
 
 
 def resolve_shards(data) -> Shards:
@@ -159,12 +172,13 @@ def resolve_shards(data) -> Shards:
     if data.source and data.val_shards:  # your own main evaluation set beside a built-in training set
         val_spec, classnames = data.val_shards, list(data.classnames)
         templates = list(data.templates) or DEFAULT_TEMPLATES
-    evals = [eval_set("val", val_spec, classnames, templates)] if val_spec else []
+    table = table_format(data)
+    evals = [eval_set("val", val_spec, classnames, templates, table=table)] if val_spec else []
     for name, spec in data.eval_sets.items():
         if name == "val":
             raise ValueError("data.eval_sets: the name 'val' is data.val_shards' own; choose another")
-        evals.append(eval_set(name, spec, [], list(data.templates) or DEFAULT_TEMPLATES))
-    sources = [expand_shards(part, "data.train_shards") for part in train_spec.split("::")]
+        evals.append(eval_set(name, spec, [], list(data.templates) or DEFAULT_TEMPLATES, table=table))
+    sources = [expand_shards(part, "data.train_shards", table) for part in train_spec.split("::")]
     if data.weights is not None and len(data.weights) != len(sources):
         raise ValueError(f"data.weights has {len(data.weights)} weight(s) for {len(sources)} source(s) in "
                          "data.train_shards ('::' separates them): give one weight per source")

@@ -20,6 +20,7 @@ import webdataset as wds
 from webdataset.tariterators import group_by_keys
 
 from clipdist.data.faults import ShardError, ShardHealth
+from clipdist.data.tables import is_part, part_members
 from clipdist.launch import kill_tree
 
 
@@ -150,12 +151,17 @@ def _tar_members(sources, handler, health: ShardHealth | None):
     for source in sources:
         url, files, stream = source["url"], 0, None
         try:
-            stream = wds.gopen(url, "rb")
-            for name, data in tar_files(stream):
+            if is_part(url):  # rows of a CSV/TSV table (data/tables.py)
+                members = part_members(url)
+            else:
+                stream = wds.gopen(url, "rb")
+                members = tar_files(stream)
+            for name, data in members:
                 if not name.startswith("__"):
                     files += 1
                     yield {"fname": name, "data": data, "__url__": url}
-            stream.close()  # a `pipe:` shard's failing command is reported here
+            if stream is not None:
+                stream.close()  # a `pipe:` shard's failing command is reported here
         except Exception as exn:  # noqa: BLE001 -- handed to the pipeline's handler, which decides
             error = _shard_error(url, exn, files)
             if files == 0 and health is not None:

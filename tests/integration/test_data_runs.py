@@ -71,3 +71,24 @@ def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
     assert "stopped by a signal at step 0" in stdout
     assert (run_dir / "checkpoints" / "step_00000000.dcp").is_dir()
     assert subprocess.run(["pgrep", "-f", sleep], capture_output=True).returncode == 1  # not left behind
+
+
+def test_training_on_a_table_skips_a_missing_image_and_resumes_exactly(tmp_path, cache_dir):
+    """open_clip's TSV (filepath, title) trained on in parts; a resume equals the run never stopped."""
+    from tests.unit.test_data import _open_clip_table
+
+    table = _open_clip_table(tmp_path / "data", rows=40, missing=(3,))
+    common = ["data.source=null", f"data.train_shards={table}", f"data.val_shards={table}", "data.csv_rows_per_part=8",
+              "world.batch_per_device=8", "checkpoint_every=3", "eval_every=3"]
+    first = train(tmp_path / "run", cache_dir, "optim.max_steps=3", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "image images/3.png: No such file or directory" in first.stderr
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert metrics["val_samples"] == 39 and metrics["val_skipped"] == 1 and "i2t_r1" in metrics
+    resumed = train(tmp_path / "run", cache_dir, "optim.max_steps=5", *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "cannot continue sample for sample" not in resumed.stderr
+    whole = train(tmp_path / "whole", cache_dir, "optim.max_steps=5", *common)  # within warmup: the same lr per step
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == \
+        [row["loss"] for row in read_jsonl(tmp_path / "whole" / "train_log.jsonl")]

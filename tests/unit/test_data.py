@@ -8,7 +8,7 @@ import pytest
 import torch
 import webdataset as wds
 from fixtures import caption_shards, image_bytes, pets, write_samples, write_tar
-from helpers import train_stream
+from helpers import refusal, train_stream
 from PIL import Image
 
 from clipdist.cli import main as cli
@@ -559,3 +559,49 @@ def test_bad_images_are_skipped_and_counted_in_the_stream(tmp_path, huge_jpeg):
     images, _tokens, counts, _load_s = next(stream)
     assert images.shape == (5, 3, 224, 224) and counts == [2, 0, 5]
     stream.close()
+
+
+def _open_clip_table(folder, rows=21, missing=(), separator="\t"):
+    """An open_clip-style table: filepath<sep>title, images in a subfolder, some rows' images absent."""
+    import numpy as np
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    generator = np.random.default_rng(0)
+    lines = [f"filepath{separator}title"]
+    for i in range(rows):
+        if i not in missing:
+            Image.fromarray(generator.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(folder / "images" / f"{i}.png")
+        lines.append(f"images/{i}.png{separator}a photo of thing {i}")
+    (folder / "table.tsv").write_text("\n".join(lines) + "\n")
+    return folder / "table.tsv"
+
+
+def test_a_table_is_read_in_parts_row_for_row_as_open_clip_reads_it(tmp_path):
+    from clipdist.data.sources import expand_shards
+    from clipdist.data.tables import TableFormat
+    from clipdist.data.tar_samples import tar_samples
+
+    table = _open_clip_table(tmp_path, rows=21, missing=(4,))
+    parts = expand_shards(str(table), "data.train_shards", TableFormat(rows_per_part=8))
+    assert len(parts) == 3  # 8 + 8 + 5 rows
+    samples = list(tar_samples(handler=lambda exn: True)([{"url": url} for url in parts]))
+    samples = [sample for sample in samples if sample]
+    assert [sample["txt"].decode() for sample in samples] == [f"a photo of thing {i}" for i in range(21)]
+    assert "missing" in samples[4] and all("png" in sample for i, sample in enumerate(samples) if i != 4)
+    assert samples[7]["png"] == (tmp_path / "images" / "7.png").read_bytes()
+    pandas = pytest.importorskip("pandas")
+    from open_clip_train.data import CsvDataset
+
+    theirs = CsvDataset(str(table), transforms=None, img_key="filepath", caption_key="title", sep="\t")
+    assert [str(caption) for caption in theirs.captions] == [sample["txt"].decode() for sample in samples]
+    assert [tmp_path / path for path in theirs.images] == [tmp_path / "images" / f"{i}.png" for i in range(21)]
+    assert pandas is not None
+
+
+def test_a_table_without_the_columns_is_one_line_before_the_ranks(tmp_path, capsys, monkeypatch):
+    table = _open_clip_table(tmp_path, rows=3, separator=",")
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "data.source=null",
+                          f"data.train_shards={table}")
+    assert code == 2 and len(lines) == 1, lines
+    assert "has no column 'filepath' (its columns, split at '\\t': ['filepath,title'])" in lines[0]

@@ -1,0 +1,121 @@
+"""CSV / TSV tables of (image path, caption) read as shards — open_clip's `--dataset-type csv`.
+
+A table given where shards go (`data.train_shards=/data/train.tsv`, an eval set) is cut into parts of
+`data.csv_rows_per_part` rows, each part a shard URL `table:<path>#rows=<first>-<last>&at=<byte offset>&...`. A part yields its rows
+as a tar shard yields its members — `<row>.<image extension>` (the image file's bytes, its path relative to the
+table unless absolute) and `<row>.txt` (the caption) — so everything a shard has, a table has too: parts shuffled
+and dealt over ranks and loader workers, the position saved and resumed exactly, a row whose image is missing or
+undecodable skipped and counted, evaluation split over ranks.
+
+One row per line (a caption may not span lines); the first line names the columns. Separator and column names
+are open_clip's defaults: tab, `filepath`, `title` (`data.csv_separator`, `data.csv_image_key`,
+`data.csv_caption_key`).
+"""
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, quote, unquote, urlencode
+
+from clipdist.data.samples import IMAGE_EXTENSIONS
+
+SCHEME = "table:"
+SUFFIXES = (".csv", ".tsv")
+
+
+@dataclass(frozen=True)
+class TableFormat:
+    separator: str = "\t"
+    image_key: str = "filepath"
+    caption_key: str = "title"
+    rows_per_part: int = 1000
+
+    @property
+    def delimiter(self) -> str:
+        """The separator as one character: `\\t` (two characters, as a shell passes it) is a tab."""
+        return {"\\t": "\t", "tab": "\t", "comma": ","}.get(self.separator, self.separator)
+
+
+def is_table(path: str) -> bool:
+    return not path.startswith(SCHEME) and Path(path).suffix.lower() in SUFFIXES
+
+
+def is_part(url: str) -> bool:
+    return url.startswith(SCHEME)
+
+
+def _row(line: bytes, delimiter: str) -> list[str]:
+    return next(csv.reader(io.StringIO(line.decode("utf-8")), delimiter=delimiter), [])
+
+
+def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
+    """The part URLs of the table at `path`; a ValueError naming the columns it has where a key is missing."""
+    file = Path(path).expanduser().resolve()
+    if len(table.delimiter) != 1:
+        raise ValueError(f"data.csv_separator={table.separator!r}: one character (a tab is \\t)")
+    with open(file, "rb") as handle:
+        header = _row(handle.readline(), table.delimiter)
+        missing = [key for key in (table.image_key, table.caption_key) if key not in header]
+        if missing:
+            raise ValueError(f"{what}: {file} has no column {missing[0]!r} (its columns, split at "
+                             f"{table.delimiter!r}: {header}); set data.csv_image_key / data.csv_caption_key / "
+                             "data.csv_separator")
+        query = urlencode({"sep": table.delimiter, "image": table.image_key, "caption": table.caption_key})
+
+        def part(first: int, rows: int, at: int) -> str:
+            return f"{SCHEME}{quote(str(file))}#rows={first}-{first + rows - 1}&at={at}&{query}"
+
+        parts, start, rows, offset, first = [], handle.tell(), 0, handle.tell(), 0
+        for line in iter(handle.readline, b""):
+            if rows == table.rows_per_part:
+                parts.append(part(first, rows, start))
+                start, first, rows = offset, first + rows, 0
+            offset += len(line)
+            if line.strip():
+                rows += 1
+        if rows:
+            parts.append(part(first, rows, start))
+    if not parts:
+        raise ValueError(f"{what}: {file} has a header and no rows")
+    return parts
+
+
+def part_members(url: str):
+    """(fname, data) of a part's rows, as tar_files gives a shard's members: `<row>.<ext>` and `<row>.txt`; a row
+    whose image file cannot be read gives its caption alone (the sample is then skipped as having no image)."""
+    path, _, fragment = url[len(SCHEME):].partition("#")
+    options = {key: values[0] for key, values in parse_qs(fragment, keep_blank_values=True).items()}
+    delimiter = options["sep"]
+    first_row, last_row = (int(number) for number in options["rows"].split("-"))
+    rows = last_row - first_row + 1
+    file = Path(unquote(path))
+    with open(file, "rb") as handle:
+        columns = _row(handle.readline(), delimiter)
+        image_at, caption_at = columns.index(options["image"]), columns.index(options["caption"])
+        handle.seek(int(options["at"]))
+        taken = 0
+        while taken < rows:
+            line = handle.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            number, taken = first_row + taken, taken + 1
+            row = _row(line, delimiter)
+            key = f"row{number:010d}"
+            if len(row) != len(columns):
+                yield f"{key}.bad", f"{len(row)} fields where the header has {len(columns)}".encode()
+                continue
+            image = Path(row[image_at])
+            image = image if image.is_absolute() else file.parent / image
+            try:
+                data = image.read_bytes()
+            except OSError as error:
+                yield f"{key}.missing", f"image {row[image_at]}: {error.strerror}".encode()
+            else:
+                extension = image.suffix.lower().lstrip(".")
+                yield f"{key}.{extension if extension in IMAGE_EXTENSIONS else 'jpg'}", data  # decoded by content
+            yield f"{key}.txt", row[caption_at].encode("utf-8")
+
