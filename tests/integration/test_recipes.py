@@ -141,3 +141,17 @@ def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, 
     assert theirs["image_size"] == [48, 48]
     exported = json.loads((tmp_path / "model" / "open_clip_config.json").read_text())
     assert exported["preprocess_cfg"]["mean"] == [0.5, 0.4, 0.3] and exported["model_cfg"]["quick_gelu"] is True
+
+
+@pytest.mark.parametrize("precision", ["pure_bf16", "fp16"])
+def test_two_steps_and_an_evaluation_in_each_precision(tmp_path, cache_dir, precision):
+    from clipdist.weights import read_progress
+
+    result = train(tmp_path / "run", cache_dir, f"precision={precision}", "world.batch_per_device=16",
+                   "optim.max_steps=2", "eval_every=2", "checkpoint_every=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["loss"]) for row in rows)
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["zeroshot_samples"] > 0
+    scaler = read_progress(tmp_path / "run" / "checkpoints" / "step_00000002.dcp")["scaler"]
+    assert (scaler is not None) == (precision == "fp16")  # the scaler's state travels in the checkpoint
