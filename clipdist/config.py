@@ -157,7 +157,12 @@ class DataConfig:
     csv_separator: str = "\t"  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
     csv_image_key: str = "filepath"  # the column of image paths (relative to the table, or absolute)
     csv_caption_key: str = "title"  # the column of captions
-    csv_rows_per_part: int = 1000  # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
+    csv_rows_per_part: int = 1000
+    # Where a training sample's caption is: member extensions (txt) or JSON paths (json:caption, json:captions.0;
+    # json:captions, a list: one drawn); the first the sample has, or one drawn by caption_probs (seeded per sample)
+    caption_keys: List[str] = field(default_factory=lambda: ["txt"])
+    caption_probs: Optional[List[float]] = None
+    image_keys: List[str] = field(default_factory=list)  # image extensions to read, first found; empty: any image  # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
     weights: Optional[List[float]] = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
     split: Split = Split.node
@@ -349,6 +354,12 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"data.weights={list(cfg.data.weights)}: every weight must be above 0")
     if cfg.checkpoint.remote:
         check_remote(cfg.checkpoint.remote)
+    if not cfg.data.caption_keys:
+        raise ConfigError("data.caption_keys is empty: give where captions are, e.g. [txt] or [json:caption]")
+    if cfg.data.caption_probs is not None and (len(cfg.data.caption_probs) != len(cfg.data.caption_keys)
+                                               or any(p <= 0 for p in cfg.data.caption_probs)):
+        raise ConfigError(f"data.caption_probs={list(cfg.data.caption_probs)}: one probability above 0 per "
+                          f"data.caption_keys entry ({list(cfg.data.caption_keys)})")
     if cfg.data.source is None and not cfg.data.train_shards:
         raise ConfigError("data.train_shards is not set: give your shards, e.g. "
                           "data.train_shards='/data/{000..099}.tar' (or data.source=digits)")

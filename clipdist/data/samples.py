@@ -7,8 +7,10 @@ the sample key and the reason, so a skip warning says what to fix.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import random
 import warnings
 from typing import NamedTuple
 
@@ -64,17 +66,95 @@ class EncodedImage(NamedTuple):
         return self.opened.size
 
 
-def open_image(sample: dict) -> EncodedImage:
-    """The sample's first image (by IMAGE_EXTENSIONS), its header read, its pixels not decoded yet. The
-    format is the file's own, whatever the extension says (a PNG or WebP named .jpg opens as what it is).
-    EXIF orientation is not applied, as in open_clip's loader (webdataset's "pilrgb" decoder): an image
-    is used as it is stored."""
-    ext = next((ext for ext in IMAGE_EXTENSIONS if ext in sample), None)
+class SampleKeys(NamedTuple):
+    """Where a sample's caption and image are (data.caption_keys, data.caption_probs, data.image_keys).
+
+    A caption key is a member's extension (`txt`) or a path into its JSON (`json:caption`, `json:captions.0`,
+    `json:captions`: a list, one of whose strings is drawn). Without probabilities the first key the sample has is
+    used; with them, one of the keys it has is drawn by probability (renormalised over those present) — every draw
+    seeded by (seed, shard, key), so a resume draws the same. Image keys: extensions, first found; () for any."""
+
+    caption_keys: tuple[str, ...] = ("txt",)
+    caption_probs: tuple[float, ...] | None = None
+    image_keys: tuple[str, ...] = ()
+    seed: int = 0
+
+    def draw(self, sample: dict) -> random.Random:
+        """This sample's own generator (a stable hash: Python's str hash differs between processes)."""
+        name = f"{self.seed}/{sample.get('__url__', '')}/{sample.get('__key__', '')}".encode()
+        return random.Random(int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little"))
+
+    def caption(self, sample: dict) -> str:
+        """The sample's caption by these keys; a SampleError naming the keys it has where none matches."""
+        found = [(key, value) for key in self.caption_keys if (value := _caption_at(sample, key)) is not None]
+        if not found:
+            raise SampleError(sample, f"no caption at {', '.join(self.caption_keys)}; it has {_extensions(sample)}"
+                              + _json_fields(sample))
+        chooser = self.draw(sample) if self.caption_probs is not None or any(
+            isinstance(value, list) for _, value in found) else None
+        if self.caption_probs is not None and len(found) > 1:
+            weights = [self.caption_probs[self.caption_keys.index(key)] for key, _ in found]
+            _, value = chooser.choices(found, weights=weights)[0]
+        else:
+            _, value = found[0]
+        if isinstance(value, list):
+            value = chooser.choice(value)
+        caption = " ".join(line.strip() for line in value.splitlines() if line.strip())
+        if not caption:
+            raise SampleError(sample, "empty caption")
+        return caption
+
+
+def _caption_at(sample: dict, key: str):
+    """The text (or list of texts) at caption key `key`, or None where the sample has none there."""
+    if not key.startswith("json:"):
+        if key not in sample:
+            return None
+        if key == "txt":
+            return "\n".join(captions_of(sample)) or None
+        try:
+            return sample[key].decode("utf-8")
+        except UnicodeDecodeError as exn:
+            raise SampleError(sample, f".{key} is not UTF-8 ({exn})") from None
+    if "json" not in sample:
+        return None
+    try:
+        value = json.loads(sample["json"])
+    except ValueError as exn:
+        raise SampleError(sample, f".json does not parse ({exn})") from None
+    for part in key[len("json:"):].split("."):
+        if isinstance(value, dict):
+            value = value.get(part)
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    if isinstance(value, list):
+        value = [item for item in value if isinstance(item, str) and item.strip()]
+        return value or None
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def _json_fields(sample: dict) -> str:
+    try:
+        fields = json.loads(sample["json"]) if "json" in sample else None
+    except ValueError:
+        return ""
+    return f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""
+
+
+def open_image(sample: dict, keys: SampleKeys = SampleKeys()) -> EncodedImage:
+    """The sample's first image (by `keys.image_keys`, else IMAGE_EXTENSIONS), its header read, its pixels not
+    decoded yet. The format is the file's own, whatever the extension says (a PNG or WebP named .jpg opens as
+    what it is). EXIF orientation is not applied, as in open_clip's loader (webdataset's "pilrgb" decoder): an
+    image is used as it is stored."""
+    ext = next((ext for ext in keys.image_keys or IMAGE_EXTENSIONS if ext in sample), None)
     for note in ("missing", "bad"):  # a table row whose image could not be read, or whose fields do not fit
         if ext is None and note in sample:
             raise SampleError(sample, sample[note].decode("utf-8", "replace"))
     if ext is None:
-        raise SampleError(sample, f"no image ({', '.join(IMAGE_EXTENSIONS)}); it has {_extensions(sample)}")
+        raise SampleError(sample, f"no image ({', '.join(keys.image_keys or IMAGE_EXTENSIONS)}); it has "
+                          f"{_extensions(sample)}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DecompressionBombWarning: load_rgb decides
@@ -178,15 +258,13 @@ def label_of(sample: dict) -> int | None:
     return None
 
 
-def training_pair(sample: dict) -> tuple[EncodedImage, str]:
+def training_pair(sample: dict, keys: SampleKeys = SampleKeys()) -> tuple[EncodedImage, str]:
     """(image, caption) for training: the image opened, not yet decoded (ImageBatcher decodes it at the
-    size its crop needs); the whole .txt is the caption, which must not be blank."""
-    if "txt" not in sample:
+    size its crop needs); the caption by `keys` (default: the whole .txt), which must not be blank."""
+    if keys.caption_keys == ("txt",) and "txt" not in sample:
         raise SampleError(sample, f"no .txt caption; it has {_extensions(sample)}")
-    captions = captions_of(sample)
-    if not captions:
-        raise SampleError(sample, "empty caption")
-    return open_image(sample), " ".join(captions)
+    caption = keys.caption(sample)
+    return open_image(sample, keys), caption
 
 
 def eval_record(sample: dict) -> tuple[Image.Image, list[str], int]:

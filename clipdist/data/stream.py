@@ -21,7 +21,7 @@ import torch
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.reader import Reader, ShardSequence
-from clipdist.data.samples import training_pair, undecodable
+from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 from clipdist.launch import STOP_SIGNALS, kill_tree
 from clipdist.parallel import all_ranks
@@ -317,6 +317,8 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         self.readers = readers or self.workers
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.resume, self.pixels = resume, pixels
+        probs = None if data.caption_probs is None else tuple(data.caption_probs)
+        self.keys = SampleKeys(tuple(data.caption_keys), probs, tuple(data.image_keys), seed)
 
     def reader(self, local: int, skips: SkipCounter, health: ShardHealth) -> Reader:
         index, count = (local, self.readers) if self.replicated else (self.rank * self.readers + local,
@@ -372,7 +374,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         started = time.thread_time()
         for sample in reader:
             try:
-                image, caption = training_pair(sample)
+                image, caption = training_pair(sample, self.keys)
             except DataError:
                 raise
             except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler

@@ -55,3 +55,18 @@ def test_skips_are_counted_in_workers_of_every_start_method(tmp_path, start_meth
 
 # --- decoding at the size the crop needs; bad images stay bad samples ------------------------------
 
+
+def test_the_caption_draw_is_the_same_in_another_process():
+    import subprocess
+    import sys
+
+    """Each caption draw is seeded by a stable hash (Python's str hash differs between processes): resumed runs and
+    other ranks draw the same."""
+    code = ("import json; from clipdist.data.samples import SampleKeys, training_pair; import io; from PIL import Image;"
+            "b = io.BytesIO(); Image.new('RGB', (8, 8)).save(b, 'PNG');"
+            "print([training_pair({'__key__': str(i), '__url__': 'shard.tar', 'png': b.getvalue(),"
+            " 'json': json.dumps({'captions': ['x', 'y', 'z']}).encode()}, SampleKeys(('json:captions',)))[1]"
+            " for i in range(20)])")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+    assert len(runs) == 1 and "x" in next(iter(runs))

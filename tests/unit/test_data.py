@@ -605,3 +605,54 @@ def test_a_table_without_the_columns_is_one_line_before_the_ranks(tmp_path, caps
                           f"data.train_shards={table}")
     assert code == 2 and len(lines) == 1, lines
     assert "has no column 'filepath' (its columns, split at '\\t': ['filepath,title'])" in lines[0]
+
+
+def _recaptioned(key: str, **fields) -> dict:
+    import json
+
+    return {"__key__": key, "__url__": "shard-0.tar", "png": image_bytes(), "txt": b"the alt text",
+            "json": json.dumps(fields).encode()}
+
+
+def test_captions_from_json_fields_lists_and_by_probability_seeded_per_sample():
+    from clipdist.data.samples import SampleKeys, training_pair
+
+    sample = _recaptioned("a", caption="a dense caption", captions=["first", "second", "third"])
+    assert training_pair(sample)[1] == "the alt text"  # the default: .txt
+    assert training_pair(sample, SampleKeys(("json:caption", "txt")))[1] == "a dense caption"
+    assert training_pair(sample, SampleKeys(("json:captions.1",)))[1] == "second"
+    assert training_pair(_recaptioned("b"), SampleKeys(("json:caption", "txt")))[1] == "the alt text"  # fallback
+    keys = SampleKeys(("json:caption", "txt"), (3.0, 1.0), seed=7)
+    drawn = [training_pair(_recaptioned(str(i), caption="dense"), keys)[1] for i in range(400)]
+    assert drawn == [training_pair(_recaptioned(str(i), caption="dense"), keys)[1] for i in range(400)]  # seeded
+    assert 0.68 < drawn.count("dense") / 400 < 0.82  # 3 : 1
+    picks = {training_pair(_recaptioned(str(i), captions=["x", "y"]), SampleKeys(("json:captions",)))[1]
+             for i in range(40)}
+    assert picks == {"x", "y"}
+    with pytest.raises(SampleError, match=r"no caption at json:caption; it has \.json, \.png, \.txt \(\.json fields: alt\)"):
+        training_pair(_recaptioned("c", alt="x"), SampleKeys(("json:caption",)))
+
+
+def test_caption_probabilities_that_do_not_fit_the_keys_are_one_line_before_the_ranks(tmp_path, capsys, monkeypatch):
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "data.caption_keys=[json:caption,txt]",
+                          "data.caption_probs=[1.0]")
+    assert code == 2 and len(lines) == 1 and "data.caption_probs=[1.0]: one probability above 0 per" in lines[0], lines
+
+
+def test_the_stream_reads_captions_from_the_keys_it_is_given(tmp_path):
+    import json
+
+    from torchvision import transforms as T
+
+    write_samples(tmp_path / "0.tar", [{"__key__": f"k{i}", "png": image_bytes(i * 20),
+                                        "json": json.dumps({"caption": f"json caption {i}"}).encode()}
+                                       for i in range(8)])
+    to_tensor = T.Compose([T.Resize((8, 8)), T.ToTensor()])
+    without = train_stream([tmp_path / "0.tar"], 4, to_tensor, max_skips_in_a_row=4)
+    with pytest.raises(DataError, match="no .txt caption; it has .json, .png"):
+        next(without)
+    without.close()
+    stream = train_stream([tmp_path / "0.tar"], 4, to_tensor, caption_keys=["json:caption"])
+    batch = next(stream)
+    stream.close()
+    assert batch.tokens.shape[0] == 4 and stream.skipped_samples == 0
