@@ -20,6 +20,8 @@ from pathlib import Path
 import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
+from clipdist.data.folders import class_folders, folder_classnames, folder_parts
+from clipdist.data.folders import is_part as is_folder_part
 from clipdist.data.tables import TableFormat, is_part, is_table, table_parts
 
 CLASSNAMES_FILE = "classnames.txt"
@@ -70,7 +72,7 @@ class Shards:
 
 def _is_remote(item: str) -> bool:
     """Not a local file: a URL, a `pipe:` command, or a part of a table (its table was checked when it was cut)."""
-    return "://" in item or item.startswith("pipe:") or is_part(item)
+    return "://" in item or item.startswith("pipe:") or is_part(item) or is_folder_part(item)
 
 
 def _natural(path: str):
@@ -93,9 +95,11 @@ def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
     if path.is_dir():
         folder = path / "test" if _benchmark_root(path) else path
         found = sorted((str(p) for p in folder.glob("*.tar")), key=_natural)
+        if not found and class_folders(path):  # an ImageFolder (one subfolder per class): evaluation reads it
+            return folder_parts(path)
         if not found:
             raise FileNotFoundError(f"{what}: the directory {item} holds no .tar files (a shard spec may be a "
-                                    "directory of .tar shards, a file, a brace pattern or a glob)")
+                                    "directory of .tar shards, an ImageFolder, a file, a brace pattern or a glob)")
         return found
     if any(char in item for char in GLOB_CHARS):
         found = sorted((p for p in glob.glob(str(path)) if Path(p).is_file()), key=_natural)
@@ -150,6 +154,10 @@ def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], 
     urls = expand_shards(spec, key or eval_set_key(name), table)
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
+    elif not classnames and urls and is_folder_part(urls[0]):  # an ImageFolder's own (ImageNet's from open_clip)
+        classnames, folder_templates = folder_classnames(Path(spec).expanduser())
+        if folder_templates and list(templates) == DEFAULT_TEMPLATES:
+            templates = folder_templates
     if found := _beside(spec, urls, TEMPLATES_FILE):
         templates = _lines(found)
     return EvalSet(name, urls, list(classnames), list(templates))

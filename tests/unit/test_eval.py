@@ -140,3 +140,45 @@ def test_your_own_val_shards_beside_a_built_in_training_source_are_the_ones_eval
                                                {"val_shards": str(root), "cache_dir": str(cache_dir)}))
     (val,) = resolve_shards(data).evals
     assert all(url.startswith(str(root)) for url in val.urls) and val.classnames == ["cat", "dog"]
+
+
+def _image_folder(root, classes, per_class=4):
+    import numpy as np
+    from PIL import Image
+
+    generator = np.random.default_rng(0)
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(generator.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+def test_an_image_folder_evaluates_as_the_same_images_in_clip_benchmark_shards(tmp_path, tiny):
+    """torchvision's ImageFolder layout (open_clip's --imagenet-val): classes in sorted order, names from the
+    folders; the metrics equal those of the same images written as clip_benchmark shards (one per class)."""
+    from clipdist.data.sources import eval_set
+
+    root = _image_folder(tmp_path / "folder", ["tabby_cat", "golden_retriever", "red_fox"])
+    folder_set = eval_set("imagenet", str(root), [], ["a photo of a {}."])
+    assert folder_set.classnames == ["golden retriever", "red fox", "tabby cat"]
+    shards = tmp_path / "wds" / "test"
+    shards.mkdir(parents=True)
+    for label, name in enumerate(sorted(p.name for p in root.iterdir())):
+        write_samples(shards / f"{label}.tar", [{"__key__": f"{name}-{i}", "png": (root / name / f"{i}.png").read_bytes(),
+                                                 "cls": str(label).encode()} for i in range(4)])
+    (tmp_path / "wds" / "classnames.txt").write_text("\n".join(folder_set.classnames) + "\n")
+    shard_set = eval_set("imagenet", str(tmp_path / "wds"), [], ["a photo of a {}."])
+    ours, theirs = run_eval(tiny, folder_set), run_eval(tiny, shard_set)
+    assert ours == theirs and ours["imagenet/zeroshot_samples"] == 12
+
+
+def test_an_imagenet_folder_gets_open_clips_class_names_and_openais_templates(tmp_path):
+    from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
+
+    from clipdist.data.sources import DEFAULT_TEMPLATES, eval_set
+
+    root = _image_folder(tmp_path / "val", [f"n{index:08d}" for index in range(1000)], per_class=1)
+    imagenet = eval_set("imagenet", str(root), [], DEFAULT_TEMPLATES)
+    assert imagenet.classnames == list(IMAGENET_CLASSNAMES) and len(imagenet.templates) == 80
+    assert imagenet.templates[0] == "a bad photo of a {}." and len(imagenet.urls) == 1000
