@@ -111,10 +111,8 @@ def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropou
 
 def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, cache_dir):
     """open_clip alone loads the export of a run with force_* overrides and its own image mean as the run built it."""
-    import subprocess
-    import sys
 
-    from tests.integration.test_export import OPEN_CLIP_ALONE
+    from tests.integration.test_export import open_clip_features
 
     from clipdist.cli import main as cli
     from clipdist.models import create_model, get_tokenizer, model_overrides
@@ -130,11 +128,7 @@ def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, 
     ours.load_state_dict(read_run_checkpoint(find_checkpoint(tmp_path / "run"))[0])
     ours.eval()
     images, captions = torch.randn(2, 3, 48, 48), ["a photo of a 3.", "a seven"]
-    torch.save({"images": images, "captions": captions}, tmp_path / "inputs.pt")
-    result = subprocess.run([sys.executable, "-c", OPEN_CLIP_ALONE, str(tmp_path / "model"), str(tmp_path / "inputs.pt"),
-                             str(tmp_path / "features.pt")], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    theirs = torch.load(tmp_path / "features.pt")
+    theirs = open_clip_features(tmp_path / "model", images, captions, tmp_path)
     with torch.no_grad():
         assert torch.equal(theirs["image"], ours.encode_image(images))
         assert torch.equal(theirs["text"], ours.encode_text(get_tokenizer("clipdist-tiny")(captions)))
