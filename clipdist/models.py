@@ -159,6 +159,10 @@ def check_model_options(model_cfg) -> None:
     for key in ("lock_image_unlocked_groups", "lock_text_unlocked_layers"):
         if getattr(model_cfg, key) < 0:
             raise ValueError(f"model.{key}={getattr(model_cfg, key)}: must be 0 or more")
+    if not model_cfg.name.startswith(SCHEMAS) and "multimodal_cfg" in (
+            open_clip.get_model_config(resolve_model_name(model_cfg.name)) or {}):
+        raise ValueError(f"model.name={model_cfg.name} is a CoCa model (contrastive + captioning): its captioning "
+                         "loss is not in clipdist yet (issue #36); train a CLIP model config (ViT-B-32, ...)")
     overrides = model_overrides(model_cfg)
     uses_tower = model_cfg.lock_image or model_cfg.lock_text or overrides.get("pretrained_image")
     if not uses_tower:
