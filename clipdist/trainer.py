@@ -77,6 +77,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         raise ConfigError(str(error)) from None
     if cfg.world.parallel == "fsdp":
         check_shardable(cfg.model.name)
+    if cfg.world.sync_batchnorm and not uses_cuda(cfg.world.device):
+        check_no_batchnorm(cfg.model)
     try:
         shards = resolve_shards(cfg.data)
         check_shard_count(len(shards.train), cfg.world.world_size, loader_workers_for(cfg, len(shards.train)).readers,
@@ -143,6 +145,16 @@ def check_shardable(model_name: str) -> None:
     if not parallel.transformer_blocks(model):
         raise ConfigError(f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
                           f"{', '.join(parallel.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
+
+
+def check_no_batchnorm(model_cfg) -> None:
+    """world.sync_batchnorm on CPU ranks: SyncBatchNorm runs on GPUs only, so a tower with BatchNorm is refused
+    (one without has nothing to convert)."""
+    overrides = {**model_overrides(model_cfg), "pretrained_image": False}
+    model = create_model(model_cfg.name, device="meta", overrides=overrides)
+    if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        raise ConfigError(f"world.sync_batchnorm=true: {model_cfg.name} has BatchNorm layers, and SyncBatchNorm runs "
+                          "on CUDA ranks only; use world.device=cuda, or world.sync_batchnorm=false on CPU ranks")
 
 
 def check_eval_set(evalset: EvalSet) -> None:
