@@ -144,6 +144,13 @@ class AugmentationConfig:
     use_timm: bool = False  # timm's create_transform (RandAugment-style pipelines, random erasing)
 
 
+def model_config(settings: dict) -> ModelConfig:
+    """A ModelConfig from a saved run's `model` section (as_dict): keys it predates take their defaults, keys this
+    version no longer has are left out."""
+    known = {key: value for key, value in settings.items() if key in ModelConfig.__dataclass_fields__}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known))
+
+
 @dataclass
 class DataConfig:
     # Built-in real datasets turned into shards on first use (digits, fashion_mnist, web_photos), or null

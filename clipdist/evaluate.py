@@ -4,12 +4,13 @@ Zero-shot uses the labelled samples (.cls or .json "label") when the set has cla
 samples with captions, an image matching any of its captions (a .txt may hold several, one per line, as
 clip_benchmark's retrieval sets do).
 
-Every rank evaluates (a collective where there is a process group): sample i of the set (in shard order) is
-encoded by rank i mod N, the features are gathered onto every rank in set order, and the metrics are computed
+Every rank evaluates (a collective where there is a process group): each encodes its share — shard k on rank
+k mod N where there are at least N shards, else sample i on rank i mod N (data/eval_stream.py) — in batches that
+never span two shards, the features are gathered onto every rank in set order, and the metrics are computed
 from them — each rank ranking its share of the images and captions, chunk by chunk (memory bounded: no
 images × captions matrix is made), the rank counts gathered. So no rank waits on another one's encoding, the
-work is split N ways, and every rank returns the metrics one process computes (the features differ from one
-process's only by floating-point batching).
+work is split N ways, and every rank returns the metrics one process computes (split by shard, the features
+are bit for bit one process's; split by sample, they differ only by floating-point batching).
 
 Metrics, as open_clip names them where it has them:
 - `zeroshot_top1`, `zeroshot_top5`: each class's prompts averaged into a classifier;
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from clipdist.data.eval_stream import eval_records
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
+from clipdist.losses import clip_loss
 from clipdist.parallel import all_ranks, rank_and_world_size
 
 SIMILARITY_BLOCK = 1 << 24  # similarities held at once while ranking (64 MB of float32)
@@ -42,15 +44,9 @@ def recall_at_k(similarity: torch.Tensor, owner: torch.Tensor, ks=(1, 5, 10)) ->
     """(image→text, text→image) recall@k for images × captions similarities, caption j belonging to image
     owner[j]: an image is right when any of its captions is among its k best, a caption when its image is among
     the k best."""
-    image_rank, caption_rank = retrieval_ranks(similarity, owner)
+    image_rank, caption_rank = image_ranks(similarity, owner), caption_ranks(similarity.T, owner)
     return ({k: (image_rank < k).float().mean().item() for k in ks},
             {k: (caption_rank < k).float().mean().item() for k in ks})
-
-
-def retrieval_ranks(similarity: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-based ranks from a whole images × captions matrix: per image, the captions of other images that beat its
-    best caption; per caption, the images that beat its own."""
-    return image_ranks(similarity, owner), caption_ranks(similarity.T, owner)
 
 
 def image_ranks(similarity: torch.Tensor, owner: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -99,9 +95,8 @@ class _Encoder:
 
     def texts(self, texts: list[str]) -> torch.Tensor:
         if not texts:
-            if not self.lockstep:
-                return torch.zeros(0)
-            self.model.encode_text(self.tokenizer([""]).to(self.device))
+            if self.lockstep:  # the other ranks' forward gathers the weights: this one must take part
+                self.model.encode_text(self.tokenizer([""]).to(self.device))
             return torch.zeros(0)
         return F.normalize(self.model.encode_text(self.tokenizer(texts).to(self.device)).float(), dim=-1).cpu()
 
@@ -210,12 +205,10 @@ def zero_shot_classifier(encoder: _Encoder, classnames: list[str], templates: li
 
 
 def clip_loss_in_blocks(images: torch.Tensor, texts: torch.Tensor, logit_scale: float, block: int) -> float:
-    """The CLIP loss over consecutive blocks of `block` pairs, weighted by block size (open_clip's val loss)."""
-    total = 0.0
-    for start in range(0, len(images), block):
-        logits = logit_scale * images[start:start + block] @ texts[start:start + block].T
-        target = torch.arange(len(logits))
-        total += (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)).item() / 2 * len(logits)
+    """The CLIP loss (losses.clip_loss) over consecutive blocks of `block` pairs, weighted by block size (open_clip's
+    val loss)."""
+    total = sum(clip_loss(images[start:start + block], texts[start:start + block], logit_scale).item()
+                * len(images[start:start + block]) for start in range(0, len(images), block))
     return total / len(images)
 
 

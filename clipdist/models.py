@@ -105,11 +105,14 @@ PREPROCESS_OVERRIDES = {"image_mean": "mean", "image_std": "std", "image_interpo
                         "image_resize_mode": "resize_mode"}
 
 
-def model_overrides(model_cfg) -> dict:
+def model_overrides(model_cfg, fetch: bool = True) -> dict:
     """open_clip.create_model's keyword arguments for the per-run overrides of `model` config (model.force_*,
-    model.pretrained_image) and the image preprocessing it sets (model.image_*: "preprocess")."""
+    model.pretrained_image) and the image preprocessing it sets (model.image_*: "preprocess"). fetch=False: the
+    structure alone, timm's image-tower weights not fetched (checks, exports, a checkpoint's own weights)."""
     overrides = {key: value for key in MODEL_OVERRIDES
                  if (value := getattr(model_cfg, key)) is not None and value is not False}  # 0.0 patch dropout counts
+    if not fetch:
+        overrides["pretrained_image"] = False
     preprocess = {field: value if not isinstance(value, list) else tuple(value)
                   for key, field in PREPROCESS_OVERRIDES.items() if (value := getattr(model_cfg, key)) is not None}
     if preprocess:
@@ -163,12 +166,10 @@ def check_model_options(model_cfg) -> None:
             open_clip.get_model_config(resolve_model_name(model_cfg.name)) or {}):
         raise ValueError(f"model.name={model_cfg.name} is a CoCa model (contrastive + captioning): its captioning "
                          "loss is not in clipdist yet (issue #36); train a CLIP model config (ViT-B-32, ...)")
-    overrides = model_overrides(model_cfg)
-    uses_tower = model_cfg.lock_image or model_cfg.lock_text or overrides.get("pretrained_image")
-    if not uses_tower:
+    if not (model_cfg.lock_image or model_cfg.lock_text or model_cfg.pretrained_image):
         return
-    model = create_model(model_cfg.name, device="meta", overrides={**overrides, "pretrained_image": False})
-    if overrides.get("pretrained_image") and type(model.visual).__name__ != "TimmModel":
+    model = create_model(model_cfg.name, device="meta", overrides=model_overrides(model_cfg, fetch=False))
+    if model_cfg.pretrained_image and type(model.visual).__name__ != "TimmModel":
         raise ValueError(f"model.pretrained_image=true starts a timm image tower from timm's weights, but "
                          f"{model_cfg.name}'s image tower is {type(model.visual).__name__} (use a timm tower, e.g. "
                          "model=timm_tiny, or model.pretrained / model.checkpoint for the whole model)")
@@ -347,7 +348,7 @@ def check_weights(model_cfg, loss_fn, init_logit_bias: float | None = None) -> N
     source = checkpoint or pretrained_weights(name, model_cfg.pretrained, model_cfg.cache_dir)
     if source is None:
         return
-    overrides = {**model_overrides(model_cfg), "pretrained_image": False}
+    overrides = model_overrides(model_cfg, fetch=False)
     what = f"model.checkpoint={checkpoint}" if checkpoint else \
         f"model.pretrained={model_cfg.pretrained}" if model_cfg.pretrained else f"model.name={name}"
     try:

@@ -150,8 +150,7 @@ def check_shardable(model_name: str) -> None:
 def check_no_batchnorm(model_cfg) -> None:
     """world.sync_batchnorm on CPU ranks: SyncBatchNorm runs on GPUs only, so a tower with BatchNorm is refused
     (one without has nothing to convert)."""
-    overrides = {**model_overrides(model_cfg), "pretrained_image": False}
-    model = create_model(model_cfg.name, device="meta", overrides=overrides)
+    model = create_model(model_cfg.name, device="meta", overrides=model_overrides(model_cfg, fetch=False))
     if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
         raise ConfigError(f"world.sync_batchnorm=true: {model_cfg.name} has BatchNorm layers, and SyncBatchNorm runs "
                           "on CUDA ranks only; use world.device=cuda, or world.sync_batchnorm=false on CPU ranks")

@@ -23,9 +23,7 @@ def load_model(target: str, pretrained: str | None = None, model_name: str | Non
                cache_dir: str | None = None, device: str = "cpu") -> tuple[torch.nn.Module, str]:
     """(the model TARGET names, the model name its tokenizer goes by); a ValueError in one line where it cannot.
     device="meta": the structure alone, the weights only checked to fit."""
-    from omegaconf import OmegaConf
-
-    from clipdist.config import ModelConfig
+    from clipdist.config import model_config
     from clipdist.models import create_model, model_overrides, weights_for
     from clipdist.tools.export import CONFIG_FILE
     from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint
@@ -37,12 +35,9 @@ def load_model(target: str, pretrained: str | None = None, model_name: str | Non
     if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
         checkpoint = find_checkpoint(path)
         weights, config = read_run_checkpoint(checkpoint)
-        settings = {key: value for key, value in config.get("model", {}).items()
-                    if key in ModelConfig.__dataclass_fields__}
-        model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), settings))
-        overrides = {**model_overrides(model_cfg), "pretrained_image": False}
+        model_cfg = model_config(config.get("model", {}))
         model = create_model(model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None,
-                             overrides=overrides, device=device)
+                             overrides=model_overrides(model_cfg, fetch=False), device=device)
         fitting = weights_for(model, weights, checkpoint)
         if device != "meta":
             model.load_state_dict(fitting)

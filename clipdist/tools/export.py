@@ -26,15 +26,11 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
     """open_clip's {"model_cfg", "preprocess_cfg"} for `model_name` (a name or config file clipdist knows) as the
     run built it: its `model` config's overrides (force_*, image_*) applied; a logit bias in the weights (SigLIP)
     goes into model_cfg, so open_clip builds the model with one."""
-    from omegaconf import OmegaConf
-
-    from clipdist.config import ModelConfig
+    from clipdist.config import model_config
     from clipdist.models import built_model_config, create_model, model_overrides, resolve_model_name
 
     name = resolve_model_name(model_name)
-    known = {key: value for key, value in (model_settings or {}).items() if key in ModelConfig.__dataclass_fields__}
-    overrides = model_overrides(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known)))
-    overrides["pretrained_image"] = False
+    overrides = model_overrides(model_config(model_settings or {}), fetch=False)
     model_cfg = built_model_config(name, overrides)
     if "logit_bias" in weights:
         model_cfg["init_logit_bias"] = float(weights["logit_bias"])

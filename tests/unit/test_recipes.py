@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from clipdist.config import DataConfig, ModelConfig, OptimConfig, to_train_config
+from clipdist.config import DataConfig, ModelConfig, OptimConfig, model_config, to_train_config
 from clipdist.models import built_model_config, create_model, lock_towers, model_overrides
 from clipdist.optim import build_optimizer, check_optim, layer_scales
 from clipdist.precision import gradient_scaler
@@ -25,7 +25,7 @@ def _optim(**values) -> OptimConfig:
 
 
 def _model_cfg(**values) -> ModelConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+    return model_config(values)
 
 
 @pytest.mark.parametrize("schedule, extra, open_clip_schedule", [
