@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clipdist.data.eval_stream import eval_records
+from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
 from clipdist.losses import clip_loss
@@ -118,14 +118,14 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
     records = iter(eval_records(evalset.urls, skips, rank=rank, world_size=world_size))
     # Split by shard, a batch never spans two shards: its samples are then the same at any world size, and so
     # are their features, bit for bit (a forward's rounding can depend on what else is in its batch).
-    shard_of = (lambda index: index >> 32) if len(evalset.urls) >= world_size else (lambda index: 0)
+    by_shard = split_by_shard(evalset.urls, world_size)
     waiting = None  # a record read past the end of the last batch (the next shard's first)
     while True:
         batch = [waiting] if waiting is not None else []
         waiting = None
         try:
             for record in records:
-                if batch and shard_of(record[0]) != shard_of(batch[0][0]):
+                if batch and by_shard and shard_of(record[0]) != shard_of(batch[0][0]):
                     waiting = record
                     break
                 batch.append(record)

@@ -22,19 +22,29 @@ class _MarkGood:
         return sample
 
 
+def split_by_shard(urls: list[str], world_size: int) -> bool:
+    """Whether a set's ranks take whole shards (at least one each), or samples of every shard."""
+    return len(urls) >= world_size
+
+
+def shard_of(index: int) -> int:
+    """The shard of a sample's place in its set, where the set is split by shard."""
+    return index >> 32
+
+
 def _share(urls: list[str], rank: int, world_size: int):
     """The samples this rank evaluates, undecoded, each with its place in the set (`__eval_index__`, ordering
     the samples as the set does). With at least as many shards as ranks, shard k goes to rank k mod world_size
     and a sample's place is (k, position in its shard); with fewer, every rank reads every shard and sample i
     (counting every sample read) goes to rank i mod world_size."""
-    by_shard = len(urls) >= world_size
-    shard_of = {url: position for position, url in enumerate(urls)}
+    by_shard = split_by_shard(urls, world_size)
+    position_of = {url: position for position, url in enumerate(urls)}
 
     def samples(source):
         seen: dict[int, int] = {}
         for index, sample in enumerate(source):
             if by_shard:
-                shard = shard_of[sample["__url__"]]
+                shard = position_of[sample["__url__"]]
                 seen[shard] = seen.get(shard, -1) + 1
                 sample["__eval_index__"] = (shard << 32) | seen[shard]
                 yield sample
@@ -53,7 +63,7 @@ def eval_records(urls: list[str], skips: SkipCounter, rank: int = 0, world_size:
     """Every usable (index in the set, image, captions, label) of this rank's share of the shards, once, in
     order (see samples.eval_record; `_share` for who reads what). Where every rank reads every shard, what is
     wrong with a shard itself is counted and warned about by rank 0 alone."""
-    by_shard = len(urls) >= world_size
+    by_shard = split_by_shard(urls, world_size)
     reading = skips if rank == 0 or by_shard else SkipCounter(skips.max_in_a_row, first_warnings=0, every_s=math.inf)
     return wds.DataPipeline(
         wds.SimpleShardList(urls[rank::world_size] if by_shard else urls),

@@ -86,10 +86,15 @@ class SampleKeys(NamedTuple):
 
     def caption(self, sample: dict) -> str:
         """The sample's caption by these keys; a SampleError naming the keys it has where none matches."""
-        found = [(key, value) for key in self.caption_keys if (value := _caption_at(sample, key)) is not None]
+        meta = _Meta(sample)
+        found = [(key, value) for key in self.caption_keys if (value := _caption_at(sample, key, meta)) is not None]
         if not found:
+            try:
+                fields = meta() if "json" in sample else None
+            except SampleError:  # a .json that does not parse has no fields to name
+                fields = None
             raise SampleError(sample, f"no caption at {', '.join(self.caption_keys)}; it has {_extensions(sample)}"
-                              + _json_fields(sample))
+                              + (f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""))
         chooser = self.draw(sample) if self.caption_probs is not None or any(
             isinstance(value, list) for _, value in found) else None
         if self.caption_probs is not None and len(found) > 1:
@@ -105,7 +110,22 @@ class SampleKeys(NamedTuple):
         return caption
 
 
-def _caption_at(sample: dict, key: str):
+class _Meta:
+    """A sample's .json, parsed once however many caption keys look into it."""
+
+    def __init__(self, sample: dict):
+        self.sample, self.parsed = sample, None
+
+    def __call__(self):
+        if self.parsed is None:
+            try:
+                self.parsed = (json.loads(self.sample["json"]),)
+            except ValueError as exn:
+                raise SampleError(self.sample, f".json does not parse ({exn})") from None
+        return self.parsed[0]
+
+
+def _caption_at(sample: dict, key: str, meta: _Meta):
     """The text (or list of texts) at caption key `key`, or None where the sample has none there."""
     if not key.startswith("json:"):
         if key not in sample:
@@ -118,10 +138,7 @@ def _caption_at(sample: dict, key: str):
             raise SampleError(sample, f".{key} is not UTF-8 ({exn})") from None
     if "json" not in sample:
         return None
-    try:
-        value = json.loads(sample["json"])
-    except ValueError as exn:
-        raise SampleError(sample, f".json does not parse ({exn})") from None
+    value = meta()
     for part in key[len("json:"):].split("."):
         if isinstance(value, dict):
             value = value.get(part)
@@ -133,14 +150,6 @@ def _caption_at(sample: dict, key: str):
         value = [item for item in value if isinstance(item, str) and item.strip()]
         return value or None
     return value if isinstance(value, str) and value.strip() else None
-
-
-def _json_fields(sample: dict) -> str:
-    try:
-        fields = json.loads(sample["json"]) if "json" in sample else None
-    except ValueError:
-        return ""
-    return f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""
 
 
 def open_image(sample: dict, keys: SampleKeys = SampleKeys()) -> EncodedImage:
