@@ -231,9 +231,10 @@ def _settings(config: dict, keys) -> dict:
 
 def _identity(config: dict) -> dict:
     """The keys whose change makes another run (refused on resume): the model's structure, which parameters train,
-    the optimizer and the loss, but not the loss's initial scalars. World size, batch and parallelism may change."""
+    the optimizer and the loss, but not the loss's initial scalars nor its tile size (an order of summation, like
+    the world size). World size, batch and parallelism may change."""
     loss = {key: value for key, value in _flat(config).items()
-            if key.startswith("loss.") and not key.startswith("loss.init_")}
+            if key.startswith("loss.") and not key.startswith("loss.init_") and key != "loss.tile"}
     return {**_settings(config, STRUCTURE), **loss}
 
 

@@ -18,7 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from clipdist.errors import ConfigError
 from clipdist.launch import COLLECTIVE_TIMEOUT_S
 from clipdist.models import DEFAULT_MODEL
-from clipdist.losses.tiled import DEFAULT_TILE  # the backend's default: the loss package knows no Hydra
+from clipdist.losses.ring import DEFAULT_TILE  # the backend's default: the loss package knows no Hydra
 
 
 class Choice(str, Enum):
@@ -209,7 +209,13 @@ class TiledLossConfig(LossConfig):
     tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
 
 
-LOSS_SCHEMAS = {"tiled": TiledLossConfig}  # backends with options: loss/<name>.yaml starts from /<name>_loss_schema
+@dataclass
+class SigLipLossConfig(LossConfig):
+    name: str = "siglip"
+    tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
+
+
+LOSS_SCHEMAS = {"tiled": TiledLossConfig, "siglip": SigLipLossConfig}  # backends with options: loss/<name>.yaml starts from /<name>_loss_schema
 
 
 @dataclass

@@ -152,38 +152,3 @@ def post_exchange(tensors, shifts, receive_rows, layout, tag: int = 0):
         operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer_to, layout.group, tag=tag + k))
         operations.append(dist.P2POp(dist.irecv, received[k], peer_from, layout.group, tag=tag + k))
     return received, dist.batch_isend_irecv(operations)
-
-
-def _exchange(tensors, shifts, receive_rows, layout):
-    """Send tensors[k] to rank + shifts[k], receive from rank − shifts[k], and wait for all of it."""
-    received, requests = post_exchange(tensors, shifts, receive_rows, layout)
-    for request in requests:
-        request.wait()
-    return received
-
-
-class _NeighbourExchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layout, shifts, receive_rows, *tensors):
-        ctx.layout, ctx.shifts, ctx.send_rows = layout, shifts, [t.shape[0] for t in tensors]
-        received = _exchange(tensors, shifts, receive_rows, layout)
-        ctx.received_like = [(t.shape, t.dtype, t.device) for t in received]
-        return tuple(received)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        # Each received block's gradient goes back to the rank it came from.
-        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                 for g, (shape, dtype, device) in zip(grads, ctx.received_like)]
-        returned = _exchange(grads, [-s for s in ctx.shifts], ctx.send_rows, ctx.layout)
-        return (None, None, None, *returned)
-
-
-def neighbour_exchange_with_grad(tensors, shifts, origins, layout: WorldLayout):
-    """Pass blocks of rows to neighbours: tensors[k] goes to rank + shifts[k], and what comes
-    back is the block that originated on rank origins[k] (its row count is taken from the
-    layout, so unequal local batches work). The backward returns every received block's
-    gradient to its sender, so gradients reach the rows' owner through the same ring.
-    """
-    receive_rows = [layout.local_sizes[origin] for origin in origins]
-    return _NeighbourExchange.apply(layout, tuple(shifts), receive_rows, *tensors)

@@ -1,37 +1,52 @@
-"""`siglip`: the sigmoid loss, text blocks passed around a ring of neighbours (no all_gather)."""
+"""`siglip`: the sigmoid loss on the ring, O(b·d) kept per rank — no b×B logits, no gathered features."""
 from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
 from clipdist.losses.base import DistributedContrastiveLoss
-from clipdist.losses.collectives import neighbour_exchange_with_grad
 from clipdist.losses.reference import siglip_loss
+from clipdist.losses.ring import DEFAULT_TILE, RingKernel, check_tile, logits, ring_sum
 
 
-def _sigmoid_terms(scaled_images, text_features, logit_bias, own_block: bool) -> torch.Tensor:
-    """Σ_ij −log σ(z_ij·((s·I_i)·T_j + t)) over one b×b' block; z = +1 only on the own block's diagonal."""
-    logits = scaled_images @ text_features.T + logit_bias
-    signs = -torch.ones_like(logits)
-    if own_block:
-        signs.diagonal().fill_(1)
-    return -F.logsigmoid(signs * logits).sum()
+class Softplus(RingKernel):
+    """Σ_{i∈r} Σ_j softplus(x_ij) = −Σ log σ(−x_ij), x_ij = s·r_i·c_j + t (every pair taken as a negative);
+    backward weights σ(x_ij)."""
+
+    def partial(self, scaled_rows, block, bias, tile):
+        negated_rows, negated_bias = scaled_rows.neg(), bias.neg()  # −x straight out of the matmul
+        total = scaled_rows.new_zeros(())
+        for r in range(0, scaled_rows.shape[0], tile):
+            for c in range(0, block.shape[0], tile):
+                total -= F.logsigmoid(logits(negated_rows[r : r + tile], block[c : c + tile], negated_bias)).sum()
+        return total
+
+    def merge(self, first, second):
+        return first + second
+
+    def value(self, partial):
+        return partial
+
+    def weights(self, tile_logits, partial, rows):
+        return tile_logits.sigmoid_()
+
+
+SOFTPLUS = Softplus()
 
 
 class SigLipLoss(DistributedContrastiveLoss):
-    """Rank r's images against every rank's texts, the texts arriving from the neighbours.
+    """The sigmoid loss (open_clip's SigLipLoss) with O(b·d) kept per rank: no logit block outlives its tile.
 
-    Bidirectional ring as in open_clip: each round sends the current blocks one rank left
-    and one rank right, so after ⌊(N−1)/2⌋ rounds (plus one one-way step when N is even)
-    every text block has visited every rank. Per rank
-        l_r = N/B · Σ_{i∈r} Σ_j −log σ(z_ij·(s·I_i·T_j + t))
-    so (1/N)·Σ_r l_r = L. The exchange's backward sends every received block's gradient
-    back along the ring to its owner, so rank r's texts get Σ_q ∂l_q/∂T_r = N·∂L/∂T_r and
-    DDP's average is exact; scale and bias get ∂l_r/∂(s, t) on rank r, averaging to
-    ∂L/∂(s, t). Weighting by N/B (open_clip: 1/b) keeps unequal local batches exact.
-    Logits kept: b×B per rank, in N blocks of b×b_q.
+    −log σ(x) = softplus(x) − x, so with every pair first taken as a negative, per rank
+        l_r = N/B · [Σ_{i∈r} Σ_j softplus(s·I_i·T_j + t) − Σ_{i∈r} (s·I_i·T_i + t)]
+    and (1/N)·Σ_r l_r = L. The double sum is a `ring_sum` of `Softplus`: the text blocks travel a
+    one-way ring and every tile's logits are recomputed in the backward, whose second ring pass brings
+    each text block's gradient home summed over every rank's terms (Σ_q ∂l_q/∂T_r = N·∂L/∂T_r, exact after
+    DDP's average). Scale and bias get ∂l_r/∂(s, t) on rank r only — once, from the rank's own rows —
+    averaging to ∂L/∂(s, t). Weighting by N/B (open_clip: 1/b) keeps unequal local batches exact.
+    Kept for backward: the rank's own features, the two scalars and one number; the largest transient is
+    tile² logits; in flight, one text block and one gradient block.
     """
 
     init_logit_scale = math.log(10.0)  # the SigLIP paper's t' = log 10 and b = −10
@@ -41,27 +56,23 @@ class SigLipLoss(DistributedContrastiveLoss):
     exchanged_modalities = 1  # texts travel, images stay
     reference = staticmethod(siglip_loss)
 
-    def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
-        """Backward: one b×b_q block's logit gradient (fp32), and two text blocks with their gradients in flight."""
-        return local_batch * local_batch * 4 + 4 * local_batch * dim * 4
+    def __init__(self, tile: int = DEFAULT_TILE, group=None):
+        super().__init__(group)
+        self.tile = check_tile(tile)
 
     def compute(self, image_features, text_features, logit_scale, layout, logit_bias):
-        scaled_images = logit_scale * image_features  # once, not once per text block
+        pairs = ring_sum(SOFTPLUS, image_features, text_features, logit_scale, logit_bias, self.tile, layout)
+        positives = logit_scale * (image_features * text_features).sum() + logit_bias * image_features.shape[0]
+        return (pairs - positives) * (layout.world_size / layout.global_batch)
 
-        def terms(texts, own_block=False):
-            return _sigmoid_terms(scaled_images, texts, logit_bias, own_block)
+    def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
+        """Backward (fp32): the rows' gradient and scaled copy, the text block held and the one arriving, this
+        rank's block term, the accumulator being sent and the one arriving (7·b·d), two tile² logit blocks."""
+        tile = min(self.tile, global_batch)
+        return 7 * local_batch * dim * 4 + 2 * tile * tile * 4
 
-        total = terms(text_features, own_block=True)
-        rank, world_size = layout.rank, layout.world_size
-        to_left = to_right = text_features
-        rounds, one_way = divmod(world_size - 1, 2)
-        for step in range(1, rounds + 1):
-            from_right, from_left = neighbour_exchange_with_grad(
-                [to_left, to_right], [-1, +1], [(rank + step) % world_size, (rank - step) % world_size], layout
-            )
-            total = total + terms(from_right) + terms(from_left)
-            to_left, to_right = from_right, from_left
-        if one_way:
-            (from_left,) = neighbour_exchange_with_grad([to_right], [+1], [(rank - rounds - 1) % world_size], layout)
-            total = total + terms(from_left)
-        return total * (world_size / layout.global_batch)
+    def sent_bytes_per_rank(self, local_batch: int, world_size: int, dim: int, element_size: int) -> float:
+        """Texts only: N − 1 blocks forward; N − 1 blocks and N gradient blocks backward."""
+        if world_size == 1:
+            return 0.0
+        return (3 * world_size - 2) * local_batch * dim * element_size

@@ -59,9 +59,10 @@ def open_clip_reference(loss_fn):
 
 
 
-# Every registered backend, plus `tiled` with tiles smaller than the local and global batch
+# Every registered backend, plus the ring backends with tiles smaller than the local and global batch
 # so rows and columns span several (and partial) tiles.
-LOSSES = {**{name: (name, {}) for name in BACKENDS}, "tiled(tile=3)": ("tiled", {"tile": 3})}
+LOSSES = {**{name: (name, {}) for name in BACKENDS}, "tiled(tile=3)": ("tiled", {"tile": 3}),
+          "siglip(tile=3)": ("siglip", {"tile": 3})}
 
 
 def check_all_backends():

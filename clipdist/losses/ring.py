@@ -1,0 +1,142 @@
+"""The ring pass both O(b·d) backends are built on: a sum over this rank's rows and every rank's columns of
+terms in the logits x_ij = s·r_i·c_j (+ t), computed tile by tile while the column blocks travel around a
+ring (rank q sends to q + 1) — no b×B logit block, no gathered features.
+
+A `RingKernel` says what is summed (`tiled`: a log-sum-exp per row; `siglip`: softplus of every logit);
+`ring_sum` does the travelling, the tiling and the backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from clipdist.losses.collectives import WorldLayout, post_exchange
+
+DEFAULT_TILE = 1024  # rows and columns per tile: the default of loss.tile too (config reads it)
+FEATURES, GRADIENTS = 0, 1  # message tags: a block and an accumulator may be in flight between two ranks at once
+
+
+def _pass_right(tensor, origin: int, layout: WorldLayout, tag: int = FEATURES):
+    """Post sending `tensor` to the next rank and receiving, from the previous one, the block that
+    originated on rank `origin`; returns a function that waits for both and gives the received block."""
+    (received,), requests = post_exchange([tensor], [1], [layout.local_sizes[origin]], layout, tag)
+
+    def wait():
+        for request in requests:
+            request.wait()
+        return received
+
+    return wait
+
+
+def check_tile(tile: int) -> int:
+    if tile < 1:
+        raise ValueError(f"tile must be a positive number of rows, got {tile}")
+    return tile
+
+
+def logits(scaled_rows, columns, bias=None) -> torch.Tensor:
+    """x = (s·r)·cᵀ (+ t) for one tile: one matmul, the bias fused into it."""
+    if bias is None:
+        return scaled_rows @ columns.T
+    return torch.addmm(bias, scaled_rows, columns.T)
+
+
+class RingKernel:
+    """What a ring pass sums over this rank's rows and one column block at a time.
+
+    forward:  `partial(scaled_rows, block, bias, tile)` for one block; partials `merge` across blocks;
+              `value(partial)` is the pass's output (a scalar), and the merged partial is kept for backward.
+    backward: `weights(tile_logits, partial, rows)` = ∂value/∂x_ij for one tile (may overwrite the logits).
+    """
+
+    def partial(self, scaled_rows, block, bias, tile: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge(self, first, second) -> torch.Tensor:
+        raise NotImplementedError
+
+    def value(self, partial) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weights(self, tile_logits, partial, rows: slice) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _tile_backward(kernel, rows, scaled_rows, columns, bias, partial, tile: int, grad_rows):
+    """With P = ∂value/∂x recomputed tile by tile: adds Σ_j P_ij c_j to `grad_rows`, returns Σ_i P_ij r_i for
+    these columns and Σ_ij P_ij (the bias's share; None without a bias) — all before the factor g (and s)."""
+    grad_columns = torch.zeros_like(columns)
+    grad_bias = None if bias is None else columns.new_zeros(())
+    for r in range(0, rows.shape[0], tile):
+        row_block, tile_rows = rows[r : r + tile], slice(r, r + tile)
+        for c in range(0, columns.shape[0], tile):
+            column_block = columns[c : c + tile]
+            weights = kernel.weights(logits(scaled_rows[tile_rows], column_block, bias), partial, tile_rows)
+            grad_rows[tile_rows] += weights @ column_block
+            grad_columns[c : c + tile] += weights.T @ row_block
+            if grad_bias is not None:
+                grad_bias += weights.sum()
+    return grad_columns, grad_bias
+
+
+class _RingSum(torch.autograd.Function):
+    """value(Σ over blocks) for this rank's rows r (b, d) against the columns c of every rank.
+
+    Forward: N steps; at step t the rank holds the column block that originated on rank r − t, posts its
+    send onward and the receive of the next, and folds the block's tiles into its partial meanwhile.
+    Saved for backward: the rank's rows and own columns (its inputs), the scalars and the merged partial.
+
+    Backward, a second ring pass: each block travels with its gradient accumulator. At step t the rank
+    recomputes P = ∂value/∂x tile by tile, adds g·s·Σ_j P_ij c_j to its rows' gradient and g·s·Σ_i P_ij r_i
+    to the block's accumulator (g: this rank's upstream gradient), and passes both on; after N steps the
+    accumulator has met every rank and one more hop brings it home: Σ_q ∂l_q/∂c_r, what an all_gather's
+    backward gives. ∂l_r/∂s = g·Σ_i r_i·(Σ_j P_ij c_j) from the rows' inner sums and ∂l_r/∂t = g·Σ_ij P_ij,
+    counted once on the rank that owns the rows. In flight: a block and an accumulator.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, columns, scale, bias, kernel, tile, layout):
+        rank, world_size = layout.rank, layout.world_size
+        scaled_rows = rows * scale  # once per pass, not once per tile
+        partial, block = None, columns
+        for step in range(world_size):
+            wait = _pass_right(block, (rank - step - 1) % world_size, layout) if step < world_size - 1 else None
+            part = kernel.partial(scaled_rows, block, bias, tile)
+            partial = part if partial is None else kernel.merge(partial, part)
+            if wait is not None:
+                block = wait()
+        ctx.save_for_backward(rows, columns, scale, bias, partial)
+        ctx.kernel, ctx.tile, ctx.layout = kernel, tile, layout
+        return kernel.value(partial)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        rows, columns, scale, bias, partial = ctx.saved_tensors
+        kernel, layout, tile = ctx.kernel, ctx.layout, ctx.tile
+        rank, world_size = layout.rank, layout.world_size
+        factor = grad_output * scale
+        scaled_rows = rows * scale
+        grad_rows = torch.zeros_like(rows)
+        grad_bias = None if bias is None else torch.zeros_like(bias)
+        block, arriving = columns, None
+        for step in range(world_size):
+            origin = (rank - step - 1) % world_size  # of the block (and accumulator) that arrives next
+            wait_block = _pass_right(block, origin, layout) if step < world_size - 1 else None
+            mine, bias_share = _tile_backward(kernel, rows, scaled_rows, block, bias, partial, tile, grad_rows)
+            mine.mul_(factor)
+            if grad_bias is not None:
+                grad_bias += bias_share
+            accumulated = mine if arriving is None else arriving() + mine
+            arriving = _pass_right(accumulated, origin, layout, GRADIENTS) if world_size > 1 else (lambda: accumulated)
+            if wait_block is not None:
+                block = wait_block()
+        grad_columns = arriving()  # this rank's columns, back from their trip: every rank's term
+        grad_scale = (rows * grad_rows).sum() * grad_output
+        if grad_bias is not None:
+            grad_bias = grad_bias * grad_output
+        return grad_rows.mul_(factor), grad_columns, grad_scale, grad_bias, None, None, None
+
+
+def ring_sum(kernel: RingKernel, rows, columns, scale, bias, tile: int, layout: WorldLayout) -> torch.Tensor:
+    """`kernel`'s value over this rank's rows and every rank's columns, x_ij = s·r_i·c_j (+ t); see _RingSum."""
+    return _RingSum.apply(rows, columns, scale, bias, kernel, tile, layout)
