@@ -196,6 +196,9 @@ class LossConfig:
     name: str = "disco"  # a backend registered in clipdist.losses
     init_logit_scale: Optional[float] = None  # log of the initial logit scale; null: the backend's default
     init_logit_bias: Optional[float] = None  # initial logit bias, for backends that have one; null: its default
+    contrastive_weight: float = 1.0  # the contrastive term's weight (open_clip: --coca-contrastive-loss-weight)
+    # CoCa models: the captioning loss's weight (open_clip: --coca-caption-loss-weight); null: open_clip's 2.0
+    caption_weight: Optional[float] = None
 
     def options(self) -> Dict[str, Any]:
         """The backend's own keyword arguments: every field its schema adds to LossConfig."""

@@ -150,6 +150,43 @@ def lock_towers(model: torch.nn.Module, model_cfg) -> None:
                               freeze_layer_norm=model_cfg.lock_text_freeze_layer_norm)
 
 
+def is_captioning(name: str) -> bool | None:
+    """Whether `name` is a CoCa model (open_clip's contrastive + captioning: a `multimodal_cfg`); None where the
+    config comes with the weights (hf-hub:, local-dir:) and is known only once the model is built."""
+    if name.startswith(SCHEMAS):
+        return None
+    return "multimodal_cfg" in (open_clip.get_model_config(resolve_model_name(name)) or {})
+
+
+CAPTION_WEIGHT = 2.0  # open_clip_train's --coca-caption-loss-weight default
+
+
+def caption_weight(loss_cfg, model: torch.nn.Module) -> float:
+    """The caption term's weight for this model: 0 for a CLIP model, loss.caption_weight (default open_clip's 2)
+    for a CoCa model; a caption weight given for a model that does not caption is refused."""
+    captions = hasattr(model, "text_decoder")
+    if not captions:
+        if loss_cfg.caption_weight:
+            raise ValueError(f"loss.caption_weight={loss_cfg.caption_weight}, but the model has no text decoder (a "
+                             "CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model")
+        return 0.0
+    return CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight
+
+
+def check_loss_weights(loss_cfg, model_name: str) -> None:
+    """Before any rank starts: weights not negative, something to minimise, a caption weight only for CoCa."""
+    for key in ("contrastive_weight", "caption_weight"):
+        if (getattr(loss_cfg, key) or 0) < 0:
+            raise ValueError(f"loss.{key}={getattr(loss_cfg, key)}: a loss weight must be 0 or more")
+    captioning = is_captioning(model_name)
+    if captioning is False and loss_cfg.caption_weight:
+        raise ValueError(f"loss.caption_weight={loss_cfg.caption_weight}, but model.name={model_name} has no text "
+                         "decoder (a CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model")
+    caption = (CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight) if captioning else 0
+    if loss_cfg.contrastive_weight == 0 and captioning is not None and caption == 0:
+        raise ValueError("loss.contrastive_weight=0 and no caption term: nothing to train")
+
+
 def check_model_options(model_cfg) -> None:
     """Before any rank starts: the overrides and locks fit the model (built on the meta device, no memory)."""
     from open_clip.hf_model import HFTextEncoder
@@ -162,10 +199,6 @@ def check_model_options(model_cfg) -> None:
     for key in ("lock_image_unlocked_groups", "lock_text_unlocked_layers"):
         if getattr(model_cfg, key) < 0:
             raise ValueError(f"model.{key}={getattr(model_cfg, key)}: must be 0 or more")
-    if not model_cfg.name.startswith(SCHEMAS) and "multimodal_cfg" in (
-            open_clip.get_model_config(resolve_model_name(model_cfg.name)) or {}):
-        raise ValueError(f"model.name={model_cfg.name} is a CoCa model (contrastive + captioning): its captioning "
-                         "loss is not in clipdist yet (issue #36); train a CLIP model config (ViT-B-32, ...)")
     if not (model_cfg.lock_image or model_cfg.lock_text or model_cfg.pretrained_image):
         return
     model = create_model(model_cfg.name, device="meta", overrides=model_overrides(model_cfg, fetch=False))

@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from clipdist import parallel
+from clipdist.objective import Outputs, as_objective
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class Step:
     def __init__(self, model, loss_fn, optimizer=None, scheduler=None, *, autocast=None, device=None,
                  normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0, scaler=None,
                  input_dtype: torch.dtype | None = None):
-        self.model, self.loss_fn, self.optimizer, self.scheduler = model, loss_fn, optimizer, scheduler
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.objective = as_objective(loss_fn)  # the contrastive backend, and CoCa's caption term
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
@@ -96,7 +98,7 @@ class Step:
         rng = _rng_state(self.device or torch.device("cpu"))  # a stop gives back what this step drew (dropout masks)
         with record_function("forward_and_loss"):
             outputs, replay = self.forward(images, tokens)
-            loss = self.loss_fn(*outputs)
+            loss = self.objective(outputs)
         agreement = StepAgreement.start(loss, requests, list(counts))
         with record_function("backward"):
             self.backward(loss, outputs, replay)
@@ -124,7 +126,7 @@ class Step:
     def gradients(self, images, tokens) -> torch.Tensor:
         """This rank's loss, with the gradients it leaves (averaged over ranks, as DDP does) in .grad."""
         outputs, replay = self.forward(images, tokens)
-        loss = self.loss_fn(*outputs)
+        loss = self.objective(outputs)
         self.backward(loss, outputs, replay)
         return loss
 
@@ -134,10 +136,11 @@ class Step:
         images = images if self.normalize is None else self.normalize(images)
         return (images if self.input_dtype is None else images.to(self.input_dtype)), tokens
 
-    def forward(self, images, tokens):
-        """(the model's outputs: features and scalars, what backward needs again: nothing here)."""
+    def forward(self, images, tokens) -> tuple[Outputs, None]:
+        """(the model's outputs: features and scalars (and CoCa's caption term), what backward needs again: nothing
+        here)."""
         with self.autocast:
-            return self.model(*self.inputs(images, tokens)), None
+            return self.objective.outputs(self.model(*self.inputs(images, tokens))), None
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
@@ -166,16 +169,19 @@ class CachedStep(Step):
                 inputs = self.inputs(*piece)
                 rng_states.append(_rng_state(inputs[0].device))
                 with self.autocast:
-                    outputs.append(self.module(*inputs))
+                    outputs.append(self.objective.outputs(self.module(*inputs)))  # CoCa: its logits reduced here
                 del inputs
         # Detached leaves: the loss's backward stops here and leaves the gradients in .grad.
-        image_features = torch.cat([out[0] for out in outputs]).requires_grad_()
-        text_features = torch.cat([out[1] for out in outputs]).requires_grad_()
-        scalars = [s.detach().requires_grad_() for s in outputs[0][2:]]  # logit scale (and bias)
-        return (image_features, text_features, *scalars), (pieces, rng_states)
+        image_features = torch.cat([out.features[0] for out in outputs]).requires_grad_()
+        text_features = torch.cat([out.features[1] for out in outputs]).requires_grad_()
+        scalars = [s.detach().requires_grad_() for s in outputs[0].features[2:]]  # logit scale (and bias)
+        caption = None  # the caption term's value here; its gradient comes chunk by chunk in backward
+        if outputs[0].caption is not None:
+            caption = tuple(sum(parts) for parts in zip(*(out.caption for out in outputs)))
+        return Outputs((image_features, text_features, *scalars), caption), (pieces, rng_states)
 
     def backward(self, loss, outputs, replay) -> None:
-        (image_features, text_features, *scalars), (pieces, rng_states) = outputs, replay
+        (image_features, text_features, *scalars), (pieces, rng_states) = outputs.features, replay
         self.scaled(loss).backward()
         sizes = [piece[0].shape[0] for piece in pieces]
         image_grads, text_grads = image_features.grad.split(sizes), text_features.grad.split(sizes)
@@ -184,10 +190,12 @@ class CachedStep(Step):
             inputs = self.inputs(*piece)
             with parallel.gradient_sync(self.model, enabled=last), _restored_rng(rng, inputs[0].device):
                 with self.autocast:
-                    chunk_outputs = self.model(*inputs)
+                    chunk = self.objective.outputs(self.model(*inputs))
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
-                pairs = [(out, grad) for out, grad in zip(chunk_outputs, [image_grads[k], text_grads[k], *scalar_grads])
+                pairs = [(out, grad) for out, grad in zip(chunk.features, [image_grads[k], text_grads[k], *scalar_grads])
                          if out.requires_grad]  # a locked tower's features have no graph
+                if chunk.caption is not None and self.objective.caption_weight:  # the chunk's share of w·N/T·Σ CE
+                    pairs.append((self.scaled(self.objective.caption_factor * chunk.caption[0]), None))
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         parallel.finish_gradient_sync(self.model)
 

@@ -26,11 +26,13 @@ from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.models import (check_model_options, check_weights, create_model, create_model_for_loss, fetches_weights,
-                             get_tokenizer, lock_towers, model_overrides, resolve_model_name)
+from clipdist.models import (caption_weight, check_loss_weights, check_model_options, check_weights, create_model,
+                             create_model_for_loss, fetches_weights, get_tokenizer, lock_towers, model_overrides,
+                             resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.optim import build_optimizer, check_optim
 from clipdist.state import TrainState, seed_everything
+from clipdist.objective import Objective
 from clipdist.step import build_step
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
@@ -69,6 +71,7 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     try:
         resolve_model_name(cfg.model.name)
         check_model_options(cfg.model)
+        check_loss_weights(cfg.loss, cfg.model.name)
         check_optim(cfg.optim)
         augmentation_cfg(cfg.data)
         if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
@@ -302,7 +305,9 @@ class Trainer:
         self.scaler = precision.gradient_scaler(cfg.precision, device)
         train_transform, self.val_transform = image_transforms(self.model.visual.preprocess_cfg, cfg.data)
         mean, std = self.model.visual.preprocess_cfg["mean"], self.model.visual.preprocess_cfg["std"]
-        self.step = build_step(self.train_model, self.loss_fn, optimizer, scheduler,
+        objective = Objective(self.loss_fn, contrastive_weight=cfg.loss.contrastive_weight,
+                              caption_weight=caption_weight(cfg.loss, self.model), pad_id=getattr(self.model, "pad_id", 0))
+        self.step = build_step(self.train_model, objective, optimizer, scheduler,
                                chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
                                device=device, normalize=PixelNormalize(mean, std, device),
                                grad_clip=cfg.optim.grad_clip, max_logit_scale=cfg.optim.max_logit_scale,

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from clipdist.launch import COLLECTIVE_TIMEOUT_S
 from clipdist.losses import BACKENDS, build, clip_loss
@@ -76,6 +77,16 @@ class Locks:
             lock_text_unlocked_layers=self.text or 0, lock_text_freeze_layer_norm=True))
 
 
+def _objective(loss_fn, model):
+    """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
+    caption weight (2) beside it."""
+    from clipdist.models import CAPTION_WEIGHT
+    from clipdist.objective import Objective
+
+    captions = hasattr(model, "text_decoder")
+    return Objective(loss_fn, caption_weight=CAPTION_WEIGHT if captions else 0.0, pad_id=getattr(model, "pad_id", 0))
+
+
 SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a power of two: scaling is exact)
 
 
@@ -111,7 +122,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
         model = _model(model_name, seed, dtype, loss_fn, locks)
         wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
-        step = build_step(wrapped, loss_fn, chunks=chunks, scaler=grad_scaler)
+        step = build_step(wrapped, _objective(loss_fn, model), chunks=chunks, scaler=grad_scaler)
         loss = step.gradients(images[rows], tokens[rows])
         if grad_scaler is not None:
             grad_scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
@@ -129,7 +140,15 @@ def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name
     parameter's gradient is None."""
     model = _model(model_name, seed, dtype, loss_fn, locks)
     images, tokens = _random_batch(global_batch, model_name, seed, dtype)
-    loss = getattr(loss_fn, "reference", clip_loss)(*model(images, tokens))
+    outputs = model(images, tokens)
+    if isinstance(outputs, dict):  # CoCa: open_clip's CoCaLoss at world size 1, the contrastive part as loss_fn's
+        objective = _objective(loss_fn, model)
+        features = [outputs[key] for key in ("image_features", "text_features", "logit_scale", "logit_bias")
+                    if outputs.get(key) is not None]
+        caption = F.cross_entropy(outputs["logits"].permute(0, 2, 1), outputs["labels"], ignore_index=model.pad_id)
+        loss = getattr(loss_fn, "reference", clip_loss)(*features) + objective.caption_weight * caption
+    else:
+        loss = getattr(loss_fn, "reference", clip_loss)(*outputs)
     loss.backward()
     return loss.item(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 

@@ -1,0 +1,75 @@
+"""What a step minimises: the contrastive loss (any backend), and for open_clip's CoCa models its captioning loss —
+each over the global batch, exact at any world size, with unequal local batches and with gradient caching.
+
+    L = w_c · L_contrastive + w_cap · L_caption
+    L_caption = Σ_{tokens t of the global batch, label ≠ pad} CE_t / T,   T = that number of tokens
+
+(open_clip's CoCaLoss: the same weights, `coca_contrastive_loss_weight` 1 and `coca_caption_loss_weight` 2 by
+default). open_clip takes each rank's own token mean, which is the global mean only when every rank has as
+many caption tokens. Here rank r returns ℓ_r = w_cap · N · Σ_{t∈r} CE_t / T with T summed over ranks: the mean
+over ranks of ℓ_r is L_caption, and DDP's average of ∂ℓ_r/∂θ is ∂L_caption/∂θ — for any split of the tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from clipdist import parallel
+
+
+@dataclass
+class Outputs:
+    """A model's forward, in the parts the objective takes: `features` as a contrastive backend takes them
+    (image, text, logit scale[, logit bias]); for a CoCa model also this rank's caption cross-entropy summed over
+    its label tokens and their number (`caption`: (sum, count), None for a CLIP model)."""
+
+    features: tuple
+    caption: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def caption_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ CE over the label tokens that are not padding, their number); in float32 at least."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    total = F.cross_entropy(logits.permute(0, 2, 1).to(dtype), labels, ignore_index=pad_id, reduction="sum")
+    return total, (labels != pad_id).sum()
+
+
+class Objective:
+    """The step's loss from a model's `Outputs`: w_c times the contrastive backend on the features, plus w_cap times
+    the global token mean of the caption cross-entropy (CoCa). `caption_factor` is w_cap·N/T of the last call: the
+    factor a chunk's caption sum is multiplied by when gradient caching backpropagates it chunk by chunk."""
+
+    def __init__(self, contrastive, contrastive_weight: float = 1.0, caption_weight: float = 0.0, pad_id: int = 0):
+        self.contrastive, self.contrastive_weight = contrastive, contrastive_weight
+        self.caption_weight, self.pad_id = caption_weight, pad_id
+        self.caption_factor = None
+        self.uses_logit_bias = getattr(contrastive, "uses_logit_bias", False)
+
+    def outputs(self, raw) -> Outputs:
+        """The parts of a forward: open_clip's CLIP returns (image, text, scale[, bias]); CoCa a dict with the
+        caption logits and labels, turned into their cross-entropy sum here (the (b, L, vocab) logits go)."""
+        if not isinstance(raw, dict):
+            return Outputs(tuple(raw))
+        features = (raw["image_features"], raw["text_features"], raw["logit_scale"])
+        if raw.get("logit_bias") is not None:
+            features += (raw["logit_bias"],)
+        caption = caption_cross_entropy(raw["logits"], raw["labels"], self.pad_id) if "logits" in raw else None
+        return Outputs(features, caption)
+
+    def __call__(self, outputs: Outputs) -> torch.Tensor:
+        loss = self.contrastive(*outputs.features)
+        if self.contrastive_weight != 1:
+            loss = loss * self.contrastive_weight
+        if outputs.caption is not None and self.caption_weight:
+            caption_sum, count = outputs.caption
+            mean_tokens = parallel.all_reduce_mean(count.to(caption_sum.device, torch.float64))  # T / N
+            self.caption_factor = self.caption_weight / mean_tokens.clamp(min=1e-9).to(caption_sum.dtype)
+            loss = loss + self.caption_factor * caption_sum
+        return loss
+
+
+def as_objective(loss_fn) -> Objective:
+    """A contrastive backend as the objective it is alone (weight 1, no caption term); an Objective as is."""
+    return loss_fn if isinstance(loss_fn, Objective) else Objective(loss_fn)
