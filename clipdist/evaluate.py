@@ -18,7 +18,9 @@ Metrics, as open_clip names them where it has them:
   `t2i_median_rank` (1 = right at the top; open_clip's mean_rank / median_rank);
 - `clip_loss`: the CLIP loss (softmax, both directions, the model's logit scale) over consecutive blocks of
   `batch_size` captioned samples in set order (each image with its first caption), weighted by block size —
-  open_clip's `clip_val_loss`, the same at any world size.
+  open_clip's `clip_val_loss`, the same at any world size;
+- `caption_loss` (CoCa models): the caption cross-entropy of each captioned image with its first caption, a mean
+  over the label tokens of the whole set (the training objective's caption term, unweighted).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
 from clipdist.losses import clip_loss
+from clipdist.objective import caption_cross_entropy
 from clipdist.parallel import all_ranks, rank_and_world_size
 
 SIMILARITY_BLOCK = 1 << 24  # similarities held at once while ranking (64 MB of float32)
@@ -88,6 +91,14 @@ class _Encoder:
     def __init__(self, model, tokenizer, device, lockstep: bool):
         self.model, self.tokenizer, self.device, self.lockstep = model, tokenizer, device, lockstep
         self.dtype = model.logit_scale.dtype  # pure_bf16 / pure_fp16: the weights' dtype
+        self.captions = hasattr(model, "text_decoder")  # CoCa: the caption loss too
+
+    def caption_terms(self, images: list[torch.Tensor], captions: list[str]) -> torch.Tensor:
+        """CoCa: (Σ caption cross-entropy over the label tokens, their number) for these image-caption pairs."""
+        pixels = torch.stack(images).to(self.device, self.dtype)
+        outputs = self.model(pixels, self.tokenizer(captions or [""] * len(images)).to(self.device))
+        total, count = caption_cross_entropy(outputs["logits"], outputs["labels"], self.model.pad_id)
+        return torch.tensor([total.item(), count.item()], dtype=torch.float64) * (1 if captions else 0)
 
     def images(self, images: list[torch.Tensor]) -> torch.Tensor:
         pixels = torch.stack(images).to(self.device, self.dtype)
@@ -115,6 +126,7 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
     (sample indices), labels; or the error that stopped it (reported on every rank by `_gathered`)."""
     rank, world_size = rank_and_world_size()
     indices, image_features, text_features, owners, labels, error = [], [], [], [], [], None
+    caption_terms = torch.zeros(2, dtype=torch.float64)  # CoCa: Σ caption cross-entropy, label tokens
     records = iter(eval_records(evalset.urls, skips, rank=rank, world_size=world_size))
     # Split by shard, a batch never spans two shards: its samples are then the same at any world size, and so
     # are their features, bit for bit (a forward's rounding can depend on what else is in its batch).
@@ -136,9 +148,16 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
             if not batch:  # lockstep: another rank still encodes
                 encoder.images([stand_in])
                 encoder.texts([])
+                if encoder.captions:
+                    encoder.caption_terms([stand_in], [])
                 continue
-            image_features.append(encoder.images([image_transform(image) for _, image, _, _ in batch]))
+            pixels = [image_transform(image) for _, image, _, _ in batch]
+            image_features.append(encoder.images(pixels))
             text_features.append(encoder.texts([caption for _, _, captions, _ in batch for caption in captions]))
+            captioned = [(image, captions[0]) for image, (_, _, captions, _) in zip(pixels, batch) if captions]
+            if encoder.captions and (captioned or encoder.lockstep):
+                caption_terms += encoder.caption_terms([p for p, _ in captioned] or pixels[:1],
+                                                       [c for _, c in captioned])
         except Exception as failure:  # noqa: BLE001 -- agreed with the other ranks (_gathered), then raised on all
             if encoder.lockstep:
                 raise  # the ranks' forwards are out of step: nothing to agree on
@@ -151,7 +170,7 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
     return {"indices": torch.tensor(indices, dtype=torch.long), "images": _rows(image_features),
             "texts": _rows(text_features), "owners": torch.tensor(owners, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long), "skipped": skips.samples, "skipped_shards": skips.shards,
-            "skip_count": skips.count, "last_reason": skips.last_reason, "error": error}
+            "skip_count": skips.count, "last_reason": skips.last_reason, "error": error, "caption_terms": caption_terms}
 
 
 def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -183,7 +202,8 @@ def _gathered(share: dict, evalset: EvalSet) -> dict:
             "texts": texts[caption_order] if texts.numel() else None,
             "owners": torch.searchsorted(indices[order], owners[caption_order]),
             "skipped": sum(part["skipped"] for part in shares),
-            "skipped_shards": sum(part["skipped_shards"] for part in shares)}
+            "skipped_shards": sum(part["skipped_shards"] for part in shares),
+            "caption_terms": sum(part["caption_terms"] for part in shares)}
 
 
 def zero_shot_classifier(encoder: _Encoder, classnames: list[str], templates: list[str]) -> torch.Tensor:
@@ -240,6 +260,9 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
             first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
             metrics["clip_loss"] = clip_loss_in_blocks(found["images"][found["owners"][first]], found["texts"][first],
                                                        model.logit_scale.exp().item(), batch_size)
+            caption_sum, caption_tokens = found["caption_terms"].tolist()
+            if encoder.captions and caption_tokens:  # CoCa: each image with its first caption, a token mean
+                metrics["caption_loss"] = caption_sum / caption_tokens
         if classifier is not None:
             metrics.update(zero_shot_metrics(found["images"], found["labels"], classifier, evalset))
     finally:

@@ -294,6 +294,22 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
     raise error
 
 
+def _init_caption_decoder(decoder: torch.nn.Module) -> None:
+    """What open_clip's MultimodalTransformer.init_parameters means to do. open_clip 3.3 never calls it, and it
+    could not run (it reads `self.transformer`, which the decoder is): a CoCa model built from scratch keeps
+    `text_projection` as torch.empty left it — other values on every rank, at times 1e30 (found by gradcheck)."""
+    width, layers = decoder.width, decoder.layers
+    attn_std, proj_std, fc_std = width ** -0.5, width ** -0.5 * (2 * layers) ** -0.5, (2 * width) ** -0.5
+    with torch.no_grad():
+        for block in [*decoder.resblocks, *decoder.cross_attn]:
+            torch.nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
+            torch.nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+            torch.nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        if decoder.text_projection is not None:
+            torch.nn.init.normal_(decoder.text_projection, std=width ** -0.5)
+
+
 def create_model(
     name: str = DEFAULT_MODEL,
     checkpoint: str | None = None,
@@ -333,6 +349,8 @@ def create_model(
     with _random_init_is_intended():
         model = open_clip.create_model(name, pretrained=None, load_weights=False, pretrained_text=False,
                                        **kwargs, **overrides)
+    if getattr(model, "text_decoder", None) is not None and device != "meta":
+        _init_caption_decoder(model.text_decoder)
     source = checkpoint
     if source is None and device != "meta":
         source = pretrained_weights(name, pretrained, cache_dir)

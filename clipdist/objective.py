@@ -45,6 +45,7 @@ class Objective:
         self.contrastive, self.contrastive_weight = contrastive, contrastive_weight
         self.caption_weight, self.pad_id = caption_weight, pad_id
         self.caption_factor = None
+        self.terms: dict[str, torch.Tensor] = {}  # the last call's terms beside the total (CoCa), for the logs
         self.uses_logit_bias = getattr(contrastive, "uses_logit_bias", False)
 
     def outputs(self, raw) -> Outputs:
@@ -59,14 +60,17 @@ class Objective:
         return Outputs(features, caption)
 
     def __call__(self, outputs: Outputs) -> torch.Tensor:
-        loss = self.contrastive(*outputs.features)
-        if self.contrastive_weight != 1:
-            loss = loss * self.contrastive_weight
+        contrastive = self.contrastive(*outputs.features)
+        loss = contrastive if self.contrastive_weight == 1 else contrastive * self.contrastive_weight
+        self.terms = {}
         if outputs.caption is not None and self.caption_weight:
             caption_sum, count = outputs.caption
             mean_tokens = parallel.all_reduce_mean(count.to(caption_sum.device, torch.float64))  # T / N
             self.caption_factor = self.caption_weight / mean_tokens.clamp(min=1e-9).to(caption_sum.dtype)
             loss = loss + self.caption_factor * caption_sum
+            # Unweighted, for the logs; their means over ranks are the global terms.
+            self.terms = {"contrastive_loss": contrastive.detach(),
+                          "caption_loss": (self.caption_factor / self.caption_weight * caption_sum).detach()}
         return loss
 
 

@@ -48,20 +48,23 @@ class StepAgreement:
     timer_elapsed: bool  # some rank's checkpoint_every_minutes timer ran out
     saved: bool  # every rank has written its part of the checkpoint being saved in the background
     counts: list[int]  # Batch.counts summed over ranks
+    terms: dict  # the objective's terms beside the total (CoCa: contrastive_loss, caption_loss), means over ranks
 
     @staticmethod
-    def start(loss: torch.Tensor, requests: tuple[bool, bool, bool], counts: list[int]) -> torch.Tensor:
-        """Collective, not read yet: the mean over ranks of (loss, stop, timer, written, *counts), on the loss's
-        device; `requests` from Checkpointer.requests."""
+    def start(loss: torch.Tensor, requests: tuple[bool, bool, bool], counts: list[int], terms=()) -> torch.Tensor:
+        """Collective, not read yet: the mean over ranks of (loss, *terms, stop, timer, written, *counts), on the
+        loss's device; `requests` from Checkpointer.requests."""
         flags = torch.tensor([*map(float, requests), *counts], dtype=torch.float64)
-        local = torch.cat([loss.detach().reshape(1).double(), flags.to(loss.device, non_blocking=True)])
-        return parallel.all_reduce_mean(local)
+        values = [loss.detach().reshape(1).double(), *(term.reshape(1).double() for term in terms)]
+        return parallel.all_reduce_mean(torch.cat([*values, flags.to(loss.device, non_blocking=True)]))
 
     @classmethod
-    def read(cls, mean: torch.Tensor) -> "StepAgreement":
+    def read(cls, mean: torch.Tensor, term_names=()) -> "StepAgreement":
         values, world_size = mean.tolist(), parallel.rank_and_world_size()[1]
-        return cls(values[0], values[1] > 0, values[2] > 0, values[3] > 1 - 1e-9,
-                   [round(value * world_size) for value in values[4:]])
+        loss, terms = values[0], dict(zip(term_names, values[1:1 + len(term_names)]))
+        values = values[1 + len(term_names):]
+        return cls(loss, values[0] > 0, values[1] > 0, values[2] > 1 - 1e-9,
+                   [round(value * world_size) for value in values[3:]], terms)
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -99,10 +102,11 @@ class Step:
         with record_function("forward_and_loss"):
             outputs, replay = self.forward(images, tokens)
             loss = self.objective(outputs)
-        agreement = StepAgreement.start(loss, requests, list(counts))
+        terms = self.objective.terms
+        agreement = StepAgreement.start(loss, requests, list(counts), terms.values())
         with record_function("backward"):
             self.backward(loss, outputs, replay)
-        agreed = StepAgreement.read(agreement)
+        agreed = StepAgreement.read(agreement, list(terms))
         if agreed.stop:  # not trained on: the checkpoint saved next holds the state before this step, RNG included
             _set_rng_state(rng, self.device or torch.device("cpu"))
             return agreed, None

@@ -397,7 +397,7 @@ class Trainer:
                 self.overflow_steps += self.step.overflowed  # fp16: the update skipped on every rank; the step counts
                 state.step, state.samples_seen = state.step + 1, state.samples_seen + self.global_batch
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
-                self.log_step(agreed.loss, grad_norm, seconds, skipped_steps)
+                self.log_step(agreed, grad_norm, seconds, skipped_steps)
                 for line in stream.observe(waited, seconds, batch.load_s):
                     self.say(f"step {state.step}: {line}")
                 if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
@@ -441,11 +441,13 @@ class Trainer:
                          torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
                          Batch.zero_counts(len(self.shards.sources)))
 
-    def log_step(self, global_loss: float, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
+    def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a
         device-to-host copy (logit scale and bias, grad norm) are read only then: on a GPU each is a sync."""
         state, model = self.state, self.model
-        stats = {"loss": global_loss, "lr": state.scheduler.get_last_lr()[0], "samples_per_s": self.global_batch / seconds,
+        global_loss = agreed.loss
+        stats = {"loss": global_loss, **agreed.terms, "lr": state.scheduler.get_last_lr()[0],
+                 "samples_per_s": self.global_batch / seconds,
                  "samples_per_s_per_device": self.cfg.world.batch_per_device / seconds}
         self.progress.update(1)
         if state.step % self.cfg.logging.log_every == 0:
