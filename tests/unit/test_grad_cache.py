@@ -7,6 +7,7 @@ from open_clip.transformer import PatchDropout
 
 from clipdist.losses import build
 from clipdist.models import create_model_for_loss
+from clipdist.objective import Outputs
 from clipdist.step import CachedStep, Step, _restored_rng, _rng_state
 from clipdist.tools.gradcheck import _random_batch
 
@@ -40,14 +41,14 @@ class ChunksWithGraphs(Step):
 
     def forward(self, images, tokens):
         outputs = [self.model(*piece) for piece in zip(images.tensor_split(self.chunks), tokens.tensor_split(self.chunks))]
-        return (torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *outputs[0][2:]), None
+        return Outputs((torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *outputs[0][2:])), None
 
 
 class ScaleInEveryChunk(CachedStep):
     """The accumulation bug: the scalars' cached gradient fed to every chunk's backward."""
 
     def backward(self, loss, outputs, replay):
-        (image_features, text_features, *scalars), (pieces, rng_states) = outputs, replay
+        (image_features, text_features, *scalars), (pieces, rng_states) = outputs.features, replay
         loss.backward()
         sizes = [piece[0].shape[0] for piece in pieces]
         for piece, rng, g_image, g_text in zip(pieces, rng_states, image_features.grad.split(sizes),

@@ -251,7 +251,7 @@ def test_fp16_steps_follow_fp32_steps():
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.pretrained_image=true"], "model.pretrained_image=true starts a timm image tower"),
-    (["model.name=coca_ViT-B-32"], "model.name=coca_ViT-B-32 is a CoCa model (contrastive + captioning)"),
+    (["loss.caption_weight=1.0"], "loss.caption_weight=1.0, but model.name=clipdist-tiny has no text decoder"),
     (["model.name=RN50", "world.sync_batchnorm=true", "world.device=cpu"], "SyncBatchNorm runs on CUDA ranks only"),
     (["model.lock_text=true", "model.lock_text_freeze_layer_norm=false"], "model.lock_text_freeze_layer_norm=false"),
     (["model.force_patch_dropout=1.5"], "model.force_patch_dropout=1.5: must be in [0, 1)"),
