@@ -35,7 +35,7 @@ def _gradcheck(args: argparse.Namespace) -> int:
     from clipdist.tools.gradcheck import run_gradcheck
 
     options = _given(args, "world_size", "local_batch", "dtype", "model", "seed", "timeout_s", "chunks", "parallel",
-                     "lock_image", "lock_text", "scaler")
+                     "lock_image", "lock_text", "scaler", "distill")
     if args.loss or hasattr(args, "backend"):
         options["loss"] = args.loss or args.backend
     report = run_gradcheck(**options)
@@ -57,6 +57,7 @@ def _print_report(report, verbose: bool) -> None:
     cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
     cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
     cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
+    cached += ", distilled from a teacher" if report.distill else ""
     table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, "
                         f"{report.dtype}{cached}")
     table.add_column("parameter")
@@ -310,6 +311,9 @@ def _add_gradcheck(commands) -> None:
                        help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable")
     check.add_argument("--scaler", action="store_true",
                        help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)")
+    check.add_argument("--distill", action="store_true",
+                       help="add loss.distill's term against a teacher (the same model, other weights), checked "
+                            "against open_clip's DistillClipLoss on the whole batch")
     check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
     check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
     check.add_argument("--seed", type=int)

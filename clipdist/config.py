@@ -190,6 +190,16 @@ class DataConfig:
 
 
 @dataclass
+class DistillConfig:
+    """A teacher to distil from (open_clip's --distill-model / --distill-pretrained): its term is open_clip's
+    DistillClipLoss over the global batch, exact (clipdist.losses.distill)."""
+
+    model: Optional[str] = None  # an open_clip name (with `pretrained`), hf-hub:, local-dir:, an export, a run, a checkpoint
+    pretrained: Optional[str] = None  # the open_clip pretrained tag for `model` (e.g. openai)
+    weight: float = 1.0  # the term's weight (open_clip_train adds it with weight 1)
+
+
+@dataclass
 class LossConfig:
     """Options common to every backend; a backend with options of its own extends this (below)."""
 
@@ -199,6 +209,7 @@ class LossConfig:
     contrastive_weight: float = 1.0  # the contrastive term's weight (open_clip: --coca-contrastive-loss-weight)
     # CoCa models: the captioning loss's weight (open_clip: --coca-caption-loss-weight); null: open_clip's 2.0
     caption_weight: Optional[float] = None
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def options(self) -> Dict[str, Any]:
         """The backend's own keyword arguments: every field its schema adds to LossConfig."""

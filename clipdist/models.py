@@ -8,6 +8,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import open_clip
 import torch
 
@@ -185,6 +186,21 @@ def check_loss_weights(loss_cfg, model_name: str) -> None:
     caption = (CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight) if captioning else 0
     if loss_cfg.contrastive_weight == 0 and captioning is not None and caption == 0:
         raise ValueError("loss.contrastive_weight=0 and no caption term: nothing to train")
+
+
+def check_teacher(teacher: torch.nn.Module, student: torch.nn.Module, name: str) -> None:
+    """A distillation teacher sees the student's images and tokens: the same image size and context length."""
+    for what, mine, theirs in (("image size", student.visual.image_size, teacher.visual.image_size),
+                               ("context length", student.context_length, teacher.context_length)):
+        if tuple(np.atleast_1d(mine)) != tuple(np.atleast_1d(theirs)):
+            raise ValueError(f"loss.distill.model={name}: its {what} is {theirs}, the student's {mine}; the teacher "
+                             f"is given the student's inputs (as open_clip_train does): pick a teacher with the same "
+                             f"{what}, or set model.force_image_size / model.force_context_length to match it")
+    vocabularies = [getattr(m, "vocab_size", None) or getattr(getattr(m, "text", None), "vocab_size", None)
+                    for m in (student, teacher)]
+    if None not in vocabularies and vocabularies[0] != vocabularies[1]:
+        raise ValueError(f"loss.distill.model={name}: its vocabulary has {vocabularies[1]} tokens, the student's "
+                         f"{vocabularies[0]}: the teacher would read the student's token ids as other words")
 
 
 def check_model_options(model_cfg) -> None:

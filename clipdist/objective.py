@@ -1,7 +1,8 @@
-"""What a step minimises: the contrastive loss (any backend), and for open_clip's CoCa models its captioning loss —
-each over the global batch, exact at any world size, with unequal local batches and with gradient caching.
+"""What a step minimises: the contrastive loss (any backend), for open_clip's CoCa models their captioning loss, and
+with a teacher the distillation term (clipdist.losses.distill) — each over the global batch, exact at any world
+size, with unequal local batches and with gradient caching.
 
-    L = w_c · L_contrastive + w_cap · L_caption
+    L = w_c · L_contrastive + w_cap · L_caption + w_d · D
     L_caption = Σ_{tokens t of the global batch, label ≠ pad} CE_t / T,   T = that number of tokens
 
 (open_clip's CoCaLoss: the same weights, `coca_contrastive_loss_weight` 1 and `coca_caption_loss_weight` 2 by
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from clipdist import parallel
+from clipdist.losses.distill import DistillationLoss
+from clipdist.losses.ring import DEFAULT_TILE
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Outputs:
 
     features: tuple
     caption: tuple[torch.Tensor, torch.Tensor] | None = None
+    teacher: tuple | None = None  # distillation: the teacher's (image, text) features and logit scale, no graph
 
 
 def caption_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +45,12 @@ class Objective:
     the global token mean of the caption cross-entropy (CoCa). `caption_factor` is w_cap·N/T of the last call: the
     factor a chunk's caption sum is multiplied by when gradient caching backpropagates it chunk by chunk."""
 
-    def __init__(self, contrastive, contrastive_weight: float = 1.0, caption_weight: float = 0.0, pad_id: int = 0):
+    def __init__(self, contrastive, contrastive_weight: float = 1.0, caption_weight: float = 0.0, pad_id: int = 0,
+                 teacher: torch.nn.Module | None = None, distill_weight: float = 1.0, tile: int = DEFAULT_TILE):
         self.contrastive, self.contrastive_weight = contrastive, contrastive_weight
         self.caption_weight, self.pad_id = caption_weight, pad_id
+        self.teacher, self.distill_weight = teacher, distill_weight
+        self.distill = DistillationLoss(tile) if teacher is not None else None
         self.caption_factor = None
         self.terms: dict[str, torch.Tensor] = {}  # the last call's terms beside the total (CoCa), for the logs
         self.uses_logit_bias = getattr(contrastive, "uses_logit_bias", False)
@@ -59,18 +66,30 @@ class Objective:
         caption = caption_cross_entropy(raw["logits"], raw["labels"], self.pad_id) if "logits" in raw else None
         return Outputs(features, caption)
 
+    @torch.no_grad()
+    def teach(self, images, tokens) -> tuple | None:
+        """The teacher's normalised features of the same images and texts and its logit scale (None: no teacher);
+        frozen, in eval mode, in the caller's precision."""
+        if self.teacher is None:
+            return None
+        return (self.teacher.encode_image(images, normalize=True), self.teacher.encode_text(tokens, normalize=True),
+                self.teacher.logit_scale.exp())
+
     def __call__(self, outputs: Outputs) -> torch.Tensor:
         contrastive = self.contrastive(*outputs.features)
         loss = contrastive if self.contrastive_weight == 1 else contrastive * self.contrastive_weight
-        self.terms = {}
+        terms = {}  # unweighted, for the logs; their means over ranks are the global terms
         if outputs.caption is not None and self.caption_weight:
             caption_sum, count = outputs.caption
             mean_tokens = parallel.all_reduce_mean(count.to(caption_sum.device, torch.float64))  # T / N
             self.caption_factor = self.caption_weight / mean_tokens.clamp(min=1e-9).to(caption_sum.dtype)
             loss = loss + self.caption_factor * caption_sum
-            # Unweighted, for the logs; their means over ranks are the global terms.
-            self.terms = {"contrastive_loss": contrastive.detach(),
-                          "caption_loss": (self.caption_factor / self.caption_weight * caption_sum).detach()}
+            terms["caption_loss"] = (self.caption_factor / self.caption_weight * caption_sum).detach()
+        if self.distill is not None:
+            distill = self.distill(*outputs.features[:3], *outputs.teacher)
+            loss = loss + self.distill_weight * distill
+            terms["distill_loss"] = distill.detach()
+        self.terms = {"contrastive_loss": contrastive.detach(), **terms} if terms else {}
         return loss
 
 

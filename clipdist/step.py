@@ -144,7 +144,10 @@ class Step:
         """(the model's outputs: features and scalars (and CoCa's caption term), what backward needs again: nothing
         here)."""
         with self.autocast:
-            return self.objective.outputs(self.model(*self.inputs(images, tokens))), None
+            inputs = self.inputs(images, tokens)
+            outputs = self.objective.outputs(self.model(*inputs))
+            outputs.teacher = self.objective.teach(*inputs)
+            return outputs, None
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
@@ -167,13 +170,14 @@ class CachedStep(Step):
         if images.shape[0] < self.chunks:
             raise ValueError(f"grad_cache.chunks={self.chunks} is more than the local batch ({images.shape[0]})")
         pieces = list(zip(images.tensor_split(self.chunks), tokens.tensor_split(self.chunks)))
-        rng_states, outputs = [], []
+        rng_states, outputs, teacher = [], [], []
         with torch.no_grad():
             for piece in pieces:
                 inputs = self.inputs(*piece)
                 rng_states.append(_rng_state(inputs[0].device))
                 with self.autocast:
                     outputs.append(self.objective.outputs(self.module(*inputs)))  # CoCa: its logits reduced here
+                    teacher.append(self.objective.teach(*inputs))  # distillation: cached per chunk, used once
                 del inputs
         # Detached leaves: the loss's backward stops here and leaves the gradients in .grad.
         image_features = torch.cat([out.features[0] for out in outputs]).requires_grad_()
@@ -182,7 +186,9 @@ class CachedStep(Step):
         caption = None  # the caption term's value here; its gradient comes chunk by chunk in backward
         if outputs[0].caption is not None:
             caption = tuple(sum(parts) for parts in zip(*(out.caption for out in outputs)))
-        return Outputs((image_features, text_features, *scalars), caption), (pieces, rng_states)
+        teacher = None if teacher[0] is None else (
+            torch.cat([t[0] for t in teacher]), torch.cat([t[1] for t in teacher]), teacher[0][2])
+        return Outputs((image_features, text_features, *scalars), caption, teacher), (pieces, rng_states)
 
     def backward(self, loss, outputs, replay) -> None:
         (image_features, text_features, *scalars), (pieces, rng_states) = outputs.features, replay

@@ -26,7 +26,8 @@ from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.models import (caption_weight, check_loss_weights, check_model_options, check_weights, create_model,
+from clipdist.losses.ring import DEFAULT_TILE
+from clipdist.models import (caption_weight, check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
                              create_model_for_loss, fetches_weights, get_tokenizer, lock_towers, model_overrides,
                              resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
@@ -34,6 +35,7 @@ from clipdist.optim import build_optimizer, check_optim
 from clipdist.state import TrainState, seed_everything
 from clipdist.objective import Objective
 from clipdist.step import build_step
+from clipdist.tools.evaluation import check_target
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
 log = logging.getLogger("clipdist")
@@ -72,6 +74,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         resolve_model_name(cfg.model.name)
         check_model_options(cfg.model)
         check_loss_weights(cfg.loss, cfg.model.name)
+        if cfg.loss.distill.model:
+            check_target(cfg.loss.distill.model, cfg.loss.distill.pretrained, None)
         check_optim(cfg.optim)
         augmentation_cfg(cfg.data)
         if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
@@ -306,7 +310,9 @@ class Trainer:
         train_transform, self.val_transform = image_transforms(self.model.visual.preprocess_cfg, cfg.data)
         mean, std = self.model.visual.preprocess_cfg["mean"], self.model.visual.preprocess_cfg["std"]
         objective = Objective(self.loss_fn, contrastive_weight=cfg.loss.contrastive_weight,
-                              caption_weight=caption_weight(cfg.loss, self.model), pad_id=getattr(self.model, "pad_id", 0))
+                              caption_weight=caption_weight(cfg.loss, self.model), pad_id=getattr(self.model, "pad_id", 0),
+                              teacher=self.build_teacher(), distill_weight=cfg.loss.distill.weight,
+                              tile=getattr(cfg.loss, "tile", DEFAULT_TILE))
         self.step = build_step(self.train_model, objective, optimizer, scheduler,
                                chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
                                device=device, normalize=PixelNormalize(mean, std, device),
@@ -440,6 +446,19 @@ class Trainer:
             return Batch(torch.zeros(rows, 3, height, width),
                          torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
                          Batch.zero_counts(len(self.shards.sources)))
+
+    def build_teacher(self) -> torch.nn.Module | None:
+        """loss.distill's teacher: frozen, in eval mode, in the weights' dtype, on this rank's device (whole on
+        every rank); its inputs are the student's, so its image size and context length must be the student's."""
+        from clipdist.tools.evaluation import load_model
+
+        distill, cfg = self.cfg.loss.distill, self.cfg
+        if not distill.model:
+            return None
+        with parallel.node_leaders_first(self.env.local_rank, needed=fetches_weights(distill.model, distill.pretrained)):
+            teacher, _ = load_model(distill.model, distill.pretrained, cache_dir=cfg.model.cache_dir)
+        check_teacher(teacher, self.model, distill.model)
+        return teacher.to(self.device, precision.weights_dtype(cfg.precision)).eval().requires_grad_(False)
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a

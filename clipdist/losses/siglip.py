@@ -14,7 +14,7 @@ class Softplus(RingKernel):
     """Σ_{i∈r} Σ_j softplus(x_ij) = −Σ log σ(−x_ij), x_ij = s·r_i·c_j + t (every pair taken as a negative);
     backward weights σ(x_ij)."""
 
-    def partial(self, scaled_rows, block, bias, tile):
+    def partial(self, scaled_rows, block, bias, tile, companion=None):
         negated_rows, negated_bias = scaled_rows.neg(), bias.neg()  # −x straight out of the matmul
         total = scaled_rows.new_zeros(())
         for r in range(0, scaled_rows.shape[0], tile):
@@ -28,7 +28,7 @@ class Softplus(RingKernel):
     def value(self, partial):
         return partial
 
-    def weights(self, tile_logits, partial, rows):
+    def weights(self, tile_logits, partial, rows, columns, companion=None):
         return tile_logits.sigmoid_()
 
 

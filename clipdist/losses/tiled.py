@@ -12,7 +12,7 @@ class RowLogSumExp(RingKernel):
     """Σ_{i∈r} LSE_j(x_ij), x_ij = s·r_i·c_j: a running LSE per row, merged across blocks with logaddexp;
     backward weights P_ij = exp(x_ij − LSE_i), the softmax."""
 
-    def partial(self, scaled_rows, block, bias, tile):
+    def partial(self, scaled_rows, block, bias, tile, companion=None):
         lse = torch.empty(scaled_rows.shape[0], dtype=scaled_rows.dtype, device=scaled_rows.device)
         for r in range(0, scaled_rows.shape[0], tile):
             running = None
@@ -28,7 +28,7 @@ class RowLogSumExp(RingKernel):
     def value(self, partial):
         return partial.sum()
 
-    def weights(self, tile_logits, partial, rows):
+    def weights(self, tile_logits, partial, rows, columns, companion=None):
         return tile_logits.sub_(partial[rows, None]).exp_()
 
 

@@ -77,14 +77,23 @@ class Locks:
             lock_text_unlocked_layers=self.text or 0, lock_text_freeze_layer_norm=True))
 
 
-def _objective(loss_fn, model):
+def _teacher(model_name: str, seed: int, dtype: torch.dtype):
+    """The distillation check's teacher: the same structure, other weights (seed + 1), frozen, in eval mode."""
+    from clipdist.models import create_model
+
+    torch.manual_seed(seed + 1)
+    return create_model(model_name, init_logit_scale=math.log(30.0)).to(dtype).eval().requires_grad_(False)
+
+
+def _objective(loss_fn, model, teacher=None):
     """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
-    caption weight (2) beside it."""
+    caption weight (2) beside it; with a teacher, its distillation term (weight 1) too, in small tiles."""
     from clipdist.models import CAPTION_WEIGHT
     from clipdist.objective import Objective
 
     captions = hasattr(model, "text_decoder")
-    return Objective(loss_fn, caption_weight=CAPTION_WEIGHT if captions else 0.0, pad_id=getattr(model, "pad_id", 0))
+    return Objective(loss_fn, caption_weight=CAPTION_WEIGHT if captions else 0.0, pad_id=getattr(model, "pad_id", 0),
+                     teacher=teacher, tile=3)
 
 
 SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a power of two: scaling is exact)
@@ -100,7 +109,8 @@ def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks
 
 
 def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str,
-               chunks: int, parallel: str = "ddp", locks: Locks = Locks(), scaler: bool = False):
+               chunks: int, parallel: str = "ddp", locks: Locks = Locks(), scaler: bool = False,
+               distill: bool = False):
     """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1;
     with `scaler`, the loss scaled by SCALE through precision=fp16's GradScaler and the gradients unscaled, as
     precision=fp16 trains).
@@ -122,7 +132,8 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
         model = _model(model_name, seed, dtype, loss_fn, locks)
         wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
-        step = build_step(wrapped, _objective(loss_fn, model), chunks=chunks, scaler=grad_scaler)
+        teacher = _teacher(model_name, seed, dtype) if distill else None
+        step = build_step(wrapped, _objective(loss_fn, model, teacher), chunks=chunks, scaler=grad_scaler)
         loss = step.gradients(images[rows], tokens[rows])
         if grad_scaler is not None:
             grad_scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
@@ -135,9 +146,10 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     return results if rank == 0 else None
 
 
-def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str, loss_fn, locks: Locks = Locks()):
+def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str, loss_fn, locks: Locks = Locks(),
+                    distill: bool = False):
     """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process; a locked
-    parameter's gradient is None."""
+    parameter's gradient is None. With `distill`, plus open_clip's DistillClipLoss term against the teacher."""
     model = _model(model_name, seed, dtype, loss_fn, locks)
     images, tokens = _random_batch(global_batch, model_name, seed, dtype)
     outputs = model(images, tokens)
@@ -149,6 +161,16 @@ def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name
         loss = getattr(loss_fn, "reference", clip_loss)(*features) + objective.caption_weight * caption
     else:
         loss = getattr(loss_fn, "reference", clip_loss)(*outputs)
+    if distill:
+        from open_clip.loss import DistillClipLoss
+
+        teacher = _teacher(model_name, seed, dtype)
+        with torch.no_grad():
+            teacher_outputs = (teacher.encode_image(images, normalize=True),
+                               teacher.encode_text(tokens, normalize=True), teacher.logit_scale.exp())
+        student = outputs if not isinstance(outputs, dict) else (
+            outputs["image_features"], outputs["text_features"], outputs["logit_scale"])
+        loss = loss + DistillClipLoss()(*student[:3], *teacher_outputs)[1]
     loss.backward()
     return loss.item(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
@@ -179,6 +201,7 @@ class GradcheckReport:
     parallel: str = "ddp"  # ddp | fsdp
     locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
+    distill: bool = False  # with the distillation term against a teacher (loss.distill)
     locked_parameters: int = 0  # parameters that got no gradient, as in the reference
 
     def to_dict(self) -> dict:
@@ -261,13 +284,16 @@ def run_gradchecks(
     lock_image: int | None = None,
     lock_text: int | None = None,
     scaler: bool = False,
+    distill: bool = False,
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
     chunks > 1 runs each rank's step with gradient caching (clipdist.step) in that many chunks;
     parallel="fsdp" shards the model with FSDP2 (clipdist.parallel.wrap_model) instead of DDP;
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
-    trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler.
+    trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
+    distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,
+    checked against open_clip's DistillClipLoss on the whole batch.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
@@ -285,18 +311,19 @@ def run_gradchecks(
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
     locks = Locks(lock_image, lock_text)
     rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks, parallel,
-                                locks, scaler, timeout_s=timeout_s)[0]
+                                locks, scaler, distill, timeout_s=timeout_s)[0]
     tolerance = TOLERANCE[dtype]
     references = {}  # one single-process step per loss definition, shared by the backends that use it
     reports = []
     for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
         definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))
         if definition not in references:
-            references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks)
+            references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks,
+                                                     distill)
         report = _report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance, chunks,
                          parallel)
         report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
-        report.scaler = scaler
+        report.scaler, report.distill = scaler, distill
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
         reports.append(report)
     return reports
