@@ -164,22 +164,23 @@ def _plan(args: argparse.Namespace) -> int:
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
     console = Console(stderr=args.json, width=max(Console().width, 200))
     measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
-                            progress=lambda text: console.print(f"[dim]{text}[/dim]"))
+                            progress=lambda text: console.print(f"[dim]{text}[/dim]"), teacher=args.distill)
     rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel,
                      host)
     if args.json:
         print(json.dumps({"model": model_name, "world_size": world_size, "device_bytes": device_bytes,
                           "host": {"ranks_per_node": host.ranks_per_node, "loader_workers": host.loader_workers,
                                    "memory": host.memory},
-                          "precision": args.precision, "grad_checkpointing": checkpointing,
+                          "precision": args.precision, "grad_checkpointing": checkpointing, "distill": args.distill,
                           "rows": plan.rows_as_dicts(rows)}, indent=2))
         return 0
     table = Table(title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
                         f"global batch {args.global_batch:,} ({rows[0].local_batch:,}/device), {args.precision}, "
                         f"device {human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node "
                         f"({host.ranks_per_node} ranks × {host.loader_workers} loader workers)")
+    teacher = ("teacher",) if args.distill else ()
     for column in ("backend", "chunks", "params+optim", "activations", "cached feat.", "loss", "inputs", "comm buf.",
-                   "peak", "fits", "host/node", "sent/step", "max global batch", "limited by"):
+                   *teacher, "peak", "fits", "host/node", "sent/step", "max global batch", "limited by"):
         table.add_column(column, justify="left" if column in ("backend", "limited by") else "right", no_wrap=True)
     for row in rows:
         name = row.backend + (f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
@@ -187,7 +188,8 @@ def _plan(args: argparse.Namespace) -> int:
         fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
         table.add_row(name, chunks, *(human_bytes(x) for x in (row.parameters_optimizer, row.activations,
                                                           row.cached_features, row.loss_buffers, row.inputs,
-                                                          row.communication_buffers, row.peak)),
+                                                          row.communication_buffers,
+                                                          *((row.teacher,) if teacher else ()), row.peak)),
                       fits, human_bytes(row.host_per_node), human_bytes(row.sent_bytes_per_step),
                       f"{row.max_global_batch:,}", row.limit)
     console.print(table)
@@ -348,6 +350,8 @@ def _add_plan(commands) -> None:
                          help="default: the world preset's procs_per_node (8 at most for a number of ranks)")
     planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     planner.add_argument("--grad-checkpointing", action="store_true")
+    planner.add_argument("--distill", metavar="TEACHER", help="count a distillation teacher (loss.distill.model): "
+                         "an open_clip name, hf-hub:, local-dir:, an export or a run")
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     planner.set_defaults(run=_plan)
 

@@ -35,7 +35,7 @@ from clipdist.optim import build_optimizer, check_optim
 from clipdist.state import TrainState, seed_everything
 from clipdist.objective import Objective
 from clipdist.step import build_step
-from clipdist.tools.evaluation import check_target
+from clipdist.tools.evaluation import model_structure
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
 log = logging.getLogger("clipdist")
@@ -75,7 +75,9 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         check_model_options(cfg.model)
         check_loss_weights(cfg.loss, cfg.model.name)
         if cfg.loss.distill.model:
-            check_target(cfg.loss.distill.model, cfg.loss.distill.pretrained, None)
+            student = create_model(cfg.model.name, device="meta", overrides=model_overrides(cfg.model, fetch=False))
+            check_teacher(model_structure(cfg.loss.distill.model, cfg.loss.distill.pretrained), student,
+                          cfg.loss.distill.model)
         check_optim(cfg.optim)
         augmentation_cfg(cfg.data)
         if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts

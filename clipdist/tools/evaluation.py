@@ -69,6 +69,24 @@ def check_target(target: str, pretrained: str | None, model_name: str | None) ->
         pretrained_cfg(resolve_model_name(target), pretrained)
 
 
+def model_structure(target: str, pretrained: str | None = None) -> torch.nn.Module:
+    """The model TARGET names (as load_model takes it) on the meta device: its structure, no tensor read (a run's
+    checkpoint is verified and its config read)."""
+    from clipdist.config import model_config
+    from clipdist.models import create_model, model_overrides
+    from clipdist.tools.export import CONFIG_FILE
+    from clipdist.weights import CHECKPOINT, find_checkpoint, verify
+
+    check_target(target, pretrained, None)
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        return create_model(f"local-dir:{path}", device="meta")
+    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
+        model_cfg = model_config(verify(find_checkpoint(path)).get("config", {}).get("model", {}))
+        return create_model(model_cfg.name, overrides=model_overrides(model_cfg, fetch=False), device="meta")
+    return create_model(target, device="meta")
+
+
 def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str]):
     """EvalSets from name -> spec; class names and templates beside a set's shards win over the given ones."""
     from clipdist.data.sources import DEFAULT_TEMPLATES, eval_set

@@ -21,7 +21,9 @@ Figures per device:
                            gathered weights of the root unit (kept through the step) and of two
                            blocks (one computing, one prefetched), and their unsharded fp32
                            gradients before the reduce-scatter
-Peak = parameters + optimizer + buffers + inputs + (activations + loss, or with chunks cached
+  teacher                  with --distill: the teacher's fp32 weights, its features of the local batch
+                           and the distillation term's ring buffers (Measurements.teacher_bytes)
+Peak = parameters + optimizer + buffers + inputs + teacher + (activations + loss, or with chunks cached
 features + max(loss, one chunk's activations), since the loss's graph is freed before the chunks
 are re-run).
 
@@ -126,6 +128,7 @@ class PlanRow:
     max_global_batch: int
     limit: str  # what stops the batch from growing past max_global_batch
     parallel: str = "ddp"
+    teacher: float = 0.0  # distillation (--distill): the teacher's weights, its features, the term's ring buffers
 
 
 @dataclass
@@ -136,6 +139,18 @@ class Measurements:
     parameter_shapes: list[tuple[int, ...]] = field(default_factory=list)
     block_parameters: list[int] = field(default_factory=list)  # FSDP units: each transformer block
     input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels + int64 tokens
+    teacher_parameters: int = 0  # distillation: the teacher's parameter count (fp32 weights, no gradient)
+    teacher_dim: int = 0  # and its feature dim
+
+    def teacher_bytes(self, local_batch: int) -> float:
+        """A distillation teacher on one rank: fp32 weights; its image and text features of the local batch (kept
+        until the loss); what the distillation term's backward holds (as tiled's, with the teacher's block
+        travelling beside the student's: 7·b·(d + d')·4). Its forward keeps nothing (no_grad)."""
+        if not self.teacher_parameters:
+            return 0.0
+        dim = self.activations.feature_dim
+        return 4 * self.teacher_parameters + 2 * local_batch * self.teacher_dim * 4 \
+            + 7 * local_batch * (dim + self.teacher_dim) * 4
 
     def state_bytes(self, world_size: int, parallel: str) -> float:
         """Parameters, gradients and AdamW moments on one rank."""
@@ -150,8 +165,9 @@ class Measurements:
 
 
 def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_checkpointing: bool = False,
-            progress=print) -> Measurements:
-    """Run the real towers and loss backends small, on CPU, and fit how their memory scales."""
+            progress=print, teacher: str | None = None) -> Measurements:
+    """Run the real towers and loss backends small, on CPU, and fit how their memory scales; `teacher`: a
+    distillation teacher (loss.distill.model), counted from its structure."""
     from clipdist.models import create_model, get_tokenizer
 
     if precision not in ("bf16", "fp32"):
@@ -167,8 +183,17 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     context = get_tokenizer(model_name).context_length
     activations = measure_activations(model, context, autocast)
     height, width = _pair(model.visual.image_size)
-    return Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model),
-                        input_bytes=3 * height * width + 8 * context)
+    measured = Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model),
+                            input_bytes=3 * height * width + 8 * context)
+    if teacher:
+        from clipdist.tools.evaluation import model_structure
+
+        structure = model_structure(teacher)
+        measured.teacher_parameters = sum(p.numel() for p in structure.parameters())
+        with torch.no_grad():  # the feature dim: a forward on the meta device computes nothing
+            measured.teacher_dim = structure.encode_text(torch.zeros(1, structure.context_length, dtype=torch.long,
+                                                                     device="meta")).shape[-1]
+    return measured
 
 
 def _pair(size) -> tuple[int, int]:
@@ -206,10 +231,11 @@ def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, 
         held, kept = activations + loss, activations + loss_kept
     read_ahead = READ_AHEAD_PER_WORKER * max(host.loader_workers, 1) * micro_batch  # loader batches: chunks
     host_bytes = host.ranks_per_node * (local_batch + read_ahead) * m.input_bytes
+    teacher = m.teacher_bytes(local_batch)
     terms = {"activations": activations, "loss": loss, "cached features": cached, "inputs": inputs}
     return {"parameters_optimizer": params, "activations": activations, "cached_features": cached,
-            "loss_buffers": loss, "inputs": inputs, "communication_buffers": buffers,
-            "peak": params + buffers + inputs + cached + held, "host_per_node": host_bytes,
+            "loss_buffers": loss, "inputs": inputs, "communication_buffers": buffers, "teacher": teacher,
+            "peak": params + buffers + inputs + cached + held + teacher, "host_per_node": host_bytes,
             "growing": max(terms, key=terms.get),  # the largest term that grows with the batch
             "kept_for_backward": kept}  # what autograd holds at most: what SavedTensorMeter measures
 

@@ -76,3 +76,16 @@ def test_a_coca_model_from_scratch_is_initialised_the_same_on_every_rank():
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
     projection = first.text_decoder.text_projection
     assert 0.05 < projection.std().item() < 0.2  # width 64: std 64^-0.5 = 0.125
+
+
+@pytest.mark.parametrize("teacher, message", [
+    ("clipdist-timm-tiny", "loss.distill.model=clipdist-timm-tiny: its image size is (224, 224), the student's (32, 32)"),
+    ("no-such-model", "no-such-model"),
+])
+def test_a_teacher_that_cannot_see_the_students_inputs_is_refused_before_any_rank(tmp_path, capsys, monkeypatch,
+                                                                                  teacher, message):
+    from tests.helpers import refusal
+
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"loss.distill.model={teacher}")
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "run").exists()

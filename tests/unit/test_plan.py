@@ -19,3 +19,18 @@ def test_parse_bytes_and_presets():
     assert plan.resolve_model("vit_b32") == ("ViT-B-32", False)
     with pytest.raises(ValueError, match="64gpu"):
         plan.resolve_world("65gpu")
+
+
+def test_a_distillation_teacher_adds_its_weights_features_and_ring_buffers_to_the_peak():
+    from clipdist.tools.memory import ActivationFit, LossFit, LOSS_TERMS
+
+    fit = LossFit("tiled", tuple([0.0] * len(LOSS_TERMS)), 0.0)
+    measured = plan.Measurements(ActivationFit(1000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], [])
+    alone = plan.breakdown(measured, "tiled", 4, 32, 32)
+    measured.teacher_parameters, measured.teacher_dim = 5 * 10**6, 128
+    taught = plan.breakdown(measured, "tiled", 4, 32, 32)
+    expected = 4 * 5 * 10**6 + 2 * 32 * 128 * 4 + 7 * 32 * (64 + 128) * 4
+    assert taught["teacher"] == expected and taught["peak"] - alone["peak"] == expected
+    assert plan.largest_local_batch(measured, "tiled", 4, 1, 10**8)[0] < plan.largest_local_batch(
+        plan.Measurements(ActivationFit(1000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], []), "tiled", 4, 1,
+        10**8)[0]
