@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from clipdist.losses.collectives import world_layout
-from clipdist.losses.ring import DEFAULT_TILE, RingKernel, check_tile, logits, ring_partial, ring_sum
+from clipdist.losses.ring import DEFAULT_TILE, TileSum, check_tile, logits, ring_partial, ring_sum
 from clipdist.losses.tiled import ROW_LSE
 
 
-class TeacherWeighted(RingKernel):
+class TeacherWeighted(TileSum):
     """Σ_{i∈r} Σ_j p_ij x_ij, p_ij = exp(y_ij − LSE_j'(y_ij')) the teacher's softmax of row i: the teacher's columns
     travel beside the student's (the companion block), its rows (scaled) and row LSEs stay on this rank.
     Backward weights: p_ij, constants."""
@@ -26,19 +26,8 @@ class TeacherWeighted(RingKernel):
     def _probabilities(self, rows: slice, teacher_block):
         return logits(self.teacher_rows[rows], teacher_block).sub_(self.teacher_lse[rows, None]).exp_()
 
-    def partial(self, scaled_rows, block, bias, tile, companion=None):
-        total = scaled_rows.new_zeros(())
-        for r in range(0, scaled_rows.shape[0], tile):
-            for c in range(0, block.shape[0], tile):
-                probabilities = self._probabilities(slice(r, r + tile), companion[c : c + tile])
-                total += (probabilities * logits(scaled_rows[r : r + tile], block[c : c + tile])).sum()
-        return total
-
-    def merge(self, first, second):
-        return first + second
-
-    def value(self, partial):
-        return partial
+    def tile_total(self, scaled_rows, block, bias, rows, companion):
+        return (self._probabilities(rows, companion) * logits(scaled_rows, block)).sum()
 
     def weights(self, tile_logits, partial, rows, columns, companion=None):
         return self._probabilities(rows, companion[columns])

@@ -65,6 +65,27 @@ class RingKernel:
         raise NotImplementedError
 
 
+class TileSum(RingKernel):
+    """A kernel whose value is one number summed over tiles: `tile_total` of each tile's rows and columns."""
+
+    def tile_total(self, scaled_rows, block, bias, rows: slice, companion) -> torch.Tensor:
+        raise NotImplementedError
+
+    def partial(self, scaled_rows, block, bias, tile, companion=None):
+        total = scaled_rows.new_zeros(())
+        for r in range(0, scaled_rows.shape[0], tile):
+            for c in range(0, block.shape[0], tile):
+                total += self.tile_total(scaled_rows[r : r + tile], block[c : c + tile], bias, slice(r, r + tile),
+                                         None if companion is None else companion[c : c + tile])
+        return total
+
+    def merge(self, first, second):
+        return first + second
+
+    def value(self, partial):
+        return partial
+
+
 def _payload(columns, companion_columns):
     """What travels: the column block, with its companion block beside it (one message)."""
     if companion_columns is None:

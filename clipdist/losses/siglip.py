@@ -7,26 +7,15 @@ import torch.nn.functional as F
 
 from clipdist.losses.base import DistributedContrastiveLoss
 from clipdist.losses.reference import siglip_loss
-from clipdist.losses.ring import DEFAULT_TILE, RingKernel, check_tile, logits, ring_sum
+from clipdist.losses.ring import DEFAULT_TILE, TileSum, check_tile, logits, ring_sum
 
 
-class Softplus(RingKernel):
+class Softplus(TileSum):
     """Σ_{i∈r} Σ_j softplus(x_ij) = −Σ log σ(−x_ij), x_ij = s·r_i·c_j + t (every pair taken as a negative);
     backward weights σ(x_ij)."""
 
-    def partial(self, scaled_rows, block, bias, tile, companion=None):
-        negated_rows, negated_bias = scaled_rows.neg(), bias.neg()  # −x straight out of the matmul
-        total = scaled_rows.new_zeros(())
-        for r in range(0, scaled_rows.shape[0], tile):
-            for c in range(0, block.shape[0], tile):
-                total -= F.logsigmoid(logits(negated_rows[r : r + tile], block[c : c + tile], negated_bias)).sum()
-        return total
-
-    def merge(self, first, second):
-        return first + second
-
-    def value(self, partial):
-        return partial
+    def tile_total(self, scaled_rows, block, bias, rows, companion):
+        return -F.logsigmoid(logits(scaled_rows.neg(), block, bias.neg())).sum()  # −x straight out of the matmul
 
     def weights(self, tile_logits, partial, rows, columns, companion=None):
         return tile_logits.sigmoid_()
