@@ -2,6 +2,7 @@
 caching (against open_clip's CoCaLoss definition at world size 1), end to end, and its export is open_clip's CoCa."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -56,6 +57,12 @@ def test_coca_trains_three_steps_on_two_ranks_and_exports_to_open_clip(tmp_path,
         assert row["loss"] == pytest.approx(row["contrastive_loss"] + 1.5 * row["caption_loss"], rel=1e-5)
     metrics = read_jsonl(run / "metrics.jsonl")[-1]
     assert 0 < metrics["val_caption_loss"] < 11.5 and "val_clip_loss" in metrics  # ln(49408) = 10.8 at random
+    val = next(cache_dir.rglob("digits/val-*.tar"))  # the built-in set's validation shard, as the run evaluated it
+    for world in (1, 2):  # `clipdist eval` of the run: its caption loss, on one process or split over ranks
+        assert cli(["eval", str(run), "--set", f"val={val}", "--world", str(world),
+                    "--out", str(tmp_path / f"eval{world}.json")]) == 0
+        evaluated = json.loads((tmp_path / f"eval{world}.json").read_text())
+        assert evaluated["val_caption_loss"] == pytest.approx(metrics["val_caption_loss"], rel=1e-6), world
     assert cli(["export", str(run), "--out", str(tmp_path / "export")]) == 0
     generated = subprocess.run([sys.executable, "-c", GENERATE, str(tmp_path / "export")], capture_output=True,
                                text=True, timeout=300)
