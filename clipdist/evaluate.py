@@ -32,6 +32,7 @@ from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
 from clipdist.losses import clip_loss
+from clipdist.models import has_caption_decoder
 from clipdist.objective import caption_cross_entropy
 from clipdist.parallel import all_ranks, rank_and_world_size
 
@@ -91,7 +92,7 @@ class _Encoder:
     def __init__(self, model, tokenizer, device, lockstep: bool):
         self.model, self.tokenizer, self.device, self.lockstep = model, tokenizer, device, lockstep
         self.dtype = model.logit_scale.dtype  # pure_bf16 / pure_fp16: the weights' dtype
-        self.captions = hasattr(model, "text_decoder")  # CoCa: the caption loss too
+        self.captions = has_caption_decoder(model)  # CoCa: the caption loss too
 
     def caption_terms(self, images: list[torch.Tensor], captions: list[str]) -> torch.Tensor:
         """CoCa: (Σ caption cross-entropy over the label tokens, their number) for these image-caption pairs."""

@@ -159,19 +159,23 @@ def is_captioning(name: str) -> bool | None:
     return "multimodal_cfg" in (open_clip.get_model_config(resolve_model_name(name)) or {})
 
 
+def has_caption_decoder(model: torch.nn.Module) -> bool:
+    """Whether a built model is a CoCa model (a text decoder beside the towers)."""
+    return getattr(model, "text_decoder", None) is not None
+
+
 CAPTION_WEIGHT = 2.0  # open_clip_train's --coca-caption-loss-weight default
 
 
-def caption_weight(loss_cfg, model: torch.nn.Module) -> float:
-    """The caption term's weight for this model: 0 for a CLIP model, loss.caption_weight (default open_clip's 2)
-    for a CoCa model; a caption weight given for a model that does not caption is refused."""
-    captions = hasattr(model, "text_decoder")
-    if not captions:
-        if loss_cfg.caption_weight:
-            raise ValueError(f"loss.caption_weight={loss_cfg.caption_weight}, but the model has no text decoder (a "
-                             "CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model")
-        return 0.0
-    return CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight
+def caption_weight(loss_cfg, captions: bool, model_name: str) -> float:
+    """The caption term's weight: 0 for a CLIP model, loss.caption_weight (default open_clip's 2) for a CoCa model
+    (`captions`); a caption weight given for a model that does not caption is refused."""
+    if captions:
+        return CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight
+    if loss_cfg.caption_weight:
+        raise ValueError(f"loss.caption_weight={loss_cfg.caption_weight}, but model.name={model_name} has no text "
+                         "decoder (a CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model")
+    return 0.0
 
 
 def check_loss_weights(loss_cfg, model_name: str) -> None:
@@ -180,16 +184,15 @@ def check_loss_weights(loss_cfg, model_name: str) -> None:
         if (getattr(loss_cfg, key) or 0) < 0:
             raise ValueError(f"loss.{key}={getattr(loss_cfg, key)}: a loss weight must be 0 or more")
     captioning = is_captioning(model_name)
-    if captioning is False and loss_cfg.caption_weight:
-        raise ValueError(f"loss.caption_weight={loss_cfg.caption_weight}, but model.name={model_name} has no text "
-                         "decoder (a CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model")
-    caption = (CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight) if captioning else 0
-    if loss_cfg.contrastive_weight == 0 and captioning is not None and caption == 0:
+    if captioning is None:  # hf-hub: / local-dir: — known once the model is built (Trainer: caption_weight)
+        return
+    if caption_weight(loss_cfg, captioning, model_name) == 0 and loss_cfg.contrastive_weight == 0:
         raise ValueError("loss.contrastive_weight=0 and no caption term: nothing to train")
 
 
 def check_teacher(teacher: torch.nn.Module, student: torch.nn.Module, name: str) -> None:
-    """A distillation teacher sees the student's images and tokens: the same image size and context length."""
+    """A distillation teacher sees the student's images and tokens: the same image size, context length and
+    vocabulary."""
     for what, mine, theirs in (("image size", student.visual.image_size, teacher.visual.image_size),
                                ("context length", student.context_length, teacher.context_length)):
         if tuple(np.atleast_1d(mine)) != tuple(np.atleast_1d(theirs)):
@@ -365,7 +368,7 @@ def create_model(
     with _random_init_is_intended():
         model = open_clip.create_model(name, pretrained=None, load_weights=False, pretrained_text=False,
                                        **kwargs, **overrides)
-    if getattr(model, "text_decoder", None) is not None and device != "meta":
+    if has_caption_decoder(model) and device != "meta":
         _init_caption_decoder(model.text_decoder)
     source = checkpoint
     if source is None and device != "meta":

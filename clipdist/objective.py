@@ -42,7 +42,8 @@ def caption_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, pad_id: in
 
 class Objective:
     """The step's loss from a model's `Outputs`: w_c times the contrastive backend on the features, plus w_cap times
-    the global token mean of the caption cross-entropy (CoCa). `caption_factor` is w_cap·N/T of the last call: the
+    the global token mean of the caption cross-entropy (CoCa), plus w_d times the distillation term against
+    `teacher` (clipdist.losses.distill, in tiles of `tile`). `caption_factor` is w_cap·N/T of the last call: the
     factor a chunk's caption sum is multiplied by when gradient caching backpropagates it chunk by chunk."""
 
     def __init__(self, contrastive, contrastive_weight: float = 1.0, caption_weight: float = 0.0, pad_id: int = 0,
@@ -52,8 +53,7 @@ class Objective:
         self.teacher, self.distill_weight = teacher, distill_weight
         self.distill = DistillationLoss(tile) if teacher is not None else None
         self.caption_factor = None
-        self.terms: dict[str, torch.Tensor] = {}  # the last call's terms beside the total (CoCa), for the logs
-        self.uses_logit_bias = getattr(contrastive, "uses_logit_bias", False)
+        self.terms: dict[str, torch.Tensor] = {}  # the last call's terms beside the total, for the logs
 
     def outputs(self, raw) -> Outputs:
         """The parts of a forward: open_clip's CLIP returns (image, text, scale[, bias]); CoCa a dict with the
@@ -63,7 +63,9 @@ class Objective:
         features = (raw["image_features"], raw["text_features"], raw["logit_scale"])
         if raw.get("logit_bias") is not None:
             features += (raw["logit_bias"],)
-        caption = caption_cross_entropy(raw["logits"], raw["labels"], self.pad_id) if "logits" in raw else None
+        caption = None  # with no caption term to train, the logits are not reduced at all
+        if "logits" in raw and self.caption_weight:
+            caption = caption_cross_entropy(raw["logits"], raw["labels"], self.pad_id)
         return Outputs(features, caption)
 
     @torch.no_grad()
@@ -79,7 +81,7 @@ class Objective:
         contrastive = self.contrastive(*outputs.features)
         loss = contrastive if self.contrastive_weight == 1 else contrastive * self.contrastive_weight
         terms = {}  # unweighted, for the logs; their means over ranks are the global terms
-        if outputs.caption is not None and self.caption_weight:
+        if outputs.caption is not None:
             caption_sum, count = outputs.caption
             mean_tokens = parallel.all_reduce_mean(count.to(caption_sum.device, torch.float64))  # T / N
             self.caption_factor = self.caption_weight / mean_tokens.clamp(min=1e-9).to(caption_sum.dtype)

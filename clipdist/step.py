@@ -86,7 +86,7 @@ class Step:
                  normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0, scaler=None,
                  input_dtype: torch.dtype | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.objective = as_objective(loss_fn)  # the contrastive backend, and CoCa's caption term
+        self.objective = as_objective(loss_fn)  # the contrastive backend, CoCa's caption term, distillation
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
@@ -204,7 +204,7 @@ class CachedStep(Step):
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
                 pairs = [(out, grad) for out, grad in zip(chunk.features, [image_grads[k], text_grads[k], *scalar_grads])
                          if out.requires_grad]  # a locked tower's features have no graph
-                if chunk.caption is not None and self.objective.caption_weight:  # the chunk's share of w·N/T·Σ CE
+                if chunk.caption is not None:  # the chunk's share of w·N/T·Σ CE
                     pairs.append((self.scaled(self.objective.caption_factor * chunk.caption[0]), None))
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         parallel.finish_gradient_sync(self.model)

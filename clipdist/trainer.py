@@ -27,15 +27,15 @@ from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
 from clipdist.losses.ring import DEFAULT_TILE
-from clipdist.models import (caption_weight, check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
-                             create_model_for_loss, fetches_weights, get_tokenizer, lock_towers, model_overrides,
-                             resolve_model_name)
+from clipdist.models import (caption_weight, check_loss_weights, check_model_options, check_teacher, check_weights,
+                             create_model, create_model_for_loss, fetches_weights, get_tokenizer, has_caption_decoder,
+                             lock_towers, model_overrides, resolve_model_name)
 from clipdist.run_dir import RunLock, rewind_jsonl, write_record
 from clipdist.optim import build_optimizer, check_optim
 from clipdist.state import TrainState, seed_everything
 from clipdist.objective import Objective
 from clipdist.step import build_step
-from clipdist.tools.evaluation import model_structure
+from clipdist.tools.evaluation import load_model, model_structure
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
 log = logging.getLogger("clipdist")
@@ -312,7 +312,8 @@ class Trainer:
         train_transform, self.val_transform = image_transforms(self.model.visual.preprocess_cfg, cfg.data)
         mean, std = self.model.visual.preprocess_cfg["mean"], self.model.visual.preprocess_cfg["std"]
         objective = Objective(self.loss_fn, contrastive_weight=cfg.loss.contrastive_weight,
-                              caption_weight=caption_weight(cfg.loss, self.model), pad_id=getattr(self.model, "pad_id", 0),
+                              caption_weight=caption_weight(cfg.loss, has_caption_decoder(self.model), cfg.model.name),
+                              pad_id=getattr(self.model, "pad_id", 0),
                               teacher=self.build_teacher(), distill_weight=cfg.loss.distill.weight,
                               tile=getattr(cfg.loss, "tile", DEFAULT_TILE))
         self.step = build_step(self.train_model, objective, optimizer, scheduler,
@@ -451,15 +452,12 @@ class Trainer:
 
     def build_teacher(self) -> torch.nn.Module | None:
         """loss.distill's teacher: frozen, in eval mode, in the weights' dtype, on this rank's device (whole on
-        every rank); its inputs are the student's, so its image size and context length must be the student's."""
-        from clipdist.tools.evaluation import load_model
-
+        every rank). That it can take the student's inputs was checked before the ranks started (preflight)."""
         distill, cfg = self.cfg.loss.distill, self.cfg
         if not distill.model:
             return None
         with parallel.node_leaders_first(self.env.local_rank, needed=fetches_weights(distill.model, distill.pretrained)):
             teacher, _ = load_model(distill.model, distill.pretrained, cache_dir=cfg.model.cache_dir)
-        check_teacher(teacher, self.model, distill.model)
         return teacher.to(self.device, precision.weights_dtype(cfg.precision)).eval().requires_grad_(False)
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:

@@ -88,12 +88,12 @@ def _teacher(model_name: str, seed: int, dtype: torch.dtype):
 def _objective(loss_fn, model, teacher=None):
     """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
     caption weight (2) beside it; with a teacher, its distillation term (weight 1) too, in small tiles."""
-    from clipdist.models import CAPTION_WEIGHT
+    from clipdist.config import LossConfig
+    from clipdist.models import caption_weight, has_caption_decoder
     from clipdist.objective import Objective
 
-    captions = hasattr(model, "text_decoder")
-    return Objective(loss_fn, caption_weight=CAPTION_WEIGHT if captions else 0.0, pad_id=getattr(model, "pad_id", 0),
-                     teacher=teacher, tile=3)
+    weight = caption_weight(LossConfig(), has_caption_decoder(model), "")
+    return Objective(loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3)
 
 
 SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a power of two: scaling is exact)
