@@ -8,6 +8,15 @@ from clipdist.losses.collectives import WorldLayout, world_layout
 from clipdist.losses.reference import clip_loss
 
 
+def loss_dtype(*features: torch.Tensor) -> torch.dtype:
+    """The dtype a loss computes in: the features' own, at least float32 (bf16 logits lose the differences the
+    softmax depends on)."""
+    dtype = torch.float32
+    for tensor in features:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
 class DistributedContrastiveLoss(nn.Module):
     """Validates the inputs, computes in float32 or wider, and hands a `WorldLayout` on.
 
@@ -38,8 +47,7 @@ class DistributedContrastiveLoss(nn.Module):
             raise ValueError(f"{type(self).__name__} is a softmax loss and has no logit bias; build the model "
                              "without one, or use loss=siglip")
         layout = world_layout(image_features, text_features, self.group)
-        # bf16 logits lose the differences the softmax depends on: always at least float32.
-        dtype = torch.promote_types(torch.promote_types(image_features.dtype, text_features.dtype), torch.float32)
+        dtype = loss_dtype(image_features, text_features)
         scalars = [logit_scale] + ([logit_bias] if self.uses_logit_bias else [])
         logit_scale, *bias = (torch.as_tensor(t, device=image_features.device).to(dtype) for t in scalars)
         with torch.autocast(image_features.device.type, enabled=False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from clipdist.losses.base import loss_dtype
 from clipdist.losses.collectives import world_layout
 from clipdist.losses.ring import DEFAULT_TILE, TileSum, check_tile, logits, ring_partial, ring_sum
 from clipdist.losses.tiled import ROW_LSE
@@ -50,7 +51,7 @@ class DistillationLoss(torch.nn.Module):
 
     def forward(self, image_features, text_features, logit_scale, teacher_image, teacher_text, teacher_scale):
         layout = world_layout(image_features, text_features, self.group)
-        dtype = torch.promote_types(torch.promote_types(image_features.dtype, text_features.dtype), torch.float32)
+        dtype = loss_dtype(image_features, text_features)
         image, text = image_features.to(dtype), text_features.to(dtype)
         scale = torch.as_tensor(logit_scale, device=image.device).to(dtype)
         teacher_image, teacher_text = teacher_image.detach().to(dtype), teacher_text.detach().to(dtype)
@@ -64,14 +65,3 @@ class DistillationLoss(torch.nn.Module):
                 total = total + ring_sum(ROW_LSE, rows, columns, scale, None, self.tile, layout) \
                     - ring_sum(cross, rows, columns, scale, None, self.tile, layout, companion_columns=teacher_columns)
         return total * (layout.world_size / (2 * layout.global_batch))
-
-
-def distill_loss_reference(image_features, text_features, logit_scale, teacher_image, teacher_text, teacher_scale):
-    """D on one process (open_clip's DistillClipLoss.dist_loss, both directions, averaged)."""
-    student = logit_scale * image_features @ text_features.T
-    teacher = teacher_scale * teacher_image @ teacher_text.T
-
-    def cross_entropy(teacher_logits, student_logits):
-        return -(teacher_logits.softmax(dim=1) * student_logits.log_softmax(dim=1)).sum(dim=1).mean(dim=0)
-
-    return (cross_entropy(teacher, student) + cross_entropy(teacher.T, student.T)) / 2

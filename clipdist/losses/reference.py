@@ -1,4 +1,4 @@
-"""The single-process CLIP loss: the definition every distributed backend must reproduce."""
+"""The single-process losses: the definitions every distributed backend (and the distillation term) must reproduce."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +23,16 @@ def siglip_loss(image_features: torch.Tensor, text_features: torch.Tensor, logit
     logits = logit_scale * image_features @ text_features.T + logit_bias
     signs = 2 * torch.eye(logits.shape[0], dtype=logits.dtype, device=logits.device) - 1
     return -F.logsigmoid(signs * logits).sum() / image_features.shape[0]
+
+
+def distill_loss_reference(image_features, text_features, logit_scale, teacher_image, teacher_text, teacher_scale):
+    """D = ½·[CE(softmax(y_i·), x_i·) + CE(softmax(y_·j), x_·j)] averaged over the batch, x = s·I·Tᵀ the student's and
+    y = s'·I'·T'ᵀ the teacher's logits (clipdist.losses.distill). Same definition as open_clip's DistillClipLoss's
+    distillation term with world size 1."""
+    student = logit_scale * image_features @ text_features.T
+    teacher = teacher_scale * teacher_image @ teacher_text.T
+
+    def cross_entropy(teacher_logits, student_logits):
+        return -(teacher_logits.softmax(dim=1) * student_logits.log_softmax(dim=1)).sum(dim=1).mean(dim=0)
+
+    return (cross_entropy(teacher, student) + cross_entropy(teacher.T, student.T)) / 2

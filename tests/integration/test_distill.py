@@ -11,7 +11,8 @@ from helpers import read_jsonl, train
 from open_clip.loss import DistillClipLoss
 
 from clipdist.launch import launch_local
-from clipdist.losses.distill import DistillationLoss, distill_loss_reference
+from clipdist.losses.distill import DistillationLoss
+from clipdist.losses.reference import distill_loss_reference
 from clipdist.tools.gradcheck import run_gradchecks
 
 TEACHER_DIM = 6  # the teacher's feature dim differs from the student's (8), as a bigger teacher's would
