@@ -77,13 +77,13 @@ def model_structure(target: str, pretrained: str | None = None) -> torch.nn.Modu
     from clipdist.tools.export import CONFIG_FILE
     from clipdist.weights import CHECKPOINT, find_checkpoint, verify
 
-    check_target(target, pretrained, None)
     path = Path(target).expanduser()
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         return create_model(f"local-dir:{path}", device="meta")
-    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
+    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):  # verified once, its config read
         model_cfg = model_config(verify(find_checkpoint(path)).get("config", {}).get("model", {}))
         return create_model(model_cfg.name, overrides=model_overrides(model_cfg, fetch=False), device="meta")
+    check_target(target, pretrained, None)  # a name and its pretrained tag (a bare weights file names no model)
     return create_model(target, device="meta")
 
 
