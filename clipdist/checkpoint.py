@@ -346,10 +346,10 @@ class Checkpointer:
         return None
 
     @staticmethod
-    def check_resume(cfg: TrainConfig, world_size: int) -> str | None:
+    def check_resume(cfg: TrainConfig, world_size: int, found: tuple[Path, dict] | None = None) -> str | None:
         """Before any rank starts: refuse resume=never over a run with checkpoints, a missing resume file, a
         checkpoint of another model or loss, or one whose files would run code; a changed global batch is
-        allowed (the returned warning)."""
+        allowed (the returned warning). `found`: resume_point(cfg), where the caller has it already."""
         files = CheckpointFiles(cfg.run_dir)
         if cfg.resume == "never":
             existing = files.checkpoints()
@@ -358,16 +358,23 @@ class Checkpointer:
                     f"{files.directory} already holds {existing[0].name}; resume=never would overwrite "
                     "that run. Use resume=auto to continue it, or name=<new name> for a new run")
             return None
+        found = found or Checkpointer.resume_point(cfg)
+        return None if found is None else _compare(found[1], as_dict(cfg), world_size, found[0])
+
+    @staticmethod
+    def resume_point(cfg: TrainConfig) -> tuple[Path, dict] | None:
+        """The checkpoint a resume would start from and its progress (read safely), or None (a new run)."""
+        if cfg.resume == "never":
+            return None
         if cfg.resume != "auto" and not weights.is_checkpoint(Path(cfg.resume)):
             raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)")
-        for path in files.checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
+        for path in CheckpointFiles(cfg.run_dir).checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
             try:
-                saved = weights.verify(path)
+                return path, weights.verify(path)
             except weights.UnsafeFileError as error:
                 raise ConfigError(str(error)) from None
             except Exception:  # noqa: BLE001 -- unreadable: restore falls back to an older one and says so
                 continue
-            return _compare(saved, as_dict(cfg), world_size, path)
         return None
 
     @staticmethod

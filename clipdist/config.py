@@ -178,6 +178,7 @@ class DataConfig:
     shuffle_buffer: int = 1000
     workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
     pieces: int = 1  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
+    readers: Optional[int] = None  # the run's readers (the sample order's layout, fixed at its start); null: ranks × workers
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
@@ -307,6 +308,7 @@ class LoggingConfig:
     progress: bool = True
     profile_steps: int = 0  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
     profile_wait: int = 10  # steps run before profiling starts (warm-up left out)
+    sample_keys: bool = False  # each rank logs every step's samples ("shard#key") to <run_dir>/samples/rank_<r>.jsonl
 
 
 @dataclass
@@ -334,14 +336,16 @@ class TrainConfig:
 
 POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
             "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
-            "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces", "data.csv_rows_per_part")
+            "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces", "data.csv_rows_per_part",
+            "data.readers")
 NON_NEGATIVE = ("checkpoint.remote_retries", "logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
                 "data.shuffle_buffer")
 
 
 def validate(cfg: TrainConfig) -> None:
     """Values and combinations the types cannot rule out: a ConfigError naming the key and what to change."""
-    from clipdist.data.stream import check_pieces
+    from clipdist.data.order import SampleOrder
+    from clipdist.data.stream import check_pieces, run_readers
     from clipdist.losses import build
 
     node = OmegaConf.structured(cfg)
@@ -365,6 +369,9 @@ def validate(cfg: TrainConfig) -> None:
                           f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
     try:
         check_pieces(cfg.data.pieces, cfg.world.batch_per_device)
+        if cfg.data.readers is not None:
+            readers = run_readers(1, cfg.world.world_size, str(cfg.data.split), cfg.data.readers)
+            SampleOrder(readers, cfg.world.batch_per_device * cfg.world.world_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if cfg.optim.max_logit_scale <= 1:

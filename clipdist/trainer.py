@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from clipdist.config import Device, NormalizeOn, TrainConfig, as_dict, to_train_
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.images import PixelNormalize
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
-from clipdist.data.stream import Batch, TrainStream, check_shard_count
+from clipdist.data.stream import Batch, TrainStream, check_shard_count, run_readers
 from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
@@ -39,6 +40,7 @@ from clipdist.tools.evaluation import load_model, model_structure
 from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
 
 log = logging.getLogger("clipdist")
+SAMPLES = "samples"  # logging.sample_keys: <run_dir>/samples/rank_<r>.jsonl
 
 
 def run(cfg, overrides: list[str] = ()) -> dict | None:
@@ -69,7 +71,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     """Every check that needs no process group, before any rank starts; ConfigError says what to change."""
     validate(cfg)
     check_launch(cfg.world, env)
-    Checkpointer.check_resume(cfg, cfg.world.world_size)
+    resuming = Checkpointer.resume_point(cfg)
+    Checkpointer.check_resume(cfg, cfg.world.world_size, resuming)
     try:
         resolve_model_name(cfg.model.name)
         check_model_options(cfg.model)
@@ -90,8 +93,7 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         check_no_batchnorm(cfg.model)
     try:
         shards = resolve_shards(cfg.data)
-        check_shard_count(len(shards.train), cfg.world.world_size, loader_workers_for(cfg, len(shards.train)).readers,
-                          resampled=cfg.data.resampled, split=cfg.data.split)
+        check_shard_count(len(shards.train), stream_readers(cfg, len(shards.train), resuming), resampled=cfg.data.resampled)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
     for evalset in shards.evals:
@@ -186,6 +188,16 @@ def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
     return loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
                                device_type="cuda" if uses_cuda(cfg.world.device) else "cpu")
+
+
+def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | None) -> int:
+    """The readers the run's data stream will have: a resumed run keeps its checkpoint's (data.stream), a new run
+    takes data.readers or ranks × the rank's readers."""
+    layout = (((resuming or (None, {}))[1].get("stream") or {}).get("layout")) or {}
+    if "cycle" in layout and cfg.data.readers in (None, layout["readers"]):
+        return layout["readers"]
+    return run_readers(loader_workers_for(cfg, shards).readers, cfg.world.world_size, str(cfg.data.split),
+                       cfg.data.readers, cfg.world.batch_per_device)
 
 
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
@@ -328,7 +340,7 @@ class Trainer:
         if self.resumed_from is None:
             seed_everything(cfg.seed + env.rank)
         if env.is_main:  # the logs hold no step twice: what comes after the checkpoint will be logged again
-            for log_file in ("train_log.jsonl", "metrics.jsonl"):
+            for log_file in ("train_log.jsonl", "metrics.jsonl", *sorted((self.run_dir / SAMPLES).glob("rank_*.jsonl"))):
                 rewind_jsonl(self.run_dir / log_file, self.state.step)
         self.eval_errors = 0
         self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
@@ -356,6 +368,13 @@ class Trainer:
             self.say(started)
         return stream
 
+    def log_samples(self, step: int, keys: list[str]) -> None:
+        """logging.sample_keys: this rank's rows of the step's batch, one line (a step skipped as non-finite too)."""
+        path = self.run_dir / SAMPLES / f"rank_{self.env.rank}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        with path.open("a") as log_file:
+            log_file.write(json.dumps({"step": step, "keys": keys}) + "\n")
+
     def say(self, message: str, level: int = logging.INFO) -> None:
         """A line from rank 0 on the console and in train.log (clipdist.console)."""
         if self.env.is_main:
@@ -371,6 +390,9 @@ class Trainer:
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
+        if stream.continued:
+            self.say(f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
+                     f"readers; {self.env.world_size} rank(s) × {cfg.world.batch_per_device})")
         if stream.restart_reason:
             self.say(f"the data stream cannot continue sample for sample ({stream.restart_reason}); it "
                      f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
@@ -395,6 +417,8 @@ class Trainer:
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
                 stream.consumed(agreed.counts)
+                if cfg.logging.sample_keys:
+                    self.log_samples(state.step + 1, batch.keys)
                 if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)",

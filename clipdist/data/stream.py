@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import random
 import signal
 import sys
@@ -20,22 +21,37 @@ import torch
 
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
+from clipdist.data.order import SampleOrder
 from clipdist.data.reader import Reader, ShardSequence
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 from clipdist.launch import STOP_SIGNALS, kill_tree
 from clipdist.parallel import all_ranks
 
-RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted after n batches is seeded seed + stride · n
+RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
+ORDER = ("resampled", "seed", "shuffle_buffer", "weights", "shards")  # the data the sample order is made of
 
 
-def check_shard_count(shards: int, world_size: int, readers: int, *, resampled: bool, split: str) -> None:
-    """Epoch mode splits shards over ranks × readers: each needs at least one (a ValueError otherwise)."""
-    if not resampled and split != "replicated" and shards < world_size * max(readers, 1):
+def check_shard_count(shards: int, readers: int, *, resampled: bool) -> None:
+    """Epoch mode deals each pass's shards over the run's readers: each needs at least one (a ValueError otherwise)."""
+    if not resampled and shards < readers:
         raise ValueError(
-            f"{shards} shard(s) for {world_size} rank(s) × {max(readers, 1)} reader(s) (loader workers): every "
-            "reader needs at least one shard. Use more shards, fewer data.workers, or data.resampled=true"
+            f"{shards} shard(s) for {readers} reader(s) (ranks × data.workers, or data.readers): every reader needs at "
+            "least one shard. Use more shards, fewer data.workers or data.readers, or data.resampled=true"
         )
+
+
+def run_readers(readers_per_rank: int, world_size: int, split: str, setting: int | None = None,
+                batch_size: int | None = None) -> int:
+    """V, the readers of a run that starts now: `setting` (data.readers), else world size × the rank's readers,
+    at most one per row of its batch (split=replicated: the rank's readers, as one process reads them)."""
+    if setting is not None:
+        if split != "replicated" and setting % world_size:
+            raise ValueError(f"data.readers={setting} is not a multiple of the world size {world_size}: every rank "
+                             "reads its own readers only where they divide evenly; use a multiple")
+        return setting
+    per_rank = max(min(readers_per_rank, batch_size or readers_per_rank), 1)
+    return per_rank * (1 if split == "replicated" else world_size)
 
 
 class Batch(NamedTuple):
@@ -43,6 +59,7 @@ class Batch(NamedTuple):
     tokens: torch.Tensor
     counts: list[int]  # this rank's [samples skipped, shards skipped while reading it, samples of each source]
     load_s: float | None = None  # CPU seconds the loader spent making it (reading, decoding, augmenting)
+    keys: list[str] | None = None  # each row's sample as "shard#key" (logging.sample_keys)
 
     @staticmethod
     def zero_counts(sources: int) -> list[int]:
@@ -51,30 +68,29 @@ class Batch(NamedTuple):
 
 
 class TrainStream:
-    """This rank's endless batches of `data` (a DataConfig: split, resampled, weights, shuffle_buffer,
-    workers, max_skips_in_a_row) and everything a checkpoint needs to continue them.
+    """This rank's rows of the run's endless global batches of `data` (a DataConfig: split, resampled,
+    weights, shuffle_buffer, workers, pieces, readers, max_skips_in_a_row) and everything a checkpoint needs
+    to continue them on any number of ranks.
 
-    split=node: shards are dealt to ranks × workers (epoch mode: reshuffled every pass, each sample once
-    per epoch; resampled: shards drawn with replacement, by `weights` per source). split=replicated:
-    every rank streams the same samples, forms the global batch and keeps its own slice — N ranks see
-    exactly the batches one process would (N× the decoding; for checks, not for scale).
+    The global sample order (order.py) is the run's V readers taking turns in cycles of Λ samples: fixed
+    when the run starts (V = data.readers, else world size × `readers`, the rank's readers; Λ = the global
+    batch) and kept by every resume, so it depends on the data and seed alone. split=node: rank r reads the
+    readers its rows need (its own V/N where N divides V). split=replicated: every rank reads every reader
+    and keeps its rows (N× the decoding; for checks, not for scale).
 
     `next(stream)` gives a Batch; `consumed(counts)` says the step used it (trained on it or skipped it
     as non-finite), with the counts summed over ranks: only then does its position count as read.
     `state_dict` / `load_state_dict` follow the StatefulDataLoader protocol and are collectives (every
-    rank's readers are saved in one place); `load_state_dict` comes before the first `next`, which
-    starts the DataLoader. A source that gives nothing usable raises DataError instead of spinning.
-    `pixels`: images come as uint8 (B, H, W, C), for the rank to normalize on its device
+    reader's position is saved once, whichever rank read it); `load_state_dict` comes before the first
+    `next`, which starts the DataLoader. A source that gives nothing usable raises DataError instead of
+    spinning. `pixels`: images come as uint8 (B, H, W, C), for the rank to normalize on its device
     (images.PixelNormalize); `pin_memory`: batches are put in pinned memory for an asynchronous copy.
 
-    `readers` (default: data.workers, at least 1) is how many readers the rank's shards are dealt to,
-    part of the layout; the worker processes that run them (data.workers) may be any divisor of it, and
-    may change between batches (`set_workers`) without changing a sample of the stream.
-
-    `data.pieces` (dividing batch_size): the loader reads each batch as that many pieces, piece g of the
-    stream from reader g mod readers, copied one by one into the batch's host buffer (pinned where
-    `pin_memory`). Host memory is then the batch plus the pieces read ahead (workers × 2), not whole
-    batches read ahead: what lets a batch larger than the device (gradient caching) be held at all.
+    The loader's workers (data.workers, any count; `set_workers` moves to another between batches) each
+    run some of the rank's readers and give their rows of a batch as `data.pieces` items, copied into the
+    batch's host buffer (pinned where `pin_memory`) as they arrive: host memory is the batch plus the items
+    read ahead (workers × 2), which lets a batch larger than the device (gradient caching) be held at all.
+    None of this changes a sample of the stream.
     """
 
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
@@ -84,27 +100,40 @@ class TrainStream:
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
+        self.replicated = split == "replicated"
         self.pieces = int(getattr(data, "pieces", 1) or 1)
         check_pieces(self.pieces, batch_size)
-        self.readers_count = readers or max(data.workers, 1)
+        self.readers_setting = getattr(data, "readers", None)
+        total = run_readers(readers or max(data.workers or 0, 1), world_size, split, self.readers_setting, batch_size)
         self.workers = data.workers
-        check_workers(self.workers, self.readers_count)
-        check_shard_count(sum(map(len, sources)), world_size, self.readers_count, resampled=data.resampled, split=split)
         self.sources, self.data, self.rank, self.world_size, self.seed = sources, data, rank, world_size, seed
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method
         self.pixels, self.pin_memory = pixels, pin_memory
-        self.layout = {"world_size": world_size, "readers": self.readers_count, "split": split, "resampled": data.resampled,
-                       "seed": seed, "shuffle_buffer": data.shuffle_buffer,
+        self.layout = {"resampled": data.resampled, "seed": seed, "shuffle_buffer": data.shuffle_buffer,
                        "weights": list(data.weights) if data.weights else None,
-                       "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest()}
+                       "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest(),
+                       "readers": total, "cycle": batch_size * world_size}
+        self.order = SampleOrder(total, self.layout["cycle"])
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
-        self.readers: dict[int, dict] = {}  # rank-local reader -> position after the batches consumed
-        self.batches = 0  # loader batches consumed (pieces, where data.pieces > 1)
+        self.readers: dict[int, dict] = {}  # reader -> its position after the samples consumed (those this rank read)
+        self.position = 0  # samples of the global order consumed: where global batch 0 of this start begins
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
+        self.continued = False  # set by load_state_dict when it continues sample for sample
         self._loader = None
         self.tuning: LoaderTuning | None = None
-        self._pending: list[tuple[int, dict]] = []  # the reader and position of each piece handed out
+        self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @functools.cached_property
+    def rank_readers(self) -> list[int]:
+        """The readers this rank reads (order.SampleOrder.rank_readers: the same from every batch's start)."""
+        if self.replicated:
+            return list(range(self.order.readers))
+        return self.order.rank_readers(self.position, self.global_batch, self.rank, self.world_size)
 
     def __iter__(self):
         return self
@@ -112,99 +141,125 @@ class TrainStream:
     def __next__(self) -> Batch:
         if self._loader is None:
             self._loader = self._start()
-        self._pending = []
-        if self.pieces == 1:
-            images, tokens, counts, load_s = self._piece()
-            return Batch(images, tokens, counts, load_s)
+        items, self._pending = self._items, {}
         images = tokens = counts = None
-        load_s, rows = 0.0, self.batch_size // self.pieces
-        for piece in range(self.pieces):
-            piece_images, piece_tokens, piece_counts, piece_load_s = self._piece()
-            if images is None:  # the batch's host buffer, filled piece by piece as the pieces arrive
+        load_s, keys = 0.0, [""] * self.batch_size
+        for _ in range(items):
+            item = next(self._loader)
+            if isinstance(item, DataFailure):
+                raise DataError(f"rank {self.rank}: {item.message}")
+            piece_images, piece_tokens, info = item
+            self._pending.update({reader: position.state for reader, position in info["readers"].items()})
+            piece_counts = [*info["skipped"], *info["sources"]]
+            counts = piece_counts if counts is None else [total + count for total, count in zip(counts, piece_counts)]
+            load_s += info["load_s"]
+            for row, key in zip(info["rows"].tolist(), info["keys"]):
+                keys[row] = key
+            if items == 1:  # the whole batch in one item
+                images, tokens = _in_row_order(piece_images, piece_tokens, info["rows"], self.pin_memory)
+                continue
+            rows = info["rows"]
+            if not len(rows):
+                continue
+            if images is None:  # the batch's host buffer, filled item by item as they arrive
                 images = torch.empty((self.batch_size, *piece_images.shape[1:]), dtype=piece_images.dtype,
                                      pin_memory=self.pin_memory)
                 tokens = torch.empty((self.batch_size, *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
-                counts = [0] * len(piece_counts)
-            images[piece * rows:(piece + 1) * rows] = piece_images
-            tokens[piece * rows:(piece + 1) * rows] = piece_tokens
-            counts = [total + count for total, count in zip(counts, piece_counts)]
-            load_s += piece_load_s
+            images[rows] = piece_images
+            tokens[rows] = piece_tokens
             del piece_images
-        return Batch(images, tokens, counts, load_s)
+        return Batch(images, tokens, counts, load_s, keys)
 
-    def _piece(self) -> tuple[torch.Tensor, torch.Tensor, list[int], float]:
-        """The loader's next batch (a piece of the rank's batch where data.pieces > 1), its position pending."""
-        item = next(self._loader)
-        if isinstance(item, DataFailure):
-            raise DataError(f"rank {self.rank}: {item.message}")
-        images, tokens, info = item
-        self._pending.append((info["reader"], info["state"].state))
-        return images, tokens, [*info["skipped"], *info["sources"]], info["load_s"]
+    @property
+    def _items(self) -> int:
+        """Items per batch: `pieces` from each worker (or from the rank itself)."""
+        return self._workers_now * self.pieces
+
+    @property
+    def _workers_now(self) -> int:
+        """The worker processes the loader runs: data.workers, at most one per reader of this rank."""
+        return max(min(self.workers or 0, len(self.rank_readers)), 1)
 
     def consumed(self, counts: list[int] | None = None) -> None:
         """The batch last handed out was used by the step: its readers' positions are now the saved ones, and
         `counts` (Batch.counts summed over ranks; this rank's own where None) are added to the totals."""
-        for reader, position in self._pending:
-            self.readers[reader] = position
-        self._pending = []
-        self.batches += self.pieces
+        self.readers.update(self._pending)
+        self._pending = {}
+        self.position += self.global_batch
         if counts is not None:
             self.skipped_samples += counts[0]
             self.skipped_shards += counts[1]
             self.source_samples = [total + count for total, count in zip(self.source_samples, counts[2:])]
 
     def state_dict(self) -> dict:
-        """Collective: the layout, the totals, and every rank's reader positions (in rank order)."""
-        return {"layout": self.layout, "skipped_samples": self.skipped_samples, "skipped_shards": self.skipped_shards,
-                "source_samples": list(self.source_samples),
-                "ranks": all_ranks({"readers": self.readers, "batches": self.batches})}
+        """Collective: the layout, the position in the global order, the totals, and every reader's position
+        (each from a rank that read it: ranks sharing a reader hold the same one)."""
+        readers: dict[int, dict] = {}
+        for mine in all_ranks(self.readers):
+            readers.update(mine)
+        return {"layout": self.layout, "seed": self.seed, "position": self.position, "readers": dict(sorted(readers.items())),
+                "skipped_samples": self.skipped_samples, "skipped_shards": self.skipped_shards,
+                "source_samples": list(self.source_samples)}
 
     def load_state_dict(self, saved: dict | None) -> None:
-        """Continue from `saved`: sample for sample when the layout is unchanged; otherwise (another world
-        size, reader count, shard list, seed, ...) reshuffled from a seed of its own, with `restart_reason`
-        saying why. The totals carry on either way."""
+        """Continue from `saved`: sample for sample wherever the data and the seed are unchanged — on any world
+        size, global batch, worker count or data.pieces (the saved readers and cycle are kept); otherwise
+        (another shard list, seed, shuffle buffer, an explicit data.readers that differs, ...) reshuffled from a
+        seed of its own, with `restart_reason` saying why. The totals carry on either way."""
         if self._loader is not None:
             raise RuntimeError("TrainStream.load_state_dict must come before the first batch")
         saved = saved or {}
         self.skipped_samples, self.skipped_shards = saved.get("skipped_samples", 0), saved.get("skipped_shards", 0)
         totals = saved.get("source_samples") or []
         self.source_samples = list(totals) if len(totals) == len(self.sources) else [0] * len(self.sources)
-        if "layout" in saved and "workers" in saved["layout"]:  # written before readers and workers were apart
-            saved = {**saved, "layout": {("readers" if key == "workers" else key): (max(value, 1) if key == "workers" else value)
-                                         for key, value in saved["layout"].items()}}
-        if saved.get("layout") == self.layout:
-            mine = saved["ranks"][self.rank]
-            self.readers, self.batches = dict(mine["readers"]), mine["batches"]
+        reason = self._why_not_exact(saved.get("layout"))
+        if reason is None:
+            self.layout = {**self.layout, "readers": saved["layout"]["readers"], "cycle": saved["layout"]["cycle"]}
+            self.order = SampleOrder(self.layout["readers"], self.layout["cycle"])
+            self.__dict__.pop("rank_readers", None)
+            self.position = saved["position"]
+            mine = set(self.rank_readers)  # only these: another rank's copy of a reader would go stale here
+            self.readers = {index: state for index, state in saved["readers"].items() if index in mine}
+            self.seed = saved["seed"]  # the layout's, or the one a restart drew
+            self.continued = True
             return
-        if "layout" not in saved:
-            reason = "the checkpoint holds no data position"
-        else:
-            changed = [key for key, value in self.layout.items() if saved["layout"].get(key) != value]
-            reason = "changed since the checkpoint: " + ", ".join(
-                f"{key} {saved['layout'].get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list"
-                for key in changed)
-        batches = max((rank["batches"] for rank in saved.get("ranks", [])), default=0)
-        self.seed += RESHUFFLE_SEED_STRIDE * batches
+        done = saved.get("position", max((rank["batches"] for rank in saved.get("ranks", [])), default=0))
+        same_seed = (saved.get("layout") or {}).get("seed") == self.layout["seed"]
+        self.seed = (saved.get("seed", self.seed) if same_seed else self.seed) + RESHUFFLE_SEED_STRIDE * done
         self.restart_reason = reason
+
+    def _why_not_exact(self, saved: dict | None) -> str | None:
+        """Why a stream at the saved layout cannot go on sample for sample here (None: it can)."""
+        if saved is None:
+            return "the checkpoint holds no data position"
+        if "cycle" not in saved:
+            return "its data position is an earlier clipdist's, per rank"
+        changed = [key for key in ORDER if saved.get(key) != self.layout[key]]
+        if changed:
+            return "changed since the checkpoint: " + ", ".join(
+                f"{key} {saved.get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list" for key in changed)
+        if self.readers_setting is not None and self.readers_setting != saved["readers"]:
+            return f"data.readers {saved['readers']} -> {self.readers_setting}"
+        return None
 
     def _start(self):
         """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:
         that is the restored position, or the start)."""
-        workers = self.workers
-        dataset = TrainingBatches(self.sources, self.batch_size // self.pieces, self.image_transform, self.tokenizer,
-                                  data=self.data, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                                  resume={"readers": dict(self.readers), "batches": self.batches}, pixels=self.pixels,
-                                  readers=self.readers_count, workers=workers)
+        check_shard_count(sum(map(len, self.sources)), self.order.readers, resampled=self.data.resampled)
+        workers = self._workers_now if self.workers else 0
+        dataset = TrainingBatches(self.sources, self.image_transform, self.tokenizer, data=self.data,
+                                  order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
+                                  world_size=self.world_size, seed=self.seed, resume=dict(self.readers),
+                                  readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
-            pin_memory=self.pin_memory and self.pieces == 1,  # pieces are copied into a pinned batch instead
+            pin_memory=self.pin_memory and self._items == 1,  # items are copied into a pinned batch instead
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
             multiprocessing_context=self.start_method if workers else None,
             # its own generator for the workers' base seed: the rank's RNG (dropout masks) is not drawn from, so a
             # loader started after a resume leaves the restored RNG as it was (samples are seeded by key instead)
             generator=torch.Generator().manual_seed(self.seed))
         return iter(loader)
-
     def close(self) -> None:
         """Stop the DataLoader's workers now. They ignore SIGTERM (start_worker), so the DataLoader's own
         shutdown could not end one blocked on a full queue at exit: they are killed — nothing they hold is
@@ -234,10 +289,8 @@ class TrainStream:
         return [] if self.tuning is None else self.tuning.observe(waited, seconds, load_s)
 
     def set_workers(self, workers: int) -> None:
-        """Run the readers on `workers` processes from the next batch on (a divisor of the reader count):
-        the DataLoader is restarted where the consumed batches left it, so the stream is sample for sample
-        the same; batches read ahead are read again."""
-        check_workers(workers, self.readers_count)
+        """Run the readers on `workers` processes from the next batch on: the DataLoader is restarted where the
+        consumed batches left it, so the stream is sample for sample the same; batches read ahead are read again."""
         if workers != self.workers:
             self.close()
             self.workers = workers
@@ -250,16 +303,19 @@ class TrainStream:
         return [worker.pid for worker in getattr(self._loader, "_workers", [])]
 
 
+def _in_row_order(images: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, pin: bool):
+    """An item that is the whole batch, its samples put in row order (they are, unless readers take turns
+    within the rank's rows more than once a batch)."""
+    if torch.equal(rows, torch.arange(len(rows))):
+        return images, tokens
+    order = torch.argsort(rows)
+    return (images[order].pin_memory() if pin else images[order]), tokens[order]
+
+
 def check_pieces(pieces: int, batch_size: int) -> None:
     if pieces < 1 or batch_size % pieces:
         raise ValueError(f"data.pieces={pieces} does not divide world.batch_per_device={batch_size}: "
                          "use a divisor of the rank's batch (1: the loader reads whole batches)")
-
-
-def check_workers(workers: int, readers: int) -> None:
-    """Each worker runs every (workers)th reader: their count must divide the readers'."""
-    if workers and readers % workers:
-        raise ValueError(f"{workers} loader worker(s) cannot share {readers} reader(s) evenly; use a divisor of {readers}")
 
 
 def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
@@ -296,40 +352,123 @@ class Position:
 
 
 class TrainingBatches(torch.utils.data.IterableDataset):
-    """This rank's endless (images, tokens, info) batches from its `readers` readers (see reader.py).
-    Batch g of the stream (counted from the start of the run) comes from reader g mod readers; in a
-    DataLoader with W workers (W divides readers), batch g is worker g mod W's, so worker slot s runs the
-    readers s', s' + W, ... (s' = (s + resumed batches) mod W) in turn — the same batches, in the same order,
-    for any W. Augmentation is seeded per sample (seed, reader, shard entry, sample number).
+    """This rank's rows of every global batch from stream position `start` on (order.py), read by the
+    rank's `readers`. In a DataLoader with W workers, worker w runs readers[w::W] (the rank itself runs all
+    of them where there are no workers) and gives, for every batch, `pieces` items of the rows its readers
+    hold — so loader item t is worker t mod W's, whatever W, and the batch is the same rows.
 
-    `info`: {"reader": the rank-local reader, "state": its Position after this batch, "skipped": the
-    (samples, shards) skipped while reading it, "sources": samples per source in this rank's rows,
-    "load_s": the CPU seconds this thread spent on the batch (reading, decoding, augmenting)}.
+    Every reader is advanced to the end of each global batch. Its samples that are not this rank's rows
+    (a reader shared with another rank) are read and decoded too — a bad one is skipped by every rank that
+    reads it, so all agree on which samples the order holds — and dropped. A skip is counted by the rank
+    whose row takes the skipped sample's place. Augmentation is seeded per sample (seed, reader, shard
+    entry, sample number).
+
+    item: (images, tokens, info), info = {"rows": the rows of the rank's batch it fills, "readers": {reader:
+    Position after the batch} (on a worker's last piece of a batch), "skipped": (samples, shards) skipped,
+    "sources": samples per source in it, "load_s": the CPU seconds this thread spent on it}.
     """
 
-    def __init__(self, sources: list[list[str]], batch_size: int, image_transform, tokenizer, *, data, rank: int,
-                 world_size: int, seed: int, resume: dict, pixels: bool = False, readers: int | None = None,
-                 workers: int | None = None):
+    def __init__(self, sources: list[list[str]], image_transform, tokenizer, *, data, order: SampleOrder, start: int,
+                 batch: int, rank: int, world_size: int, seed: int, resume: dict, readers: list[int], pieces: int = 1,
+                 pixels: bool = False):
         super().__init__()
-        self.sources, self.batch_size, self.image_transform, self.tokenizer = sources, batch_size, image_transform, tokenizer
-        self.data, self.replicated = data, str(data.split) == "replicated"
-        self.workers = max(data.workers if workers is None else workers, 1)
-        self.readers = readers or self.workers
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.resume, self.pixels = resume, pixels
+        self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
+        self.order, self.start, self.batch, self.rows = order, start, batch, batch // world_size
+        self.rank, self.seed, self.resume, self.readers, self.pieces = rank, seed, resume, readers, pieces
+        self.pixels = pixels
         probs = None if data.caption_probs is None else tuple(data.caption_probs)
         self.keys = SampleKeys(tuple(data.caption_keys), probs, tuple(data.image_keys), seed)
 
-    def reader(self, local: int, skips: SkipCounter, health: ShardHealth) -> Reader:
-        index, count = (local, self.readers) if self.replicated else (self.rank * self.readers + local,
-                                                                       self.world_size * self.readers)
-        sequence = ShardSequence(self.sources, self.data.weights, self.seed, index, count, self.data.resampled)
+    def reader(self, index: int) -> _ReaderRun:
+        """Reader `index` of the run where the consumed batches left it."""
+        skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
+        sequence = ShardSequence(self.sources, self.data.weights, self.seed, index, self.order.readers,
+                                 self.data.resampled)
         reader = Reader(sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
-                        name=f"rank {self.rank} worker {local}")
-        saved = self.resume["readers"].get(local)
+                        name=f"rank {self.rank} reader {index}")
+        taken, saved = self.order.taken_before(index, self.start), self.resume.get(index)
         if saved is not None:
-            reader.load_state_dict(saved)
-        return reader
+            reader.load_state_dict(saved["reader"])
+            if saved["taken"] != taken:
+                raise DataError(f"reader {index}'s saved position ({saved['taken']} samples) is not where the order "
+                                f"puts it at sample {self.start} ({taken}): the checkpoint's data position is damaged")
+        elif taken:
+            raise DataError(f"the checkpoint's data position has no reader {index}, which sample {self.start} needs")
+        return _ReaderRun(reader, iter(reader), skips, taken)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = self.readers[info.id::info.num_workers] if info is not None else self.readers
+        runs = {index: self.reader(index) for index in mine}
+        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
+        try:
+            for k in itertools.count():
+                yield from self._batch(k, runs, batcher, tokenize)
+        except DataError as error:
+            yield DataFailure(str(error))
+        finally:
+            for run in runs.values():
+                run.samples.close()
+
+    def _batch(self, k: int, runs: dict[int, _ReaderRun], batcher: ImageBatcher, tokenize: CaptionTokens):
+        """This worker's `pieces` items of global batch k: its readers advanced to the batch's end."""
+        end = self.start + (k + 1) * self.batch
+        low = end - self.batch + self.rank * self.rows
+        high = low + self.rows
+        share = sum(self.order.taken_before(index, high) - self.order.taken_before(index, low) for index in runs)
+        cuts = [share * piece // self.pieces for piece in range(self.pieces + 1)]
+        kept: list[tuple[int, object, str, int, str]] = []
+        skipped, piece, started = [0, 0], 0, time.thread_time()
+
+        def item(last: bool):
+            nonlocal kept, skipped, started
+            rows = torch.tensor([row for row, *_ in kept], dtype=torch.long)
+            counts = torch.bincount(torch.tensor([source for *_, source, _ in kept], dtype=torch.long),
+                                    minlength=len(self.sources)).tolist()
+            images = batcher.stack([image for _, image, *_ in kept], pixels=self.pixels) if kept else torch.empty(0)
+            tokens = tokenize([caption for _, _, caption, *_ in kept]) if kept else torch.empty(0, dtype=torch.long)
+            positions = {index: Position({"reader": run.reader.state_dict(), "taken": run.taken})
+                         for index, run in runs.items()} if last else {}
+            info = {"rows": rows, "keys": [key for *_, key in kept], "readers": positions, "skipped": tuple(skipped), "sources": counts,
+                    "load_s": time.thread_time() - started}
+            kept, skipped, started = [], [0, 0], time.thread_time()
+            return images, tokens, info
+
+        for index, run in runs.items():
+            while (position := self.order.position(index, run.taken)) < end:
+                image, caption, source, key, fresh = self._next(run, index, batcher)
+                run.taken += 1
+                if not low <= position < high:
+                    continue
+                skipped = [total + count for total, count in zip(skipped, fresh)]
+                kept.append((position - low, image, caption, source, key))
+                while piece < self.pieces - 1 and len(kept) == cuts[piece + 1] - cuts[piece]:
+                    yield item(last=False)
+                    piece += 1
+        while piece < self.pieces - 1:  # pieces left empty (a worker with fewer rows than pieces)
+            yield item(last=False)
+            piece += 1
+        yield item(last=True)
+
+    def _next(self, run: _ReaderRun, index: int, batcher: ImageBatcher):
+        """Reader `index`'s next usable sample: (image, caption, source, "shard#key", (samples, shards) skipped
+        before it)."""
+        for sample in run.samples:
+            try:
+                image, caption = training_pair(sample, self.keys)
+            except DataError:
+                raise
+            except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
+                run.skips(exn)
+                continue
+            try:  # decoded here, at the size its crop needs
+                image = self._augment(batcher, image, (self.seed, index, sample["__entry__"], sample["__index__"]))
+            except Exception as exn:  # noqa: BLE001 -- as above, named by shard and key
+                run.skips(undecodable(sample, exn))
+                continue
+            run.skips.ok()
+            return image, caption, sample["__source__"], f"{sample['__url__']}#{sample['__key__']}", run.skips.take()
+        raise DataError(f"reader {index} ended")  # readers are endless: a shard sequence never ends
 
     @staticmethod
     def _augment(images: ImageBatcher, image, key: tuple[int, ...]):
@@ -346,54 +485,11 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             generator.set_state(saved)
             random.setstate(saved_random)
 
-    def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        first = self.resume["batches"] + (info.id if info is not None else 0)  # this worker's first batch
-        locals_ = sorted({(first + self.workers * k) % self.readers for k in range(self.readers)})
-        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
-        streams = {local: self._batches(local, batcher, tokenize) for local in locals_}
-        try:
-            for batch in range(first, sys.maxsize, self.workers):
-                item = next(streams[batch % self.readers], None)
-                if item is None:  # a reader that ends ends the stream
-                    return
-                yield item
-        except DataError as error:
-            yield DataFailure(str(error))
-        finally:
-            for stream in streams.values():
-                stream.close()
 
-    def _batches(self, local: int, batcher: ImageBatcher, tokenize: CaptionTokens):
-        """Reader `local`'s batches, each with its info."""
-        skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
-        rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size) if self.replicated else slice(None)
-        size = self.batch_size * (self.world_size if self.replicated else 1)
-        reader = self.reader(local, skips, health)
-        images, captions, sources = [], [], []
-        started = time.thread_time()
-        for sample in reader:
-            try:
-                image, caption = training_pair(sample, self.keys)
-            except DataError:
-                raise
-            except Exception as exn:  # noqa: BLE001 -- a bad sample: counted and skipped by the handler
-                skips(exn)
-                continue
-            try:  # decoded here, at the size its crop needs
-                image = self._augment(batcher, image,
-                                      (self.seed, reader.sequence.reader, sample["__entry__"], sample["__index__"]))
-            except Exception as exn:  # noqa: BLE001 -- as above, named by shard and key
-                skips(undecodable(sample, exn))
-                continue
-            skips.ok()
-            images.append(image)
-            captions.append(caption)
-            sources.append(sample["__source__"])
-            if len(images) == size:
-                counts = torch.bincount(torch.tensor(sources[rows]), minlength=len(self.sources)).tolist()
-                batch = (batcher.stack(images[rows], pixels=self.pixels), tokenize(captions[rows]))
-                yield (*batch, {"reader": local, "state": Position(reader.state_dict()), "skipped": skips.take(),
-                                "sources": counts, "load_s": time.thread_time() - started})
-                images, captions, sources = [], [], []
-                started = time.thread_time()
+class _ReaderRun:
+    """A reader being read: its samples, its skip counter, and how many usable samples it has given."""
+
+    __slots__ = ("reader", "samples", "skips", "taken")
+
+    def __init__(self, reader: Reader, samples, skips: SkipCounter, taken: int):
+        self.reader, self.samples, self.skips, self.taken = reader, samples, skips, taken

@@ -1,0 +1,73 @@
+"""The global sample order: which sample is row i of global batch k. A function of the data, the seed and the
+run's reader layout (V readers, a cycle of Λ samples) alone — not of the world size, the global batch, the
+loader workers or data.pieces — so a run resumes sample for sample on any number of ranks.
+
+The V readers (reader.py: each its own dealt shards, shuffle buffer and augmentation seeds) take turns in
+cycles of Λ samples: in every cycle reader j gives the c_j = o_{j+1} − o_j samples at offsets [o_j, o_{j+1}),
+o_j = ⌊jΛ/V⌋. The stream's sample S is reader j's sample n with
+
+    q = ⌊S/Λ⌋,  o_j ≤ S mod Λ < o_{j+1},  n = q·c_j + (S mod Λ − o_j).
+
+Global batch k of G samples, counted from the stream position S₀ it (re)started at, is S ∈ [S₀ + kG,
+S₀ + (k+1)G), and rank r of N holds its rows [rG/N, (r+1)G/N). A run's first layout is Λ = G and V = N ×
+the readers of a rank, so chunk boundaries are rank boundaries: every rank reads its own V/N readers, each
+sample once. On N' ranks the same holds where N' divides V (and Λ is still the global batch); elsewhere a
+reader whose chunk straddles two ranks' rows is read by both, each keeping its own rows.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+MAX_PATTERN_BATCHES = 100_000  # beyond this period of (S₀ + kG) mod Λ, a rank takes every reader (correct, slower)
+
+
+class SampleOrder:
+    """V readers in cycles of Λ samples (the module docstring)."""
+
+    def __init__(self, readers: int, cycle: int):
+        if readers < 1 or cycle < readers:
+            raise ValueError(f"{readers} reader(s) cannot share a cycle of {cycle} sample(s): every reader needs at "
+                             "least one sample of each global batch; use fewer readers (data.readers, data.workers)")
+        self.readers, self.cycle = readers, cycle
+        self.offsets = [j * cycle // readers for j in range(readers + 1)]
+
+    def chunk(self, reader: int) -> int:
+        """c_j: the samples reader j gives in each cycle."""
+        return self.offsets[reader + 1] - self.offsets[reader]
+
+    def position(self, reader: int, n: int) -> int:
+        """S of reader j's sample n."""
+        q, within = divmod(n, self.chunk(reader))
+        return q * self.cycle + self.offsets[reader] + within
+
+    def taken_before(self, reader: int, position: int) -> int:
+        """How many of reader j's samples lie before stream position S."""
+        q, within = divmod(position, self.cycle)
+        return q * self.chunk(reader) + min(max(within - self.offsets[reader], 0), self.chunk(reader))
+
+    def readers_in(self, start: int, end: int) -> list[int]:
+        """The readers with a sample in [start, end), in stream order from `start`."""
+        if end - start >= self.cycle:
+            return list(range(self.readers))
+        first, last = start % self.cycle, (end - 1) % self.cycle
+        at = bisect.bisect_right(self.offsets, first) - 1
+        to = bisect.bisect_right(self.offsets, last) - 1
+        if first <= last:
+            return list(range(at, to + 1))
+        return list(range(at, self.readers)) + list(range(to + 1))
+
+    def rank_readers(self, start: int, batch: int, rank: int, world_size: int) -> list[int]:
+        """The readers rank r of N needs for its rows of every global batch of `batch` samples from stream
+        position `start` (the pattern of (start + kG) mod Λ repeats every Λ / gcd(Λ, G) batches)."""
+        rows = batch // world_size
+        period = self.cycle // math.gcd(self.cycle, batch)
+        if period > MAX_PATTERN_BATCHES:
+            return list(range(self.readers))
+        found: set[int] = set()
+        for k in range(period):
+            low = start + k * batch + rank * rows
+            found.update(self.readers_in(low, low + rows))
+            if len(found) == self.readers:
+                break
+        return sorted(found)

@@ -1,0 +1,119 @@
+"""A run resumed on another number of ranks is the run never stopped: the same global batches in the same
+order — so, with exact losses, the same loss at every step — stopped mid-epoch on 2 ranks and continued on 1,
+on 4, and on 4 then 1; on the digits and on weighted, resampled webdataset sources with 2 loader workers."""
+from __future__ import annotations
+
+import collections
+import shutil
+import signal
+
+import numpy as np
+import pytest
+from fixtures import caption_shards
+from helpers import Run, read_jsonl, train
+
+STEPS = 30  # the digits' epoch is 22 global batches of 64: the stops fall in the first, the runs end in the second
+GLOBAL_BATCH = 64
+WORLDS = {"cpu2": 2, "local": 1, "cpu4": 4}
+
+
+def overrides(world: str, *more: str, steps: int = STEPS) -> list[str]:
+    return [f"world={world}", f"world.batch_per_device={GLOBAL_BATCH // WORLDS[world]}", f"optim.max_steps={steps}",
+            "eval_every=1000", "checkpoint_every=1000", "logging.log_every=1", "logging.sample_keys=true", *more]
+
+
+def stop_at(run_dir, cache_dir, world: str, step: int, *more: str, steps: int = STEPS) -> int:
+    """Train on `world` until `step` steps are logged, then SIGTERM (a checkpoint at the step it stopped)."""
+    with Run.train(run_dir, cache_dir, *overrides(world, *more, steps=steps)) as run:
+        run.wait_for_steps(step)
+        run.signal_group(signal.SIGTERM)
+        run.finish()
+    return read_jsonl(run_dir / "train_log.jsonl")[-1]["step"]
+
+
+def resume(run_dir, cache_dir, world: str, *more: str, steps: int = STEPS) -> str:
+    result = train(run_dir, cache_dir, *overrides(world, *more, steps=steps))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cannot continue sample for sample" not in result.stderr
+    return result.stdout
+
+
+def global_batches(run_dir) -> dict[int, list[str]]:
+    """Each step's global batch as logging.sample_keys has it: the ranks' rows, in rank order."""
+    ranks = sorted((run_dir / "samples").glob("rank_*.jsonl"), key=lambda path: int(path.stem.split("_")[1]))
+    steps: dict[int, dict[int, list[str]]] = collections.defaultdict(dict)
+    for path in ranks:
+        for row in read_jsonl(path):
+            steps[row["step"]][int(path.stem.split("_")[1])] = row["keys"]
+    return {step: [key for rank in sorted(rows) for key in rows[rank]] for step, rows in steps.items()}
+
+
+def assert_same_run(run_dir, whole_dir, since: int, steps: int = STEPS, epoch: int | None = None) -> float:
+    """Every step's global batch equal to the uninterrupted run's, and its loss within 1e-5 (relative) after
+    `since` (before it: the same run, bit for bit); the samples of the first `epoch` steps the same multiset
+    (not each once: a shuffle buffer larger than a reader's share of an epoch mixes the next epoch in).
+    Returns the worst relative difference."""
+    batches, expected = global_batches(run_dir), global_batches(whole_dir)
+    assert sorted(batches) == list(range(1, steps + 1))
+    assert all(len(batches[step]) == GLOBAL_BATCH and "" not in batches[step] for step in batches)
+    assert batches == expected
+    if epoch:
+        seen = collections.Counter(key for step in range(1, epoch + 1) for key in batches[step])
+        assert seen == collections.Counter(key for step in range(1, epoch + 1) for key in expected[step])
+    losses = np.array([row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")])
+    whole = np.array([row["loss"] for row in read_jsonl(whole_dir / "train_log.jsonl")])
+    assert len(losses) == steps
+    np.testing.assert_array_equal(losses[:since], whole[:since])
+    worst = float(np.max(np.abs(losses - whole) / np.abs(whole)))
+    assert worst <= 1e-5, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory, cache_dir):
+    """The uninterrupted run on 2 ranks, and one stopped mid-epoch on 2 ranks (copied for each resume)."""
+    root = tmp_path_factory.mktemp("elastic")
+    whole = root / "whole"
+    result = train(whole, cache_dir, *overrides("cpu2", "data.workers=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    stopped = root / "stopped"
+    step = stop_at(stopped, cache_dir, "cpu2", 9, "data.workers=2")
+    assert 9 <= step < 22
+    return whole, stopped, step
+
+
+@pytest.mark.parametrize("worlds", [["local"], ["cpu4"], ["cpu4", "local"]])
+def test_digits_resumed_on_other_world_sizes_is_the_uninterrupted_run(tmp_path, cache_dir, digits_runs, worlds):
+    whole, stopped, step = digits_runs
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped, run_dir)
+    for world in worlds[:-1]:
+        assert stop_at(run_dir, cache_dir, world, step + 6, "data.workers=2") > step
+    stdout = resume(run_dir, cache_dir, worlds[-1], "data.workers=2")
+    assert "the data stream continues at sample" in stdout
+    print(f"{' -> '.join(['cpu2', *worlds])}: worst relative loss difference {assert_same_run(run_dir, whole, step, epoch=22):.2e}")
+
+
+def test_weighted_resampled_webdataset_with_two_workers_resumes_on_other_world_sizes(tmp_path, cache_dir):
+    """Two sources mixed 3:1, drawn with replacement, a bad sample opening every shard (skipped by every rank
+    that reads it, counted once): cpu2 stopped, continued on cpu4, stopped, finished on one process."""
+    a, b = (caption_shards(tmp_path / name, shards=4, per_shard=40, bad_first=True,
+                           pixel=lambda shard, i, base=base: (base + 37 * shard + 11 * i) % 256)
+            for name, base in [("a", 0), ("b", 128)])
+    data = ["data=webdataset", f"data.train_shards={a}::{b}", "data.resampled=true", "data.weights=[3,1]",
+            "data.workers=2", "data.shuffle_buffer=20"]
+    steps, whole, run_dir = 12, tmp_path / "whole", tmp_path / "run"
+    result = train(whole, cache_dir, *overrides("cpu2", *data, steps=steps))
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = stop_at(run_dir, cache_dir, "cpu2", 3, *data, steps=steps)
+    assert first < steps - 4
+    stop_at(run_dir, cache_dir, "cpu4", first + 3, *data, steps=steps)
+    resume(run_dir, cache_dir, "local", *data, steps=steps)
+    worst = assert_same_run(run_dir, whole, first, steps=steps)
+    print(f"cpu2 -> cpu4 -> local, webdataset: worst relative loss difference {worst:.2e}")
+    logged, expected = (read_jsonl(path / "train_log.jsonl") for path in (run_dir, whole))
+    assert [row["source_samples"] for row in logged] == [row["source_samples"] for row in expected]
+    assert [row["skipped_samples"] for row in logged] == [row["skipped_samples"] for row in expected]
+    assert logged[-1]["skipped_samples"] > 0
+
+
