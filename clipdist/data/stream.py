@@ -239,7 +239,7 @@ class TrainStream:
             return "changed since the checkpoint: " + ", ".join(
                 f"{key} {saved.get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list" for key in changed)
         if self.readers_setting is not None and self.readers_setting != saved["readers"]:
-            return f"data.readers {saved['readers']} -> {self.readers_setting}"
+            return f"changed since the checkpoint: data.readers {saved['readers']} -> {self.readers_setting}"
         return None
 
     def _start(self):

@@ -74,14 +74,18 @@ def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, lau
     np.testing.assert_allclose([loss for _, loss in logged], losses(run_dir), rtol=1e-6)
 
 
-def test_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir):
-    overrides = ["world.batch_per_device=16", "optim.max_steps=3", "eval_every=1000", "checkpoint_every=3"]
-    assert train(tmp_path / "run", cache_dir, *overrides).returncode == 0
-    resumed = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=5", "data.workers=2")
+def test_other_workers_continue_and_a_changed_layout_restarts_reshuffled_with_a_warning(tmp_path, cache_dir):
+    overrides = ["world.batch_per_device=16", "eval_every=1000", "checkpoint_every=2"]
+    assert train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=3").returncode == 0
+    resumed = train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=5", "data.workers=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: readers 1 -> 2); "
-            "it restarts reshuffled at sample 48") in resumed.stderr
-    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == [1, 2, 3, 4, 5]
+    assert "the data stream continues at sample 48 of its order (1 reader(s); 1 rank(s) × 16)" in resumed.stdout
+    assert "cannot continue" not in resumed.stderr
+    resumed = train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=7", "data.shuffle_buffer=10")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: shuffle_buffer "
+            "1000 -> 10); it restarts reshuffled at sample 80") in resumed.stderr
+    assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == list(range(1, 8))
 
 
 def test_checkpoint_every_minutes(tmp_path, cache_dir):
@@ -120,18 +124,21 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
         resumed.close()
 
 
-def test_a_batch_read_in_pieces_is_the_batch_and_resumes_exactly(tmp_path):
-    """data.pieces: one reader's pieces make the very batch it reads whole; with more readers each piece
-    comes from the next reader, the same on any worker count, and a checkpoint between batches resumes it."""
+def test_pieces_and_workers_do_not_change_the_stream(tmp_path):
+    """data.pieces and the worker count are how the rank's rows are carried, not which: 4 readers on 0-4
+    workers, in 1, 2 or 4 pieces, moved to another worker count between batches, resumed on another count or
+    piece count — the same batches."""
     sources = two_sources(tmp_path)
 
-    def run(pieces, readers, workers=0, count=6, saved=None):
+    def run(workers, pieces=1, count=9, switch=None, saved=None):
         batches = train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3,
-                               weights=[3, 1], readers=readers, pieces=pieces)
+                               weights=[3, 1], readers=4, pieces=pieces)
         batches.load_state_dict(saved)
         try:
             seen = []
-            for _ in range(count):
+            for index in range(count):
+                if switch and index == switch[0]:
+                    batches.set_workers(switch[1])
                 batch = next(batches)
                 assert batch.images.shape[0] == 4 and sum(batch.counts[2:]) == 4
                 seen.append(batch.images.tolist())
@@ -140,46 +147,54 @@ def test_a_batch_read_in_pieces_is_the_batch_and_resumes_exactly(tmp_path):
         finally:
             batches.close()
 
-    whole, _ = run(1, readers=1)
-    assert run(2, readers=1)[0] == whole and run(4, readers=1)[0] == whole
-    pieces, _ = run(2, readers=2)
-    assert pieces != whole and run(2, readers=2, workers=2)[0] == pieces
-    head, saved = run(2, readers=2, workers=1, count=2)
-    tail, _ = run(2, readers=2, workers=2, count=4, saved=saved)
-    assert head + tail == pieces
-    with pytest.raises(ValueError, match="data.pieces=3 does not divide world.batch_per_device=4"):
-        run(3, readers=1)
-
-
-def test_any_worker_count_that_divides_the_readers_gives_the_same_stream(tmp_path):
-    """Readers are the layout; the processes running them are not: 4 readers on 0, 1, 2 or 4 workers give the
-    same batches, a stream moved to another worker count between batches goes on unchanged, and a checkpoint
-    resumes exactly on another worker count."""
-    sources = two_sources(tmp_path)
-
-    def run(workers, count=9, switch=None, saved=None):
-        batches = train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3,
-                               weights=[3, 1], readers=4)
-        batches.load_state_dict(saved)
-        try:
-            seen = []
-            for index in range(count):
-                if switch and index == switch[0]:
-                    batches.set_workers(switch[1])
-                seen.append(next(batches).images.tolist())
-                batches.consumed()
-            return seen, batches.state_dict()
-        finally:
-            batches.close()
-
     expected, _ = run(0)
-    assert run(1)[0] == expected and run(2)[0] == expected and run(4)[0] == expected
+    for workers, pieces in [(1, 1), (2, 1), (3, 1), (4, 1), (0, 2), (2, 2), (1, 4), (3, 4)]:
+        assert run(workers, pieces)[0] == expected, (workers, pieces)
     assert run(2, switch=(3, 4))[0] == expected and run(4, switch=(5, 1))[0] == expected
     head, saved = run(4, count=5)
-    tail, _ = run(2, count=4, saved=saved)
+    tail, _ = run(2, pieces=2, count=4, saved=saved)
     assert head + tail == expected
-    with pytest.raises(ValueError, match="3 loader worker\\(s\\) cannot share 4 reader\\(s\\) evenly"):
-        run(3)
+    with pytest.raises(ValueError, match="data.pieces=3 does not divide world.batch_per_device=4"):
+        run(0, pieces=3)
+
+
+def test_the_global_batches_are_the_same_on_any_world_size(tmp_path):
+    """The ranks' rows of each global batch, put side by side, are one order whatever the world size: a stream
+    started on 2 ranks (4 readers) continues on 1, 3 (its readers shared by two ranks), 4 and 6 ranks, with a
+    larger or smaller global batch, in epoch mode and resampled, with workers and pieces."""
+    sources = two_sources(tmp_path, shards=8, per_shard=5)
+
+    def run(ranks, count, batch=12, saved=None, workers=0, pieces=1, resampled=False):
+        streams = [train_stream(sources, batch // ranks, flat, rank=rank, world_size=ranks, resampled=resampled,
+                                shuffle_buffer=6, seed=3, readers=2, workers=workers, pieces=pieces)
+                   for rank in range(ranks)]
+        try:
+            for stream in streams:
+                if saved is not None:
+                    stream.load_state_dict(saved)
+                    assert stream.restart_reason is None and stream.continued
+            rows = []
+            for _ in range(count):
+                for stream in streams:
+                    rows += next(stream).images.tolist()
+                    stream.consumed()
+            positions = {}  # what the collective state_dict gathers: every rank's readers
+            for stream in streams:
+                positions.update(stream.readers)
+            return rows, {**streams[0].state_dict(), "readers": positions}
+        finally:
+            for stream in streams:
+                stream.close()
+
+    for resampled in (False, True):
+        whole, _ = run(2, 10, resampled=resampled)
+        _, saved = run(2, 4, resampled=resampled)
+        for ranks, batch, workers, pieces in [(1, 12, 0, 1), (3, 12, 0, 1), (4, 12, 2, 1), (6, 12, 0, 2),
+                                              (2, 24, 0, 1), (4, 8, 0, 1)]:
+            tail, _ = run(ranks, 72 // batch, batch=batch, saved=saved, workers=workers, pieces=pieces,
+                          resampled=resampled)
+            assert tail == whole[48:120], (resampled, ranks, batch)
+        assert run(1, 10, resampled=resampled)[0] != whole  # 2 readers (1 rank × 2) are another order than 4
 
 
 def test_a_run_logs_the_samples_of_each_source(tmp_path, cache_dir):

@@ -46,7 +46,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_pat
     (["world=64gpu", "world.device=cpu", "world.backend=gloo"], "Launch it with `torchrun --nnodes 8 --nproc-per-node 8 "
                                                                 "--rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
                                                                 "train.py world=64gpu` on every node"),
-    (["world=cpu2", "data.workers=3"], "4 shard(s) for 2 rank(s) × 3 reader(s)"),
+    (["world=cpu2", "data.workers=3"], "4 shard(s) for 6 reader(s) (ranks × data.workers, or data.readers)"),
+    (["world=cpu2", "data.readers=3"], "data.readers=3 is not a multiple of the world size 2"),
+    (["data.readers=0"], "data.readers=0: must be at least 1"),
+    (["data.readers=64", "world.batch_per_device=32"], "64 reader(s) cannot share a cycle of 32 sample(s)"),
     (["data=webdataset", "data.train_shards='{tmp}/nope/{{000..003}}.tar'"], "4 of 4 shards not found"),
     (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
     (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
