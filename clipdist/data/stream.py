@@ -385,7 +385,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         sequence = ShardSequence(self.sources, self.data.weights, self.seed, index, self.order.readers,
                                  self.data.resampled)
         reader = Reader(sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
-                        name=f"rank {self.rank} reader {index}")
+                        name=f"reader {index}")
         taken, saved = self.order.taken_before(index, self.start), self.resume.get(index)
         if saved is not None:
             reader.load_state_dict(saved["reader"])

@@ -50,7 +50,7 @@ def test_shards_that_are_not_tar_files_stop_the_run_in_seconds(tmp_path):
     assert result.returncode == 1
     assert time.monotonic() - started < 60
     error = result.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: rank 0: none of the 2 shard(s) rank 0 worker 0 reads gave a sample"), result.stderr
+    assert error.startswith("error: rank 0: none of the 2 shard(s) reader 0 reads gave a sample"), result.stderr
     assert "0.tar: cannot be read as a tar file" in error and "Traceback" not in result.stderr
     assert len((result.stdout + result.stderr).encode()) < 20_000  # warnings are rate-limited
 
