@@ -153,20 +153,22 @@ class TrainStream:
             piece_counts = [*info["skipped"], *info["sources"]]
             counts = piece_counts if counts is None else [total + count for total, count in zip(counts, piece_counts)]
             load_s += info["load_s"]
-            for row, key in zip(info["rows"].tolist(), info["keys"]):
+            for row, key in zip(info["rows"], info["keys"]):
                 keys[row] = key
             if items == 1:  # the whole batch in one item
                 images, tokens = _in_row_order(piece_images, piece_tokens, info["rows"], self.pin_memory)
                 continue
             rows = info["rows"]
-            if not len(rows):
+            if not rows:
                 continue
             if images is None:  # the batch's host buffer, filled item by item as they arrive
                 images = torch.empty((self.batch_size, *piece_images.shape[1:]), dtype=piece_images.dtype,
                                      pin_memory=self.pin_memory)
                 tokens = torch.empty((self.batch_size, *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
-            images[rows] = piece_images
-            tokens[rows] = piece_tokens
+            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+            at = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows)
+            images[at] = piece_images  # a reader's rows are consecutive, unless the readers take turns within them
+            tokens[at] = piece_tokens
             del piece_images
         return Batch(images, tokens, counts, load_s, keys)
 
@@ -253,6 +255,9 @@ class TrainStream:
                                   readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            # each worker gives 1/W of a batch: 2·W items in flight per worker keep 2 batches a worker read ahead,
+            # as whole-batch workers had (with data.pieces, 2·W pieces of a worker: the same bytes as 2 batches / K)
+            prefetch_factor=2 * workers if workers else None,
             pin_memory=self.pin_memory and self._items == 1,  # items are copied into a pinned batch instead
             worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
             multiprocessing_context=self.start_method if workers else None,
@@ -303,12 +308,12 @@ class TrainStream:
         return [worker.pid for worker in getattr(self._loader, "_workers", [])]
 
 
-def _in_row_order(images: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, pin: bool):
+def _in_row_order(images: torch.Tensor, tokens: torch.Tensor, rows: list[int], pin: bool):
     """An item that is the whole batch, its samples put in row order (they are, unless readers take turns
     within the rank's rows more than once a batch)."""
-    if torch.equal(rows, torch.arange(len(rows))):
+    if rows == list(range(len(rows))):
         return images, tokens
-    order = torch.argsort(rows)
+    order = torch.argsort(torch.tensor(rows))
     return (images[order].pin_memory() if pin else images[order]), tokens[order]
 
 
@@ -422,7 +427,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
         def item(last: bool):
             nonlocal kept, skipped, started
-            rows = torch.tensor([row for row, *_ in kept], dtype=torch.long)
+            rows = [row for row, *_ in kept]  # a list, not a tensor: one shared-memory handle fewer per item
             counts = torch.bincount(torch.tensor([source for *_, source, _ in kept], dtype=torch.long),
                                     minlength=len(self.sources)).tolist()
             images = batcher.stack([image for _, image, *_ in kept], pixels=self.pixels) if kept else torch.empty(0)
