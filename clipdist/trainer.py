@@ -22,7 +22,7 @@ from clipdist.config import Device, NormalizeOn, TrainConfig, as_dict, to_train_
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.images import PixelNormalize
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
-from clipdist.data.stream import Batch, TrainStream, check_shard_count, run_readers
+from clipdist.data.stream import Batch, TrainStream, check_shard_count, kept_readers, run_readers
 from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
 from clipdist.errors import ConfigError, TrainingDiverged
 from clipdist.evaluate import evaluate
@@ -193,9 +193,9 @@ def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
 def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | None) -> int:
     """The readers the run's data stream will have: a resumed run keeps its checkpoint's (data.stream), a new run
     takes data.readers or ranks × the rank's readers."""
-    layout = (((resuming or (None, {}))[1].get("stream") or {}).get("layout")) or {}
-    if "cycle" in layout and cfg.data.readers in (None, layout["readers"]):
-        return layout["readers"]
+    kept = kept_readers(((resuming or (None, {}))[1].get("stream") or {}).get("layout"), cfg.data.readers)
+    if kept is not None:
+        return kept
     return run_readers(loader_workers_for(cfg, shards).readers, cfg.world.world_size, str(cfg.data.split),
                        cfg.data.readers, cfg.world.batch_per_device)
 

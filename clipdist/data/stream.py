@@ -54,6 +54,14 @@ def run_readers(readers_per_rank: int, world_size: int, split: str, setting: int
     return per_rank * (1 if split == "replicated" else world_size)
 
 
+def kept_readers(saved_layout: dict | None, setting: int | None) -> int | None:
+    """The readers a resume keeps from a checkpoint's stream layout: its own, unless the checkpoint predates the
+    global order or data.readers (`setting`) asks for others; None: the run's order starts anew."""
+    if saved_layout and "cycle" in saved_layout and setting in (None, saved_layout["readers"]):
+        return saved_layout["readers"]
+    return None
+
+
 class Batch(NamedTuple):
     images: torch.Tensor
     tokens: torch.Tensor
@@ -240,7 +248,7 @@ class TrainStream:
         if changed:
             return "changed since the checkpoint: " + ", ".join(
                 f"{key} {saved.get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list" for key in changed)
-        if self.readers_setting is not None and self.readers_setting != saved["readers"]:
+        if kept_readers(saved, self.readers_setting) is None:
             return f"changed since the checkpoint: data.readers {saved['readers']} -> {self.readers_setting}"
         return None
 
