@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from clipdist import weights
 from clipdist.config import OnCheckpointError, TrainConfig, as_dict
@@ -59,8 +63,6 @@ class CheckpointFiles:
         """Collective: every rank writes its part of `shards` (torch.distributed.checkpoint) into a hidden folder —
         in a background thread where `background` (DCP's async_save: the state copied to host memory first, then
         written while training goes on; its collectives on `group`, apart from the step's)."""
-        import torch.distributed.checkpoint as dcp
-
         final = self.directory / f"step_{step:08d}.dcp"
         # Serialized now, by rank 0 which writes it: the progress holds live objects (the stream's reader positions)
         # that training goes on changing before a save in the background is published.
@@ -107,8 +109,6 @@ class CheckpointFiles:
 
     def _agree(self, pending: "PendingSave", action, run: bool):
         """Run `action` where `run`; every rank learns of a failure on any (CheckpointError everywhere)."""
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
         error = result = None
         if run:
             try:
@@ -147,14 +147,9 @@ class _HostCopy:
 
     @staticmethod
     def fits(state_dict: dict) -> bool:
-        from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_leaves
-
         return not any(isinstance(leaf, DTensor) for leaf in tree_leaves(state_dict))
 
     def stage(self, state_dict: dict) -> dict:
-        from torch.utils._pytree import tree_map_only
-
         return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("cpu", copy=True), state_dict)
 
     def synchronize_staging(self) -> None:

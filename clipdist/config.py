@@ -8,17 +8,31 @@ schema (`loss=tiled` → TiledLossConfig with `tile`). `validate` checks what ty
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import dataclasses
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_TILE
 from clipdist.errors import ConfigError
-from clipdist.launch import COLLECTIVE_TIMEOUT_S
-from clipdist.models import DEFAULT_MODEL
-from clipdist.losses.ring import DEFAULT_TILE  # the backend's default: the loss package knows no Hydra
+
+
+def positive(default):
+    """A field that must be at least 1 (validate; None, where the field allows it, means automatic)."""
+    return field(default=default, metadata={"bound": (1, False, "at least 1")})
+
+
+def non_negative(default):
+    """A field that must be 0 or more."""
+    return field(default=default, metadata={"bound": (0, False, "0 or more")})
+
+
+def above_zero(default):
+    """A field that must be above 0."""
+    return field(default=default, metadata={"bound": (0, True, "above 0")})
 
 
 class Choice(str, Enum):
@@ -164,7 +178,7 @@ class DataConfig:
     csv_separator: str = "\t"  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
     csv_image_key: str = "filepath"  # the column of image paths (relative to the table, or absolute)
     csv_caption_key: str = "title"  # the column of captions
-    csv_rows_per_part: int = 1000
+    csv_rows_per_part: int = positive(1000)
     # Where a training sample's caption is: member extensions (txt) or JSON paths (json:caption, json:captions.0;
     # json:captions, a list: one drawn); the first the sample has, or one drawn by caption_probs (seeded per sample)
     caption_keys: List[str] = field(default_factory=lambda: ["txt"])
@@ -175,16 +189,16 @@ class DataConfig:
     split: Split = Split.node
     augment: bool = True  # augment training images (data.augmentation); false: the evaluation transform
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
-    shuffle_buffer: int = 1000
-    workers: Optional[int] = 0  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
-    pieces: int = 1  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
-    readers: Optional[int] = None  # the run's readers (the sample order's layout, fixed at its start); null: ranks × workers
+    shuffle_buffer: int = non_negative(1000)
+    workers: Optional[int] = non_negative(0)  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
+    pieces: int = positive(1)  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
+    readers: Optional[int] = positive(None)  # the run's readers (the sample order's layout, fixed at its start); null: ranks × workers
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
-    max_skips_in_a_row: int = 1000  # this many unusable samples with no good one between: stop with an error
+    max_skips_in_a_row: int = positive(1000)  # this many unusable samples with no good one between: stop with an error
     # Zero-shot prompts; empty: a built-in source's own, else 'a photo of {}.' (a zeroshot_classification_templates.txt
     # beside an evaluation set's shards wins over both)
     templates: List[str] = field(default_factory=list)
@@ -235,8 +249,8 @@ LOSS_SCHEMAS = {"tiled": TiledLossConfig, "siglip": SigLipLossConfig}  # backend
 
 @dataclass
 class GradCacheConfig:
-    chunks: int = 1  # >1: gradient caching, each rank's batch forwarded in this many chunks
-    micro_batch: Optional[int] = None  # or: samples per chunk (chunks = ⌈batch_per_device / micro_batch⌉)
+    chunks: int = positive(1)  # >1: gradient caching, each rank's batch forwarded in this many chunks
+    micro_batch: Optional[int] = positive(None)  # or: samples per chunk (chunks = ⌈batch_per_device / micro_batch⌉)
 
     def chunks_for(self, local_batch: int) -> int:
         return self.chunks if self.micro_batch is None else -(-local_batch // self.micro_batch)
@@ -245,17 +259,17 @@ class GradCacheConfig:
 @dataclass
 class WorldConfig:
     name: str = "local"
-    nodes: int = 1
-    procs_per_node: int = 1
+    nodes: int = positive(1)
+    procs_per_node: int = positive(1)
     device: Device = Device.auto
     backend: Backend = Backend.auto
-    batch_per_device: int = 64
+    batch_per_device: int = positive(64)
     parallel: Parallel = Parallel.ddp
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm; towers with BatchNorm)
     spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
-    timeout_s: int = COLLECTIVE_TIMEOUT_S  # bound on every collective
-    rendezvous_timeout_s: int = 300  # srun: how long ranks wait for each other at start before failing
-    threads: Optional[int] = None  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,
+    timeout_s: int = positive(COLLECTIVE_TIMEOUT_S)  # bound on every collective
+    rendezvous_timeout_s: int = positive(300)  # srun: how long ranks wait for each other at start before failing
+    threads: Optional[int] = positive(None)  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,
     #                                else this process's CPUs / procs_per_node
 
     @property
@@ -266,8 +280,8 @@ class WorldConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw (torch's, fused), or any timm optimizer: lion, lamb, nadamw, sgd, ... (timm.optim)
-    lr: float = 2e-3
-    weight_decay: float = 0.1
+    lr: float = non_negative(2e-3)
+    weight_decay: float = non_negative(0.1)
     betas: Optional[List[float]] = field(default_factory=lambda: [0.9, 0.98])  # null: the optimizer's own
     eps: Optional[float] = 1e-6  # null: the optimizer's own
     momentum: Optional[float] = None  # for optimizers that take one (sgd, ...)
@@ -278,12 +292,12 @@ class OptimConfig:
     image_layer_decay: Optional[float] = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
     text_layer_decay: Optional[float] = None  # the same in the text tower
     schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 50
-    max_steps: int = 600
+    warmup_steps: int = non_negative(50)
+    max_steps: int = positive(600)
     cooldown_steps: Optional[int] = None  # const_cooldown: the last this many steps decay
     cooldown_end_lr: float = 0.0  # const_cooldown: the lr at the last step
     cooldown_power: float = 1.0  # const_cooldown: 1 linear, else polynomial decay
-    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    grad_clip: float = non_negative(1.0)  # max global grad norm; 0 disables
     max_logit_scale: float = 100.0
 
 
@@ -292,7 +306,7 @@ class CheckpointConfig:
     # A copy of every checkpoint off the node: an fsspec URL (s3://bucket/runs/x, gs://..., a mounted path), e.g.
     # s3://bucket/runs/${name}; resume=auto takes the newest of local and remote (docs/checkpoints.md).
     remote: Optional[str] = None
-    remote_retries: int = 3  # a failed upload is tried again this many times (1, 2, 4, ... s apart), then reported
+    remote_retries: int = non_negative(3)  # a failed upload is tried again this many times (1, 2, 4, ... s apart), then reported
     # The state copied to host memory at the save, written to disk in the background while training goes on;
     # published once every rank has written (false: the step waits for the write).
     async_save: bool = True
@@ -304,10 +318,10 @@ class LoggingConfig:
     tensorboard: bool = False  # also TensorBoard event files in <run_dir>/tensorboard/ (needs the tensorboard package)
     project: str = "clipdist"
     wandb_notes: Optional[str] = None  # the W&B run's notes
-    log_every: int = 10
+    log_every: int = positive(10)
     progress: bool = True
-    profile_steps: int = 0  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
-    profile_wait: int = 10  # steps run before profiling starts (warm-up left out)
+    profile_steps: int = non_negative(0)  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
+    profile_wait: int = non_negative(10)  # steps run before profiling starts (warm-up left out)
     sample_keys: bool = False  # each rank logs every step's samples ("shard#key") to <run_dir>/samples/rank_<r>.jsonl
 
 
@@ -318,12 +332,12 @@ class TrainConfig:
     seed: int = 0
     resume: str = "auto"  # auto: newest checkpoint in run_dir | never | path to a checkpoint
     precision: Precision = Precision.auto
-    eval_every: int = 200
-    checkpoint_every: int = 200
-    checkpoint_every_minutes: Optional[float] = None  # also checkpoint when this much time passed since the last
-    keep_checkpoints: int = 3
+    eval_every: int = positive(200)
+    checkpoint_every: int = positive(200)
+    checkpoint_every_minutes: Optional[float] = above_zero(None)  # also checkpoint when this much time passed since the last
+    keep_checkpoints: int = positive(3)
     on_checkpoint_error: OnCheckpointError = OnCheckpointError.stop
-    max_nonfinite_steps: int = 10  # non-finite losses in a row before the run stops (after a checkpoint)
+    max_nonfinite_steps: int = positive(10)  # non-finite losses in a row before the run stops (after a checkpoint)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -334,60 +348,27 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-POSITIVE = ("world.nodes", "world.procs_per_node", "world.batch_per_device", "optim.max_steps", "eval_every",
-            "data.max_skips_in_a_row", "checkpoint_every", "keep_checkpoints", "logging.log_every", "max_nonfinite_steps", "world.timeout_s",
-            "world.rendezvous_timeout_s", "grad_cache.chunks", "data.pieces", "data.csv_rows_per_part",
-            "data.readers")
-NON_NEGATIVE = ("checkpoint.remote_retries", "logging.profile_steps", "logging.profile_wait", "optim.warmup_steps", "optim.lr", "optim.weight_decay", "optim.grad_clip", "data.workers",
-                "data.shuffle_buffer")
-
-
 def validate(cfg: TrainConfig) -> None:
-    """Values and combinations the types cannot rule out: a ConfigError naming the key and what to change."""
-    from clipdist.data.order import SampleOrder
-    from clipdist.data.stream import check_pieces, run_readers
-    from clipdist.losses import build
-
-    node = OmegaConf.structured(cfg)
-    for key in POSITIVE + NON_NEGATIVE:
-        value = OmegaConf.select(node, key)
-        if value is None:  # automatic
-            continue
-        if value < 0 or (value == 0 and key in POSITIVE):
-            bound = "at least 1" if key in POSITIVE else "0 or more"
-            raise ConfigError(f"{key}={value}: must be {bound}")
-    if cfg.world.threads is not None and cfg.world.threads < 1:
-        raise ConfigError(f"world.threads={cfg.world.threads}: must be at least 1 (or null for automatic)")
-    if cfg.grad_cache.micro_batch is not None:
-        if cfg.grad_cache.chunks != 1:
-            raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
-                              f"{cfg.grad_cache.micro_batch} both set: give one of them")
-        if cfg.grad_cache.micro_batch < 1:
-            raise ConfigError(f"grad_cache.micro_batch={cfg.grad_cache.micro_batch}: must be at least 1")
+    """Values and combinations of the schema alone (the bounds its fields carry, then the pairs of keys that must
+    agree): a ConfigError naming the key and what to change. The checks that need a component (a loss backend,
+    the data layout, a file system) are the component's, run by clipdist.preflight."""
+    _check_bounds(cfg)
+    if cfg.grad_cache.micro_batch is not None and cfg.grad_cache.chunks != 1:
+        raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
+                          f"{cfg.grad_cache.micro_batch} both set: give one of them")
     if cfg.grad_cache.chunks > cfg.world.batch_per_device:
         raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
                           f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
-    try:
-        check_pieces(cfg.data.pieces, cfg.world.batch_per_device)
-        if cfg.data.readers is not None:
-            readers = run_readers(1, cfg.world.world_size, str(cfg.data.split), cfg.data.readers)
-            SampleOrder(readers, cfg.world.batch_per_device * cfg.world.world_size)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     if cfg.optim.max_logit_scale <= 1:
         raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
     if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:
         raise ConfigError("world.backend=nccl needs world.device=cuda (NCCL has no CPU tensors); use world.backend=gloo")
-    if cfg.checkpoint_every_minutes is not None and cfg.checkpoint_every_minutes <= 0:
-        raise ConfigError(f"checkpoint_every_minutes={cfg.checkpoint_every_minutes}: must be above 0 (or null)")
     if cfg.data.weights is not None:
         if not cfg.data.resampled:
             raise ConfigError("data.weights needs data.resampled=true: sources are mixed by drawing shards by weight "
                               "(in epoch mode every shard is read once per epoch, whatever its weight)")
         if any(weight <= 0 for weight in cfg.data.weights):
             raise ConfigError(f"data.weights={list(cfg.data.weights)}: every weight must be above 0")
-    if cfg.checkpoint.remote:
-        check_remote(cfg.checkpoint.remote)
     if not cfg.data.caption_keys:
         raise ConfigError("data.caption_keys is empty: give where captions are, e.g. [txt] or [json:caption]")
     if cfg.data.caption_probs is not None and (len(cfg.data.caption_probs) != len(cfg.data.caption_keys)
@@ -397,21 +378,19 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.data.source is None and not cfg.data.train_shards:
         raise ConfigError("data.train_shards is not set: give your shards, e.g. "
                           "data.train_shards='/data/{000..099}.tar' (or data.source=digits)")
-    try:
-        build(cfg.loss.name, **cfg.loss.options())
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
 
 
-def check_remote(url: str) -> None:
-    """checkpoint.remote names a file system fsspec can open here (s3:// needs s3fs, gs:// gcsfs, ...)."""
-    import fsspec
-
-    try:
-        fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as error:
-        raise ConfigError(f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
-                          "`pip install s3fs`, gs:// gcsfs, az:// adlfs)") from None
+def _check_bounds(node, prefix: str = "") -> None:
+    """Every field declared with a bound (positive / non_negative / above_zero) holds a value within it (None:
+    automatic, where the field allows it)."""
+    for spec in fields(node):
+        value, key = getattr(node, spec.name), f"{prefix}{spec.name}"
+        if is_dataclass(value):
+            _check_bounds(value, f"{key}.")
+        elif "bound" in spec.metadata and value is not None:
+            low, strict, says = spec.metadata["bound"]
+            if value < low or (strict and value == low):
+                raise ConfigError(f"{key}={value}: must be {says}")
 
 
 def register() -> None:
@@ -430,10 +409,6 @@ def as_dict(cfg: TrainConfig) -> dict:
 def _unknown_keys(given: dict, schema, prefix: str = "") -> tuple[str, str] | None:
     """The first key of `given` that its schema node does not have, as (dotted path, schema type name); keys
     under a free-form field (a Dict such as data.eval_sets) are the user's own."""
-    import dataclasses
-
-    from omegaconf import DictConfig
-
     owner = OmegaConf.get_type(schema)
     if not dataclasses.is_dataclass(owner):
         return None

@@ -32,7 +32,7 @@ from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
 from clipdist.losses import clip_loss
-from clipdist.models import has_caption_decoder
+from clipdist.models import has_caption_decoder, image_size
 from clipdist.objective import caption_cross_entropy
 from clipdist.parallel import all_ranks, rank_and_world_size
 
@@ -243,8 +243,7 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
     was_training = model.training
     model.eval()
     encoder = _Encoder(model, tokenizer, device, lockstep)
-    size = model.visual.image_size
-    height, width = (size, size) if isinstance(size, int) else size
+    height, width = image_size(model)
     try:
         with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
             share = _encode_share(encoder, evalset, image_transform, SkipCounter(max_skips_in_a_row), batch_size,

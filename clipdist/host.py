@@ -3,6 +3,7 @@ decided from the CPUs the rank may use (never from one workload's tuning) and lo
 Loader workers are the stream's (clipdist.data.workers)."""
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Mapping
 
@@ -76,8 +77,6 @@ def keep_freed_memory() -> bool:
     back as fresh pages, faulted in one by one (the 8.5 MB MLP activations of a patch-4 ViT took
     21 ms to copy). With these thresholds: 852-861 -> 899-941 samples/s at 2 ranks on 2 cores.
     False where the C library is not glibc (nothing changed)."""
-    import ctypes
-
     try:
         mallopt = ctypes.CDLL(None).mallopt  # this process's own symbols: glibc's, where it is glibc
     except (OSError, AttributeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import ipaddress
 import os
+import queue as queue_module
 import signal
 import socket
 import sys
@@ -18,11 +19,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping
+from urllib.parse import urlparse
 
+import hostlist
+import psutil
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-COLLECTIVE_TIMEOUT_S = 600  # the default bound on one collective, for runs and tools alike (world.timeout_s)
+from clipdist import console
+from clipdist.defaults import COLLECTIVE_TIMEOUT_S
+from clipdist.errors import ClipdistError
 
 # Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
 # handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
@@ -50,8 +57,6 @@ class DistEnv:
 def _expand_first_host(nodelist: str) -> str:
     """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003', 'r[2-3]-ib' -> 'r2-ib' (python-hostlist,
     SLURM's own syntax)."""
-    import hostlist
-
     try:
         return hostlist.expand_hostlist(nodelist)[0]
     except (hostlist.BadHostlist, IndexError):
@@ -194,8 +199,6 @@ class StopSignal:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything it started."""
-    import psutil
-
     try:
         process = psutil.Process(pid)
         members = [*process.children(recursive=True), process]
@@ -210,8 +213,6 @@ def kill_tree(pid: int) -> None:
 
 def unreachable(url: str, timeout_s: float = 10) -> str | None:
     """Why `url`'s server cannot be reached from here within `timeout_s` (a TCP connection), or None if it can."""
-    from urllib.parse import urlparse
-
     parsed = urlparse(url)
     port = parsed.port or (80 if parsed.scheme == "http" else 443)
     try:
@@ -236,9 +237,6 @@ class _UserError:
 
 def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results,
                     log_file: str | None):
-    from clipdist import console
-    from clipdist.errors import ClipdistError
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     console.configure(main=rank == 0)
@@ -274,12 +272,6 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLEC
     (`timeout`, `docker stop`) are passed to the ranks (SIGINT as SIGTERM, since a terminal's
     Ctrl-C reaches them directly too), which checkpoint and exit.
     """
-    import queue as queue_module
-
-    import torch.multiprocessing as mp
-
-    from clipdist import console
-
     method = "spawn" if torch.cuda.is_initialized() else "fork"
     results = mp.get_context(method).Queue()
     sys.stdout.flush()  # a forked child would write what is still buffered here again

@@ -3,6 +3,7 @@ open_clip pretrained tag, an `hf-hub:` or a `local-dir:` model."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -11,11 +12,15 @@ from pathlib import Path
 import numpy as np
 import open_clip
 import torch
+from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+from open_clip import factory
+from open_clip.hf_model import HFTextEncoder
+from open_clip.transform import merge_preprocess_dict
 
+from clipdist.defaults import DEFAULT_MODEL
 from clipdist.weights import read_weights
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
-DEFAULT_MODEL = "clipdist-tiny"  # ~3.4M parameters, 32-px images: trains on a laptop CPU in minutes (conf/model/tiny.yaml)
 
 
 @functools.cache
@@ -82,10 +87,6 @@ def _register_config_file(path: Path) -> str:
     """Register a model config file with open_clip under its stem: open_clip's model config, or its hub layout
     {"model_cfg", "preprocess_cfg"} (what `clipdist export` and open_clip write); a `preprocess_cfg` is kept
     apart and applied as the model's preprocessing (open_clip would pass it to the model's constructor)."""
-    import json
-
-    from open_clip import factory
-
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -208,8 +209,6 @@ def check_teacher(teacher: torch.nn.Module, student: torch.nn.Module, name: str)
 
 def check_model_options(model_cfg) -> None:
     """Before any rank starts: the overrides and locks fit the model (built on the meta device, no memory)."""
-    from open_clip.hf_model import HFTextEncoder
-
     if model_cfg.force_patch_dropout is not None and not 0 <= model_cfg.force_patch_dropout < 1:
         raise ValueError(f"model.force_patch_dropout={model_cfg.force_patch_dropout}: must be in [0, 1)")
     for key in ("force_image_size", "force_context_length"):
@@ -288,8 +287,6 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
     """A weights file of Hugging Face repo `repo`, as open_clip names them (its safetensors twin first): from the
     cache without touching the network where it is there, else downloaded — after a quick check that the hub can
     be reached at all, since the hub's client retries an unreachable one for about a minute."""
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
-
     filename = filename or "open_clip_pytorch_model.bin"
     names = ["open_clip_model.safetensors"] if filename == "open_clip_pytorch_model.bin" else \
         [filename[:-4] + ".safetensors"] if filename.endswith((".bin", ".pth")) else []
@@ -350,8 +347,6 @@ def create_model(
     a file's scalars replace them, except a bias the file does not have. `overrides`: open_clip.create_model's
     force_* / pretrained_image arguments and the image preprocessing ("preprocess"), as model_overrides makes them.
     """
-    from open_clip.transform import merge_preprocess_dict
-
     name = resolve_model_name(name)
     tag = pretrained_cfg(name, pretrained)
     kwargs = {"device": device, "cache_dir": cache_dir}  # "meta": the structure alone, no memory (for checks)
@@ -448,6 +443,12 @@ def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None):
     is fetched into the cache)."""
     _register_model_configs()
     return open_clip.get_tokenizer(resolve_model_name(name), cache_dir=cache_dir)
+
+
+def image_size(model: torch.nn.Module) -> tuple[int, int]:
+    """(height, width) of the images the model's image tower takes (open_clip gives an int for a square)."""
+    size = model.visual.image_size
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def random_tokens(batch: int, context_length: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from clipdist import parallel
+from clipdist.defaults import DEFAULT_TILE
 from clipdist.losses.distill import DistillationLoss
-from clipdist.losses.ring import DEFAULT_TILE
 
 
 @dataclass

@@ -22,6 +22,7 @@ import re
 from typing import Callable
 
 import torch
+from timm.optim import create_optimizer_v2, get_optimizer_info, list_optimizers
 
 ADAMW = "adamw"
 _BLOCK = re.compile(r"\.(?:resblocks|blocks|layers?)\.(\d+)\.")  # open_clip, timm and HF transformer blocks
@@ -35,8 +36,6 @@ def optimizer_name(name: str) -> str:
 
 def check_optimizer(name: str) -> None:
     """A ValueError naming the choices when `name` is neither adamw nor one of timm's optimizers."""
-    from timm.optim import list_optimizers
-
     if optimizer_name(name) != ADAMW and optimizer_name(name) not in list_optimizers():
         known = ", ".join(n for n in list_optimizers() if not n.startswith(("bnb", "c")))
         raise ValueError(f"optim.name={name}: no such optimizer; adamw (torch's) or one of timm's: {known}")
@@ -131,8 +130,6 @@ def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
         if optim.eps is not None:
             options["eps"] = optim.eps
         return torch.optim.AdamW(groups, lr=optim.lr, fused=fused or None, **{**options, **optim.kwargs})
-    from timm.optim import create_optimizer_v2, get_optimizer_info
-
     info, options = get_optimizer_info(name), {}
     if info.has_betas and optim.betas:
         options["betas"] = tuple(optim.betas[:info.num_betas])

@@ -6,6 +6,14 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 
 def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool = False,
@@ -30,8 +38,6 @@ def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool =
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     device = next(model.parameters()).device
-    from torch.nn.parallel import DistributedDataParallel
-
     # Buffers are broadcast from rank 0 before every forward (a collective and a sync per step) only when
     # training changes them (BatchNorm statistics); CLIP towers' buffers (attention masks) are constants.
     # Gradients live in DDP's buckets (no copy of every gradient into them and back after the all-reduce).
@@ -54,8 +60,6 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dtype | None) -> torch.nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
     if not dist.is_initialized():
         raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -88,15 +92,11 @@ def finish_gradient_sync(model: torch.nn.Module) -> None:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective: every rank calls it); any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
@@ -104,8 +104,6 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def gradient_sync(model: torch.nn.Module, enabled: bool):
     """Backward passes inside accumulate gradients locally when not `enabled` (DDP's no_sync, FSDP's
     set_requires_gradient_sync); the next backward with sync reduces everything accumulated."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if enabled:
         yield
     elif isinstance(model, DistributedDataParallel):
@@ -160,3 +158,8 @@ def node_leaders_first(local_rank: int, needed: bool = True):
     yield
     if needed and local_rank == 0:
         barrier()
+
+
+def uses_cuda(setting: str) -> bool:
+    """Whether world.device (auto, cpu, cuda) puts the ranks on CUDA devices."""
+    return setting == "cuda" or (setting == "auto" and torch.cuda.is_available())

@@ -21,6 +21,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = {"pure_bf16": torch.bfloat16, "pure_fp16": torch.float16}
@@ -58,9 +60,6 @@ class GradScaler(torch.amp.GradScaler):
     skipped. (torch's own DTensor rule for the unscale op takes no such mix and, on CPU, left found_inf at 0.)"""
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
         grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
         if not any(isinstance(grad, DTensor) for grad in grads):
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

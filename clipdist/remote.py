@@ -20,16 +20,26 @@ import threading
 import time
 from pathlib import Path
 
+import fsspec
+
+from clipdist.errors import ConfigError
 from clipdist.weights import CHECKPOINT
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 
 
+def check_remote(url: str) -> None:
+    """checkpoint.remote names a file system fsspec can open here (s3:// needs s3fs, gs:// gcsfs, ...)."""
+    try:
+        fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as error:
+        raise ConfigError(f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
+                          "`pip install s3fs`, gs:// gcsfs, az:// adlfs)") from None
+
+
 class RemoteCopies:
     def __init__(self, url: str, keep: int = 3, retries: int = 3, backoff_s: float = 1.0):
-        import fsspec
-
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.root = self.root.rstrip("/")

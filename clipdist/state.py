@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from clipdist.parallel import all_ranks, rank_and_world_size
 
@@ -55,14 +56,10 @@ class TrainState:
         """Model and optimizer state keyed by parameter name (DDP: whole tensors; FSDP: this rank's shards as
         DTensors), for torch.distributed.checkpoint; loading one into the same structure reshards to any world
         size and either parallelism."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optimizer}
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
 

@@ -178,8 +178,8 @@ class StepProfiler:
     def __init__(self, run_dir: Path, rank: int, steps: int, wait: int):
         self.profiler = None
         if steps > 0:
-            from torch.profiler import ProfilerActivity, profile, schedule
             import torch
+            from torch.profiler import ProfilerActivity, profile, schedule
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.directory, self.rank = Path(run_dir) / "profile", rank

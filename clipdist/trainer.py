@@ -16,28 +16,35 @@ import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from clipdist import console, host, launch, parallel, precision
+from clipdist import console, host, launch, parallel, precision, targets
 from clipdist.checkpoint import Checkpointer
-from clipdist.config import Device, NormalizeOn, TrainConfig, as_dict, to_train_config, validate
-from clipdist.data.eval_stream import first_eval_record
+from clipdist.config import Device, NormalizeOn, TrainConfig, as_dict, to_train_config
 from clipdist.data.images import PixelNormalize
-from clipdist.data.sources import EvalSet, Shards, resolve_shards
-from clipdist.data.stream import Batch, TrainStream, check_shard_count, kept_readers, run_readers
-from clipdist.data.workers import LoaderPlan, loader_priority, loader_workers
-from clipdist.errors import ConfigError, TrainingDiverged
+from clipdist.data.sources import Shards
+from clipdist.data.stream import Batch, TrainStream
+from clipdist.data.transforms import image_transforms
+from clipdist.data.workers import LoaderPlan, loader_priority
+from clipdist.defaults import DEFAULT_TILE
+from clipdist.errors import TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.losses.ring import DEFAULT_TILE
-from clipdist.models import (caption_weight, check_loss_weights, check_model_options, check_teacher, check_weights,
-                             create_model, create_model_for_loss, fetches_weights, get_tokenizer, has_caption_decoder,
-                             lock_towers, model_overrides, resolve_model_name)
-from clipdist.run_dir import RunLock, rewind_jsonl, write_record
-from clipdist.optim import build_optimizer, check_optim
-from clipdist.state import TrainState, seed_everything
+from clipdist.models import (
+    caption_weight,
+    create_model_for_loss,
+    fetches_weights,
+    get_tokenizer,
+    has_caption_decoder,
+    image_size,
+    lock_towers,
+    model_overrides,
+)
 from clipdist.objective import Objective
+from clipdist.optim import build_optimizer
+from clipdist.preflight import loader_workers_for, preflight
+from clipdist.run_dir import RunLock, rewind_jsonl, write_record
+from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
-from clipdist.tools.evaluation import load_model, model_structure
-from clipdist.tracking import RunTracker, StepProfiler, check_tensorboard, check_wandb_online
+from clipdist.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
 SAMPLES = "samples"  # logging.sample_keys: <run_dir>/samples/rank_<r>.jsonl
@@ -67,145 +74,11 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
         return train(cfg, shards)
 
 
-def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
-    """Every check that needs no process group, before any rank starts; ConfigError says what to change."""
-    validate(cfg)
-    check_launch(cfg.world, env)
-    resuming = Checkpointer.resume_point(cfg)
-    Checkpointer.check_resume(cfg, cfg.world.world_size, resuming)
-    try:
-        resolve_model_name(cfg.model.name)
-        check_model_options(cfg.model)
-        check_loss_weights(cfg.loss, cfg.model.name)
-        if cfg.loss.distill.model:
-            student = create_model(cfg.model.name, device="meta", overrides=model_overrides(cfg.model, fetch=False))
-            check_teacher(model_structure(cfg.loss.distill.model, cfg.loss.distill.pretrained), student,
-                          cfg.loss.distill.model)
-        check_optim(cfg.optim)
-        augmentation_cfg(cfg.data)
-        if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
-            check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if cfg.world.parallel == "fsdp":
-        check_shardable(cfg.model.name)
-    if cfg.world.sync_batchnorm and not uses_cuda(cfg.world.device):
-        check_no_batchnorm(cfg.model)
-    try:
-        shards = resolve_shards(cfg.data)
-        check_shard_count(len(shards.train), stream_readers(cfg, len(shards.train), resuming), resampled=cfg.data.resampled)
-    except (ValueError, FileNotFoundError) as error:
-        raise ConfigError(str(error)) from None
-    for evalset in shards.evals:
-        check_eval_set(evalset)
-    try:
-        if cfg.logging.wandb == "online" and env.is_main:
-            check_wandb_online()
-        if cfg.logging.tensorboard:
-            check_tensorboard()
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return shards
-
-
-def check_launch(world, env: launch.DistEnv) -> None:
-    """The world preset against how this process was launched (process count, node layout, rendezvous, CUDA)."""
-    launched_alone = env.launcher == "single" and world.world_size > 1
-    if launched_alone and not world.spawn:
-        torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
-        if world.nodes > 1:
-            torchrun = (f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
-                        "--rdzv-endpoint <first node>:29500")
-        raise ConfigError(
-            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
-            f"{world.procs_per_node}) but this process was started alone. Launch it with "
-            f"`{torchrun} train.py world={world.name}`{' on every node' if world.nodes > 1 else ''} or srun "
-            "(see slurm/), or pick world=local / cpu2 / cpu4"
-        )
-    if not launched_alone and env.world_size != world.world_size:
-        raise ConfigError(
-            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
-            f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
-            f"matches the launch, or override world.nodes / world.procs_per_node"
-        )
-    if not launched_alone and env.nodes is not None and env.nodes != world.nodes:
-        raise ConfigError(
-            f"world={world.name} expects {world.nodes} node(s) × {world.procs_per_node}, but {env.launcher} started "
-            f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
-            f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
-        )
-    address = launch.loopback_rendezvous(env)
-    if address:
-        raise ConfigError(
-            f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node and the job "
-            f"spans {env.nodes}: unset MASTER_ADDR and MASTER_PORT before sbatch/srun (clipdist then meets at the "
-            "job's first node) or set MASTER_ADDR to an address every node reaches"
-        )
-    if world.device == Device.cuda and not torch.cuda.is_available():
-        raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
-                          "use world=local or world=cpu2, or world.device=cpu")
-
-
-def check_shardable(model_name: str) -> None:
-    """world.parallel=fsdp shards the towers block by block: the model must have transformer blocks
-    (built on the meta device: the structure alone, no memory)."""
-    try:
-        model = create_model(model_name, device="meta")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if not parallel.transformer_blocks(model):
-        raise ConfigError(f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
-                          f"{', '.join(parallel.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
-
-
-def check_no_batchnorm(model_cfg) -> None:
-    """world.sync_batchnorm on CPU ranks: SyncBatchNorm runs on GPUs only, so a tower with BatchNorm is refused
-    (one without has nothing to convert)."""
-    model = create_model(model_cfg.name, device="meta", overrides=model_overrides(model_cfg, fetch=False))
-    if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
-        raise ConfigError(f"world.sync_batchnorm=true: {model_cfg.name} has BatchNorm layers, and SyncBatchNorm runs "
-                          "on CUDA ranks only; use world.device=cuda, or world.sync_batchnorm=false on CPU ranks")
-
-
-def check_eval_set(evalset: EvalSet) -> None:
-    """Read the first sample of an evaluation set now, so a bad path or layout fails before training
-    (not after the last step): it must decode, and have a caption or a label that has a class name."""
-    what = evalset.key
-    try:
-        _, captions, label = first_eval_record(evalset.urls)
-    except Exception as error:  # noqa: BLE001 -- whatever reading raised is the message
-        raise ConfigError(f"{what}: cannot read its first sample: {error}") from None
-    if label >= 0 and not captions and not evalset.classnames:
-        raise ConfigError(f"{what}: samples have labels but no captions, and the set has no class names: put "
-                          "classnames.txt (one name per line, in label order) beside the shards, or set data.classnames")
-    if evalset.classnames and label >= len(evalset.classnames):
-        raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
-
-
-def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
-    """The loader plan for data.workers: as given, or automatic for this host (the same on every rank of like
-    nodes)."""
-    each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
-    return loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
-                               device_type="cuda" if uses_cuda(cfg.world.device) else "cpu")
-
-
-def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | None) -> int:
-    """The readers the run's data stream will have: a resumed run keeps its checkpoint's (data.stream), a new run
-    takes data.readers or ranks × the rank's readers."""
-    kept = kept_readers(((resuming or (None, {}))[1].get("stream") or {}).get("layout"), cfg.data.readers)
-    if kept is not None:
-        return kept
-    return run_readers(loader_workers_for(cfg, shards).readers, cfg.world.world_size, str(cfg.data.split),
-                       cfg.data.readers, cfg.world.batch_per_device)
-
-
 def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
     env = launch.detect_env()
     automatic = cfg.data.workers is None
-    plan = loader_workers_for(cfg, len(shards.train))
-    cfg.data.workers = plan.workers
+    plan = loader_workers_for(cfg, len(shards.train))  # the config stays as checked: the plan travels beside it
     if env.is_main and automatic:
         log.info("%d loader worker(s) per rank (%s)", plan.workers, plan.why)
     threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, plan.workers)
@@ -230,13 +103,8 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
         launch.destroy_process_group()
 
 
-def uses_cuda(setting: Device) -> bool:
-    """Whether world.device puts the ranks on CUDA devices."""
-    return setting == Device.cuda or (setting == Device.auto and torch.cuda.is_available())
-
-
 def select_device(setting: Device, local_rank: int) -> torch.device:
-    if uses_cuda(setting):
+    if parallel.uses_cuda(setting):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -247,45 +115,6 @@ def normalize_on_device(setting: NormalizeOn, device: torch.device) -> tuple[boo
     if setting != NormalizeOn.auto:
         return setting == NormalizeOn.device, f"data.normalize_on={setting}"
     return device.type != "cpu", f"data.normalize_on=auto: {device.type} ranks"
-
-
-def image_transforms(preprocess_cfg: dict, data) -> tuple:
-    """(training transform, evaluation transform) for an image tower's `preprocess_cfg`: open_clip's own, from
-    the model's preprocessing (size, mean, std, interpolation, resize mode) and data.augmentation (open_clip's
-    AugmentationCfg); data.augment=false trains on the evaluation transform."""
-    import warnings
-
-    from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
-
-    preprocess = PreprocessCfg(**preprocess_cfg)
-    evaluation = image_transform_v2(preprocess, is_train=False)
-    if not data.augment:
-        return evaluation, evaluation
-    with warnings.catch_warnings():  # open_clip 3.3 names color_jitter(_prob) and gray_scale_prob unused, and uses them
-        warnings.filterwarnings("ignore", "Unused augmentation cfg items")
-        train = image_transform_v2(preprocess, is_train=True, aug_cfg=AugmentationCfg(**augmentation_cfg(data)))
-    return train, evaluation
-
-
-def augmentation_cfg(data) -> dict:
-    """data.augmentation as open_clip's AugmentationCfg takes it; a ValueError for a setting open_clip's pipeline
-    would leave unused (without use_timm it applies scale, and color jitter / grayscale with a probability)."""
-    augmentation = {key: tuple(value) if isinstance(value, list) and len(value) > 1 else
-                    value[0] if isinstance(value, list) else value
-                    for key, value in as_dict(data)["augmentation"].items() if value is not None}
-    if not augmentation.get("use_timm"):
-        unused = [key for key in ("ratio", "re_prob", "re_count") if key in augmentation]
-        if "color_jitter" in augmentation and not augmentation.get("color_jitter_prob"):
-            unused.append("color_jitter")
-        if unused:
-            raise ValueError(f"data.augmentation.{unused[0]}: open_clip's own pipeline does not use it (it applies "
-                             "scale, and color_jitter with color_jitter_prob, gray_scale_prob); set "
-                             "data.augmentation.use_timm=true for timm's pipeline, which takes it")
-        jitter = augmentation.get("color_jitter")
-        if augmentation.get("color_jitter_prob") and (not isinstance(jitter, tuple) or len(jitter) != 4):
-            raise ValueError("data.augmentation.color_jitter_prob needs color_jitter as four values (brightness, "
-                             "contrast, saturation, hue), e.g. data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]")
-    return augmentation
 
 
 class Trainer:
@@ -359,7 +188,8 @@ class Trainer:
         stream = TrainStream(self.shards.sources, cfg.data,
                              batch_size=cfg.world.batch_per_device, image_transform=image_transform,
                              tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-                             pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers)
+                             pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers,
+                             workers=plan.workers)
         started = stream.tune(
             plan, lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
                                                   workers),
@@ -467,10 +297,8 @@ class Trainer:
             with self.checkpointer.stop.interruptible():
                 return next(self.stream)
         except launch.StopRequested:
-            size = self.model.visual.image_size
-            height, width = (size, size) if isinstance(size, int) else size
             rows = self.cfg.world.batch_per_device
-            return Batch(torch.zeros(rows, 3, height, width),
+            return Batch(torch.zeros(rows, 3, *image_size(self.model)),
                          torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
                          Batch.zero_counts(len(self.shards.sources)))
 
@@ -481,7 +309,7 @@ class Trainer:
         if not distill.model:
             return None
         with parallel.node_leaders_first(self.env.local_rank, needed=fetches_weights(distill.model, distill.pretrained)):
-            teacher, _ = load_model(distill.model, distill.pretrained, cache_dir=cfg.model.cache_dir)
+            teacher, _ = targets.load(targets.resolve(distill.model, distill.pretrained), cache_dir=cfg.model.cache_dir)
         return teacher.to(self.device, precision.weights_dtype(cfg.precision)).eval().requires_grad_(False)
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import io
 import pickle
+import pickletools
 import re
 import warnings
 from contextlib import contextmanager
@@ -27,8 +28,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.errors import ClipdistError
 
@@ -67,8 +75,6 @@ def _first_global(source) -> str | None:
     """The first class or function a plain pickle names (GLOBAL, INST, STACK_GLOBAL), read with pickletools,
     which parses the opcodes without running any: why torch refused a pickle it cannot read at all (protocol 0's
     INST, say). None for what is no pickle."""
-    import pickletools
-
     data = source.getvalue() if isinstance(source, io.BytesIO) else Path(source).read_bytes()
     strings: list[str] = []
     try:
@@ -132,7 +138,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise refusal(self.path, f"{module}.{name}")
-
 
     def _member_of(self, owner, name):
         """getattr as an enum member's pickle uses it, and nothing more: `owner` one of the allowed enums, `name`
@@ -204,8 +209,6 @@ def single_process_quietly():
 @contextmanager
 def _refusals_unwrapped():
     """DCP wraps what its steps raise in a CheckpointException (per rank): a refusal comes out as itself."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         yield
     except CheckpointException as failure:
@@ -219,8 +222,6 @@ def _refusals_unwrapped():
 def load_dcp(state_dict: dict, path: Path) -> None:
     """Collective where a process group exists: `state_dict`'s tensors (and items) read from the folder `path`
     in place, resharded to whatever this state dict's layout is (any world size, DDP or FSDP)."""
-    import torch.distributed.checkpoint as dcp
-
     SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an AssertionError's text)
     with single_process_quietly(), _refusals_unwrapped():
         dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
@@ -229,8 +230,6 @@ def load_dcp(state_dict: dict, path: Path) -> None:
 def read_dcp(path: Path, keys: set[str]) -> dict:
     """The items under `keys` of a DCP folder, whole, on this process alone (no process group). As torch's own
     `_load_state_dict_from_keys` (the public load fills only keys the state dict already has), safely planned."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     state: dict = {}
     SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an AssertionError's text)
     with single_process_quietly(), _refusals_unwrapped():
@@ -282,8 +281,6 @@ def verify(path: Path) -> dict:
     progress = read_progress(path)  # a .pt file whole: every pickled part there is
     if not path.is_dir():
         return progress
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     metadata = SafeReader(str(path)).read_metadata()
     items = {key for key, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
     if items:

@@ -180,6 +180,7 @@ def untrusted_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, P
     made["dcp_item"] = copy("dcp_item")
     shutil.rmtree(made["dcp_item"])
     import torch.distributed.checkpoint as dcp
+
     from clipdist.weights import single_process_quietly
 
     with single_process_quietly():

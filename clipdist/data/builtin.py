@@ -9,6 +9,7 @@ web_photos: web-like JPEGs (256-512 px on the short side, quality 80-95, tens of
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import random
 from pathlib import Path
@@ -65,8 +66,6 @@ def _fashion_mnist(source_dir):
 def _web_photos(_source_dir, samples: int = WEB_SAMPLES):
     """`samples` JPEG bytes: a random crop (30-100 % of a photograph's area, aspect 3:4 to 4:3) of a random
     photograph, resized to a short side of 256-512 px and encoded at quality 80-95 (seeded)."""
-    import io
-
     try:
         import skimage
     except ImportError:

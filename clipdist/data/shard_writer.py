@@ -12,6 +12,8 @@ from typing import Iterable, Iterator
 import webdataset as wds
 from PIL import Image
 
+from clipdist.data.tables import TableFormat
+
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
 
@@ -130,8 +132,6 @@ def pairs_from_csv(table: str | Path, path_column: str = "path", caption_column:
                    separator: str = ",") -> Iterator[tuple[bytes, str, dict]]:
     """Rows of a CSV (or TSV: `separator` \\t) with an image path column and a caption column (paths relative to
     the table)."""
-    from clipdist.data.tables import TableFormat
-
     table = Path(table)
     with open(table, newline="") as handle:
         reader = csv.DictReader(handle, delimiter=TableFormat(separator).delimiter)

@@ -104,7 +104,7 @@ class TrainStream:
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
                  rank: int = 0, world_size: int = 1, seed: int = 0, low_priority_workers: bool = False,
                  pixels: bool = False, pin_memory: bool = False, start_method: str | None = None,
-                 readers: int | None = None):
+                 readers: int | None = None, workers: int | None = None):
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
@@ -112,8 +112,8 @@ class TrainStream:
         self.pieces = int(getattr(data, "pieces", 1) or 1)
         check_pieces(self.pieces, batch_size)
         self.readers_setting = getattr(data, "readers", None)
-        total = run_readers(readers or max(data.workers or 0, 1), world_size, split, self.readers_setting, batch_size)
-        self.workers = data.workers
+        self.workers = data.workers if workers is None else workers  # the loader plan's (data.workers: automatic)
+        total = run_readers(readers or max(self.workers or 0, 1), world_size, split, self.readers_setting, batch_size)
         self.sources, self.data, self.rank, self.world_size, self.seed = sources, data, rank, world_size, seed
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method

@@ -14,7 +14,6 @@ from typing import Callable, Mapping, NamedTuple
 
 from clipdist import host
 
-
 MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at the start, until the run measures how many it needs
 
 

@@ -11,7 +11,6 @@ import torch
 
 from clipdist.losses.collectives import WorldLayout, post_exchange
 
-DEFAULT_TILE = 1024  # rows and columns per tile: the default of loss.tile too (config reads it)
 FEATURES, GRADIENTS = 0, 1  # message tags: a block and an accumulator may be in flight between two ranks at once
 
 

@@ -5,9 +5,10 @@ import math
 
 import torch.nn.functional as F
 
+from clipdist.defaults import DEFAULT_TILE
 from clipdist.losses.base import DistributedContrastiveLoss
 from clipdist.losses.reference import siglip_loss
-from clipdist.losses.ring import DEFAULT_TILE, TileSum, check_tile, logits, ring_sum
+from clipdist.losses.ring import TileSum, check_tile, logits, ring_sum
 
 
 class Softplus(TileSum):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from clipdist.defaults import DEFAULT_TILE
 from clipdist.losses.base import DistributedContrastiveLoss
-from clipdist.losses.ring import DEFAULT_TILE, RingKernel, check_tile, logits, ring_sum
+from clipdist.losses.ring import RingKernel, check_tile, logits, ring_sum
 
 
 class RowLogSumExp(RingKernel):

@@ -21,10 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from open_clip.loss import ClipLoss
 
-from clipdist.launch import COLLECTIVE_TIMEOUT_S
+from clipdist.defaults import COLLECTIVE_TIMEOUT_S
+from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build
-from clipdist.tools.memory import fit_loss_memory, human_bytes, loss_inputs, loss_kept_bytes
+from clipdist.tools.memory import (
+    fit_loss_memory,
+    human_bytes,
+    loss_inputs,
+    loss_kept_bytes,
+)
 
 PEER = "open_clip"  # open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
 
@@ -33,8 +40,6 @@ class _OpenClipLocalLoss:
     uses_logit_bias = False
 
     def __init__(self):
-        from open_clip.loss import ClipLoss
-
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.loss = ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size)
@@ -149,8 +154,6 @@ def loss_fits(names) -> dict:
 def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
         budget_bytes=16e9, timeout_s=COLLECTIVE_TIMEOUT_S, fits=None):
     """Every (world size, global batch, backend) row; see the module docstring."""
-    from clipdist.launch import launch_local
-
     names = backends(names)
     # Large CPU buffers through mmap, so that freed memory leaves the resident set at once and
     # one configuration's peak is not hidden by the last one's heap (glibc's threshold is dynamic).

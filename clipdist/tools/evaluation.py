@@ -16,81 +16,21 @@ from pathlib import Path
 
 import torch
 
-from clipdist.launch import COLLECTIVE_TIMEOUT_S
-
-
-def load_model(target: str, pretrained: str | None = None, model_name: str | None = None,
-               cache_dir: str | None = None, device: str = "cpu") -> tuple[torch.nn.Module, str]:
-    """(the model TARGET names, the model name its tokenizer goes by); a ValueError in one line where it cannot.
-    device="meta": the structure alone, the weights only checked to fit."""
-    from clipdist.config import model_config
-    from clipdist.models import create_model, model_overrides, weights_for
-    from clipdist.tools.export import CONFIG_FILE
-    from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint
-
-    path = Path(target).expanduser()
-    if path.is_dir() and (path / CONFIG_FILE).is_file():  # an export (or any open_clip local-dir model)
-        name = f"local-dir:{path}"
-        return create_model(name, cache_dir=cache_dir, device=device), name
-    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
-        checkpoint = find_checkpoint(path)
-        weights, config = read_run_checkpoint(checkpoint)
-        model_cfg = model_config(config.get("model", {}))
-        model = create_model(model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None,
-                             overrides=model_overrides(model_cfg, fetch=False), device=device)
-        fitting = weights_for(model, weights, checkpoint)
-        if device != "meta":
-            model.load_state_dict(fitting)
-        return model, model_cfg.name
-    if path.is_file():  # a weights file: the model it fits must be named
-        if not model_name:
-            raise ValueError(f"{target} is a weights file: name its model too (--model ViT-B-32)")
-        return create_model(model_name, checkpoint=str(path), cache_dir=cache_dir, device=device), model_name
-    return create_model(target, pretrained=pretrained, cache_dir=cache_dir, device=device), target
-
-
-def check_target(target: str, pretrained: str | None, model_name: str | None) -> None:
-    """What load_model would refuse, found without reading any tensor (so no parallel op runs in this process
-    before it forks the ranks: libgomp is not fork-safe)."""
-    from clipdist.models import pretrained_cfg, resolve_model_name
-    from clipdist.tools.export import CONFIG_FILE
-    from clipdist.weights import CHECKPOINT, find_checkpoint, verify
-
-    path = Path(target).expanduser()
-    if path.is_dir() and (path / CONFIG_FILE).is_file():
-        return
-    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
-        verify(find_checkpoint(path))
-    elif path.is_file():
-        if not model_name:
-            raise ValueError(f"{target} is a weights file: name its model too (--model ViT-B-32)")
-        resolve_model_name(model_name)
-    else:
-        pretrained_cfg(resolve_model_name(target), pretrained)
-
-
-def model_structure(target: str, pretrained: str | None = None) -> torch.nn.Module:
-    """The model TARGET names (as load_model takes it) on the meta device: its structure, no tensor read (a run's
-    checkpoint is verified and its config read)."""
-    from clipdist.config import model_config
-    from clipdist.models import create_model, model_overrides
-    from clipdist.tools.export import CONFIG_FILE
-    from clipdist.weights import CHECKPOINT, find_checkpoint, verify
-
-    path = Path(target).expanduser()
-    if path.is_dir() and (path / CONFIG_FILE).is_file():
-        return create_model(f"local-dir:{path}", device="meta")
-    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):  # verified once, its config read
-        model_cfg = model_config(verify(find_checkpoint(path)).get("config", {}).get("model", {}))
-        return create_model(model_cfg.name, overrides=model_overrides(model_cfg, fetch=False), device="meta")
-    check_target(target, pretrained, None)  # a name and its pretrained tag (a bare weights file names no model)
-    return create_model(target, device="meta")
+from clipdist import precision as precisions
+from clipdist import targets
+from clipdist.config import DataConfig
+from clipdist.data.sources import DEFAULT_TEMPLATES, eval_set
+from clipdist.data.transforms import image_transforms
+from clipdist.defaults import COLLECTIVE_TIMEOUT_S
+from clipdist.evaluate import evaluate
+from clipdist.host import intra_op_threads
+from clipdist.launch import launch_local
+from clipdist.models import get_tokenizer
+from clipdist.parallel import rank_and_world_size
 
 
 def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str]):
     """EvalSets from name -> spec; class names and templates beside a set's shards win over the given ones."""
-    from clipdist.data.sources import DEFAULT_TEMPLATES, eval_set
-
     if not sets:
         raise ValueError("no evaluation set: give one or more, --set NAME=SPEC (shards, a folder, clip_benchmark's)")
     return [eval_set(name, spec, list(classnames), list(templates) or DEFAULT_TEMPLATES, key=f"--set {name}")
@@ -99,18 +39,9 @@ def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str])
 
 def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_size, precision) -> dict:
     """Every set on this rank (every rank calls it under launch_local: each encodes its share)."""
-    from clipdist import precision as precisions
-    from clipdist.config import DataConfig
-    from clipdist.evaluate import evaluate
-    from clipdist.models import get_tokenizer
-    from clipdist.trainer import image_transforms
-
-    from clipdist.host import intra_op_threads
-    from clipdist.parallel import rank_and_world_size
-
     torch.set_num_threads(intra_op_threads(None, rank_and_world_size()[1])[0])  # the CPUs shared by the ranks
     device = torch.device("cpu")
-    model, name = load_model(target, pretrained, model_name, cache_dir)
+    model, name = targets.load(targets.resolve(target, pretrained, model_name), cache_dir)
     model = model.to(device, precisions.weights_dtype(precision))
     _, transform = image_transforms(model.visual.preprocess_cfg, DataConfig())
     tokenizer = get_tokenizer(name, cache_dir)
@@ -125,13 +56,11 @@ def run_eval(target: str, sets: dict[str, str], *, pretrained: str | None = None
              classnames: list[str] = (), templates: list[str] = (), world_size: int = 1, batch_size: int = 256,
              precision: str = "fp32", cache_dir: str | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict:
     """The metrics of TARGET on `sets` (the module docstring), on one process or `world_size` local ranks."""
-    from clipdist.launch import launch_local
-
     evalsets = eval_sets(sets, list(classnames), list(templates))
     arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision)
     if world_size == 1:
         return _evaluate_here(*arguments)
-    check_target(target, pretrained, model_name)  # a bad target: one line, before the ranks
+    targets.check(targets.resolve(target, pretrained, model_name))  # a bad target: one line, before the ranks
     return launch_local(_evaluate_here, world_size, *arguments, timeout_s=timeout_s)[0]
 
 

@@ -15,20 +15,23 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from clipdist.config import model_config
+from clipdist.models import (
+    built_model_config,
+    create_model,
+    model_overrides,
+    resolve_model_name,
+)
+from clipdist.targets import EXPORT_CONFIG, EXPORT_WEIGHTS
 from clipdist.weights import find_checkpoint, read_run_checkpoint
-
-CONFIG_FILE = "open_clip_config.json"
-WEIGHTS_FILE = "open_clip_model.safetensors"
 
 
 def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_settings: dict | None = None) -> dict:
     """open_clip's {"model_cfg", "preprocess_cfg"} for `model_name` (a name or config file clipdist knows) as the
     run built it: its `model` config's overrides (force_*, image_*) applied; a logit bias in the weights (SigLIP)
     goes into model_cfg, so open_clip builds the model with one."""
-    from clipdist.config import model_config
-    from clipdist.models import built_model_config, create_model, model_overrides, resolve_model_name
-
     name = resolve_model_name(model_name)
     overrides = model_overrides(model_config(model_settings or {}), fetch=False)
     model_cfg = built_model_config(name, overrides)
@@ -42,8 +45,6 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
 def export(source: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write `source`'s model to the folder `out` (see the module docstring); the checkpoint it came from.
     The folder appears whole or not at all (written beside it, then renamed)."""
-    from safetensors.torch import save_file
-
     checkpoint = find_checkpoint(source)
     weights, config = read_run_checkpoint(checkpoint)
     model_name = config.get("model", {}).get("name")
@@ -56,8 +57,8 @@ def export(source: str | Path, out: str | Path, *, overwrite: bool = False) -> P
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         config_json = open_clip_config(model_name, weights, config.get("model"))
-        (staging / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
-        save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(staging / WEIGHTS_FILE),
+        (staging / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
+        save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(staging / EXPORT_WEIGHTS),
                   metadata={"format": "pt", "source": str(checkpoint)})
         umask = os.umask(0)
         os.umask(umask)

@@ -9,15 +9,30 @@ import importlib
 import inspect
 import math
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from clipdist.launch import COLLECTIVE_TIMEOUT_S
+from clipdist.config import LossConfig
+from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL
+from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build, clip_loss
-from clipdist.models import DEFAULT_MODEL
+from clipdist.models import (
+    caption_weight,
+    create_model,
+    create_model_for_loss,
+    get_tokenizer,
+    has_caption_decoder,
+    lock_towers,
+    random_tokens,
+)
+from clipdist.objective import Objective
+from clipdist.parallel import full_tensor, wrap_model
+from clipdist.precision import gradient_scaler
+from clipdist.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -51,8 +66,6 @@ def resolve_loss(spec: str) -> Callable:
 
 
 def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dtype):
-    from clipdist.models import get_tokenizer, random_tokens
-
     generator = torch.Generator().manual_seed(seed + 1)
     images = torch.randn(global_batch, 3, 32, 32, generator=generator, dtype=dtype)
     return images, random_tokens(global_batch, get_tokenizer(model_name).context_length, generator)
@@ -67,9 +80,6 @@ class Locks:
     text: int | None = None
 
     def apply(self, model: torch.nn.Module) -> None:
-        from types import SimpleNamespace
-
-        from clipdist.models import lock_towers
 
         lock_towers(model, SimpleNamespace(
             lock_image=self.image is not None, lock_image_unlocked_groups=self.image or 0,
@@ -79,8 +89,6 @@ class Locks:
 
 def _teacher(model_name: str, seed: int, dtype: torch.dtype):
     """The distillation check's teacher: the same structure, other weights (seed + 1), frozen, in eval mode."""
-    from clipdist.models import create_model
-
     torch.manual_seed(seed + 1)
     return create_model(model_name, init_logit_scale=math.log(30.0)).to(dtype).eval().requires_grad_(False)
 
@@ -88,10 +96,6 @@ def _teacher(model_name: str, seed: int, dtype: torch.dtype):
 def _objective(loss_fn, model, teacher=None):
     """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
     caption weight (2) beside it; with a teacher, its distillation term (weight 1) too, in small tiles."""
-    from clipdist.config import LossConfig
-    from clipdist.models import caption_weight, has_caption_decoder
-    from clipdist.objective import Objective
-
     weight = caption_weight(LossConfig(), has_caption_decoder(model), "")
     return Objective(loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3)
 
@@ -100,8 +104,6 @@ SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a p
 
 
 def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks = Locks()):
-    from clipdist.models import create_model_for_loss
-
     torch.manual_seed(seed)
     model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
     locks.apply(model)
@@ -117,10 +119,6 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
 
     Rank 0 returns [(mean loss over ranks, {parameter: gradient}), ...]; other ranks None.
     """
-    from clipdist.parallel import full_tensor, wrap_model
-    from clipdist.precision import gradient_scaler
-    from clipdist.step import build_step
-
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
     images, tokens = _random_batch(sum(local_sizes), model_name, seed, dtype)
@@ -297,8 +295,6 @@ def run_gradchecks(
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
-    from clipdist.launch import launch_local
-
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
     if world_size < 1:

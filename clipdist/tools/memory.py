@@ -16,8 +16,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from clipdist.launch import COLLECTIVE_TIMEOUT_S
-from clipdist.models import random_tokens
+from clipdist.config import OptimConfig
+from clipdist.defaults import COLLECTIVE_TIMEOUT_S
+from clipdist.launch import launch_local
+from clipdist.losses import build
+from clipdist.models import (
+    create_model_for_loss,
+    get_tokenizer,
+    image_size,
+    random_tokens,
+)
+from clipdist.optim import build_optimizer
+from clipdist.parallel import wrap_model
+from clipdist.step import build_step
 
 
 class _Kept:
@@ -78,9 +89,7 @@ class SavedTensorMeter:
 
 def model_outputs(model, batch: int, context_length: int):
     """Forward `batch` random images and token rows through an open_clip model."""
-    size = model.visual.image_size
-    height, width = (size, size) if isinstance(size, int) else size
-    images = torch.randn(batch, 3, height, width)
+    images = torch.randn(batch, 3, *image_size(model))
     tokens = random_tokens(batch, context_length)
     return model(images, tokens)
 
@@ -166,8 +175,6 @@ def loss_kept_bytes(loss_fn, local_batch: int, dim: int, dtype=torch.float32, de
 
 
 def _measure_loss_points(backends: list[str], dtype_name: str):
-    from clipdist.losses import build
-
     rank = dist.get_rank()
     points = {name: [] for name in backends}
     for name in backends:
@@ -183,8 +190,6 @@ def _measure_loss_points(backends: list[str], dtype_name: str):
 
 def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict[str, LossFit]:
     """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
-    from clipdist.launch import launch_local
-
     points = launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype,
                           timeout_s=timeout_s)[0]
     fits = {}
@@ -214,21 +219,12 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -> dict[str, int]:
     """One training step (so gradients and AdamW moments exist) under `parallel`; this rank's state bytes."""
-    from clipdist.config import OptimConfig
-    from clipdist.parallel import wrap_model
-    from clipdist.step import build_step
-    from clipdist.losses import build
-    from clipdist.models import create_model_for_loss, get_tokenizer
-    from clipdist.optim import build_optimizer
-
     torch.manual_seed(0)
     loss_fn = build("disco")
     model = create_model_for_loss(model_name, loss_fn)
     wrapped = wrap_model(model, parallel=parallel)
     optimizer, _ = build_optimizer(model, OptimConfig())
-    size = model.visual.image_size
-    size = (size, size) if isinstance(size, int) else size
-    images = torch.randn(local_batch, 3, *size)
+    images = torch.randn(local_batch, 3, *image_size(model))
     build_step(wrapped, loss_fn).gradients(images, random_tokens(local_batch, get_tokenizer(model_name).context_length))
     optimizer.step()
     return state_bytes(model, optimizer)
@@ -237,7 +233,5 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
 def measure_state_bytes(model_name: str, parallel: str, world_size: int, local_batch: int = 4,
                         timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict[str, int]]:
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
-    from clipdist.launch import launch_local
-
     results = launch_local(state_bytes_after_a_step, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
     return [results[rank] for rank in range(world_size)]

@@ -49,8 +49,16 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from clipdist import targets
 from clipdist.losses import build
-from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
+from clipdist.models import create_model, get_tokenizer, image_size
+from clipdist.parallel import transformer_blocks
+from clipdist.tools.memory import (
+    ActivationFit,
+    LossFit,
+    fit_loss_memory,
+    measure_activations,
+)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"  # clipdist/conf, shipped in the package
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
@@ -168,8 +176,6 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
             progress=print, teacher: str | None = None) -> Measurements:
     """Run the real towers and loss backends small, on CPU, and fit how their memory scales; `teacher`: a
     distillation teacher (loss.distill.model), counted from its structure."""
-    from clipdist.models import create_model, get_tokenizer
-
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision={precision!r}; choose bf16 or fp32")
     # The loss ranks first: they are forked from this process, and a fork of a process whose OpenMP
@@ -182,13 +188,11 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
     context = get_tokenizer(model_name).context_length
     activations = measure_activations(model, context, autocast)
-    height, width = _pair(model.visual.image_size)
+    height, width = image_size(model)
     measured = Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model),
                             input_bytes=3 * height * width + 8 * context)
     if teacher:
-        from clipdist.tools.evaluation import model_structure
-
-        structure = model_structure(teacher)
+        structure = targets.structure(targets.resolve(teacher))
         measured.teacher_parameters = sum(p.numel() for p in structure.parameters())
         with torch.no_grad():  # the feature dim: a forward on the meta device computes nothing
             measured.teacher_dim = structure.encode_text(torch.zeros(1, structure.context_length, dtype=torch.long,
@@ -196,14 +200,9 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     return measured
 
 
-def _pair(size) -> tuple[int, int]:
-    return (size, size) if isinstance(size, int) else tuple(size)
-
 
 def parameter_layout(model) -> tuple[list[tuple[int, ...]], list[int]]:
     """(every parameter's shape, the parameter count of each transformer block): what sharding needs."""
-    from clipdist.parallel import transformer_blocks
-
     return ([tuple(p.shape) for p in model.parameters()],
             [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)])
 

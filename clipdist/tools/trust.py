@@ -22,6 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.weights import PROGRESS, single_process_quietly
 
@@ -66,10 +69,6 @@ def trust(source: str | Path, out: str | Path | None = None) -> Path:
 
 
 def _convert_folder(source: Path, staging: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     state: dict = {}
     with single_process_quietly():  # the trusted, unsafe read: DCP's own reader and planner
         _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(source)),

@@ -50,9 +50,8 @@ def _noise_set(folder, shards=3, per_shard=23):
     import io
 
     import numpy as np
-    from PIL import Image
-
     from fixtures import write_samples
+    from PIL import Image
 
     generator = np.random.default_rng(0)
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,7 +76,7 @@ def _evaluate_on_ranks(folder, parallel):
     from clipdist.evaluate import evaluate
     from clipdist.models import create_model, get_tokenizer
     from clipdist.parallel import wrap_model
-    from clipdist.trainer import image_transforms
+    from clipdist.data.transforms import image_transforms
 
     torch.manual_seed(0)
     model = create_model("clipdist-tiny")

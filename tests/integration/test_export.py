@@ -39,8 +39,8 @@ def open_clip_features(model_dir, images, captions, work) -> dict:
 
 
 def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path, capsys):
-    from clipdist.weights import read_run_checkpoint
     from clipdist.models import create_model, get_tokenizer
+    from clipdist.weights import read_run_checkpoint
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     assert "exported" in capsys.readouterr().out
@@ -84,12 +84,12 @@ def digits_as_clip_benchmark(root, val_shard, classnames, templates):
 
 def test_clip_benchmark_scores_the_export_as_clipdist_and_clipdist_eval_do(trained_run, tmp_path, cache_dir):
     pytest.importorskip("clip_benchmark")
-    from clipdist.weights import read_run_checkpoint
     from clipdist.config import DataConfig
     from clipdist.data.builtin import builtin_shards, classnames_of
     from clipdist.data.sources import eval_set, expand_shards
     from clipdist.evaluate import evaluate
     from clipdist.models import create_model, get_tokenizer
+    from clipdist.weights import read_run_checkpoint
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     templates = ["a photo of the number {c}.", "a drawing of a {c}."]

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from clipdist.weights import read_progress
 from helpers import Run, read_jsonl, run_log, train
+
+from clipdist.weights import read_progress
 
 STEPS = ["optim.max_steps=400", "optim.warmup_steps=5", "eval_every=1000", "checkpoint_every=50"]
 

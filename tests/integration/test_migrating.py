@@ -10,10 +10,11 @@ from tests.unit.test_migrating import rows
 def test_every_override_in_the_migration_table_passes_the_checks_before_the_ranks():
     from hydra import compose, initialize_config_dir
 
-    from clipdist.config import register, to_train_config, validate
+    from clipdist.config import register, to_train_config
+    from clipdist.preflight import check_config
     from clipdist.models import check_model_options, resolve_model_name
     from clipdist.optim import check_optim
-    from clipdist.trainer import augmentation_cfg
+    from clipdist.data.transforms import augmentation_cfg
 
     register()
     failures, checked = {}, 0
@@ -24,7 +25,7 @@ def test_every_override_in_the_migration_table_passes_the_checks_before_the_rank
                 continue
             try:
                 cfg = to_train_config(compose("config", overrides=["name=migrating", *overrides]))
-                validate(cfg)
+                check_config(cfg)
                 resolve_model_name(cfg.model.name)
                 check_model_options(cfg.model)
                 check_optim(cfg.optim)

@@ -112,11 +112,10 @@ def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropou
 def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, cache_dir):
     """open_clip alone loads the export of a run with force_* overrides and its own image mean as the run built it."""
 
-    from tests.integration.test_export import open_clip_features
-
     from clipdist.cli import main as cli
     from clipdist.models import create_model, get_tokenizer, model_overrides
     from clipdist.weights import find_checkpoint, read_run_checkpoint
+    from tests.integration.test_export import open_clip_features
     from tests.unit.test_recipes import _model_cfg
 
     overrides = {"force_image_size": 48, "force_quick_gelu": True, "image_mean": [0.5, 0.4, 0.3]}

@@ -20,8 +20,7 @@ def test_export_refuses_to_overwrite_and_names_a_missing_source(trained_run, tmp
 
 
 def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(trained_run, tmp_path):
-    from clipdist.weights import read_run_checkpoint
-    from clipdist.weights import read_weights
+    from clipdist.weights import read_run_checkpoint, read_weights
 
     checkpoint = trained_run / "checkpoints" / "step_00000030.dcp"
     expected = read_run_checkpoint(checkpoint)[0]

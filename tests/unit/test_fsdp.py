@@ -48,9 +48,11 @@ def test_a_checkpoint_of_the_pt_days_is_resumed_under_ddp_only(tmp_path):
 
 
 def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
-    from clipdist import parallel, trainer
+    from clipdist import parallel, preflight
+    from clipdist.models import create_model
 
-    trainer.check_shardable("clipdist-tiny")  # has blocks: fine
+    model = create_model("clipdist-tiny", device="meta")
+    preflight.check_shardable(model, "clipdist-tiny")  # has blocks: fine
     monkeypatch.setattr(parallel, "transformer_blocks", lambda model: [])
     with pytest.raises(ConfigError, match="no transformer blocks.*world.parallel=ddp"):
-        trainer.check_shardable("clipdist-tiny")
+        preflight.check_shardable(model, "clipdist-tiny")

@@ -7,7 +7,6 @@ import re
 import shlex
 from pathlib import Path
 
-
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 ROW = re.compile(r"^\| `(--[a-z0-9-]+)` \| (.*?) \| (same|better|N/A|not yet) \| (.*)\|$")
 

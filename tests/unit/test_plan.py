@@ -22,7 +22,7 @@ def test_parse_bytes_and_presets():
 
 
 def test_a_distillation_teacher_adds_its_weights_features_and_ring_buffers_to_the_peak():
-    from clipdist.tools.memory import ActivationFit, LossFit, LOSS_TERMS
+    from clipdist.tools.memory import LOSS_TERMS, ActivationFit, LossFit
 
     fit = LossFit("tiled", tuple([0.0] * len(LOSS_TERMS)), 0.0)
     measured = plan.Measurements(ActivationFit(1000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], [])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-from clipdist.weights import read_progress
 from helpers import read_jsonl, train
+
+from clipdist.weights import read_progress
 
 
 def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache_dir):

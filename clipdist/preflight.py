@@ -1,0 +1,189 @@
+"""Every check before any rank starts, run once: the config's own (clipdist.config.validate) and each component's
+checks of its settings (model, loss, optimizer, data, launch, logging), each one line (ConfigError) naming the key
+and what to change.
+
+    shards = preflight(cfg, env)      # train.run: then the ranks start
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from clipdist import launch, parallel, targets
+from clipdist.checkpoint import Checkpointer
+from clipdist.config import Device, TrainConfig, validate
+from clipdist.data.eval_stream import first_eval_record
+from clipdist.data.order import SampleOrder
+from clipdist.data.sources import EvalSet, Shards, resolve_shards
+from clipdist.data.stream import (
+    check_pieces,
+    check_shard_count,
+    kept_readers,
+    run_readers,
+)
+from clipdist.data.transforms import augmentation_cfg
+from clipdist.data.workers import LoaderPlan, loader_workers
+from clipdist.errors import ConfigError
+from clipdist.losses import build as build_loss
+from clipdist.models import (
+    check_loss_weights,
+    check_model_options,
+    check_teacher,
+    check_weights,
+    create_model,
+    model_overrides,
+    resolve_model_name,
+)
+from clipdist.optim import check_optim
+from clipdist.remote import check_remote
+from clipdist.tracking import check_tensorboard, check_wandb_online
+
+
+def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
+    """Every check that needs no process group, before any rank starts; ConfigError says what to change. The
+    model is built once, on the meta device (its structure, no memory), for every check that needs it."""
+    check_config(cfg)
+    check_launch(cfg.world, env)
+    resuming = Checkpointer.resume_point(cfg)
+    Checkpointer.check_resume(cfg, cfg.world.world_size, resuming)
+    with one_line():
+        resolve_model_name(cfg.model.name)
+        check_model_options(cfg.model)
+        check_loss_weights(cfg.loss, cfg.model.name)
+        student = create_model(cfg.model.name, device="meta", overrides=model_overrides(cfg.model, fetch=False))
+        if cfg.loss.distill.model:
+            teacher = targets.resolve(cfg.loss.distill.model, cfg.loss.distill.pretrained)
+            check_teacher(targets.structure(teacher), student, cfg.loss.distill.model)
+        check_optim(cfg.optim)
+        augmentation_cfg(cfg.data)
+        if env.is_main:  # fetches pretrained weights into the cache, once, before any rank starts
+            check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
+    if cfg.world.parallel == "fsdp":
+        check_shardable(student, cfg.model.name)
+    if cfg.world.sync_batchnorm and not parallel.uses_cuda(cfg.world.device):
+        check_no_batchnorm(student, cfg.model.name)
+    with one_line(FileNotFoundError):
+        shards = resolve_shards(cfg.data)
+        check_shard_count(len(shards.train), stream_readers(cfg, len(shards.train), resuming), resampled=cfg.data.resampled)
+    for evalset in shards.evals:
+        check_eval_set(evalset)
+    with one_line():
+        if cfg.logging.wandb == "online" and env.is_main:
+            check_wandb_online()
+        if cfg.logging.tensorboard:
+            check_tensorboard()
+    return shards
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The config's own checks (config.validate), then those its components make of their settings: the loss
+    backend's options, the data layout (pieces, readers against the global batch), the remote's file system."""
+    validate(cfg)
+    with one_line():
+        check_pieces(cfg.data.pieces, cfg.world.batch_per_device)
+        if cfg.data.readers is not None:
+            readers = run_readers(1, cfg.world.world_size, str(cfg.data.split), cfg.data.readers)
+            SampleOrder(readers, cfg.world.batch_per_device * cfg.world.world_size)
+        build_loss(cfg.loss.name, **cfg.loss.options())
+    if cfg.checkpoint.remote:
+        check_remote(cfg.checkpoint.remote)
+
+
+@contextmanager
+def one_line(*errors: type[Exception]):
+    """A component's ValueError (or one of `errors`) as the ConfigError the user sees, in one line."""
+    try:
+        yield
+    except (ValueError, *errors) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(str(error)) from None
+
+
+def check_launch(world, env: launch.DistEnv) -> None:
+    """The world preset against how this process was launched (process count, node layout, rendezvous, CUDA)."""
+    launched_alone = env.launcher == "single" and world.world_size > 1
+    if launched_alone and not world.spawn:
+        torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
+        if world.nodes > 1:
+            torchrun = (f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
+                        "--rdzv-endpoint <first node>:29500")
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}) but this process was started alone. Launch it with "
+            f"`{torchrun} train.py world={world.name}`{' on every node' if world.nodes > 1 else ''} or srun "
+            "(see slurm/), or pick world=local / cpu2 / cpu4"
+        )
+    if not launched_alone and env.world_size != world.world_size:
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
+            f"matches the launch, or override world.nodes / world.procs_per_node"
+        )
+    if not launched_alone and env.nodes is not None and env.nodes != world.nodes:
+        raise ConfigError(
+            f"world={world.name} expects {world.nodes} node(s) × {world.procs_per_node}, but {env.launcher} started "
+            f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
+            f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
+        )
+    address = launch.loopback_rendezvous(env)
+    if address:
+        raise ConfigError(
+            f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node and the job "
+            f"spans {env.nodes}: unset MASTER_ADDR and MASTER_PORT before sbatch/srun (clipdist then meets at the "
+            "job's first node) or set MASTER_ADDR to an address every node reaches"
+        )
+    if world.device == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
+                          "use world=local or world=cpu2, or world.device=cpu")
+
+
+def check_shardable(model: torch.nn.Module, model_name: str) -> None:
+    """world.parallel=fsdp shards the towers block by block: the model (on the meta device) must have transformer
+    blocks."""
+    if not parallel.transformer_blocks(model):
+        raise ConfigError(f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
+                          f"{', '.join(parallel.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
+
+
+def check_no_batchnorm(model: torch.nn.Module, model_name: str) -> None:
+    """world.sync_batchnorm on CPU ranks: SyncBatchNorm runs on GPUs only, so a tower with BatchNorm is refused
+    (one without has nothing to convert)."""
+    if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        raise ConfigError(f"world.sync_batchnorm=true: {model_name} has BatchNorm layers, and SyncBatchNorm runs "
+                          "on CUDA ranks only; use world.device=cuda, or world.sync_batchnorm=false on CPU ranks")
+
+
+def check_eval_set(evalset: EvalSet) -> None:
+    """Read the first sample of an evaluation set now, so a bad path or layout fails before training
+    (not after the last step): it must decode, and have a caption or a label that has a class name."""
+    what = evalset.key
+    try:
+        _, captions, label = first_eval_record(evalset.urls)
+    except Exception as error:  # noqa: BLE001 -- whatever reading raised is the message
+        raise ConfigError(f"{what}: cannot read its first sample: {error}") from None
+    if label >= 0 and not captions and not evalset.classnames:
+        raise ConfigError(f"{what}: samples have labels but no captions, and the set has no class names: put "
+                          "classnames.txt (one name per line, in label order) beside the shards, or set data.classnames")
+    if evalset.classnames and label >= len(evalset.classnames):
+        raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
+
+
+def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
+    """The loader plan for data.workers: as given, or automatic for this host (the same on every rank of like
+    nodes)."""
+    each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
+    return loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
+                               device_type="cuda" if parallel.uses_cuda(cfg.world.device) else "cpu")
+
+
+def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | None) -> int:
+    """The readers the run's data stream will have: a resumed run keeps its checkpoint's (data.stream), a new run
+    takes data.readers or ranks × the rank's readers."""
+    kept = kept_readers(((resuming or (None, {}))[1].get("stream") or {}).get("layout"), cfg.data.readers)
+    if kept is not None:
+        return kept
+    return run_readers(loader_workers_for(cfg, shards).readers, cfg.world.world_size, str(cfg.data.split),
+                       cfg.data.readers, cfg.world.batch_per_device)

@@ -1,0 +1,103 @@
+"""What a user names as a model, resolved once: a run directory or checkpoint, an export folder, a weights file
+(with its model named), or an open_clip name (`ViT-B-32` with a pretrained tag, `hf-hub:ORG/REPO`,
+`local-dir:PATH`, a config file). Used by `clipdist eval`, `clipdist plan --distill`, `loss.distill.model` and
+every check of them before the ranks start.
+
+    target = resolve("runs/x")          # Target(kind="checkpoint", ...): what it is, no tensor read
+    check(target)                       # what load would refuse, in one line (a ValueError), no tensor read
+    structure(target)                   # the model on the meta device: its shapes, nothing allocated
+    model, name = load(target)          # the model with its weights, and the name its tokenizer goes by
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clipdist.config import model_config
+from clipdist.models import (
+    create_model,
+    model_overrides,
+    pretrained_cfg,
+    resolve_model_name,
+    weights_for,
+)
+from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
+
+EXPORT_CONFIG = "open_clip_config.json"  # an export folder (clipdist export; open_clip's hub layout) holds these two
+EXPORT_WEIGHTS = "open_clip_model.safetensors"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved target. kind: "export" (a folder open_clip reads as `local-dir:`), "checkpoint" (a run
+    directory's newest or a named `.dcp` / `.pt`), "weights" (a file of weights; `name` is the model it fits) or
+    "name" (an open_clip model name with `pretrained`)."""
+
+    kind: str
+    spec: str  # as the user gave it
+    name: str | None  # the open_clip model name to build (None for a checkpoint: its saved config says)
+    path: Path | None = None  # the export folder, the checkpoint, the weights file
+    pretrained: str | None = None
+
+
+def resolve(spec: str, pretrained: str | None = None, model_name: str | None = None) -> Target:
+    """What `spec` names (the module docstring); a ValueError where a weights file names no model."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / EXPORT_CONFIG).is_file():
+        return Target("export", spec, f"local-dir:{path}", path)
+    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
+        return Target("checkpoint", spec, None, path)
+    if path.is_file():
+        if not model_name:
+            raise ValueError(f"{spec} is a weights file: name its model too (--model ViT-B-32)")
+        return Target("weights", spec, model_name, path)
+    return Target("name", spec, spec, None, pretrained)
+
+
+def check(target: Target) -> None:
+    """What `load` would refuse, found without reading any tensor (so no parallel op runs in this process before
+    it forks ranks: libgomp is not fork-safe)."""
+    if target.kind == "checkpoint":
+        verify(find_checkpoint(target.path))
+    elif target.kind == "weights":
+        resolve_model_name(target.name)
+    elif target.kind == "name":
+        pretrained_cfg(resolve_model_name(target.name), target.pretrained)
+
+
+def _saved_model(config: dict) -> tuple:
+    """(the ModelConfig a run saved in its `config`, the keyword arguments create_model builds it with)."""
+    model_cfg = model_config(config.get("model", {}))
+    return model_cfg, {"overrides": model_overrides(model_cfg, fetch=False)}
+
+
+def structure(target: Target) -> torch.nn.Module:
+    """The model `target` names on the meta device: its structure, no tensor read (a checkpoint is verified once
+    and its saved config read)."""
+    if target.kind == "checkpoint":
+        model_cfg, options = _saved_model(verify(find_checkpoint(target.path)).get("config", {}))
+        return create_model(model_cfg.name, device="meta", **options)
+    check(target)
+    return create_model(target.name, device="meta")
+
+
+def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> tuple[torch.nn.Module, str]:
+    """(the model with its weights, the model name its tokenizer goes by); a ValueError in one line where it
+    cannot. device="meta": the structure alone, the weights only checked to fit."""
+    if target.kind == "export":
+        return create_model(target.name, cache_dir=cache_dir, device=device), target.name
+    if target.kind == "checkpoint":
+        checkpoint = find_checkpoint(target.path)
+        weights, config = read_run_checkpoint(checkpoint)
+        model_cfg, options = _saved_model(config)
+        model = create_model(model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None,
+                             device=device, **options)
+        fitting = weights_for(model, weights, checkpoint)
+        if device != "meta":
+            model.load_state_dict(fitting)
+        return model, model_cfg.name
+    if target.kind == "weights":
+        return create_model(target.name, checkpoint=str(target.path), cache_dir=cache_dir, device=device), target.name
+    return create_model(target.name, pretrained=target.pretrained, cache_dir=cache_dir, device=device), target.name

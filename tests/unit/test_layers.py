@@ -1,0 +1,128 @@
+"""The house's layering (shared/DESIGN.md): each module imports only its own layer and the layers below, and no
+modules import each other in a loop — function-level imports included, since those are where cycles hide."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "clipdist"
+
+# Lowest first. A module not listed under its own name takes its package's layer ("data" for clipdist.data.*).
+LAYERS = [
+    {"errors", "defaults", "config", "precision", "parallel", "console", "launch", "host"},
+    {"losses", "models", "weights", "targets", "data", "optim", "checkpoint", "run_dir", "tracking", "remote",
+     "state"},
+    {"objective", "step", "evaluate", "preflight"},
+    {"trainer"},
+    {"tools", "cli", "__main__", "conf"},
+]
+LOCAL_IMPORTS_OUTSIDE_CLI = 40  # function-level imports left: optional dependencies and lazy starts
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")[1:]
+    for depth in (2, 1):
+        name = ".".join(parts[:depth])
+        for level, names in enumerate(LAYERS):
+            if name in names:
+                return level
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+
+
+def _imports(path: Path, modules: set[str]) -> list[tuple[str, bool]]:
+    """(clipdist module imported, whether the import is inside a function) for each import in `path`."""
+    tree, found = ast.parse(path.read_text()), []
+    local_nodes = {id(node) for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for node in ast.walk(function)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipdist"):
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            targets = [name if name in modules else node.module for name in names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names if alias.name.startswith("clipdist")]
+        else:
+            continue
+        found += [(target, id(node) in local_nodes) for target in targets]
+    return found
+
+
+def _graph() -> tuple[dict[str, set[str]], int]:
+    files = {_module(path): path for path in PACKAGE.rglob("*.py")}
+    graph, local = {}, 0
+    for module, path in files.items():
+        edges = _imports(path, set(files))
+        graph[module] = {target for target, _ in edges if target in files and target != module}
+        if not module.endswith(".cli"):
+            local += sum(1 for _, inside in edges if inside)
+    return graph, local
+
+
+def _all_local_imports(path: Path) -> int:
+    tree = ast.parse(path.read_text())
+    return sum(1 for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+               for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
+def test_no_module_imports_a_higher_layer():
+    graph, _ = _graph()
+    upward = sorted(f"{module} (layer {_layer(module)}) -> {target} (layer {_layer(target)})"
+                    for module, targets in graph.items() for target in targets
+                    if not target.endswith("__init__") and _layer(target) > _layer(module))
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph, _ = _graph()
+    state, stack, cycles = {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    # a package's __init__ importing its own submodules is how a package hands names on, not a cycle
+    cycles = [cycle for cycle in cycles
+              if not all(part.rsplit(".", 1)[0] == cycle.split(" -> ")[0] or part == cycle.split(" -> ")[0]
+                         for part in cycle.split(" -> "))]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_function_level_imports_are_few():
+    local = sum(_all_local_imports(path) for path in PACKAGE.rglob("*.py") if path.name != "cli.py")
+    assert local <= LOCAL_IMPORTS_OUTSIDE_CLI, f"{local} function-level imports outside cli.py"
+
+
+def test_the_config_schema_imports_no_torch():
+    """clipdist.config and everything it imports at module level import neither torch nor open_clip, so the
+    schema (and `--help`, and Hydra's composition) loads without them."""
+    files = {_module(path): path for path in PACKAGE.rglob("*.py")}
+    seen, todo, heavy = set(), ["clipdist.config"], []
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in files:
+            continue
+        seen.add(module)
+        for node in ast.parse(files[module].read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            heavy += [f"{module} imports {name}" for name in names if name.split(".")[0] in ("torch", "open_clip")]
+            todo += [name for name in names if name in files]
+    assert not heavy, heavy
