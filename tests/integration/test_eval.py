@@ -73,10 +73,10 @@ def _evaluate_on_ranks(folder, parallel):
 
     from clipdist.config import DataConfig
     from clipdist.data.sources import EvalSet
+    from clipdist.data.transforms import image_transforms
     from clipdist.evaluate import evaluate
     from clipdist.models import create_model, get_tokenizer
     from clipdist.parallel import wrap_model
-    from clipdist.data.transforms import image_transforms
 
     torch.manual_seed(0)
     model = create_model("clipdist-tiny")
