@@ -287,8 +287,9 @@ class OptimConfig:
     momentum: Optional[float] = None  # for optimizers that take one (sgd, ...)
     kwargs: Dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the optimizer
     # Parameters with no weight decay: every gain, bias and scalar (ndim < 2), and any parameter whose name contains
-    # one of these (open_clip_train's rule is ndim < 2 or a name containing bn, ln, bias or logit_scale)
-    no_decay: List[str] = field(default_factory=lambda: ["positional", "logit_"])
+    # one of these: open_clip_train's rule, so positional embeddings are decayed as there (add "positional" to keep
+    # them undecayed)
+    no_decay: List[str] = field(default_factory=lambda: ["bn", "ln", "bias", "logit_scale"])
     image_layer_decay: Optional[float] = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
     text_layer_decay: Optional[float] = None  # the same in the text tower
     schedule: Schedule = Schedule.cosine

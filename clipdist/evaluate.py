@@ -55,17 +55,21 @@ def recall_at_k(similarity: torch.Tensor, owner: torch.Tensor, ks=(1, 5, 10)) ->
 
 def image_ranks(similarity: torch.Tensor, owner: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Image→text ranks of the images `offset`, ... of a block of rows of the images × captions similarities
-    (caption j belongs to image owner[j])."""
+    (caption j belongs to image owner[j]): the number of other images' captions scoring at least as high as the
+    image's best own caption. Ties count against the image (pessimistic), so a caption repeated for other
+    images ("a photo of a dog") is never a free hit: a metric must not reward ties."""
     rows = torch.arange(len(owner))
     mine = (owner >= offset) & (owner < offset + len(similarity))
     best_true = torch.full((len(similarity),), float("-inf"), dtype=similarity.dtype)
     best_true.scatter_reduce_(0, owner[mine] - offset, similarity[owner[mine] - offset, rows[mine]], "amax")
-    return (similarity > best_true.unsqueeze(1)).sum(dim=1)
+    own = owner.unsqueeze(0) == torch.arange(offset, offset + len(similarity)).unsqueeze(1)
+    return ((similarity >= best_true.unsqueeze(1)) & ~own).sum(dim=1)
 
 
 def caption_ranks(scores: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """Text→image ranks of a block of captions (rows: captions × images), caption j's image owner[j]."""
-    return (scores > scores.gather(1, owner.unsqueeze(1))).sum(dim=1)
+    """Text→image ranks of a block of captions (rows: captions × images), caption j's image owner[j]: the number
+    of other images scoring at least as high as its own (ties pessimistic, as in image_ranks)."""
+    return (scores >= scores.gather(1, owner.unsqueeze(1))).sum(dim=1) - 1
 
 
 def _mine(count: int) -> range:

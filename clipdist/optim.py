@@ -6,7 +6,8 @@
   (`lion`, `lamb`, `nadamw`, `sgd`, ...; open_clip's `timm/<name>` spelling is accepted), given the
   betas / eps / momentum it takes and `optim.kwargs`.
 - Parameter groups: decoupled weight decay on the matrices only — every parameter with ndim < 2 and every
-  name containing an `optim.no_decay` pattern is left undecayed; frozen (locked) parameters are left out.
+  name containing an `optim.no_decay` pattern (default bn, ln, bias, logit_scale: open_clip_train's rule) is left
+  undecayed; frozen (locked) parameters are left out.
   Layer-wise lr decay per tower (`optim.image_layer_decay`, `optim.text_layer_decay`): with L blocks, the
   stem (patch / token / position embeddings, the pre-norm) is layer 0, block i is layer i + 1, the rest
   (final norm, projection, pooling) is layer L + 1, and layer l's lr is lr · decay^(L + 1 − l).
@@ -66,7 +67,7 @@ def layer_scales(model: torch.nn.Module, decays: dict[str, float | None]) -> dic
     return scales
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay=("positional", "logit_"),
+def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay=("bn", "ln", "bias", "logit_scale"),
                      decays: dict[str, float | None] | None = None, lr: float = 1.0) -> list[dict]:
     """Trainable parameters grouped by (decayed or not, lr multiplier); each group's lr is `lr` × its multiplier."""
     scales = layer_scales(model, decays or {})

@@ -91,6 +91,7 @@ class Step:
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
         self.overflowed = False  # the last step's scaled gradients overflowed: its update was skipped on every rank
+        self.applied_lr = None  # the lr the last optimizer step used (its first parameter group's), for the logs
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
     def __call__(self, images, tokens, requests=(False, False, False), counts=()) -> tuple[StepAgreement,
@@ -122,6 +123,7 @@ class Step:
                 self.overflowed = not math.isfinite(grad_norm)  # the global norm: the same on every rank
             else:
                 self.optimizer.step()
+            self.applied_lr = self.scheduler.get_last_lr()[0]  # before the schedule moves on to the next step's
             self.scheduler.step()
             with torch.no_grad():
                 self.module.logit_scale.clamp_(0, self.max_log_scale)

@@ -317,7 +317,7 @@ class Trainer:
         device-to-host copy (logit scale and bias, grad norm) are read only then: on a GPU each is a sync."""
         state, model = self.state, self.model
         global_loss = agreed.loss
-        stats = {"loss": global_loss, **agreed.terms, "lr": state.scheduler.get_last_lr()[0],
+        stats = {"loss": global_loss, **agreed.terms, "lr": self.step.applied_lr,
                  "samples_per_s": self.global_batch / seconds,
                  "samples_per_s_per_device": self.cfg.world.batch_per_device / seconds}
         self.progress.update(1)

@@ -104,6 +104,26 @@ def test_retrieval_metrics_equal_open_clip_trains_get_clip_metrics():
     assert SIMILARITY_BLOCK > 300 * 300  # one block here; the blocked path is the integration test's (3 ranks)
 
 
+def test_tied_captions_and_images_count_against_retrieval_not_for_it():
+    """200 captions holding 10 distinct strings (each shared by 20 images): a caption tied with its copies is no
+    hit. Pessimistic ranks: every copy that belongs to another image counts above the true one, so R@1 is 0 and
+    the mean rank at least 19 (strict ranks gave 0.905 on such a set); the same for duplicated images."""
+    from clipdist.evaluate import SIMILARITY_BLOCK, retrieval_metrics
+
+    generator = torch.Generator().manual_seed(3)
+    images = torch.nn.functional.normalize(torch.randn(200, 16, generator=generator), dim=-1)
+    distinct = torch.nn.functional.normalize(torch.randn(10, 16, generator=generator), dim=-1)
+    texts = distinct[torch.arange(200) % 10]
+    metrics = retrieval_metrics(images, texts, torch.arange(200))
+    assert metrics["i2t_r1"] == 0.0 and metrics["i2t_mean_rank"] >= 20  # ranks are 1-based
+    assert metrics["i2t_r10"] == 0.0  # 19 copies of the own caption tie with it
+    same_images = images[torch.arange(200) % 10]  # every image repeated: no caption finds its own image for free
+    assert retrieval_metrics(same_images, images, torch.arange(200))["t2i_r1"] == 0.0
+    unique = retrieval_metrics(images, images, torch.arange(200))  # no ties: every image finds its own caption
+    assert unique["i2t_r1"] == 1.0 and unique["t2i_r1"] == 1.0
+    assert SIMILARITY_BLOCK > 200 * 200
+
+
 def test_the_validation_loss_is_open_clips_clip_loss_over_blocks():
     from open_clip.loss import ClipLoss
 

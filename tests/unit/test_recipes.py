@@ -131,6 +131,31 @@ def test_optimizer_settings_that_cannot_run_are_refused_before_any_rank(values, 
     assert message in str(raised.value)
 
 
+def _open_clip_trains_decay_rule():
+    """open_clip_train's own rule for which parameters get no weight decay, read from the installed program's
+    source (main.py builds its groups inline, so there is no function to import)."""
+    import inspect
+
+    import open_clip_train.main
+
+    line = next(line for line in inspect.getsource(open_clip_train.main).splitlines() if "exclude = lambda" in line)
+    return eval(line.split("=", 1)[1].strip())  # noqa: S307 -- the installed peer's source, a one-line lambda
+
+
+@pytest.mark.parametrize("model_name", ["ViT-B-32", "RN50", "coca_ViT-B-32", "clipdist-tiny"])
+def test_weight_decay_groups_are_open_clip_trains_by_default(model_name):
+    """The default optim.no_decay leaves undecayed exactly what open_clip_train leaves undecayed (positional
+    embeddings are decayed there, so here too)."""
+    exclude = _open_clip_trains_decay_rule()
+    model = create_model(model_name, device="meta")
+    optimizer, _ = build_optimizer(model, _optim())
+    decayed = {id(param) for group in optimizer.param_groups if group["weight_decay"] > 0 for param in group["params"]}
+    theirs = {name for name, param in model.named_parameters() if param.requires_grad and not exclude(name, param)}
+    ours = {name for name, param in model.named_parameters() if id(param) in decayed}
+    assert ours == theirs
+    assert model_name == "RN50" or any("positional_embedding" in name for name in ours)
+
+
 def test_layer_decay_scales_each_tower_by_depth():
     model = create_model("clipdist-tiny")
     depth = len(model.visual.transformer.resblocks)
