@@ -18,7 +18,7 @@ from open_clip.hf_model import HFTextEncoder
 from open_clip.transform import merge_preprocess_dict
 
 from clipdist.defaults import DEFAULT_MODEL
-from clipdist.weights import read_weights
+from clipdist.weights import UnsafeFileError, read_weights
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 
@@ -53,6 +53,78 @@ def model_names() -> list[str]:
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names whose config (and weights) come from elsewhere
 
 
+TOKENIZER_KWARGS = {"clean", "strip_sep_token"}  # the tokenizer options open_clip's own configs use: nothing else passes
+HF_NAMES = ("hf_tokenizer_name", "hf_model_name")  # text_cfg keys transformers loads with from_pretrained
+
+
+@functools.cache
+def _open_clips_own_hf_names() -> frozenset[str]:
+    """The Hugging Face tokenizer and text-tower names open_clip's own (wheel-shipped) configs use."""
+    configs = [open_clip.get_model_config(name) or {} for name in open_clip.list_models()]
+    return frozenset(value for config in configs for key in HF_NAMES if (value := (config.get("text_cfg") or {}).get(key)))
+
+
+def _remote_code_requests(node, path: str = "") -> list[str]:
+    """Every key anywhere in a config that asks transformers to import code shipped with a model."""
+    if isinstance(node, dict):
+        return [found for key, value in node.items()
+                for found in ([f"{path}{key}"] if "remote_code" in str(key) and value else [])
+                + _remote_code_requests(value, f"{path}{key}.")]
+    if isinstance(node, list):
+        return [found for item in node for found in _remote_code_requests(item, path)]
+    return []
+
+
+def check_config_is_data(model_cfg: dict, where: str) -> None:
+    """A model config from a file (a config file, an export / local-dir folder, a hub repo, a run's saved name) is
+    data: nothing in it may make a rank import code or reach the network on its own. Refused, one line
+    (UnsafeFileError): any `trust_remote_code`; tokenizer options open_clip's own configs do not use; a Hugging Face
+    tokenizer or text tower that is neither a name open_clip's own configs use nor a local folder without an
+    `auto_map` (transformers imports the .py files an auto_map names); timm weights fetched for the image tower."""
+    asked = _remote_code_requests(model_cfg)
+    if asked:
+        raise UnsafeFileError(f"{where}: refused: {asked[0]!r} asks to run code shipped with the model, which "
+                              "clipdist never does")
+    text = model_cfg.get("text_cfg") or {}
+    unknown = sorted(set(text.get("tokenizer_kwargs") or {}) - TOKENIZER_KWARGS)
+    if unknown:
+        raise UnsafeFileError(f"{where}: refused: text_cfg.tokenizer_kwargs holds {unknown[0]!r}, not a tokenizer option "
+                              f"clipdist passes on (only {', '.join(sorted(TOKENIZER_KWARGS))})")
+    for key in HF_NAMES:
+        value = text.get(key)
+        if not value or value in _open_clips_own_hf_names():
+            continue
+        folder = Path(str(value)).expanduser()
+        if not folder.is_dir():
+            raise UnsafeFileError(f"{where}: refused: text_cfg.{key}={str(value)!r} is neither a local folder nor a name "
+                                  "open_clip's own configs use: transformers would fetch it (and any code it names) "
+                                  "from the hub; download it yourself and give the folder")
+        for file in ("tokenizer_config.json", "config.json"):
+            try:
+                names_code = "auto_map" in json.loads((folder / file).read_text(errors="replace"))
+            except (OSError, ValueError, TypeError):
+                names_code = False
+            if names_code:
+                raise UnsafeFileError(f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
+                                      "transformers import the Python files it names")
+    if (model_cfg.get("vision_cfg") or {}).get("timm_model_pretrained"):
+        raise UnsafeFileError(f"{where}: refused: vision_cfg.timm_model_pretrained fetches weights from the hub when "
+                              "the model is built; set model.pretrained_image=true to ask for them")
+
+
+def _folder_config(folder: Path, where: str) -> dict:
+    """The model_cfg of an open_clip hub-layout folder's open_clip_config.json, checked to be data."""
+    try:
+        config = json.loads((folder / "open_clip_config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: {folder}/open_clip_config.json is not readable JSON ({error})") from None
+    model_cfg = config.get("model_cfg", config) if isinstance(config, dict) else None
+    if not isinstance(model_cfg, dict):
+        raise ValueError(f"{where}: {folder}/open_clip_config.json holds no model_cfg")
+    check_config_is_data(model_cfg, where)
+    return model_cfg
+
+
 def resolve_model_name(name: str) -> str:
     """`name` as open_clip knows it (a ValueError says how to fix an unknown one). A path to a model
     config file (`my-vit.json`, open_clip's format: embed_dim, vision_cfg, text_cfg) is registered
@@ -63,6 +135,7 @@ def resolve_model_name(name: str) -> str:
         if not (folder / "open_clip_config.json").is_file():
             raise ValueError(f"model.name={name}: {folder} holds no open_clip_config.json (a folder in open_clip's "
                              "hub layout, as `clipdist export` writes it)")
+        _folder_config(folder, f"model.name={name}")
         return f"local-dir:{folder}"
     if name.startswith("hf-hub:"):
         return name
@@ -96,6 +169,7 @@ def _register_config_file(path: Path) -> str:
     missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
     if missing:
         raise ValueError(f"model.name={path}: not an open_clip model config (no {', '.join(missing)})")
+    check_config_is_data(model_cfg, f"model.name={path}")
     factory._MODEL_CONFIGS[path.stem] = model_cfg  # what open_clip.add_model_config does, without the extra key
     _CONFIG_PREPROCESS[path.stem] = preprocess
     return path.stem
@@ -348,6 +422,9 @@ def create_model(
     force_* / pretrained_image arguments and the image preprocessing ("preprocess"), as model_overrides makes them.
     """
     name = resolve_model_name(name)
+    if name.startswith("hf-hub:"):  # the repo's config, fetched as open_clip would, checked before open_clip builds it
+        check_config_is_data(factory._get_hf_config(name.removeprefix("hf-hub:"), cache_dir=cache_dir).get("model_cfg", {}),
+                             f"model.name={name}")
     tag = pretrained_cfg(name, pretrained)
     kwargs = {"device": device, "cache_dir": cache_dir}  # "meta": the structure alone, no memory (for checks)
     if init_logit_scale is not None:

@@ -60,8 +60,9 @@ def check(target: Target) -> None:
     """What `load` would refuse, found without reading any tensor (so no parallel op runs in this process before
     it forks ranks: libgomp is not fork-safe)."""
     if target.kind == "checkpoint":
-        verify(find_checkpoint(target.path))
-    elif target.kind == "weights":
+        config = verify(find_checkpoint(target.path)).get("config", {})
+        resolve_model_name(model_config(config.get("model", {})).name)  # the name it saved: a file it names is checked
+    elif target.kind in ("export", "weights"):
         resolve_model_name(target.name)
     elif target.kind == "name":
         pretrained_cfg(resolve_model_name(target.name), target.pretrained)

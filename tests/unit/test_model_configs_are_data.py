@@ -1,0 +1,103 @@
+"""A model config is data: nothing a config file, an export folder or a `local-dir:` folder carries makes clipdist
+import code or reach the network (issue: open_clip hands `text_cfg.tokenizer_kwargs` and `hf_tokenizer_name` to
+transformers' AutoTokenizer, which imports the .py files a tokenizer_config.json's auto_map names). Every route
+refuses such a config in one line, before anything is built; the marker the hostile code would write never appears."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fixtures import caption_shards
+from helpers import refusal
+
+from clipdist.cli import main as cli
+from clipdist.models import CONFIG_DIR, check_config_is_data, resolve_model_name
+from clipdist.weights import UnsafeFileError
+
+
+def _hostile_tokenizer(folder: Path, marker: Path) -> Path:
+    """A tokenizer folder whose tokenizer_config.json names code (auto_map) that writes `marker` when imported."""
+    folder.mkdir(parents=True)
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}, "tokenizer_class": "EvilTokenizer"}))
+    return folder
+
+
+def _config(tmp_path: Path, marker: Path, case: str) -> dict:
+    config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    text = config["text_cfg"]
+    if case == "trust_remote_code":
+        text.update(hf_tokenizer_name=str(_hostile_tokenizer(tmp_path / "tok", marker)),
+                    tokenizer_kwargs={"trust_remote_code": True})
+    elif case == "auto_map":
+        text.update(hf_tokenizer_name=str(_hostile_tokenizer(tmp_path / "tok", marker)))
+    elif case == "hub_tokenizer":
+        text.update(hf_tokenizer_name="someone/their-tokenizer")
+    elif case == "hub_text_tower":
+        text.update(hf_model_name="someone/their-model", hf_tokenizer_name="someone/their-model")
+    elif case == "tokenizer_option":
+        text.update(hf_tokenizer_name="xlm-roberta-base", tokenizer_kwargs={"cache_dir": "/tmp/x"})
+    elif case == "timm_weights":
+        config["vision_cfg"].update(timm_model_name="vit_tiny_patch16_224", timm_model_pretrained=True)
+    return config
+
+
+CASES = ["trust_remote_code", "auto_map", "hub_tokenizer", "hub_text_tower", "tokenizer_option", "timm_weights"]
+
+
+@pytest.fixture(params=CASES)
+def hostile(request, tmp_path):
+    marker = tmp_path / "code-ran"
+    config = _config(tmp_path, marker, request.param)
+    config_file = tmp_path / f"hostile-{request.param}.json"
+    config_file.write_text(json.dumps(config))
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "open_clip_config.json").write_text(json.dumps({"model_cfg": config, "preprocess_cfg": {}}))
+    return config_file, export, marker
+
+
+def _one_refusal(lines: list[str]) -> None:
+    assert len(lines) == 1 and "error: " in lines[0] and "refused" in lines[0], lines
+
+
+@pytest.mark.parametrize("route", ["config_file", "local_dir"])
+def test_training_refuses_a_model_config_that_would_run_code_or_fetch(hostile, route, tmp_path, capsys, monkeypatch):
+    config_file, export, marker = hostile
+    name = str(config_file) if route == "config_file" else f"local-dir:{export}"
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"model.name={name}")
+    assert code != 0 and not marker.exists()
+    _one_refusal(lines)
+
+
+def test_eval_refuses_an_export_or_a_config_that_would_run_code(hostile, tmp_path, capsys):
+    config_file, export, marker = hostile
+    val = caption_shards(tmp_path / "val", shards=1, per_shard=4)
+    weights = tmp_path / "weights.safetensors"
+    weights.write_bytes(b"")
+    for argv in (["eval", str(export), "--set", f"val={val}"],
+                 ["eval", str(weights), "--model", str(config_file), "--set", f"val={val}"]):
+        code = cli(argv)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code != 0 and not marker.exists(), argv
+        _one_refusal(lines)
+
+
+def test_open_clips_own_configs_and_plain_local_tokenizers_are_data(tmp_path):
+    """What is not refused: a config naming a tokenizer open_clip's own configs use, and a local tokenizer folder
+    without an auto_map (the check is not a blanket ban on Hugging Face tokenizers)."""
+    siglip = json.loads(json.dumps(__import__("open_clip").get_model_config("ViT-B-16-SigLIP")))
+    check_config_is_data(siglip, "ViT-B-16-SigLIP")
+    local = tmp_path / "tok"
+    local.mkdir()
+    (local / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))
+    config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    config["text_cfg"]["hf_tokenizer_name"] = str(local)
+    check_config_is_data(config, "local")
+    (tmp_path / "plain.json").write_text(json.dumps(config))
+    assert resolve_model_name(str(tmp_path / "plain.json")) == "plain"
+    with pytest.raises(UnsafeFileError, match=r"refused: .*'org/\\x1b\[2J"):  # text from the file is escaped
+        config["text_cfg"]["hf_tokenizer_name"] = "org/\x1b[2Jname"
+        check_config_is_data(config, "escaped")
