@@ -94,7 +94,9 @@ def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_unint
     resumed_losses, resumed_rows = losses(run_dir)
     np.testing.assert_array_equal(resumed_losses, whole_losses)
     assert [row["loss_scale"] for row in resumed_rows] == [row["loss_scale"] for row in whole_rows]
-    assert [row["lr"] for row in resumed_rows][-1] == 0.0  # the cooldown reached cooldown_end_lr
+    assert [row["lr"] for row in resumed_rows] == [row["lr"] for row in whole_rows]
+    # the lr each step applied: the last cooldown step runs at 1/6 of the lr (cooldown 6, linear), the next would be 0
+    assert resumed_rows[-1]["lr"] == pytest.approx(1e-4 / 6)
 
 
 def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropout_is_warned(tmp_path, cache_dir):
