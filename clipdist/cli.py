@@ -88,11 +88,7 @@ def _print_report(report, verbose: bool) -> None:
 
 
 def _make_shards(args: argparse.Namespace) -> int:
-    from clipdist.data.shard_writer import (
-        make_shards,
-        pairs_from_csv,
-        pairs_from_folder,
-    )
+    from clipdist.data.shard_writer import make_shards, pairs_from_csv, pairs_from_folder
 
     pairs = pairs_from_folder(args.images) if args.images else pairs_from_csv(args.csv, args.path_column, args.caption_column,
                                                                                 args.separator)

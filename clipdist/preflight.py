@@ -17,12 +17,7 @@ from clipdist.config import Device, TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.order import SampleOrder
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
-from clipdist.data.stream import (
-    check_pieces,
-    check_shard_count,
-    kept_readers,
-    run_readers,
-)
+from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
 from clipdist.data.transforms import augmentation_cfg
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.errors import ConfigError

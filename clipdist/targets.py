@@ -16,13 +16,7 @@ from pathlib import Path
 import torch
 
 from clipdist.config import model_config
-from clipdist.models import (
-    create_model,
-    model_overrides,
-    pretrained_cfg,
-    resolve_model_name,
-    weights_for,
-)
+from clipdist.models import create_model, model_overrides, pretrained_cfg, resolve_model_name, weights_for
 from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
 
 EXPORT_CONFIG = "open_clip_config.json"  # an export folder (clipdist export; open_clip's hub layout) holds these two

@@ -55,10 +55,7 @@ def folder_classnames(root: Path) -> tuple[list[str], list[str] | None]:
     subfolder names."""
     names = [folder.name for folder in class_folders(root)]
     if len(names) == 1000 and all(SYNSET.fullmatch(name) for name in names):
-        from open_clip.zero_shot_metadata import (
-            IMAGENET_CLASSNAMES,
-            OPENAI_IMAGENET_TEMPLATES,
-        )
+        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
         return list(IMAGENET_CLASSNAMES), [template("{}") for template in OPENAI_IMAGENET_TEMPLATES]
     return [name.replace("_", " ") for name in names], None

@@ -26,12 +26,7 @@ from open_clip.loss import ClipLoss
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build
-from clipdist.tools.memory import (
-    fit_loss_memory,
-    human_bytes,
-    loss_inputs,
-    loss_kept_bytes,
-)
+from clipdist.tools.memory import fit_loss_memory, human_bytes, loss_inputs, loss_kept_bytes
 
 PEER = "open_clip"  # open_clip's ClipLoss(local_loss=True, gather_with_grad=True)
 

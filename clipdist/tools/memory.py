@@ -20,12 +20,7 @@ from clipdist.config import OptimConfig
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.launch import launch_local
 from clipdist.losses import build
-from clipdist.models import (
-    create_model_for_loss,
-    get_tokenizer,
-    image_size,
-    random_tokens,
-)
+from clipdist.models import create_model_for_loss, get_tokenizer, image_size, random_tokens
 from clipdist.optim import build_optimizer
 from clipdist.parallel import wrap_model
 from clipdist.step import build_step

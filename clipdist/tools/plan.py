@@ -53,12 +53,7 @@ from clipdist import targets
 from clipdist.losses import build
 from clipdist.models import create_model, get_tokenizer, image_size
 from clipdist.parallel import transformer_blocks
-from clipdist.tools.memory import (
-    ActivationFit,
-    LossFit,
-    fit_loss_memory,
-    measure_activations,
-)
+from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 CONF = Path(__file__).resolve().parents[1] / "conf"  # clipdist/conf, shipped in the package
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq

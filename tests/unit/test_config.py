@@ -6,13 +6,7 @@ import time
 import pytest
 from helpers import refusal, train
 
-from clipdist.config import (
-    ConfigError,
-    TiledLossConfig,
-    TrainConfig,
-    to_train_config,
-    validate,
-)
+from clipdist.config import ConfigError, TiledLossConfig, TrainConfig, to_train_config, validate
 from clipdist.preflight import check_config
 
 

@@ -12,20 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from clipdist.config import (
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    model_config,
-    to_train_config,
-)
+from clipdist.config import DataConfig, ModelConfig, OptimConfig, model_config, to_train_config
 from clipdist.data.transforms import augmentation_cfg, image_transforms
-from clipdist.models import (
-    built_model_config,
-    create_model,
-    lock_towers,
-    model_overrides,
-)
+from clipdist.models import built_model_config, create_model, lock_towers, model_overrides
 from clipdist.optim import build_optimizer, check_optim, layer_scales
 from clipdist.precision import gradient_scaler
 from clipdist.step import build_step

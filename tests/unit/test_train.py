@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from helpers import read_jsonl, train
 
 from clipdist.weights import read_progress
