@@ -8,7 +8,6 @@ schema (`loss=tiled` → TiledLossConfig with `tile`). `validate` checks what ty
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -20,19 +19,25 @@ from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_TILE
 from clipdist.errors import ConfigError
 
 
+def _bounded(default, low: float, strict: bool, says: str):
+    """A field whose value validate holds to `low` (above it where `strict`); a field that defaults to None
+    (automatic, or off) may also be null, and its message says so."""
+    return field(default=default, metadata={"bound": (low, strict, says + (" (or null)" if default is None else ""))})
+
+
 def positive(default):
-    """A field that must be at least 1 (validate; None, where the field allows it, means automatic)."""
-    return field(default=default, metadata={"bound": (1, False, "at least 1")})
+    """A field that must be at least 1."""
+    return _bounded(default, 1, False, "at least 1")
 
 
 def non_negative(default):
     """A field that must be 0 or more."""
-    return field(default=default, metadata={"bound": (0, False, "0 or more")})
+    return _bounded(default, 0, False, "0 or more")
 
 
 def above_zero(default):
     """A field that must be above 0."""
-    return field(default=default, metadata={"bound": (0, True, "above 0")})
+    return _bounded(default, 0, True, "above 0")
 
 
 class Choice(str, Enum):
@@ -411,7 +416,7 @@ def _unknown_keys(given: dict, schema, prefix: str = "") -> tuple[str, str] | No
     """The first key of `given` that its schema node does not have, as (dotted path, schema type name); keys
     under a free-form field (a Dict such as data.eval_sets) are the user's own."""
     owner = OmegaConf.get_type(schema)
-    if not dataclasses.is_dataclass(owner):
+    if not is_dataclass(owner):
         return None
     for key, value in given.items():
         path = f"{prefix}{key}"

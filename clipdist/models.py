@@ -54,7 +54,9 @@ SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names whose config (and
 
 
 TOKENIZER_KWARGS = {"clean", "strip_sep_token"}  # the tokenizer options open_clip's own configs use: nothing else passes
-HF_NAMES = ("hf_tokenizer_name", "hf_model_name")  # text_cfg keys transformers loads with from_pretrained
+HF_NAMES = ("hf_tokenizer_name", "hf_model_name")
+EXPORT_CONFIG = "open_clip_config.json"  # an open_clip hub-layout folder (local-dir:, clipdist export) holds these two
+EXPORT_WEIGHTS = "open_clip_model.safetensors"  # text_cfg keys transformers loads with from_pretrained
 
 
 @functools.cache
@@ -66,13 +68,16 @@ def _open_clips_own_hf_names() -> frozenset[str]:
 
 def _remote_code_requests(node, path: str = "") -> list[str]:
     """Every key anywhere in a config that asks transformers to import code shipped with a model."""
+    found = []
     if isinstance(node, dict):
-        return [found for key, value in node.items()
-                for found in ([f"{path}{key}"] if "remote_code" in str(key) and value else [])
-                + _remote_code_requests(value, f"{path}{key}.")]
-    if isinstance(node, list):
-        return [found for item in node for found in _remote_code_requests(item, path)]
-    return []
+        for key, value in node.items():
+            if "remote_code" in str(key) and value:
+                found.append(f"{path}{key}")
+            found += _remote_code_requests(value, f"{path}{key}.")
+    elif isinstance(node, list):
+        for item in node:
+            found += _remote_code_requests(item, path)
+    return found
 
 
 def check_config_is_data(model_cfg: dict, where: str) -> None:
@@ -112,17 +117,24 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
                               "the model is built; set model.pretrained_image=true to ask for them")
 
 
-def _folder_config(folder: Path, where: str) -> dict:
-    """The model_cfg of an open_clip hub-layout folder's open_clip_config.json, checked to be data."""
+def _read_model_config(path: Path, where: str) -> tuple[dict, dict]:
+    """(model_cfg, preprocess_cfg) of a model config file — open_clip's model config, or its hub layout
+    {"model_cfg", "preprocess_cfg"} (what `clipdist export` and open_clip write) — checked to be data
+    (check_config_is_data); a ValueError in one line naming `where` otherwise."""
     try:
-        config = json.loads((folder / "open_clip_config.json").read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"{where}: {folder}/open_clip_config.json is not readable JSON ({error})") from None
+        raise ValueError(f"{where}: not a readable JSON model config ({error})") from None
     model_cfg = config.get("model_cfg", config) if isinstance(config, dict) else None
     if not isinstance(model_cfg, dict):
-        raise ValueError(f"{where}: {folder}/open_clip_config.json holds no model_cfg")
+        raise ValueError(f"{where}: not an open_clip model config (a JSON object)")
+    model_cfg = dict(model_cfg)
+    preprocess = {**model_cfg.pop("preprocess_cfg", {}), **config.get("preprocess_cfg", {})}
+    missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
+    if missing:
+        raise ValueError(f"{where}: not an open_clip model config (no {', '.join(missing)})")
     check_config_is_data(model_cfg, where)
-    return model_cfg
+    return model_cfg, preprocess
 
 
 def resolve_model_name(name: str) -> str:
@@ -132,10 +144,10 @@ def resolve_model_name(name: str) -> str:
     (a local folder must hold open_clip_config.json, as `clipdist export` writes it)."""
     if name.startswith("local-dir:"):
         folder = Path(name.removeprefix("local-dir:")).expanduser()
-        if not (folder / "open_clip_config.json").is_file():
+        if not (folder / EXPORT_CONFIG).is_file():
             raise ValueError(f"model.name={name}: {folder} holds no open_clip_config.json (a folder in open_clip's "
                              "hub layout, as `clipdist export` writes it)")
-        _folder_config(folder, f"model.name={name}")
+        _read_model_config(folder / EXPORT_CONFIG, f"model.name={name}")
         return f"local-dir:{folder}"
     if name.startswith("hf-hub:"):
         return name
@@ -157,19 +169,9 @@ _CONFIG_PREPROCESS: dict[str, dict] = {}  # image preprocessing a model config f
 
 
 def _register_config_file(path: Path) -> str:
-    """Register a model config file with open_clip under its stem: open_clip's model config, or its hub layout
-    {"model_cfg", "preprocess_cfg"} (what `clipdist export` and open_clip write); a `preprocess_cfg` is kept
+    """Register a model config file (_read_model_config) with open_clip under its stem; a `preprocess_cfg` is kept
     apart and applied as the model's preprocessing (open_clip would pass it to the model's constructor)."""
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"model.name={path}: not a readable JSON model config ({error})") from None
-    model_cfg = dict(config.get("model_cfg", config))
-    preprocess = {**model_cfg.pop("preprocess_cfg", {}), **config.get("preprocess_cfg", {})}
-    missing = [key for key in ("embed_dim", "vision_cfg", "text_cfg") if key not in model_cfg]
-    if missing:
-        raise ValueError(f"model.name={path}: not an open_clip model config (no {', '.join(missing)})")
-    check_config_is_data(model_cfg, f"model.name={path}")
+    model_cfg, preprocess = _read_model_config(path, f"model.name={path}")
     factory._MODEL_CONFIGS[path.stem] = model_cfg  # what open_clip.add_model_config does, without the extra key
     _CONFIG_PREPROCESS[path.stem] = preprocess
     return path.stem
@@ -362,7 +364,7 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
     cache without touching the network where it is there, else downloaded — after a quick check that the hub can
     be reached at all, since the hub's client retries an unreachable one for about a minute."""
     filename = filename or "open_clip_pytorch_model.bin"
-    names = ["open_clip_model.safetensors"] if filename == "open_clip_pytorch_model.bin" else \
+    names = [EXPORT_WEIGHTS] if filename == "open_clip_pytorch_model.bin" else \
         [filename[:-4] + ".safetensors"] if filename.endswith((".bin", ".pth")) else []
     names.append(filename)
     for candidate in names:

@@ -22,15 +22,8 @@ from clipdist.data.transforms import augmentation_cfg
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.errors import ConfigError
 from clipdist.losses import build as build_loss
-from clipdist.models import (
-    check_loss_weights,
-    check_model_options,
-    check_teacher,
-    check_weights,
-    create_model,
-    model_overrides,
-    resolve_model_name,
-)
+from clipdist.models import (check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
+                             model_overrides, resolve_model_name)
 from clipdist.optim import check_optim
 from clipdist.remote import check_remote
 from clipdist.tracking import check_tensorboard, check_wandb_online
@@ -171,7 +164,7 @@ def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
     nodes)."""
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
     return loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
-                               device_type="cuda" if parallel.uses_cuda(cfg.world.device) else "cpu")
+                          device_type="cuda" if parallel.uses_cuda(cfg.world.device) else "cpu")
 
 
 def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | None) -> int:

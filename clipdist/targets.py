@@ -16,11 +16,9 @@ from pathlib import Path
 import torch
 
 from clipdist.config import model_config
-from clipdist.models import create_model, model_overrides, pretrained_cfg, resolve_model_name, weights_for
+from clipdist.models import (EXPORT_CONFIG, create_model, model_overrides, pretrained_cfg, resolve_model_name,
+                             weights_for)
 from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
-
-EXPORT_CONFIG = "open_clip_config.json"  # an export folder (clipdist export; open_clip's hub layout) holds these two
-EXPORT_WEIGHTS = "open_clip_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,8 @@ def structure(target: Target) -> torch.nn.Module:
     if target.kind == "checkpoint":
         model_cfg, options = _saved_model(verify(find_checkpoint(target.path)).get("config", {}))
         return create_model(model_cfg.name, device="meta", **options)
-    check(target)
+    if target.kind == "name":
+        check(target)  # its pretrained tag; create_model resolves (and checks) every kind's name itself
     return create_model(target.name, device="meta")
 
 

@@ -28,16 +28,8 @@ from clipdist.defaults import DEFAULT_TILE
 from clipdist.errors import TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.models import (
-    caption_weight,
-    create_model_for_loss,
-    fetches_weights,
-    get_tokenizer,
-    has_caption_decoder,
-    image_size,
-    lock_towers,
-    model_overrides,
-)
+from clipdist.models import (caption_weight, create_model_for_loss, fetches_weights, get_tokenizer, has_caption_decoder,
+                             image_size, lock_towers, model_overrides)
 from clipdist.objective import Objective
 from clipdist.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from clipdist.config import model_config
-from clipdist.models import built_model_config, create_model, model_overrides, resolve_model_name
-from clipdist.targets import EXPORT_CONFIG, EXPORT_WEIGHTS
+from clipdist.models import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, model_overrides,
+                             resolve_model_name)
 from clipdist.weights import find_checkpoint, read_run_checkpoint
 
 

@@ -20,15 +20,8 @@ from clipdist.config import LossConfig
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL
 from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build, clip_loss
-from clipdist.models import (
-    caption_weight,
-    create_model,
-    create_model_for_loss,
-    get_tokenizer,
-    has_caption_decoder,
-    lock_towers,
-    random_tokens,
-)
+from clipdist.models import (caption_weight, create_model, create_model_for_loss, get_tokenizer, has_caption_decoder,
+                             lock_towers, random_tokens)
 from clipdist.objective import Objective
 from clipdist.parallel import full_tensor, wrap_model
 from clipdist.precision import gradient_scaler
