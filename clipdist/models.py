@@ -3,7 +3,6 @@ open_clip pretrained tag, an `hf-hub:` or a `local-dir:` model."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from open_clip.hf_model import HFTextEncoder
 from open_clip.transform import merge_preprocess_dict
 
 from clipdist.defaults import DEFAULT_MODEL
-from clipdist.weights import UnsafeFileError, read_weights
+from clipdist.weights import UnsafeFileError, read_small_json, read_weights
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 
@@ -106,10 +105,12 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
                                   "from the hub; download it yourself and give the folder")
         for file in ("tokenizer_config.json", "config.json"):
             try:
-                names_code = "auto_map" in json.loads((folder / file).read_text(errors="replace"))
-            except (OSError, ValueError, TypeError):
-                names_code = False
-            if names_code:
+                found = read_small_json(folder / file)
+            except UnsafeFileError as error:  # a FIFO or /dev/zero would hang or fill transformers' reader
+                raise UnsafeFileError(f"{where}: {error}") from None
+            except (OSError, ValueError):  # none there, or not JSON: transformers reads no auto_map from it either
+                continue
+            if isinstance(found, dict) and "auto_map" in found:
                 raise UnsafeFileError(f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
                                       "transformers import the Python files it names")
     if (model_cfg.get("vision_cfg") or {}).get("timm_model_pretrained"):
@@ -122,7 +123,9 @@ def _read_model_config(path: Path, where: str) -> tuple[dict, dict]:
     {"model_cfg", "preprocess_cfg"} (what `clipdist export` and open_clip write) — checked to be data
     (check_config_is_data); a ValueError in one line naming `where` otherwise."""
     try:
-        config = json.loads(path.read_text())
+        config = read_small_json(path)
+    except UnsafeFileError as error:
+        raise UnsafeFileError(f"{where}: {error}") from None
     except (OSError, ValueError) as error:
         raise ValueError(f"{where}: not a readable JSON model config ({error})") from None
     model_cfg = config.get("model_cfg", config) if isinstance(config, dict) else None

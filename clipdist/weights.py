@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import enum
 import io
+import json
 import pickle
 import pickletools
 import re
+import stat
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +48,24 @@ SAFE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.
 
 class UnsafeFileError(ClipdistError, ValueError):
     """A file that cannot be read without running code that came with it."""
+
+
+JSON_FILE_BYTES = 16 << 20  # a JSON file a model carries (its model config, a tokenizer config) is far smaller
+
+
+def read_small_json(path: Path, limit: int = JSON_FILE_BYTES):
+    """JSON from a regular file of at most `limit` bytes. A FIFO, a device (`/dev/zero`) or a larger file is refused
+    (UnsafeFileError) before anything is read from it, so a path a file names can neither hang nor exhaust the
+    reader; OSError and ValueError as reading and json.loads raise them."""
+    info = path.stat()  # through symlinks: what would be read
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"larger than {limit >> 20} MiB"
+        raise UnsafeFileError(f"{str(path)!r}: refused: {what}")
+    with path.open("rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:  # grew since the stat
+        raise UnsafeFileError(f"{str(path)!r}: refused: larger than {limit >> 20} MiB")
+    return json.loads(data)
 
 
 def refusal(path, wanted: str) -> UnsafeFileError:

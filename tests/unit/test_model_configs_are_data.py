@@ -5,6 +5,8 @@ refuses such a config in one line, before anything is built; the marker the host
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,31 @@ def test_open_clips_own_configs_and_plain_local_tokenizers_are_data(tmp_path):
     with pytest.raises(UnsafeFileError, match=r"refused: .*'org/\\x1b\[2J"):  # text from the file is escaped
         config["text_cfg"]["hf_tokenizer_name"] = "org/\x1b[2Jname"
         check_config_is_data(config, "escaped")
+
+
+@pytest.mark.parametrize("which, kind", [("tokenizer_config", "fifo"), ("tokenizer_config", "dev_zero"),
+                                         ("tokenizer_config", "huge"), ("model_config", "huge")])
+def test_a_config_that_is_a_fifo_a_device_or_huge_is_refused_without_reading_it(tmp_path, which, kind):
+    """The tokenizer config a model config names, as a FIFO (reading would hang), /dev/zero (reading would never
+    end) or a 17 MiB file, and a 17 MiB model config: refused at once, in one line, before a byte is read. (A model
+    config path that is not a regular file is not taken for a config at all.)"""
+    config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    config["text_cfg"]["hf_tokenizer_name"] = str(tokenizer)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    hostile = folder / "open_clip_config.json" if which == "model_config" else tokenizer / "tokenizer_config.json"
+    if which == "tokenizer_config":
+        (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": config}))
+    if kind == "fifo":
+        os.mkfifo(hostile)
+    elif kind == "dev_zero":
+        hostile.symlink_to("/dev/zero")
+    else:
+        with hostile.open("wb") as file:
+            file.truncate(17 << 20)  # sparse: no disk used
+    started = time.monotonic()
+    with pytest.raises(UnsafeFileError, match="refused: (not a regular file|larger than 16 MiB)") as refused:
+        resolve_model_name(f"local-dir:{folder}")
+    assert time.monotonic() - started < 5 and "\n" not in str(refused.value)
