@@ -8,7 +8,10 @@ checkpoint and restored exactly (a resumed run reads the same samples as one nev
                      Entry n of the sequence is found by replaying n picks: no I/O.
     samples          a shard's samples in tar order, numbered from 0.
     shuffle buffer   webdataset's algorithm (fill to `initial`, then two in per one out up to `size`;
-                     a uniform pick, swapped with the last) driven by our own random.Random.
+                     a uniform pick, swapped with the last) driven by our own random.Random. In epoch
+                     mode the buffer is emptied at the end of each pass and filled afresh, so a pass
+                     gives each of its samples exactly once (a permutation, as open_clip_train's epochs
+                     are); resampled streams have no passes and the buffer runs on.
 
 The position (`state_dict`) is the shard being read (its sequence entry) and how many of its samples
 were taken, the buffer as (entry, sample number) references in buffer order, and the buffer's RNG
@@ -122,8 +125,10 @@ class Reader:
         for entry, url, source in self.sequence.from_entry(self.entry):
             length = self.sequence.pass_length()
             if entry % length == 0 and entry != self.entry:
+                if not self.sequence.resampled:
+                    yield from self._drain()
                 self._end_pass(entry - 1)
-            self.entry, self.taken = entry, 0
+            self.entry, self.taken = entry, resume_at  # skipped samples count as taken: a state saved mid-drain keeps them
             if self.sequence.resampled and url in self.health.failed:
                 continue  # gave nothing earlier in this pass
             for index, sample in enumerate(shard_samples(url, self.handler, self.health)):
@@ -141,6 +146,15 @@ class Reader:
             self.health.new_pass()
         elif self.health.read_any or not self.health.failed:
             self.health.new_pass()  # failed shards get another chance; not while nothing reads at all
+
+    def _drain(self) -> Iterator[dict]:
+        """The buffer emptied at the end of a pass (uniform picks, as while filling), so a pass is a permutation
+        of its samples; the next pass fills the buffer afresh from `initial`."""
+        while self.buffer:
+            index = self.rng.randrange(len(self.buffer))
+            self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
+            yield self.buffer.pop()
+        self.received = 0
 
     def _shuffle(self, sample: dict) -> Iterator[dict]:
         if self.size <= 1:

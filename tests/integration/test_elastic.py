@@ -52,7 +52,8 @@ def global_batches(run_dir) -> dict[int, list[str]]:
 def assert_same_run(run_dir, whole_dir, since: int, steps: int = STEPS, epoch: int | None = None) -> float:
     """Every step's global batch equal to the uninterrupted run's, and its loss within 1e-5 (relative) after
     `since` (before it: the same run, bit for bit); the samples of the first `epoch` steps the same multiset
-    (not each once: a shuffle buffer larger than a reader's share of an epoch mixes the next epoch in).
+    (not each once: the readers' passes differ in length, so one reader begins its next pass while another
+    ends this one).
     Returns the worst relative difference."""
     batches, expected = global_batches(run_dir), global_batches(whole_dir)
     assert sorted(batches) == list(range(1, steps + 1))
