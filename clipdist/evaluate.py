@@ -18,7 +18,8 @@ Metrics, as open_clip names them where it has them:
   `t2i_median_rank` (1 = right at the top; open_clip's mean_rank / median_rank);
 - `clip_loss`: the CLIP loss (softmax, both directions, the model's logit scale) over consecutive blocks of
   `batch_size` captioned samples in set order (each image with its first caption), weighted by block size —
-  open_clip's `clip_val_loss`, the same at any world size;
+  open_clip's `clip_val_loss` (its blocks are `--batch-size`; in training ours are `world.batch_per_device`), the
+  same at any world size;
 - `caption_loss` (CoCa models): the caption cross-entropy of each captioned image with its first caption, a mean
   over the label tokens of the whole set (the training objective's caption term, unweighted).
 """
@@ -49,8 +50,8 @@ def recall_at_k(similarity: torch.Tensor, owner: torch.Tensor, ks=(1, 5, 10)) ->
     owner[j]: an image is right when any of its captions is among its k best, a caption when its image is among
     the k best."""
     image_rank, caption_rank = image_ranks(similarity, owner), caption_ranks(similarity.T, owner)
-    return ({k: (image_rank < k).float().mean().item() for k in ks},
-            {k: (caption_rank < k).float().mean().item() for k in ks})
+    return ({k: (image_rank < k).double().mean().item() for k in ks},
+            {k: (caption_rank < k).double().mean().item() for k in ks})
 
 
 def image_ranks(similarity: torch.Tensor, owner: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -239,9 +240,11 @@ def clip_loss_in_blocks(images: torch.Tensor, texts: torch.Tensor, logit_scale: 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max_skips_in_a_row: int,
-             batch_size: int = 256, autocast=None, lockstep: bool = False) -> dict:
+             batch_size: int = 256, loss_block: int | None = None, autocast=None, lockstep: bool = False) -> dict:
     """Metrics on every usable sample of `evalset` (the module docstring), named by evalset.metric(). A collective
-    where a process group has several ranks: every rank calls it and gets the same metrics. `lockstep` (FSDP):
+    where a process group has several ranks: every rank calls it and gets the same metrics. Images are encoded
+    `batch_size` at a time; `clip_loss` is taken over blocks of `loss_block` (default: batch_size) — training
+    passes its per-device batch, as open_clip_train's val loader uses `--batch-size`. `lockstep` (FSDP):
     the ranks' forwards are kept in step. `max_skips_in_a_row` unusable samples with no good one between stop it
     (data.max_skips_in_a_row), with a ValueError on every rank."""
     was_training = model.training
@@ -263,7 +266,7 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
             first = torch.ones(len(found["owners"]), dtype=torch.bool)
             first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
             metrics["clip_loss"] = clip_loss_in_blocks(found["images"][found["owners"][first]], found["texts"][first],
-                                                       model.logit_scale.exp().item(), batch_size)
+                                                       model.logit_scale.exp().item(), loss_block or batch_size)
             caption_sum, caption_tokens = found["caption_terms"].tolist()
             if encoder.captions and caption_tokens:  # CoCa: each image with its first caption, a token mean
                 metrics["caption_loss"] = caption_sum / caption_tokens
@@ -284,7 +287,7 @@ def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.T
     caption_rank = _ranked(texts, kept, lambda block, start: caption_ranks(block, owner[start:start + len(block)]))
     metrics = {}
     for name, ranks in (("i2t", image_rank), ("t2i", caption_rank)):
-        metrics.update({f"{name}_r{k}": (ranks < k).float().mean().item() for k in ks})
+        metrics.update({f"{name}_r{k}": (ranks < k).double().mean().item() for k in ks})  # the fraction, as float64
         metrics[f"{name}_mean_rank"] = ranks.double().mean().item() + 1  # exact: float32 would round the sum
         metrics[f"{name}_median_rank"] = int(np.floor(np.median(ranks.numpy()))) + 1  # open_clip's, numpy's median
     return metrics
@@ -298,5 +301,5 @@ def zero_shot_metrics(images: torch.Tensor, labels: torch.Tensor, classifier: to
     top = (images[labelled] @ classifier.T).topk(min(5, len(evalset.classnames)), dim=1).indices
     target = labels[labelled].unsqueeze(1)
     return {"zeroshot_samples": int(labelled.sum()),
-            "zeroshot_top1": (top[:, :1] == target).any(dim=1).float().mean().item(),
-            "zeroshot_top5": (top == target).any(dim=1).float().mean().item()}
+            "zeroshot_top1": (top[:, :1] == target).any(dim=1).double().mean().item(),
+            "zeroshot_top5": (top == target).any(dim=1).double().mean().item()}

@@ -13,7 +13,9 @@ import open_clip
 import torch
 from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 from open_clip import factory
+from open_clip.convert import convert_state_dict
 from open_clip.hf_model import HFTextEncoder
+from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
 from open_clip.transform import merge_preprocess_dict
 
 from clipdist.defaults import DEFAULT_MODEL
@@ -459,10 +461,12 @@ def create_model(
 
 def weights_for(model: torch.nn.Module, weights: dict[str, torch.Tensor], source) -> dict[str, torch.Tensor]:
     """`weights` as `model` loads them strictly, or a ValueError naming the first tensor that does not fit.
-    A model built for a loss with a logit bias (SigLIP) keeps its initial bias where the file has none; a file's
-    bias is left out for a model without one (the softmax loss has no bias)."""
-    weights = dict(weights)
+    Converted first as open_clip's load_checkpoint converts them (_as_open_clip_loads). A model built for a loss
+    with a logit bias (SigLIP) keeps its initial bias (−10) where the file has none — open_clip_train sets 0
+    there (docs/migrating.md, defaults that differ); a file's bias is left out for a model without one (the
+    softmax loss has no bias)."""
     expected = model.state_dict()
+    weights = _as_open_clip_loads(model, dict(weights), expected)
     if "logit_bias" in expected and "logit_bias" not in weights:
         weights["logit_bias"] = expected["logit_bias"].detach().clone()
     if "logit_bias" not in expected:
@@ -481,6 +485,24 @@ def weights_for(model: torch.nn.Module, weights: dict[str, torch.Tensor], source
         first = f"{missing[0]} is missing" if missing else f"{unexpected[0]} is not in the model"
         raise ValueError(f"{source} does not fit the model: {first} ({len(missing)} missing, "
                          f"{len(unexpected)} unexpected)")
+    return weights
+
+
+def _as_open_clip_loads(model: torch.nn.Module, weights: dict, expected: dict) -> dict:
+    """What open_clip's load_checkpoint does to a file's weights before loading them (factory.py), with its own
+    functions: third-party layouts converted, a standard text tower's keys moved for a custom one
+    (model.force_custom_text), position embeddings resized to the model's image grid and context length
+    (model.force_image_size, model.force_context_length). Weights it cannot resize are left for the shape check."""
+    weights = convert_state_dict(model, weights)
+    if "positional_embedding" in weights and "positional_embedding" not in expected:
+        weights = convert_to_custom_text_state_dict(weights)
+    if "text.transformer.embeddings.position_ids" not in expected:
+        weights.pop("text.transformer.embeddings.position_ids", None)
+    try:
+        resize_pos_embed(weights, model)
+        resize_text_pos_embed(weights, model)
+    except (AssertionError, RuntimeError, ValueError, AttributeError):
+        pass  # not a grid or a width open_clip can resize: the shape check names the tensor
     return weights
 
 
@@ -520,11 +542,12 @@ def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = N
     return create_model(name, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias, **options)
 
 
-def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None):
-    """The model's tokenizer; the BPE vocabulary ships inside open_clip's wheel (a Hugging Face tokenizer
-    is fetched into the cache)."""
+def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None, context_length: int | None = None):
+    """The model's tokenizer, its tokens `context_length` long where given (model.force_context_length, as
+    open_clip_train passes --force-context-length); the BPE vocabulary ships inside open_clip's wheel (a Hugging
+    Face tokenizer is fetched into the cache)."""
     _register_model_configs()
-    return open_clip.get_tokenizer(resolve_model_name(name), cache_dir=cache_dir)
+    return open_clip.get_tokenizer(resolve_model_name(name), cache_dir=cache_dir, context_length=context_length)
 
 
 def image_size(model: torch.nn.Module) -> tuple[int, int]:

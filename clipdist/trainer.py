@@ -131,7 +131,7 @@ class Trainer:
                 grad_checkpointing=cfg.model.grad_checkpointing, pretrained=cfg.model.pretrained,
                 cache_dir=cfg.model.cache_dir, overrides=model_overrides(cfg.model),
             ).to(device, precision.weights_dtype(cfg.precision))
-            self.tokenizer = get_tokenizer(cfg.model.name, cfg.model.cache_dir)
+            self.tokenizer = get_tokenizer(cfg.model.name, cfg.model.cache_dir, cfg.model.force_context_length)
         lock_towers(self.model, cfg.model)
         # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
         # the autocast dtype on CUDA (gradients are reduced in fp32).
@@ -340,7 +340,7 @@ class Trainer:
             try:
                 metrics.update(evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device,
                                         autocast=self.autocast, max_skips_in_a_row=self.cfg.data.max_skips_in_a_row,
-                                        lockstep=self.sharded))
+                                        loss_block=self.cfg.world.batch_per_device, lockstep=self.sharded))
             except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal
                 self.eval_errors += 1
                 self.say(f"step {self.state.step}: evaluation of {evalset.name} failed ({type(error).__name__}: "

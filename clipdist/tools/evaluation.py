@@ -44,7 +44,7 @@ def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_si
     model, name = targets.load(targets.resolve(target, pretrained, model_name), cache_dir)
     model = model.to(device, precisions.weights_dtype(precision))
     _, transform = image_transforms(model.visual.preprocess_cfg, DataConfig())
-    tokenizer = get_tokenizer(name, cache_dir)
+    tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))  # a forced length too
     metrics = {}
     for evalset in evalsets:
         metrics.update(evaluate(model, tokenizer, evalset, transform, device, max_skips_in_a_row=1000,
