@@ -214,6 +214,24 @@ def test_model_overrides_build_what_open_clip_builds(tmp_path, overrides):
     assert type(rebuilt) is type(theirs) and repr(rebuilt) == repr(theirs)
 
 
+@pytest.mark.parametrize("overrides", [
+    {"force_image_size": 48}, {"force_context_length": 12}, {"force_custom_text": True},
+    {"force_image_size": 16, "force_context_length": 20, "force_custom_text": True},
+])
+def test_starting_weights_load_into_forced_sizes_as_open_clip_loads_them(tmp_path, overrides):
+    """A file's weights into a model with another image grid, context length or text tower layout: position
+    embeddings resized and keys moved by open_clip's own functions, as its load_checkpoint does (refused before)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file(create_model("clipdist-tiny").state_dict(), tmp_path / "open_clip_model.safetensors")
+    (tmp_path / "open_clip_config.json").write_text(json.dumps({"model_cfg": built_model_config("clipdist-tiny")}))
+    ours = create_model(f"local-dir:{tmp_path}", overrides=model_overrides(_model_cfg(**overrides))).state_dict()
+    theirs = open_clip.create_model(f"local-dir:{tmp_path}", **overrides).state_dict()
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
 @pytest.mark.parametrize("layout", ["model_cfg", "hub"])
 def test_a_model_config_file_carrying_preprocess_cfg_builds_with_that_preprocessing(tmp_path, layout):
     config = dict(open_clip.get_model_config("clipdist-tiny"))
