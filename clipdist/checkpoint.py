@@ -206,6 +206,15 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _one_line(error: BaseException) -> str:
+    """A read failure in one line: DCP's CheckpointException by its first rank's cause."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = next(iter(error.failures.values()))
+        error = cause[0] if isinstance(cause, tuple) else cause
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
 # Keys whose change makes another model or optimizer state (refused on resume), beside the loss's own keys: the
 # architecture (force_*: shapes, activations, classes), which parameters train (their optimizer state), the optimizer.
 STRUCTURE = ("model.name", "model.force_image_size", "model.force_context_length", "model.force_quick_gelu",
@@ -322,13 +331,13 @@ class Checkpointer:
         candidates = self.files.checkpoints() if self.resume == "auto" else [Path(self.resume)]
         for path in candidates:
             try:
-                progress = weights.read_progress(path)
+                progress = weights.verify(path)  # every pickled part, and every file its items lie in
             except weights.UnsafeFileError:
-                raise
-            except Exception as error:  # a damaged file: say so and try the one before it
+                raise  # hostile: refused, never skipped for an older checkpoint
+            except (Exception, CheckpointException) as error:  # damaged (DCP's failure is a BaseException)
                 if self.resume != "auto":
                     raise
-                log.warning("checkpoint %s is unreadable (%s); trying an older one", path, error)
+                log.warning("checkpoint %s is unreadable (%s); trying an older one", path, _one_line(error))
                 continue
             if path.is_dir():  # every rank reads its part of each tensor, whatever world size and parallelism wrote them
                 shards = state.sharded_state_dict()
@@ -368,8 +377,11 @@ class Checkpointer:
                 return path, weights.verify(path)
             except weights.UnsafeFileError as error:
                 raise ConfigError(str(error)) from None
-            except Exception:  # noqa: BLE001 -- unreadable: restore falls back to an older one and says so
-                continue
+            except (Exception, CheckpointException) as error:  # noqa: BLE001 -- damaged
+                if cfg.resume != "auto":
+                    raise ConfigError(f"resume={cfg.resume}: cannot be read ({_one_line(error)}); name another "
+                                      "checkpoint, or resume=auto for the newest readable one") from None
+                continue  # restore falls back to an older one and says so
         return None
 
     @staticmethod

@@ -9,6 +9,7 @@ import shutil
 import sys
 
 from clipdist import host
+from clipdist.errors import printable
 
 
 def _csv(cast):
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, OSError) as error:
-        print(f"clipdist {args.command}: error: {error}", file=sys.stderr)
+        print(printable(f"clipdist {args.command}: error: {error}"), file=sys.stderr)
         return 2
 
 

@@ -16,6 +16,8 @@ import threading
 
 from tqdm import tqdm
 
+from clipdist.errors import printable
+
 LOG_FILE = "train.log"
 PREFIX = {logging.WARNING: "warning: ", logging.ERROR: "error: ", logging.CRITICAL: "error: "}
 
@@ -34,7 +36,7 @@ class _Formatter(logging.Formatter):
         record.prefix = PREFIX.get(record.levelno, "")
         if record.name.startswith("clipdist.data") and record.levelno >= logging.WARNING:
             record.prefix += _RANK
-        return super().format(record).rstrip()
+        return printable(super().format(record).rstrip())  # a file's text cannot drive the terminal
 
 
 class ConsoleHandler(logging.Handler):

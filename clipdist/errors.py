@@ -19,3 +19,10 @@ class RunDirError(ClipdistError, OSError):
 
 class TrainingDiverged(ClipdistError, RuntimeError):
     """Too many non-finite losses in a row: the run stops without saving and says where to go on from."""
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab escaped (`\\x1b`, `\\u202e`): text a file chose —
+    a module name in a refused pickle, a path, a caption — cannot move the cursor, recolour or hide what a
+    console or log shows after it."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)

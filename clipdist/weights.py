@@ -20,11 +20,13 @@ from __future__ import annotations
 import enum
 import io
 import json
+import os
 import pickle
 import pickletools
 import re
 import stat
 import warnings
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from clipdist.errors import ClipdistError
+from clipdist.errors import ClipdistError, printable
 
 PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
 LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
@@ -69,6 +71,7 @@ def read_small_json(path: Path, limit: int = JSON_FILE_BYTES):
 
 
 def refusal(path, wanted: str) -> UnsafeFileError:
+    wanted = printable(wanted)  # the file chose it
     return UnsafeFileError(
         f"{path}: refused: reading it would build {wanted}, which clipdist never saves (unpickling it could run "
         f"code that came with the file). If you trust where it came from, convert it once with "
@@ -88,23 +91,60 @@ def _wanted(error: Exception) -> str | None:
     return None
 
 
-def _first_global(source) -> str | None:
-    """The first class or function a plain pickle names (GLOBAL, INST, STACK_GLOBAL), read with pickletools,
-    which parses the opcodes without running any: why torch refused a pickle it cannot read at all (protocol 0's
-    INST, say). None for what is no pickle."""
+def _pickles_in(source) -> list[bytes]:
+    """The pickle streams of a file as torch.load reads it: the `*.pkl` members of a zip file (torch's format;
+    at most PICKLE_BYTES each, else none), or the bytes themselves."""
     data = source.getvalue() if isinstance(source, io.BytesIO) else Path(source).read_bytes()
-    strings: list[str] = []
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        return [data]
     try:
-        for opcode, argument, _ in pickletools.genops(data):
-            if opcode.name in ("GLOBAL", "INST"):
-                return str(argument).replace(" ", ".")
-            if opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                return ".".join(strings[-2:])
-            if isinstance(argument, str):
-                strings.append(argument)
-    except Exception:  # noqa: BLE001 -- not a pickle: damaged, not dangerous
-        return None
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = [info for info in archive.infolist() if info.filename.endswith(".pkl")]
+            return [archive.read(info) for info in members if info.file_size <= PICKLE_BYTES]
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError):
+        return []
+
+
+PICKLE_BYTES = 256 << 20  # the pickled structure of a checkpoint (its tensors live beside it) is far smaller
+
+
+def _asks_for(source) -> str | None:
+    """What a pickle that torch's weights-only reader refused asks to build: the first class or function it names
+    (GLOBAL, INST, STACK_GLOBAL, read with pickletools, which runs nothing) outside what checkpoints hold, or an
+    object-building opcode. Looked for in the pickles inside a zip (torch's format) too. None where there is no
+    complete pickle at all: a damaged file, not a hostile one."""
+    for data in _pickles_in(source):
+        strings: list[str] = []
+        memo: dict[int, str] = {}
+        named: list[str] = []
+        building = None
+        try:
+            for opcode, argument, _ in pickletools.genops(data):
+                if opcode.name in ("GLOBAL", "INST"):
+                    named.append(str(argument).replace(" ", "."))
+                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    named.append(".".join(strings[-2:]))
+                elif opcode.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT") and strings:
+                    memo[len(memo) if opcode.name == "MEMOIZE" else argument] = strings[-1]
+                elif opcode.name in ("GET", "BINGET", "LONG_BINGET") and argument in memo:
+                    strings.append(memo[argument])
+                elif isinstance(argument, str):
+                    strings.append(argument)
+                if ord(opcode.code) in _BUILDING_OPCODES and building is None:
+                    building = f"an object by pickle's {_BUILDING_OPCODES[ord(opcode.code)]} instruction"
+        except Exception:  # noqa: BLE001 -- not a whole pickle: damaged, not dangerous
+            continue
+        unusual = [name for name in named if not name.startswith(_CHECKPOINT_GLOBALS)]
+        if unusual or building:
+            return unusual[0] if unusual else building
     return None
+
+
+# What the pickles of checkpoints and weights files name (torch's rebuild functions and storages, OrderedDict, the
+# NumPy arrays of old RNG states): a refused pickle that names only these asks for something else, said generically.
+_CHECKPOINT_GLOBALS = ("torch.", "collections.OrderedDict", "numpy.core.multiarray._reconstruct",
+                       "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype", "numpy.dtypes.",
+                       "builtins.set", "builtins.frozenset", "_codecs.encode")
 
 
 # Opcodes that name a class or a registered callable to build (refused by torch as "Unsupported operand N"); any
@@ -112,16 +152,35 @@ def _first_global(source) -> str | None:
 _BUILDING_OPCODES = {ord("i"): "INST", ord("o"): "OBJ", 0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x92: "NEWOBJ_EX"}
 
 
+def _is_whole_pickle(source) -> bool:
+    """Whether a file's pickles (a zip's `*.pkl` members, or its bytes) parse to the end (pickletools, nothing run)."""
+    pickles = _pickles_in(source)
+    try:
+        for data in pickles:
+            for _ in pickletools.genops(data):
+                pass
+    except Exception:  # noqa: BLE001 -- not a whole pickle
+        return False
+    return bool(pickles)
+
+
 def load_pickle(source, map_location="cpu", mmap: bool = False, path=None):
     """torch.load(`source`) with weights_only=True (and SAFE_GLOBALS); UnsafeFileError for anything else."""
     path = path if path is not None else source
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
+    with torch.serialization.safe_globals(SAFE_GLOBALS), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")  # said of every file of protocol > 2
         try:
             return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+        except RuntimeError as error:  # torch's zip reader: a truncated or damaged archive
+            raise ValueError(f"{path} cannot be read: {printable(str(error).splitlines()[0])[:200]}") from None
         except pickle.UnpicklingError as error:
-            wanted = _wanted(error) or _first_global(source)
+            wanted = _wanted(error) or _asks_for(source)
+            if wanted is None and _is_whole_pickle(source):  # a weights-only refusal of a valid pickle: never damage
+                wanted = "an object torch's weights-only reader refuses"
             if wanted is None:  # damaged, not dangerous: the caller's "unreadable"
-                raise ValueError(f"{path} cannot be read: {str(error).splitlines()[-1][:200]}") from None
+                reason = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(error))
+                reason = reason.group(1) if reason else str(error).splitlines()[0]
+                raise ValueError(f"{path} cannot be read: not a whole pickle ({printable(reason[:200])})") from None
             raise refusal(path, wanted) from None
 
 
@@ -165,14 +224,52 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise refusal(self.path, f"builtins.getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r})")
 
 
+def regular_file(path: Path, what: str = "") -> int:
+    """The size of `path`, a regular file that is not a link: a link, FIFO, device or folder is refused
+    (UnsafeFileError, before anything is read: a link can point outside the checkpoint, a FIFO hangs the reader,
+    /dev/zero never ends); a missing file is damage (FileNotFoundError)."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+        raise UnsafeFileError(f"{printable(str(path))}{what}: refused: {kind} (a checkpoint's files are its own, "
+                              "regular files inside its folder)")
+    return info.st_size
+
+
+def check_storage(folder: Path, metadata) -> None:
+    """Every file a DCP folder's metadata points into: a relative path inside the folder (not absolute, no `..`),
+    a regular file there (regular_file), each item's bytes within its size. A path that leaves the folder, a link
+    or a special file: refused (UnsafeFileError); a missing file or an item past its end: damaged (ValueError)."""
+    sizes: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = str(info.relative_path)
+        if Path(relative).is_absolute() or ".." in Path(relative).parts or not relative:
+            raise UnsafeFileError(f"{printable(str(folder))}: refused: its .metadata points to "
+                                  f"{printable(relative)!r}, outside the checkpoint folder")
+        if relative not in sizes:
+            try:
+                sizes[relative] = regular_file(folder / relative)
+            except FileNotFoundError:
+                raise ValueError(f"{folder} is damaged: {relative}, which its .metadata names, is missing") from None
+        if not (0 <= info.offset and 0 <= info.length and info.offset + info.length <= sizes[relative]):
+            raise ValueError(f"{folder} is damaged: an item of {relative} lies past its end "
+                             f"(bytes {info.offset}..{info.offset + info.length} of {sizes[relative]})")
+
+
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose metadata read builds DCP's own classes only."""
+    """FileSystemReader whose metadata read builds DCP's own classes only, and whose items are regular files
+    inside the checkpoint folder (check_storage)."""
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
+        try:
+            regular_file(Path(path), "")
+        except FileNotFoundError:
+            raise ValueError(f"{self.path} is not a checkpoint folder: it has no .metadata") from None
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = _MetadataUnpickler(metadata_file, Path(self.path)).load()
+        check_storage(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -269,7 +366,9 @@ def checkpoints_in(directory: Path) -> list[Path]:
 
 
 def is_checkpoint(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".pt" or (path / PROGRESS).is_file()
+    """Whether `path` is laid out as a checkpoint (a .pt file, or a folder with a progress file — whatever kind of
+    file: reading it checks that, and refuses a link or a FIFO in one line)."""
+    return path.suffix == ".pt" and os.path.lexists(path) and not path.is_dir() or os.path.lexists(path / PROGRESS)
 
 
 def find_checkpoint(source: str | Path) -> Path:
@@ -287,8 +386,11 @@ def find_checkpoint(source: str | Path) -> Path:
 
 def read_progress(path: Path, map_location="cpu") -> dict:
     """A checkpoint's progress: everything but the model and optimizer tensors of a .dcp folder (step, samples,
-    schedule, RNG, stream, world size, config); a legacy .pt file whole (its model and optimizer included)."""
-    return load_pickle(path / PROGRESS if path.is_dir() else path, map_location=map_location, mmap=not path.is_dir())
+    schedule, RNG, stream, world size, config); a legacy .pt file whole (its model and optimizer included).
+    Regular files only (regular_file)."""
+    file = path / PROGRESS if path.is_dir() else path
+    regular_file(file)
+    return load_pickle(file, map_location=map_location, mmap=not path.is_dir())
 
 
 def verify(path: Path) -> dict:
@@ -319,6 +421,26 @@ def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return progress["model"], progress["config"]
 
 
+SAFETENSORS_HEADER_BYTES = 16 << 20  # a model's tensor index: ~100 bytes a tensor, a few thousand tensors
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A .safetensors file, its header bounded first (a million entries is a memory and time bomb, not a model);
+    a malformed file is a ValueError in one line."""
+    from safetensors.torch import load_file
+
+    with path.open("rb") as file:
+        prefix = file.read(8)
+    header = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 < header <= SAFETENSORS_HEADER_BYTES:
+        what = "no header" if header <= 0 else f"a header of {header >> 20} MiB, more tensors than any model has"
+        raise ValueError(f"{path} is not a safetensors file clipdist reads: {what}")
+    try:
+        return load_file(str(path))
+    except Exception as error:  # noqa: BLE001 -- SafetensorError and friends: damaged
+        raise ValueError(f"{path} cannot be read as safetensors: {printable(str(error))[:200]}") from None
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The model weights in `path`, whichever way they were saved: an open_clip checkpoint file (a state dict,
     or {"state_dict": ...}, .pt/.bin/.safetensors), a folder in open_clip's hub layout (`clipdist export`,
@@ -332,12 +454,12 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         if not found:
             raise ValueError(f"{path} holds no weights (*.safetensors, *.bin, *.pt)")
         path = found[0]
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
+    if not stat.S_ISREG(path.stat().st_mode):  # through links (a hub cache's files are links), never to a FIFO
+        raise UnsafeFileError(f"{printable(str(path))}: refused: not a regular file")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return _read_safetensors(path)
     try:
         saved = load_pickle(path)
     except UnsafeFileError:

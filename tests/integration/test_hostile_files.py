@@ -1,0 +1,124 @@
+"""The hostile corpus (tests/hostile.py) on every route a user hands a file to clipdist by: one verdict per file.
+
+- **refused** (it would run code, or read outside its checkpoint, or is a link or a special file): one line
+  `error: ... refused ...`, exit 2, the marker never appears, nothing started — and under resume=auto never
+  skipped for an older checkpoint, never a fresh start;
+- **damaged** (a missing shard, an item past its file's end, a truncated progress file): resume=auto says so and
+  continues from the older checkpoint; resume=<it>, export and eval say so in one line.
+
+Every case is bounded in time (a FIFO, /dev/zero) by the check itself: nothing is opened before it is known to
+be a regular file inside the folder."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from fixtures import caption_shards
+from helpers import read_jsonl, refusal, train
+from hostile import hostile_checkpoints, pickle_files, place
+
+from clipdist.cli import main as cli
+
+
+@pytest.fixture(scope="module")
+def corpus(trained_run, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    marker = folder / "code-ran"
+    files = pickle_files(folder / "files", marker)
+    checkpoints = hostile_checkpoints(trained_run / "checkpoints" / "step_00000030.dcp", folder / "runs", marker)
+    evalset = caption_shards(folder / "evalset", shards=1, per_shard=4)
+    assert not marker.exists()
+    yield files, checkpoints, marker, evalset
+    assert not marker.exists(), "a hostile file ran its code"
+
+
+def lines_of(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def one_refusal(lines: list[str]) -> None:
+    assert len(lines) == 1 and "error: " in lines[0] and "refused" in lines[0], lines
+    assert "\x1b" not in lines[0] and "\x07" not in lines[0], lines  # a file's text cannot drive the terminal
+
+
+FILES = ["global", "stack_global", "protocol_5", "inst", "obj", "numpy_object", "partial", "getattr_chain", "ext1",
+         "escapes"]
+
+
+@pytest.mark.parametrize("container", ["zip", "raw"])
+@pytest.mark.parametrize("shape", FILES)
+def test_a_weights_file_of_any_pickle_shape_is_refused_on_every_route(corpus, tmp_path, cache_dir, capsys,
+                                                                      monkeypatch, shape, container):
+    files, _, marker, evalset = corpus
+    path = files[f"{shape}-{container}"]
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"model.checkpoint={path}")
+    assert code == 2 and not marker.exists()
+    one_refusal(lines)
+    assert cli(["eval", str(path), "--model", "clipdist-tiny", "--set", f"val={evalset}"]) == 2
+    one_refusal(lines_of(capsys.readouterr().err))
+    assert not marker.exists()
+    if shape == "escapes":
+        assert "\\x1b[2J" in lines[0]  # shown, escaped
+
+
+REFUSED = ["progress-global", "progress-stack_global", "progress-inst", "progress-numpy_object", "progress-escapes",
+           "path-parent", "path-absolute", "shard-symlink", "shard-dev-zero", "progress-fifo", "metadata-symlink"]
+DAMAGED = ["shard-missing", "item-past-end", "progress-truncated"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_hostile_checkpoint_is_refused_on_every_route(corpus, trained_run, tmp_path, cache_dir, capsys, monkeypatch,
+                                                        name):
+    _, checkpoints, marker, evalset = corpus
+    checkpoint, verdict = checkpoints[name]
+    assert verdict == "refused"
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"resume={checkpoint}")
+    assert code == 2
+    one_refusal(lines)
+    run_dir = checkpoint.parent.parent
+    assert cli(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    one_refusal(lines_of(capsys.readouterr().err))
+    assert not (tmp_path / "out").exists()
+    assert cli(["eval", str(run_dir), "--set", f"val={evalset}"]) == 2
+    one_refusal(lines_of(capsys.readouterr().err))
+    # dropped into a real run as its newest checkpoint: refused, not skipped for the older one, no fresh start
+    run = tmp_path / "dropped"
+    shutil.copytree(trained_run, run)
+    place(checkpoint, run / "checkpoints" / "step_00000040.dcp")
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={run}", f"data.cache_dir={cache_dir}", "optim.max_steps=50")
+    assert code == 2
+    one_refusal(lines)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", DAMAGED)
+def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(corpus, trained_run, tmp_path, cache_dir,
+                                                                            capsys, monkeypatch, name):
+    _, checkpoints, _, evalset = corpus
+    checkpoint, verdict = checkpoints[name]
+    assert verdict == "damaged"
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"resume={checkpoint}")
+    assert code == 2 and len(lines) == 1 and "cannot be read" in lines[0], lines
+    assert cli(["export", str(checkpoint), "--out", str(tmp_path / "out")]) == 2
+    assert len(lines_of(capsys.readouterr().err)) == 1
+    monkeypatch.undo()  # refusal's stand-ins for the trainer: this run trains
+    run = tmp_path / "run-with-damage"
+    shutil.copytree(trained_run, run)
+    place(checkpoint, run / "checkpoints" / "step_00000040.dcp")
+    result = train(run, cache_dir, "optim.max_steps=32", "eval_every=1000", "checkpoint_every=1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step_00000040.dcp is unreadable" in result.stderr and "trying an older one" in result.stderr
+    assert [row["step"] for row in read_jsonl(run / "train_log.jsonl")][-3:] == [30, 31, 32]
+
+
+def test_escapes_in_a_refused_name_reach_no_console_or_log_raw(corpus, tmp_path, cache_dir, capsys, monkeypatch):
+    _, checkpoints, _, _ = corpus
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"resume={checkpoints['progress-escapes'][0]}")
+    assert code == 2 and "\x1b" not in lines[0] and "\\x1b[2J" in lines[0]  # the name shown, escaped
+    run_log = (tmp_path / "run" / "train.log")
+    assert not run_log.exists() or "\x1b" not in run_log.read_text()
