@@ -26,6 +26,7 @@ from clipdist.models import (check_loss_weights, check_model_options, check_teac
                              model_overrides, resolve_model_name)
 from clipdist.optim import check_optim
 from clipdist.remote import check_remote
+from clipdist.run_dir import check_run_dir
 from clipdist.tracking import check_tensorboard, check_wandb_online
 
 
@@ -34,6 +35,7 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     model is built once, on the meta device (its structure, no memory), for every check that needs it."""
     check_config(cfg)
     check_launch(cfg.world, env)
+    check_run_dir(cfg.run_dir)
     resuming = Checkpointer.resume_point(cfg)
     Checkpointer.check_resume(cfg, cfg.world.world_size, resuming)
     with one_line():

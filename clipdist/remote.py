@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -29,13 +30,23 @@ log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 
 
+def redacted(url: str) -> str:
+    """`url` with the credentials of a `scheme://user:password@host` part replaced by ***."""
+    return re.sub(r"://[^/@:]*:[^/@]*@", "://***@", url)
+
+
 def check_remote(url: str) -> None:
-    """checkpoint.remote names a file system fsspec can open here (s3:// needs s3fs, gs:// gcsfs, ...)."""
+    """checkpoint.remote names a file system fsspec can open here (s3:// needs s3fs, gs:// gcsfs, ...), and holds
+    no credentials: a `user:secret@` in the URL would be written to the run's records, logs and W&B."""
+    if redacted(url) != url:
+        raise ConfigError(f"checkpoint.remote={redacted(url)}: the URL holds credentials (user:password@); it would be "
+                          "saved with the run's config and logs. Give credentials the file system's own way (S3: "
+                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws; gs: GOOGLE_APPLICATION_CREDENTIALS)")
     try:
         fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as error:
+    except (ImportError, ValueError, OSError) as error:
         raise ConfigError(f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
-                          "`pip install s3fs`, gs:// gcsfs, az:// adlfs)") from None
+                          "`pip install s3fs`, gs:// gcsfs, az:// adlfs; a server must answer)") from None
 
 
 class RemoteCopies:

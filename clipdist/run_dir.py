@@ -61,6 +61,34 @@ class RunLock:
         self.release()
 
 
+# What a run writes into its directory: none of it may be a link (a planted link would have the run overwrite or
+# append to, or read its W&B id from, a file elsewhere).
+RECORDS = (".lock", "hydra", "hydra/config.yaml", "hydra/overrides.yaml", "train.log", "train_log.jsonl",
+           "metrics.jsonl", "wandb_id", "wandb", "tensorboard", "checkpoints", "samples")
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """Before any rank starts: an existing run directory that other users may write (not a sticky /tmp-like
+    folder), or whose record files are links (RECORDS, the checkpoints in checkpoints/, samples/rank_*.jsonl),
+    is refused (ConfigError) — a run writes there, and reads its W&B id and logs back."""
+    root = Path(run_dir)
+    if not root.exists():
+        return
+    mode = root.stat().st_mode
+    if mode & 0o002 and not mode & 0o1000:
+        raise ConfigError(f"run_dir={root}: other users can write to it (mode {mode & 0o7777:o}); a run reads its "
+                          f"records back from there: chmod o-w {root}, or choose another run_dir")
+    paths = [root / name for name in RECORDS]
+    for folder in ("checkpoints", "samples"):
+        if (root / folder).is_dir() and not (root / folder).is_symlink():
+            paths += sorted((root / folder).iterdir())
+    for path in paths:
+        if path.is_symlink():
+            raise ConfigError(f"run_dir={root}: {path.relative_to(root)} is a symbolic link (to "
+                              f"{os.readlink(path)!r}); a run's records are its own files: remove the link, or "
+                              "choose another run_dir")
+
+
 def write_record(run_dir: str | Path, config: dict, overrides: list[str]) -> None:
     """<run_dir>/hydra/{config,overrides}.yaml: the resolved config and the command-line overrides
     of this start (written only once its checks have passed, so a refused attempt changes nothing)."""

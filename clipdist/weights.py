@@ -393,11 +393,43 @@ def read_progress(path: Path, map_location="cpu") -> dict:
     return load_pickle(file, map_location=map_location, mmap=not path.is_dir())
 
 
+SAVED_CONFIG_VALUES = 100_000  # a saved config holds a few hundred
+SAVED_CONFIG_DEPTH = 32
+
+
+def check_saved_config(config, path) -> None:
+    """A checkpoint's saved config is plain data as clipdist writes it, or it is refused (UnsafeFileError): no
+    container shared by two parents (a few KB of pickle memo can stand for 2^60 values to whoever walks them), at
+    most SAVED_CONFIG_DEPTH deep and SAVED_CONFIG_VALUES values, and no `${...}` anywhere (read back through
+    OmegaConf, `${oc.env:AWS_SECRET_ACCESS_KEY}` would be resolved: clipdist saves configs resolved)."""
+    seen: set[int] = set()
+    stack, count = [(config, 0, "config")], 0
+    while stack:
+        value, depth, where = stack.pop()
+        count += 1
+        if count > SAVED_CONFIG_VALUES or depth > SAVED_CONFIG_DEPTH:
+            raise UnsafeFileError(f"{path}: refused: its saved config is larger or deeper than any clipdist writes")
+        if isinstance(value, str) and "${" in value:
+            raise UnsafeFileError(f"{path}: refused: its saved config holds an interpolation at {printable(where)} "
+                                  "(clipdist saves configs resolved; reading it back would resolve it here)")
+        if isinstance(value, (dict, list, tuple)) and value:
+            if id(value) in seen:
+                raise UnsafeFileError(f"{path}: refused: its saved config shares {printable(where)} between two "
+                                      "places (clipdist never writes that; walked, it can stand for billions of values)")
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((item, depth + 1, f"{where}.{key}"[:200]) for key, item in items)
+            if isinstance(value, dict):
+                stack.extend((key, depth + 1, where) for key in value if isinstance(key, str))
+
+
 def verify(path: Path) -> dict:
     """Read every pickled part of checkpoint `path` the safe way, tensors left out where they can be: nothing in
     it may build more than clipdist saves (UnsafeFileError names the first thing that would). Before any rank
     starts, so that a refused file stops the run at once. Returns its progress (read_progress), read once."""
     progress = read_progress(path)  # a .pt file whole: every pickled part there is
+    if isinstance(progress, dict):
+        check_saved_config(progress.get("config"), path)
     if not path.is_dir():
         return progress
     metadata = SafeReader(str(path)).read_metadata()

@@ -87,6 +87,12 @@ def _rewrite_metadata(checkpoint: Path, change) -> None:
         pickle.dump(metadata, handle)
 
 
+def _save_progress(checkpoint: Path, progress: dict) -> None:
+    import torch
+
+    torch.save(progress, checkpoint / "progress.pt")
+
+
 def _first_storage(metadata):
     return next(iter(metadata.storage_data.values()))
 
@@ -127,6 +133,20 @@ def hostile_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, tup
     (path / ".metadata").rename(folder / "metadata-elsewhere")
     (path / ".metadata").symlink_to(folder / "metadata-elsewhere")
     made["metadata-symlink"] = (path, "refused")
+
+    from clipdist.weights import read_progress
+
+    progress = read_progress(real)
+    path = _copy(real, folder, "config-interpolation")
+    config = {**progress["config"], "model": {**progress["config"]["model"], "name": "${oc.env:CLIPDIST_SECRET}"}}
+    _save_progress(path, {**progress, "config": config})
+    made["config-interpolation"] = (path, "refused")
+    path = _copy(real, folder, "config-bomb")
+    bomb: dict = {}
+    for _ in range(60):
+        bomb = {"a": bomb, "b": bomb}  # 2^60 leaves to a walk that does not notice the sharing; a few KB of pickle
+    _save_progress(path, {**progress, "config": {**progress["config"], "extra": bomb}})
+    made["config-bomb"] = (path, "refused")
 
     path = _copy(real, folder, "shard-missing")
     (path / shard.name).unlink()

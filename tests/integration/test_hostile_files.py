@@ -63,7 +63,7 @@ def test_a_weights_file_of_any_pickle_shape_is_refused_on_every_route(corpus, tm
 
 
 REFUSED = ["progress-global", "progress-stack_global", "progress-inst", "progress-numpy_object", "progress-escapes",
-           "path-parent", "path-absolute", "shard-symlink", "shard-dev-zero", "progress-fifo", "metadata-symlink"]
+           "config-interpolation", "config-bomb", "path-parent", "path-absolute", "shard-symlink", "shard-dev-zero", "progress-fifo", "metadata-symlink"]
 DAMAGED = ["shard-missing", "item-past-end", "progress-truncated"]
 
 
@@ -84,6 +84,10 @@ def test_a_hostile_checkpoint_is_refused_on_every_route(corpus, trained_run, tmp
     assert not (tmp_path / "out").exists()
     assert cli(["eval", str(run_dir), "--set", f"val={evalset}"]) == 2
     one_refusal(lines_of(capsys.readouterr().err))
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'student'}", f"data.cache_dir={cache_dir}",
+                          f"loss.distill.model={run_dir}")
+    assert code == 2
+    one_refusal(lines)
     # dropped into a real run as its newest checkpoint: refused, not skipped for the older one, no fresh start
     run = tmp_path / "dropped"
     shutil.copytree(trained_run, run)
@@ -122,3 +126,50 @@ def test_escapes_in_a_refused_name_reach_no_console_or_log_raw(corpus, tmp_path,
     assert code == 2 and "\x1b" not in lines[0] and "\\x1b[2J" in lines[0]  # the name shown, escaped
     run_log = (tmp_path / "run" / "train.log")
     assert not run_log.exists() or "\x1b" not in run_log.read_text()
+
+
+def test_a_saved_interpolation_is_never_resolved(corpus, tmp_path, capsys, monkeypatch):
+    """`${oc.env:...}` in a checkpoint's saved model.name: refused, and the reader's secret appears nowhere."""
+    _, checkpoints, _, evalset = corpus
+    monkeypatch.setenv("CLIPDIST_SECRET", "s3cr3t-value")
+    run_dir = checkpoints["config-interpolation"][0].parent.parent
+    assert cli(["eval", str(run_dir), "--set", f"val={evalset}"]) == 2
+    err = capsys.readouterr().err
+    assert "s3cr3t-value" not in err and "interpolation" in err
+
+
+RUN_RECORDS = ["train.log", "metrics.jsonl", "wandb_id", "hydra/config.yaml", "checkpoints/step_00000030.dcp"]
+
+
+@pytest.mark.parametrize("record", RUN_RECORDS)
+def test_a_run_directory_whose_records_are_links_is_refused(trained_run, tmp_path, cache_dir, capsys, monkeypatch,
+                                                            record):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "secret").write_text("do not touch\n")
+    link = run / record
+    if link.is_dir():
+        shutil.rmtree(link)
+    link.unlink(missing_ok=True)  # wandb_id: written by a W&B run; planted all the same
+    link.symlink_to(target / "secret")
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={run}", f"data.cache_dir={cache_dir}", "optim.max_steps=40")
+    assert code == 2 and len(lines) == 1 and "is a symbolic link" in lines[0] and record in lines[0], lines
+    assert (target / "secret").read_text() == "do not touch\n"
+
+
+def test_a_run_directory_others_can_write_is_refused(trained_run, tmp_path, cache_dir, capsys, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    run.chmod(0o777)
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={run}", f"data.cache_dir={cache_dir}", "optim.max_steps=40")
+    assert code == 2 and len(lines) == 1 and "other users can write" in lines[0], lines
+
+
+def test_credentials_in_a_remote_url_are_refused_and_never_written(tmp_path, cache_dir, capsys, monkeypatch):
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          "checkpoint.remote=s3://AKIAKEY:wJalrSECRET@bucket/runs/x")
+    assert code == 2 and len(lines) == 1 and "holds credentials" in lines[0], lines
+    assert "wJalrSECRET" not in lines[0] and "AKIAKEY" not in lines[0]
+    assert not (tmp_path / "run").exists()
