@@ -255,7 +255,7 @@ def _run_composed(cfg) -> None:
                 else os.path.basename(run_dir)
         cfg.run_dir = run_dir
     try:
-        run(cfg, overrides=list(hydra.overrides.task))
+        run(cfg, overrides=OmegaConf.to_container(hydra.overrides.task, resolve=False))  # as typed: ${...} kept
     except ClipdistError as error:
         if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
             shutil.rmtree(run_dir, ignore_errors=True)

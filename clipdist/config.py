@@ -14,9 +14,10 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_TILE
-from clipdist.errors import ConfigError
+from clipdist.errors import ConfigError, printable
 
 
 def _bounded(default, low: float, strict: bool, says: str):
@@ -445,5 +446,29 @@ def to_train_config(cfg) -> TrainConfig:
         raise ConfigError(f"{path}: no such key ({owner} has no '{path.rsplit('.', 1)[-1]}'); check the spelling "
                           "(python train.py --cfg job lists every key)")
     merged = OmegaConf.merge(schema, cfg)
-    OmegaConf.resolve(merged)
+    try:
+        OmegaConf.resolve(merged)
+    except InterpolationResolutionError as error:  # ${oc.env:UNSET}, ${no.such.key}: one line, not a traceback
+        key = next((key for key in _interpolations(OmegaConf.to_container(merged, resolve=False))
+                    if not _resolves(merged, key)), "the config")
+        raise ConfigError(f"{key}: {printable(str(error)).splitlines()[0]}; set what it names or write the value "
+                          "itself") from None
     return OmegaConf.to_object(merged)
+
+
+def _interpolations(node, prefix: str = ""):
+    """The dotted keys under `node` (a plain container) whose values hold a ${...} interpolation."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, (dict, list)):
+            yield from _interpolations(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and "${" in value:
+            yield f"{prefix}{key}"
+
+
+def _resolves(cfg, key: str) -> bool:
+    try:
+        OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except InterpolationResolutionError:
+        return False
+    return True

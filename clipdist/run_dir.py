@@ -98,13 +98,31 @@ def write_record(run_dir: str | Path, config: dict, overrides: list[str]) -> Non
     OmegaConf.save(OmegaConf.create(list(overrides)), record / "overrides.yaml")
 
 
-def rewind_jsonl(path: str | Path, step: int) -> None:
-    """Drop the lines of a {"step": ...} JSONL log after `step` (what a resumed run will log again)."""
+def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
+    """The {"step": int, ...} rows of a JSONL log, and how many lines are not such a row (a line torn by a crash
+    mid-write, or text that is not clipdist's): those are dropped, never a traceback."""
+    path = Path(path)
+    rows, damaged = [], 0
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            row = ...
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        elif row is not None:
+            damaged += 1
+    return rows, damaged
+
+
+def rewind_jsonl(path: str | Path, step: int) -> int:
+    """Drop the rows of a {"step": ...} JSONL log after `step` (what a resumed run will log again), and any line
+    that is not a row; returns how many of those there were."""
     path = Path(path)
     if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+        return 0
+    rows, damaged = jsonl_rows(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
     os.replace(tmp, path)
+    return damaged

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 from clipdist.errors import RunDirError
 from clipdist.launch import unreachable
+from clipdist.run_dir import jsonl_rows
 
 DEFAULT_WANDB_URL = "https://api.wandb.ai"
 REACH_TIMEOUT_S = 10
@@ -132,9 +133,7 @@ class RunTracker:
         """Log to W&B, from the JSONL logs, the steps up to `start_step` it has not recorded."""
         rows: dict[int, dict] = {}
         for filename, section in (("train_log.jsonl", "train"), ("metrics.jsonl", "eval")):
-            path = self.run_dir / filename
-            for line in path.read_text().splitlines() if path.exists() else []:
-                row = json.loads(line)
+            for row in jsonl_rows(self.run_dir / filename)[0]:
                 step = row.pop("step")
                 if self.wandb_after < step <= start_step:
                     rows.setdefault(step, {}).update({f"{section}/{key}": value for key, value in row.items()})

@@ -162,7 +162,10 @@ class Trainer:
             seed_everything(cfg.seed + env.rank)
         if env.is_main:  # the logs hold no step twice: what comes after the checkpoint will be logged again
             for log_file in ("train_log.jsonl", "metrics.jsonl", *sorted((self.run_dir / SAMPLES).glob("rank_*.jsonl"))):
-                rewind_jsonl(self.run_dir / log_file, self.state.step)
+                damaged = rewind_jsonl(self.run_dir / log_file, self.state.step)
+                if damaged:
+                    log.warning("%s: %d line(s) that are not a step's JSON row dropped (a write torn by a crash?)",
+                                log_file, damaged)
         self.eval_errors = 0
         self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,

@@ -164,9 +164,29 @@ def _is_whole_pickle(source) -> bool:
     return bool(pickles)
 
 
+ZIP_RATIO = 100  # a member that inflates more than this is a decompression bomb, not tensors (torch stores them)
+
+
+def _check_zip(source, path) -> None:
+    """A zip file (torch's format) whose members inflate more than ZIP_RATIO times is refused before it is read:
+    torch decompresses a deflated member into memory whole (a 2 MB file became 2 GiB)."""
+    if isinstance(source, io.BytesIO) or not zipfile.is_zipfile(source):
+        return
+    try:
+        with zipfile.ZipFile(source) as archive:
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED and info.file_size > ZIP_RATIO * max(info.compress_size, 1 << 16):
+                    raise UnsafeFileError(f"{printable(str(path))}: refused: {printable(info.filename)} inflates "
+                                          f"{info.compress_size} bytes to {info.file_size} (a decompression bomb; "
+                                          "torch stores tensors uncompressed)")
+    except zipfile.BadZipFile:
+        return  # torch.load says how it is damaged
+
+
 def load_pickle(source, map_location="cpu", mmap: bool = False, path=None):
     """torch.load(`source`) with weights_only=True (and SAFE_GLOBALS); UnsafeFileError for anything else."""
     path = path if path is not None else source
+    _check_zip(source, path)
     with torch.serialization.safe_globals(SAFE_GLOBALS), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected pickle protocol")  # said of every file of protocol > 2
         try:

@@ -167,3 +167,34 @@ def place(checkpoint: Path, target: Path) -> Path:
     for name in fifos:
         os.mkfifo(target / name)
     return target
+
+
+def bombs(folder: Path) -> dict[str, Path]:
+    """Files that take memory or time without carrying code: a torch zip whose member inflates 100 MB from
+    ~100 KB, a safetensors header claiming 100 MiB, a malformed safetensors header, a tar whose header claims a
+    300 MiB member, a FIFO (reading it waits for a writer forever)."""
+    import json
+    import tarfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    made = {}
+    made["zip-bomb"] = folder / "zip-bomb.pt"
+    with zipfile.ZipFile(io.BytesIO(torch_zip(pickle.dumps({}, protocol=2)))) as source, \
+            zipfile.ZipFile(made["zip-bomb"], "w") as target:
+        for info in source.infolist():
+            target.writestr(info, source.read(info.filename))
+        target.writestr("archive/data/bomb", bytes(100 << 20), compress_type=zipfile.ZIP_DEFLATED)
+    made["safetensors-huge-header"] = folder / "huge-header.safetensors"
+    made["safetensors-huge-header"].write_bytes((100 << 20).to_bytes(8, "little") + b"{" * 64)
+    made["safetensors-malformed"] = folder / "malformed.safetensors"
+    header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}'
+    made["safetensors-malformed"].write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    made["tar-huge-member"] = folder / "huge-member.tar"
+    info = tarfile.TarInfo("0.png")
+    info.size = 300 << 20
+    made["tar-huge-member"].write_bytes(info.tobuf(format=tarfile.USTAR_FORMAT))  # the header alone: what is checked
+    made["fifo"] = folder / "fifo"
+    os.mkfifo(made["fifo"])
+    made["json"] = folder / "odd.json"
+    made["json"].write_text(json.dumps({}))
+    return made

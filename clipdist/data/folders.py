@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
-from clipdist.data.samples import IMAGE_EXTENSIONS
+from clipdist.data.samples import IMAGE_EXTENSIONS, read_image_file
 
 SCHEME = "folder:"
 SYNSET = re.compile(r"n\d{8}")
@@ -46,7 +46,10 @@ def class_members(url: str):
     images = sorted(file for file in folder.iterdir() if file.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
     for number, file in enumerate(images):
         key = f"{options['name']}/{number:06d}"
-        yield f"{key}.{file.suffix.lower().lstrip('.')}", file.read_bytes()
+        try:
+            yield f"{key}.{file.suffix.lower().lstrip('.')}", read_image_file(file)
+        except OSError as error:  # skipped and counted as a sample without an image, as a table row's
+            yield f"{key}.missing", f"image {file.name}: {error.strerror}".encode()
         yield f"{key}.cls", options["class"].encode()
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import glob
 import re
+import stat
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +25,32 @@ from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
 from clipdist.data.folders import class_folders, folder_classnames, folder_parts
 from clipdist.data.folders import is_part as is_folder_part
 from clipdist.data.tables import TableFormat, is_part, is_table, table_parts
+from clipdist.errors import printable
 
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
 DEFAULT_TEMPLATES = ["a photo of {}."]  # where neither data.templates, a built-in source nor a templates file gives any
 GLOB_CHARS = ("*", "?", "[")
 SPLIT_FOLDERS = ("test", "train", "val", "validation")
+
+
+def check_templates(templates: list[str], where: str) -> None:
+    """A zero-shot prompt names its class as `{}` (or `{0}`) or clip_benchmark's `{c}`, and nothing else: no
+    format spec (`{:>500000000}` is a 500 MB string), conversion or attribute (`{0.__class__}`); a ValueError in
+    one line otherwise."""
+    for template in templates:
+        try:
+            fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                      if name is not None]
+        except ValueError as error:
+            raise ValueError(f"{where}: {printable(template)[:200]!r} is not a template ({error}); write the class "
+                             "as {} or {c}, a brace as {{ or }}") from None
+        for name, spec, conversion in fields:
+            if name not in ("", "0", "c") or spec or conversion:
+                raise ValueError(f"{where}: {printable(template)[:200]!r} has the field "
+                                 f"{{{printable(name)[:50]}{'!' + conversion if conversion else ''}"
+                                 f"{':' + printable(spec)[:20] if spec else ''}}}; a template names its class as {{}} "
+                                 "or {c} and nothing else")
 
 
 def eval_set_key(name: str) -> str:
@@ -44,6 +66,9 @@ class EvalSet:
     urls: list[str]
     classnames: list[str] = field(default_factory=list)
     templates: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_templates(self.templates, f"{self.key} templates")
 
     @property
     def key(self) -> str:
@@ -129,7 +154,14 @@ def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat
     return urls
 
 
+TEXT_FILE_BYTES = 4 << 20  # classnames.txt, zeroshot_classification_templates.txt: a few KB
+
+
 def _lines(path: Path) -> list[str]:
+    """The non-empty lines of a small regular text file (a FIFO or /dev/zero beside the shards is refused)."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode) or info.st_size > TEXT_FILE_BYTES:
+        raise ValueError(f"{path}: not a regular text file of at most {TEXT_FILE_BYTES >> 20} MiB")
     return [line.strip() for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -143,7 +175,8 @@ def _beside(spec: str, urls: list[str], name: str) -> Path | None:
     if local:
         folder = Path(local[0]).parent
         candidates += [folder, folder.parent] if folder.name in SPLIT_FOLDERS else [folder]
-    return next((folder / name for folder in candidates if (folder / name).is_file()), None)
+    return next((folder / name for folder in candidates if (folder / name).exists() and not (folder / name).is_dir()),
+                None)  # whatever kind of file: _lines refuses what is not a regular one
 
 
 def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], key: str | None = None,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
-from clipdist.data.samples import IMAGE_EXTENSIONS
+from clipdist.data.samples import IMAGE_EXTENSIONS, read_image_file
 
 SCHEME = "table:"
 SUFFIXES = (".csv", ".tsv")
@@ -111,7 +111,7 @@ def part_members(url: str):
             image = Path(row[image_at])
             image = image if image.is_absolute() else file.parent / image
             try:
-                data = image.read_bytes()
+                data = read_image_file(image)
             except OSError as error:
                 yield f"{key}.missing", f"image {row[image_at]}: {error.strerror}".encode()
             else:

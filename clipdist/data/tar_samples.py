@@ -30,6 +30,7 @@ class TruncatedShardError(tarfile.ReadError):
     """A shard stopped before its end-of-archive block, or holds a damaged header."""
 
 
+MEMBER_BYTES = 256 << 20  # an image or caption of one sample (web images: a few MB at most)
 _BLOCK = 512
 _END = bytes(_BLOCK)
 _REGULAR = (b"0", b"\0", b"7")  # file, old-style file, contiguous file
@@ -94,6 +95,9 @@ def tar_files(stream):
             raise TruncatedShardError(f"shard is damaged at byte {offset}: a header with a wrong checksum")
         kind = block[156:157]
         size = int(extended.get("size", 0)) or _number(block[124:136])
+        if not 0 <= size <= MEMBER_BYTES:  # read whole into memory below: a 1.5 GiB member of a 1.5 MB .tar.gz
+            raise TruncatedShardError(f"shard holds a member of {size} bytes at byte {offset}, more than any sample "
+                                      f"({MEMBER_BYTES >> 20} MiB); the rest of the shard is skipped")
         padded = -(-size // _BLOCK) * _BLOCK
         payload = stream.read(padded) if size else b""
         if len(payload) < padded:

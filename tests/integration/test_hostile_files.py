@@ -10,6 +10,7 @@ Every case is bounded in time (a FIFO, /dev/zero) by the check itself: nothing i
 be a regular file inside the folder."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -173,3 +174,91 @@ def test_credentials_in_a_remote_url_are_refused_and_never_written(tmp_path, cac
     assert code == 2 and len(lines) == 1 and "holds credentials" in lines[0], lines
     assert "wJalrSECRET" not in lines[0] and "AKIAKEY" not in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def bomb_files(tmp_path_factory):
+    from hostile import bombs
+
+    return bombs(tmp_path_factory.mktemp("bombs"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, message", [("zip-bomb", "decompression bomb"),
+                                           ("safetensors-huge-header", "more tensors than any model has"),
+                                           ("safetensors-malformed", "cannot be read as safetensors"),
+                                           ("fifo", "not a regular file")])
+def test_a_weights_file_that_is_a_bomb_is_one_line_at_once(bomb_files, tmp_path, cache_dir, capsys, monkeypatch,
+                                                           name, message):
+    path = bomb_files[name]
+    if name == "fifo":
+        path = path.with_name("weights.pt")
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
+                          f"model.checkpoint={path}")
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_a_tar_member_larger_than_any_sample_skips_its_shard_without_reading_it(bomb_files):
+    from clipdist.data.tar_samples import TruncatedShardError, tar_files
+
+    with open(bomb_files["tar-huge-member"], "rb") as stream, pytest.raises(TruncatedShardError, match="more than any"):
+        list(tar_files(stream))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("templates, message", [(["{:>500000000}"], "has the field {:>500000000}"),
+                                                (["a {x} photo"], "has the field {x}"),
+                                                (["{0.__class__}"], "has the field {0.__class__}"),
+                                                (["a {", "b"], "is not a template")])
+def test_a_template_that_is_not_a_class_slot_is_one_line(corpus, trained_run, capsys, templates, message):
+    *_, evalset = corpus
+    arguments = [argument for template in templates for argument in ("--templates", template)]
+    assert cli(["eval", str(trained_run), "--set", f"val={evalset}", "--classnames", "a,b", *arguments]) == 2
+    lines = lines_of(capsys.readouterr().err)
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.timeout(120)
+def test_special_files_beside_an_eval_set_or_in_a_table_neither_hang_nor_fill_memory(corpus, trained_run, tmp_path,
+                                                                                     cache_dir, capsys):
+    from fixtures import image_bytes
+
+    *_, evalset = corpus
+    folder = tmp_path / "set"
+    shutil.copytree(evalset, folder)
+    os.mkfifo(folder / "zeroshot_classification_templates.txt")
+    assert cli(["eval", str(trained_run), "--set", f"val={folder}"]) == 2
+    lines = lines_of(capsys.readouterr().err)
+    assert len(lines) == 1 and "not a regular text file" in lines[0], lines
+    rows = ["filepath\ttitle"]
+    for index in range(6):
+        (tmp_path / f"{index}.png").write_bytes(image_bytes(20 * index))
+        rows.append(f"{tmp_path / f'{index}.png'}\ta square {index}")
+    os.mkfifo(tmp_path / "fifo.png")
+    (tmp_path / "zero.png").symlink_to("/dev/zero")
+    rows += [f"{tmp_path / 'fifo.png'}\ta pipe", f"{tmp_path / 'zero.png'}\tendless zeros"]
+    (tmp_path / "table.tsv").write_text("\n".join(rows) + "\n")
+    result = train(tmp_path / "run", cache_dir, "data=webdataset", f"data.train_shards={tmp_path / 'table.tsv'}",
+                   "data.workers=0", "world.batch_per_device=6", "optim.max_steps=2", "eval_every=1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_jsonl(tmp_path / "run" / "train_log.jsonl")[-1]["skipped_samples"] >= 2  # a whole epoch was read
+    assert "not a regular file" in result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_log_in_a_resumed_run_is_repaired_not_a_traceback(trained_run, tmp_path, cache_dir):
+    """A line torn by a crash mid-write, or text that is not a step's row, in train_log.jsonl / metrics.jsonl: the
+    resume drops it with one warning and logs on (it was a JSONDecodeError traceback)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    for name in ("train_log.jsonl", "metrics.jsonl"):
+        with open(run / name, "a") as log:
+            log.write('not json at all\n[1, 2]\n{"no_step": 1}\n{"step": 31, "loss": 1.')  # the torn last line
+    result = train(run, cache_dir, "optim.max_steps=31", "eval_every=30", "checkpoint_every=30", "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "train_log.jsonl: 4 line(s) that are not a step's JSON row dropped" in result.stderr
+    steps = [row["step"] for row in read_jsonl(run / "train_log.jsonl")]
+    assert steps == sorted(steps) and steps[-1] == 31 and len(steps) == len(set(steps))

@@ -55,6 +55,9 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_pat
     (["+optim.lrr=1"], "optim.lrr: no such key (OptimConfig has no 'lrr')"),  # `+` adds what the schema would drop
     (["+data.csv=x"], "data.csv: no such key (DataConfig has no 'csv')"),
     (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key (TiledLossConfig has no 'tyle')"),
+    (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "model.name: KeyError raised while resolving interpolation: "
+                                                       "\"Environment variable 'CLIPDIST_UNSET_VARIABLE' not found\""),
+    (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
 ])
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
     overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]

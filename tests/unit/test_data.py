@@ -301,6 +301,14 @@ def test_every_mode_becomes_rgb(mode, value, expected):
     assert image.mode == "RGB" and np.asarray(image).mean() == pytest.approx(expected, abs=1)
 
 
+def test_16_bit_greyscale_scales_as_v_over_257_rounded_in_blocks_of_rows():
+    values = (np.arange(1300 * 50, dtype=np.int64) * 7 % 65536).astype(np.uint16).reshape(1300, 50)  # > one block
+    image = to_rgb(Image.fromarray(values))
+    expected = np.round(values.astype(np.float64) / 257.0).astype(np.uint8)
+    assert image.mode == "RGB" and (np.asarray(image)[..., 0] == expected).all()
+    assert (np.asarray(to_rgb(Image.fromarray(np.array([[-5, 70000]], np.int32), "I")))[..., 0] == [0, 255]).all()
+
+
 def test_webp_jpeg_and_bmp_decode():
     for fmt, ext in [("WEBP", "webp"), ("JPEG", "jpg"), ("BMP", "bmp")]:
         assert decoded_mean(image_bytes(200, fmt), ext) == pytest.approx([200] * 3, abs=3)
