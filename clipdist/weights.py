@@ -473,7 +473,7 @@ def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return progress["model"], progress["config"]
 
 
-SAFETENSORS_HEADER_BYTES = 16 << 20  # a model's tensor index: ~100 bytes a tensor, a few thousand tensors
+SAFETENSORS_HEADER_BYTES = 8 << 20  # a model's tensor index: ~100 bytes a tensor, a few thousand tensors (~1 MB)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
