@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from clipdist import weights
-from clipdist.config import OnCheckpointError, TrainConfig, as_dict
+from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dict, resume_rule
 from clipdist.errors import CheckpointError, ConfigError
 from clipdist.launch import DistEnv, StopSignal
 from clipdist.parallel import all_ranks
@@ -215,31 +215,11 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-# Keys whose change makes another model or optimizer state (refused on resume), beside the loss's own keys: the
-# architecture (force_*: shapes, activations, classes), which parameters train (their optimizer state), the optimizer.
-STRUCTURE = ("model.name", "model.force_image_size", "model.force_context_length", "model.force_quick_gelu",
-             "model.force_custom_text", "model.lock_image", "model.lock_image_unlocked_groups", "model.lock_text",
-             "model.lock_text_unlocked_layers", "model.lock_text_freeze_layer_norm", "optim.name")
-# Keys whose change resumes the same state differently (warned on resume): numerics, schedule, what an image is.
-# FLIP-style training switches patch dropout off for its last steps this way.
-WARNED = ("precision", "optim.schedule", "optim.cooldown_steps", "optim.cooldown_end_lr", "optim.cooldown_power",
-          "model.force_patch_dropout", "model.image_mean", "model.image_std", "model.image_interpolation",
-          "model.image_resize_mode")
-
-
-def _settings(config: dict, keys) -> dict:
-    """`config`'s values of `keys`, a key its run's schema did not have yet taking today's default."""
+def _resume_settings(config: dict, rule: str) -> dict:
+    """`config`'s values of the keys whose resume rule (config.resume_rule) is `rule`, a key its run's schema did
+    not have yet taking today's default."""
     flat = {**_flat(as_dict(TrainConfig(name=""))), **_flat(config)}
-    return {key: flat.get(key) for key in keys}
-
-
-def _identity(config: dict) -> dict:
-    """The keys whose change makes another run (refused on resume): the model's structure, which parameters train,
-    the optimizer and the loss, but not the loss's initial scalars nor its tile size (an order of summation, like
-    the world size). World size, batch and parallelism may change."""
-    loss = {key: value for key, value in _flat(config).items()
-            if key.startswith("loss.") and not key.startswith("loss.init_") and key != "loss.tile"}
-    return {**_settings(config, STRUCTURE), **loss}
+    return {key: value for key, value in flat.items() if resume_rule(key) == rule}
 
 
 class Checkpointer:
@@ -405,6 +385,19 @@ class Checkpointer:
         return logging.INFO, (f"fetched {path.name} from {cfg.checkpoint.remote} (newer than any checkpoint in "
                               f"{files.directory})")
 
+    def divergence_advice(self, bad_steps: int, step: int, max_nonfinite_steps: int, lr: float) -> str:
+        """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them
+        may be the cause, and no finite loss vouches for the newest state (its weights can already be huge)."""
+        newest = self.files.checkpoints()
+        stopped = (f"{bad_steps} non-finite losses in a row after step {step} (max_nonfinite_steps="
+                   f"{max_nonfinite_steps}); stopped without saving, since these weights may be the cause")
+        lower = f"optim.lr={lr / 10:g}"
+        if not newest:
+            return f"{stopped}. Start again with a lower learning rate ({lower}), or check the data"
+        return (f"{stopped}. Go on from the newest checkpoint in a new run with a lower learning rate: python train.py "
+                f"name=<new name> resume={newest[0]} {lower} (and your other overrides); if it fails the same way, "
+                f"resume from an older one in {self.directory} or start again")
+
     def close(self) -> None:
         """After the loop, however it ended: a save still in flight is left unpublished (the run did not reach
         `finish`; the newest published checkpoint stands), its writer waited for."""
@@ -423,15 +416,16 @@ class Checkpointer:
 
 
 def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | None:
-    before, now = _identity(saved["config"]), _identity(config)
+    before, now = _resume_settings(saved["config"], REFUSE), _resume_settings(config, REFUSE)
     changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
     if changed:
         was = ", ".join(f"{key}={before.get(key, '(unset)')}" for key in changed)
         asked = ", ".join(f"{key}={now.get(key, '(unset)')}" for key in changed)
         raise ConfigError(f"{path} was trained with {was}, not {asked}: resume it with the same settings, "
                           "or start a new run with name=<new name>")
-    before, now = _settings(saved["config"], WARNED), _settings(config, WARNED)
-    warned = [f"{key} {before[key]} -> {now[key]}" for key in WARNED if before[key] != now[key]]
+    before, now = _resume_settings(saved["config"], WARN), _resume_settings(config, WARN)
+    warned = [f"{key} {before.get(key)} -> {now.get(key)}" for key in sorted(set(before) | set(now))
+              if before.get(key) != now.get(key)]
     if path.suffix == ".pt" and config["world"]["parallel"] == "fsdp":
         raise ConfigError(f"{path} is a checkpoint of the .pt days (one file, DDP): resume it with "
                           "world.parallel=ddp; its next checkpoint, a .dcp folder, resumes under FSDP too")

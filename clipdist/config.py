@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -39,6 +39,28 @@ def non_negative(default):
 def above_zero(default):
     """A field that must be above 0."""
     return _bounded(default, 0, True, "above 0")
+
+
+# What a resume may change, per key (checkpoint.check_resume): REFUSE a change that makes another model, optimizer state
+# or objective; WARN one that resumes the same state differently (numerics, schedule, what an image is). A section
+# whose keys make the run's state (model, optim, loss) gives every field its rule in RESUME, and a unit test holds it
+# to that, so a new key cannot slip through; every key of the other sections (data, world, logging, ...) is free:
+# the stream continues or restarts with a line saying why, the world size and batch may change.
+REFUSE, WARN, FREE = "refuse", "warn", "free"
+
+
+def resume_rule(key: str, loss_schemas=None) -> str:
+    """The rule for a dotted key of TrainConfig (`loss.tile` looked up in every loss schema); free for a key no
+    schema has (one a newer or older clipdist wrote)."""
+    owners = [TrainConfig]
+    *sections, name = key.split(".")
+    for section in sections:
+        nested = [f.default_factory for owner in owners for f in fields(owner)
+                  if f.name == section and is_dataclass(f.default_factory)]
+        owners = nested + ([*(loss_schemas or LOSS_SCHEMAS).values()] if section == "loss" else [])
+        if not nested:
+            return FREE
+    return next((owner.RESUME[name] for owner in owners if name in getattr(owner, "RESUME", {})), FREE)
 
 
 class Choice(str, Enum):
@@ -122,6 +144,17 @@ class WandbMode(Choice):
 
 @dataclass
 class ModelConfig:
+    RESUME: ClassVar[dict] = {
+        "name": REFUSE, "force_image_size": REFUSE, "force_context_length": REFUSE, "force_quick_gelu": REFUSE,
+        "force_custom_text": REFUSE,  # the architecture: shapes, activations, classes
+        "lock_image": REFUSE, "lock_image_unlocked_groups": REFUSE, "lock_text": REFUSE,
+        "lock_text_unlocked_layers": REFUSE, "lock_text_freeze_layer_norm": REFUSE,  # which parameters train
+        "force_patch_dropout": WARN,  # FLIP-style training switches patch dropout off for its last steps this way
+        "image_mean": WARN, "image_std": WARN, "image_interpolation": WARN, "image_resize_mode": WARN,
+        "lock_image_freeze_bn_stats": WARN,
+        "pretrained": FREE, "checkpoint": FREE, "pretrained_image": FREE,  # starting weights: the checkpoint's win
+        "cache_dir": FREE, "grad_checkpointing": FREE, "compile": FREE,
+    }
     # Any open_clip model config (random init), a config file, or hf-hub:ORG/REPO / local-dir:PATH (with weights).
     name: str = DEFAULT_MODEL
     pretrained: Optional[str] = None  # an open_clip pretrained tag of `name` (laion2b_s34b_b79k, openai, ...)
@@ -215,6 +248,8 @@ class DistillConfig:
     """A teacher to distil from (open_clip's --distill-model / --distill-pretrained): its term is open_clip's
     DistillClipLoss over the global batch, exact (clipdist.losses.distill)."""
 
+    RESUME: ClassVar[dict] = {"model": REFUSE, "pretrained": REFUSE, "weight": REFUSE}
+
     model: Optional[str] = None  # an open_clip name (with `pretrained`), hf-hub:, local-dir:, an export, a run, a checkpoint
     pretrained: Optional[str] = None  # the open_clip pretrained tag for `model` (e.g. openai)
     weight: float = 1.0  # the term's weight (open_clip_train adds it with weight 1)
@@ -223,6 +258,9 @@ class DistillConfig:
 @dataclass
 class LossConfig:
     """Options common to every backend; a backend with options of its own extends this (below)."""
+
+    RESUME: ClassVar[dict] = {"name": REFUSE, "contrastive_weight": REFUSE, "caption_weight": REFUSE, "distill": REFUSE,
+                              "init_logit_scale": FREE, "init_logit_bias": FREE}  # initial scalars: the checkpoint's
 
     name: str = "disco"  # a backend registered in clipdist.losses
     init_logit_scale: Optional[float] = None  # log of the initial logit scale; null: the backend's default
@@ -240,12 +278,14 @@ class LossConfig:
 
 @dataclass
 class TiledLossConfig(LossConfig):
+    RESUME: ClassVar[dict] = {**LossConfig.RESUME, "tile": FREE}  # an order of summation, as the world size is
     name: str = "tiled"
     tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
 
 
 @dataclass
 class SigLipLossConfig(LossConfig):
+    RESUME: ClassVar[dict] = {**LossConfig.RESUME, "tile": FREE}  # an order of summation, as the world size is
     name: str = "siglip"
     tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
 
@@ -285,6 +325,14 @@ class WorldConfig:
 
 @dataclass
 class OptimConfig:
+    RESUME: ClassVar[dict] = {
+        "name": REFUSE,  # another optimizer state
+        "schedule": WARN, "cooldown_steps": WARN, "cooldown_end_lr": WARN, "cooldown_power": WARN,
+        "max_steps": WARN,  # the cosine schedule reshapes mid-run
+        "lr": FREE, "weight_decay": FREE, "betas": FREE, "eps": FREE, "momentum": FREE, "kwargs": FREE, "no_decay": FREE,
+        "image_layer_decay": FREE, "text_layer_decay": FREE, "warmup_steps": FREE, "grad_clip": FREE,
+        "max_logit_scale": FREE,
+    }
     name: str = "adamw"  # adamw (torch's, fused), or any timm optimizer: lion, lamb, nadamw, sgd, ... (timm.optim)
     lr: float = non_negative(2e-3)
     weight_decay: float = non_negative(0.1)
@@ -334,6 +382,7 @@ class LoggingConfig:
 
 @dataclass
 class TrainConfig:
+    RESUME: ClassVar[dict] = {"precision": WARN}
     name: str = MISSING
     run_dir: str = "runs/${name}"
     seed: int = 0

@@ -19,6 +19,7 @@ from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed,
 from open_clip.transform import merge_preprocess_dict
 
 from clipdist.defaults import DEFAULT_MODEL
+from clipdist.parallel import node_leaders_first
 from clipdist.weights import UnsafeFileError, read_small_json, read_weights
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -540,6 +541,23 @@ def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = N
     else:
         init_logit_bias = None
     return create_model(name, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias, **options)
+
+
+def create_run_model(model_cfg, loss_cfg, loss_fn, device: torch.device, dtype: torch.dtype,
+                     local_rank: int = 0) -> tuple[torch.nn.Module, object]:
+    """A run's model (model and loss sections: starting weights, overrides, scalars, locked towers) on `device` in
+    `dtype`, and its tokenizer; weights a hub serves fetched by one rank a node first."""
+    needed = fetches_weights(model_cfg.name, model_cfg.pretrained, model_cfg.pretrained_image)
+    with node_leaders_first(local_rank, needed=needed):
+        model = create_model_for_loss(
+            model_cfg.name, loss_fn, init_logit_scale=loss_cfg.init_logit_scale,
+            init_logit_bias=loss_cfg.init_logit_bias, checkpoint=model_cfg.checkpoint,
+            grad_checkpointing=model_cfg.grad_checkpointing, pretrained=model_cfg.pretrained,
+            cache_dir=model_cfg.cache_dir, overrides=model_overrides(model_cfg),
+        ).to(device, dtype)
+        tokenizer = get_tokenizer(model_cfg.name, model_cfg.cache_dir, model_cfg.force_context_length)
+    lock_towers(model, model_cfg)
+    return model, tokenizer
 
 
 def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None, context_length: int | None = None):

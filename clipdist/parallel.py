@@ -158,3 +158,11 @@ def node_leaders_first(local_rank: int, needed: bool = True):
 def uses_cuda(setting: str) -> bool:
     """Whether world.device (auto, cpu, cuda) puts the ranks on CUDA devices."""
     return setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
+
+
+def select_device(setting: str, local_rank: int) -> torch.device:
+    """The rank's device for world.device (auto: CUDA where visible), made current."""
+    if uses_cuda(setting):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -126,3 +126,27 @@ def rewind_jsonl(path: str | Path, step: int) -> int:
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
     os.replace(tmp, path)
     return damaged
+
+
+SAMPLES = "samples"  # logging.sample_keys: <run_dir>/samples/rank_<r>.jsonl
+STEP_LOGS = ("train_log.jsonl", "metrics.jsonl")
+
+
+def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str]) -> None:
+    """logging.sample_keys: this rank's rows of a step's batch, one line (a step skipped as non-finite too)."""
+    path = Path(run_dir) / SAMPLES / f"rank_{rank}.jsonl"
+    path.parent.mkdir(exist_ok=True)
+    with path.open("a") as log_file:
+        log_file.write(json.dumps({"step": step, "keys": keys}) + "\n")
+
+
+def rewind_logs(run_dir: str | Path, step: int) -> list[str]:
+    """A resumed run's logs rewound to its checkpoint's `step` (what comes after it is logged again, so no step is
+    there twice); a warning for each log that held lines which are not a step's row."""
+    run_dir, warnings = Path(run_dir), []
+    for log_file in (*STEP_LOGS, *sorted(path.relative_to(run_dir) for path in (run_dir / SAMPLES).glob("rank_*.jsonl"))):
+        damaged = rewind_jsonl(run_dir / log_file, step)
+        if damaged:
+            warnings.append(f"{log_file}: {damaged} line(s) that are not a step's JSON row dropped (a write torn by "
+                            "a crash?)")
+    return warnings

@@ -1,8 +1,11 @@
 """One optimisation step, read top to bottom: forward → loss → agree → backward → clip → optimizer step.
 
-    step = build_step(model, loss_fn, optimizer, scheduler, chunks=K, ...)
-    agreed, grad_norm = step(images, tokens, requests, counts)     # training: grad_norm None if not stepped
-    loss = step.gradients(images, tokens)                           # gradients only (gradcheck, plan)
+    step = build_step(model, objective, optimizer, scheduler, chunks=K, ...)
+    agreed, grad_norm = step(batch, requests)     # training (a data.batch.Batch): grad_norm None if not stepped
+    loss = step.gradients(batch)                  # gradients only (gradcheck, plan)
+
+The model is called with the batch's named inputs (`model(**batch)`), and the objective (clipdist.objective) turns
+its forward into the loss, term by term.
 
 Gradient caching (GradCache, Gao et al. 2021) is the same step with another forward and backward
 (`CachedStep`), exact: with K chunks of the local batch,
@@ -36,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from clipdist import parallel
+from clipdist.data.batch import Batch, as_batch
 from clipdist.objective import Outputs, as_objective
 
 
@@ -94,22 +98,21 @@ class Step:
         self.applied_lr = None  # the lr the last optimizer step used (its first parameter group's), for the logs
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
-    def __call__(self, images, tokens, requests=(False, False, False), counts=()) -> tuple[StepAgreement,
-                                                                                         torch.Tensor | None]:
+    def __call__(self, batch: Batch, requests=(False, False, False)) -> tuple[StepAgreement, torch.Tensor | None]:
         """One training step on this rank's batch; every rank calls it. The optimizer steps unless a rank was
         asked to stop or the global loss is not finite (then grad_norm is None and nothing changed)."""
+        batch = as_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        rng = _rng_state(self.device or torch.device("cpu"))  # a stop gives back what this step drew (dropout masks)
+        rng = _rng_state(self.rng_device)  # a stop gives back what this step drew (dropout masks)
         with record_function("forward_and_loss"):
-            outputs, replay = self.forward(images, tokens)
-            loss = self.objective(outputs)
-        terms = self.objective.terms
-        agreement = StepAgreement.start(loss, requests, list(counts), terms.values())
+            outputs, replay = self.forward(batch)
+            loss, terms = self.objective(outputs)
+        agreement = StepAgreement.start(loss, requests, batch.counts, terms.values())
         with record_function("backward"):
             self.backward(loss, outputs, replay)
         agreed = StepAgreement.read(agreement, list(terms))
         if agreed.stop:  # not trained on: the checkpoint saved next holds the state before this step, RNG included
-            _set_rng_state(rng, self.device or torch.device("cpu"))
+            _set_rng_state(rng, self.rng_device)
             return agreed, None
         if not math.isfinite(agreed.loss):
             return agreed, None
@@ -129,27 +132,30 @@ class Step:
                 self.module.logit_scale.clamp_(0, self.max_log_scale)
         return agreed, grad_norm
 
-    def gradients(self, images, tokens) -> torch.Tensor:
+    def gradients(self, batch) -> torch.Tensor:
         """This rank's loss, with the gradients it leaves (averaged over ranks, as DDP does) in .grad."""
-        outputs, replay = self.forward(images, tokens)
-        loss = self.objective(outputs)
+        outputs, replay = self.forward(as_batch(batch))
+        loss, _ = self.objective(outputs)
         self.backward(loss, outputs, replay)
         return loss
 
-    def inputs(self, images, tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.device is not None:
-            images, tokens = images.to(self.device, non_blocking=True), tokens.to(self.device, non_blocking=True)
-        images = images if self.normalize is None else self.normalize(images)
-        return (images if self.input_dtype is None else images.to(self.input_dtype)), tokens
+    @property
+    def rng_device(self) -> torch.device:
+        return self.device or torch.device("cpu")
 
-    def forward(self, images, tokens) -> tuple[Outputs, None]:
-        """(the model's outputs: features and scalars (and CoCa's caption term), what backward needs again: nothing
-        here)."""
+    def inputs(self, batch: Batch) -> dict:
+        """The model's named inputs of `batch` (or a chunk of it) on the device; its uint8 pixels normalised there,
+        its images in the weights' dtype where the weights are not fp32 (pure_bf16 / pure_fp16)."""
+        inputs = dict(batch.to(self.device) if self.device is not None else batch)
+        image = inputs["image"] if self.normalize is None else self.normalize(inputs["image"])
+        inputs["image"] = image if self.input_dtype is None else image.to(self.input_dtype)
+        return inputs
+
+    def forward(self, batch: Batch) -> tuple[Outputs, None]:
+        """(the forward in the parts the objective takes, what backward needs again: nothing here)."""
         with self.autocast:
-            inputs = self.inputs(images, tokens)
-            outputs = self.objective.outputs(self.model(*inputs))
-            outputs.teacher = self.objective.teach(*inputs)
-            return outputs, None
+            inputs = self.inputs(batch)
+            return self.objective.outputs(self.model(**inputs), inputs), None
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
@@ -168,46 +174,39 @@ class CachedStep(Step):
             raise ValueError(f"grad_cache.chunks must be at least 1, got {chunks}")
         self.chunks = chunks
 
-    def forward(self, images, tokens):
-        if images.shape[0] < self.chunks:
-            raise ValueError(f"grad_cache.chunks={self.chunks} is more than the local batch ({images.shape[0]})")
-        pieces = list(zip(images.tensor_split(self.chunks), tokens.tensor_split(self.chunks)))
-        rng_states, outputs, teacher = [], [], []
+    def forward(self, batch: Batch):
+        pieces = batch.split(self.chunks)
+        rng_states, chunks = [], []
         with torch.no_grad():
             for piece in pieces:
-                inputs = self.inputs(*piece)
-                rng_states.append(_rng_state(inputs[0].device))
-                with self.autocast:
-                    outputs.append(self.objective.outputs(self.module(*inputs)))  # CoCa: its logits reduced here
-                    teacher.append(self.objective.teach(*inputs))  # distillation: cached per chunk, used once
+                inputs = self.inputs(piece)
+                rng_states.append(_rng_state(self.rng_device))
+                with self.autocast:  # each term takes its part here (CoCa's logits reduced, the teacher's features)
+                    chunks.append(self.objective.chunk_outputs(self.module(**inputs), inputs))
                 del inputs
         # Detached leaves: the loss's backward stops here and leaves the gradients in .grad.
-        image_features = torch.cat([out.features[0] for out in outputs]).requires_grad_()
-        text_features = torch.cat([out.features[1] for out in outputs]).requires_grad_()
-        scalars = [s.detach().requires_grad_() for s in outputs[0].features[2:]]  # logit scale (and bias)
-        caption = None  # the caption term's value here; its gradient comes chunk by chunk in backward
-        if outputs[0].caption is not None:
-            caption = tuple(sum(parts) for parts in zip(*(out.caption for out in outputs)))
-        teacher = None if teacher[0] is None else (
-            torch.cat([t[0] for t in teacher]), torch.cat([t[1] for t in teacher]), teacher[0][2])
-        return Outputs((image_features, text_features, *scalars), caption, teacher), (pieces, rng_states)
+        image_features = torch.cat([chunk.features[0] for chunk in chunks]).requires_grad_()
+        text_features = torch.cat([chunk.features[1] for chunk in chunks]).requires_grad_()
+        scalars = [s.detach().requires_grad_() for s in chunks[0].features[2:]]  # logit scale (and bias)
+        return self.objective.merge(chunks, (image_features, text_features, *scalars)), (pieces, rng_states)
 
     def backward(self, loss, outputs, replay) -> None:
         (image_features, text_features, *scalars), (pieces, rng_states) = outputs.features, replay
         self.scaled(loss).backward()
-        sizes = [piece[0].shape[0] for piece in pieces]
+        sizes = [piece.rows for piece in pieces]
         image_grads, text_grads = image_features.grad.split(sizes), text_features.grad.split(sizes)
         for k, (piece, rng) in enumerate(zip(pieces, rng_states)):
             last = k == len(pieces) - 1
-            inputs = self.inputs(*piece)
-            with parallel.gradient_sync(self.model, enabled=last), _restored_rng(rng, inputs[0].device):
+            inputs = self.inputs(piece)
+            with parallel.gradient_sync(self.model, enabled=last), _restored_rng(rng, self.rng_device):
                 with self.autocast:
-                    chunk = self.objective.outputs(self.model(*inputs))
+                    chunk = self.objective.chunk_outputs(self.model(**inputs), inputs, per_chunk=True)
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
                 pairs = [(out, grad) for out, grad in zip(chunk.features, [image_grads[k], text_grads[k], *scalar_grads])
                          if out.requires_grad]  # a locked tower's features have no graph
-                if chunk.caption is not None:  # the chunk's share of w·N/T·Σ CE
-                    pairs.append((self.scaled(self.objective.caption_factor * chunk.caption[0]), None))
+                own = self.objective.chunk_loss(chunk, outputs)  # CoCa: the chunk's share of w·N/T·Σ CE
+                if own is not None:
+                    pairs.append((self.scaled(own), None))
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         parallel.finish_gradient_sync(self.model)
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from clipdist.config import model_config
-from clipdist.models import (EXPORT_CONFIG, create_model, model_overrides, pretrained_cfg, resolve_model_name,
-                             weights_for)
+from clipdist.models import (EXPORT_CONFIG, create_model, fetches_weights, model_overrides, pretrained_cfg,
+                             resolve_model_name, weights_for)
+from clipdist.parallel import node_leaders_first
 from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
 
 
@@ -95,3 +96,15 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
     if target.kind == "weights":
         return create_model(target.name, checkpoint=str(target.path), cache_dir=cache_dir, device=device), target.name
     return create_model(target.name, pretrained=target.pretrained, cache_dir=cache_dir, device=device), target.name
+
+
+def load_teacher(distill, cache_dir: str | None, device: torch.device, dtype: torch.dtype,
+                 local_rank: int = 0) -> torch.nn.Module | None:
+    """loss.distill's teacher (a DistillConfig; None where it names none): frozen, in eval mode, in `dtype`, on
+    `device`, whole on every rank, fetched by one rank a node first. That it can take the student's inputs was
+    checked before the ranks started (preflight)."""
+    if not distill.model:
+        return None
+    with node_leaders_first(local_rank, needed=fetches_weights(distill.model, distill.pretrained)):
+        teacher, _ = load(resolve(distill.model, distill.pretrained), cache_dir=cache_dir)
+    return teacher.to(device, dtype).eval().requires_grad_(False)

@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -18,28 +17,26 @@ from tqdm import tqdm
 
 from clipdist import console, host, launch, parallel, precision, targets
 from clipdist.checkpoint import Checkpointer
-from clipdist.config import Device, NormalizeOn, TrainConfig, as_dict, to_train_config
-from clipdist.data.images import PixelNormalize
+from clipdist.config import TrainConfig, as_dict, to_train_config
+from clipdist.data.batch import Batch, rows_consumed
+from clipdist.data.images import PixelNormalize, normalize_on_device
 from clipdist.data.sources import Shards
-from clipdist.data.stream import Batch, TrainStream
+from clipdist.data.stream import TrainStream
 from clipdist.data.transforms import image_transforms
 from clipdist.data.workers import LoaderPlan, loader_priority
-from clipdist.defaults import DEFAULT_TILE
 from clipdist.errors import TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.models import (caption_weight, create_model_for_loss, fetches_weights, get_tokenizer, has_caption_decoder,
-                             image_size, lock_towers, model_overrides)
-from clipdist.objective import Objective
+from clipdist.models import create_run_model, image_size
+from clipdist.objective import run_objective
 from clipdist.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight
-from clipdist.run_dir import RunLock, rewind_jsonl, write_record
+from clipdist.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
 from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
 from clipdist.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
-SAMPLES = "samples"  # logging.sample_keys: <run_dir>/samples/rank_<r>.jsonl
 
 
 def run(cfg, overrides: list[str] = ()) -> dict | None:
@@ -77,7 +74,7 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     torch.set_num_threads(threads)
     if env.is_main:
         log.info("%d intra-op thread(s) per rank (%s; waiting: %s)", threads, source, host.openmp_wait())
-    device = select_device(cfg.world.device, env.local_rank)
+    device = parallel.select_device(cfg.world.device, env.local_rank)
     if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
         log.info("malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)")
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
@@ -95,20 +92,6 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
         launch.destroy_process_group()
 
 
-def select_device(setting: Device, local_rank: int) -> torch.device:
-    if parallel.uses_cuda(setting):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def normalize_on_device(setting: NormalizeOn, device: torch.device) -> tuple[bool, str]:
-    """Whether the loader hands over uint8 pixels for the rank to normalize on its device, and why."""
-    if setting != NormalizeOn.auto:
-        return setting == NormalizeOn.device, f"data.normalize_on={setting}"
-    return device.type != "cpu", f"data.normalize_on=auto: {device.type} ranks"
-
-
 class Trainer:
     """One rank's run: components built from config, then `fit`, a plain loop."""
 
@@ -123,16 +106,8 @@ class Trainer:
         self.loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        with parallel.node_leaders_first(env.local_rank, needed=fetches_weights(cfg.model.name, cfg.model.pretrained,
-                                                                                cfg.model.pretrained_image)):
-            self.model = create_model_for_loss(
-                cfg.model.name, self.loss_fn, init_logit_scale=cfg.loss.init_logit_scale,
-                init_logit_bias=cfg.loss.init_logit_bias, checkpoint=cfg.model.checkpoint,
-                grad_checkpointing=cfg.model.grad_checkpointing, pretrained=cfg.model.pretrained,
-                cache_dir=cfg.model.cache_dir, overrides=model_overrides(cfg.model),
-            ).to(device, precision.weights_dtype(cfg.precision))
-            self.tokenizer = get_tokenizer(cfg.model.name, cfg.model.cache_dir, cfg.model.force_context_length)
-        lock_towers(self.model, cfg.model)
+        self.model, self.tokenizer = create_run_model(cfg.model, cfg.loss, self.loss_fn, device,
+                                                      precision.weights_dtype(cfg.precision), env.local_rank)
         # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
         # the autocast dtype on CUDA (gradients are reduced in fp32).
         gathered_dtype = precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" \
@@ -144,11 +119,9 @@ class Trainer:
         self.scaler = precision.gradient_scaler(cfg.precision, device)
         train_transform, self.val_transform = image_transforms(self.model.visual.preprocess_cfg, cfg.data)
         mean, std = self.model.visual.preprocess_cfg["mean"], self.model.visual.preprocess_cfg["std"]
-        objective = Objective(self.loss_fn, contrastive_weight=cfg.loss.contrastive_weight,
-                              caption_weight=caption_weight(cfg.loss, has_caption_decoder(self.model), cfg.model.name),
-                              pad_id=getattr(self.model, "pad_id", 0),
-                              teacher=self.build_teacher(), distill_weight=cfg.loss.distill.weight,
-                              tile=getattr(cfg.loss, "tile", DEFAULT_TILE))
+        teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
+                                       precision.weights_dtype(cfg.precision), env.local_rank)
+        objective = run_objective(cfg.loss, cfg.model.name, self.loss_fn, self.model, teacher)
         self.step = build_step(self.train_model, objective, optimizer, scheduler,
                                chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
                                device=device, normalize=PixelNormalize(mean, std, device),
@@ -160,12 +133,8 @@ class Trainer:
         self.resumed_from = self.checkpointer.restore(self.state)
         if self.resumed_from is None:
             seed_everything(cfg.seed + env.rank)
-        if env.is_main:  # the logs hold no step twice: what comes after the checkpoint will be logged again
-            for log_file in ("train_log.jsonl", "metrics.jsonl", *sorted((self.run_dir / SAMPLES).glob("rank_*.jsonl"))):
-                damaged = rewind_jsonl(self.run_dir / log_file, self.state.step)
-                if damaged:
-                    log.warning("%s: %d line(s) that are not a step's JSON row dropped (a write torn by a crash?)",
-                                log_file, damaged)
+        for warning in rewind_logs(self.run_dir, self.state.step) if env.is_main else ():
+            log.warning("%s", warning)
         self.eval_errors = 0
         self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
@@ -193,25 +162,14 @@ class Trainer:
             self.say(started)
         return stream
 
-    def log_samples(self, step: int, keys: list[str]) -> None:
-        """logging.sample_keys: this rank's rows of the step's batch, one line (a step skipped as non-finite too)."""
-        path = self.run_dir / SAMPLES / f"rank_{self.env.rank}.jsonl"
-        path.parent.mkdir(exist_ok=True)
-        with path.open("a") as log_file:
-            log_file.write(json.dumps({"step": step, "keys": keys}) + "\n")
-
     def say(self, message: str, level: int = logging.INFO) -> None:
         """A line from rank 0 on the console and in train.log (clipdist.console)."""
         if self.env.is_main:
             log.log(level, message)
 
-    @property
-    def global_batch(self) -> int:
-        return self.cfg.world.batch_per_device * self.env.world_size
-
-    def fit(self) -> dict | None:
-        cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
-        metrics, bad_steps, skipped_steps, self.overflow_steps = None, 0, 0, 0
+    def say_where_it_starts(self) -> None:
+        """Where the run starts: the checkpoint, the run directory, where the data stream goes on from."""
+        cfg, state, stream = self.cfg, self.state, self.stream
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
@@ -225,6 +183,11 @@ class Trainer:
         if state.step >= cfg.optim.max_steps:
             self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
                      f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
+
+    def fit(self) -> dict | None:
+        cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
+        metrics, bad_steps, skipped_steps, self.overflow_steps = None, 0, 0, 0
+        self.say_where_it_starts()
         profiler = StepProfiler(self.run_dir, self.env.rank, cfg.logging.profile_steps, cfg.logging.profile_wait)
         try:
             while state.step < cfg.optim.max_steps:
@@ -233,7 +196,7 @@ class Trainer:
                 with record_function("data"):
                     batch = self.next_batch()
                 waited = time.perf_counter() - started
-                agreed, grad_norm = self.step(batch.images, batch.tokens, checkpointer.requests(), batch.counts)
+                agreed, grad_norm = self.step(batch, checkpointer.requests())
                 if agreed.saved:  # every rank has written the checkpoint begun earlier: it is published now
                     checkpointer.finish()
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
@@ -243,17 +206,18 @@ class Trainer:
                     break
                 stream.consumed(agreed.counts)
                 if cfg.logging.sample_keys:
-                    self.log_samples(state.step + 1, batch.keys)
+                    log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys)
                 if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)",
                              logging.WARNING)
                     if bad_steps >= cfg.max_nonfinite_steps:
-                        raise TrainingDiverged(self.divergence(bad_steps))
+                        raise TrainingDiverged(checkpointer.divergence_advice(bad_steps, state.step,
+                                                                              cfg.max_nonfinite_steps, cfg.optim.lr))
                     continue
                 bad_steps = 0
                 self.overflow_steps += self.step.overflowed  # fp16: the update skipped on every rank; the step counts
-                state.step, state.samples_seen = state.step + 1, state.samples_seen + self.global_batch
+                state.step, state.samples_seen = state.step + 1, state.samples_seen + rows_consumed(agreed.counts)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed, grad_norm, seconds, skipped_steps)
                 for line in stream.observe(waited, seconds, batch.load_s):
@@ -272,19 +236,6 @@ class Trainer:
             self.tracker.finish()
         return metrics
 
-    def divergence(self, bad_steps: int) -> str:
-        """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them
-        may be the cause, and no finite loss vouches for the newest state (its weights can already be huge)."""
-        cfg, newest = self.cfg, self.checkpointer.files.checkpoints()
-        stopped = (f"{bad_steps} non-finite losses in a row after step {self.state.step} (max_nonfinite_steps="
-                   f"{cfg.max_nonfinite_steps}); stopped without saving, since these weights may be the cause")
-        lower = f"optim.lr={cfg.optim.lr / 10:g}"
-        if not newest:
-            return f"{stopped}. Start again with a lower learning rate ({lower}), or check the data"
-        return (f"{stopped}. Go on from the newest checkpoint in a new run with a lower learning rate: python train.py "
-                f"name=<new name> resume={newest[0]} {lower} (and your other overrides); if it fails the same way, "
-                f"resume from an older one in {self.checkpointer.directory} or start again")
-
     def next_batch(self) -> Batch:
         """This rank's next batch. A stop signal while waiting gives zeros of the batch's shape instead: the
         step's collectives still match on every rank, and its agreement stops them."""
@@ -292,20 +243,8 @@ class Trainer:
             with self.checkpointer.stop.interruptible():
                 return next(self.stream)
         except launch.StopRequested:
-            rows = self.cfg.world.batch_per_device
-            return Batch(torch.zeros(rows, 3, *image_size(self.model)),
-                         torch.zeros(rows, self.tokenizer.context_length, dtype=torch.long),
-                         Batch.zero_counts(len(self.shards.sources)))
-
-    def build_teacher(self) -> torch.nn.Module | None:
-        """loss.distill's teacher: frozen, in eval mode, in the weights' dtype, on this rank's device (whole on
-        every rank). That it can take the student's inputs was checked before the ranks started (preflight)."""
-        distill, cfg = self.cfg.loss.distill, self.cfg
-        if not distill.model:
-            return None
-        with parallel.node_leaders_first(self.env.local_rank, needed=fetches_weights(distill.model, distill.pretrained)):
-            teacher, _ = targets.load(targets.resolve(distill.model, distill.pretrained), cache_dir=cfg.model.cache_dir)
-        return teacher.to(self.device, precision.weights_dtype(cfg.precision)).eval().requires_grad_(False)
+            return Batch.dummy(self.cfg.world.batch_per_device, image_size(self.model), self.tokenizer.context_length,
+                               len(self.shards.sources))
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a
@@ -313,8 +252,8 @@ class Trainer:
         state, model = self.state, self.model
         global_loss = agreed.loss
         stats = {"loss": global_loss, **agreed.terms, "lr": self.step.applied_lr,
-                 "samples_per_s": self.global_batch / seconds,
-                 "samples_per_s_per_device": self.cfg.world.batch_per_device / seconds}
+                 "samples_per_s": rows_consumed(agreed.counts) / seconds,
+                 "samples_per_s_per_device": rows_consumed(agreed.counts) / self.env.world_size / seconds}
         self.progress.update(1)
         if state.step % self.cfg.logging.log_every == 0:
             stats["logit_scale"] = model.logit_scale.exp().item()

@@ -54,7 +54,7 @@ def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tok
                          world_size=1, seed=0, pixels=pixels)
     try:
         while True:
-            yield next(stream).images.shape[0]
+            yield next(stream).rows
     finally:
         stream.close()
 

@@ -157,3 +157,11 @@ class CaptionTokens:
         while len(self.known) > self.capacity:
             self.known.popitem(last=False)
         return rows
+
+
+def normalize_on_device(setting: str, device: torch.device) -> tuple[bool, str]:
+    """Whether the loader hands over uint8 pixels for the rank to normalize on its device (data.normalize_on), and
+    why."""
+    if setting != "auto":
+        return setting == "device", f"data.normalize_on={setting}"
+    return device.type != "cpu", f"data.normalize_on=auto: {device.type} ranks"

@@ -15,10 +15,10 @@ import signal
 import sys
 import time
 import traceback
-from typing import NamedTuple
 
 import torch
 
+from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.order import SampleOrder
@@ -60,19 +60,6 @@ def kept_readers(saved_layout: dict | None, setting: int | None) -> int | None:
     if saved_layout and "cycle" in saved_layout and setting in (None, saved_layout["readers"]):
         return saved_layout["readers"]
     return None
-
-
-class Batch(NamedTuple):
-    images: torch.Tensor
-    tokens: torch.Tensor
-    counts: list[int]  # this rank's [samples skipped, shards skipped while reading it, samples of each source]
-    load_s: float | None = None  # CPU seconds the loader spent making it (reading, decoding, augmenting)
-    keys: list[str] | None = None  # each row's sample as "shard#key" (logging.sample_keys)
-
-    @staticmethod
-    def zero_counts(sources: int) -> list[int]:
-        """The counts of a batch that read nothing (the step's agreement sums counts of one length)."""
-        return [0, 0] + [0] * sources
 
 
 class TrainStream:
@@ -178,7 +165,7 @@ class TrainStream:
             images[at] = piece_images  # a reader's rows are consecutive, unless the readers take turns within them
             tokens[at] = piece_tokens
             del piece_images
-        return Batch(images, tokens, counts, load_s, keys)
+        return Batch.of(images, tokens, counts, load_s=load_s, sample_keys=keys)
 
     @property
     def _items(self) -> int:
@@ -195,7 +182,7 @@ class TrainStream:
         `counts` (Batch.counts summed over ranks; this rank's own where None) are added to the totals."""
         self.readers.update(self._pending)
         self._pending = {}
-        self.position += self.global_batch
+        self.position += self.global_batch if counts is None else rows_consumed(counts)
         if counts is not None:
             self.skipped_samples += counts[0]
             self.skipped_shards += counts[1]

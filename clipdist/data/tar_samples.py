@@ -63,6 +63,29 @@ class _Prefixed:
         return data + (self.stream.read(size - len(data)) if len(data) < size else b"")
 
 
+def _check_header(block: bytes, offset: int) -> None:
+    """A header whose checksum does not hold: not a tar at byte 0 (tarfile.ReadError), damage after it."""
+    try:
+        valid = _number(block[148:156]) == sum(block[:148]) + 256 + sum(block[156:])
+    except ValueError:
+        valid = False
+    if not valid:
+        if offset == 0:
+            raise tarfile.ReadError("invalid header")
+        raise TruncatedShardError(f"shard is damaged at byte {offset}: a header with a wrong checksum")
+
+
+def _member_name(block: bytes, extended: dict) -> str:
+    """A member's name: a pax or GNU long name before it, else the header's (ustar: prefix/name)."""
+    name = extended.get("path")
+    if name is None:
+        name = block[:100].split(b"\0", 1)[0]
+        if block[257:262] == b"ustar" and block[345] != 0:
+            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+        name = name.decode("utf-8", "surrogateescape")
+    return name
+
+
 def tar_files(stream):
     """(name, data) of every regular file of a tar stream, read front to back (a pipe is fine).
 
@@ -85,14 +108,7 @@ def tar_files(stream):
             raise TruncatedShardError(f"shard ends at byte {offset + len(block)}, inside a header (no end-of-archive block)")
         if block == _END:
             return
-        try:
-            valid = _number(block[148:156]) == sum(block[:148]) + 256 + sum(block[156:])
-        except ValueError:
-            valid = False
-        if not valid:
-            if offset == 0:
-                raise tarfile.ReadError("invalid header")
-            raise TruncatedShardError(f"shard is damaged at byte {offset}: a header with a wrong checksum")
+        _check_header(block, offset)
         kind = block[156:157]
         size = int(extended.get("size", 0)) or _number(block[124:136])
         if not 0 <= size <= MEMBER_BYTES:  # read whole into memory below: a 1.5 GiB member of a 1.5 MB .tar.gz
@@ -117,13 +133,7 @@ def tar_files(stream):
             pass
         else:
             if kind in _REGULAR:
-                name = extended.get("path")
-                if name is None:
-                    name = block[:100].split(b"\0", 1)[0]
-                    if block[257:262] == b"ustar" and block[345] != 0:
-                        name = block[345:500].split(b"\0", 1)[0] + b"/" + name
-                    name = name.decode("utf-8", "surrogateescape")
-                yield name, data
+                yield _member_name(block, extended), data
             extended = {}
         block = stream.read(_BLOCK)
 

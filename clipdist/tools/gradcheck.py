@@ -14,15 +14,15 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from clipdist.config import LossConfig
+from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL
 from clipdist.launch import launch_local
 from clipdist.losses import BACKENDS, build, clip_loss
 from clipdist.models import (caption_weight, create_model, create_model_for_loss, get_tokenizer, has_caption_decoder,
                              lock_towers, random_tokens)
-from clipdist.objective import Objective
+from clipdist.objective import build_objective
 from clipdist.parallel import full_tensor, wrap_model
 from clipdist.precision import gradient_scaler
 from clipdist.step import build_step
@@ -90,7 +90,7 @@ def _objective(loss_fn, model, teacher=None):
     """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
     caption weight (2) beside it; with a teacher, its distillation term (weight 1) too, in small tiles."""
     weight = caption_weight(LossConfig(), has_caption_decoder(model), "")
-    return Objective(loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3)
+    return build_objective(loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3)
 
 
 SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a power of two: scaling is exact)
@@ -125,7 +125,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
         teacher = _teacher(model_name, seed, dtype) if distill else None
         step = build_step(wrapped, _objective(loss_fn, model, teacher), chunks=chunks, scaler=grad_scaler)
-        loss = step.gradients(images[rows], tokens[rows])
+        loss = step.gradients(Batch.of(images[rows], tokens[rows]))
         if grad_scaler is not None:
             grad_scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
         mean_loss = loss.detach().clone()
@@ -143,25 +143,8 @@ def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name
     parameter's gradient is None. With `distill`, plus open_clip's DistillClipLoss term against the teacher."""
     model = _model(model_name, seed, dtype, loss_fn, locks)
     images, tokens = _random_batch(global_batch, model_name, seed, dtype)
-    outputs = model(images, tokens)
-    if isinstance(outputs, dict):  # CoCa: open_clip's CoCaLoss at world size 1, the contrastive part as loss_fn's
-        objective = _objective(loss_fn, model)
-        features = [outputs[key] for key in ("image_features", "text_features", "logit_scale", "logit_bias")
-                    if outputs.get(key) is not None]
-        caption = F.cross_entropy(outputs["logits"].permute(0, 2, 1), outputs["labels"], ignore_index=model.pad_id)
-        loss = getattr(loss_fn, "reference", clip_loss)(*features) + objective.caption_weight * caption
-    else:
-        loss = getattr(loss_fn, "reference", clip_loss)(*outputs)
-    if distill:
-        from open_clip.loss import DistillClipLoss
-
-        teacher = _teacher(model_name, seed, dtype)
-        with torch.no_grad():
-            teacher_outputs = (teacher.encode_image(images, normalize=True),
-                               teacher.encode_text(tokens, normalize=True), teacher.logit_scale.exp())
-        student = outputs if not isinstance(outputs, dict) else (
-            outputs["image_features"], outputs["text_features"], outputs["logit_scale"])
-        loss = loss + DistillClipLoss()(*student[:3], *teacher_outputs)[1]
+    objective = _objective(loss_fn, model, _teacher(model_name, seed, dtype) if distill else None)
+    loss = objective.reference(model(images, tokens), {"image": images, "text": tokens})  # each term's definition
     loss.backward()
     return loss.item(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from clipdist.config import OptimConfig
+from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.launch import launch_local
 from clipdist.losses import build
@@ -220,7 +221,8 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
     wrapped = wrap_model(model, parallel=parallel)
     optimizer, _ = build_optimizer(model, OptimConfig())
     images = torch.randn(local_batch, 3, *image_size(model))
-    build_step(wrapped, loss_fn).gradients(images, random_tokens(local_batch, get_tokenizer(model_name).context_length))
+    build_step(wrapped, loss_fn).gradients(Batch.of(images, random_tokens(local_batch,
+                                                                      get_tokenizer(model_name).context_length)))
     optimizer.step()
     return state_bytes(model, optimizer)
 

@@ -83,6 +83,7 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     from clipdist.optim import build_optimizer
     from clipdist.parallel import full_tensor, wrap_model
     from clipdist.state import TrainState
+    from clipdist.data.batch import Batch
     from clipdist.step import build_step
 
     def fresh(seed):
@@ -94,7 +95,8 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     cfg.world.parallel = "fsdp"
     checkpointer = Checkpointer(cfg, Path(directory), detect_env())
     trained = fresh(0)
-    build_step(trained.model, build("siglip")).gradients(torch.randn(4, 3, 32, 32), torch.randint(0, 49408, (4, 16)))
+    build_step(trained.model, build("siglip")).gradients(Batch.of(torch.randn(4, 3, 32, 32),
+                                                                    torch.randint(0, 49408, (4, 16))))
     trained.optimizer.step()
     trained.step = 1
     assert checkpointer.save(trained, wait=True)

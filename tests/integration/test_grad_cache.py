@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from clipdist.data.batch import Batch
 from clipdist.losses import build
 from clipdist.models import create_model_for_loss
 from clipdist.step import build_step
@@ -40,7 +41,7 @@ def _syncs_per_step(chunks: int):
 
     model.register_comm_hook(None, counting_allreduce)
     images, tokens = _random_batch(8, "clipdist-tiny", dist.get_rank(), torch.float32)
-    build_step(model, build("disco"), chunks=chunks).gradients(images, tokens)
+    build_step(model, build("disco"), chunks=chunks).gradients(Batch.of(images, tokens))
     return keeps_no_sync, len(calls)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from clipdist.data.batch import Batch
 from clipdist.launch import launch_local
 from clipdist.losses import build
 from clipdist.models import create_model_for_loss
@@ -63,7 +64,7 @@ def step_kept_bytes(backend, chunks, local_batch):
     images, tokens = _random_batch(local_batch, "clipdist-tiny", dist.get_rank(), torch.float32)
     step = build_step(ddp, loss_fn, chunks=chunks)
     with SavedTensorMeter(exclude=list(model.parameters())) as meter:
-        step.gradients(images, tokens)
+        step.gradients(Batch.of(images, tokens))
     return meter.peak
 
 

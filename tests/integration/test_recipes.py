@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import Run, read_jsonl, train
 
+from clipdist.data.batch import Batch
 from clipdist.launch import launch_local
 
 STEPS = 12
@@ -53,7 +54,7 @@ def _overflow_on_rank_1(parallel: str):
     for poison in (True, False):
         before = [full_tensor(param.detach()).clone() for param in model.parameters()]
         step.poison = poison
-        step(images, tokens)
+        step(Batch.of(images, tokens))
         after = [full_tensor(param.detach()) for param in model.parameters()]
         results.append((step.overflowed, all(torch.equal(a, b) for a, b in zip(after, before)), scaler.get_scale()))
     return results

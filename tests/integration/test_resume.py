@@ -111,7 +111,7 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
             batches.consumed()
         saved = batches.state_dict()
         next(batches)  # handed out but not consumed (a stop signal came): not part of the position
-        expected = [next(batches).images.tolist() for _ in range(5)]
+        expected = [next(batches)["image"].tolist() for _ in range(5)]
     finally:
         batches.close()
     resumed = weighted_stream(sources, workers)
@@ -119,7 +119,7 @@ def test_the_stream_resumes_from_any_batch_exactly(tmp_path, workers):
     try:
         assert resumed.restart_reason is None
         next(resumed)
-        assert [next(resumed).images.tolist() for _ in range(5)] == expected
+        assert [next(resumed)["image"].tolist() for _ in range(5)] == expected
     finally:
         resumed.close()
 
@@ -140,8 +140,8 @@ def test_pieces_and_workers_do_not_change_the_stream(tmp_path):
                 if switch and index == switch[0]:
                     batches.set_workers(switch[1])
                 batch = next(batches)
-                assert batch.images.shape[0] == 4 and sum(batch.counts[2:]) == 4
-                seen.append(batch.images.tolist())
+                assert batch.rows == 4 and sum(batch.counts[2:]) == 4
+                seen.append(batch["image"].tolist())
                 batches.consumed()
             return seen, batches.state_dict()
         finally:
@@ -176,7 +176,7 @@ def test_the_global_batches_are_the_same_on_any_world_size(tmp_path):
             rows = []
             for _ in range(count):
                 for stream in streams:
-                    rows += next(stream).images.tolist()
+                    rows += next(stream)["image"].tolist()
                     stream.consumed()
             positions = {}  # what the collective state_dict gathers: every rank's readers
             for stream in streams:

@@ -23,7 +23,7 @@ from clipdist.data.samples import (
     to_rgb,
 )
 from clipdist.data.sources import eval_set, expand_shards
-from clipdist.data.stream import Batch
+from clipdist.data.batch import zero_counts
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
 from clipdist.models import get_tokenizer
 
@@ -100,11 +100,11 @@ def test_corrupt_image_and_empty_caption_are_skipped_and_counted(tmp_path):
     members[5] = ("002.txt", b"   ")  # empty caption
     write_tar(tmp_path / "a.tar", members)
     stream = train_stream([tmp_path / "a.tar"], 2, identity_transform)
-    images, tokens, counts, *_ = next(stream)
-    assert images.tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
-    assert tokens.shape[0] == 2
-    assert counts == [2, 0, 2]  # the batch carries the skips made while reading it (samples, shards), and its samples of the one source
-    assert len(Batch.zero_counts(1)) == len(counts)  # what a rank stopped while waiting sends to the step's agreement
+    batch = next(stream)
+    assert batch["image"].tolist() == [0.0, 30.0]  # samples 1 (bad image) and 2 (empty caption) skipped
+    assert batch["text"].shape[0] == 2 and batch.rows == 2
+    assert batch.counts == [2, 0, 2]  # the skips made while reading it (samples, shards), its samples of the one source
+    assert len(zero_counts(1)) == len(batch.counts)  # what a rank stopped while waiting sends to the step's agreement
     assert next(stream).counts[0] == 0
 
 
@@ -564,8 +564,8 @@ def test_bad_images_are_skipped_and_counted_in_the_stream(tmp_path, huge_jpeg):
                for item in [(f"{i:03d}.jpg", data), (f"{i:03d}.txt", b"a photo")]]
     write_tar(tmp_path / "a.tar", members)
     stream = train_stream([tmp_path / "a.tar"], 5, open_clip.image_transform(224, is_train=True))
-    images, _tokens, counts, *_ = next(stream)
-    assert images.shape == (5, 3, 224, 224) and counts == [2, 0, 5]
+    batch = next(stream)
+    assert batch["image"].shape == (5, 3, 224, 224) and batch.counts == [2, 0, 5]
     stream.close()
 
 
@@ -663,4 +663,4 @@ def test_the_stream_reads_captions_from_the_keys_it_is_given(tmp_path):
     stream = train_stream([tmp_path / "0.tar"], 4, to_tensor, caption_keys=["json:caption"])
     batch = next(stream)
     stream.close()
-    assert batch.tokens.shape[0] == 4 and stream.skipped_samples == 0
+    assert batch["text"].shape[0] == 4 and stream.skipped_samples == 0

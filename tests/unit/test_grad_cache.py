@@ -7,7 +7,7 @@ from open_clip.transformer import PatchDropout
 
 from clipdist.losses import build
 from clipdist.models import create_model_for_loss
-from clipdist.objective import Outputs
+from clipdist.data.batch import Batch
 from clipdist.step import CachedStep, Step, _restored_rng, _rng_state
 from clipdist.tools.gradcheck import _random_batch
 
@@ -28,7 +28,7 @@ def gradients(model):
 
 def run_step(step, images, tokens):
     torch.manual_seed(123)
-    loss = step.gradients(images, tokens)
+    loss = step.gradients(Batch.of(images, tokens))
     return loss.item(), gradients(step.model)
 
 
@@ -39,9 +39,10 @@ class ChunksWithGraphs(Step):
         super().__init__(model, loss_fn)
         self.chunks = chunks
 
-    def forward(self, images, tokens):
-        outputs = [self.model(*piece) for piece in zip(images.tensor_split(self.chunks), tokens.tensor_split(self.chunks))]
-        return Outputs((torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *outputs[0][2:])), None
+    def forward(self, batch):
+        outputs = [self.model(**piece) for piece in batch.split(self.chunks)]
+        whole = (torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *outputs[0][2:])
+        return self.objective.outputs(whole, dict(batch)), None
 
 
 class ScaleInEveryChunk(CachedStep):
@@ -50,11 +51,11 @@ class ScaleInEveryChunk(CachedStep):
     def backward(self, loss, outputs, replay):
         (image_features, text_features, *scalars), (pieces, rng_states) = outputs.features, replay
         loss.backward()
-        sizes = [piece[0].shape[0] for piece in pieces]
+        sizes = [piece.rows for piece in pieces]
         for piece, rng, g_image, g_text in zip(pieces, rng_states, image_features.grad.split(sizes),
                                                text_features.grad.split(sizes)):
-            with _restored_rng(rng, piece[0].device):
-                outputs = self.model(*piece)
+            with _restored_rng(rng, self.rng_device):
+                outputs = self.model(**piece)
             torch.autograd.backward(list(outputs), [g_image, g_text, *(s.grad for s in scalars)])
 
 

@@ -9,7 +9,7 @@ from open_clip.loss import CoCaLoss
 from clipdist.config import LossConfig
 from clipdist.losses import build
 from clipdist.models import check_loss_weights
-from clipdist.objective import Objective
+from clipdist.objective import build_objective
 
 
 def coca_outputs(seed: int = 0, batch: int = 5, length: int = 7, vocab: int = 11):
@@ -29,8 +29,8 @@ def coca_outputs(seed: int = 0, batch: int = 5, length: int = 7, vocab: int = 11
 def test_objective_equals_open_clip_coca_loss(weights):
     contrastive_weight, caption_weight = weights
     ours, theirs = coca_outputs(), coca_outputs()
-    objective = Objective(build("disco"), contrastive_weight=contrastive_weight, caption_weight=caption_weight)
-    loss = objective(objective.outputs(ours))
+    objective = build_objective(build("disco"), contrastive_weight=contrastive_weight, caption_weight=caption_weight)
+    loss, terms = objective(objective.outputs(ours, {}))
     clip_part, caption_part = CoCaLoss(caption_loss_weight=caption_weight, clip_loss_weight=contrastive_weight)(
         theirs["image_features"], theirs["text_features"], theirs["logits"], theirs["labels"], theirs["logit_scale"])
     reference = clip_part + caption_part
@@ -42,15 +42,19 @@ def test_objective_equals_open_clip_coca_loss(weights):
         assert torch.allclose(ours[key].grad, want, rtol=1e-10, atol=1e-14), key
     if contrastive_weight:
         assert ours["logit_scale"].grad.item() == pytest.approx(theirs["logit_scale"].grad.item(), rel=1e-10)
-    assert objective.terms["caption_loss"].item() == pytest.approx(caption_part.item() / caption_weight, rel=1e-12)
+    assert terms["caption_loss"].item() == pytest.approx(caption_part.item() / caption_weight, rel=1e-12)
+    ours, theirs = coca_outputs(), coca_outputs()
+    reference = objective.reference(ours, {})  # each term's own single-process definition
+    assert reference.item() == pytest.approx(loss.item(), rel=1e-12)
 
 
 def test_a_clip_model_output_is_the_backend_alone():
     features = coca_outputs()
-    objective = Objective(build("disco"))
-    parts = objective.outputs((features["image_features"], features["text_features"], features["logit_scale"]))
-    assert parts.caption is None
-    assert objective(parts).item() == build("disco")(*parts.features).item() and objective.terms == {}
+    objective = build_objective(build("disco"))
+    parts = objective.outputs((features["image_features"], features["text_features"], features["logit_scale"]), {})
+    assert list(parts.parts) == ["contrastive_loss"]
+    loss, terms = objective(parts)
+    assert loss.item() == build("disco")(*parts.features).item() and terms == {}
 
 
 @pytest.mark.parametrize("model, weights, message", [

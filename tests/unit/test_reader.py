@@ -68,7 +68,7 @@ def test_the_streams_epochs_are_permutations_with_a_buffer_larger_than_a_pass(tm
     urls = sorted((tmp_path / "shards").glob("*.tar"))
     stream = train_stream(urls, 8, flat, shuffle_buffer=1000, readers=2, seed=1)
     try:
-        values = [value for _ in range(15) for value in next(stream).images.tolist()]
+        values = [value for _ in range(15) for value in next(stream)["image"].tolist()]
     finally:
         stream.close()
     for epoch in range(3):

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from clipdist.config import DataConfig, ModelConfig, OptimConfig, model_config, to_train_config
+from clipdist.data.batch import Batch
 from clipdist.data.transforms import augmentation_cfg, image_transforms
 from clipdist.models import built_model_config, create_model, lock_towers, model_overrides
 from clipdist.optim import build_optimizer, check_optim, layer_scales
@@ -87,7 +88,7 @@ def test_a_locked_image_tower_gets_no_gradient_and_no_update(tmp_path):
     from clipdist.models import random_tokens
 
     step = build_step(model, build("disco"), optimizer, scheduler, chunks=2)
-    step(torch.randn(4, 3, 32, 32), random_tokens(4, model.context_length))
+    step(Batch.of(torch.randn(4, 3, 32, 32), random_tokens(4, model.context_length)))
     for name, param in model.named_parameters():
         if name.startswith("visual."):
             assert param.grad is None and torch.equal(param, before[name]), name
@@ -269,12 +270,12 @@ def test_an_fp16_overflow_skips_the_update_halves_the_scale_and_still_counts_the
     images, tokens = torch.randn(4, 3, 32, 32), random_tokens(4, model.context_length)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     poison = model.text_projection.register_hook(lambda grad: torch.full_like(grad, math.inf))
-    agreed, grad_norm = step(images, tokens)
+    agreed, grad_norm = step(Batch.of(images, tokens))
     poison.remove()
     assert step.overflowed and not math.isfinite(grad_norm) and math.isfinite(agreed.loss)
     assert all(torch.equal(param, before[name]) for name, param in model.named_parameters())
     assert scaler.get_scale() == 2.0**15 and scheduler.last_epoch == 1  # the schedule advanced
-    step(images, tokens)
+    step(Batch.of(images, tokens))
     assert not step.overflowed
     assert not torch.equal(model.text_projection, before["text_projection"])
 
@@ -287,7 +288,7 @@ def test_fp16_steps_follow_fp32_steps():
     losses = {}
     for precision in ("fp32", "fp16"):
         _, step, _, _ = _tiny_step(precision)
-        losses[precision] = [step(images, tokens)[0].loss for _ in range(4)]
+        losses[precision] = [step(Batch.of(images, tokens))[0].loss for _ in range(4)]
     assert losses["fp16"] == pytest.approx(losses["fp32"], rel=2e-2)
     assert losses["fp16"] != losses["fp32"]  # it did compute in fp16
 

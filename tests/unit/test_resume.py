@@ -15,3 +15,44 @@ def test_sources_are_mixed_by_weight(tmp_path):
     assert abs(counts[0] / 1000 - 0.75) < 0.06, counts
 
 
+
+
+def test_every_key_of_the_state_sections_says_what_a_resume_may_do_with_it():
+    """model, optim and loss make the run's state: each field says refuse / warn / free, so a new key cannot change
+    on resume without anyone having decided it may (the rules were a hand-kept list of strings)."""
+    from dataclasses import fields
+
+    from clipdist.config import (FREE, LOSS_SCHEMAS, REFUSE, WARN, DistillConfig, LossConfig, ModelConfig,
+                                 OptimConfig, resume_rule)
+
+    for section in (ModelConfig, OptimConfig, LossConfig, DistillConfig, *LOSS_SCHEMAS.values()):
+        missing = [f.name for f in fields(section) if f.name not in section.RESUME]
+        assert not missing, f"{section.__name__} fields without a resume rule: {missing}"
+        assert set(section.RESUME.values()) <= {REFUSE, WARN, FREE}
+        assert not set(section.RESUME) - {f.name for f in fields(section)}, section.__name__
+    assert resume_rule("model.name") == REFUSE and resume_rule("loss.distill.model") == REFUSE
+    assert resume_rule("loss.tile") == FREE and resume_rule("loss.init_logit_scale") == FREE
+    assert resume_rule("optim.max_steps") == WARN and resume_rule("precision") == WARN
+    assert resume_rule("world.batch_per_device") == FREE and resume_rule("model.no_such_key") == FREE
+
+
+def test_a_resume_refuses_another_model_and_warns_of_a_reshaped_schedule(trained_run, tmp_path):
+    import shutil
+
+    import pytest
+    from omegaconf import OmegaConf
+
+    from clipdist.checkpoint import Checkpointer
+    from clipdist.config import ConfigError, to_train_config
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+
+    def check(**changes):
+        config = OmegaConf.merge(OmegaConf.load(run / "hydra" / "config.yaml"), {"run_dir": str(run), **changes})
+        return Checkpointer.check_resume(to_train_config(config), 1)
+
+    assert check() is None  # the run as trained
+    with pytest.raises(ConfigError, match="was trained with model.lock_text=False, not model.lock_text=True"):
+        check(model={"lock_text": True})
+    assert check(optim={"max_steps": 60, "lr": 1e-4}) == "changed since step_00000030.dcp: optim.max_steps 30 -> 60"

@@ -1,0 +1,58 @@
+"""What a loss term is, and the parts of a forward the terms take (clipdist.objective's docstring has the sum)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Outputs:
+    """A forward, in the parts the objective takes: `features` as a contrastive backend takes them (image, text,
+    logit scale[, logit bias]) and each term's own part by the term's name (None where it takes nothing)."""
+
+    features: tuple
+    parts: dict[str, Any] = field(default_factory=dict)
+
+
+def features_of(raw) -> tuple:
+    """The features of a model's forward: open_clip's CLIP returns (image, text, scale[, bias]); CoCa a dict."""
+    if not isinstance(raw, dict):
+        return tuple(raw)
+    features = (raw["image_features"], raw["text_features"], raw["logit_scale"])
+    return features + (raw["logit_bias"],) if raw.get("logit_bias") is not None else features
+
+
+class Term:
+    """One term T of the objective, over the global batch, exact at any world size and under gradient caching.
+
+    - `take(raw, inputs)`: what it needs from one forward (a chunk's, under gradient caching) beyond the features,
+      with the forward's graph where it has one; `inputs` are the model's named inputs (a teacher sees them too).
+    - `merge(parts)`: the chunks' parts as one. Every rank calls it once per step, so a term may agree over ranks
+      here (the caption term counts the global batch's tokens).
+    - `value(features, part)`: this rank's share ℓ_r, such that the mean over ranks of ℓ_r is T and DDP's average
+      of ∂ℓ_r/∂θ is ∂T/∂θ.
+    - `chunk_value(chunk_part, part)`: under gradient caching, the share of ℓ_r one chunk's re-forward
+      backpropagates itself (only for `per_chunk` terms); the others reach the model through the features, whose
+      cached gradients every chunk's re-forward carries.
+    - `reference(raw, inputs)`: T's definition on one process over the whole batch (open_clip's, where it has one).
+    """
+
+    name: str = "term"  # its key in the logs
+    per_chunk: bool = False  # its gradient reaches the model outside the features (chunk_value)
+
+    def take(self, raw, inputs: dict):
+        return None
+
+    def merge(self, parts: list):
+        return None
+
+    def value(self, features: tuple, part) -> torch.Tensor:
+        raise NotImplementedError
+
+    def chunk_value(self, chunk_part, part) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} reaches the model through the features only")
+
+    def reference(self, raw, inputs: dict) -> torch.Tensor:
+        raise NotImplementedError
