@@ -40,3 +40,98 @@ def test_every_test_file_named_in_the_docs_exists():
     assert any("{" in path for path in paths) and paths, "the docs name no test file (or none in both): the pattern is wrong"
     missing = {path: pages for path, pages in paths.items() if not all((REPO / one).is_file() for one in expand(path))}
     assert not missing, f"the docs name test files that do not exist: {missing}"
+
+
+PACKAGE = REPO / "clipdist"
+MODULES = {".".join(path.relative_to(PACKAGE).with_suffix("").parts[:-1] if path.name == "__init__.py"
+                    else path.relative_to(PACKAGE).with_suffix("").parts)
+           for path in PACKAGE.rglob("*.py")} - {""}
+FILE_SUFFIXES = {"py", "json", "yaml", "md", "txt", "pt", "jsonl", "log", "dcp", "safetensors", "bin", "tar", "csv",
+                 "tsv", "png", "jpg", "sh", "toml", "metadata", "wandb"}
+CONFIG_SECTIONS = ("model", "data", "loss", "world", "optim", "logging", "checkpoint", "grad_cache")
+
+
+def _modules_named(first: str) -> set[str]:
+    """The clipdist modules a citation's first part may mean: `models`, or by its last name (`images` is
+    data.images, `base` losses.base or objective.base)."""
+    return {module for module in MODULES if module.split(".")[0] == first or module.split(".")[-1] == first}
+
+
+def _resolves_in_code(dotted: str) -> bool:
+    """`dotted` names something in clipdist: a module (its longest prefix, or a module by its last name) and
+    attributes below it."""
+    import importlib
+
+    parts = dotted.removeprefix("clipdist.").split(".")
+    candidates = [parts] + [[*module.split("."), *parts[1:]] for module in _modules_named(parts[0])]
+    for names in candidates:
+        for cut in range(len(names), 0, -1):
+            if ".".join(names[:cut]) not in MODULES:
+                continue
+            if _has_path(importlib.import_module("clipdist." + ".".join(names[:cut])), names[cut:]):
+                return True
+            break
+    return False
+
+
+def _has_path(target, names: list[str]) -> bool:
+    for name in names:
+        if not hasattr(target, name):
+            return False
+        target = getattr(target, name)
+    return True
+
+
+def _is_config_key(dotted: str) -> bool:
+    """`dotted` is a key of the training schema (a loss backend's own keys included), or under a free-form field."""
+    from dataclasses import fields, is_dataclass
+
+    from clipdist.config import LOSS_SCHEMAS, TrainConfig
+
+    owners = [TrainConfig]
+    for part in dotted.split("."):
+        found = [f for owner in owners for f in fields(owner) if f.name == part]
+        if not found:
+            return False
+        if not any(is_dataclass(f.default_factory) for f in found):
+            return True  # a leaf, or a dict such as data.eval_sets whose keys are the user's
+        owners = [f.default_factory for f in found if is_dataclass(f.default_factory)]
+        owners += list(LOSS_SCHEMAS.values()) if part == "loss" else []
+    return True
+
+
+def test_every_code_symbol_and_config_key_the_docs_cite_exists():
+    """A backticked `module.symbol` (clipdist.models.check_config_is_data, weights.read_small_json, objective.base.Term)
+    resolves in the code, and a backticked config key (data.readers, loss.distill.weight) is in the schema: the docs
+    cannot name what was renamed or removed."""
+    tokens = {token: pages for token, pages in cited(r"`((?:clipdist\.)?[a-z_]+(?:\.[A-Za-z_]\w*)+)`").items()
+              if token.rsplit(".", 1)[1] not in FILE_SUFFIXES}
+    code = {token: pages for token, pages in tokens.items()
+            if token.startswith("clipdist.") or _modules_named(token.split(".")[0])}
+    assert len(code) > 30, "the pattern finds too few citations"
+    missing = {token: pages for token, pages in code.items()
+               if not _resolves_in_code(token)
+               and not (token.split(".")[0] in CONFIG_SECTIONS and _is_config_key(token))}
+    assert not missing, f"the docs cite code or config keys that do not exist: {missing}"
+    keys = {token: pages for token, pages in tokens.items() if token.split(".")[0] in CONFIG_SECTIONS}
+    unknown = {token: pages for token, pages in keys.items() if not _is_config_key(token) and not _resolves_in_code(token)}
+    assert not unknown, f"the docs cite config keys the schema does not have: {unknown}"
+
+
+def test_the_profiler_ranges_the_docs_list_are_the_codes():
+    ranges = {match for path in PACKAGE.rglob("*.py") for match in re.findall(r'record_function\("(\w+)"\)', path.read_text())}
+    text = (REPO / "docs" / "performance.md").read_text()
+    sentence = re.search(r"labelled ranges:(.*?)Look at", text, re.S)
+    assert sentence and ranges, "performance.md no longer lists the ranges, or the code has none"
+    assert set(re.findall(r"`(\w+)`", sentence.group(1))) == ranges
+
+
+def test_the_test_counts_the_docs_give_are_the_suites():
+    """'N test functions' in docs/development.md, per folder, counted from the files themselves."""
+    text = (REPO / "docs" / "development.md").read_text()
+    claims = re.findall(r"`tests/(unit|integration)/`\s+holds\s+(\d+)\s+test\s+functions", text)
+    assert {folder for folder, _ in claims} == {"unit", "integration"}, "development.md states no counts: pattern?"
+    for folder, count in claims:
+        defined = sum(len(re.findall(r"(?m)^\s*def test_\w+\(", path.read_text()))
+                      for path in (REPO / "tests" / folder).rglob("test_*.py"))
+        assert int(count) == defined, f"tests/{folder}/ holds {defined} test functions, development.md says {count}"
