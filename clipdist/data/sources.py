@@ -22,9 +22,9 @@ from pathlib import Path
 import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
-from clipdist.data.folders import class_folders, folder_classnames, folder_parts
-from clipdist.data.folders import is_part as is_folder_part
-from clipdist.data.tables import TableFormat, is_part, is_table, table_parts
+from clipdist.data.folders import folder_classnames
+from clipdist.data.kinds import kind_of_item, kind_of_url
+from clipdist.data.tables import TableFormat
 from clipdist.errors import printable
 
 CLASSNAMES_FILE = "classnames.txt"
@@ -97,7 +97,7 @@ class Shards:
 
 def _is_remote(item: str) -> bool:
     """Not a local file: a URL, a `pipe:` command, or a part of a table (its table was checked when it was cut)."""
-    return "://" in item or item.startswith("pipe:") or is_part(item) or is_folder_part(item)
+    return "://" in item or item.startswith("pipe:") or kind_of_url(item) is not None
 
 
 def _natural(path: str):
@@ -113,15 +113,13 @@ def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
     if _is_remote(item):
         return [item]
     path = Path(item).expanduser()
-    if is_table(item):
-        if not path.is_file():
-            raise FileNotFoundError(f"{what}: no such table {item}")
-        return table_parts(item, table, what)
+    if path.is_dir() and _benchmark_root(path):  # its shards are in test/
+        path = path / "test"
+    kind = kind_of_item(str(path))  # a table, an ImageFolder (one subfolder per class: evaluation reads it)
+    if kind is not None:
+        return kind.expand(str(path), table, what)
     if path.is_dir():
-        folder = path / "test" if _benchmark_root(path) else path
-        found = sorted((str(p) for p in folder.glob("*.tar")), key=_natural)
-        if not found and class_folders(path):  # an ImageFolder (one subfolder per class): evaluation reads it
-            return folder_parts(path)
+        found = sorted((str(p) for p in path.glob("*.tar")), key=_natural)
         if not found:
             raise FileNotFoundError(f"{what}: the directory {item} holds no .tar files (a shard spec may be a "
                                     "directory of .tar shards, an ImageFolder, a file, a brace pattern or a glob)")
@@ -187,7 +185,7 @@ def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], 
     urls = expand_shards(spec, key or eval_set_key(name), table)
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
-    elif not classnames and urls and is_folder_part(urls[0]):  # an ImageFolder's own (ImageNet's from open_clip)
+    elif not classnames and urls and getattr(kind_of_url(urls[0]), "name", None) == "folder":  # an ImageFolder's own (ImageNet's from open_clip)
         classnames, folder_templates = folder_classnames(Path(spec).expanduser())
         if folder_templates and list(templates) == DEFAULT_TEMPLATES:
             templates = folder_templates

@@ -20,9 +20,7 @@ import webdataset as wds
 from webdataset.tariterators import group_by_keys
 
 from clipdist.data.faults import ShardError, ShardHealth
-from clipdist.data.folders import class_members
-from clipdist.data.folders import is_part as is_folder_part
-from clipdist.data.tables import is_part, part_members
+from clipdist.data.kinds import members as part_members
 from clipdist.launch import kill_tree
 
 
@@ -167,11 +165,8 @@ def _tar_members(sources, handler, health: ShardHealth | None):
     for source in sources:
         url, files, stream = source["url"], 0, None
         try:
-            if is_part(url):  # rows of a CSV/TSV table (data/tables.py)
-                members = part_members(url)
-            elif is_folder_part(url):  # a class subfolder of an ImageFolder (data/folders.py)
-                members = class_members(url)
-            else:
+            members = part_members(url)  # a table's rows, an ImageFolder's class (data/kinds.py)
+            if members is None:
                 stream = wds.gopen(url, "rb")
                 members = tar_files(stream)
             for name, data in members:
