@@ -330,10 +330,11 @@ class Checkpointer:
         return None
 
     @staticmethod
-    def check_resume(cfg: TrainConfig, world_size: int, found: tuple[Path, dict] | None = None) -> str | None:
+    def check_resume(cfg: TrainConfig, world_size: int, found: tuple[Path, dict] | None = None) -> list[str]:
         """Before any rank starts: refuse resume=never over a run with checkpoints, a missing resume file, a
-        checkpoint of another model or loss, or one whose files would run code; a changed global batch is
-        allowed (the returned warning). `found`: resume_point(cfg), where the caller has it already."""
+        checkpoint of another model or loss, or one whose files would run code; keys a resume may change with a
+        word (config.resume_rule: warn) and a changed global batch are allowed, one returned warning each.
+        `found`: resume_point(cfg), where the caller has it already."""
         files = CheckpointFiles(cfg.run_dir)
         if cfg.resume == "never":
             existing = files.checkpoints()
@@ -341,9 +342,9 @@ class Checkpointer:
                 raise ConfigError(
                     f"{files.directory} already holds {existing[0].name}; resume=never would overwrite "
                     "that run. Use resume=auto to continue it, or name=<new name> for a new run")
-            return None
+            return []
         found = found or Checkpointer.resume_point(cfg)
-        return None if found is None else _compare(found[1], as_dict(cfg), world_size, found[0])
+        return [] if found is None else _compare(found[1], as_dict(cfg), world_size, found[0])
 
     @staticmethod
     def resume_point(cfg: TrainConfig) -> tuple[Path, dict] | None:
@@ -415,7 +416,7 @@ class Checkpointer:
             self.remote.close()
 
 
-def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | None:
+def _compare(saved: dict, config: dict, world_size: int, path: Path) -> list[str]:
     before, now = _resume_settings(saved["config"], REFUSE), _resume_settings(config, REFUSE)
     changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
     if changed:
@@ -435,4 +436,4 @@ def _compare(saved: dict, config: dict, world_size: int, path: Path) -> str | No
     if old_batch != new_batch:
         lines.append(f"resuming {path} (step {saved['step']}) with global batch {new_batch} "
                      f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}")
-    return "; ".join(lines) or None
+    return lines

@@ -50,12 +50,12 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
         return train(cfg, shards)
     with RunLock(cfg.run_dir):
         fetched = Checkpointer.fetch_remote(cfg)
-        warning = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
+        warnings = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
         write_record(cfg.run_dir, as_dict(cfg), list(overrides))
         console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
         if fetched:
             log.log(*fetched)
-        if warning:
+        for warning in warnings:
             log.warning("%s", warning)
         if env.launcher == "single" and cfg.world.world_size > 1:
             return launch.launch_local(train, cfg.world.world_size, cfg, shards,

@@ -41,7 +41,7 @@ def test_a_checkpoint_of_the_pt_days_is_resumed_under_ddp_only(tmp_path):
     folder.mkdir()
     cfg = TrainConfig(name="x", run_dir=str(tmp_path))
     torch.save({"step": 2, "world_size": 1, "rng": [{}], "config": as_dict(cfg)}, folder / "step_00000002.pt")
-    assert Checkpointer.check_resume(cfg, 1) is None
+    assert Checkpointer.check_resume(cfg, 1) == []
     cfg.world.parallel = "fsdp"
     with pytest.raises(ConfigError, match="checkpoint of the .pt days .*resume it with world.parallel=ddp"):
         Checkpointer.check_resume(cfg, 1)
