@@ -11,21 +11,18 @@ import functools
 import hashlib
 import itertools
 import random
-import signal
-import sys
 import time
-import traceback
 
 import torch
 
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
+from clipdist.data.loader import Loader, assemble
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.order import SampleOrder
 from clipdist.data.reader import Reader, ShardSequence
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
-from clipdist.launch import STOP_SIGNALS, kill_tree
 from clipdist.parallel import all_ranks
 
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
@@ -83,7 +80,8 @@ class TrainStream:
 
     The loader's workers (data.workers, any count; `set_workers` moves to another between batches) each
     run some of the rank's readers and give their rows of a batch as `data.pieces` items, copied into the
-    batch's host buffer (pinned where `pin_memory`) as they arrive: host memory is the batch plus the items
+    batch's host buffer (pinned where `pin_memory`) as they arrive (data.loader, which owns the DataLoader and
+    its processes): host memory is the batch plus the items
     read ahead (workers × 2), which lets a batch larger than the device (gradient caching) be held at all.
     None of this changes a sample of the stream.
     """
@@ -136,36 +134,8 @@ class TrainStream:
     def __next__(self) -> Batch:
         if self._loader is None:
             self._loader = self._start()
-        items, self._pending = self._items, {}
-        images = tokens = counts = None
-        load_s, keys = 0.0, [""] * self.batch_size
-        for _ in range(items):
-            item = next(self._loader)
-            if isinstance(item, DataFailure):
-                raise DataError(f"rank {self.rank}: {item.message}")
-            piece_images, piece_tokens, info = item
-            self._pending.update({reader: position.state for reader, position in info["readers"].items()})
-            piece_counts = [*info["skipped"], *info["sources"]]
-            counts = piece_counts if counts is None else [total + count for total, count in zip(counts, piece_counts)]
-            load_s += info["load_s"]
-            for row, key in zip(info["rows"], info["keys"]):
-                keys[row] = key
-            if items == 1:  # the whole batch in one item
-                images, tokens = _in_row_order(piece_images, piece_tokens, info["rows"], self.pin_memory)
-                continue
-            rows = info["rows"]
-            if not rows:
-                continue
-            if images is None:  # the batch's host buffer, filled item by item as they arrive
-                images = torch.empty((self.batch_size, *piece_images.shape[1:]), dtype=piece_images.dtype,
-                                     pin_memory=self.pin_memory)
-                tokens = torch.empty((self.batch_size, *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
-            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-            at = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows)
-            images[at] = piece_images  # a reader's rows are consecutive, unless the readers take turns within them
-            tokens[at] = piece_tokens
-            del piece_images
-        return Batch.of(images, tokens, counts, load_s=load_s, sample_keys=keys)
+        batch, self._pending = assemble(self._loader, self._items, self.batch_size, self.pin_memory, self.rank)
+        return batch
 
     @property
     def _items(self) -> int:
@@ -248,36 +218,14 @@ class TrainStream:
                                   order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
                                   world_size=self.world_size, seed=self.seed, resume=dict(self.readers),
                                   readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels)
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
-            # each worker gives 1/W of a batch: 2·W items in flight per worker keep 2 batches a worker read ahead,
-            # as whole-batch workers had (with data.pieces, 2·W pieces of a worker: the same bytes as 2 batches / K)
-            prefetch_factor=2 * workers if workers else None,
-            pin_memory=self.pin_memory and self._items == 1,  # items are copied into a pinned batch instead
-            worker_init_fn=functools.partial(start_worker, low_priority=self.low_priority_workers) if workers else None,
-            multiprocessing_context=self.start_method if workers else None,
-            # its own generator for the workers' base seed: the rank's RNG (dropout masks) is not drawn from, so a
-            # loader started after a resume leaves the restored RNG as it was (samples are seeded by key instead)
-            generator=torch.Generator().manual_seed(self.seed))
-        return iter(loader)
+        return Loader(dataset, workers, pin_memory=self.pin_memory and self._items == 1,
+                      low_priority=self.low_priority_workers, start_method=self.start_method, seed=self.seed)
+
     def close(self) -> None:
-        """Stop the DataLoader's workers now. They ignore SIGTERM (start_worker), so the DataLoader's own
-        shutdown could not end one blocked on a full queue at exit: they are killed — nothing they hold is
-        needed once the trainer stops — with what they started (`pipe:` commands)."""
+        """Stop the loader's workers now (data.loader.Loader.close)."""
         loader, self._loader = self._loader, None
-        if loader is None:
-            return
-        workers = getattr(loader, "_workers", [])
-        if workers and getattr(loader, "_worker_pids_set", False):
-            # Unregister them first, or the DataLoader's SIGCHLD handler reports the kill as a worker crash.
-            torch.utils.data._utils.signal_handling._remove_worker_pids(id(loader))
-            loader._worker_pids_set = False
-        for worker in workers:
-            if worker.is_alive():
-                kill_tree(worker.pid)
-        shutdown = getattr(loader, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        if loader is not None:
+            loader.close()
 
     def tune(self, plan: LoaderPlan, priority_for, threads) -> str | None:
         """Let the run decide the workers' count and priority (data.workers.LoaderTuning); the start's line."""
@@ -300,46 +248,13 @@ class TrainStream:
         return all([set_low_priority(pid, low) for pid in self.worker_pids()])
 
     def worker_pids(self) -> list[int]:
-        return [worker.pid for worker in getattr(self._loader, "_workers", [])]
-
-
-def _in_row_order(images: torch.Tensor, tokens: torch.Tensor, rows: list[int], pin: bool):
-    """An item that is the whole batch, its samples put in row order (they are, unless readers take turns
-    within the rank's rows more than once a batch)."""
-    if rows == list(range(len(rows))):
-        return images, tokens
-    order = torch.argsort(torch.tensor(rows))
-    return (images[order].pin_memory() if pin else images[order]), tokens[order]
+        return [] if self._loader is None else self._loader.worker_pids()
 
 
 def check_pieces(pieces: int, batch_size: int) -> None:
     if pieces < 1 or batch_size % pieces:
         raise ValueError(f"data.pieces={pieces} does not divide world.batch_per_device={batch_size}: "
                          "use a divisor of the rank's batch (1: the loader reads whole batches)")
-
-
-def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
-    """DataLoader worker_init_fn. SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
-    `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
-    `low_priority`: SCHED_IDLE (see data.workers.loader_priority; nice 19 where there is none).
-
-    A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
-    descriptors come through multiprocessing's resource sharer): the worker's sharer thread then
-    sees the connection reset and would print a traceback for a batch nobody wants any more."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    if low_priority:
-        set_low_priority(0, True)
-    sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
-
-
-def _quiet_on_abandoned_transfer(excepthook):
-    def hook(kind, value, trace):
-        if issubclass(kind, (ConnectionError, EOFError)) and any(
-                "resource_sharer" in frame.filename for frame in traceback.extract_tb(trace)):
-            return
-        excepthook(kind, value, trace)
-    return hook
 
 
 class Position:

@@ -1,0 +1,127 @@
+"""A rank's loader processes: a torch DataLoader over the stream's dataset (data.stream.TrainingBatches), its workers
+started, reprioritised and stopped with what they started, and the items they give assembled into batches.
+
+This is the one place that knows the DataLoader's private parts (its worker list, its SIGCHLD registration): the
+stream (data.stream.TrainStream) keeps the order, the position and the state, and asks for the next batch.
+"""
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+import traceback
+
+import torch
+
+from clipdist.data.batch import Batch
+from clipdist.data.faults import DataError, DataFailure
+from clipdist.data.workers import set_low_priority
+from clipdist.launch import STOP_SIGNALS, kill_tree
+
+
+class Loader:
+    """The DataLoader over `dataset` on `workers` processes (0: in the rank itself), as an iterator of its items."""
+
+    def __init__(self, dataset, workers: int, *, pin_memory: bool, low_priority: bool = False,
+                 start_method: str | None = None, seed: int = 0):
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            # each worker gives 1/W of a batch: 2·W items in flight per worker keep 2 batches a worker read ahead,
+            # as whole-batch workers had (with data.pieces, 2·W pieces of a worker: the same bytes as 2 batches / K)
+            prefetch_factor=2 * workers if workers else None,
+            pin_memory=pin_memory,  # where a batch is several items, they are copied into a pinned batch instead
+            worker_init_fn=functools.partial(start_worker, low_priority=low_priority) if workers else None,
+            multiprocessing_context=start_method if workers else None,
+            # its own generator for the workers' base seed: the rank's RNG (dropout masks) is not drawn from, so a
+            # loader started after a resume leaves the restored RNG as it was (samples are seeded by key instead)
+            generator=torch.Generator().manual_seed(seed))
+        self.items = iter(self.loader)
+
+    def __next__(self):
+        return next(self.items)
+
+    def worker_pids(self) -> list[int]:
+        return [worker.pid for worker in getattr(self.items, "_workers", [])]
+
+    def close(self) -> None:
+        """Stop the workers now. They ignore SIGTERM (start_worker), so the DataLoader's own shutdown could not end
+        one blocked on a full queue at exit: they are killed — nothing they hold is needed once the trainer stops —
+        with what they started (`pipe:` commands)."""
+        items = self.items
+        workers = getattr(items, "_workers", [])
+        if workers and getattr(items, "_worker_pids_set", False):
+            # Unregister them first, or the DataLoader's SIGCHLD handler reports the kill as a worker crash.
+            torch.utils.data._utils.signal_handling._remove_worker_pids(id(items))
+            items._worker_pids_set = False
+        for worker in workers:
+            if worker.is_alive():
+                kill_tree(worker.pid)
+        shutdown = getattr(items, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def assemble(items, count: int, batch_size: int, pin_memory: bool, rank: int = 0) -> tuple[Batch, dict[int, dict]]:
+    """The next batch from `count` items of `items` (each a worker's rows of it: images, tokens, and what was read),
+    and the positions its readers reach once it is consumed. Items are copied into the batch's host buffer (pinned
+    where `pin_memory`) as they arrive; a batch that is one item is used as it is."""
+    images = tokens = counts = None
+    pending, load_s, keys = {}, 0.0, [""] * batch_size
+    for _ in range(count):
+        item = next(items)
+        if isinstance(item, DataFailure):
+            raise DataError(f"rank {rank}: {item.message}")
+        piece_images, piece_tokens, info = item
+        pending.update({reader: position.state for reader, position in info["readers"].items()})
+        piece_counts = [*info["skipped"], *info["sources"]]
+        counts = piece_counts if counts is None else [total + part for total, part in zip(counts, piece_counts)]
+        load_s += info["load_s"]
+        rows = info["rows"]
+        for row, key in zip(rows, info["keys"]):
+            keys[row] = key
+        if count == 1:  # the whole batch in one item
+            images, tokens = _in_row_order(piece_images, piece_tokens, rows, pin_memory)
+        elif rows:
+            if images is None:  # the batch's host buffer, filled item by item as they arrive
+                images = torch.empty((batch_size, *piece_images.shape[1:]), dtype=piece_images.dtype,
+                                     pin_memory=pin_memory)
+                tokens = torch.empty((batch_size, *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
+            consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+            at = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows)
+            images[at] = piece_images  # a reader's rows are consecutive, unless the readers take turns within them
+            tokens[at] = piece_tokens
+        del piece_images
+    return Batch.of(images, tokens, counts, load_s=load_s, sample_keys=keys), pending
+
+
+def _in_row_order(images: torch.Tensor, tokens: torch.Tensor, rows: list[int], pin: bool):
+    """An item that is the whole batch, its samples put in row order (they are, unless readers take turns
+    within the rank's rows more than once a batch)."""
+    if rows == list(range(len(rows))):
+        return images, tokens
+    order = torch.argsort(torch.tensor(rows))
+    return (images[order].pin_memory() if pin else images[order]), tokens[order]
+
+
+def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
+    """DataLoader worker_init_fn. SIGTERM/SIGINT/SIGUSR1 sent to the whole process group (SLURM,
+    `timeout`, Ctrl-C) are for the trainer, which checkpoints and then shuts the workers down.
+    `low_priority`: SCHED_IDLE (see data.workers.loader_priority; nice 19 where there is none).
+
+    A stop signal can also interrupt the trainer while it receives a batch's tensors (their file
+    descriptors come through multiprocessing's resource sharer): the worker's sharer thread then
+    sees the connection reset and would print a traceback for a batch nobody wants any more."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if low_priority:
+        set_low_priority(0, True)
+    sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
+
+
+def _quiet_on_abandoned_transfer(excepthook):
+    def hook(kind, value, trace):
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+                "resource_sharer" in frame.filename for frame in traceback.extract_tb(trace)):
+            return
+        excepthook(kind, value, trace)
+    return hook
