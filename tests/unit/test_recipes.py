@@ -322,12 +322,12 @@ def test_a_resume_that_changes_the_structure_is_refused_and_one_that_changes_num
     for change in ({"model": {"lock_image": True}}, {"optim": {"name": "lion"}}, {"model": {"force_image_size": 64}}):
         with pytest.raises(ConfigError, match="was trained with"):
             _compare(saved, as_dict(to_train_config({"name": "x", **change})), 1, tmp_path / "step_00000010.dcp")
-    warning = _compare(saved, as_dict(to_train_config({"name": "x", "precision": "fp16",
-                                                       "model": {"force_patch_dropout": 0.0}})), 1,
-                       tmp_path / "step_00000010.dcp")
+    (warning,) = _compare(saved, as_dict(to_train_config({"name": "x", "precision": "fp16",
+                                                          "model": {"force_patch_dropout": 0.0}})), 1,
+                          tmp_path / "step_00000010.dcp")
     assert "precision auto -> fp16" in warning and "model.force_patch_dropout None -> 0.0" in warning
     old = {**saved, "config": {k: v for k, v in as_dict(saved_cfg).items() if k != "optim"}}  # before these keys
-    assert _compare(old, as_dict(saved_cfg), 1, tmp_path / "step_00000010.dcp") is None
+    assert _compare(old, as_dict(saved_cfg), 1, tmp_path / "step_00000010.dcp") == []
 
 
 def test_force_patch_dropout_zero_switches_off_a_configs_patch_dropout(tmp_path):
