@@ -31,14 +31,18 @@ RUN useradd --create-home --uid 1000 clipdist \
     && chown -R clipdist:clipdist /app
 WORKDIR /app
 
-# The package and its dependencies in one layer (a code change re-runs the install; pip then finds every
-# dependency already there). pip checks the base's torch against pyproject.toml's range: a base outside it
-# stops the build here instead of downloading another.
+# The dependencies first, in a layer that only pyproject.toml invalidates (installed through an empty stand-in of
+# the package, then the stand-in removed): a code change re-runs the small layer below, not the downloads. pip
+# checks the base's torch against pyproject.toml's range: a base outside it stops the build here instead of
+# downloading another.
 COPY --chown=clipdist:clipdist pyproject.toml README.md ./
+RUN torch_now=$(python -c "import torch; print(torch.__version__.split('+')[0])") \
+    && mkdir clipdist && touch clipdist/__init__.py \
+    && pip install "torch==$torch_now" . \
+    && pip uninstall --yes clipdist && rm -rf clipdist build ./*.egg-info
 COPY --chown=clipdist:clipdist clipdist ./clipdist
 COPY --chown=clipdist:clipdist train.py ./
-RUN torch_now=$(python -c "import torch; print(torch.__version__.split('+')[0])") \
-    && pip install "torch==$torch_now" -e . \
+RUN pip install --no-deps -e . \
     && python -m clipdist --help > /dev/null
 
 USER 1000:1000
