@@ -147,8 +147,9 @@ def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat
             "Check the path, or write shards with `clipdist make-shards`"
         )
     empty = [url for url in local if Path(url).stat().st_size == 0]
-    if empty:
-        raise ValueError(f"{what}: empty shard file(s): {', '.join(empty[:3])}")
+    if empty and len(empty) == len(urls):  # nothing readable left; one failed download among many is skipped
+        raise ValueError(f"{what}: every shard is an empty file ({', '.join(empty[:3])}"
+                         f"{f' and {len(empty) - 3} more' if len(empty) > 3 else ''}): nothing to read")
     return urls
 
 

@@ -205,12 +205,23 @@ def test_intact_shards_skip_nothing(tmp_path):
     assert (len(keys), skipped) == (16, (0, 0))
 
 
-def test_missing_and_empty_shards_are_clear_errors(tmp_path):
+def test_missing_shards_and_only_empty_ones_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="2 of 2 shards not found"):
         expand_shards(f"{tmp_path}/x-{{0..1}}.tar")
     (tmp_path / "empty.tar").write_bytes(b"")
-    with pytest.raises(ValueError, match="empty shard"):
+    with pytest.raises(ValueError, match="every shard is an empty file"):
         expand_shards(str(tmp_path / "empty.tar"))
+
+
+def test_an_empty_shard_among_good_ones_is_skipped_and_counted_as_a_bad_shard(tmp_path):
+    """One failed download (a 0-byte file) among many does not block a run: it is skipped like any unreadable
+    shard (it refused the whole run before)."""
+    eight_sample_shard(tmp_path / "a.tar")
+    (tmp_path / "b.tar").write_bytes(b"")
+    urls = expand_shards(f"{tmp_path}/{{a,b}}.tar")
+    assert urls == [str(tmp_path / "a.tar"), str(tmp_path / "b.tar")]
+    keys, skipped = read_all_once(urls)
+    assert (len(keys), skipped) == (8, (0, 1))  # no sample lost, one shard skipped
 
 
 def test_fewer_shards_than_workers_times_ranks_is_an_error(tmp_path):
