@@ -361,7 +361,7 @@ def pretrained_weights(name: str, pretrained: str | None = None, cache_dir: str 
         raise ValueError(
             f"{what}: the weights are not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and cannot "
             f"be fetched from here ({reason}); fetch them once where there is network (the same command, or "
-            f"`huggingface-cli download {repo}`) into a cache this machine reads (HF_HOME, model.cache_dir), or point "
+            f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache this machine reads (HF_HOME, model.cache_dir), or point "
             "model.checkpoint at the file") from None
 
 

@@ -112,7 +112,8 @@ def make_shards(pairs, out_dir: str | Path, prefix: str, samples_per_shard: int,
 
 
 def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
-    """Images under folder; caption from a same-name .txt beside the image, else 'a photo of a <parent dir>'."""
+    """Images under folder; caption from a same-name .txt beside the image, else 'a photo of a <parent dir>' with
+    the folder's `_` read as a space (as an ImageFolder's class names are: data/folders.py)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {folder} does not exist")
@@ -122,7 +123,7 @@ def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
             continue
         found = True
         caption_file = path.with_suffix(".txt")
-        caption = caption_file.read_text().strip() if caption_file.exists() else f"a photo of a {path.parent.name}"
+        caption = caption_file.read_text().strip() if caption_file.exists() else f"a photo of a {path.parent.name.replace('_', ' ')}"
         yield path.read_bytes(), caption, {"source": str(path.relative_to(folder))}
     if not found:
         raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {folder}")

@@ -675,3 +675,16 @@ def test_the_stream_reads_captions_from_the_keys_it_is_given(tmp_path):
     batch = next(stream)
     stream.close()
     assert batch["text"].shape[0] == 4 and stream.skipped_samples == 0
+
+
+def test_make_shards_captions_a_folder_as_evaluation_names_its_class(tmp_path):
+    """make-shards' caption for an image without a .txt: 'a photo of a <folder>', its `_` a space, as an
+    ImageFolder's class names are read (it kept 'blue_circle')."""
+    from clipdist.data.shard_writer import pairs_from_folder
+
+    (tmp_path / "blue_circle").mkdir()
+    (tmp_path / "blue_circle" / "a.png").write_bytes(png(10))
+    (tmp_path / "blue_circle" / "b.png").write_bytes(png(20))
+    (tmp_path / "blue_circle" / "b.txt").write_text("a round blue thing\n")
+    assert [caption for _, caption, _ in pairs_from_folder(tmp_path)] == ["a photo of a blue circle",
+                                                                         "a round blue thing"]
