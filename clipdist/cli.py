@@ -160,6 +160,8 @@ def _plan(args: argparse.Namespace) -> int:
     model_name, checkpointing = plan.resolve_model(args.model)
     checkpointing = checkpointing or args.grad_checkpointing
     world_size, ranks_per_node = plan.resolve_world(args.world)
+    if args.global_batch is None:  # the preset's own (8gpu: 8 × 256), as `python train.py world=8gpu` trains
+        args.global_batch = plan.preset_global_batch(args.world)
     device_bytes = plan.parse_bytes(args.memory)
     host = plan.Host(args.ranks_per_node or ranks_per_node, args.loader_workers, plan.parse_bytes(args.host_memory))
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
@@ -335,7 +337,8 @@ def _add_plan(commands) -> None:
     )
     planner.add_argument("--model", default="vit_b32", help="conf/model preset (vit_b32) or open_clip name (ViT-B-32)")
     planner.add_argument("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks")
-    planner.add_argument("--global-batch", type=int, default=32768)
+    planner.add_argument("--global-batch", type=int, default=None,
+                         help="default: the world preset's (batch_per_device × ranks), 32768 for a number of ranks")
     planner.add_argument("--backend", type=_csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
     planner.add_argument("--chunks", type=_chunk_counts, default=[1],
                          help="gradient-caching chunks, comma-separated: 1,8; auto: the chunk size that reaches the "

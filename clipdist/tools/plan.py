@@ -91,6 +91,18 @@ def resolve_model(preset: str) -> tuple[str, bool]:
     return (cfg.name, bool(cfg.get("grad_checkpointing", False))) if cfg is not None else (preset, False)
 
 
+DEFAULT_GLOBAL_BATCH = 32768  # `clipdist plan --world N` without --global-batch
+
+
+def preset_global_batch(preset: str) -> int:
+    """The global batch a run with this world preset trains on (its batch_per_device × its ranks); for a number of
+    ranks, DEFAULT_GLOBAL_BATCH."""
+    cfg = None if preset.isdigit() else _preset("world", preset)
+    if cfg is None or "batch_per_device" not in cfg:
+        return DEFAULT_GLOBAL_BATCH
+    return int(cfg.batch_per_device) * int(cfg.nodes) * int(cfg.procs_per_node)
+
+
 def resolve_world(preset: str) -> tuple[int, int]:
     """A conf/world preset (64gpu) or a number of ranks → (world size, ranks per node; 8 at most for a number)."""
     if preset.isdigit():

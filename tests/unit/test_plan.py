@@ -16,6 +16,9 @@ def test_parse_bytes_and_presets():
     with pytest.raises(ValueError, match="40GB"):
         plan.parse_bytes("lots")
     assert plan.resolve_world("64gpu") == (64, 8) and plan.resolve_world("3") == (3, 3)
+    # without --global-batch, the preset's own (it planned 32768 = 4096 per device for 8gpu's 256)
+    assert plan.preset_global_batch("8gpu") == 8 * 256 and plan.preset_global_batch("64gpu") == 64 * 512
+    assert plan.preset_global_batch("3") == plan.DEFAULT_GLOBAL_BATCH
     assert plan.resolve_model("vit_b32") == ("ViT-B-32", False)
     with pytest.raises(ValueError, match="64gpu"):
         plan.resolve_world("65gpu")
