@@ -31,6 +31,7 @@ from clipdist.models import create_run_model, image_size
 from clipdist.objective import run_objective
 from clipdist.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight
+from clipdist.recipe import recipe, traps
 from clipdist.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
 from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
@@ -55,7 +56,7 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
         console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
         if fetched:
             log.log(*fetched)
-        for warning in warnings:
+        for warning in [*warnings, *traps(cfg, shards)]:  # the resume's, and settings that do not do what they seem
             log.warning("%s", warning)
         if env.launcher == "single" and cfg.world.world_size > 1:
             return launch.launch_local(train, cfg.world.world_size, cfg, shards,
@@ -135,8 +136,7 @@ class Trainer:
             seed_everything(cfg.seed + env.rank)
         for warning in rewind_logs(self.run_dir, self.state.step) if env.is_main else ():
             log.warning("%s", warning)
-        self.eval_errors = 0
-        self.shown_scale = "-"  # the logit scale on the progress bar, as last logged
+        self.eval_errors, self.shown_scale = 0, "-"  # evaluations that failed; the progress bar's logit scale
         self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
                                   as_dict(cfg), env.is_main, cfg.logging.tensorboard, self.state.step,
                                   notes=cfg.logging.wandb_notes)
@@ -173,6 +173,9 @@ class Trainer:
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
+        for line in recipe(cfg, self.model, self.step.objective, self.env.world_size, getattr(self.step, "chunks", 1),
+                           precision.resolved(cfg.precision, self.device), self.shards):
+            self.say(line)
         if stream.continued:
             self.say(f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
                      f"reader(s); {self.env.world_size} rank(s) × {cfg.world.batch_per_device})")

@@ -82,6 +82,12 @@ def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
     return parts
 
 
+def part_rows(url: str) -> int:
+    """The rows a table part URL holds (its `rows=first-last`)."""
+    first, last = (int(number) for number in parse_qs(url.partition("#")[2])["rows"][0].split("-"))
+    return last - first + 1
+
+
 def part_members(url: str):
     """(fname, data) of a part's rows, as tar_files gives a shard's members: `<row>.<ext>` and `<row>.txt`; a row
     whose image file cannot be read gives its caption alone (the sample is then skipped as having no image)."""

@@ -12,7 +12,7 @@ LAYERS = [
     {"errors", "defaults", "config", "precision", "parallel", "console", "launch", "host"},
     {"losses", "models", "weights", "targets", "data", "optim", "checkpoint", "run_dir", "tracking", "remote",
      "state"},
-    {"objective", "step", "evaluate", "preflight"},
+    {"objective", "step", "evaluate", "preflight", "recipe"},
     {"trainer"},
     {"tools", "cli", "__main__", "conf"},
 ]

@@ -24,10 +24,19 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [3]
     checkpoint = run_dir / "checkpoints" / "step_00000003.dcp"
     assert checkpoint.is_dir()
+    banner = ["model clipdist-tiny: 3.4M parameters, 3.4M trained",  # the recipe said back (clipdist/recipe.py)
+              "optimizer adamw (lr 0.002, weight decay 0.1, betas [0.9, 0.98], eps 1e-06, grad clip 1); cosine "
+              "schedule, warmup 2 of 3 steps; precision fp32",
+              "loss disco: contrastive_loss × 1; global batch 16 (1 rank(s) × 16); ddp",
+              "data: 4 train shard(s) in 1 source(s); evaluation: val"]
+    lines = first.stdout.splitlines()
+    assert all(line in lines for line in banner), first.stdout
+    assert all(line in (run_dir / "train.log").read_text() for line in banner)
 
     resumed = train(run_dir, cache_dir, "optim.max_steps=4", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint} at step 3" in resumed.stdout
+    assert "warning: changed since step_00000003.dcp: optim.max_steps 3 -> 4" in resumed.stderr  # the cosine reshapes
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2, 3, 4]
     saved = read_progress(run_dir / "checkpoints" / "step_00000004.dcp")
     assert saved["step"] == 4 and saved["samples_seen"] == 4 * 16

@@ -1,0 +1,81 @@
+"""The recipe said back: what a run trains, in a few lines at its start (console and train.log), and one-line
+warnings for settings that run but do not do what their writer meant.
+
+    model clipdist-tiny: 3.4M parameters, 3.4M trained (image tower locked: 0 of 1.9M trained)
+    optimizer adamw (lr 0.002, weight decay 0.1, ...); cosine schedule, warmup 50 of 600 steps; precision fp32
+    loss disco: contrastive_loss × 1 + caption_loss × 2; global batch 128 (2 rank(s) × 64)
+    data: 4 train shard(s) in 1 source(s); evaluation: val
+"""
+from __future__ import annotations
+
+import torch
+
+from clipdist.config import TrainConfig
+from clipdist.data import tables
+from clipdist.data.sources import Shards
+
+SCALARS = ("logit_scale", "logit_bias")
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e6:.1f}M" if count >= 100_000 else f"{count:,}"
+
+
+def _tower(parameters) -> tuple[int, int]:
+    """(trained, total) parameter counts."""
+    parameters = list(parameters)
+    return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
+
+
+def model_line(cfg: TrainConfig, model: torch.nn.Module) -> str:
+    """Parameters trained of the total, and how much of each locked tower still trains."""
+    trained, total = _tower(model.parameters())
+    image = _tower(model.visual.parameters())
+    text = _tower(p for name, p in model.named_parameters() if not name.startswith("visual.") and name not in SCALARS)
+    locks = [f"{name} tower locked: {_millions(part[0])} of {_millions(part[1])} trained"
+             for name, locked, part in (("image", cfg.model.lock_image, image), ("text", cfg.model.lock_text, text))
+             if locked]
+    return (f"model {cfg.model.name}: {_millions(total)} parameters, {_millions(trained)} trained"
+            + (f" ({'; '.join(locks)})" if locks else ""))
+
+
+def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int, chunks: int, precision: str,
+           shards: Shards) -> list[str]:
+    """The start banner's lines."""
+    optim = cfg.optim
+    settings = [f"lr {optim.lr:g}", f"weight decay {optim.weight_decay:g}"]
+    settings += [f"betas {list(optim.betas)}"] if optim.betas is not None else []
+    settings += [f"eps {optim.eps:g}"] if optim.eps is not None else []
+    settings += [f"grad clip {optim.grad_clip:g}" if optim.grad_clip else "no grad clip"]
+    terms = " + ".join(f"{term.name} × {weight:g}" for term, weight in objective.terms)
+    caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
+    evals = ", ".join(evalset.name for evalset in shards.evals) or "none"
+    return [model_line(cfg, model),
+            f"optimizer {optim.name} ({', '.join(settings)}); {optim.schedule} schedule, warmup {optim.warmup_steps} of "
+            f"{optim.max_steps} steps; precision {precision}",
+            f"loss {cfg.loss.name}: {terms}; global batch {cfg.world.batch_per_device * world_size} ({world_size} "
+            f"rank(s) × {cfg.world.batch_per_device}{caching}); {cfg.world.parallel}",
+            f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
+            + (f", {table_rows(shards):,} rows" if table_rows(shards) else "") + f"; evaluation: {evals}"]
+
+
+def table_rows(shards: Shards) -> int | None:
+    """The training rows where every shard is a table part (the only kind whose size is known before reading)."""
+    urls = shards.train
+    if not urls or not all(url.startswith(tables.SCHEME) for url in urls):
+        return None
+    return sum(tables.part_rows(url) for url in urls)
+
+
+def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
+    """Warnings for settings that run but do not do what they seem to: a warmup as long as the run (the lr never
+    reaches optim.lr), a global batch larger than the data (every batch holds pairs twice: false negatives)."""
+    found, optim = [], cfg.optim
+    if optim.warmup_steps >= optim.max_steps:
+        found.append(f"optim.warmup_steps={optim.warmup_steps} is not below optim.max_steps={optim.max_steps}: the lr "
+                     f"never reaches optim.lr={optim.lr:g}; lower the warmup or raise max_steps")
+    rows, batch = table_rows(shards), cfg.world.batch_per_device * cfg.world.world_size
+    if rows is not None and batch > rows:
+        found.append(f"the global batch {batch} is larger than the {rows} rows of data.train_shards: every batch "
+                     "holds some pairs twice, false negatives for a contrastive loss; lower world.batch_per_device")
+    return found

@@ -1,0 +1,29 @@
+"""The recipe said back: one-line warnings for settings that run but do not do what they seem to."""
+from __future__ import annotations
+
+from clipdist.config import to_train_config
+from clipdist.data.sources import Shards
+from clipdist.data.tables import TableFormat, table_parts
+from clipdist.recipe import table_rows, traps
+
+
+def config(**sections):
+    return to_train_config({"name": "x", **sections})
+
+
+def test_a_warmup_as_long_as_the_run_is_warned():
+    shards = Shards([["a.tar"]])
+    assert traps(config(optim={"max_steps": 600, "warmup_steps": 50}), shards) == []
+    (warning,) = traps(config(optim={"max_steps": 40, "warmup_steps": 50}), shards)
+    assert warning.startswith("optim.warmup_steps=50 is not below optim.max_steps=40: the lr never reaches")
+
+
+def test_a_global_batch_larger_than_the_table_is_warned(tmp_path):
+    table = tmp_path / "pairs.tsv"
+    table.write_text("filepath\ttitle\n" + "".join(f"{index}.png\tcaption {index}\n" for index in range(216)))
+    shards = Shards([table_parts(str(table), TableFormat(rows_per_part=100), "data.train_shards")])
+    assert table_rows(shards) == 216 and len(shards.train) == 3
+    (warning,) = traps(config(world={"batch_per_device": 256}), shards)
+    assert warning.startswith("the global batch 256 is larger than the 216 rows of data.train_shards")
+    assert traps(config(world={"batch_per_device": 216}), shards) == []
+    assert table_rows(Shards([["a.tar"]])) is None  # a tar shard's size is not known before reading it
