@@ -258,6 +258,7 @@ def _run_composed(cfg) -> None:
         cfg.run_dir = run_dir
     try:
         run(cfg, overrides=OmegaConf.to_container(hydra.overrides.task, resolve=False))  # as typed: ${...} kept
+        _write_report(run_dir)
     except ClipdistError as error:
         if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -268,6 +269,22 @@ def _run_composed(cfg) -> None:
     except Exception as error:  # noqa: BLE001 -- logged where the run's reader looks, then raised as ever
         logging.getLogger("clipdist").exception("%s: %s", type(error).__name__, error)
         raise SystemExit(1) from None
+
+
+def _write_report(run_dir: str) -> None:
+    """report.png / report.txt at the end of a run or a stop, from the main rank; a failure is a warning only."""
+    from clipdist.launch import detect_env
+    from clipdist.tools.report import write_report
+
+    if not detect_env().is_main or not os.path.isfile(os.path.join(run_dir, "train_log.jsonl")):
+        return
+    try:
+        picture, _ = write_report(run_dir)
+    except Exception as error:  # noqa: BLE001 -- the run is done either way
+        logging.getLogger("clipdist").warning("the run's report could not be written (%s: %s)", type(error).__name__,
+                                              error)
+    else:
+        logging.getLogger("clipdist").info("report: %s", picture)
 
 
 def train_main(overrides: list[str] | None = None) -> None:
@@ -288,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", add_help=False,
                         help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)")
-    for add in (_add_gradcheck, _add_plan, _add_bench, _add_make_shards, _add_export, _add_eval, _add_trust):
+    for add in (_add_gradcheck, _add_plan, _add_bench, _add_make_shards, _add_export, _add_eval, _add_trust, _add_report):
         add(commands)
     return parser
 
@@ -469,6 +486,23 @@ def _add_trust(commands) -> None:
     trusting.add_argument("--out", default=None,
                           help="where the copy goes (default: beside it, <stem>.trusted<suffix> / <name>.trusted.dcp)")
     trusting.set_defaults(run=_trust)
+
+
+def _add_report(commands) -> None:
+    reporting = commands.add_parser(
+        "report", help="a run at a glance: report.png (loss, lr, samples/s, evaluations) and report.txt in its directory",
+        description="Read a run directory's own logs (train_log.jsonl, metrics.jsonl, train.log) — a finished, stopped "
+        "or running run — and write report.png and report.txt into it; print the summary.")
+    reporting.add_argument("run_dir", metavar="RUN", help="the run directory (runs/<name>)")
+    reporting.set_defaults(run=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from clipdist.tools.report import write_report
+
+    picture, text = write_report(args.run_dir)
+    print(f"{text}wrote {picture} and {picture.with_name('report.txt').name}", end="\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

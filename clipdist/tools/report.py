@@ -1,0 +1,126 @@
+"""`clipdist report RUN`: a finished, stopped or running run at a glance, from its own files alone (train_log.jsonl,
+metrics.jsonl, train.log; no W&B, no TensorBoard): one picture, `report.png` — the loss and its terms, the lr,
+samples/s and every evaluation metric against the step, each start of the run marked with its world size — and a
+short text, `report.txt`: steps, samples, time, skips, the best and last of every metric. Written into the run
+directory at the end of every run and at a stop, and by the command for any run.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from clipdist.run_dir import jsonl_rows
+
+PICTURE, SUMMARY = "report.png", "report.txt"
+FRACTIONS = re.compile(r"(_r\d+|_top\d+)$")  # metrics in [0, 1]: recall@k, zero-shot top-k
+LOWER_IS_BETTER = re.compile(r"(loss|_rank)$")
+STAMP = re.compile(r"^\[([0-9-]+ [0-9:,]+)\] (.*)$")
+RESUMED = re.compile(r"resumed from .* at step (\d+)$")
+BANNER = re.compile(r"loss \S+: .*; global batch \d+ \((\d+) rank\(s\)")  # one a start (clipdist.recipe)
+
+
+@dataclass
+class RunRecord:
+    """What a run directory says of its run."""
+
+    train: list[dict]
+    evals: list[dict]
+    starts: list[tuple[int, int | None]] = field(default_factory=list)  # (step a start began at, its ranks)
+    seconds: float | None = None  # from the first line of train.log to its last
+
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """The run's logs; a ValueError where the directory holds no training log."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "train_log.jsonl").is_file():
+        raise ValueError(f"{run_dir}: no train_log.jsonl (not a clipdist run directory, or no step logged yet)")
+    record = RunRecord(jsonl_rows(run_dir / "train_log.jsonl")[0], jsonl_rows(run_dir / "metrics.jsonl")[0])
+    log = run_dir / "train.log"
+    times, resumed_at = [], 0
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        stamped = STAMP.match(line)
+        if stamped is None:
+            continue
+        times.append(datetime.strptime(stamped.group(1), "%Y-%m-%d %H:%M:%S,%f"))
+        resumed, banner = RESUMED.match(stamped.group(2)), BANNER.match(stamped.group(2))
+        if resumed:  # said just before the start's banner
+            resumed_at = int(resumed.group(1))
+        elif banner:
+            record.starts.append((resumed_at, int(banner.group(1))))
+            resumed_at = 0
+    record.seconds = (times[-1] - times[0]).total_seconds() if len(times) > 1 else None
+    return record
+
+
+def summary(record: RunRecord, name: str) -> str:
+    """A few lines: how far the run went, what it skipped, the best and last of each metric."""
+    last = record.train[-1] if record.train else {}
+    lines = [f"run {name}: step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen"
+             + (f", train.log spans {record.seconds / 60:.1f} min" if record.seconds else "")
+             + f", {len(record.starts)} start(s)" + "".join(
+                 f"; resumed at step {step}" + (f" on {ranks} rank(s)" if ranks else "")
+                 for step, ranks in record.starts[1:]),
+             f"skipped: {last.get('skipped_samples', 0)} sample(s), {last.get('skipped_shards', 0)} shard(s), "
+             f"{last.get('skipped_steps', 0)} step(s); last loss {last.get('loss', float('nan')):.4f}"]
+    for key in metric_keys(record.evals):
+        points = [(row["step"], row[key]) for row in record.evals if isinstance(row.get(key), (int, float))]
+        best = (min if LOWER_IS_BETTER.search(key) else max)(points, key=lambda point: point[1])
+        lines.append(f"{key}: last {points[-1][1]:.4g} (step {points[-1][0]}), best {best[1]:.4g} (step {best[0]})")
+    return "\n".join(lines) + "\n"
+
+
+def metric_keys(evals: list[dict]) -> list[str]:
+    """The evaluation metrics worth a curve: numbers that vary, counts of samples left out."""
+    keys = dict.fromkeys(key for row in evals for key, value in row.items()
+                         if key != "step" and isinstance(value, float) and not key.endswith(("samples", "errors")))
+    return list(keys)
+
+
+def plot(record: RunRecord, path: Path, name: str) -> None:
+    """report.png: four panels against the step, each start of the run marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ((losses, rate), (lr, metrics)) = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
+    steps = [row["step"] for row in record.train]
+    for key in ("loss", "contrastive_loss", "caption_loss", "distill_loss"):
+        if any(key in row for row in record.train):
+            losses.plot(steps, [row.get(key) for row in record.train], label=key, lw=1.5 if key == "loss" else 1)
+    for key in (key for key in metric_keys(record.evals) if key.endswith("loss")):
+        losses.plot([row["step"] for row in record.evals], [row.get(key) for row in record.evals], "o--", label=key)
+    rate.plot(steps, [row.get("samples_per_s") for row in record.train], color="tab:green")
+    lr.plot(steps, [row.get("lr") for row in record.train], color="tab:purple")
+    for key in (key for key in metric_keys(record.evals) if FRACTIONS.search(key)):
+        metrics.plot([row["step"] for row in record.evals], [row.get(key) for row in record.evals], "o-", label=key,
+                     ms=3)
+    for axes, title in ((losses, "loss (train, and evaluation's)"), (rate, "samples/s"), (lr, "learning rate"),
+                        (metrics, "evaluation")):
+        axes.set_title(title)
+        axes.grid(alpha=0.3)
+        for step, ranks in record.starts[1:]:
+            axes.axvline(step, color="grey", ls=":", lw=1)
+            axes.annotate(f"resumed{f' ×{ranks}' if ranks else ''}", (step, 1), xycoords=("data", "axes fraction"),
+                          fontsize=7, color="grey", ha="left", va="top", rotation=90)
+    for axes in (losses, metrics):
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=7, ncol=2)
+    lr.set_xlabel("step")
+    metrics.set_xlabel("step")
+    figure.suptitle(summary(record, name).splitlines()[0], fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, str]:
+    """report.png and report.txt into the run directory; (the picture's path, the summary)."""
+    run_dir = Path(run_dir)
+    record = read_run(run_dir)
+    text = summary(record, run_dir.name)
+    plot(record, run_dir / PICTURE, run_dir.name)
+    (run_dir / SUMMARY).write_text(text)
+    return run_dir / PICTURE, text
