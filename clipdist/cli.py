@@ -258,7 +258,8 @@ def _run_composed(cfg) -> None:
         cfg.run_dir = run_dir
     try:
         run(cfg, overrides=OmegaConf.to_container(hydra.overrides.task, resolve=False))  # as typed: ${...} kept
-        _write_report(run_dir)
+        if cfg.logging.report:
+            _write_report(run_dir)
     except ClipdistError as error:
         if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
             shutil.rmtree(run_dir, ignore_errors=True)

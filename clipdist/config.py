@@ -377,6 +377,7 @@ class LoggingConfig:
     progress: bool = True
     profile_steps: int = non_negative(0)  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
     profile_wait: int = non_negative(10)  # steps run before profiling starts (warm-up left out)
+    report: bool = True  # report.png / report.txt in the run directory when the run ends or stops (clipdist report)
     sample_keys: bool = False  # each rank logs every step's samples ("shard#key") to <run_dir>/samples/rank_<r>.jsonl
 
 

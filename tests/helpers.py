@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1")  # no W&B, no bar, every step logged
+# no W&B, no bar, every step logged, no picture at the end (~1 s a run; tests/unit/test_train.py asks for one)
+QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1", "logging.report=false")
 
 
 def own_environment() -> dict[str, str]:

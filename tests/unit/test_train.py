@@ -12,7 +12,8 @@ from clipdist.weights import read_progress
 
 def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=3", "optim.warmup_steps=2"]
+    common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=3", "optim.warmup_steps=2",
+              "logging.report=true"]
     first = train(run_dir, cache_dir, "optim.max_steps=3", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = read_jsonl(run_dir / "train_log.jsonl")
