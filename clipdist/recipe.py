@@ -49,14 +49,14 @@ def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int,
     settings += [f"grad clip {optim.grad_clip:g}" if optim.grad_clip else "no grad clip"]
     terms = " + ".join(f"{term.name} × {weight:g}" for term, weight in objective.terms)
     caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
-    evals = ", ".join(evalset.name for evalset in shards.evals) or "none"
+    evals, rows = ", ".join(evalset.name for evalset in shards.evals) or "none", table_rows(shards)
     return [model_line(cfg, model),
             f"optimizer {optim.name} ({', '.join(settings)}); {optim.schedule} schedule, warmup {optim.warmup_steps} of "
             f"{optim.max_steps} steps; precision {precision}",
             f"loss {cfg.loss.name}: {terms}; global batch {cfg.world.batch_per_device * world_size} ({world_size} "
             f"rank(s) × {cfg.world.batch_per_device}{caching}); {cfg.world.parallel}",
             f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
-            + (f", {table_rows(shards):,} rows" if table_rows(shards) else "") + f"; evaluation: {evals}"]
+            + (f", {rows:,} rows" if rows else "") + f"; evaluation: {evals}"]
 
 
 def table_rows(shards: Shards) -> int | None:

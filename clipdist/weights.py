@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.errors import ClipdistError, printable
+from clipdist.files import UnboundedFileError, read_bounded
 
 PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
 LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
@@ -59,15 +60,10 @@ def read_small_json(path: Path, limit: int = JSON_FILE_BYTES):
     """JSON from a regular file of at most `limit` bytes. A FIFO, a device (`/dev/zero`) or a larger file is refused
     (UnsafeFileError) before anything is read from it, so a path a file names can neither hang nor exhaust the
     reader; OSError and ValueError as reading and json.loads raise them."""
-    info = path.stat()  # through symlinks: what would be read
-    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"larger than {limit >> 20} MiB"
-        raise UnsafeFileError(f"{str(path)!r}: refused: {what}")
-    with path.open("rb") as file:
-        data = file.read(limit + 1)
-    if len(data) > limit:  # grew since the stat
-        raise UnsafeFileError(f"{str(path)!r}: refused: larger than {limit >> 20} MiB")
-    return json.loads(data)
+    try:
+        return json.loads(read_bounded(path, limit))
+    except UnboundedFileError as error:
+        raise UnsafeFileError(f"{str(path)!r}: refused: {error.strerror}") from None
 
 
 def refusal(path, wanted: str) -> UnsafeFileError:

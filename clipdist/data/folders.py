@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
-from clipdist.data.samples import IMAGE_EXTENSIONS, read_image_file
+from clipdist.data.samples import IMAGE_EXTENSIONS, IMAGE_FILE_BYTES
+from clipdist.files import read_bounded
 
 SCHEME = "folder:"
 SYNSET = re.compile(r"n\d{8}")
@@ -47,7 +48,7 @@ def class_members(url: str):
     for number, file in enumerate(images):
         key = f"{options['name']}/{number:06d}"
         try:
-            yield f"{key}.{file.suffix.lower().lstrip('.')}", read_image_file(file)
+            yield f"{key}.{file.suffix.lower().lstrip('.')}", read_bounded(file, IMAGE_FILE_BYTES)
         except OSError as error:  # skipped and counted as a sample without an image, as a table row's
             yield f"{key}.missing", f"image {file.name}: {error.strerror}".encode()
         yield f"{key}.cls", options["class"].encode()

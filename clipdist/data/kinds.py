@@ -32,11 +32,10 @@ def _table_parts(item: str, table: tables.TableFormat, what: str) -> list[str]:
     return tables.table_parts(item, table, what)
 
 
-KINDS = (
-    DataKind("table", tables.SCHEME, tables.is_table, _table_parts, tables.part_members),
-    DataKind("folder", folders.SCHEME, lambda item: bool(folders.class_folders(Path(item).expanduser())),
-             lambda item, table, what: folders.folder_parts(Path(item).expanduser()), folders.class_members),
-)
+TABLES = DataKind("table", tables.SCHEME, tables.is_table, _table_parts, tables.part_members)
+FOLDERS = DataKind("folder", folders.SCHEME, lambda item: bool(folders.class_folders(Path(item).expanduser())),
+                   lambda item, table, what: folders.folder_parts(Path(item).expanduser()), folders.class_members)
+KINDS = (TABLES, FOLDERS)
 
 
 def kind_of_item(item: str) -> DataKind | None:

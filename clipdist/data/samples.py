@@ -7,14 +7,11 @@ the sample key and the reason, so a skip warning says what to fix.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import random
-import stat
 import warnings
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -34,20 +31,7 @@ class SampleError(ValueError):
         super().__init__(f"{self.url}: sample {self.key!r}: {reason}")
 
 
-IMAGE_FILE_BYTES = 256 << 20  # one image file a table row or an image folder names
-
-
-def read_image_file(path: Path) -> bytes:
-    """An image file's bytes, for table rows and image folders: a regular file (a FIFO would hang the reader,
-    /dev/zero never ends) of at most IMAGE_FILE_BYTES; an OSError saying which otherwise."""
-    info = path.stat()
-    if not stat.S_ISREG(info.st_mode):
-        raise OSError(errno.EINVAL, "not a regular file")
-    with path.open("rb") as file:
-        data = file.read(IMAGE_FILE_BYTES + 1)
-    if len(data) > IMAGE_FILE_BYTES:
-        raise OSError(errno.EFBIG, f"larger than {IMAGE_FILE_BYTES >> 20} MiB")
-    return data
+IMAGE_FILE_BYTES = 256 << 20  # one image file a table row or an image folder names (files.read_bounded)
 
 
 def to_rgb(image: Image.Image, background=BACKGROUND) -> Image.Image:

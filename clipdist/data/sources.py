@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import glob
 import re
-import stat
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,10 @@ import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
 from clipdist.data.folders import folder_classnames
-from clipdist.data.kinds import kind_of_item, kind_of_url
+from clipdist.data.kinds import FOLDERS, kind_of_item, kind_of_url
 from clipdist.data.tables import TableFormat
 from clipdist.errors import printable
+from clipdist.files import UnboundedFileError, read_bounded
 
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
@@ -158,10 +158,11 @@ TEXT_FILE_BYTES = 4 << 20  # classnames.txt, zeroshot_classification_templates.t
 
 def _lines(path: Path) -> list[str]:
     """The non-empty lines of a small regular text file (a FIFO or /dev/zero beside the shards is refused)."""
-    info = path.stat()
-    if not stat.S_ISREG(info.st_mode) or info.st_size > TEXT_FILE_BYTES:
-        raise ValueError(f"{path}: not a regular text file of at most {TEXT_FILE_BYTES >> 20} MiB")
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = read_bounded(path, TEXT_FILE_BYTES).decode()
+    except UnboundedFileError:
+        raise ValueError(f"{path}: not a regular text file of at most {TEXT_FILE_BYTES >> 20} MiB") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def _beside(spec: str, urls: list[str], name: str) -> Path | None:
@@ -186,7 +187,7 @@ def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], 
     urls = expand_shards(spec, key or eval_set_key(name), table)
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
-    elif not classnames and urls and getattr(kind_of_url(urls[0]), "name", None) == "folder":  # an ImageFolder's own (ImageNet's from open_clip)
+    elif not classnames and urls and kind_of_url(urls[0]) is FOLDERS:  # an ImageFolder's own (ImageNet's from open_clip)
         classnames, folder_templates = folder_classnames(Path(spec).expanduser())
         if folder_templates and list(templates) == DEFAULT_TEMPLATES:
             templates = folder_templates

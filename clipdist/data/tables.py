@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
-from clipdist.data.samples import IMAGE_EXTENSIONS, read_image_file
+from clipdist.data.samples import IMAGE_EXTENSIONS, IMAGE_FILE_BYTES
+from clipdist.files import read_bounded
 
 SCHEME = "table:"
 SUFFIXES = (".csv", ".tsv")
@@ -117,7 +118,7 @@ def part_members(url: str):
             image = Path(row[image_at])
             image = image if image.is_absolute() else file.parent / image
             try:
-                data = read_image_file(image)
+                data = read_bounded(image, IMAGE_FILE_BYTES)
             except OSError as error:
                 yield f"{key}.missing", f"image {row[image_at]}: {error.strerror}".encode()
             else:

@@ -78,8 +78,8 @@ def metric_keys(evals: list[dict]) -> list[str]:
     return list(keys)
 
 
-def plot(record: RunRecord, path: Path, name: str) -> None:
-    """report.png: four panels against the step, each start of the run marked."""
+def plot(record: RunRecord, path: Path, title: str) -> None:
+    """report.png: four panels against the step, each start of the run marked, under `title`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +110,7 @@ def plot(record: RunRecord, path: Path, name: str) -> None:
             axes.legend(fontsize=7, ncol=2)
     lr.set_xlabel("step")
     metrics.set_xlabel("step")
-    figure.suptitle(summary(record, name).splitlines()[0], fontsize=10)
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -121,6 +121,6 @@ def write_report(run_dir: str | Path) -> tuple[Path, str]:
     run_dir = Path(run_dir)
     record = read_run(run_dir)
     text = summary(record, run_dir.name)
-    plot(record, run_dir / PICTURE, run_dir.name)
+    plot(record, run_dir / PICTURE, text.splitlines()[0])
     (run_dir / SUMMARY).write_text(text)
     return run_dir / PICTURE, text
