@@ -110,9 +110,15 @@ def _make_shards(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from clipdist.tools.export import export
 
-    checkpoint = export(args.source, args.out, overwrite=args.overwrite)
-    print(f"exported {checkpoint} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
-          f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''")
+    said = export(args.source, args.out, format=args.format, overwrite=args.overwrite, pretrained=args.pretrained,
+                  model_name=args.model)
+    if args.format == "transformers":
+        print(f"exported {said} to {args.out}: transformers.CLIPModel.from_pretrained('{args.out}'), "
+              f"CLIPProcessor.from_pretrained('{args.out}'), or pipeline('zero-shot-image-classification', "
+              f"model='{args.out}')")
+    else:
+        print(f"exported {said} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
+              f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''")
     return 0
 
 
@@ -432,12 +438,18 @@ def _add_make_shards(commands) -> None:
 def _add_export(commands) -> None:
     exporter = commands.add_parser(
         "export",
-        help="a trained model as open_clip loads it (local-dir: folder), for clip_benchmark or sharing",
-        description="Write a run's model (its newest checkpoint, or a given .pt file or .dcp folder) as a folder in "
-        "open_clip's hub layout: open_clip_config.json + open_clip_model.safetensors, the weights alone.",
+        help="a trained model as open_clip or Hugging Face transformers loads it, for sharing and downstream use",
+        description="Write a model as a folder: in open_clip's hub layout (open_clip_config.json + "
+        "open_clip_model.safetensors, a run's checkpoint as it is; open_clip's 'local-dir:<out>', clip_benchmark) "
+        "or, with --format transformers, as transformers' CLIPModel + CLIPProcessor (from_pretrained, pipelines).",
     )
-    exporter.add_argument("source", help="a run directory, a step_XXXXXXXX.pt checkpoint or a step_XXXXXXXX.dcp folder")
-    exporter.add_argument("--out", required=True, help="output folder (open_clip: 'local-dir:<out>')")
+    exporter.add_argument("source", help="a run directory or a .pt / .dcp checkpoint; for --format transformers also "
+                          "an export folder or an open_clip model name (with --pretrained)")
+    exporter.add_argument("--out", required=True, help="output folder")
+    exporter.add_argument("--format", choices=["open_clip", "transformers"], default="open_clip",
+                          help="open_clip's hub layout (default) or transformers' CLIPModel")
+    exporter.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name (transformers)")
+    exporter.add_argument("--model", default=None, help="the model a bare weights file fits (transformers)")
     exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     exporter.set_defaults(run=_export)
 

@@ -68,6 +68,22 @@ def pets(root: Path, samples_per_shard: int = 3, shards: int = 2) -> Path:
                               ["cat", "dog"], ["a photo of a {c}.", "a drawing of a {c}."])
 
 
+def tiny_open_clip(vision: dict | None = None, text: dict | None = None, **options):
+    """open_clip's CLIP at clipdist-tiny's size with `vision` / `text` settings changed (ls_init_value, pool_type,
+    ...), every tensor moved off open_clip's init (zero biases, ones in the norms) so that each one tells."""
+    import open_clip
+    import torch
+
+    torch.manual_seed(0)
+    vision = {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "patch_size": 8, **(vision or {})}
+    text = {"context_length": 16, "vocab_size": 49408, "width": 64, "heads": 2, "layers": 2, **(text or {})}
+    model = open_clip.CLIP(32, vision, text, **options)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    return model.eval()
+
+
 # --- features and references for the loss tests --------------------------------------------------------------------
 
 FEATURE_DIM = 8

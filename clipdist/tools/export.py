@@ -1,4 +1,5 @@
-"""`clipdist export`: a trained model as open_clip loads it, with no clipdist installed.
+"""`clipdist export`: a trained model as open_clip loads it, with no clipdist installed (or, with
+`--format transformers`, as Hugging Face transformers does: clipdist.tools.to_transformers).
 
 The output is a folder in open_clip's hub layout — `open_clip_config.json` ({"model_cfg", "preprocess_cfg"})
 beside `open_clip_model.safetensors` (the weights alone) — which open_clip 3.x opens as
@@ -9,17 +10,17 @@ or a `.pt` checkpoint of the days before the one format; all read without runnin
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from clipdist import targets
 from clipdist.config import model_config
-from clipdist.models import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, model_overrides,
-                             resolve_model_name)
+from clipdist.files import publish
+from clipdist.models import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, get_tokenizer,
+                             model_overrides, resolve_model_name)
+from clipdist.tools import to_transformers
 from clipdist.weights import find_checkpoint, read_run_checkpoint
 
 
@@ -37,31 +38,37 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
                                                        for key, value in preprocess.items()}}
 
 
-def export(source: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Write `source`'s model to the folder `out` (see the module docstring); the checkpoint it came from.
-    The folder appears whole or not at all (written beside it, then renamed)."""
-    checkpoint = find_checkpoint(source)
+def _write_open_clip(checkpoint: Path, folder: Path) -> None:
     weights, config = read_run_checkpoint(checkpoint)
     model_name = config.get("model", {}).get("name")
     if not model_name:
         raise ValueError(f"{checkpoint} does not say which model it holds (no model.name in its config)")
-    out = Path(out).expanduser()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} already exists and is not empty; give another --out, or --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        config_json = open_clip_config(model_name, weights, config.get("model"))
-        (staging / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
-        save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(staging / EXPORT_WEIGHTS),
-                  metadata={"format": "pt", "source": str(checkpoint)})
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in (staging, *staging.iterdir()):  # mkdtemp made them private: as any new file would be
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return checkpoint
+    config_json = open_clip_config(model_name, weights, config.get("model"))
+    folder.mkdir()
+    (folder / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
+    save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(folder / EXPORT_WEIGHTS),
+              metadata={"format": "pt", "source": str(checkpoint)})
+
+
+def export(source: str | Path, out: str | Path, *, format: str = "open_clip", overwrite: bool = False,
+           pretrained: str | None = None, model_name: str | None = None, cache_dir: str | None = None) -> str:
+    """Write `source`'s model to the folder `out` in `format` ("open_clip": the module docstring; "transformers":
+    clipdist.tools.to_transformers); what it came from, said for the console. The folder appears whole or not at
+    all (written beside it, then renamed). open_clip's layout copies a run's checkpoint as it is; transformers'
+    converts any model clipdist eval takes (a run, a checkpoint, an export, an open_clip name)."""
+    if format == "open_clip":
+        checkpoint = find_checkpoint(source)
+        publish(out, lambda folder: _write_open_clip(checkpoint, folder), overwrite=overwrite)
+        return str(checkpoint)
+    if format != to_transformers.FORMAT:
+        raise ValueError(f"unknown export format {format!r}; choose open_clip or transformers")
+    target = targets.resolve(str(source), pretrained, model_name)
+    targets.check(target)
+    model, name = targets.load(target, cache_dir)
+    tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))
+    to_transformers.clip_config(model, tokenizer)  # what does not map: refused before anything is written
+    difference = []
+    publish(out, lambda folder: difference.append(to_transformers.write_transformers(model, tokenizer, folder)),
+            overwrite=overwrite)
+    bias = " (its logit bias in config.json: CLIPModel has none)" if getattr(model, "logit_bias", None) is not None else ""
+    return f"{target.path or target.spec} as transformers' CLIPModel{bias}, features within {difference[0]:.1e}"

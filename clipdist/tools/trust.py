@@ -14,9 +14,6 @@ dicts of them; NumPy arrays become lists) stops the conversion with its place in
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from clipdist.files import publish
 from clipdist.weights import PROGRESS, single_process_quietly
 
 PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)
@@ -59,13 +57,13 @@ def trust(source: str | Path, out: str | Path | None = None) -> Path:
         if not (source / PROGRESS).is_file() or not (source / ".metadata").is_file():
             raise ValueError(f"{source} is no checkpoint folder (it needs {PROGRESS} and .metadata)")
         out = Path(out) if out else source.with_name(source.name.removesuffix(".dcp") + ".trusted.dcp")
-        return _publish(out, lambda staging: _convert_folder(source, staging))
+        return publish(out, lambda staging: _convert_folder(source, staging), hint="give another --out, or remove it")
     if not source.is_file():
         raise ValueError(f"{source}: no such file or checkpoint folder")
     out = Path(out) if out else source.with_name(f"{source.stem}.trusted{source.suffix}")
     loaded = torch.load(source, map_location="cpu", weights_only=False)  # the trusted, unsafe read
     copy = plain_copy(loaded, where=str(source))
-    return _publish(out, lambda staging: torch.save(copy, staging))
+    return publish(out, lambda staging: torch.save(copy, staging), hint="give another --out, or remove it")
 
 
 def _convert_folder(source: Path, staging: Path) -> None:
@@ -76,17 +74,3 @@ def _convert_folder(source: Path, staging: Path) -> None:
         dcp.save(plain_copy(state, where=str(source)), checkpoint_id=str(staging), no_dist=True)
     progress = torch.load(source / PROGRESS, map_location="cpu", weights_only=False)
     torch.save(plain_copy(progress, where=str(source / PROGRESS)), staging / PROGRESS)
-
-
-def _publish(out: Path, write) -> Path:
-    """`write(staging path)` beside `out`, then renamed to it: whole or not at all."""
-    if out.exists():
-        raise FileExistsError(f"{out} exists already; give another --out, or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent)) / out.name
-    try:
-        write(staging)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging.parent, ignore_errors=True)
-    return out
