@@ -4,7 +4,7 @@
   `error: ... refused ...`, exit 2, the marker never appears, nothing started — and under resume=auto never
   skipped for an older checkpoint, never a fresh start;
 - **damaged** (a missing shard, an item past its file's end, a truncated progress file): resume=auto says so and
-  continues from the older checkpoint; resume=<it>, export and eval say so in one line.
+  continues from the older checkpoint; resume=<it>, export (either format) and eval say so in one line.
 
 Every case is bounded in time (a FIFO, /dev/zero) by the check itself: nothing is opened before it is known to
 be a regular file inside the folder."""
@@ -80,9 +80,10 @@ def test_a_hostile_checkpoint_is_refused_on_every_route(corpus, trained_run, tmp
     assert code == 2
     one_refusal(lines)
     run_dir = checkpoint.parent.parent
-    assert cli(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
-    one_refusal(lines_of(capsys.readouterr().err))
-    assert not (tmp_path / "out").exists()
+    for export_format in ("open_clip", "transformers"):
+        assert cli(["export", str(run_dir), "--out", str(tmp_path / "out"), "--format", export_format]) == 2
+        one_refusal(lines_of(capsys.readouterr().err))
+        assert not (tmp_path / "out").exists()
     assert cli(["eval", str(run_dir), "--set", f"val={evalset}"]) == 2
     one_refusal(lines_of(capsys.readouterr().err))
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'student'}", f"data.cache_dir={cache_dir}",
@@ -108,8 +109,9 @@ def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(cor
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
                           f"resume={checkpoint}")
     assert code == 2 and len(lines) == 1 and "cannot be read" in lines[0], lines
-    assert cli(["export", str(checkpoint), "--out", str(tmp_path / "out")]) == 2
-    assert len(lines_of(capsys.readouterr().err)) == 1
+    for export_format in ("open_clip", "transformers"):
+        assert cli(["export", str(checkpoint), "--out", str(tmp_path / "out"), "--format", export_format]) == 2
+        assert len(lines_of(capsys.readouterr().err)) == 1
     monkeypatch.undo()  # refusal's stand-ins for the trainer: this run trains
     run = tmp_path / "run-with-damage"
     shutil.copytree(trained_run, run)
