@@ -247,7 +247,7 @@ class Checkpointer:
         # DCP's collectives of a save in the background run on a group of their own, apart from the step's.
         self.group = torch.distributed.new_group(backend="gloo") if self.background and env.world_size > 1 else None
         remote = cfg.checkpoint.remote
-        self.remote = RemoteCopies(remote, cfg.keep_checkpoints, cfg.checkpoint.remote_retries) \
+        self.remote = RemoteCopies(remote, cfg.keep_checkpoints, cfg.checkpoint.remote_retries, run_dir=cfg.run_dir) \
             if remote and env.is_main else None
 
     @property
@@ -380,11 +380,13 @@ class Checkpointer:
             if not found or found[0][0] <= newest_local:
                 return None
             path = remote.fetch(found[0][1], files.directory)
+            logs = remote.fetch_logs(Path(cfg.run_dir))
         except Exception as error:  # noqa: BLE001 -- an unreachable remote: resume from what is here, and say so
             return logging.WARNING, (f"checkpoint.remote={cfg.checkpoint.remote} could not be read "
                                      f"({' '.join(str(error).split())[:200]}); resuming from the local checkpoints")
-        return logging.INFO, (f"fetched {path.name} from {cfg.checkpoint.remote} (newer than any checkpoint in "
-                              f"{files.directory})")
+        with_logs = f" and the run's logs ({', '.join(logs)})" if logs else ""
+        return logging.INFO, (f"fetched {path.name}{with_logs} from {cfg.checkpoint.remote} (newer than any "
+                              f"checkpoint in {files.directory})")
 
     def divergence_advice(self, bad_steps: int, step: int, max_nonfinite_steps: int, lr: float) -> str:
         """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them

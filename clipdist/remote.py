@@ -4,11 +4,15 @@ requeued onto a fresh node, with an empty run directory, continue (`resume=auto`
 remote).
 
     <URL>/step_XXXXXXXX.dcp/<the checkpoint's files>, then COMPLETE   (written last: a copy without it is partial)
+    <URL>/logs/train_log.jsonl, metrics.jsonl, train.log             (the run's logs, after each copy and at the end)
 
 Uploads run on rank 0 in a background thread, one checkpoint after another, from hard links taken when the
 checkpoint was published (retention may remove the local folder meanwhile). A failed upload is retried
 (`checkpoint.remote_retries` times, waiting 1, 2, 4, ... s), then reported as a warning; it never touches the
 local copy and never stops training. The newest `keep_checkpoints` complete copies are kept remotely too.
+The run's logs follow each copy (whole lines only) and the end of the run, so a fresh node's run directory gets
+its history back with the checkpoint (`fetch_logs`: rows after the checkpoint's step are then rewound as on any
+resume); `clipdist report` on it draws the whole run.
 """
 from __future__ import annotations
 
@@ -24,10 +28,12 @@ from pathlib import Path
 import fsspec
 
 from clipdist.errors import ConfigError
+from clipdist.run_dir import COPIED_LOGS
 from clipdist.weights import CHECKPOINT
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
+LOGS = "logs"
 
 
 def redacted(url: str) -> str:
@@ -49,9 +55,17 @@ def check_remote(url: str) -> None:
                           "`pip install s3fs`, gs:// gcsfs, az:// adlfs; a server must answer)") from None
 
 
+def whole_lines(path: Path) -> bytes:
+    """A log's bytes up to its last newline: a line being appended is left for the next copy."""
+    data = path.read_bytes()
+    return data[:data.rfind(b"\n") + 1]
+
+
 class RemoteCopies:
-    def __init__(self, url: str, keep: int = 3, retries: int = 3, backoff_s: float = 1.0):
+    def __init__(self, url: str, keep: int = 3, retries: int = 3, backoff_s: float = 1.0,
+                 run_dir: str | Path | None = None):
         self.url = url.rstrip("/")
+        self.run_dir = Path(run_dir) if run_dir is not None else None  # whose logs follow the copies
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.root = self.root.rstrip("/")
         self.keep, self.retries, self.backoff_s = keep, retries, backoff_s
@@ -67,7 +81,7 @@ class RemoteCopies:
             return []
         found = []
         for entry in entries:
-            match = CHECKPOINT.search(entry.rstrip("/").rsplit("/", 1)[-1])
+            match = CHECKPOINT.search(entry.rstrip("/").rsplit("/", 1)[-1])  # (not logs/)
             if match and match.group(2) == "dcp" and self.fs.exists(f"{entry.rstrip('/')}/{COMPLETE}"):
                 found.append((int(match.group(1)), entry.rstrip("/")))
         return sorted(found, reverse=True)
@@ -88,6 +102,20 @@ class RemoteCopies:
             shutil.rmtree(partial, ignore_errors=True)
         return final
 
+    def fetch_logs(self, run_dir: Path) -> list[str]:
+        """The remote logs into `run_dir` where the local one is missing or shorter (an append-only log: the
+        longer holds the other); the names of those fetched."""
+        fetched = []
+        for name in COPIED_LOGS:
+            remote, local = f"{self.root}/{LOGS}/{name}", run_dir / name
+            if not self.fs.exists(remote) or (local.exists() and local.stat().st_size >= self.fs.size(remote)):
+                continue
+            partial = run_dir / f".{name}.partial"
+            self.fs.get_file(remote, str(partial))
+            os.replace(partial, local)
+            fetched.append(name)
+        return fetched
+
     def upload(self, folder: Path) -> None:
         """Queue a copy of the published checkpoint `folder` (hard links now: the folder may be retired before
         the upload runs)."""
@@ -102,9 +130,11 @@ class RemoteCopies:
         self._queue.put((folder.name, snapshot))
 
     def close(self, timeout_s: float = 600) -> None:
-        """Wait (at most `timeout_s`) for the queued uploads; say what did not reach the remote."""
+        """Wait (at most `timeout_s`) for the queued uploads and the logs' last copy; say what did not reach the
+        remote."""
         if self._thread is None:
             return
+        self._queue.put(LOGS)
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -113,20 +143,36 @@ class RemoteCopies:
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
+            if item == LOGS:
+                self._upload_logs()
+                continue
             name, snapshot = item
             try:
-                self._upload_with_retries(name, snapshot)
+                if self._upload_with_retries(name, snapshot):
+                    self._upload_logs()
             finally:
                 shutil.rmtree(snapshot, ignore_errors=True)
 
-    def _upload_with_retries(self, name: str, snapshot: Path) -> None:
+    def _upload_logs(self) -> None:
+        """The run's logs as they are now (whole lines), beside the copies; a failure is a warning."""
+        if self.run_dir is None:
+            return
+        try:
+            for name in COPIED_LOGS:
+                if (self.run_dir / name).is_file():
+                    self.fs.pipe_file(f"{self.root}/{LOGS}/{name}", whole_lines(self.run_dir / name))
+        except Exception as error:  # noqa: BLE001 -- the logs are a convenience: never the run's failure
+            log.warning("could not copy the run's logs to %s (%s); they are intact on this node", self.url,
+                        " ".join(str(error).split())[:300] or type(error).__name__)
+
+    def _upload_with_retries(self, name: str, snapshot: Path) -> bool:
         for attempt in range(self.retries + 1):
             try:
                 started = time.monotonic()
                 self._upload(name, snapshot)
                 log.info("copied %s to %s in %.1f s", name, self.url, time.monotonic() - started)
                 self._retain()
-                return
+                return True
             except Exception as error:  # noqa: BLE001 -- any failure of the copy is retried, then reported
                 reason = " ".join(str(error).split())[:300] or type(error).__name__
                 if attempt < self.retries:
@@ -135,6 +181,7 @@ class RemoteCopies:
                 self.failures += 1
                 log.warning("could not copy %s to %s after %d attempt(s) (%s); the local checkpoint is intact and "
                             "training goes on", name, self.url, self.retries + 1, reason)
+        return False
 
     def _upload(self, name: str, snapshot: Path) -> None:
         target = f"{self.root}/{name}"

@@ -1,5 +1,5 @@
 """checkpoint.remote against a real S3 server on loopback (moto's, from its wheel): every checkpoint copied, the
-newest kept; a job on a fresh node with an empty run directory continues from the remote copy; the server going
+newest kept; a job on a fresh node with an empty run directory continues from the remote copy, its logs with it; the server going
 away mid-run costs only warnings — the local checkpoints are intact and the run ends as it would."""
 from __future__ import annotations
 
@@ -59,9 +59,14 @@ def test_a_job_on_a_fresh_node_continues_from_the_remote_copy(s3, tmp_path, cach
     again = train(tmp_path / "node2" / "run", cache_dir, *COMMON[1:], "optim.max_steps=12",
                   "checkpoint.remote=s3://runs/job")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "fetched step_00000009.dcp from s3://runs/job" in again.stdout
+    assert "fetched step_00000009.dcp and the run's logs (train_log.jsonl, metrics.jsonl, train.log) from " \
+           "s3://runs/job" in again.stdout
     assert f"resumed from {tmp_path / 'node2' / 'run' / 'checkpoints' / 'step_00000009.dcp'} at step 9" in again.stdout
-    assert [row["step"] for row in read_jsonl(tmp_path / "node2" / "run" / "train_log.jsonl")] == [10, 11, 12]
+    # the history came back with the checkpoint: every step once, both starts in train.log, the end's evaluation
+    run = tmp_path / "node2" / "run"
+    assert [row["step"] for row in read_jsonl(run / "train_log.jsonl")] == list(range(1, 13))
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl")] == [9, 12]
+    assert (run / "train.log").read_text().count("model clipdist-tiny: ") == 2
     assert remote_steps() == ["step_00000009.dcp", "step_00000012.dcp"]
 
 
