@@ -97,9 +97,9 @@ def plot(record: RunRecord, path: Path, title: str) -> None:
     for key in (key for key in metric_keys(record.evals) if FRACTIONS.search(key)):
         metrics.plot([row["step"] for row in record.evals], [row.get(key) for row in record.evals], "o-", label=key,
                      ms=3)
-    for axes, title in ((losses, "loss (train, and evaluation's)"), (rate, "samples/s"), (lr, "learning rate"),
+    for axes, panel in ((losses, "loss (train, and evaluation's)"), (rate, "samples/s"), (lr, "learning rate"),
                         (metrics, "evaluation")):
-        axes.set_title(title)
+        axes.set_title(panel)
         axes.grid(alpha=0.3)
         for step, ranks in record.starts[1:]:
             axes.axvline(step, color="grey", ls=":", lw=1)

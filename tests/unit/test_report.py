@@ -28,7 +28,12 @@ def a_run(folder):
     return folder
 
 
-def test_a_report_reads_the_starts_and_gives_the_best_and_last_of_each_metric(tmp_path, capsys):
+def test_a_report_reads_the_starts_and_gives_the_best_and_last_of_each_metric(tmp_path, capsys, monkeypatch):
+    from matplotlib.figure import Figure
+
+    titles, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (titles.append(self._suptitle.get_text()),
+                                                                    savefig(self, *a, **k)))
     run = a_run(tmp_path / "run")
     record = read_run(run)
     assert record.starts == [(0, 1), (20, 2)] and record.seconds == 60 and len(record.train) == 4
@@ -42,6 +47,7 @@ def test_a_report_reads_the_starts_and_gives_the_best_and_last_of_each_metric(tm
     assert "val_clip_loss: last 2 (step 40), best 2 (step 40)" in lines  # lower is better
     assert "i2t_mean_rank: last 7 (step 40), best 7 (step 40)" in lines
     assert not any(line.startswith("zeroshot_samples") for line in lines)  # a count, not a metric
+    assert titles == [lines[0]]  # the picture says which run it is
     with Image.open(run / "report.png") as picture:
         assert picture.format == "PNG" and picture.size[0] > 1000
 
