@@ -22,43 +22,72 @@ ourselves, which needs no second loader implementation and works with any start 
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 from typing import Iterator
 
+import numpy as np
 import webdataset as wds
 
 from clipdist.data.faults import ShardHealth
 from clipdist.data.tar_samples import tar_samples
 
 
+class ShardList:
+    """Every shard of the run's sources in order, each with its source, and each epoch's shuffled order of them:
+    one per process, shared by all its readers (a reader keeps only its own deal). At internet scale (500,000
+    shards, a rank's 8 readers) a list of the URLs per reader and a shuffled copy per reader and pass cost 250 MB a
+    rank; shared, the URLs once and one permutation of int32 per pass (2 MB)."""
+
+    def __init__(self, sources: list[list[str]]):
+        self.sources = sources
+        self.urls = [url for urls in sources for url in urls]
+        self.ends = list(itertools.accumulate(len(urls) for urls in sources))
+        self._shuffled: tuple[int, np.ndarray | None] = (-1, None)
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        """(url, source) of shard `index` of the whole list."""
+        return self.urls[index], bisect.bisect_right(self.ends, index)
+
+    def dealt(self, seed: int, reader: int, readers: int) -> list[tuple[str, int]]:
+        """Reader j's shards of the pass shuffled with `seed`: the list shuffled with random.Random(seed) (the
+        permutation of positions: the same as shuffling the list itself), entries j, j + V, j + 2V, ..."""
+        if self._shuffled[0] != seed:
+            order = list(range(len(self.urls)))
+            random.Random(seed).shuffle(order)
+            self._shuffled = (seed, np.asarray(order, dtype=np.int64 if len(order) >= 2 ** 31 else np.int32))
+        return [self[int(index)] for index in self._shuffled[1][reader::readers]]
+
+
 class ShardSequence:
     """The shards one reader opens, endlessly, as (entry, url, source)."""
 
-    def __init__(self, sources: list[list[str]], weights: list[float] | None, seed: int, reader: int,
+    def __init__(self, shards: ShardList | list[list[str]], weights: list[float] | None, seed: int, reader: int,
                  readers: int, resampled: bool):
-        self.sources, self.weights, self.seed = sources, weights, seed
+        self.shards = shards if isinstance(shards, ShardList) else ShardList(shards)
+        self.sources, self.weights, self.seed = self.shards.sources, weights, seed
         self.reader, self.readers, self.resampled = reader, readers, resampled
-        self.urls = [(url, source) for source, urls in enumerate(sources) for url in urls]
         self._dealt: tuple[int, list] = (-1, [])
 
     def _deal(self, epoch: int) -> list[tuple[str, int]]:
         if self._dealt[0] != epoch:
-            order = list(self.urls)
-            random.Random(self.seed + epoch).shuffle(order)
-            self._dealt = (epoch, order[self.reader::self.readers])
+            self._dealt = (epoch, self.shards.dealt(self.seed + epoch, self.reader, self.readers))
         return self._dealt[1]
 
     def pass_length(self) -> int:
         """Entries per pass: this reader's shards in an epoch, or as many draws as there are shards."""
         if self.resampled:
-            return len(self.urls)
-        return len(range(self.reader, len(self.urls), self.readers))  # the size of a deal, without dealing one
+            return len(self.shards)
+        return len(range(self.reader, len(self.shards), self.readers))  # the size of a deal, without dealing one
 
     def pass_urls(self, entry: int) -> list[str]:
         """The shards a pass can open (for the all-failed check)."""
         if self.resampled:
-            return [url for url, _ in self.urls]
+            return self.shards.urls
         return [url for url, _ in self._deal(entry // self.pass_length())]
 
     def from_entry(self, start: int) -> Iterator[tuple[int, str, int]]:
@@ -71,7 +100,7 @@ class ShardSequence:
         rng = random.Random(f"{self.seed}-{self.reader}")
         for entry in itertools.count():
             if self.weights is None:
-                url, source = rng.choice(self.urls)
+                url, source = rng.choice(self.shards)
             else:
                 source = rng.choices(range(len(self.sources)), weights=self.weights)[0]
                 url = rng.choice(self.sources[source])

@@ -20,7 +20,7 @@ from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounte
 from clipdist.data.loader import Loader, assemble
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.order import SampleOrder
-from clipdist.data.reader import Reader, ShardSequence
+from clipdist.data.reader import Reader, ShardList, ShardSequence
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 from clipdist.parallel import all_ranks
@@ -294,10 +294,15 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         probs = None if data.caption_probs is None else tuple(data.caption_probs)
         self.keys = SampleKeys(tuple(data.caption_keys), probs, tuple(data.image_keys), seed)
 
+    @functools.cached_property
+    def shard_list(self) -> ShardList:
+        """The shards and each pass's shuffled order, once per process (each loader worker makes its own)."""
+        return ShardList(self.sources)
+
     def reader(self, index: int) -> _ReaderRun:
         """Reader `index` of the run where the consumed batches left it."""
         skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
-        sequence = ShardSequence(self.sources, self.data.weights, self.seed, index, self.order.readers,
+        sequence = ShardSequence(self.shard_list, self.data.weights, self.seed, index, self.order.readers,
                                  self.data.resampled)
         reader = Reader(sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
                         name=f"reader {index}")
