@@ -4,9 +4,10 @@ retention, and what to resume from.
 A checkpoint is a folder, `<run_dir>/checkpoints/step_XXXXXXXX.dcp/`, whatever the parallelism:
   - torch.distributed.checkpoint shards of the model and the optimizer (`get_state_dict`: keyed by parameter
     name; DDP's replicas written once, FSDP's shards by the ranks that hold them), so a checkpoint resumes at
-    any world size, under DDP or FSDP alike;
-  - `progress.pt`: step, samples seen, schedule, every rank's RNG state and stream position, the world size and
-    the config — plain Python types and tensors only, read back with weights_only (clipdist.weights).
+    any world size, under DDP or FSDP alike; beside them each rank's generators and the data readers' positions
+    as tensors (clipdist.state.TrainState.sharded_state_dict), each written by the ranks that hold them;
+  - `progress.pt`: step, samples seen, schedule, the stream's layout and position, the world size and the config
+    — plain Python types only, nothing that grows with the world, read back with weights_only (clipdist.weights).
 Every rank writes into a hidden `.step_XXXXXXXX.dcp.partial/`, then rank 0 adds progress.pt and renames it:
 a crash mid-save leaves only the hidden folder, never a checkpoint under a real name. The newest
 `keep_checkpoints` are kept; resume takes the newest that can be read. `step_*.pt` files (DDP runs before the
@@ -319,13 +320,13 @@ class Checkpointer:
                     raise
                 log.warning("checkpoint %s is unreadable (%s); trying an older one", path, _one_line(error))
                 continue
+            state.load_progress(progress)  # first: the stream's layout says which readers this rank needs
             if path.is_dir():  # every rank reads its part of each tensor, whatever world size and parallelism wrote them
-                shards = state.sharded_state_dict()
+                shards = state.sharded_state_dict_to_load(weights.dcp_sizes(path))
                 weights.load_dcp(shards, path)
                 state.load_sharded_state_dict(shards)
             else:
                 state.load_legacy_state_dict(progress)
-            state.load_progress(progress)
             return path
         return None
 

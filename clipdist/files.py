@@ -32,7 +32,8 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
     return data
 
 
-def publish(out: str | Path, write, *, overwrite: bool = False, hint: str = "give another --out, or --overwrite") -> Path:
+def publish(out: str | Path, write, *, overwrite: bool = False,
+            hint: str = "give another --out, or --overwrite") -> Path:
     """`write(path)` makes a file or folder at a new path beside `out`, which then becomes `out` in one rename:
     `out` appears whole or not at all. An `out` that exists (but for an empty folder) is refused unless
     `overwrite` (the FileExistsError ends with `hint`)."""

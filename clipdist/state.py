@@ -9,17 +9,38 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from clipdist.parallel import all_ranks, rank_and_world_size
+from clipdist.parallel import rank_and_world_size
 
 
-def rng_state() -> dict:
-    """This process's Python, NumPy, torch (and CUDA) generator states, as plain types and tensors (what a
-    checkpoint may hold: clipdist.weights reads them back with weights_only)."""
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (name, keys.tolist(), position, has_gauss, cached),
-             "torch": torch.get_rng_state()}
+RNG_KEY = "rank_{:05d}"  # a rank's generators among a checkpoint's tensors (rng.<key>.*: written by that rank)
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    """rng_state as tensors, for the DCP folder (each rank writes its own: progress.pt does not grow with the
+    world). python: [version, the 625 words], python_gauss: [its spare gauss, whether there is one]; numpy: [the 624
+    keys, position, has_gauss], numpy_gauss: [cached]; torch (and cuda): the generators' bytes."""
+    version, internal, gauss = random.getstate()
+    _, keys, position, has_gauss, cached = np.random.get_state()
+    state = {"python": torch.tensor([version, *internal], dtype=torch.int64),
+             "python_gauss": torch.tensor([0.0 if gauss is None else gauss, float(gauss is not None)],
+                                          dtype=torch.float64),
+             "numpy": torch.tensor([*keys.tolist(), position, has_gauss], dtype=torch.int64),
+             "numpy_gauss": torch.tensor([cached], dtype=torch.float64), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def rng_state_of(tensors: dict[str, torch.Tensor]) -> dict:
+    """rng_tensors undone, as rng_state gives it (for set_rng_state)."""
+    python = tensors["python"].tolist()
+    gauss, has_gauss_python = tensors["python_gauss"].tolist()
+    numpy = tensors["numpy"].tolist()
+    state = {"python": (python[0], tuple(python[1:]), gauss if has_gauss_python else None),
+             "numpy": ("MT19937", numpy[:-2], numpy[-2], numpy[-1], float(tensors["numpy_gauss"][0])),
+             "torch": tensors["torch"]}
+    if "cuda" in tensors:
+        state["cuda"] = tensors["cuda"]
     return state
 
 
@@ -41,8 +62,10 @@ def seed_everything(seed: int) -> None:
 @dataclass
 class TrainState:
     """The stateful parts of a run — model, optimizer, schedule, data stream, gradient scaler — with its step,
-    samples seen and every rank's RNG. `progress` is a collective (every rank's RNG and stream position are gathered into
-    it); loading restores this rank's part."""
+    samples seen and every rank's RNG. `progress` (progress.pt) holds what does not grow with the world: schedule,
+    counters, the stream's layout and position; each rank's generators and the stream's readers go with the tensors
+    (`sharded_state_dict`'s "rng" and "data", each rank writing its own). Loading restores this rank's part:
+    `load_progress` first, which says the readers it needs (`reader_keys`)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -51,24 +74,53 @@ class TrainState:
     scaler: Any = None  # precision=fp16's gradient scaler (its scale and growth count), or None
     step: int = 0
     samples_seen: int = 0
+    saved_world_size: int | None = None  # the loaded checkpoint's (load_progress)
 
     def sharded_state_dict(self) -> dict:
         """Model and optimizer state keyed by parameter name (DDP: whole tensors; FSDP: this rank's shards as
         DTensors), for torch.distributed.checkpoint; loading one into the same structure reshards to any world
         size and either parallelism."""
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
+        shards = {"model": model, "optimizer": optimizer,
+                  "rng": {RNG_KEY.format(rank_and_world_size()[0]): rng_tensors()}}
+        if self.stream is not None:  # the readers' positions: each rank writes those it reads, one copy is kept
+            shards["data"] = self.stream.reader_tensors()
+        return shards
+
+    def sharded_state_dict_to_load(self, sizes: dict[str, torch.Size]) -> dict:
+        """sharded_state_dict with room for what this rank takes from a checkpoint after load_progress, at the sizes
+        its metadata gives (`sizes`: flattened key -> size): the readers it needs (one the checkpoint lacks is left
+        out: the stream says which it missed) and its own generators where the world size is the saved one."""
+        shards = self.sharded_state_dict()
+        rank, world_size = rank_and_world_size()
+        key = RNG_KEY.format(rank)
+        parts = [name.rsplit(".", 1)[1] for name in sizes if name.startswith(f"rng.{key}.")]
+        shards["rng"] = {key: {part: torch.empty(sizes[f"rng.{key}.{part}"],
+                                                 dtype=torch.uint8 if part in ("torch", "cuda") else
+                                                 torch.float64 if part.endswith("gauss") else torch.int64)
+                               for part in parts}} if parts and self.saved_world_size == world_size else {}
+        if self.stream is not None:
+            shards["data"] = {key: {part: torch.empty(sizes[f"data.{key}.{part}"], dtype=torch.int64)
+                                    for part in ("counts", "rng", "buffer")}
+                              for key in self.stream.reader_keys() if f"data.{key}.counts" in sizes}
+        return shards
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
+        for generators in loaded.get("rng", {}).values():  # this rank's, where the world size is the saved one
+            set_rng_state(rng_state_of(generators))
+        if self.stream is not None and loaded.get("data"):
+            self.stream.load_reader_tensors(loaded["data"])
 
     def progress(self) -> dict:
-        """Collective. All but the model and optimizer tensors: schedule, counters, every rank's RNG, the
-        stream's position, the world size."""
-        rngs = all_ranks(rng_state())
+        """All but the tensors: schedule, counters, the stream's layout and position, the world size. Nothing in
+        it grows with the world (each rank's generators and readers are tensors: sharded_state_dict)."""
+        stream = None if self.stream is None else self.stream.state_dict()
+        if stream is not None:
+            stream.pop("readers", None)  # in the DCP folder (sharded_state_dict's "data"): linear in a rank's readers
         return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-                "rng": rngs, "world_size": len(rngs), "stream": None if self.stream is None else self.stream.state_dict(),
+                "world_size": rank_and_world_size()[1], "stream": stream,
                 "scaler": None if self.scaler is None else self.scaler.state_dict()}
 
     def load_progress(self, saved: dict) -> None:
@@ -80,7 +132,8 @@ class TrainState:
         if self.stream is not None:
             self.stream.load_state_dict(saved.get("stream"))
         rank, world_size = rank_and_world_size()
-        if len(saved["rng"]) == world_size:
+        self.saved_world_size = saved.get("world_size")
+        if len(saved.get("rng", ())) == world_size:  # a checkpoint of the days every rank's RNG was in progress.pt
             set_rng_state(saved["rng"][rank])
 
     def load_legacy_state_dict(self, saved: dict) -> None:

@@ -357,6 +357,12 @@ def load_dcp(state_dict: dict, path: Path) -> None:
         dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
 
 
+def dcp_sizes(path: Path) -> dict[str, torch.Size]:
+    """The size of every tensor in a DCP folder, by flattened key ("model.visual.proj"), from its metadata alone."""
+    metadata = SafeReader(str(path)).read_metadata()
+    return {key: item.size for key, item in metadata.state_dict_metadata.items() if hasattr(item, "size")}
+
+
 def read_dcp(path: Path, keys: set[str]) -> dict:
     """The items under `keys` of a DCP folder, whole, on this process alone (no process group). As torch's own
     `_load_state_dict_from_keys` (the public load fills only keys the state dict already has), safely planned."""

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from clipdist.data.order import SampleOrder  # noqa: E402
 from clipdist.data.reader import Reader, ShardList, ShardSequence  # noqa: E402
 from clipdist.data.sources import expand_shards  # noqa: E402
-from clipdist.data.stream import TrainStream  # noqa: E402
+from clipdist.data.stream import READER_KEY, TrainStream, pack_position  # noqa: E402
 
 
 class Data:  # the DataConfig fields the stream reads
@@ -78,6 +78,7 @@ def main(argv=None) -> dict:
 
     urls, figures["expand_s"], figures["urls_mb"], _ = measured(lambda: expand_shards(spec))
     data = Data(args.resampled, args.buffer)
+    late_entry = 0
 
     def start(rank: int, ranks: int, saved: dict | None = None):
         stream = TrainStream([urls], data, batch_size=args.batch, image_transform=None, tokenizer=None, rank=rank,
@@ -89,9 +90,8 @@ def main(argv=None) -> dict:
                      for index in readers]
         placed = [Reader(sequence, args.buffer, f"{stream.seed}-shuffle-{index}", None, None)
                   for sequence, index in zip(sequences, readers)]
-        for sequence, index in zip(sequences, readers):
-            entry = (saved or {}).get("readers", {}).get(index, {}).get("reader", {}).get("entry", 0)
-            next(sequence.from_entry(entry))  # the shard it opens first: the deal (epoch) or the draws (resampled)
+        for sequence in sequences:
+            next(sequence.from_entry(0 if saved is None else late_entry))  # the first shard it opens: deal or draws
         return stream, placed
 
     (stream, placed), figures["start_s"], figures["start_mb"], figures["start_peak_mb"] = measured(
@@ -101,18 +101,33 @@ def main(argv=None) -> dict:
     batches_done = 5_000
     position = batches_done * args.batch * args.ranks
     order = SampleOrder(args.readers, args.batch * args.ranks)
-    entry = max(order.taken_before(0, position) // args.samples_per_shard, 3)
-    saved = {"layout": stream.layout, "seed": stream.seed, "position": position, "skipped_samples": 0,
-             "skipped_shards": 0, "source_samples": [position],
-             "readers": {index: full_position(args.readers, args.buffer, entry, args.samples_per_shard)
-                         for index in range(args.readers)}}
+    entry = late_entry = max(order.taken_before(0, position) // args.samples_per_shard, 3)
+    late = {"layout": stream.layout, "seed": stream.seed, "position": position, "skipped_samples": 0,
+            "skipped_shards": 0, "source_samples": [position]}
+    positions = {index: full_position(args.readers, args.buffer, entry, args.samples_per_shard)
+                 for index in range(args.readers)}
+    # progress.pt: the layout, position and totals (each rank's RNG state is beside them, linear in the world: ~10 kB a rank)
     buffer = io.BytesIO()
-    _, figures["save_s"], _, _ = measured(lambda: torch.save({"stream": saved}, buffer))
-    figures["progress_mb"] = buffer.getbuffer().nbytes / 2 ** 20
+    _, figures["save_s"], _, _ = measured(lambda: torch.save({"stream": late}, buffer))
+    figures["progress_kb"] = buffer.getbuffer().nbytes / 2 ** 10
+    # the readers' positions: tensors in the DCP folder, each rank writing its own (rank 0's share measured)
+    shares = io.BytesIO()
+    mine = {READER_KEY.format(index): pack_position(positions[index]) for index in stream.rank_readers}
+    _, figures["pack_s"], _, _ = measured(lambda: torch.save(mine, shares))
+    figures["rank_share_kb"] = shares.getbuffer().nbytes / 2 ** 10
+    figures["readers_total_mb"] = figures["rank_share_kb"] / len(mine) * args.readers / 2 ** 10
     buffer.seek(0)
     loaded, figures["load_s"], _, _ = measured(lambda: torch.load(buffer, weights_only=True)["stream"])
-    (resumed, _), figures["resume_s"], figures["resume_mb"], figures["resume_peak_mb"] = measured(
-        lambda: start(0, args.resume_ranks, loaded))
+
+    def resume():  # a rank of the new world: the small part, then only its readers' tensors, unpacked
+        resumed, placed = start(0, args.resume_ranks, loaded)
+        packed = {key: pack_position(positions[int(key.removeprefix("reader_"))]) for key in resumed.reader_keys()}
+        resumed.load_reader_tensors(packed)
+        for index, reader in zip(resumed.rank_readers, placed):
+            reader.load_state_dict({**resumed.readers[index]["reader"], "buffer": []})  # (the buffer's shard reads: I/O)
+        return resumed, placed
+
+    (resumed, _), figures["resume_s"], figures["resume_mb"], figures["resume_peak_mb"] = measured(resume)
     figures["resume_rank_readers"] = len(resumed.rank_readers)
     figures["resume_continued"] = float(resumed.continued)
 
@@ -125,7 +140,9 @@ def main(argv=None) -> dict:
              f"{figures['start_mb']:.0f} MB kept, {figures['start_peak_mb']:.0f} MB peak "
              f"({figures['rank_readers']} readers)"),
             ("progress.pt's data position: save / load", f"{figures['save_s']:.2f} / {figures['load_s']:.2f} s",
-             f"{figures['progress_mb']:.1f} MB"),
+             f"{figures['progress_kb']:.1f} kB"),
+            ("the rank's readers' positions (DCP tensors)", f"{figures['pack_s']:.2f} s",
+             f"{figures['rank_share_kb']:.0f} kB a rank, {figures['readers_total_mb']:.0f} MB in all"),
             (f"elastic resume {args.ranks} → {args.resume_ranks} ranks: place", f"{figures['resume_s']:.2f} s",
              f"{figures['resume_mb']:.0f} MB kept, {figures['resume_peak_mb']:.0f} MB peak "
              f"({figures['resume_rank_readers']} readers, continued: {bool(figures['resume_continued'])})")]

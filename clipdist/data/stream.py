@@ -23,10 +23,36 @@ from clipdist.data.order import SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
-from clipdist.parallel import all_ranks
 
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
 ORDER = ("resampled", "seed", "shuffle_buffer", "weights", "shards")  # the data the sample order is made of
+
+
+READER_KEY = "reader_{:08d}"  # a reader's position among a checkpoint's tensors (the DCP folder's data.<key>.*)
+
+
+def pack_position(position: dict) -> dict[str, torch.Tensor]:
+    """A reader's position ({"reader": Reader.state_dict(), "taken": its samples in the order}) as int64 tensors:
+    counts = [entry, taken, received, taken in the order, the RNG's version], rng = the Mersenne Twister's 625
+    words, buffer = the shuffle buffer's (entry, sample) references, in buffer order. ~13 kB at a buffer of 1,000
+    (as pickled lists, which weights_only reads ~50× slower: 8,192 readers took minutes)."""
+    reader = position["reader"]
+    version, internal, gauss = reader["rng"]
+    if gauss is not None:  # Reader draws with randrange alone, which never leaves a spare gauss
+        raise ValueError("a reader's RNG holds a spare gauss value: not a state Reader makes")
+    return {"counts": torch.tensor([reader["entry"], reader["taken"], reader["received"], position["taken"], version],
+                                   dtype=torch.int64),
+            "rng": torch.tensor(internal, dtype=torch.int64),
+            "buffer": torch.tensor(reader["buffer"], dtype=torch.int64).reshape(-1, 2)}
+
+
+def unpack_position(packed: dict[str, torch.Tensor]) -> dict:
+    """pack_position undone."""
+    entry, taken, received, order_taken, version = packed["counts"].tolist()
+    return {"reader": {"entry": entry, "taken": taken, "received": received,
+                       "rng": (version, tuple(packed["rng"].tolist()), None),
+                       "buffer": [tuple(pair) for pair in packed["buffer"].tolist()]},
+            "taken": order_taken}
 
 
 def check_shard_count(shards: int, readers: int, *, resampled: bool) -> None:
@@ -72,8 +98,8 @@ class TrainStream:
 
     `next(stream)` gives a Batch; `consumed(counts)` says the step used it (trained on it or skipped it
     as non-finite), with the counts summed over ranks: only then does its position count as read.
-    `state_dict` / `load_state_dict` follow the StatefulDataLoader protocol and are collectives (every
-    reader's position is saved once, whichever rank read it); `load_state_dict` comes before the first
+    `state_dict` / `load_state_dict` follow the StatefulDataLoader protocol, each rank's for the readers it reads
+    (a checkpoint keeps their positions as tensors: `reader_tensors`); `load_state_dict` comes before the first
     `next`, which starts the DataLoader. A source that gives nothing usable raises DataError instead of
     spinning. `pixels`: images come as uint8 (B, H, W, C), for the rank to normalize on its device
     (images.PixelNormalize); `pin_memory`: batches are put in pinned memory for an asynchronous copy.
@@ -159,14 +185,32 @@ class TrainStream:
             self.source_samples = [total + count for total, count in zip(self.source_samples, counts[2:])]
 
     def state_dict(self) -> dict:
-        """Collective: the layout, the position in the global order, the totals, and every reader's position
-        (each from a rank that read it: ranks sharing a reader hold the same one)."""
-        readers: dict[int, dict] = {}
-        for mine in all_ranks(self.readers):
-            readers.update(mine)
-        return {"layout": self.layout, "seed": self.seed, "position": self.position, "readers": dict(sorted(readers.items())),
-                "skipped_samples": self.skipped_samples, "skipped_shards": self.skipped_shards,
-                "source_samples": list(self.source_samples)}
+        """The layout, the position in the global order, the totals, and the positions of the readers this rank
+        reads (a rank sharing a reader holds the same position as the other). In a checkpoint the readers go
+        apart (`reader_tensors`, into the DCP folder: each rank writes its own, one copy of each is kept) and the
+        rest into progress.pt, so neither grows with the world: see `load_reader_tensors`."""
+        return {"layout": self.layout, "seed": self.seed, "position": self.position,
+                "readers": dict(sorted(self.readers.items())), "skipped_samples": self.skipped_samples,
+                "skipped_shards": self.skipped_shards, "source_samples": list(self.source_samples)}
+
+    def reader_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """This rank's readers' positions as tensors (pack_position), keyed reader_XXXXXXXX."""
+        return {READER_KEY.format(index): pack_position(state) for index, state in sorted(self.readers.items())}
+
+    def reader_keys(self) -> list[str]:
+        """The reader_tensors keys this rank needs from a checkpoint after `load_state_dict` (those of its readers
+        that it did not get there; none where the stream restarted)."""
+        if not self.continued:
+            return []
+        return [READER_KEY.format(index) for index in self.rank_readers if index not in self.readers]
+
+    def load_reader_tensors(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """The positions of this rank's readers, as `reader_tensors` gave them on the ranks that saved them."""
+        mine = set(self.rank_readers)
+        for key, packed in tensors.items():
+            index = int(key.removeprefix("reader_"))
+            if index in mine:
+                self.readers[index] = unpack_position(packed)
 
     def load_state_dict(self, saved: dict | None) -> None:
         """Continue from `saved`: sample for sample wherever the data and the seed are unchanged — on any world
@@ -186,7 +230,7 @@ class TrainStream:
             self.__dict__.pop("rank_readers", None)
             self.position = saved["position"]
             mine = set(self.rank_readers)  # only these: another rank's copy of a reader would go stale here
-            self.readers = {index: state for index, state in saved["readers"].items() if index in mine}
+            self.readers = {index: state for index, state in saved.get("readers", {}).items() if index in mine}
             self.seed = saved["seed"]  # the layout's, or the one a restart drew
             self.continued = True
             return

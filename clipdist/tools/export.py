@@ -70,5 +70,6 @@ def export(source: str | Path, out: str | Path, *, format: str = "open_clip", ov
     difference = []
     publish(out, lambda folder: difference.append(to_transformers.write_transformers(model, tokenizer, folder)),
             overwrite=overwrite)
-    bias = " (its logit bias in config.json: CLIPModel has none)" if getattr(model, "logit_bias", None) is not None else ""
+    has_bias = getattr(model, "logit_bias", None) is not None
+    bias = " (its logit bias in config.json: CLIPModel has none)" if has_bias else ""
     return f"{target.path or target.spec} as transformers' CLIPModel{bias}, features within {difference[0]:.1e}"

@@ -19,13 +19,19 @@ class LiveStream:
     """A stream whose state dict hands out its live reader positions, as TrainStream's does on one rank."""
 
     def __init__(self):
-        self.readers = {0: 5}
+        self.totals = {0: 5}
 
     def state_dict(self) -> dict:
-        return {"readers": self.readers}
+        return {"totals": self.totals}
 
     def load_state_dict(self, saved) -> None:
         pass
+
+    def reader_tensors(self) -> dict:
+        return {}
+
+    def reader_keys(self) -> list:
+        return []
 
 
 def tiny_state(value: float) -> TrainState:
@@ -114,9 +120,39 @@ def test_a_save_in_the_background_holds_the_state_of_its_step(tmp_path, monkeypa
     assert checkpointer.save(state)
     with torch.no_grad():
         state.model.weight.add_(100.0)  # training goes on while the write runs
-    state.stream.readers[0] = 99  # and the stream reads on: its state dict holds this very dict
+    state.stream.totals[0] = 99  # and the stream reads on: its state dict holds this very dict
     assert checkpointer.files.checkpoints() == [] and not checkpointer.pending.written
     assert checkpointer.finish() and [path.name for path in checkpointer.files.checkpoints()] == ["step_00000005.dcp"]
     restored, path = restore(tmp_path)
     assert torch.equal(restored.model.weight.detach(), at_save)
-    assert read_progress(path)["stream"] == {"readers": {0: 5}}
+    assert read_progress(path)["stream"] == {"totals": {0: 5}}
+
+
+def test_each_ranks_generators_go_with_the_tensors_and_come_back(tmp_path):
+    """Python's, NumPy's and torch's generators are saved as this rank's tensors in the DCP folder (progress.pt holds
+    nothing per rank) and restored where the world size is the saved one."""
+    files = CheckpointFiles(tmp_path)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.gauss(0, 1)  # a spare gauss in Python's state, and NumPy's cached one
+    np.random.standard_normal()
+    path = save(files, tiny_state(1.0), 3)
+    expected = (random.random(), np.random.standard_normal(), torch.rand(1).item(), random.gauss(0, 1))
+    assert set(read_progress(path)) == {"scheduler", "step", "samples_seen", "world_size", "stream", "scaler",
+                                        "config"}
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore(tmp_path)
+    assert (random.random(), np.random.standard_normal(), torch.rand(1).item(), random.gauss(0, 1)) == expected
+
+
+def test_a_readers_position_survives_packing_into_tensors():
+    from clipdist.data.stream import pack_position, unpack_position
+
+    rng = random.Random("reader")
+    rng.random()
+    position = {"reader": {"entry": 12, "taken": 345, "received": 2000, "rng": rng.getstate(),
+                           "buffer": [(11, 9999), (12, 0), (12, 344)]}, "taken": 6789}
+    packed = pack_position(position)
+    assert all(tensor.dtype == torch.int64 for tensor in packed.values()) and packed["buffer"].shape == (3, 2)
+    assert unpack_position(packed) == position
+    empty = {**position, "reader": {**position["reader"], "buffer": []}}
+    assert unpack_position(pack_position(empty)) == empty
