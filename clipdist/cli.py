@@ -211,6 +211,17 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from clipdist.tools import gpu_battery
+
+    print(gpu_battery.HEADER)
+    rows = gpu_battery.battery(tiny=args.tiny, steps=args.steps, large_batches=args.large_batches, out=args.out)
+    if args.doc:
+        gpu_battery.write_doc(rows, args.doc)
+        print(f"wrote {args.doc}")
+    return 1 if any("error" in row for row in rows) else 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -385,7 +396,7 @@ def _add_plan(commands) -> None:
 
 
 def _add_bench(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`")
+    bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`, `clipdist bench gpu`")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     loss_bench = bench_kinds.add_parser(
         "loss",
@@ -412,6 +423,20 @@ def _add_bench(commands) -> None:
                             help="its global batches (default 32k … 1M)")
     loss_bench.add_argument("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)")
     loss_bench.set_defaults(run=_bench)
+    gpu = bench_kinds.add_parser(
+        "gpu",
+        help="the GPU battery: the run's own step for ViT-B/32, B/16, L/14 in bf16 / fp16, compiled or not, large "
+        "batches with tiled and siglip, FSDP2, a background save, a real run (--tiny: on the CPU)",
+        description="samples/s, MFU and peak memory of the run's own step on a synthetic batch on the device; one "
+        "row per setting, a failing row says why and the rest go on (clipdist/tools/gpu_battery.py).",
+    )
+    gpu.add_argument("--tiny", action="store_true", help="clipdist-tiny on the CPU, small batches (what CI runs)")
+    gpu.add_argument("--steps", type=int, default=10, help="timed steps per row (after 2 warm-up steps)")
+    gpu.add_argument("--large-batches", type=_csv(int), default=[32768, 65536],
+                     help="global batches for tiled and siglip (default 32768,65536; up to 262144 on an H100)")
+    gpu.add_argument("--out", default=None, help="write every row as JSON here")
+    gpu.add_argument("--doc", default=None, help="write the table as Markdown here (docs/bench/gpu_battery.md)")
+    gpu.set_defaults(run=_bench_gpu)
 
 
 def _add_make_shards(commands) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,8 +94,56 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
         launch.destroy_process_group()
 
 
+@dataclass
+class Parts:
+    """A rank's training components, built from config (build_parts)."""
+
+    model: torch.nn.Module  # the model (its parameters: what the optimizer and checkpoints see)
+    train_model: torch.nn.Module  # the model as it steps: wrapped (DDP / FSDP) and compiled where asked
+    tokenizer: object
+    loss_fn: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: object  # fp16's gradient scaler, or None
+    autocast: object
+    step: object  # clipdist.step.Step: one optimisation step of a Batch
+    train_transform: object
+    val_transform: object
+
+
+def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
+    """Model, its wrapping, optimizer, schedule, precision, objective and step from config, as a run builds them
+    (the trainer, and `clipdist bench gpu` timing the run's own step); the same initial weights on every rank."""
+    autocast = precision.autocast(cfg.precision, device)
+    loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    model, tokenizer = create_run_model(cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision),
+                                        local_rank)
+    # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
+    # the autocast dtype on CUDA (gradients are reduced in fp32).
+    gathered_dtype = precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" \
+        else None
+    train_model = parallel.wrap_model(model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
+                                      param_dtype=gathered_dtype, sync_batchnorm=cfg.world.sync_batchnorm)
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    scaler = precision.gradient_scaler(cfg.precision, device)
+    train_transform, val_transform = image_transforms(model.visual.preprocess_cfg, cfg.data)
+    mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
+    teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
+                                   precision.weights_dtype(cfg.precision), local_rank)
+    objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, teacher)
+    step = build_step(train_model, objective, optimizer, scheduler,
+                      chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=autocast,
+                      device=device, normalize=PixelNormalize(mean, std, device), grad_clip=cfg.optim.grad_clip,
+                      max_logit_scale=cfg.optim.max_logit_scale, scaler=scaler,
+                      input_dtype=precision.weights_dtype(cfg.precision))
+    return Parts(model, train_model, tokenizer, loss_fn, optimizer, scheduler, scaler, autocast, step,
+                 train_transform, val_transform)
+
+
 class Trainer:
-    """One rank's run: components built from config, then `fit`, a plain loop."""
+    """One rank's run: components built from config (build_parts, the stream, the checkpointer, the tracker),
+    then `fit`, a plain loop."""
 
     def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device,
                  plan: LoaderPlan):
@@ -103,31 +152,13 @@ class Trainer:
         self.run_dir = Path(parallel.all_ranks(cfg.run_dir)[0])
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.autocast = precision.autocast(cfg.precision, device)
-        self.loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
-
-        torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        self.model, self.tokenizer = create_run_model(cfg.model, cfg.loss, self.loss_fn, device,
-                                                      precision.weights_dtype(cfg.precision), env.local_rank)
-        # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
-        # the autocast dtype on CUDA (gradients are reduced in fp32).
-        gathered_dtype = precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" \
-            else None
-        self.train_model = parallel.wrap_model(self.model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
-                                               param_dtype=gathered_dtype, sync_batchnorm=cfg.world.sync_batchnorm)
+        parts = build_parts(cfg, device, env.local_rank)
+        self.autocast, self.loss_fn, self.model, self.tokenizer = parts.autocast, parts.loss_fn, parts.model, \
+            parts.tokenizer
+        self.train_model, self.scaler, self.step = parts.train_model, parts.scaler, parts.step
+        self.val_transform = parts.val_transform
         self.sharded = parallel.is_sharded(self.model)
-        optimizer, scheduler = build_optimizer(self.model, cfg.optim)
-        self.scaler = precision.gradient_scaler(cfg.precision, device)
-        train_transform, self.val_transform = image_transforms(self.model.visual.preprocess_cfg, cfg.data)
-        mean, std = self.model.visual.preprocess_cfg["mean"], self.model.visual.preprocess_cfg["std"]
-        teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
-                                       precision.weights_dtype(cfg.precision), env.local_rank)
-        objective = run_objective(cfg.loss, cfg.model.name, self.loss_fn, self.model, teacher)
-        self.step = build_step(self.train_model, objective, optimizer, scheduler,
-                               chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=self.autocast,
-                               device=device, normalize=PixelNormalize(mean, std, device),
-                               grad_clip=cfg.optim.grad_clip, max_logit_scale=cfg.optim.max_logit_scale,
-                               scaler=self.scaler, input_dtype=precision.weights_dtype(cfg.precision))
+        optimizer, scheduler, train_transform = parts.optimizer, parts.scheduler, parts.train_transform
         self.stream = self.build_stream(plan, train_transform)
         self.state = TrainState(self.model, optimizer, scheduler, self.stream, scaler=self.scaler)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)

@@ -1,0 +1,254 @@
+"""`clipdist bench gpu`: the GPU battery — one command for whoever is lent a GPU, and the same at tiny sizes on the
+CPU so that CI runs it and it cannot rot.
+
+    clipdist bench gpu                                   # on a GPU: the table, and --doc writes it into docs/
+    clipdist bench gpu --tiny                            # CPU: clipdist-tiny, small batches (what CI runs)
+
+Every row runs the run's own code — `trainer.build_parts` (model, AdamW, schedule, precision, objective, the step
+with its device normalisation) — on a synthetic batch of uint8 pixels and tokens already on the device, so the
+figures are the step's, not the loader's:
+
+  step        ViT-B/32, B/16, L/14 × bf16, fp16 × compile off / on (--tiny: clipdist-tiny)
+  large batch tiled and siglip at global batches of 32k and 64k on one device, gradient caching in chunks of
+              1,024 (--large-batches for 128k, 256k; --tiny: 512 in chunks of 64)
+  fsdp        the B/32 bf16 step under FSDP2 at world 1 (a process group of one)
+  checkpoint  how long a save in the background holds the loop (checkpoint.async_save), and its write
+  data        a real run, `train.py world=1gpu data=web_photos` (--tiny: `world=local data=digits`): pinned
+              memory, non_blocking copies and normalisation on the device, the paths the CPU suite cannot reach
+
+samples/s: the batch over the median step time (CUDA synchronised); MFU: the step's FLOPs (torch's FlopCounterMode
+over one step: forward, loss, backward) × steps/s over the device's dense peak in the step's dtype — from its spec
+where the name is known (H100 / H200 SXM 989 TFLOPS bf16 and fp16, H100 PCIe 756, A100 312), else a large matmul
+measured here; memory: max_memory_allocated (CUDA) or the rise in resident memory (CPU). A row that fails says why
+in its own line and the others go on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+SPEC_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0,
+               "A100": 312.0}  # dense bf16 / fp16 tensor-core peaks, by the first name fragment that matches
+MODELS = ("ViT-B-32", "ViT-B-16", "ViT-L-14")
+BATCH = {"ViT-B-32": 256, "ViT-B-16": 128, "ViT-L-14": 64, "clipdist-tiny": 32}
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(the device's dense peak in `dtype`, where it came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for fragment, tflops in SPEC_TFLOPS.items():
+            if fragment in name:
+                return tflops, f"{name} spec"
+    size = 8192 if device.type == "cuda" else 1024
+    a, b = (torch.randn(size, size, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
+            for _ in range(2))
+    for _ in range(2):
+        a @ b
+    synchronize(device)
+    started, repeats = time.perf_counter(), 10
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return 2 * size ** 3 * repeats / (time.perf_counter() - started) / 1e12, "a matmul measured here"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def memory_peak(device: torch.device):
+    """Yields a dict whose "bytes" is, after the block, its peak device memory (CUDA) or resident-memory rise."""
+    found: dict = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = psutil.Process().memory_info().rss
+    yield found
+    found["bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        max(psutil.Process().memory_info().rss - before, 0)
+
+
+def config(work: Path, model: str, precision: str, rows: int, *, loss: str = "disco", chunks: int = 1,
+           compile: bool = False, parallel: str = "ddp"):
+    from clipdist.config import to_train_config
+
+    return to_train_config({"name": "battery", "run_dir": str(work), "precision": precision,
+                            "model": {"name": model, "compile": compile}, "loss": {"name": loss},
+                            "world": {"batch_per_device": rows, "parallel": parallel},
+                            "grad_cache": {"chunks": chunks}, "optim": {"warmup_steps": 1, "max_steps": 10 ** 6}})
+
+
+def synthetic_batch(model, rows: int, device: torch.device):
+    """uint8 pixels (B, H, W, C) and random tokens on the device: what a GPU rank holds after the loader's copy."""
+    from clipdist.data.batch import Batch, zero_counts
+    from clipdist.models import image_size, random_tokens
+
+    height, width = image_size(model)
+    pixels = torch.randint(0, 256, (rows, height, width, 3), dtype=torch.uint8, device=device)
+    tokens = random_tokens(rows, model.context_length).to(device)
+    return Batch.of(pixels, tokens, zero_counts(1))
+
+
+def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2) -> dict:
+    """One row: the run's step on a synthetic batch — samples/s, FLOPs per step, peak memory."""
+    from clipdist.trainer import build_parts
+
+    parts = build_parts(cfg, device)
+    rows = cfg.world.batch_per_device
+    batch = synthetic_batch(parts.model, rows, device)
+    with memory_peak(device) as memory:
+        for _ in range(warmup):
+            parts.step(batch)
+        with FlopCounterMode(display=False) as counter:
+            parts.step(batch)
+        times = []
+        for _ in range(steps):
+            synchronize(device)
+            started = time.perf_counter()
+            parts.step(batch)
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
+    return {"samples_per_s": rows / seconds, "step_s": seconds, "flops": counter.get_total_flops(),
+            "memory_bytes": memory["bytes"]}
+
+
+@contextmanager
+def one_rank_group(device: torch.device):
+    """A process group of one (FSDP2 needs a mesh), torn down after."""
+    import torch.distributed as dist
+
+    from clipdist.launch import free_port
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def checkpoint_stall(cfg, device: torch.device) -> dict:
+    """How long a background save holds the loop, and how long its write takes until published."""
+    from clipdist.checkpoint import Checkpointer
+    from clipdist.launch import detect_env
+    from clipdist.state import TrainState
+    from clipdist.trainer import build_parts
+
+    parts = build_parts(cfg, device)
+    parts.step(synthetic_batch(parts.model, cfg.world.batch_per_device, device))  # AdamW's moments exist
+    state = TrainState(parts.model, parts.optimizer, parts.scheduler, scaler=parts.scaler, step=1)
+    checkpointer = Checkpointer(cfg, Path(cfg.run_dir), detect_env())
+    started = time.perf_counter()
+    assert checkpointer.save(state)
+    stall = time.perf_counter() - started
+    assert checkpointer.finish()
+    return {"stall_s": stall, "written_s": time.perf_counter() - started}
+
+
+def data_run(work: Path, tiny: bool, steps: int) -> dict:
+    """A real run (a fresh interpreter): its median samples/s from train_log.jsonl."""
+    overrides = ["world=local", "data=digits", "world.batch_per_device=64"] if tiny else \
+        ["world=1gpu", "data=web_photos", "model=vit_b32", "precision=bf16", "world.batch_per_device=256"]
+    command = [sys.executable, str(Path(__file__).resolve().parents[2] / "train.py"), f"run_dir={work / 'run'}",
+               f"optim.max_steps={steps}", f"eval_every={steps * 10}", f"checkpoint_every={steps * 10}",
+               "logging.wandb=disabled", "logging.progress=false", "logging.report=false", "logging.log_every=1",
+               *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode:
+        said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+        raise RuntimeError(said[-1] if said else f"train.py exited with {result.returncode}")
+    rows = [json.loads(line) for line in (work / "run" / "train_log.jsonl").read_text().splitlines()]
+    return {"samples_per_s": statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2:])}
+
+
+def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), out=None) -> list[dict]:
+    """Every row (the module docstring); each {"section", "what", ...figures} or {"section", "what", "error"}."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    models = ("clipdist-tiny",) if tiny else MODELS
+    precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
+    compiles = (False,) if tiny else (False, True)
+    peaks = {name: peak_tflops(device, dtype) for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                                                  ("fp32", torch.float32)) if name in precisions}
+    rows: list[dict] = []
+
+    def run(section: str, what: str, action, peak=None):
+        with tempfile.TemporaryDirectory() as work:
+            try:
+                figures = action(Path(work))
+            except Exception as error:  # noqa: BLE001 -- a row that fails says why; the battery goes on
+                figures = {"error": " ".join(f"{type(error).__name__}: {error}".split())[:300]}
+        if peak and "flops" in figures:
+            figures["mfu"] = figures["flops"] / figures["step_s"] / 1e12 / peak[0]
+        rows.append({"section": section, "what": what, "device": device_name(device), **figures})
+        print(format_row(rows[-1]), flush=True)
+
+    for model in models:
+        for precision in precisions:
+            for compiled in compiles:
+                rows_per_step = BATCH[model]
+                run("step", f"{model} {precision}{' compiled' if compiled else ''} × {rows_per_step}",
+                    lambda work: time_steps(config(work, model, precision, rows_per_step, compile=compiled), device,
+                                            steps), peaks[precision])
+    model, precision = models[0], precisions[0]
+    sizes, micro = ((512,), 64) if tiny else (tuple(large_batches), 1024)
+    for loss in ("tiled", "siglip"):
+        for size in sizes:
+            run("large batch", f"{model} {precision} {loss} × {size:,} in chunks of {micro}",
+                lambda work: time_steps(config(work, model, precision, size, loss=loss, chunks=size // micro), device,
+                                        steps=1, warmup=1), peaks[precision])
+    with one_rank_group(device):
+        run("fsdp", f"{model} {precision} FSDP2 × {BATCH[model]}, world 1",
+            lambda work: time_steps(config(work, model, precision, BATCH[model], parallel="fsdp"), device, steps),
+            peaks[precision])
+    run("checkpoint", f"{model} background save", lambda work: checkpoint_stall(
+        config(work, model, precision, BATCH[model]), device))
+    run("data", "train.py " + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16"),
+        lambda work: data_run(work, tiny, 20 if tiny else 60))
+    for name, (tflops, source) in peaks.items():
+        rows.append({"section": "peak", "what": f"{name} dense peak", "device": device_name(device),
+                     "tflops": tflops, "source": source})
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def format_row(row: dict) -> str:
+    """One line of the table (Markdown)."""
+    if "error" in row:
+        return f"| {row['section']} | {row['what']} | failed: {row['error']} | | | |"
+    samples = f"{row['samples_per_s']:,.0f}" if "samples_per_s" in row else ""
+    mfu = f"{row['mfu']:.1%}" if "mfu" in row else ""
+    memory = f"{row['memory_bytes'] / 2 ** 30:.2f} GiB" if "memory_bytes" in row else ""
+    other = (f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s" if "stall_s" in row else
+             f"{row['tflops']:.0f} TFLOPS ({row['source']})" if "tflops" in row else "")
+    return f"| {row['section']} | {row['what']} | {samples} | {mfu} | {memory} | {other} |"
+
+
+HEADER = "| section | what | samples/s | MFU | memory | other |\n|---|---|---:|---:|---:|---|"
+
+
+def write_doc(rows: list[dict], path: str | Path) -> None:
+    """The table as a Markdown page (docs/bench/gpu_battery.md when run on a GPU)."""
+    when = time.strftime("%Y-%m-%d")
+    lines = [f"# GPU battery: {rows[0]['device']} ({when})", "", "`clipdist bench gpu` (clipdist/tools/gpu_battery.py"
+             "): the run's own step on a synthetic batch on the device, torch " + torch.__version__ + ".", "", HEADER,
+             *map(format_row, rows), ""]
+    Path(path).write_text("\n".join(lines))
