@@ -211,6 +211,18 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_limit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from clipdist.tools import limit
+
+    rows = limit.measure(args.data, args.ranks, args.batch, args.batches, args.steps, args.cache_dir)
+    print(limit.markdown(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
 def _bench_gpu(args: argparse.Namespace) -> int:
     from clipdist.tools import gpu_battery
 
@@ -396,7 +408,7 @@ def _add_plan(commands) -> None:
 
 
 def _add_bench(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`, `clipdist bench gpu`")
+    bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`, `gpu`, `limit`")
     bench_kinds = bench.add_subparsers(dest="kind", required=True)
     loss_bench = bench_kinds.add_parser(
         "loss",
@@ -437,6 +449,21 @@ def _add_bench(commands) -> None:
     gpu.add_argument("--out", default=None, help="write every row as JSON here")
     gpu.add_argument("--doc", default=None, help="write the table as Markdown here (docs/bench/gpu_battery.md)")
     gpu.set_defaults(run=_bench_gpu)
+    limit = bench_kinds.add_parser(
+        "limit",
+        help="a run as a fraction of this machine's limit: loader and step CPU cost per sample, the pipelined bound",
+        description="One core's CPU seconds per sample for the loader (read, decode, augment, tokenize, collate) and "
+        "the step (forward, loss, backward, optimizer), the bound C / (loader + step) for this machine's C cores, and "
+        "real runs at 1 and 2 ranks as a fraction of it (clipdist/tools/limit.py).",
+    )
+    limit.add_argument("--data", nargs="+", default=["digits", "web_photos"], choices=["digits", "web_photos"])
+    limit.add_argument("--ranks", type=_csv(int), default=[1, 2], help="world sizes of the real runs (default 1,2)")
+    limit.add_argument("--batch", type=int, default=128, help="global batch (default 128)")
+    limit.add_argument("--batches", type=int, default=12, help="batches timed for the loader's cost (default 12)")
+    limit.add_argument("--steps", type=int, default=60, help="steps of each real run (default 60)")
+    limit.add_argument("--cache-dir", default="~/.cache/clipdist", help="where the built-in shards are written")
+    limit.add_argument("--out", default=None, help="write the rows as JSON here")
+    limit.set_defaults(run=_bench_limit)
 
 
 def _add_make_shards(commands) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -479,6 +480,15 @@ def _unknown_keys(given: dict, schema, prefix: str = "") -> tuple[str, str] | No
             if found:
                 return found
     return None
+
+
+CONF = Path(__file__).resolve().parent / "conf"  # the menu, shipped in the package
+
+
+def preset(group: str, name: str):
+    """conf/<group>/<name>.yaml (a menu entry: world=8gpu, data=web_photos) as a DictConfig, or None when there is none."""
+    path = CONF / group / f"{name}.yaml"
+    return OmegaConf.load(path) if path.is_file() else None
 
 
 def to_train_config(cfg) -> TrainConfig:

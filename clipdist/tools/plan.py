@@ -44,18 +44,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from clipdist import targets
+from clipdist.config import CONF, preset
 from clipdist.losses import build
 from clipdist.models import create_model, get_tokenizer, image_size
 from clipdist.parallel import transformer_blocks
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
-CONF = Path(__file__).resolve().parents[1] / "conf"  # clipdist/conf, shipped in the package
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
 READ_AHEAD_PER_WORKER = 2  # DataLoader's prefetch_factor: loader batches each worker holds ready
 AUTO_CHUNK_SHARE = 0.95  # --chunks auto: the largest chunk whose largest batch is this share of the best
@@ -79,15 +77,9 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * (1024 if binary else 1000) ** power)
 
 
-def _preset(group: str, name: str):
-    """conf/<group>/<name>.yaml as a DictConfig, or None when there is no such preset."""
-    path = CONF / group / f"{name}.yaml"
-    return OmegaConf.load(path) if path.is_file() else None
-
-
 def resolve_model(preset: str) -> tuple[str, bool]:
     """A conf/model preset (vit_b32) or an open_clip config name (ViT-B-32) → (name, grad_checkpointing)."""
-    cfg = _preset("model", preset)
+    cfg = preset("model", preset)
     return (cfg.name, bool(cfg.get("grad_checkpointing", False))) if cfg is not None else (preset, False)
 
 
@@ -97,7 +89,7 @@ DEFAULT_GLOBAL_BATCH = 32768  # `clipdist plan --world N` without --global-batch
 def preset_global_batch(preset: str) -> int:
     """The global batch a run with this world preset trains on (its batch_per_device × its ranks); for a number of
     ranks, DEFAULT_GLOBAL_BATCH."""
-    cfg = None if preset.isdigit() else _preset("world", preset)
+    cfg = None if preset.isdigit() else preset("world", preset)
     if cfg is None or "batch_per_device" not in cfg:
         return DEFAULT_GLOBAL_BATCH
     return int(cfg.batch_per_device) * int(cfg.nodes) * int(cfg.procs_per_node)
@@ -107,7 +99,7 @@ def resolve_world(preset: str) -> tuple[int, int]:
     """A conf/world preset (64gpu) or a number of ranks → (world size, ranks per node; 8 at most for a number)."""
     if preset.isdigit():
         return int(preset), min(int(preset), 8)
-    cfg = _preset("world", preset)
+    cfg = preset("world", preset)
     if cfg is None:
         known = sorted(p.stem for p in (CONF / "world").glob("*.yaml")) if CONF.is_dir() else []
         raise ValueError(f"world {preset!r}: not a number of ranks nor a preset ({', '.join(known)})")

@@ -225,3 +225,37 @@ def test_wandb_holds_every_step_once_after_a_kill_that_lost_its_buffer(tmp_path,
     logged = wandb_losses(run_dir)
     assert [step for step, _ in logged] == list(range(1, 13)), logged
     np.testing.assert_allclose([loss for _, loss in logged], [row["loss"] for row in rows], rtol=1e-6)
+
+
+def test_a_checkpoint_with_the_readers_and_generators_in_progress_pt_still_resumes_the_same(tmp_path, cache_dir):
+    """Checkpoints of the days every reader's position and every rank's RNG were in progress.pt (before they went
+    among the tensors) continue exactly as today's: the same next step."""
+    import shutil
+
+    import torch
+
+    from clipdist.data.stream import unpack_position
+    from clipdist.state import rng_state_of
+    import torch.distributed.checkpoint as dcp
+
+    from clipdist.weights import PROGRESS, dcp_sizes, read_dcp, read_progress
+
+    common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=1000", "data.workers=1"]
+    assert train(tmp_path / "today", cache_dir, "optim.max_steps=3", *common).returncode == 0
+    shutil.copytree(tmp_path / "today", tmp_path / "then")
+    checkpoint = tmp_path / "then" / "checkpoints" / "step_00000003.dcp"
+    progress, tensors = read_progress(checkpoint), read_dcp(checkpoint, {"data", "rng"})
+    progress["stream"]["readers"] = {int(key.removeprefix("reader_")): unpack_position(packed)
+                                     for key, packed in tensors["data"].items()}
+    progress["rng"] = [rng_state_of(tensors["rng"]["rank_00000"])]
+    weights_alone = read_dcp(checkpoint, {"model", "optimizer"})  # the folder as then: no data.*, no rng.*
+    shutil.rmtree(checkpoint)
+    dcp.save(weights_alone, checkpoint_id=str(checkpoint), no_dist=True)
+    torch.save(progress, checkpoint / PROGRESS)
+    assert not [key for key in dcp_sizes(checkpoint) if key.startswith(("data.", "rng."))]
+    losses = []
+    for run in ("today", "then"):
+        result = train(tmp_path / run, cache_dir, "optim.max_steps=5", *common)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses.append([row["loss"] for row in read_jsonl(tmp_path / run / "train_log.jsonl")][3:])
+    assert len(losses[0]) == 2 and losses[0] == losses[1]

@@ -1,0 +1,131 @@
+"""`clipdist bench limit`: how close a run comes to this machine's limit.
+
+    clipdist bench limit --data digits web_photos --ranks 1 2
+
+On the machine it runs on, one core at a time (one intra-op thread, CPU time of the process):
+  loader   CPU seconds per sample to read, decode, augment, tokenize and collate — the run's own stream
+           (data.TrainStream, no workers: the same work a loader worker does), over --batches batches;
+  step     CPU seconds per sample of the run's own step (trainer.build_parts: forward, loss, backward, optimizer) on a
+           batch the stream made.
+Every sample costs L + S CPU-seconds wherever it is spent, so C cores give at most C / (L + S) samples/s with
+perfect overlap: the pipelined bound. Then real runs (train.py, world=local and world=cpu2, the loader's automatic
+workers) are reported as a fraction of it — their median samples/s over the second half of their steps. A run
+below the bound loses to overlap (a rank waiting for data, workers preempting ranks), to parallel efficiency (two
+intra-op threads on a small model) or to the collectives of 2 ranks: the stream's and the step's profiles
+(logging.profile_steps) say which.
+
+Workloads: digits (clipdist-tiny on the built-in digits, 32 px) and web_photos (224-px web JPEGs, the tiny model at
+224 px in 32-px patches, docs/bench/clipdist-tiny-224-p32.json).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOADS = {"digits": [], "web_photos": [f"model.name={REPO / 'docs' / 'bench' / 'clipdist-tiny-224-p32.json'}"]}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def workload_config(data: str, batch: int, work: Path, cache_dir: str):
+    """The run's config for a workload, as `train.py data=<data> <its overrides>` composes it."""
+    from omegaconf import OmegaConf
+
+    from clipdist.config import preset, to_train_config
+
+    settings = {"name": "limit", "run_dir": str(work), "world": {"batch_per_device": batch},
+                "data": {**OmegaConf.to_container(preset("data", data)), "cache_dir": cache_dir}}
+    for override in WORKLOADS[data]:
+        key, value = override.split("=", 1)
+        group, name = key.split(".")
+        settings.setdefault(group, {})[name] = value
+    return to_train_config(settings)
+
+
+def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
+    """(loader, step) CPU seconds per sample on one core, this process."""
+    from clipdist.data.builtin import builtin_shards
+    from clipdist.data.sources import expand_shards
+    from clipdist.data.stream import TrainStream
+    from clipdist.trainer import build_parts
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            cfg = workload_config(data, batch, Path(work), cache_dir)
+            parts = build_parts(cfg, torch.device("cpu"))
+            train, _ = builtin_shards(data, str(Path(cache_dir).expanduser()))
+            stream = TrainStream([expand_shards(train)], cfg.data, batch_size=batch,
+                                 image_transform=parts.train_transform, tokenizer=parts.tokenizer, seed=cfg.seed,
+                                 workers=0)
+            try:
+                next(stream)  # the stream's start (readers placed, first shards opened) is not a per-sample cost
+                loader = []
+                for _ in range(batches):
+                    started = time.process_time()
+                    batch_read = next(stream)
+                    loader.append(time.process_time() - started)
+                    stream.consumed()
+            finally:
+                stream.close()
+            parts.step(batch_read)  # warm-up
+            step = []
+            for _ in range(max(batches // 2, 3)):
+                started = time.process_time()
+                parts.step(batch_read)
+                step.append(time.process_time() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return {"loader_s": statistics.median(loader) / batch, "step_s": statistics.median(step) / batch}
+
+
+def end_to_end(data: str, ranks: int, batch: int, steps: int, cache_dir: str) -> float:
+    """Median samples/s of a real run over the second half of its steps."""
+    with tempfile.TemporaryDirectory() as work:
+        command = [sys.executable, str(REPO / "train.py"), f"run_dir={work}/run", f"data={data}",
+                   f"data.cache_dir={Path(cache_dir).expanduser()}", f"world={'local' if ranks == 1 else f'cpu{ranks}'}",
+                   f"world.batch_per_device={batch}", f"optim.max_steps={steps}", f"eval_every={steps * 10}",
+                   f"checkpoint_every={steps * 10}", "logging.wandb=disabled", "logging.progress=false",
+                   "logging.report=false", "logging.log_every=1", *WORKLOADS[data]]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=REPO)
+        if result.returncode:
+            said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+            raise RuntimeError(f"train.py {' '.join(command[2:])}: {said[-1] if said else result.returncode}")
+        rows = [json.loads(line) for line in Path(work, "run", "train_log.jsonl").read_text().splitlines()]
+    return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2:])
+
+
+def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, batches: int = 12,
+            steps: int = 60, cache_dir: str = "~/.cache/clipdist") -> list[dict]:
+    """A row per workload and world size: one-core costs, the bound for this machine's cores, the run, the fraction."""
+    rows = []
+    for data in workloads:
+        costs = one_core_costs(data, batch, batches, cache_dir)
+        bound = cores() / (costs["loader_s"] + costs["step_s"])
+        for count in ranks:
+            per_rank = batch // count
+            rate = end_to_end(data, count, per_rank, steps, cache_dir)
+            rows.append({"data": data, "ranks": count, "cores": cores(), "loader_ms": costs["loader_s"] * 1e3,
+                         "step_ms": costs["step_s"] * 1e3, "bound": bound, "samples_per_s": rate,
+                         "fraction": rate / bound, "global_batch": per_rank * count})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| data | ranks | loader ms/sample (1 core) | step ms/sample (1 core) | bound on "
+             f"{rows[0]['cores']} cores | run samples/s | fraction of the bound |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {row['data']} | {row['ranks']} | {row['loader_ms']:.3f} | {row['step_ms']:.3f} | {row['bound']:,.0f} "
+              f"| {row['samples_per_s']:,.0f} | **{row['fraction']:.2f}** |" for row in rows]
+    return "\n".join(lines)
