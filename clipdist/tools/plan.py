@@ -48,7 +48,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from clipdist import targets
-from clipdist.config import CONF, preset
+from clipdist.config import CONF
+from clipdist.config import preset as menu_entry
 from clipdist.losses import build
 from clipdist.models import create_model, get_tokenizer, image_size
 from clipdist.parallel import transformer_blocks
@@ -79,7 +80,7 @@ def parse_bytes(text: str) -> int:
 
 def resolve_model(preset: str) -> tuple[str, bool]:
     """A conf/model preset (vit_b32) or an open_clip config name (ViT-B-32) → (name, grad_checkpointing)."""
-    cfg = preset("model", preset)
+    cfg = menu_entry("model", preset)
     return (cfg.name, bool(cfg.get("grad_checkpointing", False))) if cfg is not None else (preset, False)
 
 
@@ -89,7 +90,7 @@ DEFAULT_GLOBAL_BATCH = 32768  # `clipdist plan --world N` without --global-batch
 def preset_global_batch(preset: str) -> int:
     """The global batch a run with this world preset trains on (its batch_per_device × its ranks); for a number of
     ranks, DEFAULT_GLOBAL_BATCH."""
-    cfg = None if preset.isdigit() else preset("world", preset)
+    cfg = None if preset.isdigit() else menu_entry("world", preset)
     if cfg is None or "batch_per_device" not in cfg:
         return DEFAULT_GLOBAL_BATCH
     return int(cfg.batch_per_device) * int(cfg.nodes) * int(cfg.procs_per_node)
@@ -99,7 +100,7 @@ def resolve_world(preset: str) -> tuple[int, int]:
     """A conf/world preset (64gpu) or a number of ranks → (world size, ranks per node; 8 at most for a number)."""
     if preset.isdigit():
         return int(preset), min(int(preset), 8)
-    cfg = preset("world", preset)
+    cfg = menu_entry("world", preset)
     if cfg is None:
         known = sorted(p.stem for p in (CONF / "world").glob("*.yaml")) if CONF.is_dir() else []
         raise ValueError(f"world {preset!r}: not a number of ranks nor a preset ({', '.join(known)})")
