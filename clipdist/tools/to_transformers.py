@@ -223,7 +223,8 @@ def check_same(model: nn.Module, theirs, tokenizer, size: int) -> float:
     NoCounterpart where it exceeds CHECK_TOLERANCE."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(2, 3, size, size, generator=generator)
-    tokens = tokenizer(["a photo of a cat.", "a diagram of the number 7, drawn by hand"])
+    tokens = tokenizer(["a photo of a cat.", "a diagram of the number 7, drawn by hand"],
+                       context_length=theirs.config.text_config.max_position_embeddings)
     model = model.float().eval()
     with torch.no_grad():
         differences = (_relative(theirs.get_image_features(pixel_values=images), model.encode_image(images)),
