@@ -217,7 +217,7 @@ def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), o
     run("checkpoint", f"{model} background save", lambda work: checkpoint_stall(
         config(work, model, precision, BATCH[model]), device))
     run("data", "train.py " + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16"),
-        lambda work: data_run(work, tiny, 20 if tiny else 60))
+        lambda work: data_run(work, tiny, 8 if tiny else 60))
     for name, (tflops, source) in peaks.items():
         rows.append({"section": "peak", "what": f"{name} dense peak", "device": device_name(device),
                      "tflops": tflops, "source": source})

@@ -12,7 +12,7 @@ from helpers import REPO, own_environment
 
 def test_the_limit_benchmark_measures_costs_a_bound_and_a_run_against_it(tmp_path, cache_dir):
     result = subprocess.run([sys.executable, "-m", "clipdist", "bench", "limit", "--data", "digits", "--ranks", "1",
-                             "--batch", "32", "--batches", "3", "--steps", "6", "--cache-dir", str(cache_dir),
+                             "--batch", "32", "--batches", "2", "--steps", "4", "--cache-dir", str(cache_dir),
                              "--out", str(tmp_path / "limit.json")],
                             capture_output=True, text=True, timeout=300, cwd=REPO, env=own_environment())
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

@@ -3,6 +3,8 @@ transformers alone (no clipdist, no open_clip importable) loads as CLIPModel + C
 and text features, open_clip's token ids, and the zero-shot pipeline's top-1 equal to `clipdist eval`'s."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -94,49 +96,60 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_transformers_alone_loads_the_export_with_the_same_features_and_token_ids(trained_run, tmp_path, capsys):
+CAPTIONS = ["a photo of the number 7.", "A DRAWING of a seven!", "digits: 0, 1, 2 — and café's 3", "x " * 40]
+TEMPLATE = "a photo of the number {}."
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run, cache_dir, tmp_path_factory):
+    """The trained run exported with --format transformers, what transformers alone computes from it (features of
+    random images and CAPTIONS, their token ids, the pipeline's top-1 guess on the 359 digits: one interpreter for
+    both tests) and the digits as (keys, pngs, labels)."""
+    from clipdist.data.builtin import builtin_shards, classnames_of
+    from clipdist.data.sources import expand_shards
+
+    work = tmp_path_factory.mktemp("transformers")
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert cli(["export", str(trained_run), "--out", str(work / "hf"), "--format", "transformers"]) == 0
+    with tarfile.open(expand_shards(builtin_shards("digits", str(cache_dir))[1])[0]) as shard:
+        members = {member.name: shard.extractfile(member).read() for member in shard.getmembers()}
+    keys = sorted(name[:-4] for name in members if name.endswith(".png"))
+    digits = (keys, [members[f"{key}.png"] for key in keys], [json.loads(members[f"{key}.json"])["label"] for key in keys])
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    theirs = transformers_alone(work / "hf", work, images, CAPTIONS, classnames_of("digits"), TEMPLATE, digits[1])
+    return work / "hf", said.getvalue(), images, theirs, digits
+
+
+def test_transformers_alone_loads_the_export_with_the_same_features_and_token_ids(trained_run, exported):
     from clipdist import targets
     from clipdist.models import get_tokenizer
 
-    out = tmp_path / "hf"
-    assert cli(["export", str(trained_run), "--out", str(out), "--format", "transformers"]) == 0
-    assert "CLIPModel.from_pretrained" in capsys.readouterr().out
+    out, said, images, theirs, _ = exported
+    assert "CLIPModel.from_pretrained" in said
     assert {"config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json", "vocab.json",
             "merges.txt"} <= {path.name for path in out.iterdir()}
     model, name = targets.load(targets.resolve(str(trained_run)))
     model.eval()
     tokenizer = get_tokenizer(name)
-    captions = ["a photo of the number 7.", "A DRAWING of a seven!", "digits: 0, 1, 2 — and café's 3", "x " * 40]
-    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    theirs = transformers_alone(out, tmp_path, images, captions)
     with torch.no_grad():
-        image, text = model.encode_image(images), model.encode_text(tokenizer(captions))
+        image, text = model.encode_image(images), model.encode_text(tokenizer(CAPTIONS))
     assert relative(theirs["image"], image) <= 1e-5 and relative(theirs["text"], text) <= 1e-5
-    for caption, ids, ours in zip(captions, theirs["ids"], tokenizer(captions)):
+    for caption, ids, ours in zip(CAPTIONS, theirs["ids"], tokenizer(CAPTIONS)):
         assert ids == ours[:len(ids)].tolist(), caption  # the same ids up to and with the end-of-text token
     assert len(theirs["ids"][-1]) == 16  # truncated to the context length, ending in <|endoftext|>
 
 
-def test_the_zero_shot_pipeline_scores_the_export_as_clipdist_eval_does(trained_run, tmp_path, cache_dir):
-    from clipdist.data.builtin import builtin_shards, classnames_of
-    from clipdist.data.sources import expand_shards
+def test_the_zero_shot_pipeline_scores_the_export_as_clipdist_eval_does(trained_run, exported, tmp_path):
+    from clipdist.data.builtin import classnames_of
 
-    out = tmp_path / "hf"
-    assert cli(["export", str(trained_run), "--out", str(out), "--format", "transformers"]) == 0
-    template, classnames = "a photo of the number {}.", classnames_of("digits")
-    val = expand_shards(builtin_shards("digits", str(cache_dir))[1])[0]
-    with tarfile.open(val) as shard:
-        members = {member.name: shard.extractfile(member).read() for member in shard.getmembers()}
-    keys = sorted(name[:-4] for name in members if name.endswith(".png"))
-    pngs = [members[f"{key}.png"] for key in keys]
-    labels = [json.loads(members[f"{key}.json"])["label"] for key in keys]
+    _, _, _, theirs, (keys, pngs, labels) = exported
+    classnames = classnames_of("digits")
     root = clip_benchmark_set(tmp_path / "digits", [[{"__key__": key, "png": png, "cls": str(label).encode()}
                                                      for key, png, label in zip(keys, pngs, labels)]],
-                              classnames, [template])
+                              classnames, [TEMPLATE])
     assert cli(["eval", str(trained_run), "--set", f"digits={root}", "--out", str(tmp_path / "eval.json")]) == 0
     ours = json.loads((tmp_path / "eval.json").read_text())["digits/zeroshot_top1"]
-    theirs = transformers_alone(out, tmp_path, torch.zeros(1, 3, 32, 32), ["a"], classnames, template, pngs)
     top1 = sum(guess == classnames[label] for guess, label in zip(theirs["top1"], labels)) / len(labels)
     assert len(labels) == 359 and 0.2 < ours < 1.0  # a model that learned something, so agreement means something
     assert top1 == pytest.approx(ours, abs=0.5 / len(labels)), (top1, ours)
-
