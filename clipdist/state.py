@@ -16,8 +16,8 @@ RNG_KEY = "rank_{:05d}"  # a rank's generators among a checkpoint's tensors (rng
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
-    """rng_state as tensors, for the DCP folder (each rank writes its own: progress.pt does not grow with the
-    world). python: [version, the 625 words], python_gauss: [its spare gauss, whether there is one]; numpy: [the 624
+    """This process's Python, NumPy, torch (and CUDA) generator states as tensors, for the DCP folder (each rank
+    writes its own: progress.pt does not grow with the world). python: [version, the 625 words], python_gauss: [its spare gauss, whether there is one]; numpy: [the 624
     keys, position, has_gauss], numpy_gauss: [cached]; torch (and cuda): the generators' bytes."""
     version, internal, gauss = random.getstate()
     _, keys, position, has_gauss, cached = np.random.get_state()
@@ -32,7 +32,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
 
 
 def rng_state_of(tensors: dict[str, torch.Tensor]) -> dict:
-    """rng_tensors undone, as rng_state gives it (for set_rng_state)."""
+    """rng_tensors undone, as set_rng_state takes it."""
     python = tensors["python"].tolist()
     gauss, has_gauss_python = tensors["python_gauss"].tolist()
     numpy = tensors["numpy"].tolist()
