@@ -55,6 +55,14 @@ def test_shards_that_are_not_tar_files_stop_the_run_in_seconds(tmp_path):
     assert len((result.stdout + result.stderr).encode()) < 20_000  # warnings are rate-limited
 
 
+def command_line(process: psutil.Process) -> list[str]:
+    """A process's command line; none for one that ended (or became a zombie) since it was listed."""
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
     # A pipe: shard whose command never writes: the loader blocks in read(). SIGTERM to the trainer alone
     # (as `kill PID` sends it) must still end in a checkpoint and a clean exit, and the command is stopped.
@@ -62,7 +70,7 @@ def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
     command = train_command(run_dir, tmp_path / "cache", *webdataset(f"'pipe:{sleep}'", "data.workers=0"),
                             "checkpoint_every=100")
     with Run(command, run_dir) as run:
-        run.wait_for(lambda: any(child.cmdline() == sleep.split()
+        run.wait_for(lambda: any(command_line(child) == sleep.split()
                                  for child in psutil.Process(run.pid).children(recursive=True)), 120, "the pipe: command")
         time.sleep(1)
         os.kill(run.pid, signal.SIGTERM)
