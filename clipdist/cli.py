@@ -1,4 +1,4 @@
-"""`clipdist` command line: train, gradcheck, plan, bench loss, make-shards, export, eval, trust."""
+"""`clipdist` command line: train, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval, trust, report."""
 from __future__ import annotations
 
 import argparse
