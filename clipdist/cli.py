@@ -1,4 +1,5 @@
-"""`clipdist` command line: train, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval, trust, report."""
+"""`clipdist` command line: train, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval, trust,
+report."""
 from __future__ import annotations
 
 import argparse
