@@ -75,16 +75,27 @@ def main(argv: list[str] | None = None) -> int:
             shown = (f"{statistics.median(run['samples_per_s'][args.skip:]):.1f} samples/s"
                      if "samples_per_s" in run else run["error"])
             print(f"[{repeat + 1}/{args.repeats}] {name}: {shown} ({run['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print("| variant | median samples/s | wall s | final loss | zero-shot top-1 |\n|---|---:|---:|---:|---:|")
+    # Per run too: a 2-core machine settles into one of two steady states for a whole run (e.g. ~900 or ~770
+    # samples/s), so one pair can move a ratio by 15-25%; the per-run medians and per-repeat ratios show which.
+    print("| variant | median samples/s | per-run medians | ratio to the first, per repeat | wall s | final loss | "
+          "zero-shot top-1 |\n|---|---:|---|---|---:|---:|---:|")
+    first = next(iter(runs.values()))
+
+    def run_median(run):
+        return statistics.median(run["samples_per_s"][args.skip:]) if "samples_per_s" in run else None
+
     for name, results in runs.items():
         ok = [r for r in results if "samples_per_s" in r]
         if not ok:
-            print(f"| {name} | failed: {results[0]['error']} | | | |")
+            print(f"| {name} | failed: {results[0]['error']} | | | | | |")
             continue
         median = statistics.median(s for r in ok for s in r["samples_per_s"][args.skip:])
         wall = statistics.median(r["wall_s"] for r in ok)
         top1 = ok[-1]["zeroshot_top1"]
-        print(f"| {name} | {median:.1f} | {wall:.0f} | {ok[-1]['final_loss']:.3f} | "
+        medians = ", ".join(f"{run_median(r):.0f}" for r in ok)
+        ratios = ", ".join(f"{run_median(r) / run_median(base):.2f}" for r, base in zip(results, first)
+                           if run_median(r) and run_median(base))
+        print(f"| {name} | {median:.1f} | {medians} | {ratios} | {wall:.0f} | {ok[-1]['final_loss']:.3f} | "
               f"{'' if top1 is None else f'{top1:.3f}'} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs,
