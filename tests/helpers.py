@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# no W&B, no bar, every step logged, no picture at the end (~1 s a run; tests/unit/test_train.py asks for one)
-QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1", "logging.report=false")
+# no W&B, no bar, every step logged, no picture at the end (~1 s a run; tests/unit/test_train.py asks for one), and
+# the loader in the run's own process (data=digits' automatic workers would start a process per run; a test that
+# names a data group or data.workers gets its own)
+QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1", "logging.report=false",
+         "data.workers=0")
 
 
 def own_environment() -> dict[str, str]:
@@ -25,7 +28,8 @@ def own_environment() -> dict[str, str]:
 def train_command(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
     """train.py with QUIET's settings, unless an override sets the same key."""
     given = {override.split("=", 1)[0] for override in overrides}
-    quiet = [setting for setting in QUIET if setting.split("=", 1)[0] not in given]
+    quiet = [setting for setting in QUIET if setting.split("=", 1)[0] not in given
+             and not (setting.startswith("data.") and "data" in given)]
     return [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", f"data.cache_dir={cache_dir}", *quiet,
             *overrides]
 
