@@ -66,7 +66,6 @@ def export(source: str | Path, out: str | Path, *, format: str = "open_clip", ov
     targets.check(target)
     model, name = targets.load(target, cache_dir)
     tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))
-    to_transformers.clip_config(model, tokenizer)  # what does not map: refused before anything is written
     difference = []
     publish(out, lambda folder: difference.append(to_transformers.write_transformers(model, tokenizer, folder)),
             overwrite=overwrite)

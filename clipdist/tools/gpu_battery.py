@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -159,20 +157,13 @@ def checkpoint_stall(cfg, device: torch.device) -> dict:
     return {"stall_s": stall, "written_s": time.perf_counter() - started}
 
 
-def data_run(work: Path, tiny: bool, steps: int) -> dict:
-    """A real run (a fresh interpreter): its median samples/s from train_log.jsonl."""
+def data_run(tiny: bool, steps: int) -> dict:
+    """A real run (limit.real_run: a fresh interpreter): its median samples/s."""
+    from clipdist.tools.limit import real_run
+
     overrides = ["world=local", "data=digits", "world.batch_per_device=64"] if tiny else \
         ["world=1gpu", "data=web_photos", "model=vit_b32", "precision=bf16", "world.batch_per_device=256"]
-    command = [sys.executable, str(Path(__file__).resolve().parents[2] / "train.py"), f"run_dir={work / 'run'}",
-               f"optim.max_steps={steps}", f"eval_every={steps * 10}", f"checkpoint_every={steps * 10}",
-               "logging.wandb=disabled", "logging.progress=false", "logging.report=false", "logging.log_every=1",
-               *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if result.returncode:
-        said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-        raise RuntimeError(said[-1] if said else f"train.py exited with {result.returncode}")
-    rows = [json.loads(line) for line in (work / "run" / "train_log.jsonl").read_text().splitlines()]
-    return {"samples_per_s": statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2:])}
+    return {"samples_per_s": real_run(overrides, steps, timeout_s=600)}
 
 
 def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), out=None) -> list[dict]:
@@ -217,7 +208,7 @@ def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), o
     run("checkpoint", f"{model} background save", lambda work: checkpoint_stall(
         config(work, model, precision, BATCH[model]), device))
     run("data", "train.py " + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16"),
-        lambda work: data_run(work, tiny, 8 if tiny else 60))
+        lambda work: data_run(tiny, 8 if tiny else 60))
     for name, (tflops, source) in peaks.items():
         rows.append({"section": "peak", "what": f"{name} dense peak", "device": device_name(device),
                      "tflops": tflops, "source": source})

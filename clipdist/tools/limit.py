@@ -91,20 +91,26 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     return {"loader_s": statistics.median(loader) / batch, "step_s": statistics.median(step) / batch}
 
 
-def end_to_end(data: str, ranks: int, batch: int, steps: int, cache_dir: str) -> float:
-    """Median samples/s of a real run over the second half of its steps."""
+def real_run(overrides: list[str], steps: int, timeout_s: float = 1800) -> float:
+    """Median samples/s of a real run (`train.py` in a fresh interpreter, no evaluation or checkpoint on the way)
+    over the second half of its steps, from its train_log.jsonl; a RuntimeError with its last line if it fails."""
     with tempfile.TemporaryDirectory() as work:
-        command = [sys.executable, str(REPO / "train.py"), f"run_dir={work}/run", f"data={data}",
-                   f"data.cache_dir={Path(cache_dir).expanduser()}", f"world={'local' if ranks == 1 else f'cpu{ranks}'}",
-                   f"world.batch_per_device={batch}", f"optim.max_steps={steps}", f"eval_every={steps * 10}",
-                   f"checkpoint_every={steps * 10}", "logging.wandb=disabled", "logging.progress=false",
-                   "logging.report=false", "logging.log_every=1", *WORKLOADS[data]]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=REPO)
+        command = [sys.executable, str(REPO / "train.py"), f"run_dir={work}/run", f"optim.max_steps={steps}",
+                   f"eval_every={steps * 10}", f"checkpoint_every={steps * 10}", "logging.wandb=disabled",
+                   "logging.progress=false", "logging.report=false", "logging.log_every=1", *overrides]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
         if result.returncode:
             said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-            raise RuntimeError(f"train.py {' '.join(command[2:])}: {said[-1] if said else result.returncode}")
+            raise RuntimeError(f"train.py {' '.join(overrides)}: {said[-1] if said else result.returncode}")
         rows = [json.loads(line) for line in Path(work, "run", "train_log.jsonl").read_text().splitlines()]
     return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2:])
+
+
+def end_to_end(data: str, ranks: int, batch: int, steps: int, cache_dir: str) -> float:
+    """Median samples/s of a real run of the workload on `ranks` local ranks."""
+    return real_run([f"data={data}", f"data.cache_dir={Path(cache_dir).expanduser()}",
+                     f"world={'local' if ranks == 1 else f'cpu{ranks}'}", f"world.batch_per_device={batch}",
+                     *WORKLOADS[data]], steps)
 
 
 def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, batches: int = 12,
