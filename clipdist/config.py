@@ -147,7 +147,7 @@ class WandbMode(Choice):
 class ModelConfig:
     RESUME: ClassVar[dict] = {
         "name": REFUSE, "force_image_size": REFUSE, "force_context_length": REFUSE, "force_quick_gelu": REFUSE,
-        "force_custom_text": REFUSE,  # the architecture: shapes, activations, classes
+        "force_custom_text": REFUSE, "image_tower": REFUSE,  # the architecture: shapes, activations, classes
         "lock_image": REFUSE, "lock_image_unlocked_groups": REFUSE, "lock_text": REFUSE,
         "lock_text_unlocked_layers": REFUSE, "lock_text_freeze_layer_norm": REFUSE,  # which parameters train
         "force_patch_dropout": WARN,  # FLIP-style training switches patch dropout off for its last steps this way
@@ -176,6 +176,7 @@ class ModelConfig:
     force_patch_dropout: Optional[float] = None  # fraction of image patches dropped in training (FLIP); 0: none
     force_quick_gelu: bool = False  # QuickGELU activations (OpenAI's pretrained weights need them)
     force_custom_text: bool = False  # the text tower as a separate module (CustomTextCLIP)
+    image_tower: Optional[str] = None  # a timm model in the place of the config's timm image tower (any NaFlex name)
     pretrained_image: bool = False  # a timm image tower starts from timm's ImageNet weights (fetched into the cache)
     # Image preprocessing for training and evaluation; null: the model config's (or its pretrained tag's)
     image_mean: Optional[List[float]] = None
@@ -239,6 +240,11 @@ class DataConfig:
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
     max_skips_in_a_row: int = positive(1000)  # this many unusable samples with no good one between: stop with an error
+    # NaFlex image towers (model=naflex_tiny, naflex_b16, any timm NaFlexVit): token-budget batches (docs/naflex.md)
+    seq_lens: Optional[List[int]] = None  # patches an image may become, one length drawn per global batch; null: the tower's image_size grid
+    seq_len_probs: Optional[List[float]] = None  # the lengths' weights; null: equal
+    max_tokens_per_batch: Optional[int] = positive(None)  # image patches of a *global* batch; null: batch_per_device × ranks × max(seq_lens)
+    patch_size: Optional[int] = positive(None)  # null: the tower's (the only one its patch embedding takes)
     # Zero-shot prompts; empty: a built-in source's own, else 'a photo of {}.' (a zeroshot_classification_templates.txt
     # beside an evaluation set's shards wins over both)
     templates: List[str] = field(default_factory=list)

@@ -28,12 +28,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
+from clipdist.data.batch import apply, floats_to, stack_rows
 from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
 from clipdist.losses import clip_loss
-from clipdist.models import has_caption_decoder, image_size
+from clipdist.models import has_caption_decoder
 from clipdist.objective import caption_cross_entropy
 from clipdist.parallel import all_ranks, rank_and_world_size
 
@@ -101,13 +103,17 @@ class _Encoder:
 
     def caption_terms(self, images: list[torch.Tensor], captions: list[str]) -> torch.Tensor:
         """CoCa: (Σ caption cross-entropy over the label tokens, their number) for these image-caption pairs."""
-        pixels = torch.stack(images).to(self.device, self.dtype)
+        pixels = self.on_device(images)
         outputs = self.model(pixels, self.tokenizer(captions or [""] * len(images)).to(self.device))
         total, count = caption_cross_entropy(outputs["logits"], outputs["labels"], self.model.pad_id)
         return torch.tensor([total.item(), count.item()], dtype=torch.float64) * (1 if captions else 0)
 
-    def images(self, images: list[torch.Tensor]) -> torch.Tensor:
-        pixels = torch.stack(images).to(self.device, self.dtype)
+    def on_device(self, images: list) -> torch.Tensor | dict:
+        """Transformed images (tensors, or NaFlex mappings) as one batch on the device, floats in the weights' dtype."""
+        return floats_to(apply(stack_rows(images), lambda tensor: tensor.to(self.device)), self.dtype)
+
+    def images(self, images: list) -> torch.Tensor:
+        pixels = self.on_device(images)
         return F.normalize(self.model.encode_image(pixels).float(), dim=-1).cpu()
 
     def texts(self, texts: list[str]) -> torch.Tensor:
@@ -127,7 +133,7 @@ class _Encoder:
 
 
 def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: SkipCounter, batch_size: int,
-                  stand_in: torch.Tensor) -> dict:
+                  stand_in) -> dict:
     """This rank's share of the set, encoded: sample indices, image features, caption features and their owners
     (sample indices), labels; or the error that stopped it (reported on every rank by `_gathered`)."""
     rank, world_size = rank_and_world_size()
@@ -250,11 +256,11 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
     was_training = model.training
     model.eval()
     encoder = _Encoder(model, tokenizer, device, lockstep)
-    height, width = image_size(model)
+    stand_in = image_transform(Image.new("RGB", (32, 32)))  # what a rank with nothing left encodes in lockstep
     try:
         with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
             share = _encode_share(encoder, evalset, image_transform, SkipCounter(max_skips_in_a_row), batch_size,
-                                  torch.zeros(3, height, width))
+                                  stand_in)
             found = _gathered(share, evalset)
             classifier = None
             if evalset.classnames and bool((found["labels"] >= 0).any()):

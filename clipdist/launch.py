@@ -6,6 +6,9 @@ The loss backends' collectives live in clipdist.losses.collectives, the loop's i
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import glob
 import io
 import ipaddress
 import os
@@ -256,15 +259,40 @@ def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout
     results.put((rank, buffer.getvalue()))
 
 
+OMP_PAUSE_HARD = 2  # OpenMP 5's omp_pause_hard: the runtime frees its threads; the next parallel region starts anew
+
+
+@functools.cache
+def _openmp_runtime():
+    """torch's own OpenMP runtime (libgomp, shipped in torch/lib), or None where there is none to find."""
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))):
+        try:
+            runtime = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(runtime, "omp_pause_resource_all"):
+            return runtime
+    return None
+
+
+def release_openmp_threads() -> None:
+    """Before a fork: let OpenMP's thread pool go (omp_pause_resource_all). A child forked from a process whose
+    pool has run a parallel op (any op on more than ~32k elements, e.g. comparing two gradients) inherits a pool
+    whose threads do not exist, and hangs in its first parallel op; once the pool is released the child starts
+    its own, as this process does on its next parallel op."""
+    runtime = _openmp_runtime()
+    if runtime is not None:
+        runtime.omp_pause_resource_all(OMP_PAUSE_HARD)
+
+
 def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict[int, object]:
     """Run `fn(*args)` on `world_size` local gloo ranks (child processes, torch's env:// rendezvous).
 
     The ranks are forked from this process, which has imported torch and the towers' libraries already
     (about 8 s of imports a process here, that spawned ranks would each repeat), unless CUDA is initialised
     here — then they are spawned afresh, as CUDA does not survive a fork. Either way `fn` must be importable
-    (module level) and no process group may exist here yet. Launch before this process runs parallel CPU
-    ops: a fork of a process whose OpenMP threads have run hangs in its first parallel op (libgomp is not
-    fork-safe; `clipdist plan` measures the loss on ranks before it runs the towers here).
+    (module level) and no process group may exist here yet. OpenMP's threads are released before the fork
+    (release_openmp_threads): otherwise a rank forked after this process ran a parallel op hangs.
 
     Returns {rank: return value}. A rank that fails
     makes the others stop (5 s grace, then SIGTERM, then SIGKILL) and its error is raised here;
@@ -274,6 +302,8 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLEC
     """
     method = "spawn" if torch.cuda.is_initialized() else "fork"
     results = mp.get_context(method).Queue()
+    if method == "fork":
+        release_openmp_threads()
     sys.stdout.flush()  # a forked child would write what is still buffered here again
     sys.stderr.flush()
     context = mp.start_processes(_spawned_worker, nprocs=world_size, join=False, start_method=method,

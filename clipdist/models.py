@@ -20,6 +20,8 @@ from open_clip.transform import merge_preprocess_dict
 
 from clipdist.defaults import DEFAULT_MODEL
 from clipdist.parallel import node_leaders_first
+from clipdist.timm_towers import (KWARGS_KEY, check_image_tower, check_tower_kwargs, naflex_patch_size, naflex_trunk,
+                                  random_patches, take_tower_kwargs, timm_tower, tower_settings)
 from clipdist.weights import UnsafeFileError, read_small_json, read_weights
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -27,8 +29,11 @@ CONFIG_DIR = Path(__file__).parent / "model_configs"
 
 @functools.cache
 def _register_model_configs() -> None:
-    """Make clipdist's own model configs (clipdist-tiny, clipdist-timm-tiny) known to open_clip, once."""
+    """Make clipdist's own model configs (clipdist-tiny, clipdist-timm-tiny, clipdist-naflex-tiny) known to open_clip,
+    once (a timm tower's keyword arguments kept apart: timm_towers)."""
     open_clip.add_model_config(CONFIG_DIR)
+    for path in CONFIG_DIR.glob("*.json"):
+        take_tower_kwargs(path.stem, factory._MODEL_CONFIGS[path.stem], str(path))
 
 
 class _QuietRandomInit(logging.Filter):
@@ -116,6 +121,8 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
             if isinstance(found, dict) and "auto_map" in found:
                 raise UnsafeFileError(f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
                                       "transformers import the Python files it names")
+    if KWARGS_KEY in (model_cfg.get("vision_cfg") or {}):
+        check_tower_kwargs(model_cfg["vision_cfg"][KWARGS_KEY], where)
     if (model_cfg.get("vision_cfg") or {}).get("timm_model_pretrained"):
         raise UnsafeFileError(f"{where}: refused: vision_cfg.timm_model_pretrained fetches weights from the hub when "
                               "the model is built; set model.pretrained_image=true to ask for them")
@@ -178,13 +185,14 @@ def _register_config_file(path: Path) -> str:
     """Register a model config file (_read_model_config) with open_clip under its stem; a `preprocess_cfg` is kept
     apart and applied as the model's preprocessing (open_clip would pass it to the model's constructor)."""
     model_cfg, preprocess = _read_model_config(path, f"model.name={path}")
+    take_tower_kwargs(path.stem, model_cfg, f"model.name={path}")
     factory._MODEL_CONFIGS[path.stem] = model_cfg  # what open_clip.add_model_config does, without the extra key
     _CONFIG_PREPROCESS[path.stem] = preprocess
     return path.stem
 
 
 MODEL_OVERRIDES = ("force_image_size", "force_context_length", "force_patch_dropout", "force_quick_gelu",
-                   "force_custom_text", "pretrained_image")
+                   "force_custom_text", "pretrained_image", "image_tower")
 PREPROCESS_OVERRIDES = {"image_mean": "mean", "image_std": "std", "image_interpolation": "interpolation",
                         "image_resize_mode": "resize_mode"}
 
@@ -208,9 +216,10 @@ def model_overrides(model_cfg, fetch: bool = True) -> dict:
 def built_model_config(name: str, overrides: dict | None = None) -> dict:
     """open_clip's model config of `name` with `overrides` applied as open_clip.create_model applies them: the
     config of the model as built (what an export must carry)."""
-    model_cfg = dict(open_clip.get_model_config(resolve_model_name(name)))
-    model_cfg = {key: dict(value) if isinstance(value, dict) else value for key, value in model_cfg.items()}
     overrides = overrides or {}
+    name = resolve_model_name(name)
+    model_cfg = tower_settings(name, dict(open_clip.get_model_config(name)), overrides.get("image_tower"))
+    model_cfg = {key: dict(value) if isinstance(value, dict) else value for key, value in model_cfg.items()}
     if overrides.get("force_quick_gelu"):
         model_cfg["quick_gelu"] = True
     if overrides.get("force_custom_text"):
@@ -299,7 +308,10 @@ def check_model_options(model_cfg) -> None:
     for key in ("lock_image_unlocked_groups", "lock_text_unlocked_layers"):
         if getattr(model_cfg, key) < 0:
             raise ValueError(f"model.{key}={getattr(model_cfg, key)}: must be 0 or more")
-    if not (model_cfg.lock_image or model_cfg.lock_text or model_cfg.pretrained_image):
+    if model_cfg.image_tower is not None:
+        check_image_tower(model_cfg.image_tower, model_cfg.name, None if model_cfg.name.startswith(SCHEMAS) else
+                          open_clip.get_model_config(resolve_model_name(model_cfg.name)))
+    if not (model_cfg.lock_image or model_cfg.lock_text or model_cfg.pretrained_image or model_cfg.image_tower):
         return
     model = create_model(model_cfg.name, device="meta", overrides=model_overrides(model_cfg, fetch=False))
     if model_cfg.pretrained_image and type(model.visual).__name__ != "TimmModel":
@@ -445,7 +457,7 @@ def create_model(
     if preprocess:
         kwargs["force_preprocess_cfg"] = preprocess
     overrides.setdefault("pretrained_image", False)
-    with _random_init_is_intended():
+    with _random_init_is_intended(), timm_tower(name, overrides.pop("image_tower", None)):
         model = open_clip.create_model(name, pretrained=None, load_weights=False, pretrained_text=False,
                                        **kwargs, **overrides)
     if has_caption_decoder(model) and device != "meta":
@@ -572,6 +584,14 @@ def image_size(model: torch.nn.Module) -> tuple[int, int]:
     """(height, width) of the images the model's image tower takes (open_clip gives an int for a square)."""
     size = model.visual.image_size
     return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def blank_images(model: torch.nn.Module, rows: int):
+    """Zeros of the model's image input for `rows` samples (a NaFlex tower's: one valid patch each)."""
+    if naflex_trunk(model) is None:
+        return torch.zeros(rows, 3, *image_size(model))
+    patches = random_patches(rows, naflex_patch_size(model), 1)
+    return {**patches, "patches": torch.zeros_like(patches["patches"])}
 
 
 def random_tokens(batch: int, context_length: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -15,7 +15,8 @@ from clipdist import launch, parallel, targets
 from clipdist.checkpoint import Checkpointer
 from clipdist.config import Device, TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
-from clipdist.data.order import SampleOrder
+from clipdist.data.naflex import TokenBudget, resolve_budget, resolve_seq_lens
+from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
 from clipdist.data.transforms import augmentation_cfg
@@ -23,10 +24,11 @@ from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.errors import ConfigError
 from clipdist.losses import build as build_loss
 from clipdist.models import (check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
-                             model_overrides, resolve_model_name)
+                             image_size, model_overrides, resolve_model_name)
 from clipdist.optim import check_optim
 from clipdist.remote import check_remote
 from clipdist.run_dir import check_run_dir
+from clipdist.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.tracking import check_tensorboard, check_wandb_online
 
 
@@ -56,7 +58,10 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         check_no_batchnorm(student, cfg.model.name)
     with one_line(FileNotFoundError):
         shards = resolve_shards(cfg.data)
-        check_shard_count(len(shards.train), stream_readers(cfg, len(shards.train), resuming), resampled=cfg.data.resampled)
+        readers = stream_readers(cfg, len(shards.train), resuming)
+        check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled)
+    with one_line():
+        check_naflex(cfg, student, readers, resuming)
     for evalset in shards.evals:
         check_eval_set(evalset)
     with one_line():
@@ -128,6 +133,41 @@ def check_launch(world, env: launch.DistEnv) -> None:
     if world.device == Device.cuda and not torch.cuda.is_available():
         raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
                           "use world=local or world=cpu2, or world.device=cpu")
+
+
+NAFLEX_KEYS = ("seq_lens", "seq_len_probs", "max_tokens_per_batch", "patch_size")
+
+
+def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resuming: tuple[Path, dict] | None) -> None:
+    """The token budget (data/naflex.py) of a NaFlex tower: lengths, weights and budget valid, a row for every rank
+    at the longest length, gradient caching's chunks within a rank's rows, no settings that only image batches
+    take; data.seq_lens and the rest refused for another tower."""
+    if naflex_trunk(model) is None:
+        given = [key for key in NAFLEX_KEYS if getattr(cfg.data, key) is not None]
+        if given:
+            raise ValueError(f"data.{given[0]} applies to NaFlex image towers (model=naflex_tiny, naflex_b16, a timm "
+                             f"NaFlexVit); model.name={cfg.model.name}'s image tower takes fixed-size images")
+        return
+    world = cfg.world.world_size
+    seq_lens = resolve_seq_lens(cfg.data, image_size(model), naflex_patch_size(model))
+    saved = (((resuming or (None, {}))[1].get("stream") or {}).get("layout") or {}).get("budget")
+    tokens = cfg.data.max_tokens_per_batch or (saved or {}).get("max_tokens")
+    budget = resolve_budget(cfg.data, seq_lens, cfg.world.batch_per_device * world, cfg.seed) if tokens is None \
+        else TokenBudget(seq_lens, cfg.data.seq_len_probs, tokens, cfg.seed)
+    fewest = min(budget.sizes())
+    if fewest < world:
+        raise ValueError(f"data.max_tokens_per_batch={budget.max_tokens} holds {fewest} image(s) of "
+                         f"{max(seq_lens)} patches, fewer than the {world} ranks: every rank needs a row; raise it "
+                         f"to at least {world * max(seq_lens)}")
+    check_pieces(cfg.data.pieces, fewest // world, budget=True)
+    chunks = cfg.grad_cache.chunks_for(cfg.world.batch_per_device)
+    if chunks > fewest // world:
+        raise ValueError(f"grad_cache: {chunks} chunks, but a rank holds as few as {fewest // world} rows (at "
+                         f"{max(seq_lens)} patches): use fewer chunks or raise data.max_tokens_per_batch")
+    if str(cfg.data.normalize_on) == "device":
+        raise ValueError("data.normalize_on=device: a NaFlex tower's patches are normalized by the loader; leave "
+                         "data.normalize_on=auto")
+    BudgetOrder(min(readers, fewest), budget)
 
 
 def check_shardable(model: torch.nn.Module, model_name: str) -> None:

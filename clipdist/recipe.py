@@ -40,8 +40,8 @@ def model_line(cfg: TrainConfig, model: torch.nn.Module) -> str:
 
 
 def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int, chunks: int, precision: str,
-           shards: Shards) -> list[str]:
-    """The start banner's lines."""
+           shards: Shards, budget=None) -> list[str]:
+    """The start banner's lines (`budget`: a NaFlex run's data.naflex.TokenBudget)."""
     optim = cfg.optim
     settings = [f"lr {optim.lr:g}", f"weight decay {optim.weight_decay:g}"]
     settings += [f"betas {list(optim.betas)}"] if optim.betas is not None else []
@@ -50,11 +50,15 @@ def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int,
     terms = " + ".join(f"{term.name} × {weight:g}" for term, weight in objective.terms)
     caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
     evals, rows = ", ".join(evalset.name for evalset in shards.evals) or "none", table_rows(shards)
+    batch = f"global batch {cfg.world.batch_per_device * world_size} ({world_size} rank(s) × {cfg.world.batch_per_device}"
+    if budget is not None:
+        sizes = ", ".join(f"{length}: {budget.max_tokens // length}" for length in budget.seq_lens)
+        batch = (f"global batch of {budget.max_tokens} image patches (samples at each sequence length: {sizes}; "
+                 f"{world_size} rank(s)")
     return [model_line(cfg, model),
             f"optimizer {optim.name} ({', '.join(settings)}); {optim.schedule} schedule, warmup {optim.warmup_steps} of "
             f"{optim.max_steps} steps; precision {precision}",
-            f"loss {cfg.loss.name}: {terms}; global batch {cfg.world.batch_per_device * world_size} ({world_size} "
-            f"rank(s) × {cfg.world.batch_per_device}{caching}); {cfg.world.parallel}",
+            f"loss {cfg.loss.name}: {terms}; {batch}{caching}); {cfg.world.parallel}",
             f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
             + (f", {rows:,} rows" if rows else "") + f"; evaluation: {evals}"]
 

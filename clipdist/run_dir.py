@@ -133,12 +133,13 @@ STEP_LOGS = ("train_log.jsonl", "metrics.jsonl")
 COPIED_LOGS = (*STEP_LOGS, "train.log")  # go off the node with the checkpoints (checkpoint.remote: clipdist.remote)
 
 
-def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str]) -> None:
-    """logging.sample_keys: this rank's rows of a step's batch, one line (a step skipped as non-finite too)."""
+def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str], seq_len: int | None = None) -> None:
+    """logging.sample_keys: this rank's rows of a step's batch, one line (a step skipped as non-finite too); a NaFlex
+    batch's sequence length with them."""
     path = Path(run_dir) / SAMPLES / f"rank_{rank}.jsonl"
     path.parent.mkdir(exist_ok=True)
     with path.open("a") as log_file:
-        log_file.write(json.dumps({"step": step, "keys": keys}) + "\n")
+        log_file.write(json.dumps({"step": step, "keys": keys, **({"seq_len": seq_len} if seq_len else {})}) + "\n")
 
 
 def rewind_logs(run_dir: str | Path, step: int) -> list[str]:

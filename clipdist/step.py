@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from clipdist import parallel
-from clipdist.data.batch import Batch, as_batch
+from clipdist.data.batch import Batch, as_batch, floats_to
 from clipdist.objective import Outputs, as_objective
 
 
@@ -148,7 +148,7 @@ class Step:
         its images in the weights' dtype where the weights are not fp32 (pure_bf16 / pure_fp16)."""
         inputs = dict(batch.to(self.device) if self.device is not None else batch)
         image = inputs["image"] if self.normalize is None else self.normalize(inputs["image"])
-        inputs["image"] = image if self.input_dtype is None else image.to(self.input_dtype)
+        inputs["image"] = floats_to(image, self.input_dtype)
         return inputs
 
     def forward(self, batch: Batch) -> tuple[Outputs, None]:

@@ -21,6 +21,7 @@ from clipdist.checkpoint import Checkpointer
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.images import PixelNormalize, normalize_on_device
+from clipdist.data.naflex import PatchImages, resolve_budget
 from clipdist.data.sources import Shards
 from clipdist.data.stream import TrainStream
 from clipdist.data.transforms import image_transforms
@@ -28,7 +29,8 @@ from clipdist.data.workers import LoaderPlan, loader_priority
 from clipdist.errors import TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
-from clipdist.models import create_run_model, image_size
+from clipdist.models import blank_images, create_run_model
+from clipdist.timm_towers import seq_len
 from clipdist.objective import run_objective
 from clipdist.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight
@@ -127,7 +129,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
                                       param_dtype=gathered_dtype, sync_batchnorm=cfg.world.sync_batchnorm)
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     scaler = precision.gradient_scaler(cfg.precision, device)
-    train_transform, val_transform = image_transforms(model.visual.preprocess_cfg, cfg.data)
+    train_transform, val_transform = image_transforms(model, cfg.data)
     mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
     teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
                                    precision.weights_dtype(cfg.precision), local_rank)
@@ -179,12 +181,17 @@ class Trainer:
         """This rank's training stream, its loader workers tuned by the stream from the run's measurements."""
         cfg, device, env = self.cfg, self.device, self.env
         on_device, why = normalize_on_device(cfg.data.normalize_on, device)
+        budget = None
+        if isinstance(image_transform, PatchImages):  # a NaFlex tower: patches, normalized by the loader
+            budget = resolve_budget(cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size,
+                                    cfg.seed)
+            on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
         self.say(f"images normalized {f'on {device.type} after the copy' if on_device else 'by the loader'} ({why})")
         stream = TrainStream(self.shards.sources, cfg.data,
                              batch_size=cfg.world.batch_per_device, image_transform=image_transform,
                              tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
                              pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers,
-                             workers=plan.workers)
+                             workers=plan.workers, budget=budget)
         started = stream.tune(
             plan, lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
                                                   workers),
@@ -205,7 +212,7 @@ class Trainer:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
         for line in recipe(cfg, self.model, self.step.objective, self.env.world_size, getattr(self.step, "chunks", 1),
-                           precision.resolved(cfg.precision, self.device), self.shards):
+                           precision.resolved(cfg.precision, self.device), self.shards, stream.budget):
             self.say(line)
         if stream.continued:
             self.say(f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
@@ -240,7 +247,8 @@ class Trainer:
                     break
                 stream.consumed(agreed.counts)
                 if cfg.logging.sample_keys:
-                    log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys)
+                    log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys,
+                                    seq_len(batch["image"]))
                 if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)",
@@ -277,8 +285,8 @@ class Trainer:
             with self.checkpointer.stop.interruptible():
                 return next(self.stream)
         except launch.StopRequested:
-            return Batch.dummy(self.cfg.world.batch_per_device, image_size(self.model), self.tokenizer.context_length,
-                               len(self.shards.sources))
+            rows = max(self.stream.global_batch // self.env.world_size, 1)
+            return Batch.dummy(blank_images(self.model, rows), self.tokenizer.context_length, len(self.shards.sources))
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a

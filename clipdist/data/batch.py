@@ -20,11 +20,20 @@ import torch
 Inputs = dict[str, Any]  # name -> tensor, or a mapping name -> tensor (one model input made of several)
 
 
-def _apply(value, function: Callable[[torch.Tensor], Any]):
+def apply(value, function: Callable[[torch.Tensor], Any]):
     """`function` on a tensor, or on every tensor of a mapping of them."""
     if isinstance(value, Mapping):
-        return {name: _apply(item, function) for name, item in value.items()}
+        return {name: apply(item, function) for name, item in value.items()}
     return function(value)
+
+
+def apply_pair(value, other, function: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+    """`function(tensor, other's tensor)` for a tensor and its counterpart, or for every name of two mappings."""
+    if isinstance(value, Mapping):
+        for name, item in value.items():
+            apply_pair(item, other[name], function)
+    else:
+        function(value, other)
 
 
 def _split(value, chunks: int) -> list:
@@ -69,7 +78,7 @@ class Batch(Mapping):
 
     def map(self, function: Callable[[torch.Tensor], Any], names=None) -> "Batch":
         """The batch with `function` applied to every tensor of the inputs `names` (all where None)."""
-        inputs = {name: _apply(value, function) if names is None or name in names else value
+        inputs = {name: apply(value, function) if names is None or name in names else value
                   for name, value in self.inputs.items()}
         return Batch(inputs, self.counts, self.load_s, self.sample_keys)
 
@@ -93,11 +102,25 @@ class Batch(Mapping):
         return cls({"image": images, "text": tokens}, counts, **options)
 
     @classmethod
-    def dummy(cls, rows: int, image_size: tuple[int, int], context_length: int, sources: int) -> "Batch":
-        """Zeros of a batch's shape that read nothing: what a rank steps on when a stop signal arrives while it
-        waits for data (the step's collectives still match on every rank, and its agreement stops them)."""
-        return cls.of(torch.zeros(rows, 3, *image_size), torch.zeros(rows, context_length, dtype=torch.long),
-                      zero_counts(sources))
+    def dummy(cls, images, context_length: int, sources: int) -> "Batch":
+        """A batch of `images` (blank ones) that read nothing: what a rank steps on when a stop signal arrives while
+        it waits for data (the step's collectives still match on every rank, and its agreement stops them)."""
+        rows = _first_tensor(images).shape[0]
+        return cls.of(images, torch.zeros(rows, context_length, dtype=torch.long), zero_counts(sources))
+
+
+def stack_rows(items: list):
+    """Per-sample inputs (tensors, or mappings of them) stacked into one batch input."""
+    if items and isinstance(items[0], Mapping):
+        return {name: stack_rows([item[name] for item in items]) for name in items[0]}
+    return torch.stack(items)
+
+
+def floats_to(value, dtype: torch.dtype | None):
+    """A tensor (or a mapping's tensors) in `dtype` where it is floating point (NaFlex coordinates and masks stay)."""
+    if dtype is None:
+        return value
+    return apply(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
 
 
 def as_batch(batch) -> Batch:

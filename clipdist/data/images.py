@@ -102,6 +102,11 @@ class ImageBatcher:
         return torch.stack([self.normalize(self.to_tensor(image.numpy())) if self._is_pixels(image) else image
                             for image in images])
 
+    @staticmethod
+    def empty() -> torch.Tensor:
+        """The images of an item with no rows (a worker none of whose readers' samples are this rank's)."""
+        return torch.empty(0)
+
     def _is_pixels(self, image) -> bool:
         """Whether `image` is __call__'s uint8 (H, W, C), left for the batch conversion."""
         return self.normalize is not None and image.dtype == torch.uint8 and image.ndim == 3
@@ -122,7 +127,7 @@ class PixelNormalize:
 
     def __call__(self, batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`batch` normalized into `out` (a new (B, C, H, W) float32 tensor where None)."""
-        if batch.dtype != torch.uint8:
+        if not isinstance(batch, torch.Tensor) or batch.dtype != torch.uint8:  # normalized, or a NaFlex mapping
             return batch
         size, height, width, channels = batch.shape
         if out is None:

@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from clipdist.data.batch import Batch
+from clipdist.data.batch import Batch, apply, apply_pair
 from clipdist.data.faults import DataError, DataFailure
 from clipdist.data.workers import set_low_priority
 from clipdist.launch import STOP_SIGNALS, kill_tree
@@ -61,12 +61,13 @@ class Loader:
             shutdown()
 
 
-def assemble(items, count: int, batch_size: int, pin_memory: bool, rank: int = 0) -> tuple[Batch, dict[int, dict]]:
-    """The next batch from `count` items of `items` (each a worker's rows of it: images, tokens, and what was read),
-    and the positions its readers reach once it is consumed. Items are copied into the batch's host buffer (pinned
-    where `pin_memory`) as they arrive; a batch that is one item is used as it is."""
-    images = tokens = counts = None
-    pending, load_s, keys = {}, 0.0, [""] * batch_size
+def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch, dict[int, dict]]:
+    """The next batch from `count` items of `items` (each a worker's rows of it: images — a tensor, or a NaFlex
+    mapping of them —, tokens, and what was read), and the positions its readers reach once it is consumed. Items
+    are copied into the batch's host buffer (pinned where `pin_memory`) as they arrive; a batch that is one item is
+    used as it is."""
+    images = tokens = counts = keys = None
+    pending, load_s = {}, 0.0
     for _ in range(count):
         item = next(items)
         if isinstance(item, DataFailure):
@@ -77,30 +78,32 @@ def assemble(items, count: int, batch_size: int, pin_memory: bool, rank: int = 0
         counts = piece_counts if counts is None else [total + part for total, part in zip(counts, piece_counts)]
         load_s += info["load_s"]
         rows = info["rows"]
+        keys = keys or [""] * info["batch_rows"]
         for row, key in zip(rows, info["keys"]):
             keys[row] = key
         if count == 1:  # the whole batch in one item
             images, tokens = _in_row_order(piece_images, piece_tokens, rows, pin_memory)
         elif rows:
             if images is None:  # the batch's host buffer, filled item by item as they arrive
-                images = torch.empty((batch_size, *piece_images.shape[1:]), dtype=piece_images.dtype,
-                                     pin_memory=pin_memory)
-                tokens = torch.empty((batch_size, *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
+                images = apply(piece_images, lambda piece: torch.empty((info["batch_rows"], *piece.shape[1:]),
+                                                                       dtype=piece.dtype, pin_memory=pin_memory))
+                tokens = torch.empty((info["batch_rows"], *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
             consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
             at = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows)
-            images[at] = piece_images  # a reader's rows are consecutive, unless the readers take turns within them
+            # a reader's rows are consecutive, unless the readers take turns within them
+            apply_pair(images, piece_images, lambda buffer, piece: buffer.__setitem__(at, piece))
             tokens[at] = piece_tokens
         del piece_images
     return Batch.of(images, tokens, counts, load_s=load_s, sample_keys=keys), pending
 
 
-def _in_row_order(images: torch.Tensor, tokens: torch.Tensor, rows: list[int], pin: bool):
+def _in_row_order(images, tokens: torch.Tensor, rows: list[int], pin: bool):
     """An item that is the whole batch, its samples put in row order (they are, unless readers take turns
     within the rank's rows more than once a batch)."""
     if rows == list(range(len(rows))):
         return images, tokens
     order = torch.argsort(torch.tensor(rows))
-    return (images[order].pin_memory() if pin else images[order]), tokens[order]
+    return apply(images, lambda tensor: tensor[order].pin_memory() if pin else tensor[order]), tokens[order]
 
 
 def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:

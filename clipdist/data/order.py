@@ -71,3 +71,65 @@ class SampleOrder:
             if len(found) == self.readers:
                 break
         return sorted(found)
+
+
+class BudgetOrder:
+    """The order of a token-budget run (data/naflex.py): V readers, and every global batch k — G_k samples, from
+    P_k = Σ_{i<k} G_i — is one cycle, in which reader j gives the samples at offsets [⌊jG_k/V⌋, ⌊(j+1)G_k/V⌋).
+    With V = N·m readers, ⌊rm·G/V⌋ = ⌊rG/N⌋: rank r's rows are exactly its own m readers' chunks, for every G;
+    on another world size a reader whose chunk straddles two ranks' rows is read by both, as in SampleOrder."""
+
+    def __init__(self, readers: int, budget):
+        if readers < 1 or readers > min(budget.sizes()):
+            raise ValueError(f"{readers} reader(s) cannot share a global batch of {min(budget.sizes())} sample(s) (the "
+                             "token budget at the longest sequence): use fewer readers (data.readers, data.workers) "
+                             "or raise data.max_tokens_per_batch")
+        self.readers, self.budget = readers, budget
+        self._cursors: dict[int, tuple[int, int]] = {}  # reader -> (batch k, its samples before k), as read
+
+    def span(self, k: int) -> tuple[int, int]:
+        """(P_k, G_k)."""
+        return self.budget.start(k), self.budget.start(k + 1) - self.budget.start(k)
+
+    def _chunk(self, reader: int, size: int) -> tuple[int, int]:
+        """(offset, count) of reader j's chunk in a batch of `size`."""
+        low = reader * size // self.readers
+        return low, (reader + 1) * size // self.readers - low
+
+    def _before(self, reader: int, k: int) -> int:
+        """Reader j's samples in batches 0 … k−1."""
+        sizes = self.budget.sizes_before(k)
+        return int(((reader + 1) * sizes // self.readers - reader * sizes // self.readers).sum())
+
+    def taken_before(self, reader: int, position: int) -> int:
+        """How many of reader j's samples lie before stream position S."""
+        k = self.budget.batch_at(position)
+        start, size = self.span(k)
+        offset, count = self._chunk(reader, size)
+        return self._before(reader, k) + min(max(position - start - offset, 0), count)
+
+    def position(self, reader: int, n: int) -> int:
+        """S of reader j's sample n (a reader reads forwards: its batch is followed, not searched again)."""
+        k, before = self._cursors.get(reader, (0, 0))
+        if n < before:
+            k, before = 0, 0
+        while True:
+            start, size = self.span(k)
+            offset, count = self._chunk(reader, size)
+            if n < before + count:
+                self._cursors[reader] = (k, before)
+                return start + offset + n - before
+            k, before = k + 1, before + count
+
+    def rank_readers(self, rank: int, world_size: int) -> list[int]:
+        """The readers rank r of N needs for its rows ⌊rG/N⌋ … ⌊(r+1)G/N⌋ of a batch, for every size G a batch
+        can have."""
+        found: set[int] = set()
+        for size in self.budget.sizes():
+            low, high = rank * size // world_size, (rank + 1) * size // world_size
+            found.update(j for j in range(self.readers) if self._overlaps(j, size, low, high))
+        return sorted(found)
+
+    def _overlaps(self, reader: int, size: int, low: int, high: int) -> bool:
+        offset, count = self._chunk(reader, size)
+        return count > 0 and offset < high and low < offset + count

@@ -19,13 +19,14 @@ from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.loader import Loader, assemble
 from clipdist.data.images import CaptionTokens, ImageBatcher
-from clipdist.data.order import SampleOrder
+from clipdist.data.naflex import TokenBudget
+from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
-ORDER = ("resampled", "seed", "shuffle_buffer", "weights", "shards")  # the data the sample order is made of
+ORDER = ("resampled", "seed", "shuffle_buffer", "weights", "shards", "budget")  # what the sample order is made of
 
 
 READER_KEY = "reader_{:08d}"  # a reader's position among a checkpoint's tensors (the DCP folder's data.<key>.*)
@@ -104,6 +105,10 @@ class TrainStream:
     spinning. `pixels`: images come as uint8 (B, H, W, C), for the rank to normalize on its device
     (images.PixelNormalize); `pin_memory`: batches are put in pinned memory for an asynchronous copy.
 
+    `budget` (a NaFlex tower: data/naflex.TokenBudget): global batch k holds G_k samples at sequence length L_k
+    (`image_transform` is then a naflex.PatchImages), every batch one cycle of the order (order.BudgetOrder); rank
+    r holds rows ⌊rG_k/N⌋ … ⌊(r+1)G_k/N⌋. The batches consumed so far (`batches`) say which k comes next.
+
     The loader's workers (data.workers, any count; `set_workers` moves to another between batches) each
     run some of the rank's readers and give their rows of a batch as `data.pieces` items, copied into the
     batch's host buffer (pinned where `pin_memory`) as they arrive (data.loader, which owns the DataLoader and
@@ -115,13 +120,16 @@ class TrainStream:
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
                  rank: int = 0, world_size: int = 1, seed: int = 0, low_priority_workers: bool = False,
                  pixels: bool = False, pin_memory: bool = False, start_method: str | None = None,
-                 readers: int | None = None, workers: int | None = None):
+                 readers: int | None = None, workers: int | None = None, budget: TokenBudget | None = None):
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
         self.replicated = split == "replicated"
         self.pieces = int(getattr(data, "pieces", 1) or 1)
-        check_pieces(self.pieces, batch_size)
+        self.budget = budget
+        check_pieces(self.pieces, batch_size, budget is not None)
+        if budget is not None:  # the rows every rank has at the longest sequence length
+            batch_size = min(budget.sizes()) // world_size
         self.readers_setting = getattr(data, "readers", None)
         self.workers = data.workers if workers is None else workers  # the loader plan's (data.workers: automatic)
         total = run_readers(readers or max(self.workers or 0, 1), world_size, split, self.readers_setting, batch_size)
@@ -132,26 +140,34 @@ class TrainStream:
         self.layout = {"resampled": data.resampled, "seed": seed, "shuffle_buffer": data.shuffle_buffer,
                        "weights": list(data.weights) if data.weights else None,
                        "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest(),
-                       "readers": total, "cycle": batch_size * world_size}
-        self.order = SampleOrder(total, self.layout["cycle"])
+                       "readers": total, "cycle": batch_size * world_size,
+                       "budget": budget.layout() if budget is not None else None}
+        self.order = self._order(total, self.layout["cycle"])
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
         self.readers: dict[int, dict] = {}  # reader -> its position after the samples consumed (those this rank read)
         self.position = 0  # samples of the global order consumed: where global batch 0 of this start begins
+        self.batches = 0  # global batches consumed since the run began (a token budget's next batch index)
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
         self.continued = False  # set by load_state_dict when it continues sample for sample
         self._loader = None
         self.tuning: LoaderTuning | None = None
         self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
 
+    def _order(self, readers: int, cycle: int):
+        return SampleOrder(readers, cycle) if self.budget is None else BudgetOrder(readers, self.budget)
+
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.world_size
+        """The next global batch's samples."""
+        return self.batch_size * self.world_size if self.budget is None else self.budget.size(self.batches)
 
     @functools.cached_property
     def rank_readers(self) -> list[int]:
         """The readers this rank reads (order.SampleOrder.rank_readers: the same from every batch's start)."""
         if self.replicated:
             return list(range(self.order.readers))
+        if self.budget is not None:
+            return self.order.rank_readers(self.rank, self.world_size)
         return self.order.rank_readers(self.position, self.global_batch, self.rank, self.world_size)
 
     def __iter__(self):
@@ -160,7 +176,7 @@ class TrainStream:
     def __next__(self) -> Batch:
         if self._loader is None:
             self._loader = self._start()
-        batch, self._pending = assemble(self._loader, self._items, self.batch_size, self.pin_memory, self.rank)
+        batch, self._pending = assemble(self._loader, self._items, self.pin_memory, self.rank)
         return batch
 
     @property
@@ -179,6 +195,7 @@ class TrainStream:
         self.readers.update(self._pending)
         self._pending = {}
         self.position += self.global_batch if counts is None else rows_consumed(counts)
+        self.batches += 1
         if counts is not None:
             self.skipped_samples += counts[0]
             self.skipped_shards += counts[1]
@@ -189,7 +206,7 @@ class TrainStream:
         reads (a rank sharing a reader holds the same position as the other). In a checkpoint the readers go
         apart (`reader_tensors`, into the DCP folder: each rank writes its own, one copy of each is kept) and the
         rest into progress.pt, so neither grows with the world: see `load_reader_tensors`."""
-        return {"layout": self.layout, "seed": self.seed, "position": self.position,
+        return {"layout": self.layout, "seed": self.seed, "position": self.position, "batches": self.batches,
                 "readers": dict(sorted(self.readers.items())), "skipped_samples": self.skipped_samples,
                 "skipped_shards": self.skipped_shards, "source_samples": list(self.source_samples)}
 
@@ -220,15 +237,16 @@ class TrainStream:
         if self._loader is not None:
             raise RuntimeError("TrainStream.load_state_dict must come before the first batch")
         saved = saved or {}
+        self._keep_budget((saved.get("layout") or {}).get("budget"))
         self.skipped_samples, self.skipped_shards = saved.get("skipped_samples", 0), saved.get("skipped_shards", 0)
         totals = saved.get("source_samples") or []
         self.source_samples = list(totals) if len(totals) == len(self.sources) else [0] * len(self.sources)
         reason = self._why_not_exact(saved.get("layout"))
         if reason is None:
             self.layout = {**self.layout, "readers": saved["layout"]["readers"], "cycle": saved["layout"]["cycle"]}
-            self.order = SampleOrder(self.layout["readers"], self.layout["cycle"])
+            self.order = self._order(self.layout["readers"], self.layout["cycle"])
             self.__dict__.pop("rank_readers", None)
-            self.position = saved["position"]
+            self.position, self.batches = saved["position"], saved.get("batches", 0)
             mine = set(self.rank_readers)  # only these: another rank's copy of a reader would go stale here
             self.readers = {index: state for index, state in saved.get("readers", {}).items() if index in mine}
             self.seed = saved["seed"]  # the layout's, or the one a restart drew
@@ -238,6 +256,18 @@ class TrainStream:
         same_seed = (saved.get("layout") or {}).get("seed") == self.layout["seed"]
         self.seed = (saved.get("seed", self.seed) if same_seed else self.seed) + RESHUFFLE_SEED_STRIDE * done
         self.restart_reason = reason
+
+    def _keep_budget(self, saved: dict | None) -> None:
+        """A resume keeps the checkpoint's token budget where data.max_tokens_per_batch does not name one (its
+        default, the global batch at the longest length, changes with the world size: the batches would not)."""
+        if self.budget is None or saved is None or self.data.max_tokens_per_batch is not None:
+            return
+        budget = self.budget
+        self.budget = TokenBudget(budget.seq_lens, getattr(self.data, "seq_len_probs", None), saved["max_tokens"],
+                                  budget.seed)
+        self.batch_size = min(self.budget.sizes()) // self.world_size
+        self.layout = {**self.layout, "budget": self.budget.layout()}
+        self.order = self._order(self.order.readers, self.layout["cycle"])
 
     def _why_not_exact(self, saved: dict | None) -> str | None:
         """Why a stream at the saved layout cannot go on sample for sample here (None: it can)."""
@@ -261,7 +291,8 @@ class TrainStream:
         dataset = TrainingBatches(self.sources, self.image_transform, self.tokenizer, data=self.data,
                                   order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
                                   world_size=self.world_size, seed=self.seed, resume=dict(self.readers),
-                                  readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels)
+                                  readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels,
+                                  first_batch=self.batches if self.budget is not None else None)
         return Loader(dataset, workers, pin_memory=self.pin_memory and self._items == 1,
                       low_priority=self.low_priority_workers, start_method=self.start_method, seed=self.seed)
 
@@ -295,7 +326,10 @@ class TrainStream:
         return [] if self._loader is None else self._loader.worker_pids()
 
 
-def check_pieces(pieces: int, batch_size: int) -> None:
+def check_pieces(pieces: int, batch_size: int, budget: bool = False) -> None:
+    if budget and pieces != 1:
+        raise ValueError(f"data.pieces={pieces} with a token budget (data.max_tokens_per_batch): a batch's rows change "
+                         "with its sequence length; leave data.pieces=1")
     if pieces < 1 or batch_size % pieces:
         raise ValueError(f"data.pieces={pieces} does not divide world.batch_per_device={batch_size}: "
                          "use a divisor of the rank's batch (1: the loader reads whole batches)")
@@ -322,18 +356,23 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     whose row takes the skipped sample's place. Augmentation is seeded per sample (seed, reader, shard
     entry, sample number).
 
-    item: (images, tokens, info), info = {"rows": the rows of the rank's batch it fills, "readers": {reader:
+    With a token budget (`first_batch`: the run's index of batch 0 here; `order` a BudgetOrder) batch k is the
+    order's cycle first_batch + k, and its images go through `image_transform.batcher(L_k)`.
+
+    item: (images, tokens, info), info = {"rows": the rows of the rank's batch it fills, "batch_rows": the rows of
+    the rank's batch, "readers": {reader:
     Position after the batch} (on a worker's last piece of a batch), "skipped": (samples, shards) skipped,
     "sources": samples per source in it, "load_s": the CPU seconds this thread spent on it}.
     """
 
     def __init__(self, sources: list[list[str]], image_transform, tokenizer, *, data, order: SampleOrder, start: int,
                  batch: int, rank: int, world_size: int, seed: int, resume: dict, readers: list[int], pieces: int = 1,
-                 pixels: bool = False):
+                 pixels: bool = False, first_batch: int | None = None):
         super().__init__()
         self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
-        self.order, self.start, self.batch, self.rows = order, start, batch, batch // world_size
-        self.rank, self.seed, self.resume, self.readers, self.pieces = rank, seed, resume, readers, pieces
+        self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
+        self.rank, self.world_size, self.seed, self.resume, self.readers = rank, world_size, seed, resume, readers
+        self.pieces = pieces
         self.pixels = pixels
         probs = None if data.caption_probs is None else tuple(data.caption_probs)
         self.keys = SampleKeys(tuple(data.caption_keys), probs, tuple(data.image_keys), seed)
@@ -364,21 +403,33 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         mine = self.readers[info.id::info.num_workers] if info is not None else self.readers
         runs = {index: self.reader(index) for index in mine}
-        batcher, tokenize = ImageBatcher(self.image_transform), CaptionTokens(self.tokenizer)
+        batcher = ImageBatcher(self.image_transform) if self.first_batch is None else None
+        tokenize = CaptionTokens(self.tokenizer)
         try:
             for k in itertools.count():
-                yield from self._batch(k, runs, batcher, tokenize)
+                yield from self._batch(k, runs, batcher or self._patches(k), tokenize)
         except DataError as error:
             yield DataFailure(str(error))
         finally:
             for run in runs.values():
                 run.samples.close()
 
-    def _batch(self, k: int, runs: dict[int, _ReaderRun], batcher: ImageBatcher, tokenize: CaptionTokens):
+    def span(self, k: int) -> tuple[int, int]:
+        """(stream position, samples) of global batch k."""
+        if self.first_batch is None:
+            return self.start + k * self.batch, self.batch
+        return self.order.span(self.first_batch + k)
+
+    def _patches(self, k: int):
+        """A token-budget batch's image transform: its sequence length's (naflex.PatchBatcher)."""
+        return self.image_transform.batcher(self.order.budget.seq_len(self.first_batch + k))
+
+    def _batch(self, k: int, runs: dict[int, _ReaderRun], batcher, tokenize: CaptionTokens):
         """This worker's `pieces` items of global batch k: its readers advanced to the batch's end."""
-        end = self.start + (k + 1) * self.batch
-        low = end - self.batch + self.rank * self.rows
-        high = low + self.rows
+        start, size = self.span(k)
+        end = start + size
+        low = start + self.rank * size // self.world_size
+        high = start + (self.rank + 1) * size // self.world_size
         share = sum(self.order.taken_before(index, high) - self.order.taken_before(index, low) for index in runs)
         cuts = [share * piece // self.pieces for piece in range(self.pieces + 1)]
         kept: list[tuple[int, object, str, int, str]] = []
@@ -389,11 +440,11 @@ class TrainingBatches(torch.utils.data.IterableDataset):
             rows = [row for row, *_ in kept]  # a list, not a tensor: one shared-memory handle fewer per item
             counts = torch.bincount(torch.tensor([source for *_, source, _ in kept], dtype=torch.long),
                                     minlength=len(self.sources)).tolist()
-            images = batcher.stack([image for _, image, *_ in kept], pixels=self.pixels) if kept else torch.empty(0)
+            images = batcher.stack([image for _, image, *_ in kept], pixels=self.pixels) if kept else batcher.empty()
             tokens = tokenize([caption for _, _, caption, *_ in kept]) if kept else torch.empty(0, dtype=torch.long)
             positions = {index: Position({"reader": run.reader.state_dict(), "taken": run.taken})
                          for index, run in runs.items()} if last else {}
-            info = {"rows": rows, "keys": [key for *_, key in kept], "readers": positions, "skipped": tuple(skipped), "sources": counts,
+            info = {"rows": rows, "batch_rows": high - low, "keys": [key for *_, key in kept], "readers": positions, "skipped": tuple(skipped), "sources": counts,
                     "load_s": time.thread_time() - started}
             kept, skipped, started = [], [0, 0], time.thread_time()
             return images, tokens, info

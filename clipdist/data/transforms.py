@@ -7,12 +7,22 @@ import warnings
 from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
 
 from clipdist.config import as_dict
+from clipdist.data.naflex import PatchImages, resolve_seq_lens
+from clipdist.models import image_size
+from clipdist.timm_towers import naflex_patch_size, naflex_trunk
 
 
-def image_transforms(preprocess_cfg: dict, data) -> tuple:
-    """(training transform, evaluation transform) for an image tower's `preprocess_cfg`: open_clip's own, from
-    the model's preprocessing (size, mean, std, interpolation, resize mode) and data.augmentation (open_clip's
-    AugmentationCfg); data.augment=false trains on the evaluation transform."""
+def image_transforms(model, data) -> tuple:
+    """(training transform, evaluation transform) for a model's image tower: open_clip's own, from the tower's
+    preprocessing (size, mean, std, interpolation, resize mode) and data.augmentation (open_clip's
+    AugmentationCfg); data.augment=false trains on the evaluation transform. A NaFlex tower: naflex.PatchImages,
+    and its transform at the longest sequence length for evaluation (each image at its own aspect ratio)."""
+    preprocess_cfg = model.visual.preprocess_cfg
+    if naflex_trunk(model) is not None:
+        seq_lens = resolve_seq_lens(data, image_size(model), naflex_patch_size(model))
+        images = PatchImages(naflex_patch_size(model), preprocess_cfg["mean"], preprocess_cfg["std"],
+                             preprocess_cfg.get("interpolation", "bicubic"), seq_lens)
+        return images, images.batcher(max(seq_lens)).one
     preprocess = PreprocessCfg(**preprocess_cfg)
     evaluation = image_transform_v2(preprocess, is_train=False)
     if not data.augment:

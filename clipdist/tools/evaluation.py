@@ -43,7 +43,7 @@ def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_si
     device = torch.device("cpu")
     model, name = targets.load(targets.resolve(target, pretrained, model_name), cache_dir)
     model = model.to(device, precisions.weights_dtype(precision))
-    _, transform = image_transforms(model.visual.preprocess_cfg, DataConfig())
+    _, transform = image_transforms(model, DataConfig())
     tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))  # a forced length too
     metrics = {}
     for evalset in evalsets:

@@ -26,9 +26,11 @@ from clipdist.objective import build_objective
 from clipdist.parallel import full_tensor, wrap_model
 from clipdist.precision import gradient_scaler
 from clipdist.step import build_step
+from clipdist.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+FLOAT32_TOLERANCE = 1e-6  # a parameter the tower differentiates in float32 (timm_towers.float32_parameters), at float64
 
 
 def resolve_loss(spec: str) -> Callable:
@@ -58,10 +60,19 @@ def resolve_loss(spec: str) -> Callable:
     return loss
 
 
-def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dtype):
+NAFLEX_PATCHES = 12  # a NaFlex check's sequence length: every row its own grid of at most this many patches
+
+
+def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dtype) -> Batch:
+    """The check's global batch: random 32 px images (a NaFlex tower: random grids of patches, each row its own
+    aspect and length, padded) and random captions."""
     generator = torch.Generator().manual_seed(seed + 1)
-    images = torch.randn(global_batch, 3, 32, 32, generator=generator, dtype=dtype)
-    return images, random_tokens(global_batch, get_tokenizer(model_name).context_length, generator)
+    structure = create_model(model_name, device="meta")
+    if naflex_trunk(structure) is not None:
+        images = random_patches(global_batch, naflex_patch_size(structure), NAFLEX_PATCHES, generator, dtype)
+    else:
+        images = torch.randn(global_batch, 3, 32, 32, generator=generator, dtype=dtype)
+    return Batch.of(images, random_tokens(global_batch, get_tokenizer(model_name).context_length, generator))
 
 
 @dataclass(frozen=True)
@@ -114,9 +125,8 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     """
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
-    images, tokens = _random_batch(sum(local_sizes), model_name, seed, dtype)
     start = sum(local_sizes[:rank])
-    rows = slice(start, start + local_sizes[rank])
+    batch = _random_batch(sum(local_sizes), model_name, seed, dtype).map(lambda t: t[start:start + local_sizes[rank]])
     results = []
     for spec in loss_specs:
         loss_fn = resolve_loss(spec)
@@ -125,7 +135,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
         teacher = _teacher(model_name, seed, dtype) if distill else None
         step = build_step(wrapped, _objective(loss_fn, model, teacher), chunks=chunks, scaler=grad_scaler)
-        loss = step.gradients(Batch.of(images[rows], tokens[rows]))
+        loss = step.gradients(batch)
         if grad_scaler is not None:
             grad_scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
         mean_loss = loss.detach().clone()
@@ -142,9 +152,9 @@ def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name
     """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process; a locked
     parameter's gradient is None. With `distill`, plus open_clip's DistillClipLoss term against the teacher."""
     model = _model(model_name, seed, dtype, loss_fn, locks)
-    images, tokens = _random_batch(global_batch, model_name, seed, dtype)
+    batch = _random_batch(global_batch, model_name, seed, dtype)
     objective = _objective(loss_fn, model, _teacher(model_name, seed, dtype) if distill else None)
-    loss = objective.reference(model(images, tokens), {"image": images, "text": tokens})  # each term's definition
+    loss = objective.reference(model(**batch), batch)  # each term's definition
     loss.backward()
     return loss.item(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
@@ -177,6 +187,7 @@ class GradcheckReport:
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
     distill: bool = False  # with the distillation term against a teacher (loss.distill)
     locked_parameters: int = 0  # parameters that got no gradient, as in the reference
+    float32_parameters: list[str] = field(default_factory=list)  # compared at FLOAT32_TOLERANCE: the tower's float32
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -285,6 +296,7 @@ def run_gradchecks(
     rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks, parallel,
                                 locks, scaler, distill, timeout_s=timeout_s)[0]
     tolerance = TOLERANCE[dtype]
+    in_float32 = sorted(float32_parameters(create_model(model, device="meta"))) if dtype == "float64" else []
     references = {}  # one single-process step per loss definition, shared by the backends that use it
     reports = []
     for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
@@ -293,7 +305,7 @@ def run_gradchecks(
             references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks,
                                                      distill)
         report = _report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance, chunks,
-                         parallel)
+                         parallel, in_float32)
         report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
         report.scaler, report.distill = scaler, distill
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
@@ -306,9 +318,11 @@ def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> Gradch
     return run_gradchecks([loss], world_size, **options)[0]
 
 
-def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance, chunks, parallel):
+def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance, chunks, parallel,
+            in_float32=()):
     checks = [
-        ParameterCheck(name, *classify(grads[name], ref, world_size, tolerance))
+        ParameterCheck(name, *classify(grads[name], ref, world_size,
+                                       max(tolerance, FLOAT32_TOLERANCE) if name in in_float32 else tolerance))
         for name, ref in reference_grads.items()
     ]
     loss_rel_err = abs(loss - reference_loss) / abs(reference_loss)
@@ -322,10 +336,14 @@ def _report(spec, loss, grads, reference_loss, reference_grads, world_size, size
         loss=loss,
         reference_loss=reference_loss,
         loss_rel_err=loss_rel_err,
-        max_rel_err=max([loss_rel_err] + [c.rel_err for c in checks]),
+        max_rel_err=max([loss_rel_err] + [c.rel_err for c in checks if c.name not in in_float32]),
         exact=loss_exact and all(c.verdict == "exact" for c in checks),
         parameters=checks,
-        diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size),
+        diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size) + [
+            f"{name}: compared at {FLOAT32_TOLERANCE:g} (relative error {check.rel_err:.1e}): the tower computes its "
+            "gradient in float32 whatever the weights' dtype" for check in checks for name in in_float32
+            if check.name == name],
         chunks=chunks,
         parallel=parallel,
+        float32_parameters=list(in_float32),
     )

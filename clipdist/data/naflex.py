@@ -1,0 +1,193 @@
+"""NaFlex batches: every global batch one sequence length, as many samples as a token budget allows at it, each
+image at its own aspect ratio cut into patches.
+
+Global batch k draws its sequence length L_k from data.seq_lens with data.seq_len_probs — a function of (seed, k)
+alone (splitmix64 of both: nothing to carry in a checkpoint, the same on every rank and after any resume) — and holds
+
+    G_k = ⌊T / L_k⌋ samples,   T = data.max_tokens_per_batch, image patches per *global* batch.
+
+T is per global batch, not per rank, so that the batches (which samples, at which length) depend on the data and
+the seed alone: a run resumed on another number of ranks goes on sample for sample, and the loss is the global
+batch's whatever the world. Rank r of N holds rows ⌊rG/N⌋ … ⌊(r+1)G/N⌋ of it — unequal by at most one, which every
+loss handles exactly — so a rank's share is about T/N patches.
+
+Each image is resized, keeping its aspect ratio, to the largest grid of P-px patches with h·w ≤ L_k (timm's
+get_image_size_for_seq), cut into h·w patches (P·P·3 values, channels last: timm's layout), and padded to L_k
+with invalid patches (NaFlexVit masks them out of attention and pooling).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data.naflex_transforms import get_image_size_for_seq
+
+from clipdist.data.samples import EncodedImage, load_rgb
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """Vigna's splitmix64 finaliser of uint64 `values`: a counter-based generator, each output a function of its
+    input alone (what lets batch k's draw be made without the draws before it)."""
+    with np.errstate(over="ignore"):
+        z = values.astype(np.uint64) + _MIX[0]
+        z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+        return z ^ (z >> np.uint64(31))
+
+
+class TokenBudget:
+    """Which sequence length and how many samples each global batch k has (the module docstring)."""
+
+    def __init__(self, seq_lens: list[int], probs: list[float] | None, max_tokens: int, seed: int):
+        if not seq_lens or min(seq_lens) < 1:
+            raise ValueError(f"data.seq_lens={list(seq_lens)}: give one or more sequence lengths of at least 1 patch")
+        if probs is not None and (len(probs) != len(seq_lens) or min(probs) < 0 or sum(probs) <= 0):
+            raise ValueError(f"data.seq_len_probs={list(probs)}: one weight of 0 or more per data.seq_lens entry "
+                             f"({len(seq_lens)}), not all 0")
+        if max_tokens < max(seq_lens):
+            raise ValueError(f"data.max_tokens_per_batch={max_tokens} holds no image of data.seq_lens' "
+                             f"{max(seq_lens)} patches: raise it (it counts a global batch's patches)")
+        self.seq_lens, self.max_tokens, self.seed = [int(length) for length in seq_lens], int(max_tokens), int(seed)
+        weights = np.asarray(probs if probs is not None else [1.0] * len(seq_lens), dtype=np.float64)
+        self.cumulative = np.cumsum(weights / weights.sum())
+        self.cumulative[-1] = 1.0
+        self._sizes = np.zeros(0, dtype=np.int64)  # G_k of the batches drawn so far
+        self._starts = np.zeros(1, dtype=np.int64)  # P_k = Σ_{i<k} G_i
+
+    def layout(self) -> dict:
+        """What the sample order is made of (a checkpoint's data layout): changing any of it restarts the order."""
+        probs = np.diff(self.cumulative, prepend=0.0)
+        return {"seq_lens": self.seq_lens, "seq_len_probs": [round(float(p), 12) for p in probs],
+                "max_tokens": self.max_tokens}
+
+    def seq_lens_of(self, batches: np.ndarray) -> np.ndarray:
+        """L_k for each batch index k."""
+        key = np.uint64(self.seed & 0xFFFF_FFFF) << np.uint64(32)
+        draws = splitmix64(key ^ batches.astype(np.uint64)) >> np.uint64(11)  # 53 random bits
+        choice = np.searchsorted(self.cumulative, draws.astype(np.float64) / 2.0**53, side="right")
+        return np.asarray(self.seq_lens, dtype=np.int64)[np.minimum(choice, len(self.seq_lens) - 1)]
+
+    def seq_len(self, k: int) -> int:
+        return int(self.seq_lens_of(np.array([k]))[0])
+
+    def size(self, k: int) -> int:
+        """G_k, the samples of global batch k."""
+        return self.max_tokens // self.seq_len(k)
+
+    def sizes(self) -> list[int]:
+        """Every size a batch can have (one per sequence length)."""
+        return sorted({self.max_tokens // length for length in self.seq_lens})
+
+    def start(self, k: int) -> int:
+        """P_k, the stream position global batch k starts at."""
+        self._extend(k)
+        return int(self._starts[k])
+
+    def batch_at(self, position: int) -> int:
+        """The batch k with P_k ≤ position < P_{k+1}."""
+        while self._starts[-1] <= position:
+            self._extend(2 * len(self._sizes) + 1024)
+        return int(np.searchsorted(self._starts, position, side="right")) - 1
+
+    def sizes_before(self, k: int) -> np.ndarray:
+        """G_0 … G_{k-1}."""
+        self._extend(k)
+        return self._sizes[:k]
+
+    def _extend(self, k: int) -> None:
+        """Draw the sizes of batches up to k (in blocks: a million batches take ~0.1 s)."""
+        if k < len(self._sizes):
+            return
+        indices = np.arange(len(self._sizes), max(k + 1, 2 * len(self._sizes)), dtype=np.int64)
+        more = self.max_tokens // self.seq_lens_of(indices)
+        self._sizes = np.concatenate([self._sizes, more])
+        self._starts = np.concatenate([self._starts, self._starts[-1] + np.cumsum(more)])
+
+
+def default_seq_lens(image_size: tuple[int, int], patch_size: int) -> list[int]:
+    """A NaFlex run's sequence length where data.seq_lens is not given: the patches of the tower's image size."""
+    return [math.ceil(image_size[0] / patch_size) * math.ceil(image_size[1] / patch_size)]
+
+
+class PatchImages:
+    """A NaFlex tower's image transform: decode, resize keeping the aspect ratio to at most `seq_len` patches of
+    `patch_size` px, cut into patches. `batcher(seq_len)` gives the per-length transform the loader runs
+    (cached: one per length a run draws). Training does not augment: the image is resized, whole."""
+
+    def __init__(self, patch_size: int, mean, std, interpolation: str = "bicubic", seq_lens: list[int] | None = None):
+        self.patch_size, self.mean, self.std = int(patch_size), tuple(mean), tuple(std)
+        self.seq_lens = list(seq_lens or [])  # the run's sequence lengths (data.seq_lens, resolved)
+        self.resample = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}.get(str(interpolation), Image.BICUBIC)
+
+    @functools.lru_cache(maxsize=None)
+    def batcher(self, seq_len: int) -> PatchBatcher:
+        return PatchBatcher(self, seq_len)
+
+
+class PatchBatcher:
+    """One sequence length's transform (`__call__`: one image → uint8 pixels at its grid) and collate (`stack`: a
+    batch of them → the tower's input mapping, normalized and padded to seq_len)."""
+
+    def __init__(self, images: PatchImages, seq_len: int):
+        self.images, self.seq_len = images, int(seq_len)
+        self.mean = torch.tensor(images.mean, dtype=torch.float32)
+        self.std = torch.tensor(images.std, dtype=torch.float32)
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """(h, w) patches of an image of height × width at this length: the aspect ratio kept, h·w ≤ seq_len."""
+        size = self.images.patch_size
+        _, (target_h, target_w) = get_image_size_for_seq((height, width), size, self.seq_len)
+        return target_h // size, target_w // size
+
+    def __call__(self, image: EncodedImage | Image.Image) -> torch.Tensor:
+        """uint8 (h·P, w·P, 3) pixels of the image at its grid (decoded no larger than it needs: load_rgb)."""
+        opened = image.opened if isinstance(image, EncodedImage) else image
+        rows, columns = self.grid(opened.size[1], opened.size[0])
+        size = self.images.patch_size
+        target = (columns * size, rows * size)
+        decoded, _ = load_rgb(image, target)
+        resized = decoded.resize(target, self.images.resample)
+        return torch.from_numpy(np.array(resized, dtype=np.uint8, copy=True))
+
+    def empty(self) -> dict[str, torch.Tensor]:
+        """The images of an item with no rows."""
+        return self.stack([])
+
+    def one(self, image: EncodedImage | Image.Image) -> dict[str, torch.Tensor]:
+        """One image's input rows (no batch dimension): evaluation's per-image transform."""
+        return {name: value[0] for name, value in self.stack([self(image)]).items()}
+
+    def stack(self, images: list[torch.Tensor], pixels: bool = False) -> dict[str, torch.Tensor]:
+        """{"patches": (B, seq_len, P·P·3) float32 normalized, "patch_coord": (B, seq_len, 2), "patch_valid":
+        (B, seq_len)} of __call__'s pixels; padding rows are zeros, invalid, at coordinate (0, 0)."""
+        size, rows = self.images.patch_size, len(images)
+        patches = torch.zeros(rows, self.seq_len, size * size * 3, dtype=torch.float32)
+        coord = torch.zeros(rows, self.seq_len, 2, dtype=torch.long)
+        valid = torch.zeros(rows, self.seq_len, dtype=torch.bool)
+        for row, image in enumerate(images):
+            height, width = image.shape[0] // size, image.shape[1] // size
+            count = height * width
+            cut = image.view(height, size, width, size, 3).permute(0, 2, 1, 3, 4).reshape(count, size * size, 3)
+            patches[row, :count] = ((cut.float() / 255 - self.mean) / self.std).reshape(count, -1)
+            coord[row, :count] = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"),
+                                             -1).reshape(count, 2)
+            valid[row, :count] = True
+        return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def resolve_seq_lens(data, image_size: tuple[int, int], patch_size: int) -> list[int]:
+    """data.seq_lens, or the tower's image_size grid; data.patch_size, where given, must be the tower's."""
+    if data.patch_size is not None and data.patch_size != patch_size:
+        raise ValueError(f"data.patch_size={data.patch_size}: the image tower's patch embedding takes {patch_size}-px "
+                         f"patches only; leave data.patch_size unset (or {patch_size})")
+    return [int(length) for length in data.seq_lens] if data.seq_lens else default_seq_lens(image_size, patch_size)
+
+
+def resolve_budget(data, seq_lens: list[int], global_batch: int, seed: int) -> TokenBudget:
+    """The run's TokenBudget: data.max_tokens_per_batch, else the configured global batch at the longest length."""
+    return TokenBudget(seq_lens, data.seq_len_probs, data.max_tokens_per_batch or global_batch * max(seq_lens), seed)
