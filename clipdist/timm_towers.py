@@ -20,6 +20,8 @@ import open_clip.timm_model
 import timm
 import torch
 
+from clipdist.weights import UnsafeFileError
+
 KWARGS_KEY = "timm_model_kwargs"
 # Keyword arguments that could make timm read a file or fetch one: a tower's weights come from model.* settings only.
 _REFUSED_WORDS = ("pretrained", "checkpoint", "cache", "file", "url", "hub", "path")
@@ -28,18 +30,18 @@ TOWER_KWARGS: dict[str, dict] = {}  # model config name -> its vision_cfg.timm_m
 
 
 def check_tower_kwargs(kwargs, where: str) -> dict:
-    """`kwargs` (a config's timm_model_kwargs) as plain settings, or a ValueError in one line: a mapping of names to
-    numbers, strings, booleans or lists of them — nothing that names weights, a file or a hub."""
+    """`kwargs` (a config's timm_model_kwargs) as plain settings, or an UnsafeFileError in one line: a mapping of
+    names to numbers, strings, booleans or lists of them — nothing that names weights, a file or a hub."""
     if not isinstance(kwargs, dict):
-        raise ValueError(f"{where}: vision_cfg.{KWARGS_KEY} must be a mapping of timm.create_model's arguments")
+        raise UnsafeFileError(f"{where}: vision_cfg.{KWARGS_KEY} must be a mapping of timm.create_model's arguments")
     scalar = (bool, int, float, str, type(None))
     for key, value in kwargs.items():
         if not isinstance(key, str) or any(word in key.lower() for word in _REFUSED_WORDS):
-            raise ValueError(f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} could make timm read or fetch weights; "
+            raise UnsafeFileError(f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} could make timm read or fetch weights; "
                              "a tower's starting weights come from model.pretrained_image, model.checkpoint or "
                              "model.pretrained")
         if not (isinstance(value, scalar) or isinstance(value, list) and all(isinstance(v, scalar) for v in value)):
-            raise ValueError(f"{where}: vision_cfg.{KWARGS_KEY}.{key} is a {type(value).__name__}: only numbers, "
+            raise UnsafeFileError(f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} is a {type(value).__name__}: only numbers, "
                              "strings, booleans and lists of them are passed to timm")
     return dict(kwargs)
 

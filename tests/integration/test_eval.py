@@ -84,7 +84,7 @@ def _evaluate_on_ranks(folder, parallel):
         wrap_model(model, parallel="fsdp")
     evalset = EvalSet("val", sorted(str(path) for path in folder.glob("*.tar")), ["red", "green", "blue"],
                       ["a {} photo.", "a photo of {}."])
-    _, transform = image_transforms(model.visual.preprocess_cfg, DataConfig())
+    _, transform = image_transforms(model, DataConfig())
     return evaluate(model, get_tokenizer(), evalset, transform, torch.device("cpu"), max_skips_in_a_row=100,
                     batch_size=8, lockstep=parallel == "fsdp")
 

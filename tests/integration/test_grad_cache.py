@@ -40,7 +40,7 @@ def _syncs_per_step(chunks: int):
         return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
     model.register_comm_hook(None, counting_allreduce)
-    images, tokens = _random_batch(8, "clipdist-tiny", dist.get_rank(), torch.float32)
+    images, tokens = _random_batch(8, "clipdist-tiny", dist.get_rank(), torch.float32).values()
     build_step(model, build("disco"), chunks=chunks).gradients(Batch.of(images, tokens))
     return keeps_no_sync, len(calls)
 

@@ -61,7 +61,7 @@ def step_kept_bytes(backend, chunks, local_batch):
     torch.manual_seed(0)
     model = create_model_for_loss("clipdist-tiny", loss_fn)
     ddp = DistributedDataParallel(model)
-    images, tokens = _random_batch(local_batch, "clipdist-tiny", dist.get_rank(), torch.float32)
+    images, tokens = _random_batch(local_batch, "clipdist-tiny", dist.get_rank(), torch.float32).values()
     step = build_step(ddp, loss_fn, chunks=chunks)
     with SavedTensorMeter(exclude=list(model.parameters())) as meter:
         step.gradients(Batch.of(images, tokens))

@@ -67,7 +67,7 @@ def max_rel_error(got, want):
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_grad_cache_with_dropout_equals_the_step_that_keeps_every_graph(backend, chunks):
     loss_fn = build(backend)
-    images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
+    images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64).values()
     cached = run_step(CachedStep(tiny_model(True, loss_fn.uses_logit_bias), loss_fn, chunks=chunks), images, tokens)
     whole = run_step(ChunksWithGraphs(tiny_model(True, loss_fn.uses_logit_bias), loss_fn, chunks), images, tokens)
     assert cached[0] == pytest.approx(whole[0], rel=1e-12)
@@ -78,7 +78,7 @@ def test_grad_cache_with_dropout_equals_the_step_that_keeps_every_graph(backend,
 
 def test_grad_cache_without_dropout_equals_one_whole_batch_forward():
     loss_fn = build("tiled")
-    images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
+    images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64).values()
     cached = run_step(CachedStep(tiny_model(False, False), loss_fn, chunks=3), images, tokens)
     whole = run_step(Step(tiny_model(False, False), loss_fn), images, tokens)
     assert cached[0] == pytest.approx(whole[0], rel=1e-12)
@@ -87,7 +87,7 @@ def test_grad_cache_without_dropout_equals_one_whole_batch_forward():
 
 def test_scale_counted_in_every_chunk_is_caught():
     loss_fn = build("disco")
-    images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
+    images, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64).values()
     broken = run_step(ScaleInEveryChunk(tiny_model(False, False), loss_fn, chunks=3), images, tokens)[1]
     right = run_step(CachedStep(tiny_model(False, False), loss_fn, chunks=3), images, tokens)[1]
     assert broken["logit_scale"].item() == pytest.approx(3 * right["logit_scale"].item(), rel=1e-9)
@@ -108,7 +108,7 @@ def test_the_chunked_step_puts_one_chunk_at_a_time_on_the_device():
     batch is prepared at once."""
     loss_fn = build("tiled")
     pixels = torch.randint(0, 256, (BATCH, 32, 32, 3), dtype=torch.uint8)  # as the loader hands them over
-    _, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64)
+    _, tokens = _random_batch(BATCH, "clipdist-tiny", 0, torch.float64).values()
     seen = []
 
     def normalize(images):

@@ -43,10 +43,17 @@ def _config(tmp_path: Path, marker: Path, case: str) -> dict:
         text.update(hf_tokenizer_name="xlm-roberta-base", tokenizer_kwargs={"cache_dir": "/tmp/x"})
     elif case == "timm_weights":
         config["vision_cfg"].update(timm_model_name="vit_tiny_patch16_224", timm_model_pretrained=True)
+    elif case == "timm_kwargs_weights":  # timm would read a file as the tower's weights (pretrained_cfg_overlay)
+        config["vision_cfg"] = {"timm_model_name": "naflexvit_base_patch16_gap", "timm_model_kwargs": {
+            "embed_dim": 64, "depth": 1, "num_heads": 2, "pretrained_cfg_overlay": {"file": str(marker)}}}
+    elif case == "timm_kwargs_object":  # only plain values pass to timm.create_model
+        config["vision_cfg"] = {"timm_model_name": "naflexvit_base_patch16_gap",
+                                "timm_model_kwargs": {"embed_dim": 64, "depth": 1, "num_heads": 2, "act_layer": {}}}
     return config
 
 
-CASES = ["trust_remote_code", "auto_map", "hub_tokenizer", "hub_text_tower", "tokenizer_option", "timm_weights"]
+CASES = ["trust_remote_code", "auto_map", "hub_tokenizer", "hub_text_tower", "tokenizer_option", "timm_weights",
+         "timm_kwargs_weights", "timm_kwargs_object"]
 
 
 @pytest.fixture(params=CASES)

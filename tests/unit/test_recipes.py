@@ -175,7 +175,7 @@ def test_train_transform_equals_open_clips_for_the_same_aug_config_and_seed(augm
     _, theirs, _ = open_clip.create_model_and_transforms("clipdist-tiny", aug_cfg=theirs_aug,
                                                          image_interpolation=interpolation)
     model = create_model("clipdist-tiny", overrides=model_overrides(_model_cfg(image_interpolation=interpolation)))
-    ours, _ = image_transforms(model.visual.preprocess_cfg, _data(**augmentation))
+    ours, _ = image_transforms(model, _data(**augmentation))
     pixels = torch.Generator().manual_seed(1)
     image = Image.fromarray(torch.randint(0, 256, (64, 96, 3), generator=pixels, dtype=torch.uint8).numpy())
     for seed in range(4):
