@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from clipdist import host
 from clipdist.errors import printable
@@ -117,6 +118,10 @@ def _export(args: argparse.Namespace) -> int:
         print(f"exported {said} to {args.out}: transformers.CLIPModel.from_pretrained('{args.out}'), "
               f"CLIPProcessor.from_pretrained('{args.out}'), or pipeline('zero-shot-image-classification', "
               f"model='{args.out}')")
+    elif (Path(args.out) / "image_tower").is_dir():  # a NaFlex tower (tools.export.IMAGE_TOWER)
+        print(f"exported {said} to {args.out}: clipdist eval {args.out}, open_clip main's "
+              f"create_model_and_transforms('local-dir:{args.out}') (open_clip 3.3 cannot read its timm_model_kwargs), "
+              f"or the image tower alone: timm.create_model('local-dir:{args.out}/image_tower', pretrained=True)")
     else:
         print(f"exported {said} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
               f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''")
@@ -213,8 +218,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench_limit(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from clipdist.tools import limit
 
     rows = limit.measure(args.data, args.ranks, args.batch, args.batches, args.steps, args.cache_dir)

@@ -3,6 +3,7 @@ open_clip pretrained tag, an `hf-hub:` or a `local-dir:` model."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from contextlib import contextmanager
@@ -189,6 +190,23 @@ def _register_config_file(path: Path) -> str:
     factory._MODEL_CONFIGS[path.stem] = model_cfg  # what open_clip.add_model_config does, without the extra key
     _CONFIG_PREPROCESS[path.stem] = preprocess
     return path.stem
+
+
+def _export_with_tower_kwargs(name: str) -> str:
+    """The name open_clip builds `name` by: an export folder (`local-dir:`) whose config holds a timm tower's keyword
+    arguments (a NaFlex tower's: open_clip 3.3 cannot read them) registered like a config file, under its path."""
+    if not name.startswith("local-dir:"):
+        return name
+    path = Path(name.removeprefix("local-dir:")) / EXPORT_CONFIG
+    model_cfg, preprocess = _read_model_config(path, f"model.name={name}")
+    if KWARGS_KEY not in (model_cfg.get("vision_cfg") or {}):
+        return name
+    # a plain name (open_clip turns '/' into '-' and reads a schema's own way): one per folder
+    key = "clipdist-export-" + hashlib.sha1(str(path.parent.resolve()).encode()).hexdigest()[:16]
+    take_tower_kwargs(key, model_cfg, f"model.name={name}")
+    factory._MODEL_CONFIGS[key] = model_cfg
+    _CONFIG_PREPROCESS[key] = preprocess
+    return key
 
 
 MODEL_OVERRIDES = ("force_image_size", "force_context_length", "force_patch_dropout", "force_quick_gelu",
@@ -452,13 +470,14 @@ def create_model(
     if init_logit_bias is not None:
         kwargs["init_logit_bias"] = init_logit_bias
     overrides = dict(overrides or {})
-    preprocess = merge_preprocess_dict(_CONFIG_PREPROCESS.get(name, {}), tag)  # open_clip's order: config, tag, run
+    build = _export_with_tower_kwargs(name)
+    preprocess = merge_preprocess_dict(_CONFIG_PREPROCESS.get(build, {}), tag)  # open_clip's order: config, tag, run
     preprocess = merge_preprocess_dict(preprocess, overrides.pop("preprocess", {}))
     if preprocess:
         kwargs["force_preprocess_cfg"] = preprocess
     overrides.setdefault("pretrained_image", False)
-    with _random_init_is_intended(), timm_tower(name, overrides.pop("image_tower", None)):
-        model = open_clip.create_model(name, pretrained=None, load_weights=False, pretrained_text=False,
+    with _random_init_is_intended(), timm_tower(build, overrides.pop("image_tower", None)):
+        model = open_clip.create_model(build, pretrained=None, load_weights=False, pretrained_text=False,
                                        **kwargs, **overrides)
     if has_caption_decoder(model) and device != "meta":
         _init_caption_decoder(model.text_decoder)

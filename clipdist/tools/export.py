@@ -6,6 +6,11 @@ beside `open_clip_model.safetensors` (the weights alone) — which open_clip 3.x
 `create_model_and_transforms("local-dir:PATH")`, clip_benchmark as `--model local-dir:PATH`, and which can be
 uploaded to a hub as it is. The source is a run directory (its newest checkpoint), a `.dcp` checkpoint folder,
 or a `.pt` checkpoint of the days before the one format; all read without running anything in them.
+
+A NaFlex image tower's config carries `vision_cfg.timm_model_kwargs` (open_clip main reads it; open_clip 3.3 does
+not, clipdist does), and the tower is written a second time as timm's own folder, `image_tower/` (timm.save_for_hf:
+config.json with its architecture and arguments, model.safetensors): `timm.create_model("local-dir:…/image_tower",
+pretrained=True)` loads it alone.
 """
 from __future__ import annotations
 
@@ -14,12 +19,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from timm.models import save_for_hf
 
 from clipdist import targets
 from clipdist.config import model_config
 from clipdist.files import publish
 from clipdist.models import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, get_tokenizer,
                              model_overrides, resolve_model_name)
+from clipdist.timm_towers import KWARGS_KEY, naflex_trunk
 from clipdist.tools import to_transformers
 from clipdist.weights import find_checkpoint, read_run_checkpoint
 
@@ -48,6 +55,23 @@ def _write_open_clip(checkpoint: Path, folder: Path) -> None:
     (folder / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
     save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(folder / EXPORT_WEIGHTS),
               metadata={"format": "pt", "source": str(checkpoint)})
+    if KWARGS_KEY in config_json["model_cfg"]["vision_cfg"] or "naflexvit" in str(
+            config_json["model_cfg"]["vision_cfg"].get("timm_model_name")):
+        _write_image_tower(folder, config_json["preprocess_cfg"])
+
+
+IMAGE_TOWER = "image_tower"  # a NaFlex export's timm folder
+
+
+def _write_image_tower(folder: Path, preprocess: dict) -> None:
+    """The export's NaFlex image tower as timm's own folder (IMAGE_TOWER), with the export's mean, std and
+    interpolation as its data config."""
+    model = create_model(f"local-dir:{folder}")
+    trunk = naflex_trunk(model)
+    if trunk is None:
+        return
+    data_config = {key: preprocess[key] for key in ("mean", "std", "interpolation") if key in preprocess}
+    save_for_hf(trunk, str(folder / IMAGE_TOWER), safe_serialization=True, data_config=data_config)
 
 
 def export(source: str | Path, out: str | Path, *, format: str = "open_clip", overwrite: bool = False,

@@ -3,14 +3,21 @@ run stopped on 2 ranks continues sample for sample — the same keys at the same
 from __future__ import annotations
 
 import collections
+import json
 import shutil
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 from helpers import Run, read_jsonl, train
 
+from clipdist.cli import main as cli
 from clipdist.losses import BACKENDS
+from clipdist.models import create_model
+from clipdist.timm_towers import random_patches
 from clipdist.tools.gradcheck import run_gradchecks
 
 NAFLEX = "clipdist-naflex-tiny"
@@ -59,10 +66,16 @@ def naflex_batches(run_dir) -> dict[int, tuple[int, list[str]]]:
     return batches
 
 
-def test_token_budget_batches_resume_on_other_world_sizes_sample_for_sample(tmp_path, cache_dir):
-    whole = tmp_path / "whole"
-    result = train(whole, cache_dir, *naflex_overrides("cpu2"))
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, cache_dir):
+    """The uninterrupted run on 2 ranks."""
+    run_dir = tmp_path_factory.mktemp("naflex") / "whole"
+    result = train(run_dir, cache_dir, *naflex_overrides("cpu2"))
     assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_token_budget_batches_resume_on_other_world_sizes_sample_for_sample(whole, tmp_path, cache_dir):
     expected = naflex_batches(whole)
     assert sorted(expected) == list(range(1, STEPS + 1))
     sizes = {16: 64, 36: 28, 64: 16}  # ⌊1024 / L⌋
@@ -86,3 +99,32 @@ def test_token_budget_batches_resume_on_other_world_sizes_sample_for_sample(tmp_
         losses = np.array([row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")])
         assert len(losses) == STEPS
         assert np.max(np.abs(losses - whole_losses) / np.abs(whole_losses)) <= 1e-5, world
+
+
+TIMM_ALONE = """
+import sys
+sys.modules["clipdist"] = sys.modules["open_clip"] = None  # neither importable: timm alone
+import timm, torch
+tower = timm.create_model("local-dir:" + sys.argv[1], pretrained=True).eval()
+inputs = torch.load(sys.argv[2])
+torch.save(tower(inputs).detach(), sys.argv[3])
+"""
+
+
+def test_an_export_evaluates_as_the_run_and_timm_alone_loads_its_image_tower(whole, tmp_path, cache_dir, capsys):
+    export = tmp_path / "export"
+    assert cli(["export", str(whole), "--out", str(export)]) == 0
+    assert "timm.create_model('local-dir:" in capsys.readouterr().out
+    val = "val=" + "::".join(str(path) for path in sorted((cache_dir / "web_photos").glob("val-*.tar")))
+    metrics = []
+    for target in (whole, export):
+        assert cli(["eval", str(target), "--set", val, "--json"]) == 0
+        metrics.append(json.loads(capsys.readouterr().out))
+    assert metrics[0] == metrics[1]
+    model = create_model(f"local-dir:{export}").eval()
+    inputs = random_patches(3, 16, 64, torch.Generator().manual_seed(0))
+    torch.save(inputs, tmp_path / "inputs.pt")
+    subprocess.run([sys.executable, "-c", TIMM_ALONE, str(export / "image_tower"), str(tmp_path / "inputs.pt"),
+                    str(tmp_path / "features.pt")], check=True, timeout=120)
+    torch.testing.assert_close(torch.load(tmp_path / "features.pt"), model.visual.trunk(inputs).detach(), rtol=0,
+                               atol=1e-6)
