@@ -15,7 +15,7 @@ from clipdist import launch, parallel, targets
 from clipdist.checkpoint import Checkpointer
 from clipdist.config import Device, TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
-from clipdist.data.naflex import TokenBudget, resolve_budget, resolve_seq_lens
+from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
@@ -135,7 +135,7 @@ def check_launch(world, env: launch.DistEnv) -> None:
                           "use world=local or world=cpu2, or world.device=cpu")
 
 
-NAFLEX_KEYS = ("seq_lens", "seq_len_probs", "max_tokens_per_batch", "patch_size")
+NAFLEX_KEYS = ("seq_lens", "seq_len_probs", "max_tokens_per_batch", "patch_size", "resolution_schedule")
 
 
 def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resuming: tuple[Path, dict] | None) -> None:
@@ -143,7 +143,10 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
     at the longest length, gradient caching's chunks within a rank's rows, no settings that only image batches
     take; data.seq_lens and the rest refused for another tower."""
     if naflex_trunk(model) is None:
-        given = [key for key in NAFLEX_KEYS if getattr(cfg.data, key) is not None]
+        given = [key for key in NAFLEX_KEYS if getattr(cfg.data, key) not in (None, {})]
+        if given == ["resolution_schedule"]:
+            raise ValueError(f"data.resolution_schedule: a schedule for a fixed-size image tower (model.name="
+                             f"{cfg.model.name}) is not supported yet; NaFlex towers take one (docs/naflex.md)")
         if given:
             raise ValueError(f"data.{given[0]} applies to NaFlex image towers (model=naflex_tiny, naflex_b16, a timm "
                              f"NaFlexVit); model.name={cfg.model.name}'s image tower takes fixed-size images")
@@ -151,19 +154,18 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
     world = cfg.world.world_size
     seq_lens = resolve_seq_lens(cfg.data, image_size(model), naflex_patch_size(model))
     saved = (((resuming or (None, {}))[1].get("stream") or {}).get("layout") or {}).get("budget")
-    tokens = cfg.data.max_tokens_per_batch or (saved or {}).get("max_tokens")
-    budget = resolve_budget(cfg.data, seq_lens, cfg.world.batch_per_device * world, cfg.seed) if tokens is None \
-        else TokenBudget(seq_lens, cfg.data.seq_len_probs, tokens, cfg.seed)
+    kept = None if cfg.data.max_tokens_per_batch else (saved or {}).get("max_tokens")
+    budget = resolve_budget(cfg.data, seq_lens, cfg.world.batch_per_device * world, cfg.seed, kept)
     fewest = min(budget.sizes())
     if fewest < world:
         raise ValueError(f"data.max_tokens_per_batch={budget.max_tokens} holds {fewest} image(s) of "
-                         f"{max(seq_lens)} patches, fewer than the {world} ranks: every rank needs a row; raise it "
-                         f"to at least {world * max(seq_lens)}")
+                         f"{max(budget.seq_lens)} patches, fewer than the {world} ranks: every rank needs a row; "
+                         f"raise it to at least {world * max(budget.seq_lens)}")
     check_pieces(cfg.data.pieces, fewest // world, budget=True)
     chunks = cfg.grad_cache.chunks_for(cfg.world.batch_per_device)
     if chunks > fewest // world:
         raise ValueError(f"grad_cache: {chunks} chunks, but a rank holds as few as {fewest // world} rows (at "
-                         f"{max(seq_lens)} patches): use fewer chunks or raise data.max_tokens_per_batch")
+                         f"{max(budget.seq_lens)} patches): use fewer chunks or raise data.max_tokens_per_batch")
     if str(cfg.data.normalize_on) == "device":
         raise ValueError("data.normalize_on=device: a NaFlex tower's patches are normalized by the loader; leave "
                          "data.normalize_on=auto")

@@ -246,6 +246,8 @@ class Trainer:
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
                 stream.consumed(agreed.counts)
+                if stream.budget is not None and (switch := stream.budget.switch_at(stream.batches)):
+                    self.say(f"after step {state.step + 1}: {switch}")
                 if cfg.logging.sample_keys:
                     log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys,
                                     seq_len(batch["image"]))

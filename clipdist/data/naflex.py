@@ -40,37 +40,79 @@ def splitmix64(values: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-class TokenBudget:
-    """Which sequence length and how many samples each global batch k has (the module docstring)."""
+def _lengths(lengths, where: str) -> list[int]:
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"{where}={list(lengths or [])}: give one or more sequence lengths of at least 1 patch")
+    return [int(length) for length in lengths]
 
-    def __init__(self, seq_lens: list[int], probs: list[float] | None, max_tokens: int, seed: int):
-        if not seq_lens or min(seq_lens) < 1:
-            raise ValueError(f"data.seq_lens={list(seq_lens)}: give one or more sequence lengths of at least 1 patch")
-        if probs is not None and (len(probs) != len(seq_lens) or min(probs) < 0 or sum(probs) <= 0):
-            raise ValueError(f"data.seq_len_probs={list(probs)}: one weight of 0 or more per data.seq_lens entry "
-                             f"({len(seq_lens)}), not all 0")
-        if max_tokens < max(seq_lens):
-            raise ValueError(f"data.max_tokens_per_batch={max_tokens} holds no image of data.seq_lens' "
-                             f"{max(seq_lens)} patches: raise it (it counts a global batch's patches)")
-        self.seq_lens, self.max_tokens, self.seed = [int(length) for length in seq_lens], int(max_tokens), int(seed)
-        weights = np.asarray(probs if probs is not None else [1.0] * len(seq_lens), dtype=np.float64)
-        self.cumulative = np.cumsum(weights / weights.sum())
-        self.cumulative[-1] = 1.0
+
+def _batch_index(step) -> int:
+    try:
+        return int(step)
+    except ValueError:
+        raise ValueError(f"data.resolution_schedule: {step!r} is not a global batch number (e.g. "
+                         "+data.resolution_schedule.500=[576])") from None
+
+
+def _cumulative(weights: list[float], count: int) -> np.ndarray:
+    weights = np.asarray(weights, dtype=np.float64)
+    if len(weights) != count or weights.min() < 0 or weights.sum() <= 0:
+        raise ValueError(f"data.seq_len_probs={weights.tolist()}: one weight of 0 or more per data.seq_lens entry "
+                         f"({count}), not all 0")
+    cumulative = np.cumsum(weights / weights.sum())
+    cumulative[-1] = 1.0
+    return cumulative
+
+
+class TokenBudget:
+    """Which sequence length and how many samples each global batch k has (the module docstring). `schedule`
+    (data.resolution_schedule): {global batches before it: sequence lengths} — once that many batches are trained
+    its lengths are drawn (equal weights) instead of data.seq_lens' (with data.seq_len_probs); 0 replaces them."""
+
+    def __init__(self, seq_lens: list[int], probs: list[float] | None, max_tokens: int, seed: int,
+                 schedule: dict[int, list[int]] | None = None):
+        first = _lengths(seq_lens, "data.seq_lens")
+        self.stages = [(0, first, _cumulative(probs if probs is not None else [1.0] * len(first), len(first)))]
+        for step, lengths in sorted((_batch_index(step), lengths) for step, lengths in (schedule or {}).items()):
+            if step < 0:
+                raise ValueError(f"data.resolution_schedule: step {step} is before the first (0)")
+            lengths = _lengths(lengths, f"data.resolution_schedule.{step}")
+            self.stages = [stage for stage in self.stages if stage[0] != step]
+            self.stages.append((step, lengths, _cumulative([1.0] * len(lengths), len(lengths))))
+        self.seq_lens = sorted({length for _, lengths, _ in self.stages for length in lengths})  # every length drawn
+        self.final = self.stages[-1][1]  # the last stage's lengths (evaluation is at their longest)
+        if max_tokens < max(self.seq_lens):
+            raise ValueError(f"data.max_tokens_per_batch={max_tokens} holds no image of {max(self.seq_lens)} patches: "
+                             "raise it (it counts a global batch's patches)")
+        self.max_tokens, self.seed = int(max_tokens), int(seed)
         self._sizes = np.zeros(0, dtype=np.int64)  # G_k of the batches drawn so far
         self._starts = np.zeros(1, dtype=np.int64)  # P_k = Σ_{i<k} G_i
 
     def layout(self) -> dict:
         """What the sample order is made of (a checkpoint's data layout): changing any of it restarts the order."""
-        probs = np.diff(self.cumulative, prepend=0.0)
-        return {"seq_lens": self.seq_lens, "seq_len_probs": [round(float(p), 12) for p in probs],
-                "max_tokens": self.max_tokens}
+        stages = [{"from": first, "seq_lens": lengths,
+                   "seq_len_probs": [round(float(p), 12) for p in np.diff(cumulative, prepend=0.0)]}
+                  for first, lengths, cumulative in self.stages]
+        return {"stages": stages, "max_tokens": self.max_tokens}
 
     def seq_lens_of(self, batches: np.ndarray) -> np.ndarray:
-        """L_k for each batch index k."""
+        """L_k for each batch index k: a draw from (seed, k) alone, among the lengths of k's stage."""
         key = np.uint64(self.seed & 0xFFFF_FFFF) << np.uint64(32)
-        draws = splitmix64(key ^ batches.astype(np.uint64)) >> np.uint64(11)  # 53 random bits
-        choice = np.searchsorted(self.cumulative, draws.astype(np.float64) / 2.0**53, side="right")
-        return np.asarray(self.seq_lens, dtype=np.int64)[np.minimum(choice, len(self.seq_lens) - 1)]
+        draws = (splitmix64(key ^ batches.astype(np.uint64)) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        stage_of = np.searchsorted([first for first, _, _ in self.stages], batches, side="right") - 1
+        lengths = np.zeros(len(batches), dtype=np.int64)
+        for index, (_, choices, cumulative) in enumerate(self.stages):
+            mine = stage_of == index
+            choice = np.minimum(np.searchsorted(cumulative, draws[mine], side="right"), len(choices) - 1)
+            lengths[mine] = np.asarray(choices, dtype=np.int64)[choice]
+        return lengths
+
+    def switch_at(self, k: int) -> str | None:
+        """A line for the log where batch k begins a stage of the schedule (None elsewhere)."""
+        for first, lengths, _ in self.stages[1:]:
+            if first == k:
+                return f"sequence lengths now {lengths} (data.resolution_schedule.{first})"
+        return None
 
     def seq_len(self, k: int) -> int:
         return int(self.seq_lens_of(np.array([k]))[0])
@@ -188,6 +230,16 @@ def resolve_seq_lens(data, image_size: tuple[int, int], patch_size: int) -> list
     return [int(length) for length in data.seq_lens] if data.seq_lens else default_seq_lens(image_size, patch_size)
 
 
-def resolve_budget(data, seq_lens: list[int], global_batch: int, seed: int) -> TokenBudget:
-    """The run's TokenBudget: data.max_tokens_per_batch, else the configured global batch at the longest length."""
-    return TokenBudget(seq_lens, data.seq_len_probs, data.max_tokens_per_batch or global_batch * max(seq_lens), seed)
+def resolve_budget(data, seq_lens: list[int], global_batch: int, seed: int, max_tokens: int | None = None) -> TokenBudget:
+    """The run's TokenBudget: `max_tokens` (a checkpoint's), else data.max_tokens_per_batch, else the configured
+    global batch at the longest length (of any stage of data.resolution_schedule)."""
+    schedule = dict(getattr(data, "resolution_schedule", None) or {})
+    longest = max([*seq_lens, *(length for lengths in schedule.values() for length in lengths)])
+    tokens = max_tokens or data.max_tokens_per_batch or global_batch * longest
+    return TokenBudget(seq_lens, data.seq_len_probs, tokens, seed, schedule)
+
+
+def eval_seq_len(data, seq_lens: list[int]) -> int:
+    """Evaluation's sequence length: the longest of the last stage (data.resolution_schedule, else data.seq_lens)."""
+    schedule = dict(getattr(data, "resolution_schedule", None) or {})
+    return max(schedule[max(schedule, key=_batch_index)] if schedule else seq_lens)

@@ -19,7 +19,7 @@ from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.loader import Loader, assemble
 from clipdist.data.images import CaptionTokens, ImageBatcher
-from clipdist.data.naflex import TokenBudget
+from clipdist.data.naflex import TokenBudget, resolve_budget
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
@@ -262,9 +262,7 @@ class TrainStream:
         default, the global batch at the longest length, changes with the world size: the batches would not)."""
         if self.budget is None or saved is None or self.data.max_tokens_per_batch is not None:
             return
-        budget = self.budget
-        self.budget = TokenBudget(budget.seq_lens, getattr(self.data, "seq_len_probs", None), saved["max_tokens"],
-                                  budget.seed)
+        self.budget = resolve_budget(self.data, self.budget.stages[0][1], 0, self.budget.seed, saved["max_tokens"])
         self.batch_size = min(self.budget.sizes()) // self.world_size
         self.layout = {**self.layout, "budget": self.budget.layout()}
         self.order = self._order(self.order.readers, self.layout["cycle"])

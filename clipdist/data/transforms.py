@@ -7,7 +7,7 @@ import warnings
 from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
 
 from clipdist.config import as_dict
-from clipdist.data.naflex import PatchImages, resolve_seq_lens
+from clipdist.data.naflex import PatchImages, eval_seq_len, resolve_seq_lens
 from clipdist.models import image_size
 from clipdist.timm_towers import naflex_patch_size, naflex_trunk
 
@@ -22,7 +22,7 @@ def image_transforms(model, data) -> tuple:
         seq_lens = resolve_seq_lens(data, image_size(model), naflex_patch_size(model))
         images = PatchImages(naflex_patch_size(model), preprocess_cfg["mean"], preprocess_cfg["std"],
                              preprocess_cfg.get("interpolation", "bicubic"), seq_lens)
-        return images, images.batcher(max(seq_lens)).one
+        return images, images.batcher(eval_seq_len(data, seq_lens)).one
     preprocess = PreprocessCfg(**preprocess_cfg)
     evaluation = image_transform_v2(preprocess, is_train=False)
     if not data.augment:

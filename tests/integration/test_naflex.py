@@ -41,13 +41,14 @@ def test_a_naflex_tower_gets_the_single_process_gradients_from_every_backend(wor
 
 
 STEPS = 8
-SEQ_LENS = "data.seq_lens=[16,36,64]"
+SEQ_LENS = "data.seq_lens=[16,36]"
+SCHEDULE = "+data.resolution_schedule.5=[64]"  # steps 6-8 at 64 patches: the resumes cross the switch
 WORLDS = {"cpu2": 2, "local": 1, "cpu4": 4}
 
 
 def naflex_overrides(world: str, *more: str) -> list[str]:
     # the budget is the first run's (2 ranks × 8 × 64 patches: 64, 28 or 16 images a batch); a resume keeps it
-    return ["model=naflex_tiny", "data=web_photos", "data.workers=0", SEQ_LENS, f"world={world}",
+    return ["model=naflex_tiny", "data=web_photos", "data.workers=0", SEQ_LENS, SCHEDULE, f"world={world}",
             "world.batch_per_device=8", f"optim.max_steps={STEPS}", "eval_every=1000", "checkpoint_every=1000",
             "logging.sample_keys=true", *more]
 
@@ -80,7 +81,8 @@ def test_token_budget_batches_resume_on_other_world_sizes_sample_for_sample(whol
     assert sorted(expected) == list(range(1, STEPS + 1))
     sizes = {16: 64, 36: 28, 64: 16}  # ⌊1024 / L⌋
     assert all(len(keys) == sizes[length] and "" not in keys for length, keys in expected.values())
-    assert len({length for length, _ in expected.values()}) > 1  # the lengths are drawn, not one
+    assert {length for step, (length, _) in expected.items() if step <= 5} == {16, 36}  # drawn, not one
+    assert {length for step, (length, _) in expected.items() if step > 5} == {64}  # the schedule's
     whole_losses = np.array([row["loss"] for row in read_jsonl(whole / "train_log.jsonl")])
 
     stopped = tmp_path / "stopped"

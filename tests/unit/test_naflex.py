@@ -11,7 +11,7 @@ from PIL import Image
 from timm.data.naflex_transforms import Patchify
 
 from clipdist.config import DataConfig
-from clipdist.data.naflex import PatchImages, TokenBudget, resolve_seq_lens
+from clipdist.data.naflex import PatchImages, TokenBudget, eval_seq_len, resolve_seq_lens
 from clipdist.data.order import BudgetOrder
 from clipdist.launch import _openmp_runtime
 from clipdist.models import create_model
@@ -32,6 +32,18 @@ def test_a_batchs_sequence_length_is_drawn_from_the_seed_and_its_index_alone():
     assert budget.start(5) == sum(1024 // length for length in lengths[:5])
     assert budget.batch_at(budget.start(5)) == 5 and budget.batch_at(budget.start(5) - 1) == 4
     assert budget.sizes() == [16, 28, 64]
+
+
+def test_a_resolution_schedule_changes_the_lengths_drawn_after_its_step():
+    budget = TokenBudget([16, 36], None, 1024, seed=0, schedule={"100": [64, 144], "300": [256]})
+    lengths = budget.seq_lens_of(np.arange(400))
+    assert set(lengths[:100]) == {16, 36} and set(lengths[100:300]) == {64, 144} and set(lengths[300:]) == {256}
+    assert budget.seq_lens == [16, 36, 64, 144, 256] and budget.final == [256] and budget.sizes() == [4, 7, 16, 28, 64]
+    assert budget.switch_at(100) and budget.switch_at(300) and not budget.switch_at(0) and not budget.switch_at(101)
+    assert [stage["from"] for stage in budget.layout()["stages"]] == [0, 100, 300]
+    assert eval_seq_len(SimpleNamespace(resolution_schedule={"100": [64, 144], "20": [16]}), [36]) == 144
+    with pytest.raises(ValueError, match="not a global batch number"):
+        TokenBudget([16], None, 64, seed=0, schedule={"soon": [32]})
 
 
 @pytest.mark.parametrize("message, args", [
