@@ -13,6 +13,7 @@ import torch
 from clipdist.config import TrainConfig
 from clipdist.data import tables
 from clipdist.data.sources import Shards
+from clipdist.short_text import trims_exactly
 
 SCALARS = ("logit_scale", "logit_bias")
 
@@ -40,8 +41,9 @@ def model_line(cfg: TrainConfig, model: torch.nn.Module) -> str:
 
 
 def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int, chunks: int, precision: str,
-           shards: Shards, budget=None) -> list[str]:
-    """The start banner's lines (`budget`: a NaFlex run's data.naflex.TokenBudget)."""
+           shards: Shards, budget=None, trim_text: bool = False) -> list[str]:
+    """The start banner's lines (`budget`: a NaFlex run's data.naflex.TokenBudget; `trim_text`: the step cuts
+    captions to the batch's longest)."""
     optim = cfg.optim
     settings = [f"lr {optim.lr:g}", f"weight decay {optim.weight_decay:g}"]
     settings += [f"betas {list(optim.betas)}"] if optim.betas is not None else []
@@ -60,7 +62,16 @@ def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int,
             f"{optim.max_steps} steps; precision {precision}",
             f"loss {cfg.loss.name}: {terms}; {batch}{caching}); {cfg.world.parallel}",
             f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
-            + (f", {rows:,} rows" if rows else "") + f"; evaluation: {evals}"]
+            + (f", {rows:,} rows" if rows else "") + f"; evaluation: {evals}; {captions_line(cfg, model, trim_text)}"]
+
+
+def captions_line(cfg: TrainConfig, model: torch.nn.Module, trimmed: bool) -> str:
+    """How captions are padded, and why not to the batch's longest where they are not."""
+    if trimmed:
+        return "captions padded to the batch's longest"
+    why = "data.trim_text=false" if not cfg.data.trim_text else trims_exactly(model) or "the teacher's text tower " \
+        "cannot take them shorter"
+    return f"captions padded to the context length ({why})"
 
 
 def table_rows(shards: Shards) -> int | None:

@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from clipdist import parallel
 from clipdist.data.batch import Batch, as_batch, floats_to
+from clipdist.short_text import trim
 from clipdist.objective import Outputs, as_objective
 
 
@@ -84,16 +85,17 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 class Step:
     """The plain step: the local batch forwarded with its graph. `model` is what runs (DDP/FSDP-wrapped,
     compiled); `device` and `normalize` put a batch (or a chunk) on the device and normalise uint8 pixels
-    there (None: as given)."""
+    there (None: as given); `trim_text`: captions cut to the batch's (or chunk's) longest (short_text.trim)."""
 
     def __init__(self, model, loss_fn, optimizer=None, scheduler=None, *, autocast=None, device=None,
                  normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0, scaler=None,
-                 input_dtype: torch.dtype | None = None):
+                 input_dtype: torch.dtype | None = None, trim_text: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.objective = as_objective(loss_fn)  # the contrastive backend, CoCa's caption term, distillation
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
+        self.trim_text = trim_text
         self.overflowed = False  # the last step's scaled gradients overflowed: its update was skipped on every rank
         self.applied_lr = None  # the lr the last optimizer step used (its first parameter group's), for the logs
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -146,6 +148,8 @@ class Step:
     def inputs(self, batch: Batch) -> dict:
         """The model's named inputs of `batch` (or a chunk of it) on the device; its uint8 pixels normalised there,
         its images in the weights' dtype where the weights are not fp32 (pure_bf16 / pure_fp16)."""
+        if self.trim_text:
+            batch = batch.map(trim, names=("text",))
         inputs = dict(batch.to(self.device) if self.device is not None else batch)
         image = inputs["image"] if self.normalize is None else self.normalize(inputs["image"])
         inputs["image"] = floats_to(image, self.input_dtype)

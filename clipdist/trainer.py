@@ -36,6 +36,7 @@ from clipdist.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight
 from clipdist.recipe import recipe, traps
 from clipdist.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
+from clipdist.short_text import allow_short_text
 from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
 from clipdist.tracking import RunTracker, StepProfiler
@@ -134,11 +135,12 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
                                    precision.weights_dtype(cfg.precision), local_rank)
     objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, teacher)
+    trim_text = cfg.data.trim_text and allow_short_text(model) and (teacher is None or allow_short_text(teacher))
     step = build_step(train_model, objective, optimizer, scheduler,
                       chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=autocast,
                       device=device, normalize=PixelNormalize(mean, std, device), grad_clip=cfg.optim.grad_clip,
                       max_logit_scale=cfg.optim.max_logit_scale, scaler=scaler,
-                      input_dtype=precision.weights_dtype(cfg.precision))
+                      input_dtype=precision.weights_dtype(cfg.precision), trim_text=trim_text)
     return Parts(model, train_model, tokenizer, loss_fn, optimizer, scheduler, scaler, autocast, step,
                  train_transform, val_transform)
 
@@ -212,7 +214,8 @@ class Trainer:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
         for line in recipe(cfg, self.model, self.step.objective, self.env.world_size, getattr(self.step, "chunks", 1),
-                           precision.resolved(cfg.precision, self.device), self.shards, stream.budget):
+                           precision.resolved(cfg.precision, self.device), self.shards, stream.budget,
+                           self.step.trim_text):
             self.say(line)
         if stream.continued:
             self.say(f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
