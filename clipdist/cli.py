@@ -172,6 +172,11 @@ def _plan(args: argparse.Namespace) -> int:
     model_name, checkpointing = plan.resolve_model(args.model)
     checkpointing = checkpointing or args.grad_checkpointing
     world_size, ranks_per_node = plan.resolve_world(args.world)
+    if args.max_tokens is not None:  # a NaFlex token budget: the batch at the planned sequence length
+        if args.global_batch is not None or args.seq_len is None:
+            raise ValueError("--max-tokens plans a NaFlex budget's batch at --seq-len (its longest length): give "
+                             "--seq-len, and not --global-batch")
+        args.global_batch = args.max_tokens // args.seq_len
     if args.global_batch is None:  # the preset's own (8gpu: 8 × 256), as `python train.py world=8gpu` trains
         args.global_batch = plan.preset_global_batch(args.world)
     device_bytes = plan.parse_bytes(args.memory)
@@ -179,7 +184,8 @@ def _plan(args: argparse.Namespace) -> int:
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
     console = Console(stderr=args.json, width=max(Console().width, 200))
     measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
-                            progress=lambda text: console.print(f"[dim]{text}[/dim]"), teacher=args.distill)
+                            progress=lambda text: console.print(f"[dim]{text}[/dim]"), teacher=args.distill,
+                            seq_len=args.seq_len)
     rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel,
                      host)
     if args.json:
@@ -210,7 +216,7 @@ def _plan(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
                   f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
-                  f"less. Inputs: {human_bytes(measured.input_bytes)}/sample (uint8 pixels + int64 tokens). "
+                  f"less. Inputs: {human_bytes(measured.input_bytes)}/sample ({'NaFlex float32 patches at --seq-len' if args.seq_len else 'uint8 pixels'} + int64 tokens). "
                   "Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included. With gradient caching, "
                   "run with grad_cache.micro_batch=<per chunk> and data.pieces=<chunks> (the loader reads the batch "
                   "in chunks into host memory).[/dim]")
@@ -403,6 +409,10 @@ def _add_plan(commands) -> None:
                          help="loader workers per rank (each reads 2 loader batches ahead)")
     planner.add_argument("--ranks-per-node", type=int, default=None,
                          help="default: the world preset's procs_per_node (8 at most for a number of ranks)")
+    planner.add_argument("--seq-len", type=int, default=None, help="a NaFlex tower: plan its images at this many "
+                         "patches (the longest of data.seq_lens; default its image_size grid)")
+    planner.add_argument("--max-tokens", type=int, default=None, help="a NaFlex run's data.max_tokens_per_batch: the "
+                         "global batch is max_tokens // seq_len")
     planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     planner.add_argument("--grad-checkpointing", action="store_true")
     planner.add_argument("--distill", metavar="TEACHER", help="count a distillation teacher (loss.distill.model): "

@@ -13,6 +13,7 @@ A config is data: the keyword arguments are checked (`check_tower_kwargs`) befor
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -126,6 +127,19 @@ def random_patches(rows: int, patch_size: int, max_patches: int, generator: torc
         coord[row, :len(grid)], valid[row, :len(grid)] = grid, True
     patches[~valid] = 0
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def full_patches(rows: int, patch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A NaFlex batch whose every image fills its sequence: the squarest grid h × w ≤ seq_len (what memory is
+    planned for: the longest sequence, hardly padded)."""
+    height = math.isqrt(seq_len)
+    width = seq_len // height
+    grid = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), -1).reshape(-1, 2)
+    coord = torch.zeros(rows, seq_len, 2, dtype=torch.long)
+    valid = torch.zeros(rows, seq_len, dtype=torch.bool)
+    coord[:, :len(grid)], valid[:, :len(grid)] = grid, True
+    return {"patches": torch.randn(rows, seq_len, patch_size * patch_size * 3, dtype=dtype), "patch_coord": coord,
+            "patch_valid": valid}
 
 
 def float32_parameters(model: torch.nn.Module) -> set[str]:

@@ -22,6 +22,7 @@ from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.launch import launch_local
 from clipdist.losses import build
 from clipdist.models import create_model_for_loss, get_tokenizer, image_size, random_tokens
+from clipdist.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 from clipdist.optim import build_optimizer
 from clipdist.parallel import wrap_model
 from clipdist.step import build_step
@@ -83,9 +84,11 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
-def model_outputs(model, batch: int, context_length: int):
-    """Forward `batch` random images and token rows through an open_clip model."""
-    images = torch.randn(batch, 3, *image_size(model))
+def model_outputs(model, batch: int, context_length: int, seq_len: int | None = None):
+    """Forward `batch` random images (a NaFlex tower: grids of up to `seq_len` patches, every one valid) and token
+    rows through an open_clip model."""
+    images = torch.randn(batch, 3, *image_size(model)) if naflex_trunk(model) is None else \
+        full_patches(batch, naflex_patch_size(model), seq_len)
     tokens = random_tokens(batch, context_length)
     return model(images, tokens)
 
@@ -103,13 +106,15 @@ class ActivationFit:
         return self.per_sample * batch + self.per_step if batch > 0 else 0.0
 
 
-def measure_activations(model, context_length: int, autocast=None, batches=(1, 2)) -> ActivationFit:
-    """Run the real towers at two small batches (CPU) and fit the straight line through them."""
+def measure_activations(model, context_length: int, autocast=None, batches=(1, 2),
+                        seq_len: int | None = None) -> ActivationFit:
+    """Run the real towers at two small batches (CPU) and fit the straight line through them (a NaFlex tower at
+    `seq_len` patches an image)."""
     model.train()
     kept = []
     for batch in batches:
         with SavedTensorMeter(exclude=list(model.parameters())) as meter, (autocast or nullcontext()):
-            outputs = model_outputs(model, batch, context_length)
+            outputs = model_outputs(model, batch, context_length, seq_len)
             kept.append(meter.live)
         feature_dim = outputs[0].shape[-1]
         del outputs

@@ -51,7 +51,9 @@ from clipdist import targets
 from clipdist.config import CONF
 from clipdist.config import preset as menu_entry
 from clipdist.losses import build
+from clipdist.data.naflex import default_seq_lens
 from clipdist.models import create_model, get_tokenizer, image_size
+from clipdist.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.parallel import transformer_blocks
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
@@ -146,7 +148,7 @@ class Measurements:
     feature_bytes: int  # bytes per feature element reaching the loss (2 under bf16)
     parameter_shapes: list[tuple[int, ...]] = field(default_factory=list)
     block_parameters: list[int] = field(default_factory=list)  # FSDP units: each transformer block
-    input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels + int64 tokens
+    input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels (NaFlex: float32 patches) + int64 tokens
     teacher_parameters: int = 0  # distillation: the teacher's parameter count (fp32 weights, no gradient)
     teacher_dim: int = 0  # and its feature dim
 
@@ -173,9 +175,10 @@ class Measurements:
 
 
 def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_checkpointing: bool = False,
-            progress=print, teacher: str | None = None) -> Measurements:
+            progress=print, teacher: str | None = None, seq_len: int | None = None) -> Measurements:
     """Run the real towers and loss backends small, on CPU, and fit how their memory scales; `teacher`: a
-    distillation teacher (loss.distill.model), counted from its structure."""
+    distillation teacher (loss.distill.model), counted from its structure; `seq_len`: a NaFlex tower's images at
+    that many patches (default: its image_size grid)."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision={precision!r}; choose bf16 or fp32")
     # The loss ranks first: they are forked from this process, and a fork of a process whose OpenMP
@@ -187,10 +190,17 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     model = create_model(model_name, grad_checkpointing=grad_checkpointing)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
     context = get_tokenizer(model_name).context_length
-    activations = measure_activations(model, context, autocast)
     height, width = image_size(model)
+    input_bytes = 3 * height * width + 8 * context  # a sample's uint8 pixels and its int64 tokens
+    if naflex_trunk(model) is not None:
+        seq_len = seq_len or default_seq_lens((height, width), naflex_patch_size(model))[0]
+        # float32 patches, int64 coordinates, a bool mask: normalized by the loader
+        input_bytes = seq_len * (4 * 3 * naflex_patch_size(model) ** 2 + 2 * 8 + 1) + 8 * context
+    elif seq_len is not None:
+        raise ValueError(f"--seq-len is for NaFlex image towers; {model_name}'s takes {height}×{width} images")
+    activations = measure_activations(model, context, autocast, seq_len=seq_len)
     measured = Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model),
-                            input_bytes=3 * height * width + 8 * context)
+                            input_bytes=input_bytes)
     if teacher:
         structure = targets.structure(targets.resolve(teacher))
         measured.teacher_parameters = sum(p.numel() for p in structure.parameters())

@@ -15,10 +15,14 @@ import torch
 from helpers import Run, read_jsonl, train
 
 from clipdist.cli import main as cli
-from clipdist.losses import BACKENDS
-from clipdist.models import create_model
-from clipdist.timm_towers import random_patches
+from clipdist.data.batch import Batch
+from clipdist.losses import BACKENDS, build
+from clipdist.models import create_model, create_model_for_loss, random_tokens
+from clipdist.step import build_step
+from clipdist.timm_towers import full_patches, random_patches
+from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
+from clipdist.tools.memory import SavedTensorMeter
 
 NAFLEX = "clipdist-naflex-tiny"
 
@@ -130,3 +134,16 @@ def test_an_export_evaluates_as_the_run_and_timm_alone_loads_its_image_tower(who
                     str(tmp_path / "features.pt")], check=True, timeout=120)
     torch.testing.assert_close(torch.load(tmp_path / "features.pt"), model.visual.trunk(inputs).detach(), rtol=0,
                                atol=1e-6)
+
+
+def test_plan_counts_a_naflex_step_at_the_sequence_length_it_is_given():
+    measured = {length: plan.measure(NAFLEX, ["disco"], "fp32", progress=lambda _: None, seq_len=length)
+                for length in (16, 64)}
+    assert measured[64].activations.per_sample > 2 * measured[16].activations.per_sample
+    torch.manual_seed(0)
+    loss_fn = build("disco")
+    model = create_model_for_loss(NAFLEX, loss_fn)
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:  # a real step: 16 images of 64 patches
+        build_step(model, loss_fn).gradients(Batch.of(full_patches(16, 16, 64), random_tokens(16, 32)))
+    predicted = plan.breakdown(measured[64], "disco", 1, 16, 16)["kept_for_backward"]
+    assert predicted == pytest.approx(meter.peak, rel=0.2), (predicted, meter.peak)
