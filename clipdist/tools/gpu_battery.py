@@ -11,6 +11,9 @@ figures are the step's, not the loader's:
   step        ViT-B/32, B/16, L/14 × bf16, fp16 × compile off / on (--tiny: clipdist-tiny)
   large batch tiled and siglip at global batches of 32k and 64k on one device, gradient caching in chunks of
               1,024 (--large-batches for 128k, 256k; --tiny: 512 in chunks of 64)
+  naflex      NaFlex ViT-B/16 bf16 at 256, 576 and 784 patches an image under one token budget (100,352 patches:
+              392, 174, 128 images), tokens/s; ViT-B/16 at fixed 224 px on the same budget (512 images)
+              (--tiny: naflex_tiny at 16 and 64 patches, 1,024 patches a batch)
   fsdp        the B/32 bf16 step under FSDP2 at world 1 (a process group of one)
   checkpoint  how long a save in the background holds the loop (checkpoint.async_save), and its write
   data        a real run, `train.py world=1gpu data=web_photos` (--tiny: `world=local data=digits`): pinned
@@ -89,24 +92,30 @@ def config(work: Path, model: str, precision: str, rows: int, *, loss: str = "di
                             "grad_cache": {"chunks": chunks}, "optim": {"warmup_steps": 1, "max_steps": 10 ** 6}})
 
 
-def synthetic_batch(model, rows: int, device: torch.device):
-    """uint8 pixels (B, H, W, C) and random tokens on the device: what a GPU rank holds after the loader's copy."""
-    from clipdist.data.batch import Batch, zero_counts
+def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None = None):
+    """uint8 pixels (B, H, W, C) and random tokens on the device: what a GPU rank holds after the loader's copy (a
+    NaFlex tower: float32 patches, every image filling `seq_len`)."""
+    from clipdist.data.batch import Batch, apply, zero_counts
     from clipdist.models import image_size, random_tokens
+    from clipdist.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 
     height, width = image_size(model)
-    pixels = torch.randint(0, 256, (rows, height, width, 3), dtype=torch.uint8, device=device)
+    if naflex_trunk(model) is not None:
+        pixels = apply(full_patches(rows, naflex_patch_size(model), seq_len), lambda tensor: tensor.to(device))
+    else:
+        pixels = torch.randint(0, 256, (rows, height, width, 3), dtype=torch.uint8, device=device)
     tokens = random_tokens(rows, model.context_length).to(device)
     return Batch.of(pixels, tokens, zero_counts(1))
 
 
-def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2) -> dict:
-    """One row: the run's step on a synthetic batch — samples/s, FLOPs per step, peak memory."""
+def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: int | None = None) -> dict:
+    """One row: the run's step on a synthetic batch — samples/s (and image tokens/s at a NaFlex `seq_len`), FLOPs
+    per step, peak memory."""
     from clipdist.trainer import build_parts
 
     parts = build_parts(cfg, device)
     rows = cfg.world.batch_per_device
-    batch = synthetic_batch(parts.model, rows, device)
+    batch = synthetic_batch(parts.model, rows, device, seq_len)
     with memory_peak(device) as memory:
         for _ in range(warmup):
             parts.step(batch)
@@ -121,7 +130,7 @@ def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2) -> dict:
             times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
     return {"samples_per_s": rows / seconds, "step_s": seconds, "flops": counter.get_total_flops(),
-            "memory_bytes": memory["bytes"]}
+            "memory_bytes": memory["bytes"], **({"tokens_per_s": rows * seq_len / seconds} if seq_len else {})}
 
 
 @contextmanager
@@ -201,6 +210,16 @@ def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), o
             run("large batch", f"{model} {precision} {loss} × {size:,} in chunks of {micro}",
                 lambda work: time_steps(config(work, model, precision, size, loss=loss, chunks=size // micro), device,
                                         steps=1, warmup=1), peaks[precision])
+    naflex, lengths, budget = ("clipdist-naflex-tiny", (16, 64), 1024) if tiny else \
+        ("clipdist-naflex-b16", (256, 576, 784), 128 * 784)
+    for length in lengths:
+        run("naflex", f"{naflex} {precision} × {budget // length} at {length} patches ({budget:,} a batch)",
+            lambda work: time_steps(config(work, naflex, precision, budget // length), device, steps, seq_len=length),
+            peaks[precision])
+    if not tiny:
+        run("naflex", f"ViT-B-16 {precision} × {budget // 196} at fixed 224 px (the same budget)",
+            lambda work: time_steps(config(work, "ViT-B-16", precision, budget // 196), device, steps),
+            peaks[precision])
     with one_rank_group(device):
         run("fsdp", f"{model} {precision} FSDP2 × {BATCH[model]}, world 1",
             lambda work: time_steps(config(work, model, precision, BATCH[model], parallel="fsdp"), device, steps),
@@ -229,7 +248,8 @@ def format_row(row: dict) -> str:
     mfu = f"{row['mfu']:.1%}" if "mfu" in row else ""
     memory = f"{row['memory_bytes'] / 2 ** 30:.2f} GiB" if "memory_bytes" in row else ""
     other = (f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s" if "stall_s" in row else
-             f"{row['tflops']:.0f} TFLOPS ({row['source']})" if "tflops" in row else "")
+             f"{row['tflops']:.0f} TFLOPS ({row['source']})" if "tflops" in row else
+             f"{row['tokens_per_s']:,.0f} image tokens/s" if "tokens_per_s" in row else "")
     return f"| {row['section']} | {row['what']} | {samples} | {mfu} | {memory} | {other} |"
 
 
