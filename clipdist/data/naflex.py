@@ -17,6 +17,7 @@ with invalid patches (NaFlexVit masks them out of attention and pooling).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -85,6 +86,7 @@ class TokenBudget:
             raise ValueError(f"data.max_tokens_per_batch={max_tokens} holds no image of {max(self.seq_lens)} patches: "
                              "raise it (it counts a global batch's patches)")
         self.max_tokens, self.seed = int(max_tokens), int(seed)
+        self.origin = 0  # the batch whose first sample is stream position 0 (from_batch)
         self._sizes = np.zeros(0, dtype=np.int64)  # G_k of the batches drawn so far
         self._starts = np.zeros(1, dtype=np.int64)  # P_k = Σ_{i<k} G_i
 
@@ -125,27 +127,36 @@ class TokenBudget:
         """Every size a batch can have (one per sequence length)."""
         return sorted({self.max_tokens // length for length in self.seq_lens})
 
+    def from_batch(self, origin: int) -> "TokenBudget":
+        """The same budget with its stream positions counted from batch `origin` (a data order restarted there,
+        reshuffled: its sample 0 is batch `origin`'s first, while the lengths go on being batch k's)."""
+        budget = copy.copy(self)
+        budget.origin = int(origin)
+        budget._sizes, budget._starts = np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        return budget
+
     def start(self, k: int) -> int:
-        """P_k, the stream position global batch k starts at."""
+        """P_k, the stream position global batch k starts at (Σ G_i over origin ≤ i < k)."""
         self._extend(k)
-        return int(self._starts[k])
+        return int(self._starts[k - self.origin])
 
     def batch_at(self, position: int) -> int:
         """The batch k with P_k ≤ position < P_{k+1}."""
         while self._starts[-1] <= position:
-            self._extend(2 * len(self._sizes) + 1024)
-        return int(np.searchsorted(self._starts, position, side="right")) - 1
+            self._extend(self.origin + 2 * len(self._sizes) + 1024)
+        return self.origin + int(np.searchsorted(self._starts, position, side="right")) - 1
 
     def sizes_before(self, k: int) -> np.ndarray:
-        """G_0 … G_{k-1}."""
+        """G_origin … G_{k-1}."""
         self._extend(k)
-        return self._sizes[:k]
+        return self._sizes[:k - self.origin]
 
     def _extend(self, k: int) -> None:
         """Draw the sizes of batches up to k (in blocks: a million batches take ~0.1 s)."""
-        if k < len(self._sizes):
+        if k - self.origin < len(self._sizes):
             return
-        indices = np.arange(len(self._sizes), max(k + 1, 2 * len(self._sizes)), dtype=np.int64)
+        first = self.origin + len(self._sizes)
+        indices = np.arange(first, max(k + 1, self.origin + 2 * len(self._sizes)), dtype=np.int64)
         more = self.max_tokens // self.seq_lens_of(indices)
         self._sizes = np.concatenate([self._sizes, more])
         self._starts = np.concatenate([self._starts, self._starts[-1] + np.cumsum(more)])

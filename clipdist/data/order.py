@@ -97,7 +97,7 @@ class BudgetOrder:
         return low, (reader + 1) * size // self.readers - low
 
     def _before(self, reader: int, k: int) -> int:
-        """Reader j's samples in batches 0 … k−1."""
+        """Reader j's samples in batches origin … k−1."""
         sizes = self.budget.sizes_before(k)
         return int(((reader + 1) * sizes // self.readers - reader * sizes // self.readers).sum())
 
@@ -110,9 +110,10 @@ class BudgetOrder:
 
     def position(self, reader: int, n: int) -> int:
         """S of reader j's sample n (a reader reads forwards: its batch is followed, not searched again)."""
-        k, before = self._cursors.get(reader, (0, 0))
+        origin = self.budget.origin
+        k, before = self._cursors.get(reader, (origin, 0))
         if n < before:
-            k, before = 0, 0
+            k, before = origin, 0
         while True:
             start, size = self.span(k)
             offset, count = self._chunk(reader, size)

@@ -244,18 +244,28 @@ class TrainStream:
         reason = self._why_not_exact(saved.get("layout"))
         if reason is None:
             self.layout = {**self.layout, "readers": saved["layout"]["readers"], "cycle": saved["layout"]["cycle"]}
-            self.order = self._order(self.layout["readers"], self.layout["cycle"])
-            self.__dict__.pop("rank_readers", None)
             self.position, self.batches = saved["position"], saved.get("batches", 0)
+            self._from_batch(saved["layout"].get("origin", 0))
+            self.__dict__.pop("rank_readers", None)
             mine = set(self.rank_readers)  # only these: another rank's copy of a reader would go stale here
             self.readers = {index: state for index, state in saved.get("readers", {}).items() if index in mine}
             self.seed = saved["seed"]  # the layout's, or the one a restart drew
             self.continued = True
             return
         done = saved.get("position", max((rank["batches"] for rank in saved.get("ranks", [])), default=0))
+        if self.budget is not None:  # the new order starts at the next batch; its lengths go on being that batch's
+            self.batches = saved.get("batches", 0)
+            self._from_batch(self.batches)
         same_seed = (saved.get("layout") or {}).get("seed") == self.layout["seed"]
         self.seed = (saved.get("seed", self.seed) if same_seed else self.seed) + RESHUFFLE_SEED_STRIDE * done
         self.restart_reason = reason
+
+    def _from_batch(self, origin: int) -> None:
+        """The order (a token budget's: positions counted from batch `origin`) at the layout's readers and cycle."""
+        if self.budget is not None:
+            self.budget = self.budget.from_batch(origin)
+            self.layout = {**self.layout, "origin": origin}
+        self.order = self._order(self.layout["readers"], self.layout["cycle"])
 
     def _keep_budget(self, saved: dict | None) -> None:
         """A resume keeps the checkpoint's token budget where data.max_tokens_per_batch does not name one (its

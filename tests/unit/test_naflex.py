@@ -79,6 +79,19 @@ def test_every_batch_is_one_cycle_whose_chunks_are_the_ranks_rows():
     assert order.rank_readers(1, 3) == [2, 3, 4, 5]
 
 
+def test_an_order_restarted_at_a_later_batch_keeps_that_batchs_lengths():
+    budget = TokenBudget([16, 36], None, 1024, seed=0, schedule={"6": [64]})
+    later = budget.from_batch(5)  # a reshuffled restart after 5 batches: its sample 0 is batch 5's first
+    assert later.start(5) == 0 and later.batch_at(0) == 5 and later.start(7) == later.size(5) + later.size(6)
+    assert [later.seq_len(k) for k in range(5, 12)] == [budget.seq_len(k) for k in range(5, 12)]
+    assert {later.seq_len(k) for k in range(6, 12)} == {64}  # the schedule goes on, not from its start
+    order = BudgetOrder(4, later)
+    end = later.start(9)
+    positions = sorted(order.position(j, n) for j in range(4) for n in range(60) if order.position(j, n) < end)
+    assert positions == list(range(end))
+    assert all(order.taken_before(j, order.position(j, 7)) == 7 for j in range(4))
+
+
 def test_patches_are_timms_layout_at_the_aspect_ratio_of_the_image():
     images = PatchImages(16, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3))
     batcher = images.batcher(36)
