@@ -30,7 +30,6 @@ from clipdist.errors import TrainingDiverged
 from clipdist.evaluate import evaluate
 from clipdist.losses import build as build_loss
 from clipdist.models import blank_images, create_run_model
-from clipdist.timm_towers import seq_len
 from clipdist.objective import run_objective
 from clipdist.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight
@@ -39,6 +38,7 @@ from clipdist.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
 from clipdist.short_text import allow_short_text
 from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
+from clipdist.timm_towers import seq_len
 from clipdist.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
