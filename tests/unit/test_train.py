@@ -29,7 +29,7 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
               "optimizer adamw (lr 0.002, weight decay 0.1, betas [0.9, 0.98], eps 1e-06, grad clip 1); cosine "
               "schedule, warmup 2 of 3 steps; precision fp32",
               "loss disco: contrastive_loss × 1; global batch 16 (1 rank(s) × 16); ddp",
-              "data: 4 train shard(s) in 1 source(s); evaluation: val"]
+              "data: 4 train shard(s) in 1 source(s); evaluation: val; captions padded to the batch's longest"]
     lines = first.stdout.splitlines()
     assert all(line in lines for line in banner), first.stdout
     assert all(line in (run_dir / "train.log").read_text() for line in banner)
