@@ -246,6 +246,7 @@ class DataConfig:
     seq_len_probs: Optional[List[float]] = None  # the lengths' weights; null: equal
     max_tokens_per_batch: Optional[int] = positive(None)  # image patches of a *global* batch; null: batch_per_device × ranks × max(seq_lens)
     patch_size: Optional[int] = positive(None)  # null: the tower's (the only one its patch embedding takes)
+    naflex_square_crop: bool = False  # every image center-cropped square at ⌊√L⌋² patches: a fixed-size pipeline
     resolution_schedule: Dict[str, List[int]] = field(default_factory=dict)  # global batch (+data.resolution_schedule.500=[...]) -> seq_lens
     # Zero-shot prompts; empty: a built-in source's own, else 'a photo of {}.' (a zeroshot_classification_templates.txt
     # beside an evaluation set's shards wins over both)

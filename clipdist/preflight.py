@@ -135,7 +135,8 @@ def check_launch(world, env: launch.DistEnv) -> None:
                           "use world=local or world=cpu2, or world.device=cpu")
 
 
-NAFLEX_KEYS = ("seq_lens", "seq_len_probs", "max_tokens_per_batch", "patch_size", "resolution_schedule")
+NAFLEX_KEYS = ("seq_lens", "seq_len_probs", "max_tokens_per_batch", "patch_size", "resolution_schedule",
+               "naflex_square_crop")
 
 
 def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resuming: tuple[Path, dict] | None) -> None:
@@ -143,7 +144,7 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
     at the longest length, gradient caching's chunks within a rank's rows, no settings that only image batches
     take; data.seq_lens and the rest refused for another tower."""
     if naflex_trunk(model) is None:
-        given = [key for key in NAFLEX_KEYS if getattr(cfg.data, key) not in (None, {})]
+        given = [key for key in NAFLEX_KEYS if getattr(cfg.data, key) not in (None, {}, False)]
         if given == ["resolution_schedule"]:
             raise ValueError(f"data.resolution_schedule: a schedule for a fixed-size image tower (model.name="
                              f"{cfg.model.name}) is not supported yet; NaFlex towers take one (docs/naflex.md)")

@@ -170,10 +170,13 @@ def default_seq_lens(image_size: tuple[int, int], patch_size: int) -> list[int]:
 class PatchImages:
     """A NaFlex tower's image transform: decode, resize keeping the aspect ratio to at most `seq_len` patches of
     `patch_size` px, cut into patches. `batcher(seq_len)` gives the per-length transform the loader runs
-    (cached: one per length a run draws). Training does not augment: the image is resized, whole."""
+    (cached: one per length a run draws). Training does not augment: the image is resized, whole. `square`
+    (data.naflex_square_crop): every image center-cropped square at ⌊√L⌋ × ⌊√L⌋ patches instead — a fixed-size
+    pipeline through the same tower (at L = 196 and 16 px: 224 × 224)."""
 
-    def __init__(self, patch_size: int, mean, std, interpolation: str = "bicubic", seq_lens: list[int] | None = None):
-        self.patch_size, self.mean, self.std = int(patch_size), tuple(mean), tuple(std)
+    def __init__(self, patch_size: int, mean, std, interpolation: str = "bicubic", seq_lens: list[int] | None = None,
+                 square: bool = False):
+        self.patch_size, self.mean, self.std, self.square = int(patch_size), tuple(mean), tuple(std), bool(square)
         self.seq_lens = list(seq_lens or [])  # the run's sequence lengths (data.seq_lens, resolved)
         self.resample = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}.get(str(interpolation), Image.BICUBIC)
 
@@ -200,8 +203,16 @@ class PatchBatcher:
     def __call__(self, image: EncodedImage | Image.Image) -> torch.Tensor:
         """uint8 (h·P, w·P, 3) pixels of the image at its grid (decoded no larger than it needs: load_rgb)."""
         opened = image.opened if isinstance(image, EncodedImage) else image
-        rows, columns = self.grid(opened.size[1], opened.size[0])
         size = self.images.patch_size
+        if self.images.square:
+            side = math.isqrt(self.seq_len) * size
+            decoded, _ = load_rgb(image, (side, side))
+            width, height = decoded.size
+            crop = min(width, height)
+            box = ((width - crop) / 2, (height - crop) / 2, (width + crop) / 2, (height + crop) / 2)
+            resized = decoded.resize((side, side), self.images.resample, box=box)
+            return torch.from_numpy(np.array(resized, dtype=np.uint8, copy=True))
+        rows, columns = self.grid(opened.size[1], opened.size[0])
         target = (columns * size, rows * size)
         decoded, _ = load_rgb(image, target)
         resized = decoded.resize(target, self.images.resample)

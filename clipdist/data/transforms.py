@@ -21,7 +21,7 @@ def image_transforms(model, data) -> tuple:
     if naflex_trunk(model) is not None:
         seq_lens = resolve_seq_lens(data, image_size(model), naflex_patch_size(model))
         images = PatchImages(naflex_patch_size(model), preprocess_cfg["mean"], preprocess_cfg["std"],
-                             preprocess_cfg.get("interpolation", "bicubic"), seq_lens)
+                             preprocess_cfg.get("interpolation", "bicubic"), seq_lens, data.naflex_square_crop)
         return images, images.batcher(eval_seq_len(data, seq_lens)).one
     preprocess = PreprocessCfg(**preprocess_cfg)
     evaluation = image_transform_v2(preprocess, is_train=False)

@@ -109,6 +109,9 @@ def test_patches_are_timms_layout_at_the_aspect_ratio_of_the_image():
     assert batch["patch_valid"][0].sum() == count and not batch["patch_valid"][0, count:].any()
     assert (batch["patch_coord"][1, :count].amax(0) + 1).tolist() == [columns, rows]  # the rotated one, tall
     assert batcher.empty()["patches"].shape == (0, 36, 768)
+    square = PatchImages(16, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), square=True).batcher(40)
+    assert square(wide).shape == (96, 96, 3)  # ⌊√40⌋ = 6 patches a side, the middle of the wide image
+    assert square.stack([square(wide)])["patch_valid"].sum() == 36
 
 
 def test_a_naflex_towers_features_do_not_depend_on_its_batchs_padding():
@@ -145,8 +148,14 @@ def test_a_token_budget_the_run_cannot_use_is_refused_before_the_ranks(data, mes
 
 
 def test_naflex_settings_for_another_tower_and_unknown_image_towers_are_refused():
+    fixed = create_model("clipdist-tiny", device="meta")
     with pytest.raises(ValueError, match="data.seq_lens applies to NaFlex image towers"):
-        check_naflex(_cfg(seq_lens=[16]), create_model("clipdist-tiny", device="meta"), readers=2, resuming=None)
+        check_naflex(_cfg(seq_lens=[16]), fixed, readers=2, resuming=None)
+    with pytest.raises(ValueError, match="data.naflex_square_crop applies to NaFlex image towers"):
+        check_naflex(_cfg(naflex_square_crop=True), fixed, readers=2, resuming=None)
+    with pytest.raises(ValueError, match="a schedule for a fixed-size image tower"):
+        check_naflex(_cfg(resolution_schedule={"10": [64]}), fixed, readers=2, resuming=None)
+    check_naflex(_cfg(), fixed, readers=2, resuming=None)
     with pytest.raises(ValueError, match="not a timm model name"):
         check_image_tower("naflexvit_nonexistent", NAFLEX, None)
     with pytest.raises(ValueError, match="image tower is open_clip's own"):
