@@ -19,7 +19,7 @@ from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
-from clipdist.data.transforms import augmentation_cfg
+from clipdist.data.transforms import augmentation_cfg, image_size_stages
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.errors import ConfigError
 from clipdist.losses import build as build_loss
@@ -146,8 +146,8 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
     if naflex_trunk(model) is None:
         given = [key for key in NAFLEX_KEYS if getattr(cfg.data, key) not in (None, {}, False)]
         if given == ["resolution_schedule"]:
-            raise ValueError(f"data.resolution_schedule: a schedule for a fixed-size image tower (model.name="
-                             f"{cfg.model.name}) is not supported yet; NaFlex towers take one (docs/naflex.md)")
+            image_size_stages(model, cfg.data.resolution_schedule)  # a fixed-size tower's: one size a stage
+            return
         if given:
             raise ValueError(f"data.{given[0]} applies to NaFlex image towers (model=naflex_tiny, naflex_b16, a timm "
                              f"NaFlexVit); model.name={cfg.model.name}'s image tower takes fixed-size images")

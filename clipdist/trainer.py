@@ -28,6 +28,7 @@ from clipdist.data.transforms import image_transforms
 from clipdist.data.workers import LoaderPlan, loader_priority
 from clipdist.errors import TrainingDiverged
 from clipdist.evaluate import evaluate
+from clipdist.flexible_grid import allow_other_sizes
 from clipdist.losses import build as build_loss
 from clipdist.models import blank_images, create_run_model
 from clipdist.objective import run_objective
@@ -38,7 +39,7 @@ from clipdist.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
 from clipdist.short_text import allow_short_text
 from clipdist.state import TrainState, seed_everything
 from clipdist.step import build_step
-from clipdist.timm_towers import seq_len
+from clipdist.timm_towers import naflex_trunk, seq_len
 from clipdist.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
@@ -130,6 +131,8 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
                                       param_dtype=gathered_dtype, sync_batchnorm=cfg.world.sync_batchnorm)
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     scaler = precision.gradient_scaler(cfg.precision, device)
+    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
+        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
     train_transform, val_transform = image_transforms(model, cfg.data)
     mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
     teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
@@ -249,7 +252,7 @@ class Trainer:
                              f"{checkpointer.directory}; run again with resume=auto to continue")
                     break
                 stream.consumed(agreed.counts)
-                if stream.budget is not None and (switch := stream.budget.switch_at(stream.batches)):
+                if switch := stream.switch_at(stream.batches):
                     self.say(f"after step {state.step + 1}: {switch}")
                 if cfg.logging.sample_keys:
                     log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys,

@@ -27,6 +27,7 @@ from PIL import Image
 from timm.data.naflex_transforms import get_image_size_for_seq
 
 from clipdist.data.samples import EncodedImage, load_rgb
+from clipdist.data.schedule import resolution_stages
 
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
@@ -45,14 +46,6 @@ def _lengths(lengths, where: str) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise ValueError(f"{where}={list(lengths or [])}: give one or more sequence lengths of at least 1 patch")
     return [int(length) for length in lengths]
-
-
-def _batch_index(step) -> int:
-    try:
-        return int(step)
-    except ValueError:
-        raise ValueError(f"data.resolution_schedule: {step!r} is not a global batch number (e.g. "
-                         "+data.resolution_schedule.500=[576])") from None
 
 
 def _cumulative(weights: list[float], count: int) -> np.ndarray:
@@ -74,9 +67,7 @@ class TokenBudget:
                  schedule: dict[int, list[int]] | None = None):
         first = _lengths(seq_lens, "data.seq_lens")
         self.stages = [(0, first, _cumulative(probs if probs is not None else [1.0] * len(first), len(first)))]
-        for step, lengths in sorted((_batch_index(step), lengths) for step, lengths in (schedule or {}).items()):
-            if step < 0:
-                raise ValueError(f"data.resolution_schedule: step {step} is before the first (0)")
+        for step, lengths in resolution_stages(schedule):
             lengths = _lengths(lengths, f"data.resolution_schedule.{step}")
             self.stages = [stage for stage in self.stages if stage[0] != step]
             self.stages.append((step, lengths, _cumulative([1.0] * len(lengths), len(lengths))))
@@ -263,5 +254,5 @@ def resolve_budget(data, seq_lens: list[int], global_batch: int, seed: int, max_
 
 def eval_seq_len(data, seq_lens: list[int]) -> int:
     """Evaluation's sequence length: the longest of the last stage (data.resolution_schedule, else data.seq_lens)."""
-    schedule = dict(getattr(data, "resolution_schedule", None) or {})
-    return max(schedule[max(schedule, key=_batch_index)] if schedule else seq_lens)
+    stages = resolution_stages(getattr(data, "resolution_schedule", None))
+    return max(stages[-1][1] if stages else seq_lens)

@@ -260,6 +260,13 @@ class TrainStream:
         self.seed = (saved.get("seed", self.seed) if same_seed else self.seed) + RESHUFFLE_SEED_STRIDE * done
         self.restart_reason = reason
 
+    def switch_at(self, k: int) -> str | None:
+        """A line for the log where batch k begins a stage of data.resolution_schedule (None elsewhere)."""
+        if self.budget is not None:
+            return self.budget.switch_at(k)
+        switch_at = getattr(self.image_transform, "switch_at", None)
+        return switch_at(k) if switch_at is not None else None
+
     def _from_batch(self, origin: int) -> None:
         """The order (a token budget's: positions counted from batch `origin`) at the layout's readers and cycle."""
         if self.budget is not None:
@@ -300,7 +307,7 @@ class TrainStream:
                                   order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
                                   world_size=self.world_size, seed=self.seed, resume=dict(self.readers),
                                   readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels,
-                                  first_batch=self.batches if self.budget is not None else None)
+                                  first_batch=self.batches)
         return Loader(dataset, workers, pin_memory=self.pin_memory and self._items == 1,
                       low_priority=self.low_priority_workers, start_method=self.start_method, seed=self.seed)
 
@@ -364,8 +371,9 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     whose row takes the skipped sample's place. Augmentation is seeded per sample (seed, reader, shard
     entry, sample number).
 
-    With a token budget (`first_batch`: the run's index of batch 0 here; `order` a BudgetOrder) batch k is the
-    order's cycle first_batch + k, and its images go through `image_transform.batcher(L_k)`.
+    `first_batch`: the run's index of batch 0 here. With a token budget (`order` a BudgetOrder) batch k is the
+    order's cycle first_batch + k, and its images go through `image_transform.batcher(L_k)`; under a fixed-size
+    tower's resolution schedule (`image_transform` a transforms.ScheduledSizes), through its batcher_at(k).
 
     item: (images, tokens, info), info = {"rows": the rows of the rank's batch it fills, "batch_rows": the rows of
     the rank's batch, "readers": {reader:
@@ -375,7 +383,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, sources: list[list[str]], image_transform, tokenizer, *, data, order: SampleOrder, start: int,
                  batch: int, rank: int, world_size: int, seed: int, resume: dict, readers: list[int], pieces: int = 1,
-                 pixels: bool = False, first_batch: int | None = None):
+                 pixels: bool = False, first_batch: int = 0):
         super().__init__()
         self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
         self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
@@ -411,11 +419,11 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         mine = self.readers[info.id::info.num_workers] if info is not None else self.readers
         runs = {index: self.reader(index) for index in mine}
-        batcher = ImageBatcher(self.image_transform) if self.first_batch is None else None
+        fixed = None if self._per_batch else ImageBatcher(self.image_transform)
         tokenize = CaptionTokens(self.tokenizer)
         try:
             for k in itertools.count():
-                yield from self._batch(k, runs, batcher or self._patches(k), tokenize)
+                yield from self._batch(k, runs, fixed or self._batcher(k), tokenize)
         except DataError as error:
             yield DataFailure(str(error))
         finally:
@@ -424,13 +432,20 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
     def span(self, k: int) -> tuple[int, int]:
         """(stream position, samples) of global batch k."""
-        if self.first_batch is None:
+        if not isinstance(self.order, BudgetOrder):
             return self.start + k * self.batch, self.batch
         return self.order.span(self.first_batch + k)
 
-    def _patches(self, k: int):
-        """A token-budget batch's image transform: its sequence length's (naflex.PatchBatcher)."""
-        return self.image_transform.batcher(self.order.budget.seq_len(self.first_batch + k))
+    @property
+    def _per_batch(self) -> bool:
+        """Whether batches differ in their image transform (a token budget's lengths, a schedule's sizes)."""
+        return isinstance(self.order, BudgetOrder) or hasattr(self.image_transform, "batcher_at")
+
+    def _batcher(self, k: int):
+        """Batch k's image transform: its sequence length's (naflex.PatchBatcher), or its scheduled size's."""
+        if isinstance(self.order, BudgetOrder):
+            return self.image_transform.batcher(self.order.budget.seq_len(self.first_batch + k))
+        return self.image_transform.batcher_at(self.first_batch + k)
 
     def _batch(self, k: int, runs: dict[int, _ReaderRun], batcher, tokenize: CaptionTokens):
         """This worker's `pieces` items of global batch k: its readers advanced to the batch's end."""

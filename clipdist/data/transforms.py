@@ -2,12 +2,16 @@
 (size, mean, std, interpolation, resize mode) and data.augmentation (open_clip's AugmentationCfg, field for field)."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
 
 from clipdist.config import as_dict
+from clipdist.data.images import ImageBatcher
 from clipdist.data.naflex import PatchImages, eval_seq_len, resolve_seq_lens
+from clipdist.data.schedule import resolution_stages
+from clipdist.flexible_grid import resizes_exactly
 from clipdist.models import image_size
 from clipdist.timm_towers import naflex_patch_size, naflex_trunk
 
@@ -23,7 +27,17 @@ def image_transforms(model, data) -> tuple:
         images = PatchImages(naflex_patch_size(model), preprocess_cfg["mean"], preprocess_cfg["std"],
                              preprocess_cfg.get("interpolation", "bicubic"), seq_lens, data.naflex_square_crop)
         return images, images.batcher(eval_seq_len(data, seq_lens)).one
-    preprocess = PreprocessCfg(**preprocess_cfg)
+    stages = image_size_stages(model, getattr(data, "resolution_schedule", None))
+    train, evaluation = _fixed_size_transforms(preprocess_cfg, data, stages[-1][1] if stages else None)
+    if stages:
+        return ScheduledSizes(lambda size: _fixed_size_transforms(preprocess_cfg, data, size)[0],
+                              image_size(model)[0], stages), evaluation
+    return train, evaluation
+
+
+def _fixed_size_transforms(preprocess_cfg: dict, data, size: int | None = None) -> tuple:
+    """open_clip's (training, evaluation) transforms, at `size` px where given."""
+    preprocess = PreprocessCfg(**{**preprocess_cfg, **({"size": size} if size else {})})
     evaluation = image_transform_v2(preprocess, is_train=False)
     if not data.augment:
         return evaluation, evaluation
@@ -31,6 +45,53 @@ def image_transforms(model, data) -> tuple:
         warnings.filterwarnings("ignore", "Unused augmentation cfg items")
         train = image_transform_v2(preprocess, is_train=True, aug_cfg=AugmentationCfg(**augmentation_cfg(data)))
     return train, evaluation
+
+
+def image_size_stages(model, schedule) -> list[tuple[int, int]]:
+    """data.resolution_schedule for a fixed-size tower: [(first batch, image size in px), ...]; a ValueError for a
+    stage that is not one size, a size that is not a multiple of the tower's patch, or a tower that cannot take
+    other sizes (flexible_grid.resizes_exactly)."""
+    stages = resolution_stages(schedule)
+    if not stages:
+        return []
+    why = resizes_exactly(model)
+    if why is not None:
+        raise ValueError(f"data.resolution_schedule: {why}; a fixed-size tower's schedule needs open_clip's ViT "
+                         "(model=tiny, vit_b32, vit_b16, vit_l14), or a NaFlex tower (docs/naflex.md)")
+    patch = model.visual.conv1.kernel_size[0]
+    for first, sizes in stages:
+        if len(sizes) != 1 or sizes[0] < patch or sizes[0] % patch:
+            raise ValueError(f"data.resolution_schedule.{first}={sizes}: a fixed-size tower takes one image size a "
+                             f"stage, a multiple of its {patch}-px patch (e.g. [{patch * 4}])")
+    return [(first, sizes[0]) for first, sizes in stages]
+
+
+class ScheduledSizes:
+    """A fixed-size tower's training images under data.resolution_schedule: open_clip's training transform at
+    `base` px until the first stage, then at each stage's size from that many global batches on. `batcher_at(k)`
+    is global batch k's ImageBatcher (one per size); the tower resamples its position table to the size
+    (flexible_grid.FlexibleGridViT)."""
+
+    def __init__(self, make, base: int, stages: list[tuple[int, int]]):
+        self.make, self.stages = make, [(0, base)] + [stage for stage in stages if stage[0] > 0]
+        if stages and stages[0][0] == 0:
+            self.stages[0] = stages[0]
+        self.final = self.stages[-1][1]
+
+    def size(self, k: int) -> int:
+        return next(size for first, size in reversed(self.stages) if first <= k)
+
+    @functools.lru_cache(maxsize=None)
+    def _batcher(self, size: int) -> ImageBatcher:
+        return ImageBatcher(self.make(size))
+
+    def batcher_at(self, k: int) -> ImageBatcher:
+        return self._batcher(self.size(k))
+
+    def switch_at(self, k: int) -> str | None:
+        """A line for the log where batch k begins a stage (None elsewhere)."""
+        size = next((size for first, size in self.stages[1:] if first == k), None)
+        return None if size is None else f"images now {size} px (data.resolution_schedule.{k})"
 
 
 def augmentation_cfg(data) -> dict:

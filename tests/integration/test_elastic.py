@@ -1,7 +1,8 @@
 """A run resumed on another number of ranks is the run never stopped: the same global batches in the same
 order — so, with exact losses, the same loss at every step — stopped mid-epoch on 2 ranks and continued on 1,
-on 4, and on 4 (FSDP) then 1; on the digits and on weighted, resampled webdataset sources with 2 loader
-workers and a bad sample in every shard."""
+on 4, and on 4 (FSDP) then 1; on the digits (at 16 px, then 32 after a resolution schedule's switch that every
+resume crosses) and on weighted, resampled webdataset sources with 2 loader workers and a bad sample in every
+shard."""
 from __future__ import annotations
 
 import collections
@@ -14,6 +15,9 @@ from fixtures import caption_shards
 from helpers import Run, read_jsonl, train
 
 STEPS = 30  # the digits' epoch is 22 global batches of 64: the stops fall in the first, the runs end in the second
+# progressive resolution (a fixed-size tower's data.resolution_schedule): 16 px, then the tower's 32 px from the 25th
+# step — after every stop, so each resume crosses the switch
+DIGITS = ("data.workers=2", "+data.resolution_schedule.0=[16]", "+data.resolution_schedule.24=[32]")
 GLOBAL_BATCH = 64
 WORLDS = {"cpu2": 2, "local": 1, "cpu4": 4}
 
@@ -76,10 +80,11 @@ def digits_runs(tmp_path_factory, cache_dir):
     """The uninterrupted run on 2 ranks, and one stopped mid-epoch on 2 ranks (copied for each resume)."""
     root = tmp_path_factory.mktemp("elastic")
     whole = root / "whole"
-    result = train(whole, cache_dir, *overrides("cpu2", "data.workers=2"))
+    result = train(whole, cache_dir, *overrides("cpu2", *DIGITS))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "after step 24: images now 32 px (data.resolution_schedule.24)" in result.stdout
     stopped = root / "stopped"
-    step = stop_at(stopped, cache_dir, "cpu2", 9, "data.workers=2")
+    step = stop_at(stopped, cache_dir, "cpu2", 9, *DIGITS)
     assert 9 <= step < 22
     return whole, stopped, step
 
@@ -91,8 +96,8 @@ def test_digits_resumed_on_other_world_sizes_is_the_uninterrupted_run(tmp_path, 
     run_dir = tmp_path / "run"
     shutil.copytree(stopped, run_dir)
     for world in worlds[:-1]:
-        assert stop_at(run_dir, cache_dir, world, step + 6, "data.workers=2", "world.parallel=fsdp") > step
-    stdout = resume(run_dir, cache_dir, worlds[-1], "data.workers=2")
+        assert stop_at(run_dir, cache_dir, world, step + 6, *DIGITS, "world.parallel=fsdp") > step
+    stdout = resume(run_dir, cache_dir, worlds[-1], *DIGITS)
     assert "the data stream continues at sample" in stdout
     print(f"{' -> '.join(['cpu2', *worlds])}: worst relative loss difference {assert_same_run(run_dir, whole, step, epoch=22):.2e}")
 

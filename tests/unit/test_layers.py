@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "clipdist"
 # Lowest first. A module not listed under its own name takes its package's layer ("data" for clipdist.data.*).
 LAYERS = [
     {"errors", "defaults", "config", "precision", "parallel", "console", "launch", "host", "files"},
-    {"losses", "models", "timm_towers", "short_text", "weights", "targets", "data", "optim", "checkpoint", "run_dir", "tracking", "remote",
+    {"losses", "models", "timm_towers", "short_text", "flexible_grid", "weights", "targets", "data", "optim", "checkpoint", "run_dir", "tracking", "remote",
      "state"},
     {"objective", "step", "evaluate", "preflight", "recipe"},
     {"trainer"},
