@@ -14,7 +14,8 @@ from clipdist.config import DataConfig
 from clipdist.data.naflex import PatchImages, TokenBudget, eval_seq_len, resolve_seq_lens
 from clipdist.data.order import BudgetOrder
 from clipdist.launch import _openmp_runtime
-from clipdist.models import create_model
+from clipdist.models import create_model, lock_towers
+from clipdist.optim import layer_scales
 from clipdist.preflight import check_naflex
 from clipdist.timm_towers import check_image_tower, float32_parameters, random_patches
 
@@ -153,8 +154,9 @@ def test_naflex_settings_for_another_tower_and_unknown_image_towers_are_refused(
         check_naflex(_cfg(seq_lens=[16]), fixed, readers=2, resuming=None)
     with pytest.raises(ValueError, match="data.naflex_square_crop applies to NaFlex image towers"):
         check_naflex(_cfg(naflex_square_crop=True), fixed, readers=2, resuming=None)
-    with pytest.raises(ValueError, match="a schedule for a fixed-size image tower"):
-        check_naflex(_cfg(resolution_schedule={"10": [64]}), fixed, readers=2, resuming=None)
+    with pytest.raises(ValueError, match="a fixed-size tower takes one image size a stage"):
+        check_naflex(_cfg(resolution_schedule={"10": [64, 144]}), fixed, readers=2, resuming=None)
+    check_naflex(_cfg(resolution_schedule={"10": [16]}), fixed, readers=2, resuming=None)  # a size a stage: taken
     check_naflex(_cfg(), fixed, readers=2, resuming=None)
     with pytest.raises(ValueError, match="not a timm model name"):
         check_image_tower("naflexvit_nonexistent", NAFLEX, None)
@@ -165,3 +167,16 @@ def test_naflex_settings_for_another_tower_and_unknown_image_towers_are_refused(
 
 def test_torchs_openmp_runtime_can_be_released_before_a_fork():
     assert _openmp_runtime() is not None  # else launch_local's forks after a parallel op would hang again
+
+
+def test_layer_decay_and_locks_reach_a_naflex_towers_blocks():
+    model = create_model(NAFLEX, device="meta")
+    scales = layer_scales(model, {"image": 0.5})
+    assert scales["visual.trunk.embeds.proj.weight"] == 0.5 ** 3  # the stem, then 2 blocks, then the head
+    assert scales["visual.trunk.blocks.0.attn.qkv.weight"] == 0.5 ** 2
+    assert scales["visual.trunk.blocks.1.mlp.fc1.weight"] == 0.5
+    assert scales["visual.head.proj.weight"] == 1.0 and scales["token_embedding.weight"] == 1.0
+    lock_towers(model, SimpleNamespace(lock_image=True, lock_image_unlocked_groups=2, lock_image_freeze_bn_stats=False,
+                                       lock_text=False))
+    trainable = [name for name, p in model.named_parameters() if name.startswith("visual.") and p.requires_grad]
+    assert trainable and all("blocks.0" not in name and "embeds" not in name for name in trainable)
