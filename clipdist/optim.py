@@ -59,7 +59,10 @@ def layer_scales(model: torch.nn.Module, decays: dict[str, float | None]) -> dic
         members = [name for name in names if tower_of(name) == tower]
         blocks = {name: int(found.group(1)) for name in members if (found := _BLOCK.search(name))}
         if not blocks:
-            raise ValueError(f"optim.{tower}_layer_decay: the {tower} tower has no numbered blocks to decay over")
+            locked = any(_BLOCK.search(name) for name, _ in model.named_parameters() if tower_of(name) == tower)
+            raise ValueError(f"optim.{tower}_layer_decay: the {tower} tower has no numbered blocks to decay over" + (
+                " among its trainable parameters (model.lock_* keeps them all frozen): unlock more of them or drop "
+                "the decay" if locked else ""))
         depth = max(blocks.values()) + 1
         for name in members:
             layer = blocks[name] + 1 if name in blocks else 0 if _STEM.search(name) else depth + 1

@@ -180,3 +180,7 @@ def test_layer_decay_and_locks_reach_a_naflex_towers_blocks():
                                        lock_text=False))
     trainable = [name for name, p in model.named_parameters() if name.startswith("visual.") and p.requires_grad]
     assert trainable and all("blocks.0" not in name and "embeds" not in name for name in trainable)
+    lock_towers(model, SimpleNamespace(lock_image=True, lock_image_unlocked_groups=1, lock_image_freeze_bn_stats=False,
+                                       lock_text=False))
+    with pytest.raises(ValueError, match="among its trainable parameters .* unlock more of them or drop the decay"):
+        layer_scales(model, {"image": 0.5})
