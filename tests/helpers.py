@@ -2,8 +2,10 @@
 shards and streams, and check refusals in this process."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -194,12 +196,18 @@ def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
     (exit code, the non-empty lines on stderr). Starting to train fails the test instead."""
     import pytest
 
+    import clipdist
     from clipdist import launch, trainer
     from clipdist.cli import train_main
 
     def started(*_args, **_kwargs):
         raise AssertionError(f"the start with {overrides} was not refused: it began to train")
 
+    # Every module that binds launch_local by name is imported first: one imported during the patch would keep the
+    # stand-in after it (a later test's `clipdist eval` then "began to train": seen when test files ran in another order).
+    for module in pkgutil.walk_packages(clipdist.__path__, "clipdist."):
+        if not module.name.endswith("__main__"):  # which would run the command line
+            importlib.import_module(module.name)
     monkeypatch.setattr(trainer, "train", started)
     monkeypatch.setattr(launch, "launch_local", started)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
