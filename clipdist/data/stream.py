@@ -281,8 +281,7 @@ class TrainStream:
             return
         self.budget = resolve_budget(self.data, self.budget.stages[0][1], 0, self.budget.seed, saved["max_tokens"])
         self.batch_size = min(self.budget.sizes()) // self.world_size
-        self.layout = {**self.layout, "budget": self.budget.layout()}
-        self.order = self._order(self.order.readers, self.layout["cycle"])
+        self.layout = {**self.layout, "budget": self.budget.layout()}  # the order follows in _from_batch
 
     def _why_not_exact(self, saved: dict | None) -> str | None:
         """Why a stream at the saved layout cannot go on sample for sample here (None: it can)."""
