@@ -127,7 +127,7 @@ class WorkerPriority(Choice):
 
 
 class NormalizeOn(Choice):
-    auto = "auto"  # device on CUDA ranks, loader on CPU ranks
+    auto = "auto"  # device: fewer bytes handed over, the floats made in memory the rank reuses
     loader = "loader"  # the workers make normalized float32 batches
     device = "device"  # the workers make uint8 batches; the rank normalizes them on its device after the copy
 

@@ -185,7 +185,7 @@ class Trainer:
     def build_stream(self, plan: LoaderPlan, image_transform) -> TrainStream:
         """This rank's training stream, its loader workers tuned by the stream from the run's measurements."""
         cfg, device, env = self.cfg, self.device, self.env
-        on_device, why = normalize_on_device(cfg.data.normalize_on, device)
+        on_device, why = normalize_on_device(cfg.data.normalize_on)
         budget = None
         if isinstance(image_transform, PatchImages):  # a NaFlex tower: patches, normalized by the loader
             budget = resolve_budget(cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size,

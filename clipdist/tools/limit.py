@@ -5,8 +5,8 @@
 On the machine it runs on, one core at a time (one intra-op thread, CPU time of the process):
   loader   CPU seconds per sample to read, decode, augment, tokenize and collate — the run's own stream
            (data.TrainStream, no workers: the same work a loader worker does), over --batches batches;
-  step     CPU seconds per sample of the run's own step (trainer.build_parts: forward, loss, backward, optimizer) on a
-           batch the stream made.
+  step     CPU seconds per sample of the run's own step (trainer.build_parts: the pixels normalized where
+           data.normalize_on puts them, forward, loss, backward, optimizer) on a batch the stream made.
 Every sample costs L + S CPU-seconds wherever it is spent, so C cores give at most C / (L + S) samples/s with
 perfect overlap: the pipelined bound. Then real runs (train.py, world=local and world=cpu2, the loader's automatic
 workers) are reported as a fraction of it — their median samples/s over the second half of their steps. A run
@@ -56,6 +56,7 @@ def workload_config(data: str, batch: int, work: Path, cache_dir: str):
 def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     """(loader, step) CPU seconds per sample on one core, this process."""
     from clipdist.data.builtin import builtin_shards
+    from clipdist.data.images import normalize_on_device
     from clipdist.data.sources import expand_shards
     from clipdist.data.stream import TrainStream
     from clipdist.trainer import build_parts
@@ -69,7 +70,7 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
             train, _ = builtin_shards(data, str(Path(cache_dir).expanduser()))
             stream = TrainStream([expand_shards(train)], cfg.data, batch_size=batch,
                                  image_transform=parts.train_transform, tokenizer=parts.tokenizer, seed=cfg.seed,
-                                 workers=0)
+                                 workers=0, pixels=normalize_on_device(cfg.data.normalize_on)[0])
             try:
                 next(stream)  # the stream's start (readers placed, first shards opened) is not a per-sample cost
                 loader = []

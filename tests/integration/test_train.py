@@ -71,7 +71,7 @@ def test_siglip_with_grad_cache_trains_on_two_ranks(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("chunking", [("grad_cache.chunks=4",), ("grad_cache.micro_batch=3",),
-                                      ("grad_cache.chunks=4", "data.pieces=4", "data.normalize_on=device")])
+                                      ("grad_cache.chunks=4", "data.pieces=4")])
 def test_grad_cached_run_follows_the_unchunked_run(tmp_path, cache_dir, local_losses, chunking):
     """Gradient caching changes no loss; nor does the loader reading the batch in pieces into host memory
     while the step moves one chunk at a time to the device (the last case: inputs off the device)."""
@@ -84,15 +84,16 @@ def test_grad_cached_run_follows_the_unchunked_run(tmp_path, cache_dir, local_lo
     assert losses[1] == pytest.approx(expected[1], rel=1e-4)  # the chunked update equals the whole-batch one
 
 
-def test_uint8_batches_normalized_on_the_device_train_exactly_as_the_loaders(tmp_path, cache_dir, local_losses):
-    """data.normalize_on=device (GPU ranks' default): the loader hands over uint8 pixels and the rank
-    normalizes them after the copy; on the CPU the losses are the loader-normalized run's, bit for bit."""
+def test_float_batches_normalized_by_the_loader_train_exactly_as_uint8_batches(tmp_path, cache_dir, local_losses):
+    """data.normalize_on=loader: the workers make the normalized float32 batch instead of handing over uint8
+    pixels for the rank to normalize after the copy (the default, auto); on the CPU the losses are the same,
+    bit for bit."""
     expected = local_losses("disco")
-    result = train(tmp_path / "run", cache_dir, "data.normalize_on=device", "world=local", "world.batch_per_device=8",
+    result = train(tmp_path / "run", cache_dir, "data.normalize_on=loader", "world=local", "world.batch_per_device=8",
                    "optim.max_steps=2", *SAME_GLOBAL_BATCH)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == expected
-    assert "images normalized on cpu after the copy (data.normalize_on=device)" in run_log(tmp_path / "run")  # a line
+    assert "images normalized by the loader (data.normalize_on=loader)" in run_log(tmp_path / "run")  # a line
 
 
 @pytest.mark.parametrize("idle_below, decision", [(1.01, "to idle"), (0.0, "stay at normal")])
