@@ -223,6 +223,8 @@ class Trainer:
         if stream.continued:
             self.say(f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
                      f"reader(s); {self.env.world_size} rank(s) × {cfg.world.batch_per_device})")
+        if assembly := stream.assembly():
+            self.say(assembly)
         if stream.restart_reason:
             self.say(f"the data stream cannot continue sample for sample ({stream.restart_reason}); it "
                      f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "

@@ -22,13 +22,11 @@ from clipdist.launch import STOP_SIGNALS, kill_tree
 class Loader:
     """The DataLoader over `dataset` on `workers` processes (0: in the rank itself), as an iterator of its items."""
 
-    def __init__(self, dataset, workers: int, *, pin_memory: bool, low_priority: bool = False,
+    def __init__(self, dataset, workers: int, *, pin_memory: bool, items_ahead: int = 2, low_priority: bool = False,
                  start_method: str | None = None, seed: int = 0):
         self.loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
-            # each worker gives 1/W of a batch: 2·W items in flight per worker keep 2 batches a worker read ahead,
-            # as whole-batch workers had (with data.pieces, 2·W pieces of a worker: the same bytes as 2 batches / K)
-            prefetch_factor=2 * workers if workers else None,
+            prefetch_factor=items_ahead if workers else None,  # items in flight per worker
             pin_memory=pin_memory,  # where a batch is several items, they are copied into a pinned batch instead
             worker_init_fn=functools.partial(start_worker, low_priority=low_priority) if workers else None,
             multiprocessing_context=start_method if workers else None,

@@ -73,6 +73,28 @@ class SampleOrder:
         return sorted(found)
 
 
+    def worker_readers(self, start: int, batch: int, rank: int, world_size: int, workers: int) -> list[list[int]] | None:
+        """Whole batches per loader worker: worker w makes rank r's rows of every global batch k ≡ w (mod W) from
+        start, out of readers no other worker reads — each worker's readers; None where some reader has rows of
+        batches of two workers (then every worker gives its readers' rows of every batch instead).
+
+        With Λ = (V/N)·G — a fresh run's layout where its workers can take whole batches — reader j holds rank
+        j mod N's rows of every (V/N)-th batch, so any W dividing V/N gets disjoint readers."""
+        rows = batch // world_size
+        span = math.lcm(self.cycle // math.gcd(self.cycle, batch), workers)
+        if span > MAX_PATTERN_BATCHES:
+            return None
+        groups: list[set[int]] = [set() for _ in range(workers)]
+        owner: dict[int, int] = {}
+        for k in range(span):
+            low = start + k * batch + rank * rows
+            for reader in self.readers_in(low, low + rows):
+                if owner.setdefault(reader, k % workers) != k % workers:
+                    return None
+                groups[k % workers].add(reader)
+        return [sorted(group) for group in groups]
+
+
 class BudgetOrder:
     """The order of a token-budget run (data/naflex.py): V readers, and every global batch k — G_k samples, from
     P_k = Σ_{i<k} G_i — is one cycle, in which reader j gives the samples at offsets [⌊jG_k/V⌋, ⌊(j+1)G_k/V⌋).

@@ -110,11 +110,12 @@ class TrainStream:
     r holds rows ⌊rG_k/N⌋ … ⌊(r+1)G_k/N⌋. The batches consumed so far (`batches`) say which k comes next.
 
     The loader's workers (data.workers, any count; `set_workers` moves to another between batches) each
-    run some of the rank's readers and give their rows of a batch as `data.pieces` items, copied into the
-    batch's host buffer (pinned where `pin_memory`) as they arrive (data.loader, which owns the DataLoader and
-    its processes): host memory is the batch plus the items
-    read ahead (workers × 2), which lets a batch larger than the device (gradient caching) be held at all.
-    None of this changes a sample of the stream.
+    run some of the rank's readers. Where the layout lets them (a fresh run's cycle is (V/N)·G for this, and
+    data.pieces is 1), each worker makes whole batches in turn, which the rank uses as they come; otherwise
+    each gives its readers' rows of every batch as `data.pieces` items, copied into the batch's host buffer
+    (pinned where `pin_memory`) as they arrive (data.loader, which owns the DataLoader and its processes):
+    host memory is the batch plus the items read ahead, which with data.pieces lets a batch larger than the
+    device (gradient caching) be held at all. None of this changes a sample of the stream.
     """
 
     def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
@@ -137,10 +138,13 @@ class TrainStream:
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method
         self.pixels, self.pin_memory = pixels, pin_memory
+        # A fresh run's cycle: (V/N)·G where its workers can each take whole batches (order.worker_readers), with
+        # data.readers set the global batch (the same order on any world size it starts on)
+        whole = budget is None and not self.replicated and self.readers_setting is None
         self.layout = {"resampled": data.resampled, "seed": seed, "shuffle_buffer": data.shuffle_buffer,
                        "weights": list(data.weights) if data.weights else None,
                        "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest(),
-                       "readers": total, "cycle": batch_size * world_size,
+                       "readers": total, "cycle": batch_size * world_size * (total // world_size if whole else 1),
                        "budget": budget.layout() if budget is not None else None}
         self.order = self._order(total, self.layout["cycle"])
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
@@ -150,6 +154,7 @@ class TrainStream:
         self.restart_reason: str | None = None  # set by load_state_dict when the stream cannot continue exactly
         self.continued = False  # set by load_state_dict when it continues sample for sample
         self._loader = None
+        self._worker_readers: list[list[int]] | None = None  # whole batches per worker: each one's readers
         self.tuning: LoaderTuning | None = None
         self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
 
@@ -181,8 +186,8 @@ class TrainStream:
 
     @property
     def _items(self) -> int:
-        """Items per batch: `pieces` from each worker (or from the rank itself)."""
-        return self._workers_now * self.pieces
+        """Items per batch: `pieces` from each worker (or from the rank itself); one where a worker makes it whole."""
+        return 1 if self._worker_readers is not None else self._workers_now * self.pieces
 
     @property
     def _workers_now(self) -> int:
@@ -302,13 +307,37 @@ class TrainStream:
         that is the restored position, or the start)."""
         check_shard_count(sum(map(len, self.sources)), self.order.readers, resampled=self.data.resampled)
         workers = self._workers_now if self.workers else 0
+        self._worker_readers = self.worker_readers(workers)
         dataset = TrainingBatches(self.sources, self.image_transform, self.tokenizer, data=self.data,
                                   order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
                                   world_size=self.world_size, seed=self.seed, resume=dict(self.readers),
                                   readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels,
-                                  first_batch=self.batches)
-        return Loader(dataset, workers, pin_memory=self.pin_memory and self._items == 1,
+                                  first_batch=self.batches, worker_readers=self._worker_readers)
+        whole = self._items == 1
+        # in flight per worker: two whole batches, or 2·W items of a W·pieces-th of a batch (2/pieces batches)
+        return Loader(dataset, workers, pin_memory=self.pin_memory and whole, items_ahead=2 if whole else 2 * workers,
                       low_priority=self.low_priority_workers, start_method=self.start_method, seed=self.seed)
+
+    def worker_readers(self, workers: int) -> list[list[int]] | None:
+        """Each of `workers` loader workers' readers where each can make whole batches (order.worker_readers);
+        None where every batch is assembled from every worker's rows."""
+        if workers < 2 or self.pieces != 1 or self.budget is not None or self.replicated:
+            return None
+        return self.order.worker_readers(self.position, self.global_batch, self.rank, self.world_size, workers)
+
+    def assembly(self) -> str | None:
+        """How the loader's workers make this rank's batches, for the log (None with one worker or none)."""
+        workers = self._workers_now if self.workers else 0
+        if workers < 2:
+            return None
+        if self.worker_readers(workers) is not None:
+            return (f"the {workers} loader workers make whole batches in turn (batch k: worker k mod {workers}), each "
+                    "from readers of its own")
+        why = ("data.pieces" if self.pieces != 1 else "a token budget" if self.budget is not None else
+               "data.split=replicated" if self.replicated else
+               f"the order's cycle of {self.order.cycle} samples at a global batch of {self.global_batch} gives "
+               "no worker readers of its own")
+        return f"each batch is assembled from the rows of all {workers} loader workers ({why})"
 
     def close(self) -> None:
         """Stop the loader's workers now (data.loader.Loader.close)."""
@@ -360,9 +389,11 @@ class Position:
 
 class TrainingBatches(torch.utils.data.IterableDataset):
     """This rank's rows of every global batch from stream position `start` on (order.py), read by the
-    rank's `readers`. In a DataLoader with W workers, worker w runs readers[w::W] (the rank itself runs all
-    of them where there are no workers) and gives, for every batch, `pieces` items of the rows its readers
-    hold — so loader item t is worker t mod W's, whatever W, and the batch is the same rows.
+    rank's `readers`. In a DataLoader with W workers, loader item t is worker t mod W's (the rank itself runs
+    every reader where there are no workers). With `worker_readers` (order.worker_readers) worker w makes the
+    whole of every batch k ≡ w (mod W) from its own readers: one item a batch. Otherwise worker w runs
+    readers[w::W] and gives, for every batch, `pieces` items of the rows its readers hold. Either way the
+    batch is the same rows.
 
     Every reader is advanced to the end of each global batch. Its samples that are not this rank's rows
     (a reader shared with another rank) are read and decoded too — a bad one is skipped by every rank that
@@ -382,13 +413,12 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, sources: list[list[str]], image_transform, tokenizer, *, data, order: SampleOrder, start: int,
                  batch: int, rank: int, world_size: int, seed: int, resume: dict, readers: list[int], pieces: int = 1,
-                 pixels: bool = False, first_batch: int = 0):
+                 pixels: bool = False, first_batch: int = 0, worker_readers: list[list[int]] | None = None):
         super().__init__()
         self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
         self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
         self.rank, self.world_size, self.seed, self.resume, self.readers = rank, world_size, seed, resume, readers
-        self.pieces = pieces
-        self.pixels = pixels
+        self.pieces, self.pixels, self.worker_readers = pieces, pixels, worker_readers
         probs = None if data.caption_probs is None else tuple(data.caption_probs)
         self.keys = SampleKeys(tuple(data.caption_keys), probs, tuple(data.image_keys), seed)
 
@@ -416,12 +446,14 @@ class TrainingBatches(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        mine = self.readers[info.id::info.num_workers] if info is not None else self.readers
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        whole = self.worker_readers is not None and info is not None
+        mine = self.worker_readers[worker] if whole else self.readers[worker::workers]
         runs = {index: self.reader(index) for index in mine}
         fixed = None if self._per_batch else ImageBatcher(self.image_transform)
         tokenize = CaptionTokens(self.tokenizer)
         try:
-            for k in itertools.count():
+            for k in itertools.count(worker if whole else 0, workers if whole else 1):
                 yield from self._batch(k, runs, fixed or self._batcher(k), tokenize)
         except DataError as error:
             yield DataFailure(str(error))

@@ -147,6 +147,14 @@ def test_pieces_and_workers_do_not_change_the_stream(tmp_path):
         finally:
             batches.close()
 
+    def assembly(workers, pieces=1):
+        return train_stream(sources, 4, flat, resampled=True, workers=workers, readers=4, pieces=pieces).assembly()
+
+    # whole batches by worker in turn (2 and 4 workers), or every worker's rows of every batch (3 workers, pieces)
+    assert assembly(2).startswith("the 2 loader workers make whole batches in turn")
+    assert assembly(4).startswith("the 4 loader workers make whole batches in turn")
+    assert assembly(3).startswith("each batch is assembled from the rows of all 3 loader workers (the order's cycle")
+    assert assembly(2, 2) == "each batch is assembled from the rows of all 2 loader workers (data.pieces)"
     expected, _ = run(0)
     for workers, pieces in [(1, 1), (2, 1), (3, 1), (4, 1), (0, 2), (2, 2), (1, 4), (3, 4)]:
         assert run(workers, pieces)[0] == expected, (workers, pieces)

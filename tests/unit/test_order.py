@@ -45,3 +45,28 @@ def test_ranks_of_the_starting_layout_read_their_own_readers():
 def test_a_layout_with_more_readers_than_samples_is_refused():
     with pytest.raises(ValueError, match="3 reader\\(s\\) cannot share a cycle of 2 sample"):
         SampleOrder(3, 2)
+
+
+@pytest.mark.parametrize("ranks, per_rank, workers, start", [(1, 4, 2, 0), (1, 4, 4, 0), (2, 4, 2, 0), (2, 4, 4, 3 * 24),
+                                                           (2, 6, 3, 24), (3, 2, 2, 5 * 36), (1, 4, 1, 0)])
+def test_workers_make_whole_batches_from_readers_of_their_own(ranks, per_rank, workers, start):
+    """A fresh run's layout, Λ = (V/N)·G: with W dividing the rank's readers, worker w's readers hold all of the
+    rank's rows of every batch k ≡ w (mod W) from any start, and no other worker's batches — checked against the
+    listing, batch by batch."""
+    rows, readers = 12, ranks * per_rank
+    batch = rows * ranks
+    order = SampleOrder(readers, batch * per_rank)
+    stream = listing(order, 4 + start // order.cycle)
+    for rank in range(ranks):
+        groups = order.worker_readers(start, batch, rank, ranks, workers)
+        assert groups is not None and sorted(sum(groups, [])) == order.rank_readers(start, batch, rank, ranks)
+        for k in range(2 * per_rank):
+            low = start + k * batch + rank * rows
+            assert {reader for reader, _ in stream[low:low + rows]} <= set(groups[k % workers]), (rank, k)
+
+
+@pytest.mark.parametrize("readers, cycle, batch, workers", [(4, 64, 64, 2), (4, 256, 64, 3), (6, 192, 64, 2)])
+def test_workers_share_every_batch_where_a_reader_spans_two_workers_batches(readers, cycle, batch, workers):
+    """Λ = G (data.readers given, or a checkpoint's layout), or a worker count that does not divide the cycle's
+    batches: a reader holds rows of batches of two workers, so each worker gives its readers' rows of every batch."""
+    assert SampleOrder(readers, cycle).worker_readers(0, batch, 0, 1, workers) is None

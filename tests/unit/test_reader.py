@@ -63,12 +63,15 @@ def test_a_reader_resumed_anywhere_reads_on_as_one_never_stopped(tmp_path, buffe
 
 def test_the_streams_epochs_are_permutations_with_a_buffer_larger_than_a_pass(tmp_path):
     """Two readers of 2 shards × 10 samples each, a buffer of 1,000: every 40 samples of the stream hold the 40
-    samples once (before passes were permutations, the first 40 held samples read up to three times)."""
+    samples once (before passes were permutations, the first 40 held samples read up to three times). The
+    order's cycle is 2 batches of 10 (data.md: a pass ends on a cycle's boundary where the data is a whole
+    number of cycles)."""
     caption_shards(tmp_path / "shards", shards=4, per_shard=10, pixel=lambda shard, i: 10 * shard + i)
     urls = sorted((tmp_path / "shards").glob("*.tar"))
-    stream = train_stream(urls, 8, flat, shuffle_buffer=1000, readers=2, seed=1)
+    stream = train_stream(urls, 10, flat, shuffle_buffer=1000, readers=2, seed=1)
     try:
-        values = [value for _ in range(15) for value in next(stream)["image"].tolist()]
+        assert stream.order.cycle == 20
+        values = [value for _ in range(12) for value in next(stream)["image"].tolist()]
     finally:
         stream.close()
     for epoch in range(3):
