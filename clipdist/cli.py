@@ -226,7 +226,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _bench_limit(args: argparse.Namespace) -> int:
     from clipdist.tools import limit
 
-    rows = limit.measure(args.data, args.ranks, args.batch, args.batches, args.steps, args.cache_dir)
+    rows = limit.measure(args.data, args.ranks, args.batch, args.batches, args.steps, args.cache_dir, args.repeats)
     print(limit.markdown(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
@@ -475,6 +475,8 @@ def _add_bench(commands) -> None:
     limit.add_argument("--batch", type=int, default=128, help="global batch (default 128)")
     limit.add_argument("--batches", type=int, default=12, help="batches timed for the loader's cost (default 12)")
     limit.add_argument("--steps", type=int, default=60, help="steps of each real run (default 60)")
+    limit.add_argument("--repeats", type=int, default=3,
+                       help="rounds of every measurement, real runs interleaved; the medians are reported (default 3)")
     limit.add_argument("--cache-dir", default="~/.cache/clipdist", help="where the built-in shards are written")
     limit.add_argument("--out", default=None, help="write the rows as JSON here")
     limit.set_defaults(run=_bench_limit)

@@ -12,7 +12,9 @@ perfect overlap: the pipelined bound. Then real runs (train.py, world=local and 
 workers) are reported as a fraction of it — their median samples/s over the second half of their steps. A run
 below the bound loses to overlap (a rank waiting for data, workers preempting ranks), to parallel efficiency (two
 intra-op threads on a small model) or to the collectives of 2 ranks: the stream's and the step's profiles
-(logging.profile_steps) say which.
+(logging.profile_steps) say which. Each measurement is made --repeats times (the real runs interleaved over the
+world sizes) and the medians are reported, every run's figure beside them: a shared machine's speed moves between
+runs.
 
 Workloads: digits (clipdist-tiny on the built-in digits, 32 px) and web_photos (224-px web JPEGs, the tiny model at
 224 px in 32-px patches, docs/bench/clipdist-tiny-224-p32.json).
@@ -116,24 +118,39 @@ def end_to_end(data: str, ranks: int, batch: int, steps: int, cache_dir: str) ->
 
 
 def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, batches: int = 12,
-            steps: int = 60, cache_dir: str = "~/.cache/clipdist") -> list[dict]:
-    """A row per workload and world size: one-core costs, the bound for this machine's cores, the run, the fraction."""
+            steps: int = 60, cache_dir: str = "~/.cache/clipdist", repeats: int = 3) -> list[dict]:
+    """A row per workload and world size: one-core costs, the bound for this machine's cores, the runs, the fraction.
+
+    Each measurement `repeats` times — the costs round by round, the real runs interleaved over the world sizes —
+    and the medians taken: a shared machine moves between steady states from one run to the next (this one: ~15%
+    apart), and one run in the slow state would move a fraction by as much. Every run's figure stays in the row."""
     rows = []
     for data in workloads:
-        costs = one_core_costs(data, batch, batches, cache_dir)
-        bound = cores() / (costs["loader_s"] + costs["step_s"])
+        rounds = [one_core_costs(data, batch, batches, cache_dir) for _ in range(repeats)]
+        loader, step = (statistics.median(cost[key] for cost in rounds) for key in ("loader_s", "step_s"))
+        bound = cores() / (loader + step)
+        runs: dict[int, list[float]] = {count: [] for count in ranks}
+        for _ in range(repeats):
+            for count in ranks:
+                runs[count].append(end_to_end(data, count, batch // count, steps, cache_dir))
         for count in ranks:
-            per_rank = batch // count
-            rate = end_to_end(data, count, per_rank, steps, cache_dir)
-            rows.append({"data": data, "ranks": count, "cores": cores(), "loader_ms": costs["loader_s"] * 1e3,
-                         "step_ms": costs["step_s"] * 1e3, "bound": bound, "samples_per_s": rate,
-                         "fraction": rate / bound, "global_batch": per_rank * count})
+            rate = statistics.median(runs[count])
+            rows.append({"data": data, "ranks": count, "cores": cores(), "loader_ms": loader * 1e3,
+                         "step_ms": step * 1e3, "bound": bound, "samples_per_s": rate, "runs": runs[count],
+                         "fraction": rate / bound, "fractions": [run / bound for run in runs[count]],
+                         "global_batch": batch // count * count,
+                         "cost_rounds": [{key: value * 1e3 for key, value in cost.items()} for cost in rounds]})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| data | ranks | loader ms/sample (1 core) | step ms/sample (1 core) | bound on "
-             f"{rows[0]['cores']} cores | run samples/s | fraction of the bound |", "|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {row['data']} | {row['ranks']} | {row['loader_ms']:.3f} | {row['step_ms']:.3f} | {row['bound']:,.0f} "
-              f"| {row['samples_per_s']:,.0f} | **{row['fraction']:.2f}** |" for row in rows]
+             f"{rows[0]['cores']} cores | run samples/s (each run) | fraction of the bound (each run) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        each = ", ".join(f"{run:,.0f}" for run in row["runs"])
+        fractions = ", ".join(f"{fraction:.2f}" for fraction in row["fractions"])
+        lines.append(f"| {row['data']} | {row['ranks']} | {row['loader_ms']:.3f} | {row['step_ms']:.3f} | "
+                     f"{row['bound']:,.0f} | {row['samples_per_s']:,.0f} ({each}) | **{row['fraction']:.2f}** "
+                     f"({fractions}) |")
     return "\n".join(lines)
