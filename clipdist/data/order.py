@@ -9,10 +9,13 @@ o_j = ⌊jΛ/V⌋. The stream's sample S is reader j's sample n with
     q = ⌊S/Λ⌋,  o_j ≤ S mod Λ < o_{j+1},  n = q·c_j + (S mod Λ − o_j).
 
 Global batch k of G samples, counted from the stream position S₀ it (re)started at, is S ∈ [S₀ + kG,
-S₀ + (k+1)G), and rank r of N holds its rows [rG/N, (r+1)G/N). A run's first layout is Λ = G and V = N ×
-the readers of a rank, so chunk boundaries are rank boundaries: every rank reads its own V/N readers, each
-sample once. On N' ranks the same holds where N' divides V (and Λ is still the global batch); elsewhere a
-reader whose chunk straddles two ranks' rows is read by both, each keeping its own rows.
+S₀ + (k+1)G), and rank r of N holds its rows [rG/N, (r+1)G/N). A run's first layout is V = N × the readers of a
+rank and Λ = (V/N)·G — each chunk is one rank's rows of one batch, so a rank's loader workers can each make
+whole batches from readers of their own (`worker_readers`) — or Λ = G where data.readers is given (the same
+order on any starting world size); either way chunk boundaries are rank boundaries: every rank reads its own
+V/N readers, each sample once. On N' ranks the same holds where every rank's rows are whole chunks (N' dividing N
+for Λ = (V/N)·G, N' dividing V for Λ = G, the global batch unchanged); elsewhere a reader whose chunk straddles
+two ranks' rows is read by both, each keeping its own rows.
 """
 from __future__ import annotations
 
@@ -71,7 +74,6 @@ class SampleOrder:
             if len(found) == self.readers:
                 break
         return sorted(found)
-
 
     def worker_readers(self, start: int, batch: int, rank: int, world_size: int, workers: int) -> list[list[int]] | None:
         """Whole batches per loader worker: worker w makes rank r's rows of every global batch k ≡ w (mod W) from

@@ -92,8 +92,8 @@ class TrainStream:
     to continue them on any number of ranks.
 
     The global sample order (order.py) is the run's V readers taking turns in cycles of Λ samples: fixed
-    when the run starts (V = data.readers, else world size × `readers`, the rank's readers; Λ = the global
-    batch) and kept by every resume, so it depends on the data and seed alone. split=node: rank r reads the
+    when the run starts (V = data.readers, else world size × `readers`, the rank's readers; Λ = (V/N) × the
+    global batch, or the global batch where data.readers is given) and kept by every resume, so it depends on the data and seed alone. split=node: rank r reads the
     readers its rows need (its own V/N where N divides V). split=replicated: every rank reads every reader
     and keeps its rows (N× the decoding; for checks, not for scale).
 
