@@ -22,7 +22,7 @@ from open_clip.transform import merge_preprocess_dict
 from clipdist.defaults import DEFAULT_MODEL
 from clipdist.parallel import node_leaders_first
 from clipdist.timm_towers import (KWARGS_KEY, check_image_tower, check_tower_kwargs, naflex_patch_size, naflex_trunk,
-                                  random_patches, take_tower_kwargs, timm_tower, tower_settings)
+                                  take_tower_kwargs, timm_tower, tower_settings)
 from clipdist.weights import UnsafeFileError, read_small_json, read_weights
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -609,8 +609,10 @@ def blank_images(model: torch.nn.Module, rows: int):
     """Zeros of the model's image input for `rows` samples (a NaFlex tower's: one valid patch each)."""
     if naflex_trunk(model) is None:
         return torch.zeros(rows, 3, *image_size(model))
-    patches = random_patches(rows, naflex_patch_size(model), 1)
-    return {**patches, "patches": torch.zeros_like(patches["patches"])}
+    # drawn from no generator: a stopped step's stand-in must leave the RNG the checkpoint saves as it was
+    patch = naflex_patch_size(model)
+    return {"patches": torch.zeros(rows, 1, patch * patch * 3), "patch_coord": torch.zeros(rows, 1, 2, dtype=torch.long),
+            "patch_valid": torch.ones(rows, 1, dtype=torch.bool)}
 
 
 def random_tokens(batch: int, context_length: int, generator: torch.Generator | None = None) -> torch.Tensor:

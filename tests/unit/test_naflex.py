@@ -14,7 +14,7 @@ from clipdist.config import DataConfig
 from clipdist.data.naflex import PatchImages, TokenBudget, eval_seq_len, resolve_seq_lens
 from clipdist.data.order import BudgetOrder
 from clipdist.launch import _openmp_runtime
-from clipdist.models import create_model, lock_towers
+from clipdist.models import blank_images, create_model, lock_towers
 from clipdist.optim import layer_scales
 from clipdist.preflight import check_naflex
 from clipdist.timm_towers import check_image_tower, float32_parameters, random_patches
@@ -133,6 +133,19 @@ def _cfg(**data):
     return SimpleNamespace(data=DataConfig(**data), world=SimpleNamespace(world_size=2, batch_per_device=8),
                            grad_cache=SimpleNamespace(chunks_for=lambda rows: 1), model=SimpleNamespace(name=NAFLEX),
                            seed=0)
+
+
+def test_a_stopped_steps_stand_in_batch_draws_nothing_from_the_rng():
+    """The zeros a rank trains on nothing with when a stop signal comes while it waits for data leave torch's RNG
+    as it was (a resume must find the generators the uninterrupted run would have had), and a NaFlex tower takes
+    them."""
+    model, plain = create_model(NAFLEX).eval(), create_model("clipdist-tiny")
+    before = torch.get_rng_state()
+    blank, images = blank_images(model, 3), blank_images(plain, 3)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert images.shape == (3, 3, 32, 32) and not images.any()
+    assert blank["patch_valid"].all() and not blank["patches"].any()
+    assert model.encode_image(blank).shape[0] == 3
 
 
 @pytest.mark.parametrize("data, message", [
