@@ -173,9 +173,20 @@ def measure(args, runners, runs) -> None:
                   file=sys.stderr, flush=True)
 
 
+def pair_ratios(runs: dict, name: str, ranks: int, skip: int) -> list[float]:
+    """`name`'s median samples/s over open_clip_train's, repeat by repeat (a repeat's runs ran back to back, so a pair
+    shares the machine's state of the moment: their spread shows its steady states, which one median hides)."""
+    def rate(run: dict) -> float:
+        return statistics.median(run["samples_per_s"][skip:])
+
+    return [rate(mine) / rate(base) for mine, base in zip(runs[name, ranks], runs.get(("open_clip_train", ranks), []))
+            if "samples_per_s" in mine and "samples_per_s" in base]
+
+
 def report(args, runs) -> None:
     print(f"{args.background} busy process(es) beside the runs")
-    print("| ranks | trainer | median samples/s | ratio | wall s | zero-shot top-1 |\n|---:|---|---:|---:|---:|---:|")
+    print("| ranks | trainer | median samples/s | ratio | ratio per pair | wall s | zero-shot top-1 |\n"
+          "|---:|---|---:|---:|---|---:|---:|")
     summary = {}
     for (name, ranks), results in runs.items():
         ok = [r for r in results if "samples_per_s" in r]
@@ -184,12 +195,13 @@ def report(args, runs) -> None:
     for (name, ranks), results in runs.items():
         ok = [r for r in results if "samples_per_s" in r]
         if not ok:
-            print(f"| {ranks} | {name} | failed: {results[0]['error']} | | | |")
+            print(f"| {ranks} | {name} | failed: {results[0]['error']} | | | | |")
             continue
         base = summary.get(("open_clip_train", ranks))
         ratio = f"{summary[name, ranks] / base:.2f}" if base else ""
         top1 = [r["zeroshot_top1"] for r in ok if r["zeroshot_top1"] is not None]
-        print(f"| {ranks} | {name} | {summary[name, ranks]:.1f} | {ratio} | "
+        pairs = ", ".join(f"{value:.2f}" for value in pair_ratios(runs, name, ranks, args.skip))
+        print(f"| {ranks} | {name} | {summary[name, ranks]:.1f} | {ratio} | {pairs} | "
               f"{statistics.median(r['wall_s'] for r in ok):.0f} | {statistics.median(top1) if top1 else '':.3} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "host": os.uname().nodename,

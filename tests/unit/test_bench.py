@@ -21,3 +21,21 @@ def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_pat
                                                 pieces=pieces)
         assert [next(batches), next(batches)] == [4, 4]
         batches.close()
+
+
+def test_the_training_benchmark_reports_each_pairs_ratio(capsys):
+    """scripts/bench_train.py: beside the ratio of the medians, each repeat's ratio (its two runs ran back to back):
+    a machine that moves between steady states shows there instead of hiding in one median."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "scripts" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = lambda rate: {"samples_per_s": [1.0] * 2 + [rate] * 5, "wall_s": 1.0, "zeroshot_top1": 0.5}  # noqa: E731
+    runs = {("open_clip_train", 1): [run(100), run(80)], ("clipdist", 1): [run(200), run(200)]}
+    assert bench.pair_ratios(runs, "clipdist", 1, skip=2) == [2.0, 2.5]
+    bench.report(SimpleNamespace(background=0, skip=2, out=None), runs)
+    assert "| 1 | clipdist | 200.0 | 2.22 | 2.00, 2.50 | 1 | 0.5 |" in capsys.readouterr().out
