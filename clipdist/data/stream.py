@@ -93,7 +93,8 @@ class TrainStream:
 
     The global sample order (order.py) is the run's V readers taking turns in cycles of Λ samples: fixed
     when the run starts (V = data.readers, else world size × `readers`, the rank's readers; Λ = (V/N) × the
-    global batch, or the global batch where data.readers is given) and kept by every resume, so it depends on the data and seed alone. split=node: rank r reads the
+    global batch, or the global batch where data.readers is given) and kept by every resume, so it depends on
+    the data and seed alone. split=node: rank r reads the
     readers its rows need (its own V/N where N divides V). split=replicated: every rank reads every reader
     and keeps its rows (N× the decoding; for checks, not for scale).
 
@@ -193,6 +194,11 @@ class TrainStream:
     def _workers_now(self) -> int:
         """The worker processes the loader runs: data.workers, at most one per reader of this rank."""
         return max(min(self.workers or 0, len(self.rank_readers)), 1)
+
+    @property
+    def _processes(self) -> int:
+        """The DataLoader's num_workers: `_workers_now`, or 0 where the rank reads in its own process."""
+        return self._workers_now if self.workers else 0
 
     def consumed(self, counts: list[int] | None = None) -> None:
         """The batch last handed out was used by the step: its readers' positions are now the saved ones, and
@@ -306,7 +312,7 @@ class TrainStream:
         """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:
         that is the restored position, or the start)."""
         check_shard_count(sum(map(len, self.sources)), self.order.readers, resampled=self.data.resampled)
-        workers = self._workers_now if self.workers else 0
+        workers = self._processes
         self._worker_readers = self.worker_readers(workers)
         dataset = TrainingBatches(self.sources, self.image_transform, self.tokenizer, data=self.data,
                                   order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
@@ -321,22 +327,25 @@ class TrainStream:
     def worker_readers(self, workers: int) -> list[list[int]] | None:
         """Each of `workers` loader workers' readers where each can make whole batches (order.worker_readers);
         None where every batch is assembled from every worker's rows."""
-        if workers < 2 or self.pieces != 1 or self.budget is not None or self.replicated:
+        if workers < 2 or self._shared_by_setting() is not None:
             return None
         return self.order.worker_readers(self.position, self.global_batch, self.rank, self.world_size, workers)
 
+    def _shared_by_setting(self) -> str | None:
+        """The setting that has every worker give its rows of every batch, whatever the order (None: the order says)."""
+        return ("data.pieces" if self.pieces != 1 else "a token budget" if self.budget is not None else
+                "data.split=replicated" if self.replicated else None)
+
     def assembly(self) -> str | None:
         """How the loader's workers make this rank's batches, for the log (None with one worker or none)."""
-        workers = self._workers_now if self.workers else 0
+        workers = self._processes
         if workers < 2:
             return None
         if self.worker_readers(workers) is not None:
             return (f"the {workers} loader workers make whole batches in turn (batch k: worker k mod {workers}), each "
                     "from readers of its own")
-        why = ("data.pieces" if self.pieces != 1 else "a token budget" if self.budget is not None else
-               "data.split=replicated" if self.replicated else
-               f"the order's cycle of {self.order.cycle} samples at a global batch of {self.global_batch} gives "
-               "no worker readers of its own")
+        why = self._shared_by_setting() or (f"the order's cycle of {self.order.cycle} samples at a global batch of "
+                                            f"{self.global_batch} gives no worker readers of its own")
         return f"each batch is assembled from the rows of all {workers} loader workers ({why})"
 
     def close(self) -> None:
