@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from typing import Callable, Mapping, NamedTuple
 
 from clipdist import host
@@ -20,38 +21,44 @@ MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at the start, until the 
 class LoaderPlan(NamedTuple):
     """A rank's loader: `readers` (the rank's shards are dealt to them: the stream's layout), `workers` (the
     processes that run them at the start), `choices` (worker counts the run may move to once it has measured
-    the loader against the step: MeasuredWorkers; one choice: fixed) and why."""
+    the loader against the step: MeasuredWorkers; one choice: fixed), why, and `cpus` (the CPUs the rank may
+    use, where the plan came from them)."""
 
     readers: int
     workers: int
     choices: tuple[int, ...]
     why: str
+    cpus: int | None = None
 
 
 def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: int | None = None,
                    environ: Mapping[str, str] | None = None, device_type: str = "cpu") -> LoaderPlan:
     """The rank's loader plan. An explicit `setting` (data.workers) is taken as it is: that many readers and
-    workers. Automatic (None): the readers are the CPUs the rank can spare beside itself (at least 1, at most
-    the shards each rank reads in epoch mode, `shards_per_rank`), and
+    workers. Automatic (None), from the CPUs the rank can spare beside itself (at least 1; in epoch mode no
+    more readers than the shards each rank reads, `shards_per_rank`):
 
     - a GPU rank computes on the GPU: every spare CPU decodes (an H100 takes ~2,300 samples/s of ViT-B/32
-      at 224 px; a core decodes ~250-300), one worker per reader;
+      at 224 px; a core decodes ~250-300), one reader and one worker each;
     - a CPU rank's spare CPUs also run its intra-op threads: it starts with at most MAX_CPU_RANK_WORKERS
-      workers and moves to the count the run's own measurements favour (MeasuredWorkers) — the readers are
-      then the count with the most divisors, so that more worker counts are open to it."""
+      workers, no more than its spare CPUs, and moves to the count the run's own measurements favour
+      (MeasuredWorkers). The readers are the count with the most divisors up to one more than the spare CPUs,
+      so that more worker counts are open to it — one worker beyond the spare CPUs among them, for a run
+      whose loader is what the rank waits for and whose cores have time left (two workers beside one rank
+      on two cores: 224-px web photos 383-426 -> 452-463 samples/s)."""
     if setting is not None:
         return LoaderPlan(max(setting, 1), setting, (setting,), "data.workers")
     cpus, source = host.rank_cpus(procs_per_node, environ)
     spare, why = max(1, cpus - 1), f"data.workers=auto: {source}"
-    if shards_per_rank is not None and shards_per_rank < spare:
-        spare, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
+    most = spare if device_type != "cpu" else spare + 1
+    if shards_per_rank is not None and shards_per_rank < most:
+        most, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
     if device_type != "cpu":
-        return LoaderPlan(spare, spare, (spare,), why + f", all but one for {device_type} ranks")
-    readers = max(range(spare, 0, -1), key=lambda n: len(divisors(n)))  # the largest of the most divisible
+        return LoaderPlan(most, most, (most,), why + f", all but one for {device_type} ranks", cpus)
+    readers = max(range(most, 0, -1), key=lambda n: len(divisors(n)))  # the largest of the most divisible
     choices = divisors(readers)
-    workers = max(n for n in choices if n <= MAX_CPU_RANK_WORKERS)
-    return LoaderPlan(readers, workers, choices,
-                      why + f", CPU ranks start with up to {MAX_CPU_RANK_WORKERS} and measure ({readers} readers)")
+    workers = max(n for n in choices if n <= min(spare, MAX_CPU_RANK_WORKERS))
+    return LoaderPlan(readers, workers, choices, why + f", CPU ranks start with up to {MAX_CPU_RANK_WORKERS}, "
+                      f"no more than their spare CPUs, and measure ({readers} readers)", cpus)
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -62,40 +69,46 @@ class MeasuredWorkers:
     """data.workers=auto: how many loader workers a rank needs, from what the run measures.
 
     After `skip` warm-up steps, over `window` steps: L, the CPU time one worker spends on a batch (reading,
-    decoding, augmenting: thread CPU time in the worker, so not inflated by sharing a core), and C, the
-    step's own time (the step less its wait for data). W workers deliver W / L batches a second; the rank
-    computes 1 / C with its T threads now, T(W) / (T · C) with the threads W workers leave it
-    (`threads(W)`: the rank's CPUs less W, or fixed where world.threads / OMP_NUM_THREADS says). The count
-    among `choices` whose slower side is fastest is taken, if it beats the current count by more than
-    `gain` (else no restart for noise). With one choice (GPU ranks, an explicit data.workers) it only says
-    whether the loader keeps up. `observe` returns (the new count or None, the line for the log) once."""
+    decoding, augmenting: thread CPU time in the worker, so not inflated by sharing a core), C, the step's
+    own time (the step less its wait for data), and S, the CPU time the rank's process spent a step
+    (`clock`: all its threads). W workers deliver W / L batches a second; the rank computes 1 / C with
+    its T threads now, T(W) / (T · C) with the threads W workers leave it (`threads(W)`: the rank's CPUs
+    less W, or fixed where world.threads / OMP_NUM_THREADS says); and the rank's `cpus` cores, however the
+    workers and threads share them, do at most cpus / (L + S) batches a second. The count among `choices`
+    whose slowest side is fastest is taken, if it beats the current count by more than `gain` (else no
+    restart for noise). With one choice (GPU ranks, an explicit data.workers) it only says whether the
+    loader keeps up. `observe` returns (the new count or None, the line for the log) once."""
 
     def __init__(self, choices: tuple[int, ...], workers: int, threads, skip: int = 10, window: int = 20,
-                 gain: float = 1.1):
+                 gain: float = 1.1, *, cpus: int | None = None, clock: Callable[[], float] = time.process_time):
         self.choices, self.workers, self.threads = choices, workers, threads
-        self.skip, self.window, self.gain = skip, window, gain
-        self.steps, self.loads, self.computes, self.waited, self.total = 0, [], [], 0.0, 0.0
+        self.skip, self.window, self.gain, self.cpus, self.clock = skip, window, gain, cpus, clock
+        self.steps, self.loads, self.computes, self.spent, self.waited, self.total = 0, [], [], [], 0.0, 0.0
+        self.last_cpu = clock()
 
     def observe(self, wait_s: float, step_s: float, load_s: float | None) -> tuple[int | None, str | None]:
         self.steps += 1
+        cpu, self.last_cpu = self.last_cpu, self.clock()
         if self.steps <= self.skip or self.steps > self.skip + self.window:
             return None, None
         self.waited, self.total = self.waited + wait_s, self.total + step_s
         self.computes.append(max(step_s - wait_s, 1e-9))
+        self.spent.append(self.last_cpu - cpu)
         if load_s is not None:
             self.loads.append(load_s)
         if self.steps < self.skip + self.window or not self.loads:
             return None, None
         load, compute = statistics.median(self.loads), statistics.median(self.computes)
+        cores = self.cpus / (load + statistics.median(self.spent)) if self.cpus else math.inf
         now = self.threads(self.workers)
 
-        def rate(workers: int) -> float:  # batches a second: the slower of the loader and the step
-            return min(workers / load, self.threads(workers) / (now * compute))
+        def rate(workers: int) -> float:  # batches a second: the slowest of the loader, the step and the cores
+            return min(workers / load, self.threads(workers) / (now * compute), cores)
 
         best = max(self.choices, key=lambda workers: (rate(workers), -workers))
         measured = (f"over steps {self.skip + 1}-{self.steps} a batch took {load * 1e3:.0f} ms of a loader worker's "
-                    f"CPU and the step {compute * 1e3:.0f} ms, and the rank waited {self.waited / self.total:.1%} "
-                    "of its time for data")
+                    f"CPU and the step {compute * 1e3:.0f} ms ({statistics.median(self.spent) * 1e3:.0f} ms of "
+                    f"the rank's CPU), and the rank waited {self.waited / self.total:.1%} of its time for data")
         if best != self.workers and rate(best) > self.gain * rate(self.workers):
             moved = f"{self.workers} -> {best} loader worker(s)"
             if self.threads(best) != now:
@@ -164,10 +177,12 @@ class MeasuredPriority:
     workers go to idle priority. While they are there, each further window where the rank waits more
     than `normal_above` of its time (contention, slower data) brings them back to normal priority, for the
     rest of the run — where the OS lets this process do it (set_low_priority), else it says how to fix it.
-    `observe` returns the decision's line for the log, once, when one is made."""
+    `observe` returns the decision's line for the log, once, when one is made; its steps are numbered from
+    the run's step `after` (the workers' restart)."""
 
-    def __init__(self, set_low, skip: int = 10, window: int = 20, idle_below: float = 0.02, normal_above: float = 0.1):
-        self.set_low, self.skip, self.window = set_low, skip, window
+    def __init__(self, set_low, skip: int = 10, window: int = 20, idle_below: float = 0.02, normal_above: float = 0.1,
+                 *, after: int = 0):
+        self.set_low, self.skip, self.window, self.after = set_low, skip, window, after
         self.idle_below, self.normal_above = idle_below, normal_above
         self.state, self.steps, self.waited, self.total = "measuring", 0, 0.0, 0.0
 
@@ -179,7 +194,8 @@ class MeasuredPriority:
         self.waited, self.total = self.waited + wait_s, self.total + step_s
         if (self.steps - self.skip) % self.window:
             return None
-        share, first, last = self.waited / max(self.total, 1e-9), self.steps - self.window + 1, self.steps
+        share, last = self.waited / max(self.total, 1e-9), self.after + self.steps
+        first = last - self.window + 1
         self.waited = self.total = 0.0
         measured = f"over steps {first}-{last} the rank waited {share:.1%} of its time for data"
         if self.state == "measuring":
@@ -212,7 +228,7 @@ class LoaderTuning:
     def __init__(self, stream, plan: LoaderPlan, priority_for: Callable[[int], tuple[str, str]],
                  threads: Callable[[int], int]):
         self.stream, self.priority_for, self.threads = stream, priority_for, threads
-        self.count = MeasuredWorkers(plan.choices, plan.workers, threads) if plan.workers else None
+        self.count = MeasuredWorkers(plan.choices, plan.workers, threads, cpus=plan.cpus) if plan.workers else None
         self.priority: MeasuredPriority | None = None
         self.started = self.schedule(plan.workers)  # the start's line, for the log
 
@@ -220,7 +236,9 @@ class LoaderTuning:
         """The workers' priority from their (re)start; the line saying which and why."""
         priority, why = self.priority_for(workers)
         self.stream.low_priority_workers = priority == "low"
-        self.priority = MeasuredPriority(self.stream.set_worker_priority) if priority == "measured" else None
+        after = self.count.steps if self.count is not None else 0  # the run's steps before this (re)start
+        self.priority = (MeasuredPriority(self.stream.set_worker_priority, after=after) if priority == "measured"
+                         else None)
         return f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({why})" if workers else None
 
     def observe(self, waited: float, seconds: float, load_s: float | None) -> list[str]:

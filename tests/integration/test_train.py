@@ -118,9 +118,9 @@ def test_loader_workers_priority_follows_what_the_run_measures(tmp_path, cache_d
 
 
 def test_the_loader_worker_count_the_run_measures_changes_no_sample(tmp_path, cache_dir, monkeypatch):
-    """data.workers=auto on a CPU rank with 4 CPUs: 3 readers, 3 workers at the start; at step 30 the run moves to
+    """data.workers=auto on a CPU rank with 4 CPUs: 4 readers, 2 workers at the start; at step 30 the run moves to
     the count its measurements favour (made to move here: no minimum gain; a digits step outweighs its loading,
-    so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 3 fixed workers."""
+    so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 4 fixed workers (4 readers)."""
     from clipdist import host
     from clipdist.data import workers
 
@@ -131,10 +131,10 @@ def test_the_loader_worker_count_the_run_measures_changes_no_sample(tmp_path, ca
     measured = train(tmp_path / "measured", cache_dir, "data.workers=null", *common)
     assert measured.returncode == 0, measured.stderr[-3000:]
     log = "\n".join(run_log(tmp_path / "measured"))
-    assert "3 loader worker(s) per rank (data.workers=auto: 4 CPUs (test), CPU ranks start with up to 4" in log, log
-    assert re.search(r"step 30: 3 -> 1 loader worker\(s\): over steps 11-30 a batch took [0-9]+ ms of a loader "
+    assert "2 loader worker(s) per rank (data.workers=auto: 4 CPUs (test), CPU ranks start with up to 4" in log, log
+    assert re.search(r"step 30: 2 -> 1 loader worker\(s\): over steps 11-30 a batch took [0-9]+ ms of a loader "
                      r"worker's CPU and the step [0-9]+ ms", log), log
-    fixed = train(tmp_path / "fixed", cache_dir, "data.workers=3", *common)
+    fixed = train(tmp_path / "fixed", cache_dir, "data.workers=4", *common)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     rows = [[row["loss"] for row in read_jsonl(tmp_path / name / "train_log.jsonl")] for name in ("measured", "fixed")]
     assert len(rows[0]) == 36 and rows[0] == rows[1]

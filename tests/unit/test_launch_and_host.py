@@ -1,6 +1,8 @@
+import itertools
 import os
 
 import pytest
+import torch
 
 from clipdist import host
 from clipdist.data import workers as loader
@@ -40,8 +42,11 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
 
 @pytest.mark.parametrize("setting, cpus, shards_per_rank, readers, workers, choices", [
     (3, "1", None, 3, 3, (3,)), (0, "8", None, 1, 0, (0,)),  # a number is taken as given
-    (None, "1", None, 1, 1, (1,)), (None, "2", None, 1, 1, (1,)), (None, "4", None, 3, 3, (1, 3)),
-    (None, "8", None, 6, 3, (1, 2, 3, 6)),  # 7 spare CPUs: 6 readers, the most divisible; start with <= 4
+    # a CPU rank: readers up to one more than its spare CPUs, the most divisible; it starts with no more workers
+    # than its spare CPUs (and at most 4)
+    (None, "1", None, 2, 1, (1, 2)), (None, "2", None, 2, 1, (1, 2)), (None, "4", None, 4, 2, (1, 2, 4)),
+    (None, "8", None, 8, 4, (1, 2, 4, 8)),  # 7 spare CPUs: 8 readers (as many divisors as 6, and larger)
+    (None, "6", None, 6, 3, (1, 2, 3, 6)),  # 5 spare: 6, so start with 3 (4 is not a divisor)
     (None, "32", None, 30, 3, (1, 2, 3, 5, 6, 10, 15, 30)),  # 31 spare: 30 (as many divisors as 24, and larger)
     (None, "32", 2, 2, 2, (1, 2)), (None, "32", 0, 1, 1, (1,)),  # no more than the shards each rank reads
     (None, "12", None, 11, 11, (11,)), (None, "12", 5, 5, 5, (5,)),  # a GPU rank: every CPU it can spare
@@ -52,13 +57,16 @@ def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, c
     plan = loader.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus}, device_type=device)
     assert (plan.readers, plan.workers, plan.choices) == (readers, workers, choices)
     assert plan.why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
+    assert plan.cpus == (None if setting is not None else int(cpus))
 
 
-def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0):
+def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0, rank_cpu_s=None):
     """A MeasuredWorkers fed 30 steps of a loader taking `load_s` CPU seconds a batch and a step computing
-    `compute_s` with the threads `workers` workers leave of `cpus`; returns what it decided."""
+    `compute_s` with the threads `workers` workers leave of `cpus`, the rank's process spending `rank_cpu_s`
+    CPU seconds a step (None: the cores are not counted); returns what it decided."""
     threads = (lambda w: fixed_threads) if fixed_threads else (lambda w: max(1, cpus - w))
-    tuner = loader.MeasuredWorkers(choices, workers, threads)
+    clock = itertools.count(0.0, rank_cpu_s or 0.0).__next__
+    tuner = loader.MeasuredWorkers(choices, workers, threads, cpus=cpus if rank_cpu_s else None, clock=clock)
     decisions = [tuner.observe(wait_s, compute_s + wait_s, load_s) for _ in range(30)]
     assert all(decision == (None, None) for decision in decisions[:29])
     assert tuner.observe(wait_s, compute_s + wait_s, load_s) == (None, None)  # once only
@@ -80,6 +88,19 @@ def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measure
     assert workers is None and line.startswith("2 loader worker(s) kept: ")
     # Threads fixed (world.threads, OMP_NUM_THREADS): only the loader's side counts — the fewest that keep up
     assert measured_workers((1, 2, 3, 6), 1, 8, load_s=0.5, compute_s=0.3, fixed_threads=2)[0] == 2
+    # One worker beyond the spare CPUs (1 rank, 2 cores, 2 readers): taken where the loader is what the rank waits
+    # for and the cores have time left — 224-px web photos: a batch 371 ms of a worker, the step 220 ms (240 ms of
+    # the rank's CPU): 1 worker 2.7 batches/s, 2 workers sharing the cores 2 / 0.611 = 3.3
+    workers, line = measured_workers((1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24)
+    assert workers == 2 and line.startswith("1 -> 2 loader worker(s): over steps 11-30 a batch took 371 ms of a "
+                                             "loader worker's CPU and the step 220 ms (240 ms of the rank's CPU)")
+    # ... and not where the step is the limit (digits: 36 ms a batch, the step 165 ms) or the cores are (2 ranks on
+    # 2 cores, a core each: 1 / (L + S) whatever the count)
+    workers, line = measured_workers((1, 2), 1, 2, load_s=0.036, compute_s=0.165, rank_cpu_s=0.17)
+    assert workers is None and line.startswith("1 loader worker(s) kept: ")
+    assert measured_workers((1, 2), 1, 1, load_s=0.186, compute_s=0.11, wait_s=0.08, rank_cpu_s=0.12)[0] is None
+    # the same loader-bound run without the cores counted would have moved: the cores' bound is what stops it
+    assert measured_workers((1, 2), 1, 1, load_s=0.186, compute_s=0.11, wait_s=0.08)[0] == 2
     # One choice (a GPU rank, an explicit count): said, not changed
     assert measured_workers((7,), 7, 8, load_s=0.5, compute_s=0.1, wait_s=0.01)[1].startswith(
         "the loader keeps up: ")
@@ -144,3 +165,34 @@ def test_loader_workers_go_idle_only_when_the_run_shows_the_loader_keeps_up():
     assert calls == [True, False] and "cannot return" in lines[10] and "data.worker_priority=normal" in lines[10]
 
 
+
+
+def test_a_worker_restart_measures_priority_afresh_and_says_which_steps():
+    """LoaderTuning: a loader-bound rank (1 worker of 2 choices) moves to 2 workers at step 30; the 2 workers share
+    the rank's cores, so their priority is measured from their restart: warm-up to step 40, decided over 41-60."""
+    from clipdist.data.workers import LoaderPlan, LoaderTuning
+
+    class Stream:
+        low_priority_workers, counts = None, []
+
+        def set_workers(self, workers):
+            self.counts.append(workers)
+
+        def set_worker_priority(self, low):
+            return True
+
+    stream, threads = Stream(), torch.get_num_threads()  # a move sets this process's intra-op threads: put back
+    tuning = LoaderTuning(stream, LoaderPlan(2, 1, (1, 2), "test", cpus=2),
+                          lambda workers: ("normal", "a core each") if workers == 1 else ("measured", "shared"),
+                          lambda workers: 1)
+    assert tuning.started == "loader workers at normal priority (a core each)"
+    try:
+        said = {step: tuning.observe(0.15, 0.37, 0.37) for step in range(1, 31)}
+        said.update({step: tuning.observe(0.0, 0.25, 0.37) for step in range(31, 61)})
+    finally:
+        torch.set_num_threads(threads)
+    assert stream.counts == [2] and said[30][0].startswith("1 -> 2 loader worker(s): over steps 11-30")
+    assert said[30][1] == "loader workers at normal priority (shared)"
+    assert [step for step, lines in said.items() if lines] == [30, 60]
+    assert said[60] == ["loader workers to idle priority: over steps 41-60 the rank waited 0.0% of its time for data "
+                        "(the loader keeps up); they now decode in the time the rank leaves idle"]
