@@ -41,15 +41,15 @@ def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: in
       at 224 px; a core decodes ~250-300), one reader and one worker each;
     - a CPU rank's spare CPUs also run its intra-op threads: it starts with at most MAX_CPU_RANK_WORKERS
       workers, no more than its spare CPUs, and moves to the count the run's own measurements favour
-      (MeasuredWorkers). The readers are the count with the most divisors up to one more than the spare CPUs,
-      so that more worker counts are open to it — one worker beyond the spare CPUs among them, for a run
-      whose loader is what the rank waits for and whose cores have time left (two workers beside one rank
-      on two cores: 224-px web photos 383-426 -> 452-463 samples/s)."""
+      (MeasuredWorkers). The readers are the count with the most divisors up to the rank's CPUs, so that more
+      worker counts are open to it — one worker per CPU among them, beyond the spare ones, for a run whose
+      loader is what the rank waits for and whose cores have time left (two workers beside one rank on two
+      cores: 224-px web photos 383-426 -> 452-463 samples/s). A rank of one CPU has no such time to give."""
     if setting is not None:
         return LoaderPlan(max(setting, 1), setting, (setting,), "data.workers")
     cpus, source = host.rank_cpus(procs_per_node, environ)
     spare, why = max(1, cpus - 1), f"data.workers=auto: {source}"
-    most = spare if device_type != "cpu" else spare + 1
+    most = spare if device_type != "cpu" else max(spare, cpus)
     if shards_per_rank is not None and shards_per_rank < most:
         most, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
     if device_type != "cpu":

@@ -42,9 +42,9 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
 
 @pytest.mark.parametrize("setting, cpus, shards_per_rank, readers, workers, choices", [
     (3, "1", None, 3, 3, (3,)), (0, "8", None, 1, 0, (0,)),  # a number is taken as given
-    # a CPU rank: readers up to one more than its spare CPUs, the most divisible; it starts with no more workers
-    # than its spare CPUs (and at most 4)
-    (None, "1", None, 2, 1, (1, 2)), (None, "2", None, 2, 1, (1, 2)), (None, "4", None, 4, 2, (1, 2, 4)),
+    # a CPU rank: readers up to its CPUs, the most divisible; it starts with no more workers than its spare CPUs
+    # (and at most 4); a rank of one CPU has no time for a second worker
+    (None, "1", None, 1, 1, (1,)), (None, "2", None, 2, 1, (1, 2)), (None, "4", None, 4, 2, (1, 2, 4)),
     (None, "8", None, 8, 4, (1, 2, 4, 8)),  # 7 spare CPUs: 8 readers (as many divisors as 6, and larger)
     (None, "6", None, 6, 3, (1, 2, 3, 6)),  # 5 spare: 6, so start with 3 (4 is not a divisor)
     (None, "32", None, 30, 3, (1, 2, 3, 5, 6, 10, 15, 30)),  # 31 spare: 30 (as many divisors as 24, and larger)
@@ -94,8 +94,8 @@ def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measure
     workers, line = measured_workers((1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24)
     assert workers == 2 and line.startswith("1 -> 2 loader worker(s): over steps 11-30 a batch took 371 ms of a "
                                              "loader worker's CPU and the step 220 ms (240 ms of the rank's CPU)")
-    # ... and not where the step is the limit (digits: 36 ms a batch, the step 165 ms) or the cores are (2 ranks on
-    # 2 cores, a core each: 1 / (L + S) whatever the count)
+    # ... and not where the step is the limit (digits: 36 ms a batch, the step 165 ms) or the cores are (a rank of
+    # one CPU: 1 / (L + S) whatever the count)
     workers, line = measured_workers((1, 2), 1, 2, load_s=0.036, compute_s=0.165, rank_cpu_s=0.17)
     assert workers is None and line.startswith("1 loader worker(s) kept: ")
     assert measured_workers((1, 2), 1, 1, load_s=0.186, compute_s=0.11, wait_s=0.08, rank_cpu_s=0.12)[0] is None
