@@ -9,11 +9,11 @@ On the machine it runs on, one core at a time (one intra-op thread, CPU time of 
            data.normalize_on puts them, forward, loss, backward, optimizer) on a batch the stream made.
 Every sample costs L + S CPU-seconds wherever it is spent, so C cores give at most C / (L + S) samples/s with
 perfect overlap: the pipelined bound. Then real runs (train.py, world=local and world=cpu2, the loader's automatic
-workers) are reported as a fraction of it — their median samples/s over the second half of their steps. A run
-below the bound loses to overlap (a rank waiting for data, workers preempting ranks), to parallel efficiency (two
+workers) are reported as a fraction of it — their median samples/s over the second half of their steps, each against
+the bound from costs measured just before it. A run below the bound loses to overlap (a rank waiting for data, workers preempting ranks), to parallel efficiency (two
 intra-op threads on a small model) or to the collectives of 2 ranks: the stream's and the step's profiles
-(logging.profile_steps) say which. Each measurement is made --repeats times (the real runs interleaved over the
-world sizes) and the medians are reported, every run's figure beside them: a shared machine's speed moves between
+(logging.profile_steps) say which. Each pair (costs, then a run) is made --repeats times, interleaved over the world
+sizes, and the medians are reported with every pair's figures beside them: a shared machine's speed moves between
 runs.
 
 Workloads: digits (clipdist-tiny on the built-in digits, 32 px) and web_photos (224-px web JPEGs, the tiny model at
@@ -121,36 +121,39 @@ def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, 
             steps: int = 60, cache_dir: str = "~/.cache/clipdist", repeats: int = 3) -> list[dict]:
     """A row per workload and world size: one-core costs, the bound for this machine's cores, the runs, the fraction.
 
-    Each measurement `repeats` times — the costs round by round, the real runs interleaved over the world sizes —
-    and the medians taken: a shared machine moves between steady states from one run to the next (this one: ~15%
-    apart), and one run in the slow state would move a fraction by as much. Every run's figure stays in the row."""
-    rows = []
-    for data in workloads:
-        rounds = [one_core_costs(data, batch, batches, cache_dir) for _ in range(repeats)]
-        loader, step = (statistics.median(cost[key] for cost in rounds) for key in ("loader_s", "step_s"))
-        bound = cores() / (loader + step)
-        runs: dict[int, list[float]] = {count: [] for count in ranks}
-        for _ in range(repeats):
+    Each real run is measured against the bound from costs measured just before it, and `repeats` such pairs —
+    interleaved over the world sizes — give the medians: a shared machine moves between steady states from one
+    minute to the next (this one: one-core costs ~25% apart), so costs from one state and a run from another would
+    make a fraction off by as much (seen: 1.13 of a bound measured minutes earlier). Every pair stays in the row."""
+    pairs: dict[tuple[str, int], list[tuple[dict, float]]] = {(data, count): [] for data in workloads for count in ranks}
+    for _ in range(repeats):
+        for data in workloads:
             for count in ranks:
-                runs[count].append(end_to_end(data, count, batch // count, steps, cache_dir))
-        for count in ranks:
-            rate = statistics.median(runs[count])
-            rows.append({"data": data, "ranks": count, "cores": cores(), "loader_ms": loader * 1e3,
-                         "step_ms": step * 1e3, "bound": bound, "samples_per_s": rate, "runs": runs[count],
-                         "fraction": rate / bound, "fractions": [run / bound for run in runs[count]],
-                         "global_batch": batch // count * count,
-                         "cost_rounds": [{key: value * 1e3 for key, value in cost.items()} for cost in rounds]})
+                cost = one_core_costs(data, batch, batches, cache_dir)
+                pairs[data, count].append((cost, end_to_end(data, count, batch // count, steps, cache_dir)))
+    rows = []
+    for (data, count), measured in pairs.items():
+        costs, runs = [cost for cost, _ in measured], [run for _, run in measured]
+        bounds = [cores() / (cost["loader_s"] + cost["step_s"]) for cost in costs]
+        fractions = [run / bound for run, bound in zip(runs, bounds)]
+        rows.append({"data": data, "ranks": count, "cores": cores(),
+                     "loader_ms": statistics.median(cost["loader_s"] for cost in costs) * 1e3,
+                     "step_ms": statistics.median(cost["step_s"] for cost in costs) * 1e3,
+                     "bound": statistics.median(bounds), "bounds": bounds, "samples_per_s": statistics.median(runs),
+                     "runs": runs, "fraction": statistics.median(fractions), "fractions": fractions,
+                     "global_batch": batch // count * count,
+                     "cost_rounds": [{key: value * 1e3 for key, value in cost.items()} for cost in costs]})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| data | ranks | loader ms/sample (1 core) | step ms/sample (1 core) | bound on "
-             f"{rows[0]['cores']} cores | run samples/s (each run) | fraction of the bound (each run) |",
+             f"{rows[0]['cores']} cores (before each run) | run samples/s (each run) | fraction of the bound (each run) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        each = ", ".join(f"{run:,.0f}" for run in row["runs"])
+        bounds, each = (", ".join(f"{value:,.0f}" for value in row[key]) for key in ("bounds", "runs"))
         fractions = ", ".join(f"{fraction:.2f}" for fraction in row["fractions"])
         lines.append(f"| {row['data']} | {row['ranks']} | {row['loader_ms']:.3f} | {row['step_ms']:.3f} | "
-                     f"{row['bound']:,.0f} | {row['samples_per_s']:,.0f} ({each}) | **{row['fraction']:.2f}** "
+                     f"{row['bound']:,.0f} ({bounds}) | {row['samples_per_s']:,.0f} ({each}) | **{row['fraction']:.2f}** "
                      f"({fractions}) |")
     return "\n".join(lines)

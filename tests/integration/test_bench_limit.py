@@ -18,8 +18,10 @@ def test_the_limit_benchmark_measures_costs_a_bound_and_a_run_against_it(tmp_pat
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     [row] = json.loads((tmp_path / "limit.json").read_text())
     assert row["loader_ms"] > 0 and row["step_ms"] > 0 and row["samples_per_s"] > 0
-    assert row["bound"] == pytest.approx(row["cores"] / (row["loader_ms"] + row["step_ms"]) * 1e3)
-    assert 0 < row["fraction"] == pytest.approx(row["samples_per_s"] / row["bound"])
-    assert len(row["runs"]) == len(row["fractions"]) == len(row["cost_rounds"]) == 2  # each round kept
+    assert len(row["runs"]) == len(row["bounds"]) == len(row["fractions"]) == len(row["cost_rounds"]) == 2  # each pair
+    for run, bound, fraction, cost in zip(row["runs"], row["bounds"], row["fractions"], row["cost_rounds"]):
+        assert bound == pytest.approx(row["cores"] / (cost["loader_s"] + cost["step_s"]) * 1e3)  # the costs before it
+        assert fraction == pytest.approx(run / bound)
+    assert 0 < row["fraction"] == pytest.approx(sum(row["fractions"]) / 2)  # the median of two
     assert min(row["runs"]) <= row["samples_per_s"] <= max(row["runs"])
     assert "| digits | 1 |" in result.stdout
