@@ -9,12 +9,13 @@ On the machine it runs on, one core at a time (one intra-op thread, CPU time of 
            data.normalize_on puts them, forward, loss, backward, optimizer) on a batch the stream made.
 Every sample costs L + S CPU-seconds wherever it is spent, so C cores give at most C / (L + S) samples/s with
 perfect overlap: the pipelined bound. Then real runs (train.py, world=local and world=cpu2, the loader's automatic
-workers) are reported as a fraction of it — their median samples/s over the second half of their steps, each against
-the bound from costs measured just before it. A run below the bound loses to overlap (a rank waiting for data, workers preempting ranks), to parallel efficiency (two
-intra-op threads on a small model) or to the collectives of 2 ranks: the stream's and the step's profiles
-(logging.profile_steps) say which. Each pair (costs, then a run) is made --repeats times, interleaved over the world
-sizes, and the medians are reported with every pair's figures beside them: a shared machine's speed moves between
-runs.
+workers) are reported as a fraction of it — their median samples/s over the second half of their steps, each
+against the bound from costs measured just before and just after it (the step's costs with malloc keeping freed
+memory, as a rank's). A run below the bound loses to overlap (a rank waiting for data, workers preempting ranks),
+to parallel efficiency (two intra-op threads on a small model) or to the collectives of 2 ranks: the stream's and
+the step's profiles (logging.profile_steps) say which. Each run with its costs is made --repeats times,
+interleaved over the world sizes, and the medians are reported with every run's figures beside them: a shared
+machine's speed moves between runs.
 
 Workloads: digits (clipdist-tiny on the built-in digits, 32 px) and web_photos (224-px web JPEGs, the tiny model at
 224 px in 32-px patches, docs/bench/clipdist-tiny-224-p32.json).
@@ -64,6 +65,9 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     from clipdist.data.stream import TrainStream
     from clipdist.trainer import build_parts
 
+    from clipdist import host
+
+    host.keep_freed_memory()  # as the trainer's ranks do (this process's malloc: kept for the rest of the command)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -121,16 +125,19 @@ def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, 
             steps: int = 60, cache_dir: str = "~/.cache/clipdist", repeats: int = 3) -> list[dict]:
     """A row per workload and world size: one-core costs, the bound for this machine's cores, the runs, the fraction.
 
-    Each real run is measured against the bound from costs measured just before it, and `repeats` such pairs —
-    interleaved over the world sizes — give the medians: a shared machine moves between steady states from one
-    minute to the next (this one: one-core costs ~25% apart), so costs from one state and a run from another would
-    make a fraction off by as much (seen: 1.13 of a bound measured minutes earlier). Every pair stays in the row."""
+    Each real run is measured against the bound from costs measured just before and just after it (their mean),
+    and `repeats` such runs — interleaved over the world sizes — give the medians: a shared machine moves between
+    steady states from one minute to the next (this one: one-core costs ~25% apart), so costs from one state and a
+    run from another would make a fraction off by as much (seen: 1.13 of a bound measured minutes earlier). Every
+    run's figures stay in the row."""
     pairs: dict[tuple[str, int], list[tuple[dict, float]]] = {(data, count): [] for data in workloads for count in ranks}
     for _ in range(repeats):
         for data in workloads:
             for count in ranks:
-                cost = one_core_costs(data, batch, batches, cache_dir)
-                pairs[data, count].append((cost, end_to_end(data, count, batch // count, steps, cache_dir)))
+                before = one_core_costs(data, batch, batches, cache_dir)
+                run = end_to_end(data, count, batch // count, steps, cache_dir)
+                after = one_core_costs(data, batch, batches, cache_dir)
+                pairs[data, count].append(({key: (before[key] + after[key]) / 2 for key in before}, run))
     rows = []
     for (data, count), measured in pairs.items():
         costs, runs = [cost for cost, _ in measured], [run for _, run in measured]
@@ -148,7 +155,7 @@ def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| data | ranks | loader ms/sample (1 core) | step ms/sample (1 core) | bound on "
-             f"{rows[0]['cores']} cores (before each run) | run samples/s (each run) | fraction of the bound (each run) |",
+             f"{rows[0]['cores']} cores (around each run) | run samples/s (each run) | fraction of the bound (each run) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         bounds, each = (", ".join(f"{value:,.0f}" for value in row[key]) for key in ("bounds", "runs"))
