@@ -49,7 +49,7 @@ def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: in
         return LoaderPlan(max(setting, 1), setting, (setting,), "data.workers")
     cpus, source = host.rank_cpus(procs_per_node, environ)
     spare, why = max(1, cpus - 1), f"data.workers=auto: {source}"
-    most = spare if device_type != "cpu" else max(spare, cpus)
+    most = cpus if device_type == "cpu" else spare
     if shards_per_rank is not None and shards_per_rank < most:
         most, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
     if device_type != "cpu":

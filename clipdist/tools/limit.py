@@ -60,12 +60,11 @@ def workload_config(data: str, batch: int, work: Path, cache_dir: str):
 
 def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     """(loader, step) CPU seconds per sample on one core, this process."""
+    from clipdist import host
     from clipdist.data.builtin import builtin_shards
     from clipdist.data.sources import expand_shards
     from clipdist.data.stream import TrainStream
     from clipdist.trainer import build_parts
-
-    from clipdist import host
 
     host.keep_freed_memory()  # as the trainer's ranks do (this process's malloc: kept for the rest of the command)
     threads = torch.get_num_threads()
