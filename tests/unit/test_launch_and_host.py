@@ -60,13 +60,16 @@ def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, c
     assert plan.cpus == (None if setting is not None else int(cpus))
 
 
-def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0, rank_cpu_s=None):
+def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0, rank_cpu_s=None,
+                     whole=True):
     """A MeasuredWorkers fed 30 steps of a loader taking `load_s` CPU seconds a batch and a step computing
     `compute_s` with the threads `workers` workers leave of `cpus`, the rank's process spending `rank_cpu_s`
-    CPU seconds a step (None: the cores are not counted); returns what it decided."""
+    CPU seconds a step (None: the cores are not counted), its workers making whole batches or not (`whole`);
+    returns what it decided."""
     threads = (lambda w: fixed_threads) if fixed_threads else (lambda w: max(1, cpus - w))
     clock = itertools.count(0.0, rank_cpu_s or 0.0).__next__
-    tuner = loader.MeasuredWorkers(choices, workers, threads, cpus=cpus if rank_cpu_s else None, clock=clock)
+    tuner = loader.MeasuredWorkers(choices, workers, threads, cpus=cpus if rank_cpu_s else None, clock=clock,
+                                   whole=lambda w: whole)
     decisions = [tuner.observe(wait_s, compute_s + wait_s, load_s) for _ in range(30)]
     assert all(decision == (None, None) for decision in decisions[:29])
     assert tuner.observe(wait_s, compute_s + wait_s, load_s) == (None, None)  # once only
@@ -94,6 +97,12 @@ def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measure
     workers, line = measured_workers((1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24)
     assert workers == 2 and line.startswith("1 -> 2 loader worker(s): over steps 11-30 a batch took 371 ms of a "
                                              "loader worker's CPU and the step 220 ms (240 ms of the rank's CPU)")
+    # ... only where each worker makes whole batches (data.pieces, a token budget, a replicated split: every worker's
+    # rows of every batch, which 2 workers sharing the cores ran slower than 1); the log says what was left out
+    workers, line = measured_workers((1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24,
+                                     whole=False)
+    assert workers is None and line.startswith("1 loader worker(s) kept: ") and line.endswith(
+        "; 2 would measure faster but, sharing the rank's cores, would not each make whole batches")
     # ... and not where the step is the limit (digits: 36 ms a batch, the step 165 ms) or the cores are (a rank of
     # one CPU: 1 / (L + S) whatever the count)
     workers, line = measured_workers((1, 2), 1, 2, load_s=0.036, compute_s=0.165, rank_cpu_s=0.17)
@@ -180,6 +189,9 @@ def test_a_worker_restart_measures_priority_afresh_and_says_which_steps():
 
         def set_worker_priority(self, low):
             return True
+
+        def worker_readers(self, workers):  # each worker makes whole batches from readers of its own
+            return [[worker] for worker in range(workers)]
 
     stream, threads = Stream(), torch.get_num_threads()  # a move sets this process's intra-op threads: put back
     tuning = LoaderTuning(stream, LoaderPlan(2, 1, (1, 2), "test", cpus=2),
