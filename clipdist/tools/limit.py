@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from clipdist import host
 from clipdist.data.images import normalize_on_device
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,6 @@ def workload_config(data: str, batch: int, work: Path, cache_dir: str):
 
 def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     """(loader, step) CPU seconds per sample on one core, this process."""
-    from clipdist import host
     from clipdist.data.builtin import builtin_shards
     from clipdist.data.sources import expand_shards
     from clipdist.data.stream import TrainStream
