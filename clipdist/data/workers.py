@@ -48,7 +48,7 @@ def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: in
     if setting is not None:
         return LoaderPlan(max(setting, 1), setting, (setting,), "data.workers")
     cpus, source = host.rank_cpus(procs_per_node, environ)
-    spare, why = max(1, cpus - 1), f"data.workers=auto: {source}"
+    spare, why = spare_cpus(cpus), f"data.workers=auto: {source}"
     most = cpus if device_type == "cpu" else spare
     if shards_per_rank is not None and shards_per_rank < most:
         most, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
@@ -59,6 +59,11 @@ def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: in
     workers = max(n for n in choices if n <= min(spare, MAX_CPU_RANK_WORKERS))
     return LoaderPlan(readers, workers, choices, why + f", CPU ranks start with up to {MAX_CPU_RANK_WORKERS}, "
                       f"no more than their spare CPUs, and measure ({readers} readers)", cpus)
+
+
+def spare_cpus(cpus: int) -> int:
+    """The CPUs a rank of `cpus` can spare beside itself for loader workers (at least one)."""
+    return max(1, cpus - 1)
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -88,12 +93,14 @@ class MeasuredWorkers:
         self.choices, self.workers, self.threads, self.whole = choices, workers, threads, whole
         self.skip, self.window, self.gain, self.cpus, self.clock = skip, window, gain, cpus, clock
         self.steps, self.loads, self.computes, self.spent, self.waited, self.total = 0, [], [], [], 0.0, 0.0
-        self.last_cpu = clock()
+        self.last_cpu = clock()  # the baseline again at the last warm-up step
 
     def observe(self, wait_s: float, step_s: float, load_s: float | None) -> tuple[int | None, str | None]:
         self.steps += 1
-        cpu, self.last_cpu = self.last_cpu, self.clock()
-        if self.steps <= self.skip or self.steps > self.skip + self.window:
+        if self.steps < self.skip or self.steps > self.skip + self.window:
+            return None, None
+        cpu, self.last_cpu = self.last_cpu, self.clock()  # the rank's CPU from the last warm-up step on
+        if self.steps == self.skip:
             return None, None
         self.waited, self.total = self.waited + wait_s, self.total + step_s
         self.computes.append(max(step_s - wait_s, 1e-9))
@@ -102,26 +109,29 @@ class MeasuredWorkers:
             self.loads.append(load_s)
         if self.steps < self.skip + self.window or not self.loads:
             return None, None
-        load, compute = statistics.median(self.loads), statistics.median(self.computes)
-        cores = self.cpus / (load + statistics.median(self.spent)) if self.cpus else math.inf
+        load, compute, spent = (statistics.median(values) for values in (self.loads, self.computes, self.spent))
+        cores = self.cpus / (load + spent) if self.cpus else math.inf
         now = self.threads(self.workers)
 
         def rate(workers: int) -> float:  # batches a second: the slowest of the loader, the step and the cores
             return min(workers / load, self.threads(workers) / (now * compute), cores)
 
-        spare = self.cpus - 1 if self.cpus else math.inf
+        def fastest(options) -> int:  # the fewest workers among the fastest
+            return max(options, key=lambda workers: (rate(workers), -workers))
+
+        spare = spare_cpus(self.cpus) if self.cpus else math.inf
         choices = [workers for workers in self.choices if workers <= max(spare, self.workers) or self.whole(workers)]
-        best = max(choices, key=lambda workers: (rate(workers), -workers))
+        best = fastest(choices)
         measured = (f"over steps {self.skip + 1}-{self.steps} a batch took {load * 1e3:.0f} ms of a loader worker's "
-                    f"CPU and the step {compute * 1e3:.0f} ms ({statistics.median(self.spent) * 1e3:.0f} ms of "
-                    f"the rank's CPU), and the rank waited {self.waited / self.total:.1%} of its time for data")
+                    f"CPU and the step {compute * 1e3:.0f} ms ({spent * 1e3:.0f} ms of the rank's CPU), and the rank "
+                    f"waited {self.waited / self.total:.1%} of its time for data")
         if best != self.workers and rate(best) > self.gain * rate(self.workers):
             moved = f"{self.workers} -> {best} loader worker(s)"
             if self.threads(best) != now:
                 moved += f", {now} -> {self.threads(best)} intra-op thread(s)"
             return best, f"{moved}: {measured}"
         if len(self.choices) > 1:
-            faster = max(self.choices, key=lambda workers: (rate(workers), -workers))
+            faster = fastest(self.choices)
             closed = (f"; {faster} would measure faster but, sharing the rank's cores, would not each make whole "
                       "batches" if faster not in choices and rate(faster) > self.gain * rate(self.workers) else "")
             return None, f"{self.workers} loader worker(s) kept: {measured}{closed}"
