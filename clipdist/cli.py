@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from clipdist import host
+from clipdist.compat import floor_problem
 from clipdist.errors import printable
 
 
@@ -330,6 +331,9 @@ def _write_report(run_dir: str) -> None:
 def train_main(overrides: list[str] | None = None) -> None:
     """`python train.py [overrides]`, `clipdist train [overrides]`: Hydra composes clipdist/conf and trains."""
     host.spin_briefly()  # before torch loads libgomp
+    problem = floor_problem()
+    if problem:
+        sys.exit(f"clipdist: error: {problem}")
     import hydra
 
     from clipdist.config import register
@@ -589,6 +593,10 @@ def _report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     host.spin_briefly()  # before torch loads libgomp
     argv = sys.argv[1:] if argv is None else argv
+    problem = floor_problem()
+    if problem:
+        print(f"clipdist: error: {problem}", file=sys.stderr)
+        return 2
     if argv[:1] == ["train"]:
         train_main(argv[1:])
         return 0
