@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from clipdist import host
+from clipdist.distributed import host
 from clipdist.compat import floor_problem
 from clipdist.errors import printable
 
@@ -275,7 +275,7 @@ def _created_by_hydra(run_dir: str) -> bool:
 
 
 def _run_composed(cfg) -> None:
-    """Hydra's task: the composed config → clipdist.trainer.run in Hydra's output directory, which is
+    """Hydra's task: the composed config → clipdist.train.trainer.run in Hydra's output directory, which is
     the run directory; a ClipdistError is one `error:` line (HYDRA_FULL_ERROR=1 for the traceback), any
     other failure its traceback, both on stderr and, once the run has started, at the end of train.log."""
     from hydra.core.hydra_config import HydraConfig
@@ -283,8 +283,8 @@ def _run_composed(cfg) -> None:
 
     from clipdist import console
     from clipdist.errors import ClipdistError
-    from clipdist.launch import detect_env
-    from clipdist.trainer import run
+    from clipdist.distributed.launch import detect_env
+    from clipdist.train.trainer import run
 
     hydra = HydraConfig.get()
     run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
@@ -314,7 +314,7 @@ def _run_composed(cfg) -> None:
 
 def _write_report(run_dir: str) -> None:
     """report.png / report.txt at the end of a run or a stop, from the main rank; a failure is a warning only."""
-    from clipdist.launch import detect_env
+    from clipdist.distributed.launch import detect_env
     from clipdist.tools.report import write_report
 
     if not detect_env().is_main or not os.path.isfile(os.path.join(run_dir, "train_log.jsonl")):

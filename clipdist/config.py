@@ -240,7 +240,7 @@ class DataConfig:
     cache_dir: str = "~/.cache/clipdist"
     classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
     max_skips_in_a_row: int = positive(1000)  # this many unusable samples with no good one between: stop with an error
-    trim_text: bool = True  # captions padded to the batch's longest where that changes no feature (clipdist/short_text.py)
+    trim_text: bool = True  # captions padded to the batch's longest where that changes no feature (clipdist/model/short_text.py)
     # NaFlex image towers (model=naflex_tiny, naflex_b16, any timm NaFlexVit): token-budget batches (docs/naflex.md)
     seq_lens: Optional[List[int]] = None  # patches an image may become, one length drawn per global batch; null: the tower's image_size grid
     seq_len_probs: Optional[List[float]] = None  # the lengths' weights; null: equal

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
-from clipdist import launch, parallel, targets
-from clipdist.checkpoint import Checkpointer
+from clipdist.distributed import launch, parallel
+
+from clipdist.model import targets
+from clipdist.checkpoint.manager import Checkpointer
 from clipdist.config import Device, TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
@@ -23,13 +25,13 @@ from clipdist.data.transforms import augmentation_cfg, image_size_stages
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.errors import ConfigError
 from clipdist.losses import build as build_loss
-from clipdist.models import (check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
+from clipdist.model.factory import (check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
                              image_size, model_overrides, resolve_model_name)
-from clipdist.optim import check_optim
-from clipdist.remote import check_remote
-from clipdist.run_dir import check_run_dir
-from clipdist.timm_towers import naflex_patch_size, naflex_trunk
-from clipdist.tracking import check_tensorboard, check_wandb_online
+from clipdist.train.optim import check_optim
+from clipdist.checkpoint.remote import check_remote
+from clipdist.checkpoint.run_dir import check_run_dir
+from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
+from clipdist.train.tracking import check_tensorboard, check_wandb_online
 
 
 def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:

@@ -26,9 +26,9 @@ def state_for(model_name: str):
 
     from clipdist.config import OptimConfig
     from clipdist.losses import build
-    from clipdist.models import create_model_for_loss
-    from clipdist.optim import build_optimizer
-    from clipdist.state import TrainState
+    from clipdist.model.factory import create_model_for_loss
+    from clipdist.train.optim import build_optimizer
+    from clipdist.checkpoint.state import TrainState
 
     torch.manual_seed(0)
     model = create_model_for_loss(model_name, build("disco"))
@@ -47,9 +47,9 @@ def state_bytes(state) -> int:
 
 def one_save(state, folder: Path, background: bool, step: int) -> tuple[float, float]:
     """(the stall: how long `save` held the loop, the write's total time until published)."""
-    from clipdist.checkpoint import Checkpointer
+    from clipdist.checkpoint.manager import Checkpointer
     from clipdist.config import TrainConfig
-    from clipdist.launch import detect_env
+    from clipdist.distributed.launch import detect_env
 
     cfg = TrainConfig(name="bench", run_dir=str(folder))
     cfg.checkpoint.async_save = background

@@ -34,7 +34,7 @@ from background import busy_processes  # noqa: E402
 def transform_and_tokenizer(model: str):
     import open_clip
 
-    from clipdist.models import create_model, get_tokenizer
+    from clipdist.model.factory import create_model, get_tokenizer
 
     visual = create_model(model, device="meta").visual
     config = visual.preprocess_cfg

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from clipdist.models import create_model, get_tokenizer
-from clipdist.short_text import allow_short_text, trim
+from clipdist.model.factory import create_model, get_tokenizer
+from clipdist.model.short_text import allow_short_text, trim
 
 
 def captions(pattern: str, count: int) -> list[str]:

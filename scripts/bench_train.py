@@ -96,8 +96,8 @@ def zero_shot(args, checkpoint: Path) -> float | None:
 
     from clipdist.config import DataConfig
     from clipdist.data.sources import eval_set
-    from clipdist.evaluate import evaluate
-    from clipdist.models import create_model, get_tokenizer
+    from clipdist.train.evaluate import evaluate
+    from clipdist.model.factory import create_model, get_tokenizer
 
     if not checkpoint.exists():
         return None

@@ -45,7 +45,7 @@ def patch_open_clip_data():
 def main(argv: list[str]) -> None:
     from open_clip_train.main import main as open_clip_main
 
-    from clipdist.models import _register_model_configs, resolve_model_name
+    from clipdist.model.factory import _register_model_configs, resolve_model_name
 
     _register_model_configs()
     if "--model" in argv:

@@ -9,7 +9,7 @@
 # DATA_DIR        host folder with your shards, mounted at the same path in the container
 # RUN_NAME        run name (default slurm-<job id>: a requeued job resumes its own run)
 # Rank, world size and the rendezvous (first node of the job, a port derived from the job id)
-# come from srun's variables: clipdist.launch.detect_env. Intra-op threads per task come from
+# come from srun's variables: clipdist.distributed.launch.detect_env. Intra-op threads per task come from
 # --cpus-per-task (SLURM_CPUS_PER_TASK).
 CLIPDIST_REPO=${CLIPDIST_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 CLIPDIST_IMAGE=${CLIPDIST_IMAGE:-}

@@ -174,7 +174,7 @@ def untrusted_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, P
 
     import torch
 
-    from clipdist.weights import PROGRESS, read_progress, read_run_checkpoint
+    from clipdist.checkpoint.weights import PROGRESS, read_progress, read_run_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
     made = {}
@@ -197,7 +197,7 @@ def untrusted_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, P
     shutil.rmtree(made["dcp_item"])
     import torch.distributed.checkpoint as dcp
 
-    from clipdist.weights import single_process_quietly
+    from clipdist.checkpoint.weights import single_process_quietly
 
     with single_process_quietly():
         dcp.save({"model": model, "extra": RunsCode(marker)}, checkpoint_id=str(made["dcp_item"]))

@@ -180,7 +180,7 @@ def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, wo
     DataConfig(**data) for everything else (shuffle_buffer=0 unless given)."""
     from clipdist.config import DataConfig
     from clipdist.data.stream import TrainStream
-    from clipdist.models import get_tokenizer
+    from clipdist.model.factory import get_tokenizer
 
     if sources and not isinstance(sources[0], (list, tuple)):
         sources = [sources]
@@ -197,7 +197,8 @@ def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
     import pytest
 
     import clipdist
-    from clipdist import launch, trainer
+    from clipdist.distributed import launch
+    from clipdist.train import trainer
     from clipdist.cli import train_main
 
     def started(*_args, **_kwargs):

@@ -134,7 +134,7 @@ def hostile_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, tup
     (path / ".metadata").symlink_to(folder / "metadata-elsewhere")
     made["metadata-symlink"] = (path, "refused")
 
-    from clipdist.weights import read_progress
+    from clipdist.checkpoint.weights import read_progress
 
     progress = read_progress(real)
     path = _copy(real, folder, "config-interpolation")

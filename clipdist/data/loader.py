@@ -16,7 +16,7 @@ import torch
 from clipdist.data.batch import Batch, apply, apply_pair
 from clipdist.data.faults import DataError, DataFailure
 from clipdist.data.workers import set_low_priority
-from clipdist.launch import STOP_SIGNALS, kill_tree
+from clipdist.distributed.launch import STOP_SIGNALS, kill_tree
 
 
 class Loader:

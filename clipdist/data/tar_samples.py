@@ -21,7 +21,7 @@ from webdataset.tariterators import group_by_keys
 
 from clipdist.data.faults import ShardError, ShardHealth
 from clipdist.data.kinds import members as part_members
-from clipdist.launch import kill_tree
+from clipdist.distributed.launch import kill_tree
 
 
 class TruncatedShardError(tarfile.ReadError):

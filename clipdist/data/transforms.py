@@ -11,9 +11,9 @@ from clipdist.config import as_dict
 from clipdist.data.images import ImageBatcher
 from clipdist.data.naflex import PatchImages, eval_seq_len, resolve_seq_lens
 from clipdist.data.schedule import resolution_stages
-from clipdist.flexible_grid import resizes_exactly
-from clipdist.models import image_size
-from clipdist.timm_towers import naflex_patch_size, naflex_trunk
+from clipdist.model.flexible_grid import resizes_exactly
+from clipdist.model.factory import image_size
+from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 
 
 def image_transforms(model, data) -> tuple:

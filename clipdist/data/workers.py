@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Callable, Mapping, NamedTuple
 
-from clipdist import host
+from clipdist.distributed import host
 
 MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at the start, until the run measures how many it needs
 

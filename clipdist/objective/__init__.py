@@ -13,7 +13,7 @@ import torch
 
 from clipdist.config import LossConfig
 from clipdist.defaults import DEFAULT_TILE
-from clipdist.models import caption_weight, has_caption_decoder
+from clipdist.model.factory import caption_weight, has_caption_decoder
 from clipdist.objective.base import Outputs, Term, features_of
 from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
 from clipdist.objective.contrastive import ContrastiveTerm

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from clipdist import parallel
+from clipdist.distributed import parallel
 from clipdist.objective.base import Term
 
 

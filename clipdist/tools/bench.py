@@ -24,7 +24,7 @@ import torch.distributed as dist
 from open_clip.loss import ClipLoss
 
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 from clipdist.losses import BACKENDS, build
 from clipdist.tools.memory import fit_loss_memory, human_bytes, loss_inputs, loss_kept_bytes
 

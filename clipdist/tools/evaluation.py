@@ -4,10 +4,10 @@
 
 TARGET is a run directory (its newest checkpoint), a `.dcp` / `.pt` checkpoint, an export folder
 (`clipdist export`, open_clip's hub layout), or an open_clip model name with `--pretrained TAG` (or `hf-hub:`).
-A run's checkpoint is read safely (clipdist.weights) and built as the run built it (its model overrides, its
+A run's checkpoint is read safely (clipdist.checkpoint.weights) and built as the run built it (its model overrides, its
 logit bias). Sets are any spec clipdist reads (shards, clip_benchmark folders) with their class names and
 templates beside them, or `--classnames` / `--templates`. With `--world N` the set is split over N local gloo
-ranks (clipdist.evaluate): the metrics are the one-process metrics.
+ranks (clipdist.train.evaluate): the metrics are the one-process metrics.
 """
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from pathlib import Path
 
 import torch
 
-from clipdist import precision as precisions
-from clipdist import targets
+from clipdist.model import precision as precisions
+from clipdist.model import targets
 from clipdist.config import DataConfig
 from clipdist.data.sources import DEFAULT_TEMPLATES, eval_set
 from clipdist.data.transforms import image_transforms
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
-from clipdist.evaluate import evaluate
-from clipdist.host import intra_op_threads
-from clipdist.launch import launch_local
-from clipdist.models import get_tokenizer
-from clipdist.parallel import rank_and_world_size
+from clipdist.train.evaluate import evaluate
+from clipdist.distributed.host import intra_op_threads
+from clipdist.distributed.launch import launch_local
+from clipdist.model.factory import get_tokenizer
+from clipdist.distributed.parallel import rank_and_world_size
 
 
 def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str]):

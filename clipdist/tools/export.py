@@ -21,14 +21,14 @@ import torch
 from safetensors.torch import save_file
 from timm.models import save_for_hf
 
-from clipdist import targets
+from clipdist.model import targets
 from clipdist.config import model_config
 from clipdist.files import publish
-from clipdist.models import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, get_tokenizer,
+from clipdist.model.factory import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, get_tokenizer,
                              model_overrides, resolve_model_name)
-from clipdist.timm_towers import KWARGS_KEY, naflex_trunk
+from clipdist.model.timm_towers import KWARGS_KEY, naflex_trunk
 from clipdist.tools import to_transformers
-from clipdist.weights import find_checkpoint, read_run_checkpoint
+from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
 
 
 def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_settings: dict | None = None) -> dict:

@@ -96,8 +96,8 @@ def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None 
     """uint8 pixels (B, H, W, C) and random tokens on the device: what a GPU rank holds after the loader's copy (a
     NaFlex tower: float32 patches, every image filling `seq_len`)."""
     from clipdist.data.batch import Batch, apply, zero_counts
-    from clipdist.models import image_size, random_tokens
-    from clipdist.timm_towers import full_patches, naflex_patch_size, naflex_trunk
+    from clipdist.model.factory import image_size, random_tokens
+    from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 
     height, width = image_size(model)
     if naflex_trunk(model) is not None:
@@ -111,7 +111,7 @@ def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None 
 def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: int | None = None) -> dict:
     """One row: the run's step on a synthetic batch — samples/s (and image tokens/s at a NaFlex `seq_len`), FLOPs
     per step, peak memory."""
-    from clipdist.trainer import build_parts
+    from clipdist.train.trainer import build_parts
 
     parts = build_parts(cfg, device)
     rows = cfg.world.batch_per_device
@@ -138,7 +138,7 @@ def one_rank_group(device: torch.device):
     """A process group of one (FSDP2 needs a mesh), torn down after."""
     import torch.distributed as dist
 
-    from clipdist.launch import free_port
+    from clipdist.distributed.launch import free_port
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
@@ -150,10 +150,10 @@ def one_rank_group(device: torch.device):
 
 def checkpoint_stall(cfg, device: torch.device) -> dict:
     """How long a background save holds the loop, and how long its write takes until published."""
-    from clipdist.checkpoint import Checkpointer
-    from clipdist.launch import detect_env
-    from clipdist.state import TrainState
-    from clipdist.trainer import build_parts
+    from clipdist.checkpoint.manager import Checkpointer
+    from clipdist.distributed.launch import detect_env
+    from clipdist.checkpoint.state import TrainState
+    from clipdist.train.trainer import build_parts
 
     parts = build_parts(cfg, device)
     parts.step(synthetic_batch(parts.model, cfg.world.batch_per_device, device))  # AdamW's moments exist

@@ -18,15 +18,15 @@ import torch.distributed as dist
 from clipdist.config import LossConfig
 from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 from clipdist.losses import BACKENDS, build, clip_loss
-from clipdist.models import (caption_weight, create_model, create_model_for_loss, get_tokenizer, has_caption_decoder,
+from clipdist.model.factory import (caption_weight, create_model, create_model_for_loss, get_tokenizer, has_caption_decoder,
                              lock_towers, random_tokens)
 from clipdist.objective import build_objective
-from clipdist.parallel import full_tensor, wrap_model
-from clipdist.precision import gradient_scaler
-from clipdist.step import build_step
-from clipdist.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
+from clipdist.distributed.parallel import full_tensor, wrap_model
+from clipdist.model.precision import gradient_scaler
+from clipdist.train.step import build_step
+from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -273,8 +273,8 @@ def run_gradchecks(
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
-    chunks > 1 runs each rank's step with gradient caching (clipdist.step) in that many chunks;
-    parallel="fsdp" shards the model with FSDP2 (clipdist.parallel.wrap_model) instead of DDP;
+    chunks > 1 runs each rank's step with gradient caching (clipdist.train.step) in that many chunks;
+    parallel="fsdp" shards the model with FSDP2 (clipdist.distributed.parallel.wrap_model) instead of DDP;
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
     trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
     distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from clipdist import host
+from clipdist.distributed import host
 from clipdist.data.images import normalize_on_device
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     from clipdist.data.builtin import builtin_shards
     from clipdist.data.sources import expand_shards
     from clipdist.data.stream import TrainStream
-    from clipdist.trainer import build_parts
+    from clipdist.train.trainer import build_parts
 
     host.keep_freed_memory()  # as the trainer's ranks do (this process's malloc: kept for the rest of the command)
     threads = torch.get_num_threads()

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from clipdist.config import OptimConfig
 from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 from clipdist.losses import build
-from clipdist.models import create_model_for_loss, get_tokenizer, image_size, random_tokens
-from clipdist.timm_towers import full_patches, naflex_patch_size, naflex_trunk
-from clipdist.optim import build_optimizer
-from clipdist.parallel import wrap_model
-from clipdist.step import build_step
+from clipdist.model.factory import create_model_for_loss, get_tokenizer, image_size, random_tokens
+from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
+from clipdist.train.optim import build_optimizer
+from clipdist.distributed.parallel import wrap_model
+from clipdist.train.step import build_step
 
 
 class _Kept:

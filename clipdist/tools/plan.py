@@ -47,14 +47,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from clipdist import targets
+from clipdist.model import targets
 from clipdist.config import CONF
 from clipdist.config import preset as menu_entry
 from clipdist.losses import build
 from clipdist.data.naflex import default_seq_lens
-from clipdist.models import create_model, get_tokenizer, image_size
-from clipdist.timm_towers import naflex_patch_size, naflex_trunk
-from clipdist.parallel import transformer_blocks
+from clipdist.model.factory import create_model, get_tokenizer, image_size
+from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
+from clipdist.distributed.parallel import transformer_blocks
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from clipdist.run_dir import jsonl_rows
+from clipdist.checkpoint.run_dir import jsonl_rows
 
 PICTURE, SUMMARY = "report.png", "report.txt"
 FRACTIONS = re.compile(r"(_r\d+|_top\d+)$")  # metrics in [0, 1]: recall@k, zero-shot top-k
 LOWER_IS_BETTER = re.compile(r"(loss|_rank)$")
 STAMP = re.compile(r"^\[([0-9-]+ [0-9:,]+)\] (.*)$")
 RESUMED = re.compile(r"resumed from .* at step (\d+)$")
-BANNER = re.compile(r"loss \S+: .*; global batch \d+ \((\d+) rank\(s\)")  # one a start (clipdist.recipe)
+BANNER = re.compile(r"loss \S+: .*; global batch \d+ \((\d+) rank\(s\)")  # one a start (clipdist.train.recipe)
 
 
 @dataclass

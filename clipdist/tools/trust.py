@@ -1,7 +1,7 @@
 """`clipdist trust SOURCE`: a checkpoint or weights file you trust, converted once into a copy clipdist reads
 without running anything.
 
-clipdist refuses any file whose reading would build more than tensors and plain values (clipdist.weights),
+clipdist refuses any file whose reading would build more than tensors and plain values (clipdist.checkpoint.weights),
 since unpickling can run code that came with the file. A file from before (a colleague's checkpoint, weights
 pickled by another tool) may hold such things harmlessly. `trust` reads SOURCE the unsafe way — **whatever code
 it carries runs now, as you** — and writes a copy of only its tensors and plain values:
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.files import publish
-from clipdist.weights import PROGRESS, single_process_quietly
+from clipdist.checkpoint.weights import PROGRESS, single_process_quietly
 
 PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)
 

@@ -9,10 +9,10 @@ import pytest
 
 
 def test_importing_clipdist_has_no_side_effects():
-    code = ("import logging, open_clip, clipdist.models, clipdist.trainer, clipdist.cli;"
+    code = ("import logging, open_clip, clipdist.model.factory, clipdist.train.trainer, clipdist.cli;"
             "assert not logging.getLogger().filters, logging.getLogger().filters;"
             "assert 'clipdist-tiny' not in open_clip.list_models();"
-            "from clipdist.models import model_names; assert 'clipdist-tiny' in model_names()")
+            "from clipdist.model.factory import model_names; assert 'clipdist-tiny' in model_names()")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 

@@ -10,7 +10,7 @@ from fixtures import max_error
 from helpers import read_jsonl, train
 from open_clip.loss import DistillClipLoss
 
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 from clipdist.losses.distill import DistillationLoss
 from clipdist.losses.reference import distill_loss_reference
 from clipdist.tools.gradcheck import run_gradchecks

@@ -74,9 +74,9 @@ def _evaluate_on_ranks(folder, parallel):
     from clipdist.config import DataConfig
     from clipdist.data.sources import EvalSet
     from clipdist.data.transforms import image_transforms
-    from clipdist.evaluate import evaluate
-    from clipdist.models import create_model, get_tokenizer
-    from clipdist.parallel import wrap_model
+    from clipdist.train.evaluate import evaluate
+    from clipdist.model.factory import create_model, get_tokenizer
+    from clipdist.distributed.parallel import wrap_model
 
     torch.manual_seed(0)
     model = create_model("clipdist-tiny")
@@ -91,7 +91,7 @@ def _evaluate_on_ranks(folder, parallel):
 
 @pytest.mark.parametrize("world_size, parallel", [(2, "ddp"), (3, "ddp"), (4, "ddp"), (2, "fsdp")])  # 3 shards: split by shard, and by sample at 4
 def test_every_rank_evaluates_its_share_and_gets_the_one_process_metrics(tmp_path, world_size, parallel):
-    from clipdist.launch import launch_local
+    from clipdist.distributed.launch import launch_local
 
     folder = _noise_set(tmp_path / "val")
     alone = _evaluate_on_ranks(folder, "ddp")

@@ -39,8 +39,8 @@ def open_clip_features(model_dir, images, captions, work) -> dict:
 
 
 def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path, capsys):
-    from clipdist.models import create_model, get_tokenizer
-    from clipdist.weights import read_run_checkpoint
+    from clipdist.model.factory import create_model, get_tokenizer
+    from clipdist.checkpoint.weights import read_run_checkpoint
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     assert "exported" in capsys.readouterr().out
@@ -87,9 +87,9 @@ def test_clip_benchmark_scores_the_export_as_clipdist_and_clipdist_eval_do(train
     from clipdist.config import DataConfig
     from clipdist.data.builtin import builtin_shards, classnames_of
     from clipdist.data.sources import eval_set, expand_shards
-    from clipdist.evaluate import evaluate
-    from clipdist.models import create_model, get_tokenizer
-    from clipdist.weights import read_run_checkpoint
+    from clipdist.train.evaluate import evaluate
+    from clipdist.model.factory import create_model, get_tokenizer
+    from clipdist.checkpoint.weights import read_run_checkpoint
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     templates = ["a photo of the number {c}.", "a drawing of a {c}."]
@@ -136,7 +136,7 @@ def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_d
 
 def test_a_local_dir_model_starts_from_its_weights(trained_run, tmp_path, cache_dir):
     """model.name=local-dir:<export>, as open_clip names it: with lr 0 the run's weights stay the export's."""
-    from clipdist.weights import read_weights
+    from clipdist.checkpoint.weights import read_weights
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     run = train(tmp_path / "run", cache_dir, f"model.name=local-dir:{tmp_path / 'model'}", "optim.lr=0",

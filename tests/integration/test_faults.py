@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import Run, read_jsonl, run_log, train
 
-from clipdist.weights import read_progress
+from clipdist.checkpoint.weights import read_progress
 
 STEPS = ["optim.max_steps=400", "optim.warmup_steps=5", "eval_every=1000", "checkpoint_every=50"]
 
@@ -73,7 +73,7 @@ def test_killed_rank_tears_the_job_down_and_resume_restarts(tmp_path, cache_dir)
 def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_dir):
     """Also the console convention: progress on stdout, warnings and the error on stderr, all of it in
     train.log, the final error last."""
-    from clipdist.models import create_model
+    from clipdist.model.factory import create_model
 
     model = create_model()
     with torch.no_grad():

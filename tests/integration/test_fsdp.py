@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import read_jsonl, train
 
-from clipdist.checkpoint import Checkpointer
+from clipdist.checkpoint.manager import Checkpointer
 from clipdist.config import TrainConfig
 from clipdist.losses import BACKENDS
-from clipdist.models import create_model
+from clipdist.model.factory import create_model
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
 from clipdist.tools.memory import measure_state_bytes, state_bytes_after_a_step
@@ -62,8 +62,8 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
 
     # The sharded checkpoint leaves clipdist whole: exported, its weights are the model's every tensor.
     from clipdist.cli import main as cli
-    from clipdist.models import create_model
-    from clipdist.weights import read_weights
+    from clipdist.model.factory import create_model
+    from clipdist.checkpoint.weights import read_weights
 
     assert cli(["export", str(fsdp_dir), "--out", str(tmp_path / "exported")]) == 0
     exported, sharded = read_weights(tmp_path / "exported"), read_weights(fsdp_dir / "checkpoints" / "step_00000009.dcp")
@@ -77,14 +77,14 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     from pathlib import Path
 
     from clipdist.config import OptimConfig
-    from clipdist.launch import detect_env
+    from clipdist.distributed.launch import detect_env
     from clipdist.losses import build
-    from clipdist.models import create_model_for_loss
-    from clipdist.optim import build_optimizer
-    from clipdist.parallel import full_tensor, wrap_model
-    from clipdist.state import TrainState
+    from clipdist.model.factory import create_model_for_loss
+    from clipdist.train.optim import build_optimizer
+    from clipdist.distributed.parallel import full_tensor, wrap_model
+    from clipdist.checkpoint.state import TrainState
     from clipdist.data.batch import Batch
-    from clipdist.step import build_step
+    from clipdist.train.step import build_step
 
     def fresh(seed):
         torch.manual_seed(seed)
@@ -116,7 +116,7 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
 
 
 def test_sharded_checkpoint_restores_weights_and_adamw_state_exactly(tmp_path):
-    from clipdist.launch import launch_local
+    from clipdist.distributed.launch import launch_local
 
     for differing, compared in launch_local(_save_then_load, 2, str(tmp_path), timeout_s=120).values():
         assert differing == [] and compared > 100

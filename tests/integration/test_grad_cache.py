@@ -5,8 +5,8 @@ import torch
 
 from clipdist.data.batch import Batch
 from clipdist.losses import build
-from clipdist.models import create_model_for_loss
-from clipdist.step import build_step
+from clipdist.model.factory import create_model_for_loss
+from clipdist.train.step import build_step
 from clipdist.tools.gradcheck import _random_batch, run_gradchecks
 
 
@@ -25,7 +25,7 @@ def _syncs_per_step(chunks: int):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from clipdist.parallel import wrap_model
+    from clipdist.distributed.parallel import wrap_model
 
     torch.manual_seed(0)
     compiled = wrap_model(create_model_for_loss("clipdist-tiny", build("disco")), compile=True)
@@ -46,7 +46,7 @@ def _syncs_per_step(chunks: int):
 
 
 def test_compiled_ddp_keeps_no_sync_and_chunks_sync_once():
-    from clipdist.launch import launch_local
+    from clipdist.distributed.launch import launch_local
 
     whole = launch_local(_syncs_per_step, 2, 1, timeout_s=120)
     chunked = launch_local(_syncs_per_step, 2, 4, timeout_s=120)

@@ -5,7 +5,7 @@ import torch
 
 FAULTS_PER_ALLOCATION = """
 import resource, statistics, sys, torch
-from clipdist.host import keep_freed_memory
+from clipdist.distributed.host import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 faults = []
 for _ in range(25):  # 40 MB: above glibc's largest dynamic mmap threshold (32 MB)

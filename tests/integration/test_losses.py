@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fixtures import global_batch, max_error, scalar_parameters, single_process
 from open_clip.loss import ClipLoss, SigLipLoss
 
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 from clipdist.losses import BACKENDS, build
 
 TOLERANCE = 1e-12

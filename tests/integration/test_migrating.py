@@ -12,8 +12,8 @@ def test_every_override_in_the_migration_table_passes_the_checks_before_the_rank
 
     from clipdist.config import register, to_train_config
     from clipdist.data.transforms import augmentation_cfg
-    from clipdist.models import check_model_options, resolve_model_name
-    from clipdist.optim import check_optim
+    from clipdist.model.factory import check_model_options, resolve_model_name
+    from clipdist.train.optim import check_optim
     from clipdist.preflight import check_config
 
     register()

@@ -17,9 +17,9 @@ from helpers import Run, read_jsonl, train
 from clipdist.cli import main as cli
 from clipdist.data.batch import Batch
 from clipdist.losses import BACKENDS, build
-from clipdist.models import create_model, create_model_for_loss, random_tokens
-from clipdist.step import build_step
-from clipdist.timm_towers import full_patches, random_patches
+from clipdist.model.factory import create_model, create_model_for_loss, random_tokens
+from clipdist.train.step import build_step
+from clipdist.model.timm_towers import full_patches, random_patches
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
 from clipdist.tools.memory import SavedTensorMeter

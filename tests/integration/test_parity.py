@@ -178,7 +178,7 @@ def their_groups(checkpoint: dict, model_folder: Path, flags: list[str]) -> list
 
 
 def our_groups(checkpoint: Path) -> list[dict]:
-    from clipdist.weights import read_dcp
+    from clipdist.checkpoint.weights import read_dcp
 
     keys = {f"optimizer.param_groups.{i}.{key}" for i in range(4) for key in ("params", "weight_decay", "betas", "eps")}
     groups = read_dcp(checkpoint, keys)["optimizer"]["param_groups"]
@@ -213,7 +213,7 @@ def update_gaps(ours: dict, theirs: dict, initial: dict) -> tuple[float, float, 
 def test_a_recipe_trains_as_open_clip_train_trains_it(tmp_path, cache_dir, start, recipe):
     """Every weight after every step within NOISE_TIMES of open_clip_train's own noise floor: the same program on
     the same rows in reverse order (each step is the whole table, so only the order of its sums changes)."""
-    from clipdist.weights import read_run_checkpoint
+    from clipdist.checkpoint.weights import read_run_checkpoint
 
     root, train_table, val_table, model_folder = start
     flags, overrides, steps, _rows = RECIPES[recipe]

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from clipdist.data.batch import Batch
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 from clipdist.losses import build
-from clipdist.models import create_model_for_loss
-from clipdist.step import build_step
+from clipdist.model.factory import create_model_for_loss
+from clipdist.train.step import build_step
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import _random_batch
 from clipdist.tools.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes

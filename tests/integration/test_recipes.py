@@ -12,7 +12,7 @@ import torch
 from helpers import Run, read_jsonl, train
 
 from clipdist.data.batch import Batch
-from clipdist.launch import launch_local
+from clipdist.distributed.launch import launch_local
 
 STEPS = 12
 
@@ -24,11 +24,11 @@ def _overflow_on_rank_1(parallel: str):
     from torch.distributed.tensor import DTensor
 
     from clipdist.losses import build
-    from clipdist.models import create_model_for_loss, random_tokens
-    from clipdist.optim import build_optimizer
-    from clipdist.parallel import full_tensor, wrap_model
-    from clipdist.precision import autocast, gradient_scaler
-    from clipdist.step import Step
+    from clipdist.model.factory import create_model_for_loss, random_tokens
+    from clipdist.train.optim import build_optimizer
+    from clipdist.distributed.parallel import full_tensor, wrap_model
+    from clipdist.model.precision import autocast, gradient_scaler
+    from clipdist.train.step import Step
     from tests.unit.test_recipes import _optim
 
     class PoisonedStep(Step):
@@ -116,8 +116,8 @@ def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, 
     """open_clip alone loads the export of a run with force_* overrides and its own image mean as the run built it."""
 
     from clipdist.cli import main as cli
-    from clipdist.models import create_model, get_tokenizer, model_overrides
-    from clipdist.weights import find_checkpoint, read_run_checkpoint
+    from clipdist.model.factory import create_model, get_tokenizer, model_overrides
+    from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
     from tests.integration.test_export import open_clip_features
     from tests.unit.test_recipes import _model_cfg
 
@@ -141,7 +141,7 @@ def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, 
 
 @pytest.mark.parametrize("precision", ["pure_bf16", "fp16"])
 def test_two_steps_and_an_evaluation_in_each_precision(tmp_path, cache_dir, precision):
-    from clipdist.weights import read_progress
+    from clipdist.checkpoint.weights import read_progress
 
     result = train(tmp_path / "run", cache_dir, f"precision={precision}", "world.batch_per_device=16",
                    "optim.max_steps=2", "eval_every=2", "checkpoint_every=2")

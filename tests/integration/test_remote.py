@@ -21,7 +21,7 @@ def s3(monkeypatch):
     import boto3
     import s3fs
 
-    from clipdist.launch import free_port
+    from clipdist.distributed.launch import free_port
 
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)

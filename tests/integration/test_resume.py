@@ -21,7 +21,7 @@ def losses(run_dir):
 
 def wandb_losses(run_dir):
     """train/loss as the run's local W&B files hold it, over every segment (one per start): (step, value)."""
-    from clipdist.tracking import wandb_records
+    from clipdist.train.tracking import wandb_records
 
     rows = []
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
@@ -243,10 +243,10 @@ def test_a_checkpoint_with_the_readers_and_generators_in_progress_pt_still_resum
     import torch
 
     from clipdist.data.stream import unpack_position
-    from clipdist.state import rng_state_of
+    from clipdist.checkpoint.state import rng_state_of
     import torch.distributed.checkpoint as dcp
 
-    from clipdist.weights import PROGRESS, dcp_sizes, read_dcp, read_progress
+    from clipdist.checkpoint.weights import PROGRESS, dcp_sizes, read_dcp, read_progress
 
     common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=1000", "data.workers=1"]
     assert train(tmp_path / "today", cache_dir, "optim.max_steps=3", *common).returncode == 0

@@ -101,7 +101,7 @@ def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, s
 def test_second_interrupt_a_second_later_exits_at_once():
     code = """
 import os, signal, time
-from clipdist.launch import StopSignal
+from clipdist.distributed.launch import StopSignal
 stop = StopSignal()
 os.kill(os.getpid(), signal.SIGINT)
 os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C passed on by a launcher: still one interrupt
@@ -179,7 +179,7 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
 def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path, cache_dir):
     """`torchrun --nnodes 2` on one machine: two agents (one per "node", one rank each) meet at a c10d rendezvous on
     127.0.0.1 and train world=cpu2 laid out as 2 nodes × 1, then resume from the checkpoint they wrote."""
-    from clipdist.launch import free_port
+    from clipdist.distributed.launch import free_port
 
     run_dir = tmp_path / "run"
 

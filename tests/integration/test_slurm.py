@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import QUIET, REPO, read_jsonl
 
-from clipdist.launch import free_port
+from clipdist.distributed.launch import free_port
 
 pytestmark = pytest.mark.slurm
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "sinfo")

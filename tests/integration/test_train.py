@@ -102,7 +102,7 @@ def test_loader_workers_priority_follows_what_the_run_measures(tmp_path, cache_d
     wait for data decides at step 30 (warm-up 10 + a 20-step window), in the log: idle priority where the rank
     waited less than `idle_below` of its time (made certain either way here: every share is below 1.01 and none
     below 0)."""
-    from clipdist import host
+    from clipdist.distributed import host
     from clipdist.data import workers
 
     monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (1, "1 CPU (test)"))
@@ -121,7 +121,7 @@ def test_the_loader_worker_count_the_run_measures_changes_no_sample(tmp_path, ca
     """data.workers=auto on a CPU rank with 4 CPUs: 4 readers, 2 workers at the start; at step 30 the run moves to
     the count its measurements favour (made to move here: no minimum gain; a digits step outweighs its loading,
     so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 4 fixed workers (4 readers)."""
-    from clipdist import host
+    from clipdist.distributed import host
     from clipdist.data import workers
 
     monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (4, "4 CPUs (test)"))

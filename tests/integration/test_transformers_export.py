@@ -122,8 +122,8 @@ def exported(trained_run, cache_dir, tmp_path_factory):
 
 
 def test_transformers_alone_loads_the_export_with_the_same_features_and_token_ids(trained_run, exported):
-    from clipdist import targets
-    from clipdist.models import get_tokenizer
+    from clipdist.model import targets
+    from clipdist.model.factory import get_tokenizer
 
     out, said, images, theirs, _ = exported
     assert "CLIPModel.from_pretrained" in said

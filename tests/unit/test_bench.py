@@ -10,7 +10,7 @@ def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_pat
     from fixtures import image_bytes, write_samples
     from helpers import REPO
 
-    from clipdist.models import get_tokenizer
+    from clipdist.model.factory import get_tokenizer
 
     spec = importlib.util.spec_from_file_location("bench_loader", REPO / "scripts" / "bench_loader.py")
     bench_loader = importlib.util.module_from_spec(spec)

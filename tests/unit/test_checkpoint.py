@@ -8,11 +8,11 @@ import random
 import numpy as np
 import torch
 
-from clipdist.checkpoint import Checkpointer, CheckpointFiles
+from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
 from clipdist.config import TrainConfig
-from clipdist.launch import detect_env
-from clipdist.state import TrainState
-from clipdist.weights import read_progress
+from clipdist.distributed.launch import detect_env
+from clipdist.checkpoint.state import TrainState
+from clipdist.checkpoint.weights import read_progress
 
 
 class LiveStream:

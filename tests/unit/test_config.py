@@ -128,7 +128,7 @@ def test_train_py_refuses_spawned_ranks_before_they_start(tmp_path, overrides, c
 def test_a_model_config_file_is_a_model_name(tmp_path):
     import json
 
-    from clipdist.models import CONFIG_DIR, create_model, get_tokenizer
+    from clipdist.model.factory import CONFIG_DIR, create_model, get_tokenizer
 
     config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
     config["vision_cfg"]["patch_size"] = 4
@@ -174,7 +174,7 @@ def test_micro_batch_sets_the_number_of_chunks():
 ])
 def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch,
                                                                             key, message):
-    from clipdist.launch import free_port
+    from clipdist.distributed.launch import free_port
 
     port = free_port()  # nothing listens there
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` entry

@@ -25,7 +25,7 @@ from clipdist.data.samples import (
 from clipdist.data.sources import eval_set, expand_shards
 from clipdist.data.batch import zero_counts
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
-from clipdist.models import get_tokenizer
+from clipdist.model.factory import get_tokenizer
 
 
 def png(value):

@@ -101,7 +101,7 @@ def _is_config_key(dotted: str) -> bool:
 
 
 def test_every_code_symbol_and_config_key_the_docs_cite_exists():
-    """A backticked `module.symbol` (clipdist.models.check_config_is_data, weights.read_small_json, objective.base.Term)
+    """A backticked `module.symbol` (clipdist.model.factory.check_config_is_data, weights.read_small_json, objective.base.Term)
     resolves in the code, and a backticked config key (data.readers, loss.distill.weight) is in the schema: the docs
     cannot name what was renamed or removed."""
     tokens = {token: pages for token, pages in cited(r"`((?:clipdist\.)?[a-z_]+(?:\.[A-Za-z_]\w*)+)`").items()

@@ -11,8 +11,8 @@ from helpers import refusal
 
 from clipdist.config import DataConfig
 from clipdist.data.sources import EvalSet, eval_set
-from clipdist.evaluate import evaluate, fill_template, recall_at_k
-from clipdist.models import create_model, get_tokenizer
+from clipdist.train.evaluate import evaluate, fill_template, recall_at_k
+from clipdist.model.factory import create_model, get_tokenizer
 
 
 def test_recall_counts_an_image_right_when_any_of_its_captions_is_among_the_best():
@@ -89,7 +89,7 @@ def test_retrieval_metrics_equal_open_clip_trains_get_clip_metrics():
     """One caption per image (open_clip's case): recall@k, mean and median rank as open_clip_train computes them."""
     from open_clip_train.train import get_clip_metrics
 
-    from clipdist.evaluate import SIMILARITY_BLOCK, retrieval_metrics
+    from clipdist.train.evaluate import SIMILARITY_BLOCK, retrieval_metrics
 
     generator = torch.Generator().manual_seed(0)
     images = torch.nn.functional.normalize(torch.randn(300, 16, generator=generator), dim=-1)
@@ -108,7 +108,7 @@ def test_tied_captions_and_images_count_against_retrieval_not_for_it():
     """200 captions holding 10 distinct strings (each shared by 20 images): a caption tied with its copies is no
     hit. Pessimistic ranks: every copy that belongs to another image counts above the true one, so R@1 is 0 and
     the mean rank at least 19 (strict ranks gave 0.905 on such a set); the same for duplicated images."""
-    from clipdist.evaluate import SIMILARITY_BLOCK, retrieval_metrics
+    from clipdist.train.evaluate import SIMILARITY_BLOCK, retrieval_metrics
 
     generator = torch.Generator().manual_seed(3)
     images = torch.nn.functional.normalize(torch.randn(200, 16, generator=generator), dim=-1)
@@ -127,7 +127,7 @@ def test_tied_captions_and_images_count_against_retrieval_not_for_it():
 def test_the_validation_loss_is_open_clips_clip_loss_over_blocks():
     from open_clip.loss import ClipLoss
 
-    from clipdist.evaluate import clip_loss_in_blocks
+    from clipdist.train.evaluate import clip_loss_in_blocks
 
     generator = torch.Generator().manual_seed(1)
     images = torch.nn.functional.normalize(torch.randn(20, 8, generator=generator), dim=-1)
@@ -138,7 +138,7 @@ def test_the_validation_loss_is_open_clips_clip_loss_over_blocks():
 
 
 def test_ranking_in_small_blocks_equals_ranking_the_whole_matrix(monkeypatch):
-    from clipdist import evaluate as evaluation
+    from clipdist.train import evaluate as evaluation
 
     generator = torch.Generator().manual_seed(2)
     images = torch.nn.functional.normalize(torch.randn(50, 8, generator=generator), dim=-1)

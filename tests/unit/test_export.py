@@ -20,7 +20,7 @@ def test_export_refuses_to_overwrite_and_names_a_missing_source(trained_run, tmp
 
 
 def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(trained_run, tmp_path):
-    from clipdist.weights import read_run_checkpoint, read_weights
+    from clipdist.checkpoint.weights import read_run_checkpoint, read_weights
 
     checkpoint = trained_run / "checkpoints" / "step_00000030.dcp"
     expected = read_run_checkpoint(checkpoint)[0]
@@ -41,7 +41,7 @@ def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_the
     from helpers import refusal
     from safetensors.torch import save_file
 
-    from clipdist.models import create_model
+    from clipdist.model.factory import create_model
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     hub, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
@@ -70,8 +70,8 @@ def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, mon
 
     import huggingface_hub.constants
 
-    from clipdist.models import create_model, get_tokenizer
-    from clipdist.weights import read_weights
+    from clipdist.model.factory import create_model, get_tokenizer
+    from clipdist.checkpoint.weights import read_weights
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "export")]) == 0

@@ -13,8 +13,8 @@ from fixtures import caption_shards
 from helpers import train_stream
 
 from clipdist.data.transforms import image_size_stages, image_transforms
-from clipdist.flexible_grid import allow_other_sizes
-from clipdist.models import create_model, weights_for
+from clipdist.model.flexible_grid import allow_other_sizes
+from clipdist.model.factory import create_model, weights_for
 
 
 def _tiny():

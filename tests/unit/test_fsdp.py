@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clipdist.checkpoint import Checkpointer, CheckpointFiles
+from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
 from clipdist.config import TrainConfig, as_dict
 from clipdist.errors import CheckpointError, ConfigError
 
@@ -48,8 +48,9 @@ def test_a_checkpoint_of_the_pt_days_is_resumed_under_ddp_only(tmp_path):
 
 
 def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
-    from clipdist import parallel, preflight
-    from clipdist.models import create_model
+    from clipdist import preflight
+    from clipdist.distributed import parallel
+    from clipdist.model.factory import create_model
 
     model = create_model("clipdist-tiny", device="meta")
     preflight.check_shardable(model, "clipdist-tiny")  # has blocks: fine

@@ -6,9 +6,9 @@ import torch
 from open_clip.transformer import PatchDropout
 
 from clipdist.losses import build
-from clipdist.models import create_model_for_loss
+from clipdist.model.factory import create_model_for_loss
 from clipdist.data.batch import Batch
-from clipdist.step import CachedStep, Step, _restored_rng, _rng_state
+from clipdist.train.step import CachedStep, Step, _restored_rng, _rng_state
 from clipdist.tools.gradcheck import _random_batch
 
 BATCH = 6

@@ -4,10 +4,10 @@ import os
 import pytest
 import torch
 
-from clipdist import host
+from clipdist.distributed import host
 from clipdist.data import workers as loader
-from clipdist.host import intra_op_threads
-from clipdist.launch import _expand_first_host, detect_env
+from clipdist.distributed.host import intra_op_threads
+from clipdist.distributed.launch import _expand_first_host, detect_env
 
 
 def test_torchrun_variables_win():

@@ -5,17 +5,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import clipdist
+
 PACKAGE = Path(__file__).resolve().parents[2] / "clipdist"
 
-# Lowest first. A module not listed under its own name takes its package's layer ("data" for clipdist.data.*).
-LAYERS = [
-    {"errors", "defaults", "config", "precision", "parallel", "console", "launch", "host", "files"},
-    {"losses", "models", "timm_towers", "short_text", "flexible_grid", "weights", "targets", "data", "optim", "checkpoint", "run_dir", "tracking", "remote",
-     "state"},
-    {"objective", "step", "evaluate", "preflight", "recipe"},
-    {"trainer"},
-    {"tools", "cli", "__main__", "conf"},
-]
+LAYERS = [set(names) for names in clipdist.LAYERS]  # lowest first, declared in clipdist/__init__.py
+
 LOCAL_IMPORTS_OUTSIDE_CLI = 40  # function-level imports left: optional dependencies and lazy starts
 
 
@@ -31,7 +26,7 @@ def _layer(module: str) -> int:
         for level, names in enumerate(LAYERS):
             if name in names:
                 return level
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in clipdist/__init__.py")
 
 
 def _imports(path: Path, modules: set[str]) -> list[tuple[str, bool]]:

@@ -14,8 +14,8 @@ from fixtures import caption_shards
 from helpers import refusal
 
 from clipdist.cli import main as cli
-from clipdist.models import CONFIG_DIR, check_config_is_data, resolve_model_name
-from clipdist.weights import UnsafeFileError
+from clipdist.model.factory import CONFIG_DIR, check_config_is_data, resolve_model_name
+from clipdist.checkpoint.weights import UnsafeFileError
 
 
 def _hostile_tokenizer(folder: Path, marker: Path) -> Path:

@@ -13,11 +13,11 @@ from timm.data.naflex_transforms import Patchify
 from clipdist.config import DataConfig
 from clipdist.data.naflex import PatchImages, TokenBudget, eval_seq_len, resolve_seq_lens
 from clipdist.data.order import BudgetOrder
-from clipdist.launch import _openmp_runtime
-from clipdist.models import blank_images, create_model, lock_towers
-from clipdist.optim import layer_scales
+from clipdist.distributed.launch import _openmp_runtime
+from clipdist.model.factory import blank_images, create_model, lock_towers
+from clipdist.train.optim import layer_scales
 from clipdist.preflight import check_naflex
-from clipdist.timm_towers import check_image_tower, float32_parameters, random_patches
+from clipdist.model.timm_towers import check_image_tower, float32_parameters, random_patches
 
 NAFLEX = "clipdist-naflex-tiny"
 

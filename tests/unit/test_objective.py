@@ -8,7 +8,7 @@ from open_clip.loss import CoCaLoss
 
 from clipdist.config import LossConfig
 from clipdist.losses import build
-from clipdist.models import check_loss_weights
+from clipdist.model.factory import check_loss_weights
 from clipdist.objective import build_objective
 
 
@@ -70,7 +70,7 @@ def test_bad_loss_weights_are_refused(model, weights, message):
 
 def test_a_coca_model_from_scratch_is_initialised_the_same_on_every_rank():
     """open_clip 3.3 leaves CoCa's decoder projection as torch.empty's memory; clipdist initialises it."""
-    from clipdist.models import create_model
+    from clipdist.model.factory import create_model
 
     def built():
         torch.manual_seed(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from clipdist.config import to_train_config
 from clipdist.data.sources import Shards
 from clipdist.data.tables import TableFormat, table_parts
-from clipdist.recipe import table_rows, traps
+from clipdist.train.recipe import table_rows, traps
 
 
 def config(**sections):

@@ -15,10 +15,10 @@ from PIL import Image
 from clipdist.config import DataConfig, ModelConfig, OptimConfig, model_config, to_train_config
 from clipdist.data.batch import Batch
 from clipdist.data.transforms import augmentation_cfg, image_transforms
-from clipdist.models import built_model_config, create_model, lock_towers, model_overrides
-from clipdist.optim import build_optimizer, check_optim, layer_scales
-from clipdist.precision import gradient_scaler
-from clipdist.step import build_step
+from clipdist.model.factory import built_model_config, create_model, lock_towers, model_overrides
+from clipdist.train.optim import build_optimizer, check_optim, layer_scales
+from clipdist.model.precision import gradient_scaler
+from clipdist.train.step import build_step
 
 
 def _optim(**values) -> OptimConfig:
@@ -85,7 +85,7 @@ def test_a_locked_image_tower_gets_no_gradient_and_no_update(tmp_path):
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     optimizer, scheduler = build_optimizer(model, _optim())
     from clipdist.losses import build
-    from clipdist.models import random_tokens
+    from clipdist.model.factory import random_tokens
 
     step = build_step(model, build("disco"), optimizer, scheduler, chunks=2)
     step(Batch.of(torch.randn(4, 3, 32, 32), random_tokens(4, model.context_length)))
@@ -250,7 +250,7 @@ def test_a_model_config_file_carrying_preprocess_cfg_builds_with_that_preprocess
 
 def _tiny_step(precision: str, chunks: int = 1):
     from clipdist.losses import build
-    from clipdist.precision import autocast
+    from clipdist.model.precision import autocast
 
     torch.manual_seed(0)
     model = create_model("clipdist-tiny")
@@ -264,7 +264,7 @@ def _tiny_step(precision: str, chunks: int = 1):
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_an_fp16_overflow_skips_the_update_halves_the_scale_and_still_counts_the_step(chunks):
-    from clipdist.models import random_tokens
+    from clipdist.model.factory import random_tokens
 
     model, step, scaler, scheduler = _tiny_step("fp16", chunks)
     images, tokens = torch.randn(4, 3, 32, 32), random_tokens(4, model.context_length)
@@ -282,7 +282,7 @@ def test_an_fp16_overflow_skips_the_update_halves_the_scale_and_still_counts_the
 
 def test_fp16_steps_follow_fp32_steps():
     """Scaling by a power of two is exact: fp16 autocast + scaler and fp32 take nearly the same first steps."""
-    from clipdist.models import random_tokens
+    from clipdist.model.factory import random_tokens
 
     images, tokens = torch.randn(8, 3, 32, 32), random_tokens(8, 16, torch.Generator().manual_seed(0))
     losses = {}
@@ -313,7 +313,7 @@ def test_recipe_settings_that_cannot_run_are_one_line_before_any_rank(tmp_path, 
 
 
 def test_a_resume_that_changes_the_structure_is_refused_and_one_that_changes_numerics_is_warned(tmp_path):
-    from clipdist.checkpoint import _compare
+    from clipdist.checkpoint.manager import _compare
     from clipdist.config import as_dict
     from clipdist.errors import ConfigError
 

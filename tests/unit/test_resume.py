@@ -42,7 +42,7 @@ def test_a_resume_refuses_another_model_and_warns_of_a_reshaped_schedule(trained
     import pytest
     from omegaconf import OmegaConf
 
-    from clipdist.checkpoint import Checkpointer
+    from clipdist.checkpoint.manager import Checkpointer
     from clipdist.config import ConfigError, to_train_config
 
     run = tmp_path / "run"

@@ -20,7 +20,7 @@ def test_resume_with_another_loss_is_refused_and_changes_nothing(trained_run, ca
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_every_stop_signal_asks_for_a_stop(signum):
-    from clipdist.launch import StopRequested, StopSignal
+    from clipdist.distributed.launch import StopRequested, StopSignal
 
     stop = StopSignal()
     try:
@@ -38,7 +38,7 @@ def test_a_file_system_without_flock_is_one_line_saying_where_to_run(tmp_path, m
     import fcntl
 
     from clipdist.errors import ConfigError
-    from clipdist.run_dir import RunLock
+    from clipdist.checkpoint.run_dir import RunLock
 
     def no_flock(*_):  # what Lustre mounted without -o flock answers
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))

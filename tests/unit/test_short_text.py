@@ -9,9 +9,9 @@ import torch
 
 from clipdist.data.batch import Batch
 from clipdist.losses import build
-from clipdist.models import create_model, get_tokenizer
-from clipdist.short_text import allow_short_text, trim, trims_exactly
-from clipdist.step import build_step
+from clipdist.model.factory import create_model, get_tokenizer
+from clipdist.model.short_text import allow_short_text, trim, trims_exactly
+from clipdist.train.step import build_step
 
 CAPTIONS = ["a photo of the digit seven.", "4", "a handwritten zero, slightly slanted to the left, on white",
             "café's — nine"]

@@ -27,7 +27,7 @@ from clipdist.tools import to_transformers
 ], ids=["layer_scale", "attn_pool", "avg_pool", "no_ln_pre", "not_square", "not_causal", "last_pool",
         "cosine_attn", "timm_tower", "coca"])
 def test_what_clipmodel_cannot_represent_is_refused_naming_the_part(build, part):
-    from clipdist import models
+    from clipdist.model import factory as models
 
     models._register_model_configs()
     with pytest.raises(to_transformers.NoCounterpart, match=part) as refused:

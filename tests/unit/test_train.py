@@ -7,7 +7,7 @@ import math
 import pytest
 from helpers import read_jsonl, train
 
-from clipdist.weights import read_progress
+from clipdist.checkpoint.weights import read_progress
 
 
 def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache_dir):
@@ -25,7 +25,7 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [3]
     checkpoint = run_dir / "checkpoints" / "step_00000003.dcp"
     assert checkpoint.is_dir()
-    banner = ["model clipdist-tiny: 3.4M parameters, 3.4M trained",  # the recipe said back (clipdist/recipe.py)
+    banner = ["model clipdist-tiny: 3.4M parameters, 3.4M trained",  # the recipe said back (clipdist/train/recipe.py)
               "optimizer adamw (lr 0.002, weight decay 0.1, betas [0.9, 0.98], eps 1e-06, grad clip 1); cosine "
               "schedule, warmup 2 of 3 steps; precision fp32",
               "loss disco: contrastive_loss × 1; global batch 16 (1 rank(s) × 16); ddp",

@@ -80,7 +80,7 @@ def test_export_of_a_checkpoint_that_would_run_code_is_refused(untrusted, tmp_pa
 def test_a_trusted_file_is_converted_once_and_then_read_safely(untrusted, trained_run, tmp_path, capsys, name):
     """`clipdist trust` reads the file the unsafe way (the code runs: that is what trusting means) and writes a
     copy of tensors and plain values, which clipdist then reads — the same weights, nothing refused."""
-    from clipdist.weights import read_run_checkpoint, read_weights, verify
+    from clipdist.checkpoint.weights import read_run_checkpoint, read_weights, verify
 
     made, marker = untrusted
     out = tmp_path / ("copy.dcp" if made[name].is_dir() else "copy.pt")
@@ -112,7 +112,7 @@ def test_dcp_metadata_may_name_an_enum_member_by_getattr_and_nothing_else(tmp_pa
 
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from clipdist.weights import UnsafeFileError, _MetadataUnpickler
+    from clipdist.checkpoint.weights import UnsafeFileError, _MetadataUnpickler
 
     class ByGetattr:
         def __init__(self, owner, name):

@@ -35,9 +35,9 @@ from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
 from clipdist.losses import clip_loss
-from clipdist.models import has_caption_decoder
+from clipdist.model.factory import has_caption_decoder
 from clipdist.objective import caption_cross_entropy
-from clipdist.parallel import all_ranks, rank_and_world_size
+from clipdist.distributed.parallel import all_ranks, rank_and_world_size
 
 SIMILARITY_BLOCK = 1 << 24  # similarities held at once while ranking (64 MB of float32)
 

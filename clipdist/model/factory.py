@@ -20,12 +20,12 @@ from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed,
 from open_clip.transform import merge_preprocess_dict
 
 from clipdist.defaults import DEFAULT_MODEL
-from clipdist.parallel import node_leaders_first
-from clipdist.timm_towers import (KWARGS_KEY, check_image_tower, check_tower_kwargs, naflex_patch_size, naflex_trunk,
+from clipdist.distributed.parallel import node_leaders_first
+from clipdist.model.timm_towers import (KWARGS_KEY, check_image_tower, check_tower_kwargs, naflex_patch_size, naflex_trunk,
                                   take_tower_kwargs, timm_tower, tower_settings)
-from clipdist.weights import UnsafeFileError, read_small_json, read_weights
+from clipdist.checkpoint.weights import UnsafeFileError, read_small_json, read_weights
 
-CONFIG_DIR = Path(__file__).parent / "model_configs"
+CONFIG_DIR = Path(__file__).parents[1] / "model_configs"
 
 
 @functools.cache
@@ -408,7 +408,7 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
         if isinstance(found, str):
             return found
     if not constants.HF_HUB_OFFLINE:
-        from clipdist.launch import unreachable
+        from clipdist.distributed.launch import unreachable
 
         reason = unreachable(constants.ENDPOINT)
         if reason:
@@ -454,7 +454,7 @@ def create_model(
     `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny), a config file, or
     `hf-hub:` / `local-dir:` (see resolve_model_name); those two bring their weights, as does a pretrained
     tag (`pretrained`, with its image preprocessing). `checkpoint` loads weights from a local file or folder
-    instead (clipdist.weights.read_weights: nothing in it runs). Weights are fetched, where they must be, into open_clip's cache (`cache_dir`).
+    instead (clipdist.checkpoint.weights.read_weights: nothing in it runs). Weights are fetched, where they must be, into open_clip's cache (`cache_dir`).
     `init_logit_scale` is the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP);
     a file's scalars replace them, except a bias the file does not have. `overrides`: open_clip.create_model's
     force_* / pretrained_image arguments and the image preprocessing ("preprocess"), as model_overrides makes them.

@@ -21,7 +21,7 @@ import open_clip.timm_model
 import timm
 import torch
 
-from clipdist.weights import UnsafeFileError
+from clipdist.checkpoint.weights import UnsafeFileError
 
 KWARGS_KEY = "timm_model_kwargs"
 # Keyword arguments that could make timm read a file or fetch one: a tower's weights come from model.* settings only.

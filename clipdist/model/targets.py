@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from clipdist.config import model_config
-from clipdist.models import (EXPORT_CONFIG, create_model, fetches_weights, model_overrides, pretrained_cfg,
+from clipdist.model.factory import (EXPORT_CONFIG, create_model, fetches_weights, model_overrides, pretrained_cfg,
                              resolve_model_name, weights_for)
-from clipdist.parallel import node_leaders_first
-from clipdist.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
+from clipdist.distributed.parallel import node_leaders_first
+from clipdist.checkpoint.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
 
 
 @dataclass(frozen=True)

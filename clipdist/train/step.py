@@ -23,7 +23,7 @@ host memory on CUDA) and each chunk is put on the device as it runs: the device 
 The step's agreement (global loss, stop signal, checkpoint timer, the stream's counts) is one all-reduce,
 issued after the loss and read after backward: the step's one host sync, where the optimizer needs it.
 
-With a gradient scaler (precision=fp16, clipdist.precision) the loss is scaled before its backward (the
+With a gradient scaler (precision=fp16, clipdist.model.precision) the loss is scaled before its backward (the
 cached feature gradients carry the scale into every chunk's backward) and the gradients unscaled once,
 before clipping; an overflow anywhere skips the update on every rank (`Step.overflowed`); the step still
 counts and the schedule advances, as in open_clip_train.
@@ -38,9 +38,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
-from clipdist import parallel
+from clipdist.distributed import parallel
 from clipdist.data.batch import Batch, as_batch, floats_to
-from clipdist.short_text import trim
+from clipdist.model.short_text import trim
 from clipdist.objective import Outputs, as_objective
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from clipdist.parallel import rank_and_world_size
+from clipdist.distributed.parallel import rank_and_world_size
 
 
 RNG_KEY = "rank_{:05d}"  # a rank's generators among a checkpoint's tensors (rng.<key>.*: written by that rank)

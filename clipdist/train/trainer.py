@@ -16,8 +16,12 @@ import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from clipdist import console, host, launch, parallel, precision, targets
-from clipdist.checkpoint import Checkpointer
+from clipdist import console
+
+from clipdist.distributed import host, launch, parallel
+
+from clipdist.model import precision, targets
+from clipdist.checkpoint.manager import Checkpointer
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.images import PixelNormalize, normalize_on_device
@@ -27,20 +31,20 @@ from clipdist.data.stream import TrainStream
 from clipdist.data.transforms import image_transforms
 from clipdist.data.workers import LoaderPlan, loader_priority
 from clipdist.errors import TrainingDiverged
-from clipdist.evaluate import evaluate
-from clipdist.flexible_grid import allow_other_sizes
+from clipdist.train.evaluate import evaluate
+from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.losses import build as build_loss
-from clipdist.models import blank_images, create_run_model
+from clipdist.model.factory import blank_images, create_run_model
 from clipdist.objective import run_objective
-from clipdist.optim import build_optimizer
+from clipdist.train.optim import build_optimizer
 from clipdist.preflight import loader_workers_for, preflight
-from clipdist.recipe import recipe, traps
-from clipdist.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
-from clipdist.short_text import allow_short_text
-from clipdist.state import TrainState, seed_everything
-from clipdist.step import build_step
-from clipdist.timm_towers import naflex_trunk, seq_len
-from clipdist.tracking import RunTracker, StepProfiler
+from clipdist.train.recipe import recipe, traps
+from clipdist.checkpoint.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
+from clipdist.model.short_text import allow_short_text
+from clipdist.checkpoint.state import TrainState, seed_everything
+from clipdist.train.step import build_step
+from clipdist.model.timm_towers import naflex_trunk, seq_len
+from clipdist.train.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
 
@@ -110,7 +114,7 @@ class Parts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: object  # fp16's gradient scaler, or None
     autocast: object
-    step: object  # clipdist.step.Step: one optimisation step of a Batch
+    step: object  # clipdist.train.step.Step: one optimisation step of a Batch
     train_transform: object
     val_transform: object
 
@@ -325,7 +329,7 @@ class Trainer:
 
     def evaluate(self) -> dict | None:
         """Every evaluation set, on every rank: each encodes its share, all get the same metrics
-        (clipdist.evaluate), so no rank waits on another's evaluation. A set that fails (on any rank: the failure is
+        (clipdist.train.evaluate), so no rank waits on another's evaluation. A set that fails (on any rank: the failure is
         agreed) is logged and counted (eval_errors) and training goes on: evaluation never stops a run."""
         if not self.shards.evals:
             return None

@@ -5,9 +5,9 @@ A checkpoint is a folder, `<run_dir>/checkpoints/step_XXXXXXXX.dcp/`, whatever t
   - torch.distributed.checkpoint shards of the model and the optimizer (`get_state_dict`: keyed by parameter
     name; DDP's replicas written once, FSDP's shards by the ranks that hold them), so a checkpoint resumes at
     any world size, under DDP or FSDP alike; beside them each rank's generators and the data readers' positions
-    as tensors (clipdist.state.TrainState.sharded_state_dict), each written by the ranks that hold them;
+    as tensors (clipdist.checkpoint.state.TrainState.sharded_state_dict), each written by the ranks that hold them;
   - `progress.pt`: step, samples seen, schedule, the stream's layout and position, the world size and the config
-    — plain Python types only, nothing that grows with the world, read back with weights_only (clipdist.weights).
+    — plain Python types only, nothing that grows with the world, read back with weights_only (clipdist.checkpoint.weights).
 Every rank writes into a hidden `.step_XXXXXXXX.dcp.partial/`, then rank 0 adds progress.pt and renames it:
 a crash mid-save leaves only the hidden folder, never a checkpoint under a real name. The newest
 `keep_checkpoints` are kept; resume takes the newest that can be read. `step_*.pt` files (DDP runs before the
@@ -31,13 +31,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from clipdist import weights
+from clipdist.checkpoint import weights
 from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dict, resume_rule
 from clipdist.errors import CheckpointError, ConfigError
-from clipdist.launch import DistEnv, StopSignal
-from clipdist.parallel import all_ranks
-from clipdist.remote import RemoteCopies
-from clipdist.state import TrainState
+from clipdist.distributed.launch import DistEnv, StopSignal
+from clipdist.distributed.parallel import all_ranks
+from clipdist.checkpoint.remote import RemoteCopies
+from clipdist.checkpoint.state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import fsspec
 
 from clipdist.errors import ConfigError
-from clipdist.run_dir import COPIED_LOGS
-from clipdist.weights import CHECKPOINT
+from clipdist.checkpoint.run_dir import COPIED_LOGS
+from clipdist.checkpoint.weights import CHECKPOINT
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"

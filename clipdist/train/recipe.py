@@ -13,7 +13,7 @@ import torch
 from clipdist.config import TrainConfig
 from clipdist.data import tables
 from clipdist.data.sources import Shards
-from clipdist.short_text import trims_exactly
+from clipdist.model.short_text import trims_exactly
 
 SCALARS = ("logit_scale", "logit_bias")
 

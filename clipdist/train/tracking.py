@@ -10,8 +10,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from clipdist.errors import RunDirError
-from clipdist.launch import unreachable
-from clipdist.run_dir import jsonl_rows
+from clipdist.distributed.launch import unreachable
+from clipdist.checkpoint.run_dir import jsonl_rows
 
 DEFAULT_WANDB_URL = "https://api.wandb.ai"
 REACH_TIMEOUT_S = 10

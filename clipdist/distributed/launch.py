@@ -2,7 +2,7 @@
 the process group, the local launcher, the stop signals a run answers with a checkpoint, and the
 killing of a process tree (loader workers, `pipe:` commands).
 
-The loss backends' collectives live in clipdist.losses.collectives, the loop's in clipdist.parallel.
+The loss backends' collectives live in clipdist.losses.collectives, the loop's in clipdist.distributed.parallel.
 """
 from __future__ import annotations
 

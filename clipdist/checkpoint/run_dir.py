@@ -130,7 +130,7 @@ def rewind_jsonl(path: str | Path, step: int) -> int:
 
 SAMPLES = "samples"  # logging.sample_keys: <run_dir>/samples/rank_<r>.jsonl
 STEP_LOGS = ("train_log.jsonl", "metrics.jsonl")
-COPIED_LOGS = (*STEP_LOGS, "train.log")  # go off the node with the checkpoints (checkpoint.remote: clipdist.remote)
+COPIED_LOGS = (*STEP_LOGS, "train.log")  # go off the node with the checkpoints (checkpoint.remote: clipdist.checkpoint.remote)
 
 
 def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str], seq_len: int | None = None) -> None:
