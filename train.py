@@ -3,6 +3,7 @@
 From any install, the same is `clipdist train ...` or `python -m clipdist train ...`.
 The config groups live in clipdist/conf (conf/ here points there).
 """
+
 from clipdist.cli import train_main
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`clipdist` command line: train, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval, trust,
 report."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from clipdist.distributed import host
 from clipdist.compat import floor_problem
+from clipdist.distributed import host
 from clipdist.errors import printable
 
 
@@ -38,8 +39,21 @@ def _given(args: argparse.Namespace, *names: str) -> dict:
 def _gradcheck(args: argparse.Namespace) -> int:
     from clipdist.tools.gradcheck import run_gradcheck
 
-    options = _given(args, "world_size", "local_batch", "dtype", "model", "seed", "timeout_s", "chunks", "parallel",
-                     "lock_image", "lock_text", "scaler", "distill")
+    options = _given(
+        args,
+        "world_size",
+        "local_batch",
+        "dtype",
+        "model",
+        "seed",
+        "timeout_s",
+        "chunks",
+        "parallel",
+        "lock_image",
+        "lock_text",
+        "scaler",
+        "distill",
+    )
     if args.loss or hasattr(args, "backend"):
         options["loss"] = args.loss or args.backend
     report = run_gradcheck(**options)
@@ -62,12 +76,15 @@ def _print_report(report, verbose: bool) -> None:
     cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
     cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
     cached += ", distilled from a teacher" if report.distill else ""
-    table = Table(title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, "
-                        f"{report.dtype}{cached}")
+    table = Table(
+        title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, {report.dtype}{cached}"
+    )
     table.add_column("parameter")
     table.add_column("rel. error", justify="right")
     table.add_column("verdict")
-    table.add_row("loss value", f"{report.loss_rel_err:.2e}", "exact" if report.loss_rel_err <= report.tolerance else "wrong")
+    table.add_row(
+        "loss value", f"{report.loss_rel_err:.2e}", "exact" if report.loss_rel_err <= report.tolerance else "wrong"
+    )
     failing = [c for c in report.parameters if c.verdict != "exact"]
     always = [c for c in report.parameters if c.name in SCALAR_PARAMETERS]
     shown = report.parameters if verbose else (failing[:40] + [c for c in always if c not in failing])
@@ -87,45 +104,67 @@ def _print_report(report, verbose: bool) -> None:
         f"{verdict}: {report.backend} on {report.world_size} ranks, max relative error "
         f"{report.max_rel_err:.2e} (tolerance {report.tolerance:.0e}), "
         f"{len(report.parameters) - len(failing)}/{len(report.parameters)} parameters exact"
-        + (f" ({report.locked_parameters} locked: no gradient, as in the reference)" if report.locked_parameters else "")
+        + (
+            f" ({report.locked_parameters} locked: no gradient, as in the reference)"
+            if report.locked_parameters
+            else ""
+        )
     )
 
 
 def _make_shards(args: argparse.Namespace) -> int:
     from clipdist.data.shard_writer import make_shards, pairs_from_csv, pairs_from_folder
 
-    pairs = pairs_from_folder(args.images) if args.images else pairs_from_csv(args.csv, args.path_column, args.caption_column,
-                                                                                args.separator)
+    pairs = (
+        pairs_from_folder(args.images)
+        if args.images
+        else pairs_from_csv(args.csv, args.path_column, args.caption_column, args.separator)
+    )
     unreadable = []
 
     def skip(message: str) -> None:
         unreadable.append(message)
         print(f"warning: skipped {message}", file=sys.stderr)
 
-    written = make_shards(pairs, args.out, args.prefix, args.samples_per_shard, overwrite=args.overwrite,
-                          on_unreadable=skip)
-    print(f"wrote {len(written)} shard(s) to {args.out}: "
-          f"{args.out}/{args.prefix}-{{000000..{len(written) - 1:06d}}}.tar"
-          + (f" ({len(unreadable)} unreadable image(s) left out)" if unreadable else ""))
+    written = make_shards(
+        pairs, args.out, args.prefix, args.samples_per_shard, overwrite=args.overwrite, on_unreadable=skip
+    )
+    print(
+        f"wrote {len(written)} shard(s) to {args.out}: "
+        f"{args.out}/{args.prefix}-{{000000..{len(written) - 1:06d}}}.tar"
+        + (f" ({len(unreadable)} unreadable image(s) left out)" if unreadable else "")
+    )
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
     from clipdist.tools.export import export
 
-    said = export(args.source, args.out, format=args.format, overwrite=args.overwrite, pretrained=args.pretrained,
-                  model_name=args.model)
+    said = export(
+        args.source,
+        args.out,
+        format=args.format,
+        overwrite=args.overwrite,
+        pretrained=args.pretrained,
+        model_name=args.model,
+    )
     if args.format == "transformers":
-        print(f"exported {said} to {args.out}: transformers.CLIPModel.from_pretrained('{args.out}'), "
-              f"CLIPProcessor.from_pretrained('{args.out}'), or pipeline('zero-shot-image-classification', "
-              f"model='{args.out}')")
+        print(
+            f"exported {said} to {args.out}: transformers.CLIPModel.from_pretrained('{args.out}'), "
+            f"CLIPProcessor.from_pretrained('{args.out}'), or pipeline('zero-shot-image-classification', "
+            f"model='{args.out}')"
+        )
     elif (Path(args.out) / "image_tower").is_dir():  # a NaFlex tower (tools.export.IMAGE_TOWER)
-        print(f"exported {said} to {args.out}: clipdist eval {args.out}, open_clip main's "
-              f"create_model_and_transforms('local-dir:{args.out}') (open_clip 3.3 cannot read its timm_model_kwargs), "
-              f"or the image tower alone: timm.create_model('local-dir:{args.out}/image_tower', pretrained=True)")
+        print(
+            f"exported {said} to {args.out}: clipdist eval {args.out}, open_clip main's "
+            f"create_model_and_transforms('local-dir:{args.out}') (open_clip 3.3 cannot read its timm_model_kwargs), "
+            f"or the image tower alone: timm.create_model('local-dir:{args.out}/image_tower', pretrained=True)"
+        )
     else:
-        print(f"exported {said} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
-              f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''")
+        print(
+            f"exported {said} to {args.out}: open_clip.create_model_and_transforms('local-dir:{args.out}'), "
+            f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''"
+        )
     return 0
 
 
@@ -135,9 +174,18 @@ def _eval(args: argparse.Namespace) -> int:
 
     from clipdist.tools.evaluation import run_eval, write_metrics
 
-    metrics = run_eval(args.target, dict(args.sets), pretrained=args.pretrained, model_name=args.model,
-                       classnames=args.classnames or [], templates=args.templates or [], world_size=args.world,
-                       batch_size=args.batch, precision=args.precision, cache_dir=args.cache_dir)
+    metrics = run_eval(
+        args.target,
+        dict(args.sets),
+        pretrained=args.pretrained,
+        model_name=args.model,
+        classnames=args.classnames or [],
+        templates=args.templates or [],
+        world_size=args.world,
+        batch_size=args.batch,
+        precision=args.precision,
+        cache_dir=args.cache_dir,
+    )
     if args.out:
         write_metrics(metrics, args.out)
     if args.json:
@@ -158,8 +206,10 @@ def _trust(args: argparse.Namespace) -> int:
     from clipdist.tools.trust import trust
 
     out = trust(args.source, args.out)
-    print(f"converted {args.source} to {out}: tensors and plain values only, read without running anything "
-          f"(model.checkpoint={out}, resume={out}, clipdist export {out})")
+    print(
+        f"converted {args.source} to {out}: tensors and plain values only, read without running anything "
+        f"(model.checkpoint={out}, resume={out}, clipdist export {out})"
+    )
     return 0
 
 
@@ -175,8 +225,10 @@ def _plan(args: argparse.Namespace) -> int:
     world_size, ranks_per_node = plan.resolve_world(args.world)
     if args.max_tokens is not None:  # a NaFlex token budget: the batch at the planned sequence length
         if args.global_batch is not None or args.seq_len is None:
-            raise ValueError("--max-tokens plans a NaFlex budget's batch at --seq-len (its longest length): give "
-                             "--seq-len, and not --global-batch")
+            raise ValueError(
+                "--max-tokens plans a NaFlex budget's batch at --seq-len (its longest length): give "
+                "--seq-len, and not --global-batch"
+            )
         args.global_batch = args.max_tokens // args.seq_len
     if args.global_batch is None:  # the preset's own (8gpu: 8 × 256), as `python train.py world=8gpu` trains
         args.global_batch = plan.preset_global_batch(args.world)
@@ -184,43 +236,100 @@ def _plan(args: argparse.Namespace) -> int:
     host = plan.Host(args.ranks_per_node or ranks_per_node, args.loader_workers, plan.parse_bytes(args.host_memory))
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
     console = Console(stderr=args.json, width=max(Console().width, 200))
-    measured = plan.measure(model_name, args.backend, args.precision, checkpointing,
-                            progress=lambda text: console.print(f"[dim]{text}[/dim]"), teacher=args.distill,
-                            seq_len=args.seq_len)
-    rows = plan.plan(measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel,
-                     host)
+    measured = plan.measure(
+        model_name,
+        args.backend,
+        args.precision,
+        checkpointing,
+        progress=lambda text: console.print(f"[dim]{text}[/dim]"),
+        teacher=args.distill,
+        seq_len=args.seq_len,
+    )
+    rows = plan.plan(
+        measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel, host
+    )
     if args.json:
-        print(json.dumps({"model": model_name, "world_size": world_size, "device_bytes": device_bytes,
-                          "host": {"ranks_per_node": host.ranks_per_node, "loader_workers": host.loader_workers,
-                                   "memory": host.memory},
-                          "precision": args.precision, "grad_checkpointing": checkpointing, "distill": args.distill,
-                          "rows": plan.rows_as_dicts(rows)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": model_name,
+                    "world_size": world_size,
+                    "device_bytes": device_bytes,
+                    "host": {
+                        "ranks_per_node": host.ranks_per_node,
+                        "loader_workers": host.loader_workers,
+                        "memory": host.memory,
+                    },
+                    "precision": args.precision,
+                    "grad_checkpointing": checkpointing,
+                    "distill": args.distill,
+                    "rows": plan.rows_as_dicts(rows),
+                },
+                indent=2,
+            )
+        )
         return 0
-    table = Table(title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
-                        f"global batch {args.global_batch:,} ({rows[0].local_batch:,}/device), {args.precision}, "
-                        f"device {human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node "
-                        f"({host.ranks_per_node} ranks × {host.loader_workers} loader workers)")
+    table = Table(
+        title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
+        f"global batch {args.global_batch:,} ({rows[0].local_batch:,}/device), {args.precision}, "
+        f"device {human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node "
+        f"({host.ranks_per_node} ranks × {host.loader_workers} loader workers)"
+    )
     teacher = ("teacher",) if args.distill else ()
-    for column in ("backend", "chunks", "params+optim", "activations", "cached feat.", "loss", "inputs", "comm buf.",
-                   *teacher, "peak", "fits", "host/node", "sent/step", "max global batch", "limited by"):
+    for column in (
+        "backend",
+        "chunks",
+        "params+optim",
+        "activations",
+        "cached feat.",
+        "loss",
+        "inputs",
+        "comm buf.",
+        *teacher,
+        "peak",
+        "fits",
+        "host/node",
+        "sent/step",
+        "max global batch",
+        "limited by",
+    ):
         table.add_column(column, justify="left" if column in ("backend", "limited by") else "right", no_wrap=True)
     for row in rows:
         name = row.backend + (f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
         chunks = f"{row.chunks:,}×{row.micro_batch:,}" if row.chunks > 1 else "1"
         fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
-        table.add_row(name, chunks, *(human_bytes(x) for x in (row.parameters_optimizer, row.activations,
-                                                          row.cached_features, row.loss_buffers, row.inputs,
-                                                          row.communication_buffers,
-                                                          *((row.teacher,) if teacher else ()), row.peak)),
-                      fits, human_bytes(row.host_per_node), human_bytes(row.sent_bytes_per_step),
-                      f"{row.max_global_batch:,}", row.limit)
+        table.add_row(
+            name,
+            chunks,
+            *(
+                human_bytes(x)
+                for x in (
+                    row.parameters_optimizer,
+                    row.activations,
+                    row.cached_features,
+                    row.loss_buffers,
+                    row.inputs,
+                    row.communication_buffers,
+                    *((row.teacher,) if teacher else ()),
+                    row.peak,
+                )
+            ),
+            fits,
+            human_bytes(row.host_per_node),
+            human_bytes(row.sent_bytes_per_step),
+            f"{row.max_global_batch:,}",
+            row.limit,
+        )
     console.print(table)
-    console.print(f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
-                  f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
-                  f"less. Inputs: {human_bytes(measured.input_bytes)}/sample ({'NaFlex float32 patches at --seq-len' if args.seq_len else 'uint8 pixels'} + int64 tokens). "
-                  "Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included. With gradient caching, "
-                  "run with grad_cache.micro_batch=<per chunk> and data.pieces=<chunks> (the loader reads the batch "
-                  "in chunks into host memory).[/dim]")
+    inputs = "NaFlex float32 patches at --seq-len" if args.seq_len else "uint8 pixels"
+    console.print(
+        f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
+        f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
+        f"less. Inputs: {human_bytes(measured.input_bytes)}/sample ({inputs} + int64 tokens). "
+        "Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included. With gradient caching, "
+        "run with grad_cache.micro_batch=<per chunk> and data.pieces=<chunks> (the loader reads the batch "
+        "in chunks into host memory).[/dim]"
+    )
     return 0
 
 
@@ -257,20 +366,26 @@ def _bench(args: argparse.Namespace) -> int:
     if hasattr(args, "budget"):
         options["budget_bytes"] = parse_bytes(args.budget)
     rows = bench.run(names, fits=fits, **options)
-    scaling = bench.scaling(fits, names, args.scaling_world, args.scaling_batch or bench.SCALING_BATCHES,
-                                                args.scaling_dim) if args.scaling_world else []
+    scaling = (
+        bench.scaling(fits, names, args.scaling_world, args.scaling_batch or bench.SCALING_BATCHES, args.scaling_dim)
+        if args.scaling_world
+        else []
+    )
     for path in bench.write(rows, Path(args.out), args.tag, scaling):
         print(f"wrote {path}")
     for world_size, global_batch in dict.fromkeys((row["world_size"], row["global_batch"]) for row in rows):
         print(f"\n{bench.markdown(rows, world_size, global_batch)}")
     if scaling:
-        print(f"\n{bench.scaling_markdown(scaling)}\n(kept for backward; in brackets with what the backward "
-              "holds on top. From the exact fits above, not run.)")
+        print(
+            f"\n{bench.scaling_markdown(scaling)}\n(kept for backward; in brackets with what the backward "
+            "holds on top. From the exact fits above, not run.)"
+        )
     return 0
 
 
 def _created_by_hydra(run_dir: str) -> bool:
-    """Whether the run directory holds nothing yet (Hydra made it as it started; the run log opens at its first line)."""
+    """Whether the run directory holds nothing yet (Hydra made it as it started; the run log opens at its first
+    line)."""
     return not os.path.isdir(run_dir) or not any(os.scandir(run_dir))
 
 
@@ -282,8 +397,8 @@ def _run_composed(cfg) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from clipdist import console
-    from clipdist.errors import ClipdistError
     from clipdist.distributed.launch import detect_env
+    from clipdist.errors import ClipdistError
     from clipdist.train.trainer import run
 
     hydra = HydraConfig.get()
@@ -293,8 +408,11 @@ def _run_composed(cfg) -> None:
     with open_dict(cfg):
         if OmegaConf.is_interpolation(cfg, "name"):
             multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
-            cfg.name = f"{os.path.basename(os.path.dirname(run_dir))}-{hydra.job.num}" if multirun \
+            cfg.name = (
+                f"{os.path.basename(os.path.dirname(run_dir))}-{hydra.job.num}"
+                if multirun
                 else os.path.basename(run_dir)
+            )
         cfg.run_dir = run_dir
     try:
         run(cfg, overrides=OmegaConf.to_container(hydra.overrides.task, resolve=False))  # as typed: ${...} kept
@@ -322,8 +440,9 @@ def _write_report(run_dir: str) -> None:
     try:
         picture, _ = write_report(run_dir)
     except Exception as error:  # noqa: BLE001 -- the run is done either way
-        logging.getLogger("clipdist").warning("the run's report could not be written (%s: %s)", type(error).__name__,
-                                              error)
+        logging.getLogger("clipdist").warning(
+            "the run's report could not be written (%s: %s)", type(error).__name__, error
+        )
     else:
         logging.getLogger("clipdist").info("report: %s", picture)
 
@@ -347,9 +466,21 @@ def train_main(overrides: list[str] | None = None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clipdist", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("train", add_help=False,
-                        help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)")
-    for add in (_add_gradcheck, _add_plan, _add_bench, _add_make_shards, _add_export, _add_eval, _add_trust, _add_report):
+    commands.add_parser(
+        "train",
+        add_help=False,
+        help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)",
+    )
+    for add in (
+        _add_gradcheck,
+        _add_plan,
+        _add_bench,
+        _add_make_shards,
+        _add_export,
+        _add_eval,
+        _add_trust,
+        _add_report,
+    ):
         add(commands)
     return parser
 
@@ -363,23 +494,50 @@ def _add_gradcheck(commands) -> None:
     )
     # Defaults: run_gradcheck's (argparse.SUPPRESS: an option not given is not passed).
     check.argument_default = argparse.SUPPRESS
-    check.add_argument("--backend", help="registered backend (naive, gather_layer, disco, tiled, siglip; default disco)")
+    check.add_argument(
+        "--backend", help="registered backend (naive, gather_layer, disco, tiled, siglip; default disco)"
+    )
     check.add_argument("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature")
     check.add_argument("--world", dest="world_size", type=int, help="number of local ranks (default 2)")
-    check.add_argument("--batch", dest="local_batch", type=_batch_sizes,
-                       help="local batch per rank, or one per rank: 4,3,5 (default 4)")
+    check.add_argument(
+        "--batch",
+        dest="local_batch",
+        type=_batch_sizes,
+        help="local batch per rank, or one per rank: 4,3,5 (default 4)",
+    )
     check.add_argument("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks")
-    check.add_argument("--parallel", choices=["ddp", "fsdp"],
-                       help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)")
-    check.add_argument("--lock-image", type=int, nargs="?", const=0, metavar="UNLOCKED_GROUPS",
-                       help="lock the image tower (open_clip's lock_image_tower), its last N groups left trainable")
-    check.add_argument("--lock-text", type=int, nargs="?", const=0, metavar="UNLOCKED_LAYERS",
-                       help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable")
-    check.add_argument("--scaler", action="store_true",
-                       help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)")
-    check.add_argument("--distill", action="store_true",
-                       help="add loss.distill's term against a teacher (the same model, other weights), checked "
-                            "against open_clip's DistillClipLoss on the whole batch")
+    check.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)",
+    )
+    check.add_argument(
+        "--lock-image",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="UNLOCKED_GROUPS",
+        help="lock the image tower (open_clip's lock_image_tower), its last N groups left trainable",
+    )
+    check.add_argument(
+        "--lock-text",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="UNLOCKED_LAYERS",
+        help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable",
+    )
+    check.add_argument(
+        "--scaler",
+        action="store_true",
+        help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)",
+    )
+    check.add_argument(
+        "--distill",
+        action="store_true",
+        help="add loss.distill's term against a teacher (the same model, other weights), checked "
+        "against open_clip's DistillClipLoss on the whole batch",
+    )
     check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
     check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
     check.add_argument("--seed", type=int)
@@ -398,29 +556,64 @@ def _add_plan(commands) -> None:
     )
     planner.add_argument("--model", default="vit_b32", help="conf/model preset (vit_b32) or open_clip name (ViT-B-32)")
     planner.add_argument("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks")
-    planner.add_argument("--global-batch", type=int, default=None,
-                         help="default: the world preset's (batch_per_device × ranks), 32768 for a number of ranks")
+    planner.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="default: the world preset's (batch_per_device × ranks), 32768 for a number of ranks",
+    )
     planner.add_argument("--backend", type=_csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
-    planner.add_argument("--chunks", type=_chunk_counts, default=[1],
-                         help="gradient-caching chunks, comma-separated: 1,8; auto: the chunk size that reaches the "
-                              "largest batch (within 5%%) in the fewest chunks")
-    planner.add_argument("--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)")
-    planner.add_argument("--parallel", type=_csv(str), default=["ddp"],
-                         help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)")
-    planner.add_argument("--host-memory", default="2TB",
-                         help="host memory per node, for the batch's inputs (default 2TB: a DGX H100 node)")
-    planner.add_argument("--loader-workers", type=int, default=8,
-                         help="loader workers per rank (each reads 2 loader batches ahead)")
-    planner.add_argument("--ranks-per-node", type=int, default=None,
-                         help="default: the world preset's procs_per_node (8 at most for a number of ranks)")
-    planner.add_argument("--seq-len", type=int, default=None, help="a NaFlex tower: plan its images at this many "
-                         "patches (the longest of data.seq_lens; default its image_size grid)")
-    planner.add_argument("--max-tokens", type=int, default=None, help="a NaFlex run's data.max_tokens_per_batch: the "
-                         "global batch is max_tokens // seq_len")
+    planner.add_argument(
+        "--chunks",
+        type=_chunk_counts,
+        default=[1],
+        help="gradient-caching chunks, comma-separated: 1,8; auto: the chunk size that reaches the "
+        "largest batch (within 5%%) in the fewest chunks",
+    )
+    planner.add_argument(
+        "--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)"
+    )
+    planner.add_argument(
+        "--parallel",
+        type=_csv(str),
+        default=["ddp"],
+        help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)",
+    )
+    planner.add_argument(
+        "--host-memory",
+        default="2TB",
+        help="host memory per node, for the batch's inputs (default 2TB: a DGX H100 node)",
+    )
+    planner.add_argument(
+        "--loader-workers", type=int, default=8, help="loader workers per rank (each reads 2 loader batches ahead)"
+    )
+    planner.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="default: the world preset's procs_per_node (8 at most for a number of ranks)",
+    )
+    planner.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="a NaFlex tower: plan its images at this many "
+        "patches (the longest of data.seq_lens; default its image_size grid)",
+    )
+    planner.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="a NaFlex run's data.max_tokens_per_batch: the global batch is max_tokens // seq_len",
+    )
     planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     planner.add_argument("--grad-checkpointing", action="store_true")
-    planner.add_argument("--distill", metavar="TEACHER", help="count a distillation teacher (loss.distill.model): "
-                         "an open_clip name, hf-hub:, local-dir:, an export or a run")
+    planner.add_argument(
+        "--distill",
+        metavar="TEACHER",
+        help="count a distillation teacher (loss.distill.model): "
+        "an open_clip name, hf-hub:, local-dir:, an export or a run",
+    )
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     planner.set_defaults(run=_plan)
 
@@ -434,23 +627,38 @@ def _add_bench(commands) -> None:
         description="Per-rank bytes kept for backward, peak memory and forward+backward time of each loss backend "
         "on random features, one launch of N local ranks per world size (gloo on CPU, NCCL on CUDA).",
     )
-    loss_bench.add_argument("--backend", type=_csv(str), default=None,
-                            help="comma-separated backends (default: all, plus open_clip)")
+    loss_bench.add_argument(
+        "--backend", type=_csv(str), default=None, help="comma-separated backends (default: all, plus open_clip)"
+    )
     # Defaults: bench.run's (argparse.SUPPRESS: an option not given is not passed).
-    loss_bench.add_argument("--world", dest="world_sizes", type=_csv(int), default=argparse.SUPPRESS,
-                            help="world sizes (default 1,2,4)")
-    loss_bench.add_argument("--batch", dest="global_batches", type=_csv(int), default=argparse.SUPPRESS,
-                            help="global batches (default 1024,4096,16384,65536)")
+    loss_bench.add_argument(
+        "--world", dest="world_sizes", type=_csv(int), default=argparse.SUPPRESS, help="world sizes (default 1,2,4)"
+    )
+    loss_bench.add_argument(
+        "--batch",
+        dest="global_batches",
+        type=_csv(int),
+        default=argparse.SUPPRESS,
+        help="global batches (default 1024,4096,16384,65536)",
+    )
     loss_bench.add_argument("--dim", type=int, default=argparse.SUPPRESS, help="feature dim (default 128)")
     loss_bench.add_argument("--repeats", type=int, default=argparse.SUPPRESS, help="default 3")
-    loss_bench.add_argument("--budget", default=argparse.SUPPRESS,
-                            help="skip configurations predicted to need more, all ranks (default 16GB)")
+    loss_bench.add_argument(
+        "--budget",
+        default=argparse.SUPPRESS,
+        help="skip configurations predicted to need more, all ranks (default 16GB)",
+    )
     loss_bench.add_argument("--out", default="docs/bench", help="folder for the JSON and the PNG plot")
     loss_bench.add_argument("--tag", default="cpu", help="file name suffix: loss_<tag>.json")
-    loss_bench.add_argument("--scaling-world", type=int, default=8,
-                            help="the predicted table (Inf-CL's Table 1 shape) at this many ranks; 0: none")
-    loss_bench.add_argument("--scaling-batch", type=_csv(int), default=None,
-                            help="its global batches (default 32k … 1M)")
+    loss_bench.add_argument(
+        "--scaling-world",
+        type=int,
+        default=8,
+        help="the predicted table (Inf-CL's Table 1 shape) at this many ranks; 0: none",
+    )
+    loss_bench.add_argument(
+        "--scaling-batch", type=_csv(int), default=None, help="its global batches (default 32k … 1M)"
+    )
     loss_bench.add_argument("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)")
     loss_bench.set_defaults(run=_bench)
     gpu = bench_kinds.add_parser(
@@ -462,8 +670,12 @@ def _add_bench(commands) -> None:
     )
     gpu.add_argument("--tiny", action="store_true", help="clipdist-tiny on the CPU, small batches (what CI runs)")
     gpu.add_argument("--steps", type=int, default=10, help="timed steps per row (after 2 warm-up steps)")
-    gpu.add_argument("--large-batches", type=_csv(int), default=[32768, 65536],
-                     help="global batches for tiled and siglip (default 32768,65536; up to 262144 on an H100)")
+    gpu.add_argument(
+        "--large-batches",
+        type=_csv(int),
+        default=[32768, 65536],
+        help="global batches for tiled and siglip (default 32768,65536; up to 262144 on an H100)",
+    )
     gpu.add_argument("--out", default=None, help="write every row as JSON here")
     gpu.add_argument("--doc", default=None, help="write the table as Markdown here (docs/bench/gpu_battery.md)")
     gpu.set_defaults(run=_bench_gpu)
@@ -479,8 +691,12 @@ def _add_bench(commands) -> None:
     limit.add_argument("--batch", type=int, default=128, help="global batch (default 128)")
     limit.add_argument("--batches", type=int, default=12, help="batches timed for the loader's cost (default 12)")
     limit.add_argument("--steps", type=int, default=60, help="steps of each real run (default 60)")
-    limit.add_argument("--repeats", type=int, default=3,
-                       help="rounds of every measurement, real runs interleaved; the medians are reported (default 3)")
+    limit.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of every measurement, real runs interleaved; the medians are reported (default 3)",
+    )
     limit.add_argument("--cache-dir", default="~/.cache/clipdist", help="where the built-in shards are written")
     limit.add_argument("--out", default=None, help="write the rows as JSON here")
     limit.set_defaults(run=_bench_limit)
@@ -490,20 +706,27 @@ def _add_make_shards(commands) -> None:
     shards = commands.add_parser(
         "make-shards",
         help="write an image folder or a CSV of (path, caption) as WebDataset shards",
-        description="Write image/caption pairs as WebDataset shards in the img2dataset layout (.jpg/.png + .txt + .json).",
+        description="Write image/caption pairs as WebDataset shards in the img2dataset layout "
+        "(.jpg/.png + .txt + .json).",
     )
     source = shards.add_mutually_exclusive_group(required=True)
-    source.add_argument("--images", help="folder of images; caption from a same-name .txt, else the parent folder's name")
+    source.add_argument(
+        "--images", help="folder of images; caption from a same-name .txt, else the parent folder's name"
+    )
     source.add_argument("--csv", help="CSV with image paths (relative to the CSV) and captions")
-    shards.add_argument("--separator", default=",",
-                        help="--csv's column separator: , (default) or \\t / tab for open_clip's TSV")
+    shards.add_argument(
+        "--separator", default=",", help="--csv's column separator: , (default) or \\t / tab for open_clip's TSV"
+    )
     shards.add_argument("--path-column", default="path")
     shards.add_argument("--caption-column", default="caption")
     shards.add_argument("--out", required=True, help="output folder")
     shards.add_argument("--prefix", default="shard")
     shards.add_argument("--samples-per-shard", type=int, default=1000)
-    shards.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty --out folder (as a whole, once the new shards are written)")
+    shards.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out folder (as a whole, once the new shards are written)",
+    )
     shards.set_defaults(run=_make_shards)
 
 
@@ -515,11 +738,18 @@ def _add_export(commands) -> None:
         "open_clip_model.safetensors, a run's checkpoint as it is; open_clip's 'local-dir:<out>', clip_benchmark) "
         "or, with --format transformers, as transformers' CLIPModel + CLIPProcessor (from_pretrained, pipelines).",
     )
-    exporter.add_argument("source", help="a run directory or a .pt / .dcp checkpoint; for --format transformers also "
-                          "an export folder or an open_clip model name (with --pretrained)")
+    exporter.add_argument(
+        "source",
+        help="a run directory or a .pt / .dcp checkpoint; for --format transformers also "
+        "an export folder or an open_clip model name (with --pretrained)",
+    )
     exporter.add_argument("--out", required=True, help="output folder")
-    exporter.add_argument("--format", choices=["open_clip", "transformers"], default="open_clip",
-                          help="open_clip's hub layout (default) or transformers' CLIPModel")
+    exporter.add_argument(
+        "--format",
+        choices=["open_clip", "transformers"],
+        default="open_clip",
+        help="open_clip's hub layout (default) or transformers' CLIPModel",
+    )
     exporter.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name (transformers)")
     exporter.add_argument("--model", default=None, help="the model a bare weights file fits (transformers)")
     exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
@@ -540,16 +770,34 @@ def _add_eval(commands) -> None:
         description="Zero-shot top-1/top-5, retrieval recall@k, mean/median rank and the CLIP validation loss of a "
         "model on one or more evaluation sets; on one process or split over N local ranks (the same metrics).",
     )
-    evaluator.add_argument("target", help="a run directory, a .dcp/.pt checkpoint, an export folder, or an open_clip "
-                           "model name (with --pretrained) or hf-hub:ORG/REPO")
-    evaluator.add_argument("--set", dest="sets", action="append", type=_named_set, required=True, metavar="NAME=SPEC",
-                           help="an evaluation set: shards, a folder, a clip_benchmark dataset folder (repeatable)")
+    evaluator.add_argument(
+        "target",
+        help="a run directory, a .dcp/.pt checkpoint, an export folder, or an open_clip "
+        "model name (with --pretrained) or hf-hub:ORG/REPO",
+    )
+    evaluator.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        type=_named_set,
+        required=True,
+        metavar="NAME=SPEC",
+        help="an evaluation set: shards, a folder, a clip_benchmark dataset folder (repeatable)",
+    )
     evaluator.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name")
     evaluator.add_argument("--model", default=None, help="the model a bare weights file fits (ViT-B-32)")
-    evaluator.add_argument("--classnames", type=_csv(str), default=None,
-                           help="comma-separated class names, where no classnames.txt is beside the set")
-    evaluator.add_argument("--templates", action="append", default=None,
-                           help="a zero-shot prompt with {} (repeatable; default 'a photo of {}.')")
+    evaluator.add_argument(
+        "--classnames",
+        type=_csv(str),
+        default=None,
+        help="comma-separated class names, where no classnames.txt is beside the set",
+    )
+    evaluator.add_argument(
+        "--templates",
+        action="append",
+        default=None,
+        help="a zero-shot prompt with {} (repeatable; default 'a photo of {}.')",
+    )
     evaluator.add_argument("--world", type=int, default=1, help="local gloo ranks to split the sets over")
     evaluator.add_argument("--batch", type=int, default=256, help="images per forward")
     evaluator.add_argument("--precision", choices=["fp32", "bf16", "fp16", "pure_bf16", "pure_fp16"], default="fp32")
@@ -568,16 +816,21 @@ def _add_trust(commands) -> None:
         "See docs/checkpoints.md.",
     )
     trusting.add_argument("source", help="a .pt/.bin/.pth file or a .dcp checkpoint folder that clipdist refused")
-    trusting.add_argument("--out", default=None,
-                          help="where the copy goes (default: beside it, <stem>.trusted<suffix> / <name>.trusted.dcp)")
+    trusting.add_argument(
+        "--out",
+        default=None,
+        help="where the copy goes (default: beside it, <stem>.trusted<suffix> / <name>.trusted.dcp)",
+    )
     trusting.set_defaults(run=_trust)
 
 
 def _add_report(commands) -> None:
     reporting = commands.add_parser(
-        "report", help="a run at a glance: report.png (loss, lr, samples/s, evaluations) and report.txt in its directory",
+        "report",
+        help="a run at a glance: report.png (loss, lr, samples/s, evaluations) and report.txt in its directory",
         description="Read a run directory's own logs (train_log.jsonl, metrics.jsonl, train.log) — a finished, stopped "
-        "or running run — and write report.png and report.txt into it; print the summary.")
+        "or running run — and write report.png and report.txt into it; print the summary.",
+    )
     reporting.add_argument("run_dir", metavar="RUN", help="the run directory (runs/<name>)")
     reporting.set_defaults(run=_report)
 

@@ -4,6 +4,7 @@ torch is imported, and the APIs newer than the floor that the code uses, each be
 The floor is torch 2.6: FSDP2's `fully_shard` / `register_fsdp_forward_method` and `torch.nn.utils.get_total_norm`
 / `clip_grads_with_norm_` are public from there. CI tests torch 2.14.1 (requirements/ci.txt); cluster images
 bring their own torch (NGC, site containers: 2.6 and newer), which `pip install clipdist` leaves in place."""
+
 from __future__ import annotations
 
 from importlib import metadata
@@ -41,9 +42,13 @@ def floor_problem() -> str | None:
     for package, floor in (("torch", TORCH_FLOOR), ("torchvision", TORCHVISION_FLOOR)):
         found = release(package)
         if found is not None and found < floor:
-            return (f"{package} {metadata.version(package)} is older than clipdist needs ({package} >= "
-                    f"{'.'.join(map(str, floor))}): use an image with torch >= 2.6, or pip install "
-                    f"'torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}' 'torchvision>={TORCHVISION_FLOOR[0]}.{TORCHVISION_FLOOR[1]}'")
+            torch_floor, vision_floor = (".".join(map(str, f)) for f in (TORCH_FLOOR, TORCHVISION_FLOOR))
+            wanted = f"'torch>={torch_floor}' 'torchvision>={vision_floor}'"
+            return (
+                f"{package} {metadata.version(package)} is older than clipdist needs ({package} >= "
+                f"{'.'.join(map(str, floor))}): use an image with torch >= 2.6, or pip install "
+                f"{wanted}"
+            )
     return None
 
 
@@ -51,5 +56,7 @@ def require(api: str) -> None:
     """Refuse, in one line, a feature that needs a torch API newer than the installed torch."""
     needed, found = NEWER_APIS[api], release("torch")
     if found is not None and found < needed:
-        raise RuntimeError(f"{api} needs torch >= {needed[0]}.{needed[1]} (installed: {metadata.version('torch')}); "
-                           "upgrade torch or leave the feature off")
+        raise RuntimeError(
+            f"{api} needs torch >= {needed[0]}.{needed[1]} (installed: {metadata.version('torch')}); "
+            "upgrade torch or leave the feature off"
+        )

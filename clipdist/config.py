@@ -6,12 +6,13 @@ which values are allowed — so a typo in a key or a choice is an error at compo
 silent default or a crash inside a spawned rank. Each loss backend with options has its own
 schema (`loss=tiled` → TiledLossConfig with `tile`). `validate` checks what types cannot.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -56,8 +57,12 @@ def resume_rule(key: str, loss_schemas=None) -> str:
     owners = [TrainConfig]
     *sections, name = key.split(".")
     for section in sections:
-        nested = [f.default_factory for owner in owners for f in fields(owner)
-                  if f.name == section and is_dataclass(f.default_factory)]
+        nested = [
+            f.default_factory
+            for owner in owners
+            for f in fields(owner)
+            if f.name == section and is_dataclass(f.default_factory)
+        ]
         owners = nested + ([*(loss_schemas or LOSS_SCHEMAS).values()] if section == "loss" else [])
         if not nested:
             return FREE
@@ -146,21 +151,35 @@ class WandbMode(Choice):
 @dataclass
 class ModelConfig:
     RESUME: ClassVar[dict] = {
-        "name": REFUSE, "force_image_size": REFUSE, "force_context_length": REFUSE, "force_quick_gelu": REFUSE,
-        "force_custom_text": REFUSE, "image_tower": REFUSE,  # the architecture: shapes, activations, classes
-        "lock_image": REFUSE, "lock_image_unlocked_groups": REFUSE, "lock_text": REFUSE,
-        "lock_text_unlocked_layers": REFUSE, "lock_text_freeze_layer_norm": REFUSE,  # which parameters train
+        "name": REFUSE,
+        "force_image_size": REFUSE,
+        "force_context_length": REFUSE,
+        "force_quick_gelu": REFUSE,
+        "force_custom_text": REFUSE,
+        "image_tower": REFUSE,  # the architecture: shapes, activations, classes
+        "lock_image": REFUSE,
+        "lock_image_unlocked_groups": REFUSE,
+        "lock_text": REFUSE,
+        "lock_text_unlocked_layers": REFUSE,
+        "lock_text_freeze_layer_norm": REFUSE,  # which parameters train
         "force_patch_dropout": WARN,  # FLIP-style training switches patch dropout off for its last steps this way
-        "image_mean": WARN, "image_std": WARN, "image_interpolation": WARN, "image_resize_mode": WARN,
+        "image_mean": WARN,
+        "image_std": WARN,
+        "image_interpolation": WARN,
+        "image_resize_mode": WARN,
         "lock_image_freeze_bn_stats": WARN,
-        "pretrained": FREE, "checkpoint": FREE, "pretrained_image": FREE,  # starting weights: the checkpoint's win
-        "cache_dir": FREE, "grad_checkpointing": FREE, "compile": FREE,
+        "pretrained": FREE,
+        "checkpoint": FREE,
+        "pretrained_image": FREE,  # starting weights: the checkpoint's win
+        "cache_dir": FREE,
+        "grad_checkpointing": FREE,
+        "compile": FREE,
     }
     # Any open_clip model config (random init), a config file, or hf-hub:ORG/REPO / local-dir:PATH (with weights).
     name: str = DEFAULT_MODEL
-    pretrained: Optional[str] = None  # an open_clip pretrained tag of `name` (laion2b_s34b_b79k, openai, ...)
-    checkpoint: Optional[str] = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
-    cache_dir: Optional[str] = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
+    pretrained: str | None = None  # an open_clip pretrained tag of `name` (laion2b_s34b_b79k, openai, ...)
+    checkpoint: str | None = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
+    cache_dir: str | None = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
     grad_checkpointing: bool = False
     compile: bool = False  # torch.compile the towers (before DDP wraps them)
     # Locked towers (LiT, fine-tuning): open_clip's own lock functions; a locked parameter gets no gradient.
@@ -171,31 +190,31 @@ class ModelConfig:
     lock_text_unlocked_layers: int = 0  # ... but its last N layers still train
     lock_text_freeze_layer_norm: bool = True  # false: the LayerNorms of locked layers still train (HF text towers)
     # Per-run changes to the model config (no JSON needed), as open_clip's --force-* flags:
-    force_image_size: Optional[int] = None
-    force_context_length: Optional[int] = None
-    force_patch_dropout: Optional[float] = None  # fraction of image patches dropped in training (FLIP); 0: none
+    force_image_size: int | None = None
+    force_context_length: int | None = None
+    force_patch_dropout: float | None = None  # fraction of image patches dropped in training (FLIP); 0: none
     force_quick_gelu: bool = False  # QuickGELU activations (OpenAI's pretrained weights need them)
     force_custom_text: bool = False  # the text tower as a separate module (CustomTextCLIP)
-    image_tower: Optional[str] = None  # a timm model in the place of the config's timm image tower (any NaFlex name)
+    image_tower: str | None = None  # a timm model in the place of the config's timm image tower (any NaFlex name)
     pretrained_image: bool = False  # a timm image tower starts from timm's ImageNet weights (fetched into the cache)
     # Image preprocessing for training and evaluation; null: the model config's (or its pretrained tag's)
-    image_mean: Optional[List[float]] = None
-    image_std: Optional[List[float]] = None
-    image_interpolation: Optional[Interpolation] = None
-    image_resize_mode: Optional[ResizeMode] = None
+    image_mean: list[float] | None = None
+    image_std: list[float] | None = None
+    image_interpolation: Interpolation | None = None
+    image_resize_mode: ResizeMode | None = None
 
 
 @dataclass
 class AugmentationConfig:
     """Training-image augmentation, open_clip's AugmentationCfg field for field (open_clip.transform)."""
 
-    scale: List[float] = field(default_factory=lambda: [0.9, 1.0])  # random resized crop: area fraction range
-    ratio: Optional[List[float]] = None  # crop aspect-ratio range; null: [3/4, 4/3]
-    color_jitter: Optional[List[float]] = None  # brightness, contrast, saturation[, hue]
-    color_jitter_prob: Optional[float] = None  # with gray_scale_prob: SimCLR-style jitter applied with this probability
-    gray_scale_prob: Optional[float] = None
-    re_prob: Optional[float] = None  # random erasing probability (with use_timm)
-    re_count: Optional[int] = None
+    scale: list[float] = field(default_factory=lambda: [0.9, 1.0])  # random resized crop: area fraction range
+    ratio: list[float] | None = None  # crop aspect-ratio range; null: [3/4, 4/3]
+    color_jitter: list[float] | None = None  # brightness, contrast, saturation[, hue]
+    color_jitter_prob: float | None = None  # with gray_scale_prob: SimCLR-style jitter applied with this probability
+    gray_scale_prob: float | None = None
+    re_prob: float | None = None  # random erasing probability (with use_timm)
+    re_count: int | None = None
     use_timm: bool = False  # timm's create_transform (RandAugment-style pipelines, random erasing)
 
 
@@ -210,47 +229,62 @@ def model_config(settings: dict) -> ModelConfig:
 class DataConfig:
     # Built-in real datasets turned into shards on first use (digits, fashion_mnist, web_photos), or null
     # to read your own shards from train_shards / val_shards.
-    source: Optional[str] = "digits"
+    source: str | None = "digits"
     # A shard spec: file, brace pattern 'dir/{000..099}.tar', directory, glob, URL or 'pipe:cmd'; '::' joins several.
     # ... or a CSV/TSV table of image paths and captions (.csv/.tsv: open_clip's --dataset-type csv), read as shards
-    train_shards: Optional[str] = None
-    val_shards: Optional[str] = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
-    eval_sets: Dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
+    train_shards: str | None = None
+    val_shards: str | None = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
+    eval_sets: dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
     csv_separator: str = "\t"  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
     csv_image_key: str = "filepath"  # the column of image paths (relative to the table, or absolute)
     csv_caption_key: str = "title"  # the column of captions
+    # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
     csv_rows_per_part: int = positive(1000)
     # Where a training sample's caption is: member extensions (txt) or JSON paths (json:caption, json:captions.0;
     # json:captions, a list: one drawn); the first the sample has, or one drawn by caption_probs (seeded per sample)
-    caption_keys: List[str] = field(default_factory=lambda: ["txt"])
-    caption_probs: Optional[List[float]] = None
-    image_keys: List[str] = field(default_factory=list)  # image extensions to read, first found; empty: any image  # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
+    caption_keys: list[str] = field(default_factory=lambda: ["txt"])
+    caption_probs: list[float] | None = None
+    image_keys: list[str] = field(default_factory=list)  # image extensions to read, first found; empty: any image
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
-    weights: Optional[List[float]] = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
+    weights: list[float] | None = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
     split: Split = Split.node
     augment: bool = True  # augment training images (data.augmentation); false: the evaluation transform
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
     shuffle_buffer: int = non_negative(1000)
-    workers: Optional[int] = non_negative(0)  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
-    pieces: int = positive(1)  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
-    readers: Optional[int] = positive(None)  # the run's readers (the sample order's layout, fixed at its start); null: ranks × workers
+    workers: int | None = non_negative(0)  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
+    pieces: int = positive(
+        1
+    )  # the loader reads each rank's batch in this many pieces (a divisor of batch_per_device): docs/data.md
+    readers: int | None = positive(
+        None
+    )  # the run's readers (the sample order's layout, fixed at its start); null: ranks × workers
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
-    source_dir: Optional[str] = None  # where a built-in source's raw files are (fashion_mnist)
+    source_dir: str | None = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"
-    classnames: List[str] = field(default_factory=list)  # zero-shot classes; empty: a built-in source's or classnames.txt
+    classnames: list[str] = field(
+        default_factory=list
+    )  # zero-shot classes; empty: a built-in source's or classnames.txt
     max_skips_in_a_row: int = positive(1000)  # this many unusable samples with no good one between: stop with an error
-    trim_text: bool = True  # captions padded to the batch's longest where that changes no feature (clipdist/model/short_text.py)
+    trim_text: bool = (
+        True  # captions padded to the batch's longest where that changes no feature (clipdist/model/short_text.py)
+    )
     # NaFlex image towers (model=naflex_tiny, naflex_b16, any timm NaFlexVit): token-budget batches (docs/naflex.md)
-    seq_lens: Optional[List[int]] = None  # patches an image may become, one length drawn per global batch; null: the tower's image_size grid
-    seq_len_probs: Optional[List[float]] = None  # the lengths' weights; null: equal
-    max_tokens_per_batch: Optional[int] = positive(None)  # image patches of a *global* batch; null: batch_per_device × ranks × max(seq_lens)
-    patch_size: Optional[int] = positive(None)  # null: the tower's (the only one its patch embedding takes)
+    seq_lens: list[int] | None = (
+        None  # patches an image may become, one length drawn per global batch; null: the tower's image_size grid
+    )
+    seq_len_probs: list[float] | None = None  # the lengths' weights; null: equal
+    max_tokens_per_batch: int | None = positive(
+        None
+    )  # image patches of a *global* batch; null: batch_per_device × ranks × max(seq_lens)
+    patch_size: int | None = positive(None)  # null: the tower's (the only one its patch embedding takes)
     naflex_square_crop: bool = False  # every image center-cropped square at ⌊√L⌋² patches: a fixed-size pipeline
-    resolution_schedule: Dict[str, List[int]] = field(default_factory=dict)  # global batch (+data.resolution_schedule.500=[...]) -> seq_lens
+    resolution_schedule: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # global batch (+data.resolution_schedule.500=[...]) -> seq_lens
     # Zero-shot prompts; empty: a built-in source's own, else 'a photo of {}.' (a zeroshot_classification_templates.txt
     # beside an evaluation set's shards wins over both)
-    templates: List[str] = field(default_factory=list)
+    templates: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -260,8 +294,10 @@ class DistillConfig:
 
     RESUME: ClassVar[dict] = {"model": REFUSE, "pretrained": REFUSE, "weight": REFUSE}
 
-    model: Optional[str] = None  # an open_clip name (with `pretrained`), hf-hub:, local-dir:, an export, a run, a checkpoint
-    pretrained: Optional[str] = None  # the open_clip pretrained tag for `model` (e.g. openai)
+    model: str | None = (
+        None  # an open_clip name (with `pretrained`), hf-hub:, local-dir:, an export, a run, a checkpoint
+    )
+    pretrained: str | None = None  # the open_clip pretrained tag for `model` (e.g. openai)
     weight: float = 1.0  # the term's weight (open_clip_train adds it with weight 1)
 
 
@@ -269,18 +305,24 @@ class DistillConfig:
 class LossConfig:
     """Options common to every backend; a backend with options of its own extends this (below)."""
 
-    RESUME: ClassVar[dict] = {"name": REFUSE, "contrastive_weight": REFUSE, "caption_weight": REFUSE, "distill": REFUSE,
-                              "init_logit_scale": FREE, "init_logit_bias": FREE}  # initial scalars: the checkpoint's
+    RESUME: ClassVar[dict] = {
+        "name": REFUSE,
+        "contrastive_weight": REFUSE,
+        "caption_weight": REFUSE,
+        "distill": REFUSE,
+        "init_logit_scale": FREE,
+        "init_logit_bias": FREE,
+    }  # initial scalars: the checkpoint's
 
     name: str = "disco"  # a backend registered in clipdist.losses
-    init_logit_scale: Optional[float] = None  # log of the initial logit scale; null: the backend's default
-    init_logit_bias: Optional[float] = None  # initial logit bias, for backends that have one; null: its default
+    init_logit_scale: float | None = None  # log of the initial logit scale; null: the backend's default
+    init_logit_bias: float | None = None  # initial logit bias, for backends that have one; null: its default
     contrastive_weight: float = 1.0  # the contrastive term's weight (open_clip: --coca-contrastive-loss-weight)
     # CoCa models: the captioning loss's weight (open_clip: --coca-caption-loss-weight); null: open_clip's 2.0
-    caption_weight: Optional[float] = None
+    caption_weight: float | None = None
     distill: DistillConfig = field(default_factory=DistillConfig)
 
-    def options(self) -> Dict[str, Any]:
+    def options(self) -> dict[str, Any]:
         """The backend's own keyword arguments: every field its schema adds to LossConfig."""
         common = {f.name for f in fields(LossConfig)}
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in common}
@@ -300,13 +342,16 @@ class SigLipLossConfig(LossConfig):
     tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
 
 
-LOSS_SCHEMAS = {"tiled": TiledLossConfig, "siglip": SigLipLossConfig}  # backends with options: loss/<name>.yaml starts from /<name>_loss_schema
+LOSS_SCHEMAS = {
+    "tiled": TiledLossConfig,
+    "siglip": SigLipLossConfig,
+}  # backends with options: loss/<name>.yaml starts from /<name>_loss_schema
 
 
 @dataclass
 class GradCacheConfig:
     chunks: int = positive(1)  # >1: gradient caching, each rank's batch forwarded in this many chunks
-    micro_batch: Optional[int] = positive(None)  # or: samples per chunk (chunks = ⌈batch_per_device / micro_batch⌉)
+    micro_batch: int | None = positive(None)  # or: samples per chunk (chunks = ⌈batch_per_device / micro_batch⌉)
 
     def chunks_for(self, local_batch: int) -> int:
         return self.chunks if self.micro_batch is None else -(-local_batch // self.micro_batch)
@@ -325,7 +370,7 @@ class WorldConfig:
     spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
     timeout_s: int = positive(COLLECTIVE_TIMEOUT_S)  # bound on every collective
     rendezvous_timeout_s: int = positive(300)  # srun: how long ranks wait for each other at start before failing
-    threads: Optional[int] = positive(None)  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,
+    threads: int | None = positive(None)  # intra-op threads per rank; null: OMP_NUM_THREADS, else SLURM_CPUS_PER_TASK,
     #                                else this process's CPUs / procs_per_node
 
     @property
@@ -337,29 +382,41 @@ class WorldConfig:
 class OptimConfig:
     RESUME: ClassVar[dict] = {
         "name": REFUSE,  # another optimizer state
-        "schedule": WARN, "cooldown_steps": WARN, "cooldown_end_lr": WARN, "cooldown_power": WARN,
+        "schedule": WARN,
+        "cooldown_steps": WARN,
+        "cooldown_end_lr": WARN,
+        "cooldown_power": WARN,
         "max_steps": WARN,  # the cosine schedule reshapes mid-run
-        "lr": FREE, "weight_decay": FREE, "betas": FREE, "eps": FREE, "momentum": FREE, "kwargs": FREE, "no_decay": FREE,
-        "image_layer_decay": FREE, "text_layer_decay": FREE, "warmup_steps": FREE, "grad_clip": FREE,
+        "lr": FREE,
+        "weight_decay": FREE,
+        "betas": FREE,
+        "eps": FREE,
+        "momentum": FREE,
+        "kwargs": FREE,
+        "no_decay": FREE,
+        "image_layer_decay": FREE,
+        "text_layer_decay": FREE,
+        "warmup_steps": FREE,
+        "grad_clip": FREE,
         "max_logit_scale": FREE,
     }
     name: str = "adamw"  # adamw (torch's, fused), or any timm optimizer: lion, lamb, nadamw, sgd, ... (timm.optim)
     lr: float = non_negative(2e-3)
     weight_decay: float = non_negative(0.1)
-    betas: Optional[List[float]] = field(default_factory=lambda: [0.9, 0.98])  # null: the optimizer's own
-    eps: Optional[float] = 1e-6  # null: the optimizer's own
-    momentum: Optional[float] = None  # for optimizers that take one (sgd, ...)
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the optimizer
+    betas: list[float] | None = field(default_factory=lambda: [0.9, 0.98])  # null: the optimizer's own
+    eps: float | None = 1e-6  # null: the optimizer's own
+    momentum: float | None = None  # for optimizers that take one (sgd, ...)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the optimizer
     # Parameters with no weight decay: every gain, bias and scalar (ndim < 2), and any parameter whose name contains
     # one of these: open_clip_train's rule, so positional embeddings are decayed as there (add "positional" to keep
     # them undecayed)
-    no_decay: List[str] = field(default_factory=lambda: ["bn", "ln", "bias", "logit_scale"])
-    image_layer_decay: Optional[float] = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
-    text_layer_decay: Optional[float] = None  # the same in the text tower
+    no_decay: list[str] = field(default_factory=lambda: ["bn", "ln", "bias", "logit_scale"])
+    image_layer_decay: float | None = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
+    text_layer_decay: float | None = None  # the same in the text tower
     schedule: Schedule = Schedule.cosine
     warmup_steps: int = non_negative(50)
     max_steps: int = positive(600)
-    cooldown_steps: Optional[int] = None  # const_cooldown: the last this many steps decay
+    cooldown_steps: int | None = None  # const_cooldown: the last this many steps decay
     cooldown_end_lr: float = 0.0  # const_cooldown: the lr at the last step
     cooldown_power: float = 1.0  # const_cooldown: 1 linear, else polynomial decay
     grad_clip: float = non_negative(1.0)  # max global grad norm; 0 disables
@@ -370,8 +427,10 @@ class OptimConfig:
 class CheckpointConfig:
     # A copy of every checkpoint off the node: an fsspec URL (s3://bucket/runs/x, gs://..., a mounted path), e.g.
     # s3://bucket/runs/${name}; resume=auto takes the newest of local and remote (docs/checkpoints.md).
-    remote: Optional[str] = None
-    remote_retries: int = non_negative(3)  # a failed upload is tried again this many times (1, 2, 4, ... s apart), then reported
+    remote: str | None = None
+    remote_retries: int = non_negative(
+        3
+    )  # a failed upload is tried again this many times (1, 2, 4, ... s apart), then reported
     # The state copied to host memory at the save, written to disk in the background while training goes on;
     # published once every rank has written (false: the step waits for the write).
     async_save: bool = True
@@ -382,10 +441,12 @@ class LoggingConfig:
     wandb: WandbMode = WandbMode.offline
     tensorboard: bool = False  # also TensorBoard event files in <run_dir>/tensorboard/ (needs the tensorboard package)
     project: str = "clipdist"
-    wandb_notes: Optional[str] = None  # the W&B run's notes
+    wandb_notes: str | None = None  # the W&B run's notes
     log_every: int = positive(10)
     progress: bool = True
-    profile_steps: int = non_negative(0)  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
+    profile_steps: int = non_negative(
+        0
+    )  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
     profile_wait: int = non_negative(10)  # steps run before profiling starts (warm-up left out)
     report: bool = True  # report.png / report.txt in the run directory when the run ends or stops (clipdist report)
     sample_keys: bool = False  # each rank logs every step's samples ("shard#key") to <run_dir>/samples/rank_<r>.jsonl
@@ -401,7 +462,9 @@ class TrainConfig:
     precision: Precision = Precision.auto
     eval_every: int = positive(200)
     checkpoint_every: int = positive(200)
-    checkpoint_every_minutes: Optional[float] = above_zero(None)  # also checkpoint when this much time passed since the last
+    checkpoint_every_minutes: float | None = above_zero(
+        None
+    )  # also checkpoint when this much time passed since the last
     keep_checkpoints: int = positive(3)
     on_checkpoint_error: OnCheckpointError = OnCheckpointError.stop
     max_nonfinite_steps: int = positive(10)  # non-finite losses in a row before the run stops (after a checkpoint)
@@ -421,30 +484,43 @@ def validate(cfg: TrainConfig) -> None:
     the data layout, a file system) are the component's, run by clipdist.preflight."""
     _check_bounds(cfg)
     if cfg.grad_cache.micro_batch is not None and cfg.grad_cache.chunks != 1:
-        raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
-                          f"{cfg.grad_cache.micro_batch} both set: give one of them")
+        raise ConfigError(
+            f"grad_cache.chunks={cfg.grad_cache.chunks} and grad_cache.micro_batch="
+            f"{cfg.grad_cache.micro_batch} both set: give one of them"
+        )
     if cfg.grad_cache.chunks > cfg.world.batch_per_device:
-        raise ConfigError(f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
-                          f"{cfg.world.batch_per_device}: a chunk needs at least one sample")
+        raise ConfigError(
+            f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
+            f"{cfg.world.batch_per_device}: a chunk needs at least one sample"
+        )
     if cfg.optim.max_logit_scale <= 1:
         raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
     if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:
-        raise ConfigError("world.backend=nccl needs world.device=cuda (NCCL has no CPU tensors); use world.backend=gloo")
+        raise ConfigError(
+            "world.backend=nccl needs world.device=cuda (NCCL has no CPU tensors); use world.backend=gloo"
+        )
     if cfg.data.weights is not None:
         if not cfg.data.resampled:
-            raise ConfigError("data.weights needs data.resampled=true: sources are mixed by drawing shards by weight "
-                              "(in epoch mode every shard is read once per epoch, whatever its weight)")
+            raise ConfigError(
+                "data.weights needs data.resampled=true: sources are mixed by drawing shards by weight "
+                "(in epoch mode every shard is read once per epoch, whatever its weight)"
+            )
         if any(weight <= 0 for weight in cfg.data.weights):
             raise ConfigError(f"data.weights={list(cfg.data.weights)}: every weight must be above 0")
     if not cfg.data.caption_keys:
         raise ConfigError("data.caption_keys is empty: give where captions are, e.g. [txt] or [json:caption]")
-    if cfg.data.caption_probs is not None and (len(cfg.data.caption_probs) != len(cfg.data.caption_keys)
-                                               or any(p <= 0 for p in cfg.data.caption_probs)):
-        raise ConfigError(f"data.caption_probs={list(cfg.data.caption_probs)}: one probability above 0 per "
-                          f"data.caption_keys entry ({list(cfg.data.caption_keys)})")
+    if cfg.data.caption_probs is not None and (
+        len(cfg.data.caption_probs) != len(cfg.data.caption_keys) or any(p <= 0 for p in cfg.data.caption_probs)
+    ):
+        raise ConfigError(
+            f"data.caption_probs={list(cfg.data.caption_probs)}: one probability above 0 per "
+            f"data.caption_keys entry ({list(cfg.data.caption_keys)})"
+        )
     if cfg.data.source is None and not cfg.data.train_shards:
-        raise ConfigError("data.train_shards is not set: give your shards, e.g. "
-                          "data.train_shards='/data/{000..099}.tar' (or data.source=digits)")
+        raise ConfigError(
+            "data.train_shards is not set: give your shards, e.g. "
+            "data.train_shards='/data/{000..099}.tar' (or data.source=digits)"
+        )
 
 
 def _check_bounds(node, prefix: str = "") -> None:
@@ -495,7 +571,8 @@ CONF = Path(__file__).resolve().parent / "conf"  # the menu, shipped in the pack
 
 
 def preset(group: str, name: str):
-    """conf/<group>/<name>.yaml (a menu entry: world=8gpu, data=web_photos) as a DictConfig, or None when there is none."""
+    """conf/<group>/<name>.yaml (a menu entry: world=8gpu, data=web_photos) as a DictConfig, or None when there is
+    none."""
     path = CONF / group / f"{name}.yaml"
     return OmegaConf.load(path) if path.is_file() else None
 
@@ -512,16 +589,25 @@ def to_train_config(cfg) -> TrainConfig:
     unknown = _unknown_keys(given, schema)
     if unknown:  # `+optim.lrr=1` adds a key Hydra lets through and the schema would drop without a word
         path, owner = unknown
-        raise ConfigError(f"{path}: no such key ({owner} has no '{path.rsplit('.', 1)[-1]}'); check the spelling "
-                          "(python train.py --cfg job lists every key)")
+        raise ConfigError(
+            f"{path}: no such key ({owner} has no '{path.rsplit('.', 1)[-1]}'); check the spelling "
+            "(python train.py --cfg job lists every key)"
+        )
     merged = OmegaConf.merge(schema, cfg)
     try:
         OmegaConf.resolve(merged)
     except InterpolationResolutionError as error:  # ${oc.env:UNSET}, ${no.such.key}: one line, not a traceback
-        key = next((key for key in _interpolations(OmegaConf.to_container(merged, resolve=False))
-                    if not _resolves(merged, key)), "the config")
-        raise ConfigError(f"{key}: {printable(str(error)).splitlines()[0]}; set what it names or write the value "
-                          "itself") from None
+        key = next(
+            (
+                key
+                for key in _interpolations(OmegaConf.to_container(merged, resolve=False))
+                if not _resolves(merged, key)
+            ),
+            "the config",
+        )
+        raise ConfigError(
+            f"{key}: {printable(str(error)).splitlines()[0]}; set what it names or write the value itself"
+        ) from None
     return OmegaConf.to_object(merged)
 
 

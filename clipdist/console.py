@@ -4,9 +4,11 @@
 - every one of those lines also in <run_dir>/train.log, with its time, the run's final error included;
 - lines go through tqdm.write, so a progress bar on the terminal stays intact.
 
-The main rank says INFO; every rank may warn (a data warning names its rank: `warning: rank 1: skipped: ...`). Python warnings
+The main rank says INFO; every rank may warn (a data warning names its rank: `warning: rank 1: skipped: ...`). Python
+warnings
 (torch's, webdataset's) are routed through the same handlers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -107,5 +109,6 @@ def _remove(*kinds: type) -> None:
 
 def run_log() -> str | None:
     """The run log the root logger writes to, if any (for ranks started afresh to write to it too)."""
-    return next((handler.baseFilename for handler in logging.getLogger().handlers
-                 if isinstance(handler, RunLogHandler)), None)
+    return next(
+        (handler.baseFilename for handler in logging.getLogger().handlers if isinstance(handler, RunLogHandler)), None
+    )

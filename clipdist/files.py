@@ -2,6 +2,7 @@
 before anything is read from it — a FIFO would hang the reader, a device (`/dev/zero`) never ends, a huge file
 exhausts memory. Model and tokenizer configs (weights.read_small_json), table and ImageFolder images
 (data/tables.py, data/folders.py), an evaluation set's class names and templates (data/sources.py) all read so."""
+
 from __future__ import annotations
 
 import errno
@@ -32,8 +33,9 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
     return data
 
 
-def publish(out: str | Path, write, *, overwrite: bool = False,
-            hint: str = "give another --out, or --overwrite") -> Path:
+def publish(
+    out: str | Path, write, *, overwrite: bool = False, hint: str = "give another --out, or --overwrite"
+) -> Path:
     """`write(path)` makes a file or folder at a new path beside `out`, which then becomes `out` in one rename:
     `out` appears whole or not at all. An `out` that exists (but for an empty folder) is refused unless
     `overwrite` (the FileExistsError ends with `hint`)."""

@@ -4,6 +4,7 @@ and what to change.
 
     shards = preflight(cfg, env)      # train.run: then the ranks start
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -11,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-from clipdist.distributed import launch, parallel
-
-from clipdist.model import targets
 from clipdist.checkpoint.manager import Checkpointer
+from clipdist.checkpoint.remote import check_remote
+from clipdist.checkpoint.run_dir import check_run_dir
 from clipdist.config import Device, TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
@@ -23,14 +23,22 @@ from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
 from clipdist.data.transforms import augmentation_cfg, image_size_stages
 from clipdist.data.workers import LoaderPlan, loader_workers
+from clipdist.distributed import launch, parallel
 from clipdist.errors import ConfigError
 from clipdist.losses import build as build_loss
-from clipdist.model.factory import (check_loss_weights, check_model_options, check_teacher, check_weights, create_model,
-                             image_size, model_overrides, resolve_model_name)
-from clipdist.train.optim import check_optim
-from clipdist.checkpoint.remote import check_remote
-from clipdist.checkpoint.run_dir import check_run_dir
+from clipdist.model import targets
+from clipdist.model.factory import (
+    check_loss_weights,
+    check_model_options,
+    check_teacher,
+    check_weights,
+    create_model,
+    image_size,
+    model_overrides,
+    resolve_model_name,
+)
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
+from clipdist.train.optim import check_optim
 from clipdist.train.tracking import check_tensorboard, check_wandb_online
 
 
@@ -105,8 +113,10 @@ def check_launch(world, env: launch.DistEnv) -> None:
     if launched_alone and not world.spawn:
         torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
         if world.nodes > 1:
-            torchrun = (f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
-                        "--rdzv-endpoint <first node>:29500")
+            torchrun = (
+                f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
+                "--rdzv-endpoint <first node>:29500"
+            )
         raise ConfigError(
             f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
             f"{world.procs_per_node}) but this process was started alone. Launch it with "
@@ -133,12 +143,20 @@ def check_launch(world, env: launch.DistEnv) -> None:
             "job's first node) or set MASTER_ADDR to an address every node reaches"
         )
     if world.device == Device.cuda and not torch.cuda.is_available():
-        raise ConfigError(f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
-                          "use world=local or world=cpu2, or world.device=cpu")
+        raise ConfigError(
+            f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
+            "use world=local or world=cpu2, or world.device=cpu"
+        )
 
 
-NAFLEX_KEYS = ("seq_lens", "seq_len_probs", "max_tokens_per_batch", "patch_size", "resolution_schedule",
-               "naflex_square_crop")
+NAFLEX_KEYS = (
+    "seq_lens",
+    "seq_len_probs",
+    "max_tokens_per_batch",
+    "patch_size",
+    "resolution_schedule",
+    "naflex_square_crop",
+)
 
 
 def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resuming: tuple[Path, dict] | None) -> None:
@@ -151,8 +169,10 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
             image_size_stages(model, cfg.data.resolution_schedule)  # a fixed-size tower's: one size a stage
             return
         if given:
-            raise ValueError(f"data.{given[0]} applies to NaFlex image towers (model=naflex_tiny, naflex_b16, a timm "
-                             f"NaFlexVit); model.name={cfg.model.name}'s image tower takes fixed-size images")
+            raise ValueError(
+                f"data.{given[0]} applies to NaFlex image towers (model=naflex_tiny, naflex_b16, a timm "
+                f"NaFlexVit); model.name={cfg.model.name}'s image tower takes fixed-size images"
+            )
         return
     world = cfg.world.world_size
     seq_lens = resolve_seq_lens(cfg.data, image_size(model), naflex_patch_size(model))
@@ -161,17 +181,23 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
     budget = resolve_budget(cfg.data, seq_lens, cfg.world.batch_per_device * world, cfg.seed, kept)
     fewest = min(budget.sizes())
     if fewest < world:
-        raise ValueError(f"data.max_tokens_per_batch={budget.max_tokens} holds {fewest} image(s) of "
-                         f"{max(budget.seq_lens)} patches, fewer than the {world} ranks: every rank needs a row; "
-                         f"raise it to at least {world * max(budget.seq_lens)}")
+        raise ValueError(
+            f"data.max_tokens_per_batch={budget.max_tokens} holds {fewest} image(s) of "
+            f"{max(budget.seq_lens)} patches, fewer than the {world} ranks: every rank needs a row; "
+            f"raise it to at least {world * max(budget.seq_lens)}"
+        )
     check_pieces(cfg.data.pieces, fewest // world, budget=True)
     chunks = cfg.grad_cache.chunks_for(cfg.world.batch_per_device)
     if chunks > fewest // world:
-        raise ValueError(f"grad_cache: {chunks} chunks, but a rank holds as few as {fewest // world} rows (at "
-                         f"{max(budget.seq_lens)} patches): use fewer chunks or raise data.max_tokens_per_batch")
+        raise ValueError(
+            f"grad_cache: {chunks} chunks, but a rank holds as few as {fewest // world} rows (at "
+            f"{max(budget.seq_lens)} patches): use fewer chunks or raise data.max_tokens_per_batch"
+        )
     if str(cfg.data.normalize_on) == "device":
-        raise ValueError("data.normalize_on=device: a NaFlex tower's patches are normalized by the loader; leave "
-                         "data.normalize_on=auto")
+        raise ValueError(
+            "data.normalize_on=device: a NaFlex tower's patches are normalized by the loader; leave "
+            "data.normalize_on=auto"
+        )
     BudgetOrder(min(readers, fewest), budget)
 
 
@@ -179,16 +205,20 @@ def check_shardable(model: torch.nn.Module, model_name: str) -> None:
     """world.parallel=fsdp shards the towers block by block: the model (on the meta device) must have transformer
     blocks."""
     if not parallel.transformer_blocks(model):
-        raise ConfigError(f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
-                          f"{', '.join(parallel.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp")
+        raise ConfigError(
+            f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "
+            f"{', '.join(parallel.BLOCK_LISTS)}) for fully_shard; use world.parallel=ddp"
+        )
 
 
 def check_no_batchnorm(model: torch.nn.Module, model_name: str) -> None:
     """world.sync_batchnorm on CPU ranks: SyncBatchNorm runs on GPUs only, so a tower with BatchNorm is refused
     (one without has nothing to convert)."""
     if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
-        raise ConfigError(f"world.sync_batchnorm=true: {model_name} has BatchNorm layers, and SyncBatchNorm runs "
-                          "on CUDA ranks only; use world.device=cuda, or world.sync_batchnorm=false on CPU ranks")
+        raise ConfigError(
+            f"world.sync_batchnorm=true: {model_name} has BatchNorm layers, and SyncBatchNorm runs "
+            "on CUDA ranks only; use world.device=cuda, or world.sync_batchnorm=false on CPU ranks"
+        )
 
 
 def check_eval_set(evalset: EvalSet) -> None:
@@ -200,8 +230,10 @@ def check_eval_set(evalset: EvalSet) -> None:
     except Exception as error:  # noqa: BLE001 -- whatever reading raised is the message
         raise ConfigError(f"{what}: cannot read its first sample: {error}") from None
     if label >= 0 and not captions and not evalset.classnames:
-        raise ConfigError(f"{what}: samples have labels but no captions, and the set has no class names: put "
-                          "classnames.txt (one name per line, in label order) beside the shards, or set data.classnames")
+        raise ConfigError(
+            f"{what}: samples have labels but no captions, and the set has no class names: put "
+            "classnames.txt (one name per line, in label order) beside the shards, or set data.classnames"
+        )
     if evalset.classnames and label >= len(evalset.classnames):
         raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
 
@@ -210,8 +242,12 @@ def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
     """The loader plan for data.workers: as given, or automatic for this host (the same on every rank of like
     nodes)."""
     each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
-    return loader_workers(cfg.data.workers, cfg.world.procs_per_node, each,
-                          device_type="cuda" if parallel.uses_cuda(cfg.world.device) else "cpu")
+    return loader_workers(
+        cfg.data.workers,
+        cfg.world.procs_per_node,
+        each,
+        device_type="cuda" if parallel.uses_cuda(cfg.world.device) else "cpu",
+    )
 
 
 def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | None) -> int:
@@ -220,5 +256,10 @@ def stream_readers(cfg: TrainConfig, shards: int, resuming: tuple[Path, dict] | 
     kept = kept_readers(((resuming or (None, {}))[1].get("stream") or {}).get("layout"), cfg.data.readers)
     if kept is not None:
         return kept
-    return run_readers(loader_workers_for(cfg, shards).readers, cfg.world.world_size, str(cfg.data.split),
-                       cfg.data.readers, cfg.world.batch_per_device)
+    return run_readers(
+        loader_workers_for(cfg, shards).readers,
+        cfg.world.world_size,
+        str(cfg.data.split),
+        cfg.data.readers,
+        cfg.world.batch_per_device,
+    )

@@ -7,6 +7,7 @@ save can stall (the state must be copied before training changes it). One proces
 Prints, per model: the state's bytes (weights + AdamW), the median stall of a synchronous save, of a background
 save, and of the copy to host alone; and how long the background write took after the step went on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,11 @@ sys.path.insert(0, str(REPO))
 def state_for(model_name: str):
     import torch
 
+    from clipdist.checkpoint.state import TrainState
     from clipdist.config import OptimConfig
     from clipdist.losses import build
     from clipdist.model.factory import create_model_for_loss
     from clipdist.train.optim import build_optimizer
-    from clipdist.checkpoint.state import TrainState
 
     torch.manual_seed(0)
     model = create_model_for_loss(model_name, build("disco"))
@@ -94,8 +95,10 @@ def main(argv=None) -> None:
     parser.add_argument("--model", nargs="+", default=["clipdist-tiny", "ViT-B-32"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    print("| model | state (weights + AdamW) | stall, sync save | stall, background save | copy to host | "
-          "background / copy (per round) | background write, until published |")
+    print(
+        "| model | state (weights + AdamW) | stall, sync save | stall, background save | copy to host | "
+        "background / copy (per round) | background write, until published |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     median = statistics.median
     for model_name in args.model:
@@ -109,8 +112,11 @@ def main(argv=None) -> None:
                 rows.append((sync, background, copy, total))
         sync, background, copy, total = (median(column) for column in zip(*rows))
         ratio = median(row[1] / row[2] for row in rows)
-        print(f"| {model_name} | {state_bytes(state) / 1e6:.0f} MB | {sync * 1e3:.0f} ms | {background * 1e3:.0f} ms | "
-              f"{copy * 1e3:.0f} ms | {ratio:.2f} | {total * 1e3:.0f} ms |", flush=True)
+        print(
+            f"| {model_name} | {state_bytes(state) / 1e6:.0f} MB | {sync * 1e3:.0f} ms | {background * 1e3:.0f} ms | "
+            f"{copy * 1e3:.0f} ms | {ratio:.2f} | {total * 1e3:.0f} ms |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The set: --samples distinct random 32-px PNGs in shards of 5,000, each with a di
 classes (written once to --cache). Per run: the wall time of the whole command (process start included), and
 whether its metrics equal the first run's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ def generated_set(folder: Path, samples: int, per_shard: int = 5000, size: int =
             for i in range(shard * per_shard, min(samples, (shard + 1) * per_shard)):
                 buffer = io.BytesIO()
                 Image.fromarray(generator.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
-                writer.write({"__key__": f"{i:07d}", "png": buffer.getvalue(), "txt": f"sample number {i}",
-                              "cls": str(i % 10)})
+                writer.write(
+                    {"__key__": f"{i:07d}", "png": buffer.getvalue(), "txt": f"sample number {i}", "cls": str(i % 10)}
+                )
     (folder / "classnames.txt").write_text("".join(f"class {c}\n" for c in range(10)))
     done.touch()
     return folder
@@ -60,18 +62,39 @@ def main() -> None:
         for world in times:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 started = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "clipdist", "eval", args.target, "--set", f"set={spec}",
-                                "--world", str(world), "--out", out.name], check=True, capture_output=True, cwd=REPO,
-                               env={**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})})
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "clipdist",
+                        "eval",
+                        args.target,
+                        "--set",
+                        f"set={spec}",
+                        "--world",
+                        str(world),
+                        "--out",
+                        out.name,
+                    ],
+                    check=True,
+                    capture_output=True,
+                    cwd=REPO,
+                    env={**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})},
+                )
                 times[world].append(time.perf_counter() - started)
                 metrics = json.loads(Path(out.name).read_text())
             first = first or metrics
-            print(f"repeat {repeat + 1}, {world} rank(s): {times[world][-1]:.1f} s, metrics equal to the first run's: "
-                  f"{metrics == first}", flush=True)
+            print(
+                f"repeat {repeat + 1}, {world} rank(s): {times[world][-1]:.1f} s, metrics equal to the first run's: "
+                f"{metrics == first}",
+                flush=True,
+            )
     base = times[min(times)]
     for world, values in times.items():
-        print(f"{world} rank(s): {', '.join(f'{v:.1f}' for v in values)} s; vs {min(times)}: "
-              f"{', '.join(f'{v / b:.2f}x' for v, b in zip(values, base))}")
+        print(
+            f"{world} rank(s): {', '.join(f'{v:.1f}' for v in values)} s; vs {min(times)}: "
+            f"{', '.join(f'{v / b:.2f}x' for v, b in zip(values, base))}"
+        )
     print(json.dumps(first, indent=1))
 
 

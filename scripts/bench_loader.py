@@ -13,6 +13,7 @@ re-cut as 256-512 px JPEGs of quality 80-95, ~42 KB each; needs scikit-image). P
 samples/s over --batches batches after --skip warm-up batches (worker start-up and the first shards left
 out), and that rate per loader worker. Needs pandas for open_clip_train (pip install -e ".[bench]").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,20 +39,32 @@ def transform_and_tokenizer(model: str):
 
     visual = create_model(model, device="meta").visual
     config = visual.preprocess_cfg
-    return (open_clip.image_transform(visual.image_size, is_train=True, mean=config["mean"], std=config["std"]),
-            get_tokenizer(model))
+    return (
+        open_clip.image_transform(visual.image_size, is_train=True, mean=config["mean"], std=config["std"]),
+        get_tokenizer(model),
+    )
 
 
-def clipdist_batches(shards: list[str], batch: int, workers: int, transform, tokenizer, pixels: bool = False,
-                     pieces: int = 1):
+def clipdist_batches(
+    shards: list[str], batch: int, workers: int, transform, tokenizer, pixels: bool = False, pieces: int = 1
+):
     """clipdist's stream; `pixels`: uint8 batches, as GPU runs have them (data.normalize_on=device); `pieces`:
     each batch read as that many pieces and put together in one buffer (data.pieces)."""
     from clipdist.config import DataConfig
     from clipdist.data.stream import TrainStream
 
     data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=1000, pieces=pieces)
-    stream = TrainStream([shards], data, batch_size=batch, image_transform=transform, tokenizer=tokenizer, rank=0,
-                         world_size=1, seed=0, pixels=pixels)
+    stream = TrainStream(
+        [shards],
+        data,
+        batch_size=batch,
+        image_transform=transform,
+        tokenizer=tokenizer,
+        rank=0,
+        world_size=1,
+        seed=0,
+        pixels=pixels,
+    )
     try:
         while True:
             yield next(stream).rows
@@ -63,9 +76,18 @@ def open_clip_batches(pattern: str, batch: int, workers: int, transform, tokeniz
     from open_clip_peer import patch_open_clip_data
 
     open_clip_data = patch_open_clip_data()
-    args = SimpleNamespace(train_data=pattern, train_num_samples=10**9, batch_size=batch, workers=workers, seed=0,
-                           world_size=1, dataset_resampled=True, train_data_upsampling_factors=None,
-                           val_data=None, val_num_samples=None)
+    args = SimpleNamespace(
+        train_data=pattern,
+        train_num_samples=10**9,
+        batch_size=batch,
+        workers=workers,
+        seed=0,
+        world_size=1,
+        dataset_resampled=True,
+        train_data_upsampling_factors=None,
+        val_data=None,
+        val_num_samples=None,
+    )
     loader = open_clip_data.get_wds_dataset(args, transform, is_train=True, tokenizer=tokenizer).dataloader
     for images, _tokens in loader:
         yield images.shape[0]
@@ -93,10 +115,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip", type=int, default=5, help="warm-up batches left out")
     parser.add_argument("--batches", type=int, default=30)
-    parser.add_argument("--pieces", type=int, default=1,
-                        help="above 1: also clipdist uint8 reading each batch in this many pieces (data.pieces)")
-    parser.add_argument("--background", type=int, default=0,
-                        help="shared machine: this many busy-looping processes run beside the loaders")
+    parser.add_argument(
+        "--pieces",
+        type=int,
+        default=1,
+        help="above 1: also clipdist uint8 reading each batch in this many pieces (data.pieces)",
+    )
+    parser.add_argument(
+        "--background",
+        type=int,
+        default=0,
+        help="shared machine: this many busy-looping processes run beside the loaders",
+    )
     parser.add_argument("--out", help="write the runs and the summary here as JSON")
     args = parser.parse_args()
     with busy_processes(args.background):
@@ -110,40 +140,61 @@ def run(args) -> None:
     pattern = args.shards or builtin_shards("web_photos", args.cache_dir)[0]
     shards = expand_shards(pattern)
     transform, tokenizer = transform_and_tokenizer(args.model)
-    loaders = {"clipdist": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer),
-               "clipdist uint8": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer,
-                                                                  pixels=True),
-               "open_clip": lambda workers: open_clip_batches(pattern, args.batch, workers, transform, tokenizer)}
+    loaders = {
+        "clipdist": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer),
+        "clipdist uint8": lambda workers: clipdist_batches(
+            shards, args.batch, workers, transform, tokenizer, pixels=True
+        ),
+        "open_clip": lambda workers: open_clip_batches(pattern, args.batch, workers, transform, tokenizer),
+    }
     if args.pieces > 1:
         loaders[f"clipdist uint8 ×{args.pieces} pieces"] = lambda workers: clipdist_batches(
-            shards, args.batch, workers, transform, tokenizer, pixels=True, pieces=args.pieces)
+            shards, args.batch, workers, transform, tokenizer, pixels=True, pieces=args.pieces
+        )
     runs = []
     for workers in map(int, args.workers.split(",")):
         for repeat in range(args.repeats):
             for name, batches in loaders.items():
                 rate = measure(batches(workers), args.skip, args.batches)
                 runs.append({"loader": name, "workers": workers, "repeat": repeat, "samples_per_s": rate})
-                print(f"{name:24s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "
-                      f"({rate / max(workers, 1):.1f} per worker)", flush=True)
+                print(
+                    f"{name:24s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "
+                    f"({rate / max(workers, 1):.1f} per worker)",
+                    flush=True,
+                )
     summary = []
     for workers in sorted({run["workers"] for run in runs}):
-        of = {name: [run["samples_per_s"] for run in runs if run["loader"] == name and run["workers"] == workers]
-              for name in loaders}
+        of = {
+            name: [run["samples_per_s"] for run in runs if run["loader"] == name and run["workers"] == workers]
+            for name in loaders
+        }
         for name in loaders:
-            summary.append({"workers": workers, "loader": name, "samples_per_s": statistics.median(of[name]),
-                            "ratio": statistics.median(of[name]) / statistics.median(of["open_clip"]),
-                            "per_repeat_ratios": [a / b for a, b in zip(of[name], of["open_clip"])]})
+            summary.append(
+                {
+                    "workers": workers,
+                    "loader": name,
+                    "samples_per_s": statistics.median(of[name]),
+                    "ratio": statistics.median(of[name]) / statistics.median(of["open_clip"]),
+                    "per_repeat_ratios": [a / b for a, b in zip(of[name], of["open_clip"])],
+                }
+            )
     print(f"\n{args.background} busy process(es) beside the loaders")
     print("| loader workers | loader | samples/s (per worker) | ratio to open_clip | per-repeat ratios |")
     print("|---|---|---|---|---|")
     for row in summary:
         w = row["workers"]
-        print(f"| {w} | {row['loader']} | {row['samples_per_s']:.0f} ({row['samples_per_s'] / max(w, 1):.0f}) | "
-              f"{row['ratio']:.2f}× | {', '.join(f'{r:.2f}' for r in row['per_repeat_ratios'])} |")
+        print(
+            f"| {w} | {row['loader']} | {row['samples_per_s']:.0f} ({row['samples_per_s'] / max(w, 1):.0f}) | "
+            f"{row['ratio']:.2f}× | {', '.join(f'{r:.2f}' for r in row['per_repeat_ratios'])} |"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "cpus": len(os.sched_getaffinity(0)),
-                                              "runs": runs, "summary": summary}, indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {"args": vars(args), "cpus": len(os.sched_getaffinity(0)), "runs": runs, "summary": summary}, indent=2
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

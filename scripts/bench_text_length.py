@@ -6,6 +6,7 @@ captions' token lengths.
 
 Captions come from the shards' .txt members (default: the web_photos shards of the data cache, made on first use).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,18 +53,22 @@ def main() -> None:
     assert allow_short_text(model), "this model's text tower cannot take captions shorter than its context"
     texts = captions(args.shards, args.batch * args.repeats)
     tokenizer = get_tokenizer(args.model)
-    batches = [tokenizer(texts[i * args.batch:(i + 1) * args.batch]) for i in range(args.repeats)]
+    batches = [tokenizer(texts[i * args.batch : (i + 1) * args.batch]) for i in range(args.repeats)]
     lengths = [int((row != 0).sum()) for batch in batches for row in batch]
     step_seconds(model, batches[0])  # warm-up
     padded, cut = [], []
     for batch in batches:  # interleaved: the machine's noise falls on both alike
         padded.append(step_seconds(model, batch))
         cut.append(step_seconds(model, trim(batch)))
-    print(f"{args.model} text tower, batch {args.batch}, {args.repeats} batches of real captions: tokens a caption "
-          f"median {statistics.median(lengths)}, max {max(lengths)}; batch width cut to "
-          f"{[trim(batch).shape[1] for batch in batches]} of {batches[0].shape[1]}")
-    print(f"forward+backward: padded {statistics.median(padded) * 1000:.0f} ms, cut {statistics.median(cut) * 1000:.0f} "
-          f"ms a batch (median): {statistics.median(padded) / statistics.median(cut):.2f}x")
+    print(
+        f"{args.model} text tower, batch {args.batch}, {args.repeats} batches of real captions: tokens a caption "
+        f"median {statistics.median(lengths)}, max {max(lengths)}; batch width cut to "
+        f"{[trim(batch).shape[1] for batch in batches]} of {batches[0].shape[1]}"
+    )
+    print(
+        f"forward+backward: padded {statistics.median(padded) * 1000:.0f} ms, cut {statistics.median(cut) * 1000:.0f} "
+        f"ms a batch (median): {statistics.median(padded) / statistics.median(cut):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Per run: the median samples/s of the steps after --skip (train_log.jsonl: the step alone, evaluation and
 checkpoints excluded), and the ratio of each variant's median over the first variant's, per repeat.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(overrides: list[str], steps: int, skip: int, timeout: float) -> float:
     with tempfile.TemporaryDirectory() as work:
-        command = [sys.executable, str(REPO / "train.py"), f"run_dir={work}/run", f"optim.max_steps={steps}",
-                   f"eval_every={steps * 10}", f"checkpoint_every={steps * 10}", "logging.wandb=disabled",
-                   "logging.progress=false", "logging.log_every=1", *overrides]
+        command = [
+            sys.executable,
+            str(REPO / "train.py"),
+            f"run_dir={work}/run",
+            f"optim.max_steps={steps}",
+            f"eval_every={steps * 10}",
+            f"checkpoint_every={steps * 10}",
+            "logging.wandb=disabled",
+            "logging.progress=false",
+            "logging.log_every=1",
+            *overrides,
+        ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         if result.returncode != 0:
             raise SystemExit(f"{' '.join(overrides)} failed:\n{result.stderr[-3000:]}")
@@ -53,11 +63,14 @@ def main() -> None:
     first = next(iter(variants))
     for name, values in figures.items():
         ratios = [value / base for value, base in zip(values, figures[first])]
-        print(f"{name}: samples/s {', '.join(f'{v:.1f}' for v in values)}; vs {first}: "
-              f"{', '.join(f'{r:.2f}x' for r in ratios)}")
+        print(
+            f"{name}: samples/s {', '.join(f'{v:.1f}' for v in values)}; vs {first}: "
+            f"{', '.join(f'{r:.2f}x' for r in ratios)}"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"common": args.common, "variants": variants, "samples_per_s": figures},
-                                             indent=2) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"common": args.common, "variants": variants, "samples_per_s": figures}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ run clipdist's benchmark workload: `python scripts/open_clip_peer.py <open_clip_
   with ... GPU modules"): CPU device ids are dropped.
 open_clip_train also needs pandas, which open_clip_torch does not install.
 """
+
 from __future__ import annotations
 
 import sys
@@ -34,6 +35,7 @@ def patch_open_clip_data():
 
     group = open_clip_data.group_by_keys_nothrow
     if not getattr(group, "skips_end_marker", False):
+
         def grouped(files, *args, **kwargs):
             return group((f for f in files if f), *args, **kwargs)
 
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> None:
     _register_model_configs()
     if "--model" in argv:
         at = argv.index("--model") + 1
-        argv = [*argv[:at], resolve_model_name(argv[at]), *argv[at + 1:]]
+        argv = [*argv[:at], resolve_model_name(argv[at]), *argv[at + 1 :]]
     _ddp_without_cpu_device_ids()
     patch_open_clip_data()
     open_clip_main(argv)

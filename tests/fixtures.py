@@ -1,11 +1,12 @@
 """Data the tests make: images, tar shards in the layouts people have (webdataset captions, clip_benchmark's
 zero-shot folders). One builder per layout, shared by unit and integration tests."""
+
 from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def image_bytes(value: int = 128, fmt: str = "PNG", mode: str = "RGB", size: int = 8) -> bytes:
@@ -13,7 +14,9 @@ def image_bytes(value: int = 128, fmt: str = "PNG", mode: str = "RGB", size: int
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.new(mode, (size, size), value if mode in ("L", "I", "I;16") else (value,) * len(mode)).save(buffer, format=fmt)
+    Image.new(mode, (size, size), value if mode in ("L", "I", "I;16") else (value,) * len(mode)).save(
+        buffer, format=fmt
+    )
     return buffer.getvalue()
 
 
@@ -29,21 +32,41 @@ def write_tar(path: Path, members) -> Path:
 
 def write_samples(path: Path, samples: list[dict]) -> Path:
     """A shard of samples given as {"__key__": ..., ext: bytes, ...}."""
-    return write_tar(path, [(f"{sample['__key__']}.{ext}", data) for sample in samples
-                            for ext, data in sample.items() if ext != "__key__"])
+    return write_tar(
+        path,
+        [
+            (f"{sample['__key__']}.{ext}", data)
+            for sample in samples
+            for ext, data in sample.items()
+            if ext != "__key__"
+        ],
+    )
 
 
-def caption_shards(folder: Path, shards: int = 2, per_shard: int = 16, *,
-                   pixel: Callable[[int, int], int] = lambda shard, i: i * 7 % 256,
-                   caption: Callable[[int], bytes] = lambda i: f"a grey square number {i}".encode(),
-                   label: Callable[[int], int] | None = None, bad_first: bool = False) -> Path:
+def caption_shards(
+    folder: Path,
+    shards: int = 2,
+    per_shard: int = 16,
+    *,
+    pixel: Callable[[int, int], int] = lambda shard, i: i * 7 % 256,
+    caption: Callable[[int], bytes] = lambda i: f"a grey square number {i}".encode(),
+    label: Callable[[int], int] | None = None,
+    bad_first: bool = False,
+) -> Path:
     """`folder`/{0..shards-1}.tar in the img2dataset layout: keys '<shard>-<i>', a flat PNG of `pixel(shard, i)`,
     a .txt caption, a .json label where `label` is given; `bad_first`: each shard starts with an undecodable image."""
     folder.mkdir(parents=True, exist_ok=True)
     for shard in range(shards):
         samples = [{"__key__": f"{shard}-bad", "png": b"not a png", "txt": b"a caption"}] if bad_first else []
-        samples += [{"__key__": f"{shard}-{i:03d}", "png": image_bytes(pixel(shard, i)), "txt": caption(i),
-                     **({"json": f'{{"label": {label(i)}}}'.encode()} if label else {})} for i in range(per_shard)]
+        samples += [
+            {
+                "__key__": f"{shard}-{i:03d}",
+                "png": image_bytes(pixel(shard, i)),
+                "txt": caption(i),
+                **({"json": f'{{"label": {label(i)}}}'.encode()} if label else {}),
+            }
+            for i in range(per_shard)
+        ]
         write_samples(folder / f"{shard}.tar", samples)
     return folder
 
@@ -62,10 +85,18 @@ def clip_benchmark_set(root: Path, shards: list[list[dict]], classnames: list[st
 
 def pets(root: Path, samples_per_shard: int = 3, shards: int = 2) -> Path:
     """A small clip_benchmark set: .webp images labelled cat/dog alternately, two templates ({c} style)."""
-    return clip_benchmark_set(root, [[{"__key__": f"s{shard}{i}", "webp": image_bytes(40 * i, "WEBP"),
-                                       "cls": str(i % 2).encode()} for i in range(samples_per_shard)]
-                                     for shard in range(shards)],
-                              ["cat", "dog"], ["a photo of a {c}.", "a drawing of a {c}."])
+    return clip_benchmark_set(
+        root,
+        [
+            [
+                {"__key__": f"s{shard}{i}", "webp": image_bytes(40 * i, "WEBP"), "cls": str(i % 2).encode()}
+                for i in range(samples_per_shard)
+            ]
+            for shard in range(shards)
+        ],
+        ["cat", "dog"],
+        ["a photo of a {c}.", "a drawing of a {c}."],
+    )
 
 
 def tiny_open_clip(vision: dict | None = None, text: dict | None = None, **options):
@@ -124,6 +155,7 @@ def max_error(got, want):
 
 # --- two weighted sources for the stream's resume and mixing tests ------------------------------------------------
 
+
 def flat(image):
     """A flat grey image's value: which sample it is (two_sources)."""
     import numpy as np
@@ -134,10 +166,19 @@ def flat(image):
 
 def two_sources(tmp_path, shards=4, per_shard=2):
     """Source a's images are flat grey base + 10·shard + i with base 0, source b's with base 100."""
-    return [sorted(str(path) for path in caption_shards(tmp_path / name, shards, per_shard, caption=lambda i: b"x",
-                                                        pixel=lambda shard, i, base=base: base + shard * 10 + i
-                                                        ).glob("*.tar"))
-            for name, base in [("a", 0), ("b", 100)]]
+    return [
+        sorted(
+            str(path)
+            for path in caption_shards(
+                tmp_path / name,
+                shards,
+                per_shard,
+                caption=lambda i: b"x",
+                pixel=lambda shard, i, base=base: base + shard * 10 + i,
+            ).glob("*.tar")
+        )
+        for name, base in [("a", 0), ("b", 100)]
+    ]
 
 
 def weighted_stream(sources, workers):
@@ -148,6 +189,7 @@ def weighted_stream(sources, workers):
 
 
 # --- files that would run code if unpickled ----------------------------------------------------------------------
+
 
 class RunsCode:
     """Unpickled, it runs `touch <marker>`: the marker file appearing is the proof that a reader ran it."""

@@ -1,5 +1,6 @@
 """Run train.py the way a user does (a subprocess with a timeout, or its own process group), build small
 shards and streams, and check refusals in this process."""
+
 from __future__ import annotations
 
 import importlib
@@ -16,8 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 # no W&B, no bar, every step logged, no picture at the end (~1 s a run; tests/unit/test_train.py asks for one), and
 # the loader in the run's own process (data=digits' automatic workers would start a process per run; a test that
 # names a data group or data.workers gets its own)
-QUIET = ("logging.wandb=disabled", "logging.progress=false", "logging.log_every=1", "logging.report=false",
-         "data.workers=0")
+QUIET = (
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "logging.log_every=1",
+    "logging.report=false",
+    "data.workers=0",
+)
 
 
 def own_environment() -> dict[str, str]:
@@ -30,14 +36,24 @@ def own_environment() -> dict[str, str]:
 def train_command(run_dir: Path, cache_dir: Path, *overrides: str) -> list[str]:
     """train.py with QUIET's settings, unless an override sets the same key."""
     given = {override.split("=", 1)[0] for override in overrides}
-    quiet = [setting for setting in QUIET if setting.split("=", 1)[0] not in given
-             and not (setting.startswith("data.") and "data" in given)]
-    return [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", f"data.cache_dir={cache_dir}", *quiet,
-            *overrides]
+    quiet = [
+        setting
+        for setting in QUIET
+        if setting.split("=", 1)[0] not in given and not (setting.startswith("data.") and "data" in given)
+    ]
+    return [
+        sys.executable,
+        str(REPO / "train.py"),
+        f"run_dir={run_dir}",
+        f"data.cache_dir={cache_dir}",
+        *quiet,
+        *overrides,
+    ]
 
 
-def train(run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300, env=None,
-          fresh: bool = False) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, cache_dir: Path, *overrides: str, timeout: float = 300, env=None, fresh: bool = False
+) -> subprocess.CompletedProcess:
     """train.py with these overrides: (exit code, stdout, stderr) as a user's shell sees them.
 
     Run in this process — train.py's entry point, called as train.py calls it; `world=cpu2` forks its
@@ -78,6 +94,7 @@ def _train_here(command: list[str]) -> subprocess.CompletedProcess:
 class console_into:
     """stdout and stderr of this process and of what it forks (ranks, loader workers) into two files, at the
     Python and the file-descriptor level; their text is in `console_into.text` once the block ends."""
+
     text = ("", "")
 
     def __init__(self, out: Path, err: Path):
@@ -128,12 +145,19 @@ class Run:
 
     def __init__(self, command: list[str], run_dir: Path, env: dict | None = None):
         self.run_dir = Path(run_dir)
-        self.process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env={**own_environment(), **(env or {})})
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**own_environment(), **(env or {})},
+        )
         self.pid = self.process.pid
 
     @classmethod
-    def train(cls, run_dir: Path, cache_dir: Path, *overrides: str, env: dict | None = None) -> "Run":
+    def train(cls, run_dir: Path, cache_dir: Path, *overrides: str, env: dict | None = None) -> Run:
         return cls(train_command(run_dir, cache_dir, *overrides), run_dir, env)
 
     def wait_for(self, condition, seconds: float = 240, what: str = "the condition") -> None:
@@ -155,7 +179,7 @@ class Run:
         stdout, stderr = self.process.communicate(timeout=timeout)
         return self.process.returncode, stdout, stderr
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -167,15 +191,19 @@ class Run:
             self.process.communicate(timeout=60)
 
 
-
-
-
-
-
-
-def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 start_method: str | None = None, low_priority_workers: bool = False, readers: int | None = None,
-                 **data):
+def train_stream(
+    sources,
+    batch_size: int,
+    image_transform,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    start_method: str | None = None,
+    low_priority_workers: bool = False,
+    readers: int | None = None,
+    **data,
+):
     """A TrainStream over `sources` (shard paths, or a list of such lists: one per source), with
     DataConfig(**data) for everything else (shuffle_buffer=0 unless given)."""
     from clipdist.config import DataConfig
@@ -185,10 +213,19 @@ def train_stream(sources, batch_size: int, image_transform, *, rank: int = 0, wo
     if sources and not isinstance(sources[0], (list, tuple)):
         sources = [sources]
     data.setdefault("shuffle_buffer", 0)
-    return TrainStream([[str(url) for url in urls] for urls in sources], DataConfig(source=None, **data),
-                       batch_size=batch_size, image_transform=image_transform, tokenizer=get_tokenizer(), rank=rank,
-                       world_size=world_size, seed=seed, low_priority_workers=low_priority_workers,
-                       start_method=start_method, readers=readers)
+    return TrainStream(
+        [[str(url) for url in urls] for urls in sources],
+        DataConfig(source=None, **data),
+        batch_size=batch_size,
+        image_transform=image_transform,
+        tokenizer=get_tokenizer(),
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        low_priority_workers=low_priority_workers,
+        start_method=start_method,
+        readers=readers,
+    )
 
 
 def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
@@ -197,15 +234,16 @@ def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
     import pytest
 
     import clipdist
+    from clipdist.cli import train_main
     from clipdist.distributed import launch
     from clipdist.train import trainer
-    from clipdist.cli import train_main
 
     def started(*_args, **_kwargs):
         raise AssertionError(f"the start with {overrides} was not refused: it began to train")
 
     # Every module that binds launch_local by name is imported first: one imported during the patch would keep the
-    # stand-in after it (a later test's `clipdist eval` then "began to train": seen when test files ran in another order).
+    # stand-in after it (a later test's `clipdist eval` then "began to train": seen when test files ran in another
+    # order).
     for module in pkgutil.walk_packages(clipdist.__path__, "clipdist."):
         if not module.name.endswith("__main__"):  # which would run the command line
             importlib.import_module(module.name)

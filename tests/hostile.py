@@ -7,6 +7,7 @@ checkpoint folders whose files point outside themselves, are links or special fi
                                         the raw stream (what torch.load also reads)
     hostile_checkpoints(real, folder)   copies of a real .dcp checkpoint, each with one hostile part
 """
+
 from __future__ import annotations
 
 import io
@@ -36,12 +37,15 @@ def pickles(marker: Path) -> dict[str, bytes]:
         "stack_global": pickle.dumps({"x": Runs()}, protocol=4),
         "protocol_5": pickle.dumps({"x": Runs()}, protocol=5),
         "inst": f"(S'{command}'\nios\nsystem\n.".encode(),
-        "obj": f"\x80\x02(cos\nsystem\nX{len(command).to_bytes(4, 'little').decode('latin1')}{command}o.".encode("latin1"),
+        "obj": f"\x80\x02(cos\nsystem\nX{len(command).to_bytes(4, 'little').decode('latin1')}{command}o.".encode(
+            "latin1"
+        ),
         "numpy_object": pickle.dumps({"x": np.array([Runs()], dtype=object)}, protocol=2),
         "partial": pickle.dumps({"x": functools.partial(os.system, command)}, protocol=2),
-        "getattr_chain": (b"\x80\x02cbuiltins\ngetattr\ncbuiltins\n__import__\nX\x02\x00\x00\x00os\x85R"
-                          b"X\x06\x00\x00\x00system\x86RX" + len(command).to_bytes(4, "little") + command.encode()
-                          + b"\x85R."),
+        "getattr_chain": (
+            b"\x80\x02cbuiltins\ngetattr\ncbuiltins\n__import__\nX\x02\x00\x00\x00os\x85R"
+            b"X\x06\x00\x00\x00system\x86RX" + len(command).to_bytes(4, "little") + command.encode() + b"\x85R."
+        ),
         "ext1": b"\x80\x02\x82\x01.",
         "escapes": f"\x80\x02c{ESCAPES}\nsystem\n)R.".encode("latin1"),
     }
@@ -179,8 +183,10 @@ def bombs(folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     made = {}
     made["zip-bomb"] = folder / "zip-bomb.pt"
-    with zipfile.ZipFile(io.BytesIO(torch_zip(pickle.dumps({}, protocol=2)))) as source, \
-            zipfile.ZipFile(made["zip-bomb"], "w") as target:
+    with (
+        zipfile.ZipFile(io.BytesIO(torch_zip(pickle.dumps({}, protocol=2)))) as source,
+        zipfile.ZipFile(made["zip-bomb"], "w") as target,
+    ):
         for info in source.infolist():
             target.writestr(info, source.read(info.filename))
         target.writestr("archive/data/bomb", bytes(100 << 20), compress_type=zipfile.ZIP_DEFLATED)

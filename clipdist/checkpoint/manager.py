@@ -7,12 +7,14 @@ A checkpoint is a folder, `<run_dir>/checkpoints/step_XXXXXXXX.dcp/`, whatever t
     any world size, under DDP or FSDP alike; beside them each rank's generators and the data readers' positions
     as tensors (clipdist.checkpoint.state.TrainState.sharded_state_dict), each written by the ranks that hold them;
   - `progress.pt`: step, samples seen, schedule, the stream's layout and position, the world size and the config
-    — plain Python types only, nothing that grows with the world, read back with weights_only (clipdist.checkpoint.weights).
+    — plain Python types only, nothing that grows with the world, read back with weights_only
+    (clipdist.checkpoint.weights).
 Every rank writes into a hidden `.step_XXXXXXXX.dcp.partial/`, then rank 0 adds progress.pt and renames it:
 a crash mid-save leaves only the hidden folder, never a checkpoint under a real name. The newest
 `keep_checkpoints` are kept; resume takes the newest that can be read. `step_*.pt` files (DDP runs before the
 one format) still resume, read as safely.
 """
+
 from __future__ import annotations
 
 import io
@@ -32,12 +34,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from clipdist.checkpoint import weights
-from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dict, resume_rule
-from clipdist.errors import CheckpointError, ConfigError
-from clipdist.distributed.launch import DistEnv, StopSignal
-from clipdist.distributed.parallel import all_ranks
 from clipdist.checkpoint.remote import RemoteCopies
 from clipdist.checkpoint.state import TrainState
+from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dict, resume_rule
+from clipdist.distributed.launch import DistEnv, StopSignal
+from clipdist.distributed.parallel import all_ranks
+from clipdist.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,9 @@ class CheckpointFiles:
         """Collective: `start` and `finish` in one."""
         return self.finish(self.start(shards, progress, step, is_main), is_main)
 
-    def start(self, shards: dict, progress: dict, step: int, is_main: bool, group=None,
-              background: bool = False) -> "PendingSave":
+    def start(
+        self, shards: dict, progress: dict, step: int, is_main: bool, group=None, background: bool = False
+    ) -> PendingSave:
         """Collective: every rank writes its part of `shards` (torch.distributed.checkpoint) into a hidden folder —
         in a background thread where `background` (DCP's async_save: the state copied to host memory first, then
         written while training goes on; its collectives on `group`, apart from the step's)."""
@@ -79,17 +82,22 @@ class CheckpointFiles:
         self._agree(pending, prepare, run=is_main)
         with weights.single_process_quietly():
             if background:
-                write = lambda: dcp.async_save(shards, checkpoint_id=str(pending.partial), process_group=group,  # noqa: E731
-                                               async_stager=_HostCopy() if _HostCopy.fits(shards) else None)
+                write = lambda: dcp.async_save(
+                    shards,
+                    checkpoint_id=str(pending.partial),
+                    process_group=group,  # noqa: E731
+                    async_stager=_HostCopy() if _HostCopy.fits(shards) else None,
+                )
                 pending.future = self._agree(pending, write, run=True)
                 if is_main:  # a failed write gives its space back at once (a full disk fails the logs beside it too)
                     pending.future.add_done_callback(
-                        lambda future: future.exception() and shutil.rmtree(pending.partial, ignore_errors=True))
+                        lambda future: future.exception() and shutil.rmtree(pending.partial, ignore_errors=True)
+                    )
             else:
                 self._agree(pending, lambda: dcp.save(shards, checkpoint_id=str(pending.partial)), run=True)
         return pending
 
-    def finish(self, pending: "PendingSave", is_main: bool) -> Path:
+    def finish(self, pending: PendingSave, is_main: bool) -> Path:
         """Collective: wait for this rank's part, then rank 0 adds the progress and renames the folder. A failure on
         any rank raises CheckpointError on every rank, the hidden folder removed; the previous checkpoint stays
         the newest."""
@@ -108,7 +116,7 @@ class CheckpointFiles:
             self._retain()
         return pending.final
 
-    def _agree(self, pending: "PendingSave", action, run: bool):
+    def _agree(self, pending: PendingSave, action, run: bool):
         """Run `action` where `run`; every rank learns of a failure on any (CheckpointError everywhere)."""
         error = result = None
         if run:
@@ -129,11 +137,13 @@ class CheckpointFiles:
     def _failed(self, final: Path, reason: str) -> CheckpointError:
         previous = self.checkpoints()
         kept = f"the previous checkpoint {previous[0].name} is intact" if previous else "no earlier checkpoint"
-        return CheckpointError(f"could not write checkpoint {final}: {reason}; {kept}. "
-                               "Free space (or fix the folder) and resume with resume=auto")
+        return CheckpointError(
+            f"could not write checkpoint {final}: {reason}; {kept}. "
+            "Free space (or fix the folder) and resume with resume=auto"
+        )
 
     def _retain(self) -> None:
-        for old in self.checkpoints()[self.keep:]:
+        for old in self.checkpoints()[self.keep :]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
@@ -248,8 +258,11 @@ class Checkpointer:
         # DCP's collectives of a save in the background run on a group of their own, apart from the step's.
         self.group = torch.distributed.new_group(backend="gloo") if self.background and env.world_size > 1 else None
         remote = cfg.checkpoint.remote
-        self.remote = RemoteCopies(remote, cfg.keep_checkpoints, cfg.checkpoint.remote_retries, run_dir=cfg.run_dir) \
-            if remote and env.is_main else None
+        self.remote = (
+            RemoteCopies(remote, cfg.keep_checkpoints, cfg.checkpoint.remote_retries, run_dir=cfg.run_dir)
+            if remote and env.is_main
+            else None
+        )
 
     @property
     def directory(self) -> Path:
@@ -275,8 +288,11 @@ class Checkpointer:
         if self.pending is not None and not self.finish():
             return False
         progress = {**state.progress(), "config": self.config}
-        started = self._guarded(lambda: self.files.start(state.sharded_state_dict(), progress, state.step,
-                                                         self.env.is_main, self.group, self.background))
+        started = self._guarded(
+            lambda: self.files.start(
+                state.sharded_state_dict(), progress, state.step, self.env.is_main, self.group, self.background
+            )
+        )
         self.last_saved = time.monotonic()
         if started is None:
             return False
@@ -321,7 +337,9 @@ class Checkpointer:
                 log.warning("checkpoint %s is unreadable (%s); trying an older one", path, _one_line(error))
                 continue
             state.load_progress(progress)  # first: the stream's layout says which readers this rank needs
-            if path.is_dir():  # every rank reads its part of each tensor, whatever world size and parallelism wrote them
+            if (
+                path.is_dir()
+            ):  # every rank reads its part of each tensor, whatever world size and parallelism wrote them
                 shards = state.sharded_state_dict_to_load(weights.dcp_sizes(path))
                 weights.load_dcp(shards, path)
                 state.load_sharded_state_dict(shards)
@@ -342,7 +360,8 @@ class Checkpointer:
             if existing:
                 raise ConfigError(
                     f"{files.directory} already holds {existing[0].name}; resume=never would overwrite "
-                    "that run. Use resume=auto to continue it, or name=<new name> for a new run")
+                    "that run. Use resume=auto to continue it, or name=<new name> for a new run"
+                )
             return []
         found = found or Checkpointer.resume_point(cfg)
         return [] if found is None else _compare(found[1], as_dict(cfg), world_size, found[0])
@@ -353,7 +372,9 @@ class Checkpointer:
         if cfg.resume == "never":
             return None
         if cfg.resume != "auto" and not weights.is_checkpoint(Path(cfg.resume)):
-            raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)")
+            raise ConfigError(
+                f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)"
+            )
         for path in CheckpointFiles(cfg.run_dir).checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
             try:
                 return path, weights.verify(path)
@@ -361,8 +382,10 @@ class Checkpointer:
                 raise ConfigError(str(error)) from None
             except (Exception, CheckpointException) as error:  # noqa: BLE001 -- damaged
                 if cfg.resume != "auto":
-                    raise ConfigError(f"resume={cfg.resume}: cannot be read ({_one_line(error)}); name another "
-                                      "checkpoint, or resume=auto for the newest readable one") from None
+                    raise ConfigError(
+                        f"resume={cfg.resume}: cannot be read ({_one_line(error)}); name another "
+                        "checkpoint, or resume=auto for the newest readable one"
+                    ) from None
                 continue  # restore falls back to an older one and says so
         return None
 
@@ -383,24 +406,32 @@ class Checkpointer:
             path = remote.fetch(found[0][1], files.directory)
             logs = remote.fetch_logs(Path(cfg.run_dir))
         except Exception as error:  # noqa: BLE001 -- an unreachable remote: resume from what is here, and say so
-            return logging.WARNING, (f"checkpoint.remote={cfg.checkpoint.remote} could not be read "
-                                     f"({' '.join(str(error).split())[:200]}); resuming from the local checkpoints")
+            return logging.WARNING, (
+                f"checkpoint.remote={cfg.checkpoint.remote} could not be read "
+                f"({' '.join(str(error).split())[:200]}); resuming from the local checkpoints"
+            )
         with_logs = f" and the run's logs ({', '.join(logs)})" if logs else ""
-        return logging.INFO, (f"fetched {path.name}{with_logs} from {cfg.checkpoint.remote} (newer than any "
-                              f"checkpoint in {files.directory})")
+        return logging.INFO, (
+            f"fetched {path.name}{with_logs} from {cfg.checkpoint.remote} (newer than any "
+            f"checkpoint in {files.directory})"
+        )
 
     def divergence_advice(self, bad_steps: int, step: int, max_nonfinite_steps: int, lr: float) -> str:
         """What to do after `bad_steps` non-finite losses in a row. Nothing is saved: the weights that gave them
         may be the cause, and no finite loss vouches for the newest state (its weights can already be huge)."""
         newest = self.files.checkpoints()
-        stopped = (f"{bad_steps} non-finite losses in a row after step {step} (max_nonfinite_steps="
-                   f"{max_nonfinite_steps}); stopped without saving, since these weights may be the cause")
+        stopped = (
+            f"{bad_steps} non-finite losses in a row after step {step} (max_nonfinite_steps="
+            f"{max_nonfinite_steps}); stopped without saving, since these weights may be the cause"
+        )
         lower = f"optim.lr={lr / 10:g}"
         if not newest:
             return f"{stopped}. Start again with a lower learning rate ({lower}), or check the data"
-        return (f"{stopped}. Go on from the newest checkpoint in a new run with a lower learning rate: python train.py "
-                f"name=<new name> resume={newest[0]} {lower} (and your other overrides); if it fails the same way, "
-                f"resume from an older one in {self.directory} or start again")
+        return (
+            f"{stopped}. Go on from the newest checkpoint in a new run with a lower learning rate: python train.py "
+            f"name=<new name> resume={newest[0]} {lower} (and your other overrides); if it fails the same way, "
+            f"resume from an older one in {self.directory} or start again"
+        )
 
     def close(self) -> None:
         """After the loop, however it ended: a save still in flight is left unpublished (the run did not reach
@@ -425,18 +456,27 @@ def _compare(saved: dict, config: dict, world_size: int, path: Path) -> list[str
     if changed:
         was = ", ".join(f"{key}={before.get(key, '(unset)')}" for key in changed)
         asked = ", ".join(f"{key}={now.get(key, '(unset)')}" for key in changed)
-        raise ConfigError(f"{path} was trained with {was}, not {asked}: resume it with the same settings, "
-                          "or start a new run with name=<new name>")
+        raise ConfigError(
+            f"{path} was trained with {was}, not {asked}: resume it with the same settings, "
+            "or start a new run with name=<new name>"
+        )
     before, now = _resume_settings(saved["config"], WARN), _resume_settings(config, WARN)
-    warned = [f"{key} {before.get(key)} -> {now.get(key)}" for key in sorted(set(before) | set(now))
-              if before.get(key) != now.get(key)]
+    warned = [
+        f"{key} {before.get(key)} -> {now.get(key)}"
+        for key in sorted(set(before) | set(now))
+        if before.get(key) != now.get(key)
+    ]
     if path.suffix == ".pt" and config["world"]["parallel"] == "fsdp":
-        raise ConfigError(f"{path} is a checkpoint of the .pt days (one file, DDP): resume it with "
-                          "world.parallel=ddp; its next checkpoint, a .dcp folder, resumes under FSDP too")
+        raise ConfigError(
+            f"{path} is a checkpoint of the .pt days (one file, DDP): resume it with "
+            "world.parallel=ddp; its next checkpoint, a .dcp folder, resumes under FSDP too"
+        )
     old_batch = saved["world_size"] * saved["config"].get("world", {}).get("batch_per_device", 0)
     new_batch = world_size * config["world"]["batch_per_device"]
     lines = [f"changed since {path.name}: {', '.join(warned)}"] if warned else []
     if old_batch != new_batch:
-        lines.append(f"resuming {path} (step {saved['step']}) with global batch {new_batch} "
-                     f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}")
+        lines.append(
+            f"resuming {path} (step {saved['step']}) with global batch {new_batch} "
+            f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}"
+        )
     return lines

@@ -14,6 +14,7 @@ The run's logs follow each copy (whole lines only) and the end of the run, so a 
 its history back with the checkpoint (`fetch_logs`: rows after the checkpoint's step are then rewound as on any
 resume); `clipdist report` on it draws the whole run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +28,9 @@ from pathlib import Path
 
 import fsspec
 
-from clipdist.errors import ConfigError
 from clipdist.checkpoint.run_dir import COPIED_LOGS
 from clipdist.checkpoint.weights import CHECKPOINT
+from clipdist.errors import ConfigError
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
@@ -45,25 +46,30 @@ def check_remote(url: str) -> None:
     """checkpoint.remote names a file system fsspec can open here (s3:// needs s3fs, gs:// gcsfs, ...), and holds
     no credentials: a `user:secret@` in the URL would be written to the run's records, logs and W&B."""
     if redacted(url) != url:
-        raise ConfigError(f"checkpoint.remote={redacted(url)}: the URL holds credentials (user:password@); it would be "
-                          "saved with the run's config and logs. Give credentials the file system's own way (S3: "
-                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws; gs: GOOGLE_APPLICATION_CREDENTIALS)")
+        raise ConfigError(
+            f"checkpoint.remote={redacted(url)}: the URL holds credentials (user:password@); it would be "
+            "saved with the run's config and logs. Give credentials the file system's own way (S3: "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws; gs: GOOGLE_APPLICATION_CREDENTIALS)"
+        )
     try:
         fsspec.core.url_to_fs(url)
     except (ImportError, ValueError, OSError) as error:
-        raise ConfigError(f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
-                          "`pip install s3fs`, gs:// gcsfs, az:// adlfs; a server must answer)") from None
+        raise ConfigError(
+            f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
+            "`pip install s3fs`, gs:// gcsfs, az:// adlfs; a server must answer)"
+        ) from None
 
 
 def whole_lines(path: Path) -> bytes:
     """A log's bytes up to its last newline: a line being appended is left for the next copy."""
     data = path.read_bytes()
-    return data[:data.rfind(b"\n") + 1]
+    return data[: data.rfind(b"\n") + 1]
 
 
 class RemoteCopies:
-    def __init__(self, url: str, keep: int = 3, retries: int = 3, backoff_s: float = 1.0,
-                 run_dir: str | Path | None = None):
+    def __init__(
+        self, url: str, keep: int = 3, retries: int = 3, backoff_s: float = 1.0, run_dir: str | Path | None = None
+    ):
         self.url = url.rstrip("/")
         self.run_dir = Path(run_dir) if run_dir is not None else None  # whose logs follow the copies
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
@@ -138,8 +144,11 @@ class RemoteCopies:
         self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.warning("remote copies to %s still running after %.0f s; the local checkpoints are complete",
-                        self.url, timeout_s)
+            log.warning(
+                "remote copies to %s still running after %.0f s; the local checkpoints are complete",
+                self.url,
+                timeout_s,
+            )
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -162,8 +171,11 @@ class RemoteCopies:
                 if (self.run_dir / name).is_file():
                     self.fs.pipe_file(f"{self.root}/{LOGS}/{name}", whole_lines(self.run_dir / name))
         except Exception as error:  # noqa: BLE001 -- the logs are a convenience: never the run's failure
-            log.warning("could not copy the run's logs to %s (%s); they are intact on this node", self.url,
-                        " ".join(str(error).split())[:300] or type(error).__name__)
+            log.warning(
+                "could not copy the run's logs to %s (%s); they are intact on this node",
+                self.url,
+                " ".join(str(error).split())[:300] or type(error).__name__,
+            )
 
     def _upload_with_retries(self, name: str, snapshot: Path) -> bool:
         for attempt in range(self.retries + 1):
@@ -176,11 +188,17 @@ class RemoteCopies:
             except Exception as error:  # noqa: BLE001 -- any failure of the copy is retried, then reported
                 reason = " ".join(str(error).split())[:300] or type(error).__name__
                 if attempt < self.retries:
-                    time.sleep(self.backoff_s * 2 ** attempt)
+                    time.sleep(self.backoff_s * 2**attempt)
                     continue
                 self.failures += 1
-                log.warning("could not copy %s to %s after %d attempt(s) (%s); the local checkpoint is intact and "
-                            "training goes on", name, self.url, self.retries + 1, reason)
+                log.warning(
+                    "could not copy %s to %s after %d attempt(s) (%s); the local checkpoint is intact and "
+                    "training goes on",
+                    name,
+                    self.url,
+                    self.retries + 1,
+                    reason,
+                )
         return False
 
     def _upload(self, name: str, snapshot: Path) -> None:
@@ -193,5 +211,5 @@ class RemoteCopies:
         self.fs.pipe_file(f"{target}/{COMPLETE}", b"")
 
     def _retain(self) -> None:
-        for _, old in self.checkpoints()[self.keep:]:
+        for _, old in self.checkpoints()[self.keep :]:
             self.fs.rm(old, recursive=True)

@@ -6,6 +6,7 @@ when that process ends however it ends, so a crashed or killed run leaves no sta
 the file only keeps the last holder's host, pid and start time for the message a second process
 gets.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -25,7 +26,7 @@ class RunLock:
         self.path = Path(run_dir) / ".lock"
         self._handle = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(self.path, "a+")
         try:
@@ -34,13 +35,17 @@ class RunLock:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise ConfigError(f"{self.path.parent} is in use by {holder}; wait for that run to end, or start "
-                              "another with name=<new name>") from None
+            raise ConfigError(
+                f"{self.path.parent} is in use by {holder}; wait for that run to end, or start "
+                "another with name=<new name>"
+            ) from None
         except OSError as error:  # ENOSYS (Lustre without -o flock), ENOLCK (NFS without a lock manager), ...
             handle.close()
-            raise ConfigError(f"cannot lock {self.path}: its file system does not support flock ({error.strerror}); "
-                              "put the run on one that does with run_dir=<path> (a local disk, or Lustre mounted "
-                              "with -o flock)") from None
+            raise ConfigError(
+                f"cannot lock {self.path}: its file system does not support flock ({error.strerror}); "
+                "put the run on one that does with run_dir=<path> (a local disk, or Lustre mounted "
+                "with -o flock)"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -54,7 +59,7 @@ class RunLock:
             self._handle.close()
             self._handle = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -63,8 +68,20 @@ class RunLock:
 
 # What a run writes into its directory: none of it may be a link (a planted link would have the run overwrite or
 # append to, or read its W&B id from, a file elsewhere).
-RECORDS = (".lock", "hydra", "hydra/config.yaml", "hydra/overrides.yaml", "train.log", "train_log.jsonl",
-           "metrics.jsonl", "wandb_id", "wandb", "tensorboard", "checkpoints", "samples")
+RECORDS = (
+    ".lock",
+    "hydra",
+    "hydra/config.yaml",
+    "hydra/overrides.yaml",
+    "train.log",
+    "train_log.jsonl",
+    "metrics.jsonl",
+    "wandb_id",
+    "wandb",
+    "tensorboard",
+    "checkpoints",
+    "samples",
+)
 
 
 def check_run_dir(run_dir: str | Path) -> None:
@@ -76,17 +93,21 @@ def check_run_dir(run_dir: str | Path) -> None:
         return
     mode = root.stat().st_mode
     if mode & 0o002 and not mode & 0o1000:
-        raise ConfigError(f"run_dir={root}: other users can write to it (mode {mode & 0o7777:o}); a run reads its "
-                          f"records back from there: chmod o-w {root}, or choose another run_dir")
+        raise ConfigError(
+            f"run_dir={root}: other users can write to it (mode {mode & 0o7777:o}); a run reads its "
+            f"records back from there: chmod o-w {root}, or choose another run_dir"
+        )
     paths = [root / name for name in RECORDS]
     for folder in ("checkpoints", "samples"):
         if (root / folder).is_dir() and not (root / folder).is_symlink():
             paths += sorted((root / folder).iterdir())
     for path in paths:
         if path.is_symlink():
-            raise ConfigError(f"run_dir={root}: {path.relative_to(root)} is a symbolic link (to "
-                              f"{os.readlink(path)!r}); a run's records are its own files: remove the link, or "
-                              "choose another run_dir")
+            raise ConfigError(
+                f"run_dir={root}: {path.relative_to(root)} is a symbolic link (to "
+                f"{os.readlink(path)!r}); a run's records are its own files: remove the link, or "
+                "choose another run_dir"
+            )
 
 
 def write_record(run_dir: str | Path, config: dict, overrides: list[str]) -> None:
@@ -130,7 +151,10 @@ def rewind_jsonl(path: str | Path, step: int) -> int:
 
 SAMPLES = "samples"  # logging.sample_keys: <run_dir>/samples/rank_<r>.jsonl
 STEP_LOGS = ("train_log.jsonl", "metrics.jsonl")
-COPIED_LOGS = (*STEP_LOGS, "train.log")  # go off the node with the checkpoints (checkpoint.remote: clipdist.checkpoint.remote)
+COPIED_LOGS = (
+    *STEP_LOGS,
+    "train.log",
+)  # go off the node with the checkpoints (checkpoint.remote: clipdist.checkpoint.remote)
 
 
 def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str], seq_len: int | None = None) -> None:
@@ -146,9 +170,13 @@ def rewind_logs(run_dir: str | Path, step: int) -> list[str]:
     """A resumed run's logs rewound to its checkpoint's `step` (what comes after it is logged again, so no step is
     there twice); a warning for each log that held lines which are not a step's row."""
     run_dir, warnings = Path(run_dir), []
-    for log_file in (*STEP_LOGS, *sorted(path.relative_to(run_dir) for path in (run_dir / SAMPLES).glob("rank_*.jsonl"))):
+    for log_file in (
+        *STEP_LOGS,
+        *sorted(path.relative_to(run_dir) for path in (run_dir / SAMPLES).glob("rank_*.jsonl")),
+    ):
         damaged = rewind_jsonl(run_dir / log_file, step)
         if damaged:
-            warnings.append(f"{log_file}: {damaged} line(s) that are not a step's JSON row dropped (a write torn by "
-                            "a crash?)")
+            warnings.append(
+                f"{log_file}: {damaged} line(s) that are not a step's JSON row dropped (a write torn by a crash?)"
+            )
     return warnings

@@ -1,4 +1,5 @@
 """TrainState: everything a run needs to continue where it stopped, saved and restored in one place."""
+
 from __future__ import annotations
 
 import random
@@ -11,21 +12,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from clipdist.distributed.parallel import rank_and_world_size
 
-
 RNG_KEY = "rank_{:05d}"  # a rank's generators among a checkpoint's tensors (rng.<key>.*: written by that rank)
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
     """This process's Python, NumPy, torch (and CUDA) generator states as tensors, for the DCP folder (each rank
-    writes its own: progress.pt does not grow with the world). python: [version, the 625 words], python_gauss: [its spare gauss, whether there is one]; numpy: [the 624
+    writes its own: progress.pt does not grow with the world). python: [version, the 625 words], python_gauss: [its
+    spare gauss, whether there is one]; numpy: [the 624
     keys, position, has_gauss], numpy_gauss: [cached]; torch (and cuda): the generators' bytes."""
     version, internal, gauss = random.getstate()
     _, keys, position, has_gauss, cached = np.random.get_state()
-    state = {"python": torch.tensor([version, *internal], dtype=torch.int64),
-             "python_gauss": torch.tensor([0.0 if gauss is None else gauss, float(gauss is not None)],
-                                          dtype=torch.float64),
-             "numpy": torch.tensor([*keys.tolist(), position, has_gauss], dtype=torch.int64),
-             "numpy_gauss": torch.tensor([cached], dtype=torch.float64), "torch": torch.get_rng_state()}
+    state = {
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if gauss is None else gauss, float(gauss is not None)], dtype=torch.float64),
+        "numpy": torch.tensor([*keys.tolist(), position, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -36,9 +39,11 @@ def rng_state_of(tensors: dict[str, torch.Tensor]) -> dict:
     python = tensors["python"].tolist()
     gauss, has_gauss_python = tensors["python_gauss"].tolist()
     numpy = tensors["numpy"].tolist()
-    state = {"python": (python[0], tuple(python[1:]), gauss if has_gauss_python else None),
-             "numpy": ("MT19937", numpy[:-2], numpy[-2], numpy[-1], float(tensors["numpy_gauss"][0])),
-             "torch": tensors["torch"]}
+    state = {
+        "python": (python[0], tuple(python[1:]), gauss if has_gauss_python else None),
+        "numpy": ("MT19937", numpy[:-2], numpy[-2], numpy[-1], float(tensors["numpy_gauss"][0])),
+        "torch": tensors["torch"],
+    }
     if "cuda" in tensors:
         state["cuda"] = tensors["cuda"]
     return state
@@ -81,8 +86,11 @@ class TrainState:
         DTensors), for torch.distributed.checkpoint; loading one into the same structure reshards to any world
         size and either parallelism."""
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        shards = {"model": model, "optimizer": optimizer,
-                  "rng": {RNG_KEY.format(rank_and_world_size()[0]): rng_tensors()}}
+        shards = {
+            "model": model,
+            "optimizer": optimizer,
+            "rng": {RNG_KEY.format(rank_and_world_size()[0]): rng_tensors()},
+        }
         if self.stream is not None:  # the readers' positions: each rank writes those it reads, one copy is kept
             shards["data"] = self.stream.reader_tensors()
         return shards
@@ -95,19 +103,38 @@ class TrainState:
         rank, world_size = rank_and_world_size()
         key = RNG_KEY.format(rank)
         parts = [name.rsplit(".", 1)[1] for name in sizes if name.startswith(f"rng.{key}.")]
-        shards["rng"] = {key: {part: torch.empty(sizes[f"rng.{key}.{part}"],
-                                                 dtype=torch.uint8 if part in ("torch", "cuda") else
-                                                 torch.float64 if part.endswith("gauss") else torch.int64)
-                               for part in parts}} if parts and self.saved_world_size == world_size else {}
+        shards["rng"] = (
+            {
+                key: {
+                    part: torch.empty(
+                        sizes[f"rng.{key}.{part}"],
+                        dtype=torch.uint8
+                        if part in ("torch", "cuda")
+                        else torch.float64
+                        if part.endswith("gauss")
+                        else torch.int64,
+                    )
+                    for part in parts
+                }
+            }
+            if parts and self.saved_world_size == world_size
+            else {}
+        )
         if self.stream is not None:
-            shards["data"] = {key: {part: torch.empty(sizes[f"data.{key}.{part}"], dtype=torch.int64)
-                                    for part in ("counts", "rng", "buffer")}
-                              for key in self.stream.reader_keys() if f"data.{key}.counts" in sizes}
+            shards["data"] = {
+                key: {
+                    part: torch.empty(sizes[f"data.{key}.{part}"], dtype=torch.int64)
+                    for part in ("counts", "rng", "buffer")
+                }
+                for key in self.stream.reader_keys()
+                if f"data.{key}.counts" in sizes
+            }
         return shards
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+        )
         for generators in loaded.get("rng", {}).values():  # this rank's, where the world size is the saved one
             set_rng_state(rng_state_of(generators))
         if self.stream is not None and loaded.get("data"):
@@ -119,9 +146,14 @@ class TrainState:
         stream = None if self.stream is None else self.stream.state_dict()
         if stream is not None:
             stream.pop("readers", None)  # in the DCP folder (sharded_state_dict's "data"): linear in a rank's readers
-        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-                "world_size": rank_and_world_size()[1], "stream": stream,
-                "scaler": None if self.scaler is None else self.scaler.state_dict()}
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "world_size": rank_and_world_size()[1],
+            "stream": stream,
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
 
     def load_progress(self, saved: dict) -> None:
         """Schedule, counters, the stream's position; this rank's RNG where the world size is unchanged."""

@@ -15,6 +15,7 @@ nothing here unpickles freely:
 A file that needs anything else is refused (UnsafeFileError, one line naming the file and the type it asked
 for). `clipdist trust FILE` converts a file the user trusts, once (docs/checkpoints.md says what that risks).
 """
+
 from __future__ import annotations
 
 import enum
@@ -71,7 +72,8 @@ def refusal(path, wanted: str) -> UnsafeFileError:
     return UnsafeFileError(
         f"{path}: refused: reading it would build {wanted}, which clipdist never saves (unpickling it could run "
         f"code that came with the file). If you trust where it came from, convert it once with "
-        f"`clipdist trust {path}` (see docs/checkpoints.md), and use the converted copy")
+        f"`clipdist trust {path}` (see docs/checkpoints.md), and use the converted copy"
+    )
 
 
 def _wanted(error: Exception) -> str | None:
@@ -138,9 +140,18 @@ def _asks_for(source) -> str | None:
 
 # What the pickles of checkpoints and weights files name (torch's rebuild functions and storages, OrderedDict, the
 # NumPy arrays of old RNG states): a refused pickle that names only these asks for something else, said generically.
-_CHECKPOINT_GLOBALS = ("torch.", "collections.OrderedDict", "numpy.core.multiarray._reconstruct",
-                       "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype", "numpy.dtypes.",
-                       "builtins.set", "builtins.frozenset", "_codecs.encode")
+_CHECKPOINT_GLOBALS = (
+    "torch.",
+    "collections.OrderedDict",
+    "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.",
+    "builtins.set",
+    "builtins.frozenset",
+    "_codecs.encode",
+)
 
 
 # Opcodes that name a class or a registered callable to build (refused by torch as "Unsupported operand N"); any
@@ -171,10 +182,14 @@ def _check_zip(source, path) -> None:
     try:
         with zipfile.ZipFile(source) as archive:
             for info in archive.infolist():
-                if info.compress_type != zipfile.ZIP_STORED and info.file_size > ZIP_RATIO * max(info.compress_size, 1 << 16):
-                    raise UnsafeFileError(f"{printable(str(path))}: refused: {printable(info.filename)} inflates "
-                                          f"{info.compress_size} bytes to {info.file_size} (a decompression bomb; "
-                                          "torch stores tensors uncompressed)")
+                if info.compress_type != zipfile.ZIP_STORED and info.file_size > ZIP_RATIO * max(
+                    info.compress_size, 1 << 16
+                ):
+                    raise UnsafeFileError(
+                        f"{printable(str(path))}: refused: {printable(info.filename)} inflates "
+                        f"{info.compress_size} bytes to {info.file_size} (a decompression bomb; "
+                        "torch stores tensors uncompressed)"
+                    )
     except zipfile.BadZipFile:
         return  # torch.load says how it is damaged
 
@@ -203,9 +218,16 @@ def load_pickle(source, map_location="cpu", mmap: bool = False, path=None):
 # --- torch.distributed.checkpoint, read safely ------------------------------------------------------------------
 
 _DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                              "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -234,8 +256,12 @@ class _MetadataUnpickler(pickle.Unpickler):
     def _member_of(self, owner, name):
         """getattr as an enum member's pickle uses it, and nothing more: `owner` one of the allowed enums, `name`
         one of its members (a free getattr would reach any attribute of anything)."""
-        if isinstance(owner, type) and issubclass(owner, enum.Enum) and isinstance(name, str) \
-                and name in owner.__members__:
+        if (
+            isinstance(owner, type)
+            and issubclass(owner, enum.Enum)
+            and isinstance(name, str)
+            and name in owner.__members__
+        ):
             return owner[name]
         raise refusal(self.path, f"builtins.getattr({getattr(owner, '__name__', type(owner).__name__)}, {name!r})")
 
@@ -247,8 +273,10 @@ def regular_file(path: Path, what: str = "") -> int:
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-        raise UnsafeFileError(f"{printable(str(path))}{what}: refused: {kind} (a checkpoint's files are its own, "
-                              "regular files inside its folder)")
+        raise UnsafeFileError(
+            f"{printable(str(path))}{what}: refused: {kind} (a checkpoint's files are its own, "
+            "regular files inside its folder)"
+        )
     return info.st_size
 
 
@@ -260,16 +288,20 @@ def check_storage(folder: Path, metadata) -> None:
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         relative = str(info.relative_path)
         if Path(relative).is_absolute() or ".." in Path(relative).parts or not relative:
-            raise UnsafeFileError(f"{printable(str(folder))}: refused: its .metadata points to "
-                                  f"{printable(relative)!r}, outside the checkpoint folder")
+            raise UnsafeFileError(
+                f"{printable(str(folder))}: refused: its .metadata points to "
+                f"{printable(relative)!r}, outside the checkpoint folder"
+            )
         if relative not in sizes:
             try:
                 sizes[relative] = regular_file(folder / relative)
             except FileNotFoundError:
                 raise ValueError(f"{folder} is damaged: {relative}, which its .metadata names, is missing") from None
         if not (0 <= info.offset and 0 <= info.length and info.offset + info.length <= sizes[relative]):
-            raise ValueError(f"{folder} is damaged: an item of {relative} lies past its end "
-                             f"(bytes {info.offset}..{info.offset + info.length} of {sizes[relative]})")
+            raise ValueError(
+                f"{folder} is damaged: an item of {relative} lies past its end "
+                f"(bytes {info.offset}..{info.offset + info.length} of {sizes[relative]})"
+            )
 
 
 class SafeReader(FileSystemReader):
@@ -369,8 +401,9 @@ def read_dcp(path: Path, keys: set[str]) -> dict:
     state: dict = {}
     SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an AssertionError's text)
     with single_process_quietly(), _refusals_unwrapped():
-        _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeModelPlanner(path, keys),
-                         no_dist=True)
+        _load_state_dict(
+            state, storage_reader=SafeReader(str(path)), planner=SafeModelPlanner(path, keys), no_dist=True
+        )
     return state
 
 
@@ -432,12 +465,16 @@ def check_saved_config(config, path) -> None:
         if count > SAVED_CONFIG_VALUES or depth > SAVED_CONFIG_DEPTH:
             raise UnsafeFileError(f"{path}: refused: its saved config is larger or deeper than any clipdist writes")
         if isinstance(value, str) and "${" in value:
-            raise UnsafeFileError(f"{path}: refused: its saved config holds an interpolation at {printable(where)} "
-                                  "(clipdist saves configs resolved; reading it back would resolve it here)")
+            raise UnsafeFileError(
+                f"{path}: refused: its saved config holds an interpolation at {printable(where)} "
+                "(clipdist saves configs resolved; reading it back would resolve it here)"
+            )
         if isinstance(value, (dict, list, tuple)) and value:
             if id(value) in seen:
-                raise UnsafeFileError(f"{path}: refused: its saved config shares {printable(where)} between two "
-                                      "places (clipdist never writes that; walked, it can stand for billions of values)")
+                raise UnsafeFileError(
+                    f"{path}: refused: its saved config shares {printable(where)} between two "
+                    "places (clipdist never writes that; walked, it can stand for billions of values)"
+                )
             seen.add(id(value))
             items = value.items() if isinstance(value, dict) else enumerate(value)
             stack.extend((item, depth + 1, f"{where}.{key}"[:200]) for key, item in items)

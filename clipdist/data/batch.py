@@ -9,11 +9,12 @@ The names are the model's forward keywords, so a new input (NaFlex's patches wit
 mask, per-row text lengths) is one more entry — a tensor, or a mapping of tensors that share the rows — and
 nothing that carries a batch changes. Every input has the batch's rows as its first dimension.
 """
+
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,8 +55,13 @@ class Batch(Mapping):
     over ranks), `load_s` (CPU seconds the loader spent on it) and `sample_keys` (each row's sample as
     "shard#key", for logging.sample_keys)."""
 
-    def __init__(self, inputs: Inputs, counts: list[int] | None = None, load_s: float | None = None,
-                 sample_keys: list[str] | None = None):
+    def __init__(
+        self,
+        inputs: Inputs,
+        counts: list[int] | None = None,
+        load_s: float | None = None,
+        sample_keys: list[str] | None = None,
+    ):
         if not inputs:
             raise ValueError("a batch needs at least one input")
         self.inputs = dict(inputs)
@@ -76,16 +82,18 @@ class Batch(Mapping):
         """The samples this batch holds (every input's first dimension)."""
         return _first_tensor(next(iter(self.inputs.values()))).shape[0]
 
-    def map(self, function: Callable[[torch.Tensor], Any], names=None) -> "Batch":
+    def map(self, function: Callable[[torch.Tensor], Any], names=None) -> Batch:
         """The batch with `function` applied to every tensor of the inputs `names` (all where None)."""
-        inputs = {name: apply(value, function) if names is None or name in names else value
-                  for name, value in self.inputs.items()}
+        inputs = {
+            name: apply(value, function) if names is None or name in names else value
+            for name, value in self.inputs.items()
+        }
         return Batch(inputs, self.counts, self.load_s, self.sample_keys)
 
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "Batch":
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
         return self.map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
-    def split(self, chunks: int) -> list["Batch"]:
+    def split(self, chunks: int) -> list[Batch]:
         """`chunks` batches of consecutive rows (torch.tensor_split's sizes: the first ones one row larger), every
         input split alike; `counts` and `load_s` stay with the whole batch."""
         if not 1 <= chunks <= self.rows:
@@ -93,16 +101,18 @@ class Batch(Mapping):
         inputs = _split(self.inputs, chunks)
         ends = list(accumulate(_first_tensor(piece).shape[0] for piece in inputs))
         keys = self.sample_keys
-        return [Batch(piece, [], None, keys[end - _first_tensor(piece).shape[0]:end] if keys else None)
-                for piece, end in zip(inputs, ends)]
+        return [
+            Batch(piece, [], None, keys[end - _first_tensor(piece).shape[0] : end] if keys else None)
+            for piece, end in zip(inputs, ends)
+        ]
 
     @classmethod
-    def of(cls, images: torch.Tensor, tokens: torch.Tensor, counts: list[int] | None = None, **options) -> "Batch":
+    def of(cls, images: torch.Tensor, tokens: torch.Tensor, counts: list[int] | None = None, **options) -> Batch:
         """The batch of a two-tower CLIP model: images (or uint8 pixels) and their captions' tokens."""
         return cls({"image": images, "text": tokens}, counts, **options)
 
     @classmethod
-    def dummy(cls, images, context_length: int, sources: int) -> "Batch":
+    def dummy(cls, images, context_length: int, sources: int) -> Batch:
         """A batch of `images` (blank ones) that read nothing: what a rank steps on when a stop signal arrives while
         it waits for data (the step's collectives still match on every rank, and its agreement stops them)."""
         rows = _first_tensor(images).shape[0]

@@ -6,6 +6,7 @@ web_photos: web-like JPEGs (256-512 px on the short side, quality 80-95, tens of
     DataComp shards hold) cut from the photographs that ship inside scikit-image and scikit-learn; the
     label is the photograph a sample was cut from. For loader and 224-px benchmarks (pip install scikit-image).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -22,22 +23,46 @@ from clipdist.data.shard_writer import publish_dir, write_shards
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 FASHION_NAMES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
 CAPTIONS = {
-    "digits": ["a photo of the digit {}.", "a handwritten {}.", "the number {}.", "a scanned {} written by hand.",
-               "a small blurry {}.", "an image of a {}."],
+    "digits": [
+        "a photo of the digit {}.",
+        "a handwritten {}.",
+        "the number {}.",
+        "a scanned {} written by hand.",
+        "a small blurry {}.",
+        "an image of a {}.",
+    ],
     "fashion_mnist": ["a photo of a {}.", "a grayscale photo of a {}.", "a product photo of a {}.", "a small {}."],
 }
 VAL_FRACTION = 0.2
 SHARDS = {"digits": 4, "fashion_mnist": 8, "web_photos": 8}
 # Photographs in scikit-image's data folder (and scikit-learn's two sample images), by what they show.
 WEB_PHOTOS = {
-    "astronaut.png": "astronaut", "chelsea.png": "cat", "coffee.png": "cup of coffee", "hubble_deep_field.jpg": "galaxy",
-    "ihc.png": "microscope slide", "motorcycle_left.png": "motorcycle", "motorcycle_right.png": "motorcycle",
-    "retina.jpg": "retina", "rocket.jpg": "rocket", "camera.png": "cameraman", "coins.png": "coins", "moon.png": "moon",
-    "brick.png": "brick wall", "grass.png": "lawn", "gravel.png": "gravel", "china.jpg": "temple", "flower.jpg": "flower",
+    "astronaut.png": "astronaut",
+    "chelsea.png": "cat",
+    "coffee.png": "cup of coffee",
+    "hubble_deep_field.jpg": "galaxy",
+    "ihc.png": "microscope slide",
+    "motorcycle_left.png": "motorcycle",
+    "motorcycle_right.png": "motorcycle",
+    "retina.jpg": "retina",
+    "rocket.jpg": "rocket",
+    "camera.png": "cameraman",
+    "coins.png": "coins",
+    "moon.png": "moon",
+    "brick.png": "brick wall",
+    "grass.png": "lawn",
+    "gravel.png": "gravel",
+    "china.jpg": "temple",
+    "flower.jpg": "flower",
 }
 WEB_SAMPLES = 2560
-CAPTIONS["web_photos"] = ["a photo of a {}.", "a picture of the {}.", "a close-up photo of a {}.", "a cropped photo of a {}.",
-                          "{} in a photo."]
+CAPTIONS["web_photos"] = [
+    "a photo of a {}.",
+    "a picture of the {}.",
+    "a close-up photo of a {}.",
+    "a cropped photo of a {}.",
+    "{} in a photo.",
+]
 
 
 def _digits(_source_dir):
@@ -69,8 +94,9 @@ def _web_photos(_source_dir, samples: int = WEB_SAMPLES):
     try:
         import skimage
     except ImportError:
-        raise FileNotFoundError("data.source=web_photos cuts its images from scikit-image's photographs: "
-                                "pip install scikit-image") from None
+        raise FileNotFoundError(
+            "data.source=web_photos cuts its images from scikit-image's photographs: pip install scikit-image"
+        ) from None
     from sklearn.datasets import load_sample_images
 
     folder = Path(skimage.__file__).parent / "data"

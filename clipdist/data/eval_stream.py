@@ -1,4 +1,5 @@
 """Evaluation sets read once, in order (the training stream is data/stream.py)."""
+
 from __future__ import annotations
 
 import math
@@ -76,7 +77,9 @@ def eval_records(urls: list[str], skips: SkipCounter, rank: int = 0, world_size:
 
 def first_eval_record(urls: list[str]):
     """The first sample of a validation set, or the exception that reading it raised (no skipping)."""
-    first = wds.DataPipeline(wds.SimpleShardList(urls[:1]), tar_samples(handler=wds.reraise_exception), wds.map(eval_record))
+    first = wds.DataPipeline(
+        wds.SimpleShardList(urls[:1]), tar_samples(handler=wds.reraise_exception), wds.map(eval_record)
+    )
     for record in first:
         return record
     raise DataError(f"{urls[0]} holds no sample")

@@ -5,6 +5,7 @@ Everything here lives in the process that reads (a DataLoader worker under fork,
 forkserver, or the main process); nothing is shared between processes. Counts travel with
 the batches (stream.Batch.counts) and are summed over ranks by the step's agreement.
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,9 +75,11 @@ class SkipCounter:
         self.last_reason = describe(exception)
         self._warn()
         if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
-            raise DataError(f"{self.in_a_row} samples in a row could not be used (data.max_skips_in_a_row="
-                            f"{self.max_in_a_row}); the last: {self.last_reason}. Check the shards' layout "
-                            "(an image + .txt per sample for training)")
+            raise DataError(
+                f"{self.in_a_row} samples in a row could not be used (data.max_skips_in_a_row="
+                f"{self.max_in_a_row}); the last: {self.last_reason}. Check the shards' layout "
+                "(an image + .txt per sample for training)"
+            )
         return True
 
     def _warn(self) -> None:
@@ -86,8 +89,13 @@ class SkipCounter:
             log.warning("skipped: %s%s", self.last_reason, suffix)
             self._last_warning = now
         elif now - self._last_warning >= self.every_s:
-            log.warning("skipped %d more in the last %.0f s (%d in all); the latest: %s",
-                        self._unreported + 1, now - self._last_warning, self.count, self.last_reason)
+            log.warning(
+                "skipped %d more in the last %.0f s (%d in all); the latest: %s",
+                self._unreported + 1,
+                now - self._last_warning,
+                self.count,
+                self.last_reason,
+            )
             self._last_warning, self._unreported = now, 0
         else:
             self._unreported += 1
@@ -129,5 +137,7 @@ class ShardHealth:
         if urls and all(url in self.failed for url in urls):
             shown = "; ".join(f"{url}: {self.failed[url]}" for url in urls[:3])
             more = f" (and {len(urls) - 3} more)" if len(urls) > 3 else ""
-            raise DataError(f"none of the {len(urls)} shard(s) {who} reads gave a sample: {shown}{more}. "
-                            "Check that they are tar files (`tar tf SHARD | head`)")
+            raise DataError(
+                f"none of the {len(urls)} shard(s) {who} reads gave a sample: {shown}{more}. "
+                "Check that they are tar files (`tar tf SHARD | head`)"
+            )

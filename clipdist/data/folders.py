@@ -8,6 +8,7 @@ splits, skips and counts it as it does shards. Class names: `classnames.txt` in 
 for ImageNet's layout (1000 WordNet-id folders, n01440764 ...) open_clip's own ImageNet class names and OpenAI's 80
 prompt templates; else the subfolder names (`_` read as a space).
 """
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,9 @@ def class_folders(root: Path) -> list[Path]:
     """The class subfolders of an ImageFolder at `root` (sorted), or [] where it is not one."""
     if not root.is_dir() or any(root.glob("*.tar")):
         return []
-    return sorted((path for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")),
-                  key=lambda path: path.name)
+    return sorted(
+        (path for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")), key=lambda path: path.name
+    )
 
 
 def is_part(url: str) -> bool:
@@ -35,13 +37,15 @@ def is_part(url: str) -> bool:
 
 def folder_parts(root: Path) -> list[str]:
     """One URL per class subfolder."""
-    return [f"{SCHEME}{quote(str(root.resolve()))}#{urlencode({'class': index, 'name': folder.name})}"
-            for index, folder in enumerate(class_folders(root))]
+    return [
+        f"{SCHEME}{quote(str(root.resolve()))}#{urlencode({'class': index, 'name': folder.name})}"
+        for index, folder in enumerate(class_folders(root))
+    ]
 
 
 def class_members(url: str):
     """(fname, data) of a class subfolder's images in name order, each with its class index (.cls)."""
-    path, _, fragment = url[len(SCHEME):].partition("#")
+    path, _, fragment = url[len(SCHEME) :].partition("#")
     options = {key: values[0] for key, values in parse_qs(fragment).items()}
     folder = Path(unquote(path)) / options["name"]
     images = sorted(file for file in folder.iterdir() if file.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)

@@ -1,5 +1,6 @@
 """A batch's images and captions to tensors: each image decoded no larger than its crop needs, and
 what can run once per batch run once per batch."""
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,9 @@ class ImageBatcher:
                 return torch.stack(images, out=batch_tensor((len(images), height, width, channels), torch.uint8))
             out = batch_tensor((len(images), channels, height, width), torch.float32)
             return self.pixel_normalize(torch.stack(images), out=out)
-        return torch.stack([self.normalize(self.to_tensor(image.numpy())) if self._is_pixels(image) else image
-                            for image in images])
+        return torch.stack(
+            [self.normalize(self.to_tensor(image.numpy())) if self._is_pixels(image) else image for image in images]
+        )
 
     @staticmethod
     def empty() -> torch.Tensor:

@@ -8,11 +8,12 @@ alike).
 
 A new kind is one module with its three functions and one line in KINDS.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from clipdist.data import folders, tables
 
@@ -33,8 +34,13 @@ def _table_parts(item: str, table: tables.TableFormat, what: str) -> list[str]:
 
 
 TABLES = DataKind("table", tables.SCHEME, tables.is_table, _table_parts, tables.part_members)
-FOLDERS = DataKind("folder", folders.SCHEME, lambda item: bool(folders.class_folders(Path(item).expanduser())),
-                   lambda item, table, what: folders.folder_parts(Path(item).expanduser()), folders.class_members)
+FOLDERS = DataKind(
+    "folder",
+    folders.SCHEME,
+    lambda item: bool(folders.class_folders(Path(item).expanduser())),
+    lambda item, table, what: folders.folder_parts(Path(item).expanduser()),
+    folders.class_members,
+)
 KINDS = (TABLES, FOLDERS)
 
 

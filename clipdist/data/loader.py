@@ -4,6 +4,7 @@ started, reprioritised and stopped with what they started, and the items they gi
 This is the one place that knows the DataLoader's private parts (its worker list, its SIGCHLD registration): the
 stream (data.stream.TrainStream) keeps the order, the position and the state, and asks for the next batch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,17 +23,30 @@ from clipdist.distributed.launch import STOP_SIGNALS, kill_tree
 class Loader:
     """The DataLoader over `dataset` on `workers` processes (0: in the rank itself), as an iterator of its items."""
 
-    def __init__(self, dataset, workers: int, *, pin_memory: bool, items_ahead: int = 2, low_priority: bool = False,
-                 start_method: str | None = None, seed: int = 0):
+    def __init__(
+        self,
+        dataset,
+        workers: int,
+        *,
+        pin_memory: bool,
+        items_ahead: int = 2,
+        low_priority: bool = False,
+        start_method: str | None = None,
+        seed: int = 0,
+    ):
         self.loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+            dataset,
+            batch_size=None,
+            num_workers=workers,
+            persistent_workers=workers > 0,
             prefetch_factor=items_ahead if workers else None,  # items in flight per worker
             pin_memory=pin_memory,  # where a batch is several items, they are copied into a pinned batch instead
             worker_init_fn=functools.partial(start_worker, low_priority=low_priority) if workers else None,
             multiprocessing_context=start_method if workers else None,
             # its own generator for the workers' base seed: the rank's RNG (dropout masks) is not drawn from, so a
             # loader started after a resume leaves the restored RNG as it was (samples are seeded by key instead)
-            generator=torch.Generator().manual_seed(seed))
+            generator=torch.Generator().manual_seed(seed),
+        )
         self.items = iter(self.loader)
 
     def __next__(self):
@@ -83,8 +97,14 @@ def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch,
             images, tokens = _in_row_order(piece_images, piece_tokens, rows, pin_memory)
         elif rows:
             if images is None:  # the batch's host buffer, filled item by item as they arrive
-                images = apply(piece_images, lambda piece: torch.empty((info["batch_rows"], *piece.shape[1:]),
-                                                                       dtype=piece.dtype, pin_memory=pin_memory))
+                images = apply(
+                    piece_images,
+                    lambda piece: torch.empty(
+                        (info["batch_rows"], *piece.shape[1:]),
+                        dtype=piece.dtype,
+                        pin_memory=pin_memory,
+                    ),
+                )
                 tokens = torch.empty((info["batch_rows"], *piece_tokens.shape[1:]), dtype=piece_tokens.dtype)
             consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
             at = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows)
@@ -122,7 +142,9 @@ def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
 def _quiet_on_abandoned_transfer(excepthook):
     def hook(kind, value, trace):
         if issubclass(kind, (ConnectionError, EOFError)) and any(
-                "resource_sharer" in frame.filename for frame in traceback.extract_tb(trace)):
+            "resource_sharer" in frame.filename for frame in traceback.extract_tb(trace)
+        ):
             return
         excepthook(kind, value, trace)
+
     return hook

@@ -15,6 +15,7 @@ Each image is resized, keeping its aspect ratio, to the largest grid of P-px pat
 get_image_size_for_seq), cut into h·w patches (P·P·3 values, channels last: timm's layout), and padded to L_k
 with invalid patches (NaFlexVit masks them out of attention and pooling).
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,10 @@ def _lengths(lengths, where: str) -> list[int]:
 def _cumulative(weights: list[float], count: int) -> np.ndarray:
     weights = np.asarray(weights, dtype=np.float64)
     if len(weights) != count or weights.min() < 0 or weights.sum() <= 0:
-        raise ValueError(f"data.seq_len_probs={weights.tolist()}: one weight of 0 or more per data.seq_lens entry "
-                         f"({count}), not all 0")
+        raise ValueError(
+            f"data.seq_len_probs={weights.tolist()}: one weight of 0 or more per data.seq_lens entry "
+            f"({count}), not all 0"
+        )
     cumulative = np.cumsum(weights / weights.sum())
     cumulative[-1] = 1.0
     return cumulative
@@ -63,8 +66,14 @@ class TokenBudget:
     (data.resolution_schedule): {global batches before it: sequence lengths} — once that many batches are trained
     its lengths are drawn (equal weights) instead of data.seq_lens' (with data.seq_len_probs); 0 replaces them."""
 
-    def __init__(self, seq_lens: list[int], probs: list[float] | None, max_tokens: int, seed: int,
-                 schedule: dict[int, list[int]] | None = None):
+    def __init__(
+        self,
+        seq_lens: list[int],
+        probs: list[float] | None,
+        max_tokens: int,
+        seed: int,
+        schedule: dict[int, list[int]] | None = None,
+    ):
         first = _lengths(seq_lens, "data.seq_lens")
         self.stages = [(0, first, _cumulative(probs if probs is not None else [1.0] * len(first), len(first)))]
         for step, lengths in resolution_stages(schedule):
@@ -74,8 +83,10 @@ class TokenBudget:
         self.seq_lens = sorted({length for _, lengths, _ in self.stages for length in lengths})  # every length drawn
         self.final = self.stages[-1][1]  # the last stage's lengths (evaluation is at their longest)
         if max_tokens < max(self.seq_lens):
-            raise ValueError(f"data.max_tokens_per_batch={max_tokens} holds no image of {max(self.seq_lens)} patches: "
-                             "raise it (it counts a global batch's patches)")
+            raise ValueError(
+                f"data.max_tokens_per_batch={max_tokens} holds no image of {max(self.seq_lens)} patches: "
+                "raise it (it counts a global batch's patches)"
+            )
         self.max_tokens, self.seed = int(max_tokens), int(seed)
         self.origin = 0  # the batch whose first sample is stream position 0 (from_batch)
         self._sizes = np.zeros(0, dtype=np.int64)  # G_k of the batches drawn so far
@@ -83,9 +94,14 @@ class TokenBudget:
 
     def layout(self) -> dict:
         """What the sample order is made of (a checkpoint's data layout): changing any of it restarts the order."""
-        stages = [{"from": first, "seq_lens": lengths,
-                   "seq_len_probs": [round(float(p), 12) for p in np.diff(cumulative, prepend=0.0)]}
-                  for first, lengths, cumulative in self.stages]
+        stages = [
+            {
+                "from": first,
+                "seq_lens": lengths,
+                "seq_len_probs": [round(float(p), 12) for p in np.diff(cumulative, prepend=0.0)],
+            }
+            for first, lengths, cumulative in self.stages
+        ]
         return {"stages": stages, "max_tokens": self.max_tokens}
 
     def seq_lens_of(self, batches: np.ndarray) -> np.ndarray:
@@ -118,7 +134,7 @@ class TokenBudget:
         """Every size a batch can have (one per sequence length)."""
         return sorted({self.max_tokens // length for length in self.seq_lens})
 
-    def from_batch(self, origin: int) -> "TokenBudget":
+    def from_batch(self, origin: int) -> TokenBudget:
         """The same budget with its stream positions counted from batch `origin` (a data order restarted there,
         reshuffled: its sample 0 is batch `origin`'s first, while the lengths go on being batch k's)."""
         budget = copy.copy(self)
@@ -140,7 +156,7 @@ class TokenBudget:
     def sizes_before(self, k: int) -> np.ndarray:
         """G_origin … G_{k-1}."""
         self._extend(k)
-        return self._sizes[:k - self.origin]
+        return self._sizes[: k - self.origin]
 
     def _extend(self, k: int) -> None:
         """Draw the sizes of batches up to k (in blocks: a million batches take ~0.1 s)."""
@@ -165,13 +181,20 @@ class PatchImages:
     (data.naflex_square_crop): every image center-cropped square at ⌊√L⌋ × ⌊√L⌋ patches instead — a fixed-size
     pipeline through the same tower (at L = 196 and 16 px: 224 × 224)."""
 
-    def __init__(self, patch_size: int, mean, std, interpolation: str = "bicubic", seq_lens: list[int] | None = None,
-                 square: bool = False):
+    def __init__(
+        self,
+        patch_size: int,
+        mean,
+        std,
+        interpolation: str = "bicubic",
+        seq_lens: list[int] | None = None,
+        square: bool = False,
+    ):
         self.patch_size, self.mean, self.std, self.square = int(patch_size), tuple(mean), tuple(std), bool(square)
         self.seq_lens = list(seq_lens or [])  # the run's sequence lengths (data.seq_lens, resolved)
         self.resample = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}.get(str(interpolation), Image.BICUBIC)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019
     def batcher(self, seq_len: int) -> PatchBatcher:
         return PatchBatcher(self, seq_len)
 
@@ -229,8 +252,9 @@ class PatchBatcher:
             count = height * width
             cut = image.view(height, size, width, size, 3).permute(0, 2, 1, 3, 4).reshape(count, size * size, 3)
             patches[row, :count] = ((cut.float() / 255 - self.mean) / self.std).reshape(count, -1)
-            coord[row, :count] = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"),
-                                             -1).reshape(count, 2)
+            coord[row, :count] = torch.stack(
+                torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), -1
+            ).reshape(count, 2)
             valid[row, :count] = True
         return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
@@ -238,12 +262,16 @@ class PatchBatcher:
 def resolve_seq_lens(data, image_size: tuple[int, int], patch_size: int) -> list[int]:
     """data.seq_lens, or the tower's image_size grid; data.patch_size, where given, must be the tower's."""
     if data.patch_size is not None and data.patch_size != patch_size:
-        raise ValueError(f"data.patch_size={data.patch_size}: the image tower's patch embedding takes {patch_size}-px "
-                         f"patches only; leave data.patch_size unset (or {patch_size})")
+        raise ValueError(
+            f"data.patch_size={data.patch_size}: the image tower's patch embedding takes {patch_size}-px "
+            f"patches only; leave data.patch_size unset (or {patch_size})"
+        )
     return [int(length) for length in data.seq_lens] if data.seq_lens else default_seq_lens(image_size, patch_size)
 
 
-def resolve_budget(data, seq_lens: list[int], global_batch: int, seed: int, max_tokens: int | None = None) -> TokenBudget:
+def resolve_budget(
+    data, seq_lens: list[int], global_batch: int, seed: int, max_tokens: int | None = None
+) -> TokenBudget:
     """The run's TokenBudget: `max_tokens` (a checkpoint's), else data.max_tokens_per_batch, else the configured
     global batch at the longest length (of any stage of data.resolution_schedule)."""
     schedule = dict(getattr(data, "resolution_schedule", None) or {})

@@ -17,6 +17,7 @@ V/N readers, each sample once. On N' ranks the same holds where every rank's row
 for Λ = (V/N)·G, N' dividing V for Λ = G, the global batch unchanged); elsewhere a reader whose chunk straddles
 two ranks' rows is read by both, each keeping its own rows.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -30,8 +31,10 @@ class SampleOrder:
 
     def __init__(self, readers: int, cycle: int):
         if readers < 1 or cycle < readers:
-            raise ValueError(f"{readers} reader(s) cannot share a cycle of {cycle} sample(s): every reader needs at "
-                             "least one sample of each global batch; use fewer readers (data.readers, data.workers)")
+            raise ValueError(
+                f"{readers} reader(s) cannot share a cycle of {cycle} sample(s): every reader needs at "
+                "least one sample of each global batch; use fewer readers (data.readers, data.workers)"
+            )
         self.readers, self.cycle = readers, cycle
         self.offsets = [j * cycle // readers for j in range(readers + 1)]
 
@@ -75,7 +78,9 @@ class SampleOrder:
                 break
         return sorted(found)
 
-    def worker_readers(self, start: int, batch: int, rank: int, world_size: int, workers: int) -> list[list[int]] | None:
+    def worker_readers(
+        self, start: int, batch: int, rank: int, world_size: int, workers: int
+    ) -> list[list[int]] | None:
         """Whole batches per loader worker: worker w makes rank r's rows of every global batch k ≡ w (mod W) from
         start, out of readers no other worker reads — each worker's readers; None where some reader has rows of
         batches of two workers (then every worker gives its readers' rows of every batch instead).
@@ -105,9 +110,11 @@ class BudgetOrder:
 
     def __init__(self, readers: int, budget):
         if readers < 1 or readers > min(budget.sizes()):
-            raise ValueError(f"{readers} reader(s) cannot share a global batch of {min(budget.sizes())} sample(s) (the "
-                             "token budget at the longest sequence): use fewer readers (data.readers, data.workers) "
-                             "or raise data.max_tokens_per_batch")
+            raise ValueError(
+                f"{readers} reader(s) cannot share a global batch of {min(budget.sizes())} sample(s) (the "
+                "token budget at the longest sequence): use fewer readers (data.readers, data.workers) "
+                "or raise data.max_tokens_per_batch"
+            )
         self.readers, self.budget = readers, budget
         self._cursors: dict[int, tuple[int, int]] = {}  # reader -> (batch k, its samples before k), as read
 

@@ -20,12 +20,13 @@ ones, without decoding. torchdata's StatefulDataLoader implements the same proto
 load_state_dict on the dataset, states sent along with the batches); we carry the state in each batch
 ourselves, which needs no second loader implementation and works with any start method.
 """
+
 from __future__ import annotations
 
 import bisect
 import itertools
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import webdataset as wds
@@ -59,15 +60,22 @@ class ShardList:
         if self._shuffled[0] != seed:
             order = list(range(len(self.urls)))
             random.Random(seed).shuffle(order)
-            self._shuffled = (seed, np.asarray(order, dtype=np.int64 if len(order) >= 2 ** 31 else np.int32))
+            self._shuffled = (seed, np.asarray(order, dtype=np.int64 if len(order) >= 2**31 else np.int32))
         return [self[int(index)] for index in self._shuffled[1][reader::readers]]
 
 
 class ShardSequence:
     """The shards one reader opens, endlessly, as (entry, url, source)."""
 
-    def __init__(self, shards: ShardList | list[list[str]], weights: list[float] | None, seed: int, reader: int,
-                 readers: int, resampled: bool):
+    def __init__(
+        self,
+        shards: ShardList | list[list[str]],
+        weights: list[float] | None,
+        seed: int,
+        reader: int,
+        readers: int,
+        resampled: bool,
+    ):
         self.shards = shards if isinstance(shards, ShardList) else ShardList(shards)
         self.sources, self.weights, self.seed = self.shards.sources, weights, seed
         self.reader, self.readers, self.resampled = reader, readers, resampled
@@ -120,16 +128,29 @@ class Reader:
     by one per two samples taken until it holds `shuffle_size` (the rule depends on the count taken,
     which is part of the state)."""
 
-    def __init__(self, sequence: ShardSequence, shuffle_size: int, shuffle_seed: str, handler,
-                 health: ShardHealth, initial: int = 100, name: str = "this reader"):
+    def __init__(
+        self,
+        sequence: ShardSequence,
+        shuffle_size: int,
+        shuffle_seed: str,
+        handler,
+        health: ShardHealth,
+        initial: int = 100,
+        name: str = "this reader",
+    ):
         self.sequence, self.handler, self.health, self.name = sequence, handler, health, name
         self.size, self.initial = shuffle_size, min(initial, shuffle_size)
         self.rng = random.Random(shuffle_seed)
         self.entry, self.taken, self.received, self.buffer = 0, 0, 0, []
 
     def state_dict(self) -> dict:
-        return {"entry": self.entry, "taken": self.taken, "received": self.received, "rng": self.rng.getstate(),
-                "buffer": [(sample["__entry__"], sample["__index__"]) for sample in self.buffer]}
+        return {
+            "entry": self.entry,
+            "taken": self.taken,
+            "received": self.received,
+            "rng": self.rng.getstate(),
+            "buffer": [(sample["__entry__"], sample["__index__"]) for sample in self.buffer],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Back to a saved position: the buffered samples re-read from their shards, in buffer order."""
@@ -144,7 +165,9 @@ class Reader:
                 if entry > max(wanted):
                     break
                 if entry in wanted:
-                    for index, sample in enumerate(shard_samples(url, wds.ignore_and_continue)):  # counted when first read
+                    for index, sample in enumerate(
+                        shard_samples(url, wds.ignore_and_continue)
+                    ):  # counted when first read
                         if index in wanted[entry]:
                             found[entry, index] = _labelled(sample, entry, index, source)
         self.buffer = [found[ref] for ref in map(tuple, state["buffer"]) if ref in found]
@@ -157,7 +180,10 @@ class Reader:
                 if not self.sequence.resampled:
                     yield from self._drain()
                 self._end_pass(entry - 1)
-            self.entry, self.taken = entry, resume_at  # skipped samples count as taken: a state saved mid-drain keeps them
+            self.entry, self.taken = (
+                entry,
+                resume_at,
+            )  # skipped samples count as taken: a state saved mid-drain keeps them
             if self.sequence.resampled and url in self.health.failed:
                 continue  # gave nothing earlier in this pass
             for index, sample in enumerate(shard_samples(url, self.handler, self.health)):

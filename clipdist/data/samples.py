@@ -5,6 +5,7 @@ clip_benchmark's classification sets (image + `.cls`, no text), clip_benchmark's
 sets (`.txt` holding one caption per line). Every failure is a SampleError naming the shard,
 the sample key and the reason, so a skip warning says what to fix.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,8 @@ def _grey16_to_l(image: Image.Image, rows: int = 512) -> Image.Image:
     values = np.asarray(image)
     out = np.empty(values.shape, np.uint8)
     for start in range(0, values.shape[0], rows):
-        block = np.clip(values[start:start + rows].astype(np.int64), 0, 65535)
-        out[start:start + rows] = (block + 128) // 257
+        block = np.clip(values[start : start + rows].astype(np.int64), 0, 65535)
+        out[start : start + rows] = (block + 128) // 257
     return Image.fromarray(out, "L")
 
 
@@ -106,10 +107,16 @@ class SampleKeys(NamedTuple):
                 fields = meta() if "json" in sample else None
             except SampleError:  # a .json that does not parse has no fields to name
                 fields = None
-            raise SampleError(sample, f"no caption at {', '.join(self.caption_keys)}; it has {_extensions(sample)}"
-                              + (f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""))
-        chooser = self.draw(sample) if self.caption_probs is not None or any(
-            isinstance(value, list) for _, value in found) else None
+            raise SampleError(
+                sample,
+                f"no caption at {', '.join(self.caption_keys)}; it has {_extensions(sample)}"
+                + (f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""),
+            )
+        chooser = (
+            self.draw(sample)
+            if self.caption_probs is not None or any(isinstance(value, list) for _, value in found)
+            else None
+        )
         if self.caption_probs is not None and len(found) > 1:
             weights = [self.caption_probs[self.caption_keys.index(key)] for key, _ in found]
             _, value = chooser.choices(found, weights=weights)[0]
@@ -152,7 +159,7 @@ def _caption_at(sample: dict, key: str, meta: _Meta):
     if "json" not in sample:
         return None
     value = meta()
-    for part in key[len("json:"):].split("."):
+    for part in key[len("json:") :].split("."):
         if isinstance(value, dict):
             value = value.get(part)
         elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
@@ -165,7 +172,7 @@ def _caption_at(sample: dict, key: str, meta: _Meta):
     return value if isinstance(value, str) and value.strip() else None
 
 
-def open_image(sample: dict, keys: SampleKeys = SampleKeys()) -> EncodedImage:
+def open_image(sample: dict, keys: SampleKeys = SampleKeys()) -> EncodedImage:  # noqa: B008
     """The sample's first image (by `keys.image_keys`, else IMAGE_EXTENSIONS), its header read, its pixels not
     decoded yet. The format is the file's own, whatever the extension says (a PNG or WebP named .jpg opens as
     what it is). EXIF orientation is not applied, as in open_clip's loader (webdataset's "pilrgb" decoder): an
@@ -175,8 +182,9 @@ def open_image(sample: dict, keys: SampleKeys = SampleKeys()) -> EncodedImage:
         if ext is None and note in sample:
             raise SampleError(sample, sample[note].decode("utf-8", "replace"))
     if ext is None:
-        raise SampleError(sample, f"no image ({', '.join(keys.image_keys or IMAGE_EXTENSIONS)}); it has "
-                          f"{_extensions(sample)}")
+        raise SampleError(
+            sample, f"no image ({', '.join(keys.image_keys or IMAGE_EXTENSIONS)}); it has {_extensions(sample)}"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DecompressionBombWarning: load_rgb decides
@@ -239,7 +247,8 @@ def _check_pixels(width: int, height: int) -> None:
     if limit and width * height > limit:
         raise Image.DecompressionBombError(
             f"{width}x{height} pixels to decode exceed the limit of {limit} (PIL's MAX_IMAGE_PIXELS), which "
-            "guards against a decompression bomb")
+            "guards against a decompression bomb"
+        )
 
 
 def decode_image(sample: dict) -> Image.Image:
@@ -280,7 +289,7 @@ def label_of(sample: dict) -> int | None:
     return None
 
 
-def training_pair(sample: dict, keys: SampleKeys = SampleKeys()) -> tuple[EncodedImage, str]:
+def training_pair(sample: dict, keys: SampleKeys = SampleKeys()) -> tuple[EncodedImage, str]:  # noqa: B008
     """(image, caption) for training: the image opened, not yet decoded (ImageBatcher decodes it at the
     size its crop needs); the caption by `keys` (default: the whole .txt), which must not be blank."""
     if keys.caption_keys == ("txt",) and "txt" not in sample:
@@ -294,7 +303,9 @@ def eval_record(sample: dict) -> tuple[Image.Image, list[str], int]:
     caption (for retrieval) or a label (for zero-shot), or it is of no use."""
     captions, label = captions_of(sample), label_of(sample)
     if not captions and label is None:
-        raise SampleError(sample, f"neither a .txt caption nor a label (.cls or .json 'label'); it has {_extensions(sample)}")
+        raise SampleError(
+            sample, f"neither a .txt caption nor a label (.cls or .json 'label'); it has {_extensions(sample)}"
+        )
     return decode_image(sample), captions, -1 if label is None else label
 
 

@@ -1,4 +1,5 @@
 """data.resolution_schedule read once: {global batches trained: value} as stages in order, each key checked."""
+
 from __future__ import annotations
 
 
@@ -10,8 +11,10 @@ def resolution_stages(schedule) -> list[tuple[int, list[int]]]:
         try:
             first = int(step)
         except ValueError:
-            raise ValueError(f"data.resolution_schedule: {step!r} is not a global batch number (e.g. "
-                             "+data.resolution_schedule.500=[576])") from None
+            raise ValueError(
+                f"data.resolution_schedule: {step!r} is not a global batch number (e.g. "
+                "+data.resolution_schedule.500=[576])"
+            ) from None
         if first < 0:
             raise ValueError(f"data.resolution_schedule: step {first} is before the first (0)")
         stages.append((first, [int(value) for value in values or []]))

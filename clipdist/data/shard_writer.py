@@ -1,4 +1,5 @@
 """Write (image, caption) pairs as WebDataset shards in the img2dataset layout."""
+
 from __future__ import annotations
 
 import csv
@@ -6,8 +7,8 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import webdataset as wds
 from PIL import Image
@@ -40,13 +41,19 @@ def checked_image(data: bytes, where: str) -> tuple[str, bytes]:
         raise UnreadableImage(f"{where}: not a readable image ({type(exn).__name__}: {exn})") from None
 
 
-def write_shards(pairs: Iterable[tuple[Image.Image | bytes, str, dict]], out_dir: str | Path, prefix: str,
-                 samples_per_shard: int = 1000, on_unreadable=None) -> list[Path]:
+def write_shards(
+    pairs: Iterable[tuple[Image.Image | bytes, str, dict]],
+    out_dir: str | Path,
+    prefix: str,
+    samples_per_shard: int = 1000,
+    on_unreadable=None,
+) -> list[Path]:
     """Write pairs (image, caption, extra json) to out_dir/prefix-000000.tar, ... ; return the paths.
 
     Images given as PIL are stored as PNG; bytes must decode (checked_image) and are stored as
     they are — one that does not is passed to on_unreadable(message) and left out, or raises
-    UnreadableImage when on_unreadable is None. Shards are written under a temporary name and renamed when all are done; if writing
+    UnreadableImage when on_unreadable is None. Shards are written under a temporary name and renamed when all are
+    done; if writing
     fails, the temporary files are removed.
     """
     out_dir = Path(out_dir)
@@ -84,15 +91,17 @@ def write_shards(pairs: Iterable[tuple[Image.Image | bytes, str, dict]], out_dir
     return written
 
 
-def make_shards(pairs, out_dir: str | Path, prefix: str, samples_per_shard: int, overwrite: bool = False,
-                on_unreadable=None) -> list[Path]:
+def make_shards(
+    pairs, out_dir: str | Path, prefix: str, samples_per_shard: int, overwrite: bool = False, on_unreadable=None
+) -> list[Path]:
     """`clipdist make-shards`: write into a new folder beside out_dir, then move it into place, so a
     failure leaves out_dir as it was. A non-empty out_dir is refused unless overwrite=True (then its
     old content is replaced as a whole: never a mix of two runs)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists and is not empty: choose a new --out, or pass "
-                              "--overwrite to replace its content")
+        raise FileExistsError(
+            f"{out_dir} already exists and is not empty: choose a new --out, or pass --overwrite to replace its content"
+        )
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     try:
         written = write_shards(pairs, tmp, prefix, samples_per_shard, on_unreadable)
@@ -123,14 +132,19 @@ def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
             continue
         found = True
         caption_file = path.with_suffix(".txt")
-        caption = caption_file.read_text().strip() if caption_file.exists() else f"a photo of a {path.parent.name.replace('_', ' ')}"
+        caption = (
+            caption_file.read_text().strip()
+            if caption_file.exists()
+            else f"a photo of a {path.parent.name.replace('_', ' ')}"
+        )
         yield path.read_bytes(), caption, {"source": str(path.relative_to(folder))}
     if not found:
         raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {folder}")
 
 
-def pairs_from_csv(table: str | Path, path_column: str = "path", caption_column: str = "caption",
-                   separator: str = ",") -> Iterator[tuple[bytes, str, dict]]:
+def pairs_from_csv(
+    table: str | Path, path_column: str = "path", caption_column: str = "caption", separator: str = ","
+) -> Iterator[tuple[bytes, str, dict]]:
     """Rows of a CSV (or TSV: `separator` \\t) with an image path column and a caption column (paths relative to
     the table)."""
     table = Path(table)

@@ -10,6 +10,7 @@ A shard spec is one or more parts joined by '::', each one of
                                                             zeroshot_classification_templates.txt)
     a URL or pipe: command          pipe:aws s3 cp s3://bucket/shard-000.tar -
 """
+
 from __future__ import annotations
 
 import glob
@@ -40,17 +41,24 @@ def check_templates(templates: list[str], where: str) -> None:
     one line otherwise."""
     for template in templates:
         try:
-            fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
-                      if name is not None]
+            fields = [
+                (name, spec, conversion)
+                for _, name, spec, conversion in string.Formatter().parse(template)
+                if name is not None
+            ]
         except ValueError as error:
-            raise ValueError(f"{where}: {printable(template)[:200]!r} is not a template ({error}); write the class "
-                             "as {} or {c}, a brace as {{ or }}") from None
+            raise ValueError(
+                f"{where}: {printable(template)[:200]!r} is not a template ({error}); write the class "
+                "as {} or {c}, a brace as {{ or }}"
+            ) from None
         for name, spec, conversion in fields:
             if name not in ("", "0", "c") or spec or conversion:
-                raise ValueError(f"{where}: {printable(template)[:200]!r} has the field "
-                                 f"{{{printable(name)[:50]}{'!' + conversion if conversion else ''}"
-                                 f"{':' + printable(spec)[:20] if spec else ''}}}; a template names its class as {{}} "
-                                 "or {c} and nothing else")
+                raise ValueError(
+                    f"{where}: {printable(template)[:200]!r} has the field "
+                    f"{{{printable(name)[:50]}{'!' + conversion if conversion else ''}"
+                    f"{':' + printable(spec)[:20] if spec else ''}}}; a template names its class as {{}} "
+                    "or {c} and nothing else"
+                )
 
 
 def eval_set_key(name: str) -> str:
@@ -121,8 +129,10 @@ def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
     if path.is_dir():
         found = sorted((str(p) for p in path.glob("*.tar")), key=_natural)
         if not found:
-            raise FileNotFoundError(f"{what}: the directory {item} holds no .tar files (a shard spec may be a "
-                                    "directory of .tar shards, an ImageFolder, a file, a brace pattern or a glob)")
+            raise FileNotFoundError(
+                f"{what}: the directory {item} holds no .tar files (a shard spec may be a "
+                "directory of .tar shards, an ImageFolder, a file, a brace pattern or a glob)"
+            )
         return found
     if any(char in item for char in GLOB_CHARS):
         found = sorted((p for p in glob.glob(str(path)) if Path(p).is_file()), key=_natural)
@@ -132,12 +142,17 @@ def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
     return [str(path)]
 
 
-def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat = TableFormat()) -> list[str]:
+def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat = TableFormat()) -> list[str]:  # noqa: B008
     """Every shard of a spec (see the module docstring), checked: local shards exist and are not empty; a CSV/TSV
     table is cut into parts read as shards (data/tables.py, in `table`'s format)."""
     if not spec:
         raise ValueError(f"{what} is empty: give a shard path, directory, glob, brace pattern or pipe: command")
-    urls = [url for part in spec.split("::") for item in braceexpand.braceexpand(part) for url in _expand_item(item, what, table)]
+    urls = [
+        url
+        for part in spec.split("::")
+        for item in braceexpand.braceexpand(part)
+        for url in _expand_item(item, what, table)
+    ]
     local = [url for url in urls if not _is_remote(url)]
     missing = [url for url in local if not Path(url).is_file()]
     if missing:
@@ -148,8 +163,10 @@ def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat
         )
     empty = [url for url in local if Path(url).stat().st_size == 0]
     if empty and len(empty) == len(urls):  # nothing readable left; one failed download among many is skipped
-        raise ValueError(f"{what}: every shard is an empty file ({', '.join(empty[:3])}"
-                         f"{f' and {len(empty) - 3} more' if len(empty) > 3 else ''}): nothing to read")
+        raise ValueError(
+            f"{what}: every shard is an empty file ({', '.join(empty[:3])}"
+            f"{f' and {len(empty) - 3} more' if len(empty) > 3 else ''}): nothing to read"
+        )
     return urls
 
 
@@ -175,19 +192,28 @@ def _beside(spec: str, urls: list[str], name: str) -> Path | None:
     if local:
         folder = Path(local[0]).parent
         candidates += [folder, folder.parent] if folder.name in SPLIT_FOLDERS else [folder]
-    return next((folder / name for folder in candidates if (folder / name).exists() and not (folder / name).is_dir()),
-                None)  # whatever kind of file: _lines refuses what is not a regular one
+    return next(
+        (folder / name for folder in candidates if (folder / name).exists() and not (folder / name).is_dir()), None
+    )  # whatever kind of file: _lines refuses what is not a regular one
 
 
-def eval_set(name: str, spec: str, classnames: list[str], templates: list[str], key: str | None = None,
-             table: TableFormat = TableFormat()) -> EvalSet:
+def eval_set(
+    name: str,
+    spec: str,
+    classnames: list[str],
+    templates: list[str],
+    key: str | None = None,
+    table: TableFormat = TableFormat(),  # noqa: B008
+) -> EvalSet:
     """An evaluation set from a spec. Class names: `classnames` if given, else classnames.txt beside the
     shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`. `key`: how
     errors name the set (default: its config key)."""
     urls = expand_shards(spec, key or eval_set_key(name), table)
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
-    elif not classnames and urls and kind_of_url(urls[0]) is FOLDERS:  # an ImageFolder's own (ImageNet's from open_clip)
+    elif (
+        not classnames and urls and kind_of_url(urls[0]) is FOLDERS
+    ):  # an ImageFolder's own (ImageNet's from open_clip)
         classnames, folder_templates = folder_classnames(Path(spec).expanduser())
         if folder_templates and list(templates) == DEFAULT_TEMPLATES:
             templates = folder_templates
@@ -221,6 +247,8 @@ def resolve_shards(data) -> Shards:
         evals.append(eval_set(name, spec, [], list(data.templates) or DEFAULT_TEMPLATES, table=table))
     sources = [expand_shards(part, "data.train_shards", table) for part in train_spec.split("::")]
     if data.weights is not None and len(data.weights) != len(sources):
-        raise ValueError(f"data.weights has {len(data.weights)} weight(s) for {len(sources)} source(s) in "
-                         "data.train_shards ('::' separates them): give one weight per source")
+        raise ValueError(
+            f"data.weights has {len(data.weights)} weight(s) for {len(sources)} source(s) in "
+            "data.train_shards ('::' separates them): give one weight per source"
+        )
     return Shards(sources, evals)

@@ -5,6 +5,7 @@ resumed run continue sample for sample.
     TrainingBatches    the IterableDataset behind it: each DataLoader worker slot plays one reader
     start_worker       DataLoader worker_init_fn (stop signals ignored, idle priority on request)
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,8 @@ import torch
 
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
-from clipdist.data.loader import Loader, assemble
 from clipdist.data.images import CaptionTokens, ImageBatcher
+from clipdist.data.loader import Loader, assemble
 from clipdist.data.naflex import TokenBudget, resolve_budget
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
@@ -41,19 +42,28 @@ def pack_position(position: dict) -> dict[str, torch.Tensor]:
     version, internal, gauss = reader["rng"]
     if gauss is not None:  # Reader draws with randrange alone, which never leaves a spare gauss
         raise ValueError("a reader's RNG holds a spare gauss value: not a state Reader makes")
-    return {"counts": torch.tensor([reader["entry"], reader["taken"], reader["received"], position["taken"], version],
-                                   dtype=torch.int64),
-            "rng": torch.tensor(internal, dtype=torch.int64),
-            "buffer": torch.tensor(reader["buffer"], dtype=torch.int64).reshape(-1, 2)}
+    return {
+        "counts": torch.tensor(
+            [reader["entry"], reader["taken"], reader["received"], position["taken"], version], dtype=torch.int64
+        ),
+        "rng": torch.tensor(internal, dtype=torch.int64),
+        "buffer": torch.tensor(reader["buffer"], dtype=torch.int64).reshape(-1, 2),
+    }
 
 
 def unpack_position(packed: dict[str, torch.Tensor]) -> dict:
     """pack_position undone."""
     entry, taken, received, order_taken, version = packed["counts"].tolist()
-    return {"reader": {"entry": entry, "taken": taken, "received": received,
-                       "rng": (version, tuple(packed["rng"].tolist()), None),
-                       "buffer": [tuple(pair) for pair in packed["buffer"].tolist()]},
-            "taken": order_taken}
+    return {
+        "reader": {
+            "entry": entry,
+            "taken": taken,
+            "received": received,
+            "rng": (version, tuple(packed["rng"].tolist()), None),
+            "buffer": [tuple(pair) for pair in packed["buffer"].tolist()],
+        },
+        "taken": order_taken,
+    }
 
 
 def check_shard_count(shards: int, readers: int, *, resampled: bool) -> None:
@@ -65,14 +75,17 @@ def check_shard_count(shards: int, readers: int, *, resampled: bool) -> None:
         )
 
 
-def run_readers(readers_per_rank: int, world_size: int, split: str, setting: int | None = None,
-                batch_size: int | None = None) -> int:
+def run_readers(
+    readers_per_rank: int, world_size: int, split: str, setting: int | None = None, batch_size: int | None = None
+) -> int:
     """V, the readers of a run that starts now: `setting` (data.readers), else world size × the rank's readers,
     at most one per row of its batch (split=replicated: the rank's readers, as one process reads them)."""
     if setting is not None:
         if split != "replicated" and setting % world_size:
-            raise ValueError(f"data.readers={setting} is not a multiple of the world size {world_size}: every rank "
-                             "reads its own readers only where they divide evenly; use a multiple")
+            raise ValueError(
+                f"data.readers={setting} is not a multiple of the world size {world_size}: every rank "
+                "reads its own readers only where they divide evenly; use a multiple"
+            )
         return setting
     per_rank = max(min(readers_per_rank, batch_size or readers_per_rank), 1)
     return per_rank * (1 if split == "replicated" else world_size)
@@ -119,10 +132,25 @@ class TrainStream:
     device (gradient caching) be held at all. None of this changes a sample of the stream.
     """
 
-    def __init__(self, sources: list[list[str]], data, *, batch_size: int, image_transform, tokenizer,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, low_priority_workers: bool = False,
-                 pixels: bool = False, pin_memory: bool = False, start_method: str | None = None,
-                 readers: int | None = None, workers: int | None = None, budget: TokenBudget | None = None):
+    def __init__(
+        self,
+        sources: list[list[str]],
+        data,
+        *,
+        batch_size: int,
+        image_transform,
+        tokenizer,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        low_priority_workers: bool = False,
+        pixels: bool = False,
+        pin_memory: bool = False,
+        start_method: str | None = None,
+        readers: int | None = None,
+        workers: int | None = None,
+        budget: TokenBudget | None = None,
+    ):
         split = str(data.split)
         if split not in ("node", "replicated"):
             raise ValueError(f"data.split={split!r}; choose node or replicated")
@@ -142,11 +170,16 @@ class TrainStream:
         # A fresh run's cycle: (V/N)·G where its workers can each take whole batches (order.worker_readers), with
         # data.readers set the global batch (the same order on any world size it starts on)
         whole = budget is None and not self.replicated and self.readers_setting is None
-        self.layout = {"resampled": data.resampled, "seed": seed, "shuffle_buffer": data.shuffle_buffer,
-                       "weights": list(data.weights) if data.weights else None,
-                       "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest(),
-                       "readers": total, "cycle": batch_size * world_size * (total // world_size if whole else 1),
-                       "budget": budget.layout() if budget is not None else None}
+        self.layout = {
+            "resampled": data.resampled,
+            "seed": seed,
+            "shuffle_buffer": data.shuffle_buffer,
+            "weights": list(data.weights) if data.weights else None,
+            "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest(),
+            "readers": total,
+            "cycle": batch_size * world_size * (total // world_size if whole else 1),
+            "budget": budget.layout() if budget is not None else None,
+        }
         self.order = self._order(total, self.layout["cycle"])
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
         self.readers: dict[int, dict] = {}  # reader -> its position after the samples consumed (those this rank read)
@@ -217,9 +250,16 @@ class TrainStream:
         reads (a rank sharing a reader holds the same position as the other). In a checkpoint the readers go
         apart (`reader_tensors`, into the DCP folder: each rank writes its own, one copy of each is kept) and the
         rest into progress.pt, so neither grows with the world: see `load_reader_tensors`."""
-        return {"layout": self.layout, "seed": self.seed, "position": self.position, "batches": self.batches,
-                "readers": dict(sorted(self.readers.items())), "skipped_samples": self.skipped_samples,
-                "skipped_shards": self.skipped_shards, "source_samples": list(self.source_samples)}
+        return {
+            "layout": self.layout,
+            "seed": self.seed,
+            "position": self.position,
+            "batches": self.batches,
+            "readers": dict(sorted(self.readers.items())),
+            "skipped_samples": self.skipped_samples,
+            "skipped_shards": self.skipped_shards,
+            "source_samples": list(self.source_samples),
+        }
 
     def reader_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """This rank's readers' positions as tensors (pack_position), keyed reader_XXXXXXXX."""
@@ -303,7 +343,9 @@ class TrainStream:
         changed = [key for key in ORDER if saved.get(key) != self.layout[key]]
         if changed:
             return "changed since the checkpoint: " + ", ".join(
-                f"{key} {saved.get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list" for key in changed)
+                f"{key} {saved.get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list"
+                for key in changed
+            )
         if kept_readers(saved, self.readers_setting) is None:
             return f"changed since the checkpoint: data.readers {saved['readers']} -> {self.readers_setting}"
         return None
@@ -314,15 +356,35 @@ class TrainStream:
         check_shard_count(sum(map(len, self.sources)), self.order.readers, resampled=self.data.resampled)
         workers = self._processes
         self._worker_readers = self.worker_readers(workers)
-        dataset = TrainingBatches(self.sources, self.image_transform, self.tokenizer, data=self.data,
-                                  order=self.order, start=self.position, batch=self.global_batch, rank=self.rank,
-                                  world_size=self.world_size, seed=self.seed, resume=dict(self.readers),
-                                  readers=self.rank_readers, pieces=self.pieces, pixels=self.pixels,
-                                  first_batch=self.batches, worker_readers=self._worker_readers)
+        dataset = TrainingBatches(
+            self.sources,
+            self.image_transform,
+            self.tokenizer,
+            data=self.data,
+            order=self.order,
+            start=self.position,
+            batch=self.global_batch,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            resume=dict(self.readers),
+            readers=self.rank_readers,
+            pieces=self.pieces,
+            pixels=self.pixels,
+            first_batch=self.batches,
+            worker_readers=self._worker_readers,
+        )
         whole = self._items == 1
         # in flight per worker: two whole batches, or 2·W items of a W·pieces-th of a batch (2/pieces batches)
-        return Loader(dataset, workers, pin_memory=self.pin_memory and whole, items_ahead=2 if whole else 2 * workers,
-                      low_priority=self.low_priority_workers, start_method=self.start_method, seed=self.seed)
+        return Loader(
+            dataset,
+            workers,
+            pin_memory=self.pin_memory and whole,
+            items_ahead=2 if whole else 2 * workers,
+            low_priority=self.low_priority_workers,
+            start_method=self.start_method,
+            seed=self.seed,
+        )
 
     def worker_readers(self, workers: int) -> list[list[int]] | None:
         """Each of `workers` loader workers' readers where each can make whole batches (order.worker_readers);
@@ -333,8 +395,15 @@ class TrainStream:
 
     def _shared_by_setting(self) -> str | None:
         """The setting that has every worker give its rows of every batch, whatever the order (None: the order says)."""
-        return ("data.pieces" if self.pieces != 1 else "a token budget" if self.budget is not None else
-                "data.split=replicated" if self.replicated else None)
+        return (
+            "data.pieces"
+            if self.pieces != 1
+            else "a token budget"
+            if self.budget is not None
+            else "data.split=replicated"
+            if self.replicated
+            else None
+        )
 
     def assembly(self) -> str | None:
         """How the loader's workers make this rank's batches, for the log (None with one worker or none)."""
@@ -342,10 +411,14 @@ class TrainStream:
         if workers < 2:
             return None
         if self.worker_readers(workers) is not None:
-            return (f"the {workers} loader workers make whole batches in turn (batch k: worker k mod {workers}), each "
-                    "from readers of its own")
-        why = self._shared_by_setting() or (f"the order's cycle of {self.order.cycle} samples at a global batch of "
-                                            f"{self.global_batch} gives no worker readers of its own")
+            return (
+                f"the {workers} loader workers make whole batches in turn (batch k: worker k mod {workers}), each "
+                "from readers of its own"
+            )
+        why = self._shared_by_setting() or (
+            f"the order's cycle of {self.order.cycle} samples at a global batch of "
+            f"{self.global_batch} gives no worker readers of its own"
+        )
         return f"each batch is assembled from the rows of all {workers} loader workers ({why})"
 
     def close(self) -> None:
@@ -380,11 +453,15 @@ class TrainStream:
 
 def check_pieces(pieces: int, batch_size: int, budget: bool = False) -> None:
     if budget and pieces != 1:
-        raise ValueError(f"data.pieces={pieces} with a token budget (data.max_tokens_per_batch): a batch's rows change "
-                         "with its sequence length; leave data.pieces=1")
+        raise ValueError(
+            f"data.pieces={pieces} with a token budget (data.max_tokens_per_batch): a batch's rows change "
+            "with its sequence length; leave data.pieces=1"
+        )
     if pieces < 1 or batch_size % pieces:
-        raise ValueError(f"data.pieces={pieces} does not divide world.batch_per_device={batch_size}: "
-                         "use a divisor of the rank's batch (1: the loader reads whole batches)")
+        raise ValueError(
+            f"data.pieces={pieces} does not divide world.batch_per_device={batch_size}: "
+            "use a divisor of the rank's batch (1: the loader reads whole batches)"
+        )
 
 
 class Position:
@@ -420,9 +497,26 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     "sources": samples per source in it, "load_s": the CPU seconds this thread spent on it}.
     """
 
-    def __init__(self, sources: list[list[str]], image_transform, tokenizer, *, data, order: SampleOrder, start: int,
-                 batch: int, rank: int, world_size: int, seed: int, resume: dict, readers: list[int], pieces: int = 1,
-                 pixels: bool = False, first_batch: int = 0, worker_readers: list[list[int]] | None = None):
+    def __init__(
+        self,
+        sources: list[list[str]],
+        image_transform,
+        tokenizer,
+        *,
+        data,
+        order: SampleOrder,
+        start: int,
+        batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        resume: dict,
+        readers: list[int],
+        pieces: int = 1,
+        pixels: bool = False,
+        first_batch: int = 0,
+        worker_readers: list[list[int]] | None = None,
+    ):
         super().__init__()
         self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
         self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
@@ -439,16 +533,20 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     def reader(self, index: int) -> _ReaderRun:
         """Reader `index` of the run where the consumed batches left it."""
         skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
-        sequence = ShardSequence(self.shard_list, self.data.weights, self.seed, index, self.order.readers,
-                                 self.data.resampled)
-        reader = Reader(sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health,
-                        name=f"reader {index}")
+        sequence = ShardSequence(
+            self.shard_list, self.data.weights, self.seed, index, self.order.readers, self.data.resampled
+        )
+        reader = Reader(
+            sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health, name=f"reader {index}"
+        )
         taken, saved = self.order.taken_before(index, self.start), self.resume.get(index)
         if saved is not None:
             reader.load_state_dict(saved["reader"])
             if saved["taken"] != taken:
-                raise DataError(f"reader {index}'s saved position ({saved['taken']} samples) is not where the order "
-                                f"puts it at sample {self.start} ({taken}): the checkpoint's data position is damaged")
+                raise DataError(
+                    f"reader {index}'s saved position ({saved['taken']} samples) is not where the order "
+                    f"puts it at sample {self.start} ({taken}): the checkpoint's data position is damaged"
+                )
         elif taken:
             raise DataError(f"the checkpoint's data position has no reader {index}, which sample {self.start} needs")
         return _ReaderRun(reader, iter(reader), skips, taken)
@@ -501,14 +599,28 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         def item(last: bool):
             nonlocal kept, skipped, started
             rows = [row for row, *_ in kept]  # a list, not a tensor: one shared-memory handle fewer per item
-            counts = torch.bincount(torch.tensor([source for *_, source, _ in kept], dtype=torch.long),
-                                    minlength=len(self.sources)).tolist()
+            counts = torch.bincount(
+                torch.tensor([source for *_, source, _ in kept], dtype=torch.long), minlength=len(self.sources)
+            ).tolist()
             images = batcher.stack([image for _, image, *_ in kept], pixels=self.pixels) if kept else batcher.empty()
             tokens = tokenize([caption for _, _, caption, *_ in kept]) if kept else torch.empty(0, dtype=torch.long)
-            positions = {index: Position({"reader": run.reader.state_dict(), "taken": run.taken})
-                         for index, run in runs.items()} if last else {}
-            info = {"rows": rows, "batch_rows": high - low, "keys": [key for *_, key in kept], "readers": positions, "skipped": tuple(skipped), "sources": counts,
-                    "load_s": time.thread_time() - started}
+            positions = (
+                {
+                    index: Position({"reader": run.reader.state_dict(), "taken": run.taken})
+                    for index, run in runs.items()
+                }
+                if last
+                else {}
+            )
+            info = {
+                "rows": rows,
+                "batch_rows": high - low,
+                "keys": [key for *_, key in kept],
+                "readers": positions,
+                "skipped": tuple(skipped),
+                "sources": counts,
+                "load_s": time.thread_time() - started,
+            }
             kept, skipped, started = [], [0, 0], time.thread_time()
             return images, tokens, info
 

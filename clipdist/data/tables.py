@@ -1,7 +1,8 @@
 """CSV / TSV tables of (image path, caption) read as shards — open_clip's `--dataset-type csv`.
 
 A table given where shards go (`data.train_shards=/data/train.tsv`, an eval set) is cut into parts of
-`data.csv_rows_per_part` rows, each part a shard URL `table:<path>#rows=<first>-<last>&at=<byte offset>&...`. A part yields its rows
+`data.csv_rows_per_part` rows, each part a shard URL `table:<path>#rows=<first>-<last>&at=<byte offset>&...`. A part
+yields its rows
 as a tar shard yields its members — `<row>.<image extension>` (the image file's bytes, its path relative to the
 table unless absolute) and `<row>.txt` (the caption) — so everything a shard has, a table has too: parts shuffled
 and dealt over ranks and loader workers, the position saved and resumed exactly, a row whose image is missing or
@@ -11,6 +12,7 @@ One row per line (a caption may not span lines); the first line names the column
 are open_clip's defaults: tab, `filepath`, `title` (`data.csv_separator`, `data.csv_image_key`,
 `data.csv_caption_key`).
 """
+
 from __future__ import annotations
 
 import csv
@@ -60,9 +62,11 @@ def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
         header = _row(handle.readline(), table.delimiter)
         missing = [key for key in (table.image_key, table.caption_key) if key not in header]
         if missing:
-            raise ValueError(f"{what}: {file} has no column {missing[0]!r} (its columns, split at "
-                             f"{table.delimiter!r}: {header}); set data.csv_image_key / data.csv_caption_key / "
-                             "data.csv_separator")
+            raise ValueError(
+                f"{what}: {file} has no column {missing[0]!r} (its columns, split at "
+                f"{table.delimiter!r}: {header}); set data.csv_image_key / data.csv_caption_key / "
+                "data.csv_separator"
+            )
         query = urlencode({"sep": table.delimiter, "image": table.image_key, "caption": table.caption_key})
 
         def part(first: int, rows: int, at: int) -> str:
@@ -92,7 +96,7 @@ def part_rows(url: str) -> int:
 def part_members(url: str):
     """(fname, data) of a part's rows, as tar_files gives a shard's members: `<row>.<ext>` and `<row>.txt`; a row
     whose image file cannot be read gives its caption alone (the sample is then skipped as having no image)."""
-    path, _, fragment = url[len(SCHEME):].partition("#")
+    path, _, fragment = url[len(SCHEME) :].partition("#")
     options = {key: values[0] for key, values in parse_qs(fragment, keep_blank_values=True).items()}
     delimiter = options["sep"]
     first_row, last_row = (int(number) for number in options["rows"].split("-"))
@@ -125,4 +129,3 @@ def part_members(url: str):
                 extension = image.suffix.lower().lstrip(".")
                 yield f"{key}.{extension if extension in IMAGE_EXTENSIONS else 'jpg'}", data  # decoded by content
             yield f"{key}.txt", row[caption_at].encode("utf-8")
-

@@ -9,6 +9,7 @@ reads the archive itself, and it must end with its end-of-archive (all-zero) blo
 for the handler, which skips the rest of the shard and counts it. The samples read before
 the cut are kept. A shard that gives no file at all is also recorded in the ShardHealth.
 """
+
 from __future__ import annotations
 
 import bz2
@@ -32,8 +33,11 @@ MEMBER_BYTES = 256 << 20  # an image or caption of one sample (web images: a few
 _BLOCK = 512
 _END = bytes(_BLOCK)
 _REGULAR = (b"0", b"\0", b"7")  # file, old-style file, contiguous file
-_COMPRESSED = {b"\x1f\x8b": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"), b"BZh": bz2.BZ2File,
-               b"\xfd7zXZ": lzma.LZMAFile}
+_COMPRESSED = {
+    b"\x1f\x8b": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"),
+    b"BZh": bz2.BZ2File,
+    b"\xfd7zXZ": lzma.LZMAFile,
+}
 
 
 def _number(field: bytes) -> int:
@@ -103,20 +107,25 @@ def tar_files(stream):
     offset, block, extended = 0, head, {}
     while True:
         if len(block) < _BLOCK:
-            raise TruncatedShardError(f"shard ends at byte {offset + len(block)}, inside a header (no end-of-archive block)")
+            raise TruncatedShardError(
+                f"shard ends at byte {offset + len(block)}, inside a header (no end-of-archive block)"
+            )
         if block == _END:
             return
         _check_header(block, offset)
         kind = block[156:157]
         size = int(extended.get("size", 0)) or _number(block[124:136])
         if not 0 <= size <= MEMBER_BYTES:  # read whole into memory below: a 1.5 GiB member of a 1.5 MB .tar.gz
-            raise TruncatedShardError(f"shard holds a member of {size} bytes at byte {offset}, more than any sample "
-                                      f"({MEMBER_BYTES >> 20} MiB); the rest of the shard is skipped")
+            raise TruncatedShardError(
+                f"shard holds a member of {size} bytes at byte {offset}, more than any sample "
+                f"({MEMBER_BYTES >> 20} MiB); the rest of the shard is skipped"
+            )
         padded = -(-size // _BLOCK) * _BLOCK
         payload = stream.read(padded) if size else b""
         if len(payload) < padded:
-            raise TruncatedShardError(f"shard ends at byte {offset + _BLOCK + len(payload)}, inside a member "
-                                      "(no end-of-archive block)")
+            raise TruncatedShardError(
+                f"shard ends at byte {offset + _BLOCK + len(payload)}, inside a member (no end-of-archive block)"
+            )
         offset += _BLOCK + padded
         data = payload[:size]
         if kind == b"x":  # pax: "<length> <key>=<value>\n" records for the next member
@@ -124,7 +133,9 @@ def tar_files(stream):
                 extended = dict(record.split(b" ", 1)[1].split(b"=", 1) for record in _pax_records(data))
                 extended = {key.decode(): value.decode("utf-8", "surrogateescape") for key, value in extended.items()}
             except ValueError:
-                raise TruncatedShardError(f"shard is damaged at byte {offset - padded}: unreadable pax records") from None
+                raise TruncatedShardError(
+                    f"shard is damaged at byte {offset - padded}: unreadable pax records"
+                ) from None
         elif kind == b"L":  # GNU long name for the next member
             extended = {**extended, "path": data.rstrip(b"\0").decode("utf-8", "surrogateescape")}
         elif kind in (b"g", b"K"):  # global pax header, GNU long link name: nothing a sample needs
@@ -138,9 +149,9 @@ def tar_files(stream):
 
 def _pax_records(data: bytes):
     position = 0
-    while position < len(data) and data[position:position + 1] != b"\0":
-        length = int(data[position:data.index(b" ", position)])
-        yield data[position:position + length - 1]  # without the newline
+    while position < len(data) and data[position : position + 1] != b"\0":
+        length = int(data[position : data.index(b" ", position)])
+        yield data[position : position + length - 1]  # without the newline
         position += length
 
 

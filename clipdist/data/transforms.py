@@ -1,5 +1,6 @@
 """The images a tower sees: open_clip's own training and evaluation transforms, built from the tower's preprocessing
 (size, mean, std, interpolation, resize mode) and data.augmentation (open_clip's AugmentationCfg, field for field)."""
+
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,8 @@ from clipdist.config import as_dict
 from clipdist.data.images import ImageBatcher
 from clipdist.data.naflex import PatchImages, eval_seq_len, resolve_seq_lens
 from clipdist.data.schedule import resolution_stages
-from clipdist.model.flexible_grid import resizes_exactly
 from clipdist.model.factory import image_size
+from clipdist.model.flexible_grid import resizes_exactly
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 
 
@@ -24,14 +25,21 @@ def image_transforms(model, data) -> tuple:
     preprocess_cfg = model.visual.preprocess_cfg
     if naflex_trunk(model) is not None:
         seq_lens = resolve_seq_lens(data, image_size(model), naflex_patch_size(model))
-        images = PatchImages(naflex_patch_size(model), preprocess_cfg["mean"], preprocess_cfg["std"],
-                             preprocess_cfg.get("interpolation", "bicubic"), seq_lens, data.naflex_square_crop)
+        images = PatchImages(
+            naflex_patch_size(model),
+            preprocess_cfg["mean"],
+            preprocess_cfg["std"],
+            preprocess_cfg.get("interpolation", "bicubic"),
+            seq_lens,
+            data.naflex_square_crop,
+        )
         return images, images.batcher(eval_seq_len(data, seq_lens)).one
     stages = image_size_stages(model, getattr(data, "resolution_schedule", None))
     train, evaluation = _fixed_size_transforms(preprocess_cfg, data, stages[-1][1] if stages else None)
     if stages:
-        return ScheduledSizes(lambda size: _fixed_size_transforms(preprocess_cfg, data, size)[0],
-                              image_size(model)[0], stages), evaluation
+        return ScheduledSizes(
+            lambda size: _fixed_size_transforms(preprocess_cfg, data, size)[0], image_size(model)[0], stages
+        ), evaluation
     return train, evaluation
 
 
@@ -56,13 +64,17 @@ def image_size_stages(model, schedule) -> list[tuple[int, int]]:
         return []
     why = resizes_exactly(model)
     if why is not None:
-        raise ValueError(f"data.resolution_schedule: {why}; a fixed-size tower's schedule needs open_clip's ViT "
-                         "(model=tiny, vit_b32, vit_b16, vit_l14), or a NaFlex tower (docs/naflex.md)")
+        raise ValueError(
+            f"data.resolution_schedule: {why}; a fixed-size tower's schedule needs open_clip's ViT "
+            "(model=tiny, vit_b32, vit_b16, vit_l14), or a NaFlex tower (docs/naflex.md)"
+        )
     patch = model.visual.conv1.kernel_size[0]
     for first, sizes in stages:
         if len(sizes) != 1 or sizes[0] < patch or sizes[0] % patch:
-            raise ValueError(f"data.resolution_schedule.{first}={sizes}: a fixed-size tower takes one image size a "
-                             f"stage, a multiple of its {patch}-px patch (e.g. [{patch * 4}])")
+            raise ValueError(
+                f"data.resolution_schedule.{first}={sizes}: a fixed-size tower takes one image size a "
+                f"stage, a multiple of its {patch}-px patch (e.g. [{patch * 4}])"
+            )
     return [(first, sizes[0]) for first, sizes in stages]
 
 
@@ -81,7 +93,7 @@ class ScheduledSizes:
     def size(self, k: int) -> int:
         return next(size for first, size in reversed(self.stages) if first <= k)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019
     def _batcher(self, size: int) -> ImageBatcher:
         return ImageBatcher(self.make(size))
 
@@ -97,19 +109,29 @@ class ScheduledSizes:
 def augmentation_cfg(data) -> dict:
     """data.augmentation as open_clip's AugmentationCfg takes it; a ValueError for a setting open_clip's pipeline
     would leave unused (without use_timm it applies scale, and color jitter / grayscale with a probability)."""
-    augmentation = {key: tuple(value) if isinstance(value, list) and len(value) > 1 else
-                    value[0] if isinstance(value, list) else value
-                    for key, value in as_dict(data)["augmentation"].items() if value is not None}
+    augmentation = {
+        key: tuple(value)
+        if isinstance(value, list) and len(value) > 1
+        else value[0]
+        if isinstance(value, list)
+        else value
+        for key, value in as_dict(data)["augmentation"].items()
+        if value is not None
+    }
     if not augmentation.get("use_timm"):
         unused = [key for key in ("ratio", "re_prob", "re_count") if key in augmentation]
         if "color_jitter" in augmentation and not augmentation.get("color_jitter_prob"):
             unused.append("color_jitter")
         if unused:
-            raise ValueError(f"data.augmentation.{unused[0]}: open_clip's own pipeline does not use it (it applies "
-                             "scale, and color_jitter with color_jitter_prob, gray_scale_prob); set "
-                             "data.augmentation.use_timm=true for timm's pipeline, which takes it")
+            raise ValueError(
+                f"data.augmentation.{unused[0]}: open_clip's own pipeline does not use it (it applies "
+                "scale, and color_jitter with color_jitter_prob, gray_scale_prob); set "
+                "data.augmentation.use_timm=true for timm's pipeline, which takes it"
+            )
         jitter = augmentation.get("color_jitter")
         if augmentation.get("color_jitter_prob") and (not isinstance(jitter, tuple) or len(jitter) != 4):
-            raise ValueError("data.augmentation.color_jitter_prob needs color_jitter as four values (brightness, "
-                             "contrast, saturation, hue), e.g. data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]")
+            raise ValueError(
+                "data.augmentation.color_jitter_prob needs color_jitter as four values (brightness, "
+                "contrast, saturation, hue), e.g. data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]"
+            )
     return augmentation

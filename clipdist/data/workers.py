@@ -5,13 +5,15 @@ then from what the run measures (CPU ranks), by the stream that owns the workers
     loader_priority(...)   normal, low (SCHED_IDLE) or measured
     LoaderTuning           the stream's per-step observer: MeasuredWorkers, then MeasuredPriority
 """
+
 from __future__ import annotations
 
 import math
 import os
 import statistics
 import time
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from clipdist.distributed import host
 
@@ -31,8 +33,13 @@ class LoaderPlan(NamedTuple):
     cpus: int | None = None
 
 
-def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: int | None = None,
-                   environ: Mapping[str, str] | None = None, device_type: str = "cpu") -> LoaderPlan:
+def loader_workers(
+    setting: int | None,
+    procs_per_node: int,
+    shards_per_rank: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    device_type: str = "cpu",
+) -> LoaderPlan:
     """The rank's loader plan. An explicit `setting` (data.workers) is taken as it is: that many readers and
     workers. Automatic (None), from the CPUs the rank can spare beside itself (at least 1; in epoch mode no
     more readers than the shards each rank reads, `shards_per_rank`):
@@ -57,8 +64,14 @@ def loader_workers(setting: int | None, procs_per_node: int, shards_per_rank: in
     readers = max(range(most, 0, -1), key=lambda n: len(divisors(n)))  # the largest of the most divisible
     choices = divisors(readers)
     workers = max(n for n in choices if n <= min(spare, MAX_CPU_RANK_WORKERS))
-    return LoaderPlan(readers, workers, choices, why + f", CPU ranks start with up to {MAX_CPU_RANK_WORKERS}, "
-                      f"no more than their spare CPUs, and measure ({readers} readers)", cpus)
+    return LoaderPlan(
+        readers,
+        workers,
+        choices,
+        why + f", CPU ranks start with up to {MAX_CPU_RANK_WORKERS}, "
+        f"no more than their spare CPUs, and measure ({readers} readers)",
+        cpus,
+    )
 
 
 def spare_cpus(cpus: int) -> int:
@@ -87,9 +100,19 @@ class MeasuredWorkers:
     With one choice (GPU ranks, an explicit data.workers) it only says whether the loader keeps up.
     `observe` returns (the new count or None, the line for the log) once."""
 
-    def __init__(self, choices: tuple[int, ...], workers: int, threads, skip: int = 10, window: int = 20,
-                 gain: float = 1.1, *, cpus: int | None = None, clock: Callable[[], float] = time.process_time,
-                 whole: Callable[[int], bool] = lambda workers: True):
+    def __init__(
+        self,
+        choices: tuple[int, ...],
+        workers: int,
+        threads,
+        skip: int = 10,
+        window: int = 20,
+        gain: float = 1.1,
+        *,
+        cpus: int | None = None,
+        clock: Callable[[], float] = time.process_time,
+        whole: Callable[[int], bool] = lambda workers: True,
+    ):
         self.choices, self.workers, self.threads, self.whole = choices, workers, threads, whole
         self.skip, self.window, self.gain, self.cpus, self.clock = skip, window, gain, cpus, clock
         self.steps, self.loads, self.computes, self.spent, self.waited, self.total = 0, [], [], [], 0.0, 0.0
@@ -122,9 +145,11 @@ class MeasuredWorkers:
         spare = spare_cpus(self.cpus) if self.cpus else math.inf
         choices = [workers for workers in self.choices if workers <= max(spare, self.workers) or self.whole(workers)]
         best = fastest(choices)
-        measured = (f"over steps {self.skip + 1}-{self.steps} a batch took {load * 1e3:.0f} ms of a loader worker's "
-                    f"CPU and the step {compute * 1e3:.0f} ms ({spent * 1e3:.0f} ms of the rank's CPU), and the rank "
-                    f"waited {self.waited / self.total:.1%} of its time for data")
+        measured = (
+            f"over steps {self.skip + 1}-{self.steps} a batch took {load * 1e3:.0f} ms of a loader worker's "
+            f"CPU and the step {compute * 1e3:.0f} ms ({spent * 1e3:.0f} ms of the rank's CPU), and the rank "
+            f"waited {self.waited / self.total:.1%} of its time for data"
+        )
         if best != self.workers and rate(best) > self.gain * rate(self.workers):
             moved = f"{self.workers} -> {best} loader worker(s)"
             if self.threads(best) != now:
@@ -132,17 +157,24 @@ class MeasuredWorkers:
             return best, f"{moved}: {measured}"
         if len(self.choices) > 1:
             faster = fastest(self.choices)
-            closed = (f"; {faster} would measure faster but, sharing the rank's cores, would not each make whole "
-                      "batches" if faster not in choices and rate(faster) > self.gain * rate(self.workers) else "")
+            closed = (
+                f"; {faster} would measure faster but, sharing the rank's cores, would not each make whole batches"
+                if faster not in choices and rate(faster) > self.gain * rate(self.workers)
+                else ""
+            )
             return None, f"{self.workers} loader worker(s) kept: {measured}{closed}"
         needed = math.ceil(load / compute)
-        verdict = ("the loader keeps up" if needed <= self.workers else
-                   f"the loader limits this run: it needs ~{needed} worker(s) to keep up, this rank has {self.workers}")
+        verdict = (
+            "the loader keeps up"
+            if needed <= self.workers
+            else f"the loader limits this run: it needs ~{needed} worker(s) to keep up, this rank has {self.workers}"
+        )
         return None, f"{verdict}: {measured}"
 
 
-def loader_priority(setting: str, device_type: str, procs_per_node: int, loader_workers: int,
-                    environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+def loader_priority(
+    setting: str, device_type: str, procs_per_node: int, loader_workers: int, environ: Mapping[str, str] | None = None
+) -> tuple[str, str]:
     """How the loader workers are scheduled and why: "low" (SCHED_IDLE from the start), "normal", or
     "measured" (normal until the run shows whether idle priority pays: MeasuredPriority).
 
@@ -163,8 +195,10 @@ def loader_priority(setting: str, device_type: str, procs_per_node: int, loader_
     cpus, source = host.rank_cpus(procs_per_node, environ)
     if cpus >= 1 + loader_workers:
         return "normal", f"data.worker_priority=auto: {source}, enough for the rank and {loader_workers} worker(s)"
-    return "measured", (f"data.worker_priority=auto: {source}, fewer than the rank + {loader_workers} worker(s); "
-                        "idle priority once the run shows the loader keeps up")
+    return "measured", (
+        f"data.worker_priority=auto: {source}, fewer than the rank + {loader_workers} worker(s); "
+        "idle priority once the run shows the loader keeps up"
+    )
 
 
 def set_low_priority(pid: int, low: bool) -> bool:
@@ -199,8 +233,16 @@ class MeasuredPriority:
     `observe` returns the decision's line for the log, once, when one is made; its steps are numbered from
     the run's step `after` (the workers' restart)."""
 
-    def __init__(self, set_low, skip: int = 10, window: int = 20, idle_below: float = 0.02, normal_above: float = 0.1,
-                 *, after: int = 0):
+    def __init__(
+        self,
+        set_low,
+        skip: int = 10,
+        window: int = 20,
+        idle_below: float = 0.02,
+        normal_above: float = 0.1,
+        *,
+        after: int = 0,
+    ):
         self.set_low, self.skip, self.window, self.after = set_low, skip, window, after
         self.idle_below, self.normal_above = idle_below, normal_above
         self.state, self.steps, self.waited, self.total = "measuring", 0, 0.0, 0.0
@@ -222,16 +264,21 @@ class MeasuredPriority:
                 self.state = "settled"
                 return f"loader workers stay at normal priority: {measured} (the loader is what it waits for)"
             self.state = "low" if self.set_low(True) else "settled"
-            return (f"loader workers to idle priority: {measured} (the loader keeps up); they now decode in the time "
-                    "the rank leaves idle" if self.state == "low"
-                    else "loader workers stay at normal priority: the OS refused idle priority")
+            return (
+                f"loader workers to idle priority: {measured} (the loader keeps up); they now decode in the time "
+                "the rank leaves idle"
+                if self.state == "low"
+                else "loader workers stay at normal priority: the OS refused idle priority"
+            )
         if share <= self.normal_above:
             return None
         self.state = "settled"
         if self.set_low(False):
             return f"loader workers back to normal priority: {measured} at idle priority"
-        return (f"loader workers cannot return to normal priority ({measured}): this process may not raise a "
-                "priority (RLIMIT_NICE < 20); set data.worker_priority=normal for runs on a shared node")
+        return (
+            f"loader workers cannot return to normal priority ({measured}): this process may not raise a "
+            "priority (RLIMIT_NICE < 20); set data.worker_priority=normal for runs on a shared node"
+        )
 
 
 class LoaderTuning:
@@ -244,12 +291,21 @@ class LoaderTuning:
     sample for sample the same), then decides the workers' priority (MeasuredPriority); it returns the
     lines worth logging."""
 
-    def __init__(self, stream, plan: LoaderPlan, priority_for: Callable[[int], tuple[str, str]],
-                 threads: Callable[[int], int]):
+    def __init__(
+        self, stream, plan: LoaderPlan, priority_for: Callable[[int], tuple[str, str]], threads: Callable[[int], int]
+    ):
         self.stream, self.priority_for, self.threads = stream, priority_for, threads
-        self.count = (MeasuredWorkers(plan.choices, plan.workers, threads, cpus=plan.cpus,
-                                      whole=lambda workers: stream.worker_readers(workers) is not None)
-                      if plan.workers else None)
+        self.count = (
+            MeasuredWorkers(
+                plan.choices,
+                plan.workers,
+                threads,
+                cpus=plan.cpus,
+                whole=lambda workers: stream.worker_readers(workers) is not None,
+            )
+            if plan.workers
+            else None
+        )
         self.priority: MeasuredPriority | None = None
         self.started = self.schedule(plan.workers)  # the start's line, for the log
 
@@ -258,8 +314,9 @@ class LoaderTuning:
         priority, why = self.priority_for(workers)
         self.stream.low_priority_workers = priority == "low"
         after = self.count.steps if self.count is not None else 0  # the run's steps before this (re)start
-        self.priority = (MeasuredPriority(self.stream.set_worker_priority, after=after) if priority == "measured"
-                         else None)
+        self.priority = (
+            MeasuredPriority(self.stream.set_worker_priority, after=after) if priority == "measured" else None
+        )
         return f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({why})" if workers else None
 
     def observe(self, waited: float, seconds: float, load_s: float | None) -> list[str]:

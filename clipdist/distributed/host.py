@@ -1,15 +1,17 @@
 """The host side of a rank: its CPUs, intra-op threads, how waiting threads wait, and the allocator, each
 decided from the CPUs the rank may use (never from one workload's tuning) and logged with its reason.
 Loader workers are the stream's (clipdist.data.workers)."""
+
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 
-def intra_op_threads(setting: int | None, procs_per_node: int, loader_workers: int = 0,
-                     environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+def intra_op_threads(
+    setting: int | None, procs_per_node: int, loader_workers: int = 0, environ: Mapping[str, str] | None = None
+) -> tuple[int, str]:
     """Threads per rank and where the number came from, so a node's ranks and their loader workers
     never oversubscribe it.
 

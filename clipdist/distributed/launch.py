@@ -4,6 +4,7 @@ killing of a process tree (loader workers, `pipe:` commands).
 
 The loss backends' collectives live in clipdist.losses.collectives, the loop's in clipdist.distributed.parallel.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,10 +19,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping
 from urllib.parse import urlparse
 
 import hostlist
@@ -88,8 +89,12 @@ def placement(env: DistEnv) -> str:
     ranks: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts):
         ranks.setdefault(host, []).append(rank)
-    spans = ", ".join(f"{host}: ranks {r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) else
-                      f"{host}: ranks {','.join(map(str, r))}" for host, r in ranks.items())
+    spans = ", ".join(
+        f"{host}: ranks {r[0]}-{r[-1]}"
+        if r == list(range(r[0], r[-1] + 1))
+        else f"{host}: ranks {','.join(map(str, r))}"
+        for host, r in ranks.items()
+    )
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return f"{env.world_size} ranks on {len(ranks)} node(s) ({spans}), rendezvous at {where} ({env.launcher})"
 
@@ -112,13 +117,19 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             job = int(env.get("SLURM_JOB_ID", "0"))
             os.environ.setdefault("MASTER_PORT", str(SRUN_PORTS.start + job % len(SRUN_PORTS)))
         nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
-        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm",
-                       int(nodes) if nodes else None)
+        return DistEnv(
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_NTASKS"]),
+            int(env.get("SLURM_LOCALID", 0)),
+            "slurm",
+            int(nodes) if nodes else None,
+        )
     return DistEnv(0, 1, 0, "single")
 
 
-def init_process_group(env: DistEnv, *, timeout_s: float, rendezvous_timeout_s: float, backend: str | None = None,
-                       single: bool = False) -> None:
+def init_process_group(
+    env: DistEnv, *, timeout_s: float, rendezvous_timeout_s: float, backend: str | None = None, single: bool = False
+) -> None:
     """Start the default process group for `env` (for a single process only if `single`: FSDP needs one).
 
     `timeout_s` bounds every collective: a rank that dies makes the others fail after
@@ -134,11 +145,15 @@ def init_process_group(env: DistEnv, *, timeout_s: float, rendezvous_timeout_s: 
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     if env.launcher == "slurm":
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
-                              is_master=env.rank == 0, timeout=timedelta(seconds=rendezvous_timeout_s),
-                              wait_for_workers=True)
-        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=timedelta(seconds=rendezvous_timeout_s),
+            wait_for_workers=True,
+        )
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         return
     dist.init_process_group(backend=backend, timeout=timeout)
 
@@ -238,10 +253,17 @@ class _UserError:
         self.type, self.message = type(error), str(error)
 
 
-def _spawned_worker(rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results,
-                    log_file: str | None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+def _spawned_worker(
+    rank: int, world_size: int, port: int, fn: Callable, timeout_s: float, args: tuple, results, log_file: str | None
+):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     console.configure(main=rank == 0)
     if log_file is not None:
         console.open_run_log(log_file)
@@ -306,16 +328,24 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLEC
         release_openmp_threads()
     sys.stdout.flush()  # a forked child would write what is still buffered here again
     sys.stderr.flush()
-    context = mp.start_processes(_spawned_worker, nprocs=world_size, join=False, start_method=method,
-                                 args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()))
+    context = mp.start_processes(
+        _spawned_worker,
+        nprocs=world_size,
+        join=False,
+        start_method=method,
+        args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()),
+    )
 
     def forward(signum, _frame):
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS} \
-        if threading.current_thread() is threading.main_thread() else {}
+    previous = (
+        {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     collected: dict[int, object] = {}
     try:
         while True:

@@ -1,5 +1,6 @@
 """How the model is spread over ranks: DDP or FSDP2 wrapping, the gradient sync the wrappers leave to
 us, and the few collectives the loop uses (the loss backends' own are in clipdist.losses.collectives)."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -11,8 +12,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
-def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool = False,
-               param_dtype: torch.dtype | None = None, sync_batchnorm: bool = False) -> torch.nn.Module:
+def wrap_model(
+    model: torch.nn.Module,
+    *,
+    parallel: str = "ddp",
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    sync_batchnorm: bool = False,
+) -> torch.nn.Module:
     """What the training step calls.
 
     ddp: the towers compiled in place (torch.compile), then DDP outermost when there is more than
@@ -36,10 +43,16 @@ def wrap_model(model: torch.nn.Module, *, parallel: str = "ddp", compile: bool =
     # Buffers are broadcast from rank 0 before every forward (a collective and a sync per step) only when
     # training changes them (BatchNorm statistics); CLIP towers' buffers (attention masks) are constants.
     # Gradients live in DDP's buckets (no copy of every gradient into them and back after the all-reduce).
-    running_stats = any(isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
-                        for module in model.modules())
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   forward_sync_buffers=running_stats, gradient_as_bucket_view=True)
+    running_stats = any(
+        isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+        for module in model.modules()
+    )
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=running_stats,
+        gradient_as_bucket_view=True,
+    )
 
 
 BLOCK_LISTS = ("resblocks", "blocks", "layers")  # open_clip transformers, timm ViTs, HF-style text towers
@@ -48,8 +61,11 @@ BLOCK_LISTS = ("resblocks", "blocks", "layers")  # open_clip transformers, timm 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of every tower (open_clip `resblocks`, timm `blocks`): FSDP's units, outermost
     only (a block list inside a block belongs to that block's unit)."""
-    lists = [name for name, module in model.named_modules()
-             if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS]
+    lists = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS
+    ]
     outer = [name for name in lists if not any(name.startswith(other + ".") for other in lists)]
     return [block for name in outer for block in model.get_submodule(name) if any(True for _ in block.parameters())]
 

@@ -6,6 +6,7 @@
 
 See DistributedContrastiveLoss for the contract every backend keeps.
 """
+
 from __future__ import annotations
 
 import inspect

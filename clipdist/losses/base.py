@@ -1,4 +1,5 @@
 """Shared front end of every distributed contrastive loss backend."""
+
 from __future__ import annotations
 
 import torch
@@ -38,14 +39,19 @@ class DistributedContrastiveLoss(nn.Module):
         super().__init__()
         self.group = group
 
-    def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale,
-                logit_bias=None) -> torch.Tensor:
+    def forward(
+        self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, logit_bias=None
+    ) -> torch.Tensor:
         if self.uses_logit_bias and logit_bias is None:
-            raise ValueError(f"{type(self).__name__} needs a logit bias: build the model with one "
-                             "(open_clip: init_logit_bias) and pass it after the logit scale")
+            raise ValueError(
+                f"{type(self).__name__} needs a logit bias: build the model with one "
+                "(open_clip: init_logit_bias) and pass it after the logit scale"
+            )
         if not self.uses_logit_bias and logit_bias is not None:
-            raise ValueError(f"{type(self).__name__} is a softmax loss and has no logit bias; build the model "
-                             "without one, or use loss=siglip")
+            raise ValueError(
+                f"{type(self).__name__} is a softmax loss and has no logit bias; build the model "
+                "without one, or use loss=siglip"
+            )
         layout = world_layout(image_features, text_features, self.group)
         dtype = loss_dtype(image_features, text_features)
         scalars = [logit_scale] + ([logit_bias] if self.uses_logit_bias else [])

@@ -5,6 +5,7 @@ exchanged first (one tiny all_gather), tensors are padded to the largest local b
 the collective and the padding is dropped again, so the global batch is always the exact
 rank-major concatenation of the local batches.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """`disco`: DisCo-CLIP — local rows against all columns, gather backward reduces."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ over the whole batch of B pairs,
     CE(p, x_i·) = −Σ_j p_j log softmax(x_i·)_j = LSE_j(x_ij) − Σ_j p_j x_ij   (Σ_j p_j = 1).
 open_clip computes it on each rank's own local logits; here every row meets every column of the global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,10 +60,15 @@ class DistillationLoss(torch.nn.Module):
         teacher_scale = torch.as_tensor(teacher_scale, device=image.device).detach().to(dtype)
         with torch.autocast(image.device.type, enabled=False):
             total = 0
-            for rows, columns, teacher_rows, teacher_columns in ((image, text, teacher_image, teacher_text),
-                                                                  (text, image, teacher_text, teacher_image)):
+            for rows, columns, teacher_rows, teacher_columns in (
+                (image, text, teacher_image, teacher_text),
+                (text, image, teacher_text, teacher_image),
+            ):
                 teacher_lse = ring_partial(ROW_LSE, teacher_rows, teacher_columns, teacher_scale, self.tile, layout)
                 cross = TeacherWeighted(teacher_rows * teacher_scale, teacher_lse)
-                total = total + ring_sum(ROW_LSE, rows, columns, scale, None, self.tile, layout) \
+                total = (
+                    total
+                    + ring_sum(ROW_LSE, rows, columns, scale, None, self.tile, layout)
                     - ring_sum(cross, rows, columns, scale, None, self.tile, layout, companion_columns=teacher_columns)
+                )
         return total * (layout.world_size / (2 * layout.global_batch))

@@ -1,4 +1,5 @@
 """`gather_layer`: autograd all_gather whose backward sums across ranks, full B×B logits."""
+
 from __future__ import annotations
 
 from clipdist.losses.base import DistributedContrastiveLoss

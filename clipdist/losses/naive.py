@@ -1,4 +1,5 @@
 """`naive`: plain all_gather, own slice put back with its graph, full B×B logits."""
+
 from __future__ import annotations
 
 import torch

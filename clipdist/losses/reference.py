@@ -1,4 +1,5 @@
 """The single-process losses: the definitions every distributed backend (and the distillation term) must reproduce."""
+
 from __future__ import annotations
 
 import torch

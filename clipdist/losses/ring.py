@@ -5,6 +5,7 @@ ring (rank q sends to q + 1) — no b×B logit block, no gathered features.
 A `RingKernel` says what is summed (`tiled`: a log-sum-exp per row; `siglip`: softplus of every logit);
 `ring_sum` does the travelling, the tiling and the backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -74,8 +75,13 @@ class TileSum(RingKernel):
         total = scaled_rows.new_zeros(())
         for r in range(0, scaled_rows.shape[0], tile):
             for c in range(0, block.shape[0], tile):
-                total += self.tile_total(scaled_rows[r : r + tile], block[c : c + tile], bias, slice(r, r + tile),
-                                         None if companion is None else companion[c : c + tile])
+                total += self.tile_total(
+                    scaled_rows[r : r + tile],
+                    block[c : c + tile],
+                    bias,
+                    slice(r, r + tile),
+                    None if companion is None else companion[c : c + tile],
+                )
         return total
 
     def merge(self, first, second):
@@ -106,8 +112,9 @@ def _tile_backward(kernel, rows, scaled_rows, columns, companion, bias, partial,
         row_block, tile_rows = rows[r : r + tile], slice(r, r + tile)
         for c in range(0, columns.shape[0], tile):
             column_block, tile_columns = columns[c : c + tile], slice(c, c + tile)
-            weights = kernel.weights(logits(scaled_rows[tile_rows], column_block, bias), partial, tile_rows,
-                                     tile_columns, companion)
+            weights = kernel.weights(
+                logits(scaled_rows[tile_rows], column_block, bias), partial, tile_rows, tile_columns, companion
+            )
             grad_rows[tile_rows] += weights @ column_block
             grad_columns[tile_columns] += weights.T @ row_block
             if grad_bias is not None:
@@ -147,8 +154,7 @@ class _RingSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, columns, scale, bias, companion_columns, kernel, tile, layout):
         scaled_rows = rows * scale  # once per pass, not once per tile
-        partial = _fold(kernel, scaled_rows, _payload(columns, companion_columns), columns.shape[1], bias, tile,
-                        layout)
+        partial = _fold(kernel, scaled_rows, _payload(columns, companion_columns), columns.shape[1], bias, tile, layout)
         ctx.save_for_backward(rows, columns, scale, bias, companion_columns, partial)
         ctx.kernel, ctx.tile, ctx.layout = kernel, tile, layout
         return kernel.value(partial)
@@ -167,13 +173,18 @@ class _RingSum(torch.autograd.Function):
             origin = (rank - step - 1) % world_size  # of the block (and accumulator) that arrives next
             wait_block = _pass_right(payload, origin, layout) if step < world_size - 1 else None
             block, companion = _split(payload, width)
-            mine, bias_share = _tile_backward(kernel, rows, scaled_rows, block, companion, bias, partial, tile,
-                                              grad_rows)
+            mine, bias_share = _tile_backward(
+                kernel, rows, scaled_rows, block, companion, bias, partial, tile, grad_rows
+            )
             mine.mul_(factor)
             if grad_bias is not None:
                 grad_bias += bias_share
             accumulated = mine if arriving is None else arriving() + mine
-            arriving = _pass_right(accumulated, origin, layout, GRADIENTS) if world_size > 1 else (lambda: accumulated)
+            arriving = (
+                _pass_right(accumulated, origin, layout, GRADIENTS)
+                if world_size > 1
+                else (lambda value=accumulated: value)
+            )
             if wait_block is not None:
                 payload = wait_block()
         grad_columns = arriving()  # this rank's columns, back from their trip: every rank's term
@@ -183,8 +194,9 @@ class _RingSum(torch.autograd.Function):
         return grad_rows.mul_(factor), grad_columns, grad_scale, grad_bias, None, None, None, None
 
 
-def ring_sum(kernel: RingKernel, rows, columns, scale, bias, tile: int, layout: WorldLayout,
-             companion_columns=None) -> torch.Tensor:
+def ring_sum(
+    kernel: RingKernel, rows, columns, scale, bias, tile: int, layout: WorldLayout, companion_columns=None
+) -> torch.Tensor:
     """`kernel`'s value over this rank's rows and every rank's columns, x_ij = s·r_i·c_j (+ t); see _RingSum.
     `companion_columns` (no gradient) travel with the columns, row for row."""
     return _RingSum.apply(rows, columns, scale, bias, companion_columns, kernel, tile, layout)

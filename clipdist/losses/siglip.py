@@ -1,4 +1,5 @@
 """`siglip`: the sigmoid loss on the ring, O(b·d) kept per rank — no b×B logits, no gathered features."""
+
 from __future__ import annotations
 
 import math

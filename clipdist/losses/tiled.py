@@ -1,5 +1,6 @@
 """`tiled`: the softmax CLIP loss in tiles with an online log-sum-exp, the other ranks' features passed
 around a ring — no b×B logit block and no gathered features: O(b·d) kept per rank."""
+
 from __future__ import annotations
 
 import torch
@@ -62,7 +63,8 @@ class TiledLoss(DistributedContrastiveLoss):
 
     def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
         """Backward of one direction (fp32): the rows' gradient, the block held and the one arriving, this
-        rank's column term, the accumulator being sent and the one arriving, the scaled rows (7·b·d), and two tile² logit
+        rank's column term, the accumulator being sent and the one arriving, the scaled rows (7·b·d), and two tile²
+        logit
         blocks (probs and their product). No term grows with B."""
         tile = min(self.tile, global_batch)
         return 7 * local_batch * dim * 4 + 2 * tile * tile * 4

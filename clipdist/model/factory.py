@@ -1,5 +1,6 @@
 """Image and text towers, built with open_clip's factory: random init, or the weights of a local file, an
 open_clip pretrained tag, an `hf-hub:` or a `local-dir:` model."""
+
 from __future__ import annotations
 
 import functools
@@ -19,11 +20,19 @@ from open_clip.hf_model import HFTextEncoder
 from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
 from open_clip.transform import merge_preprocess_dict
 
+from clipdist.checkpoint.weights import UnsafeFileError, read_small_json, read_weights
 from clipdist.defaults import DEFAULT_MODEL
 from clipdist.distributed.parallel import node_leaders_first
-from clipdist.model.timm_towers import (KWARGS_KEY, check_image_tower, check_tower_kwargs, naflex_patch_size, naflex_trunk,
-                                  take_tower_kwargs, timm_tower, tower_settings)
-from clipdist.checkpoint.weights import UnsafeFileError, read_small_json, read_weights
+from clipdist.model.timm_towers import (
+    KWARGS_KEY,
+    check_image_tower,
+    check_tower_kwargs,
+    naflex_patch_size,
+    naflex_trunk,
+    take_tower_kwargs,
+    timm_tower,
+    tower_settings,
+)
 
 CONFIG_DIR = Path(__file__).parents[1] / "model_configs"
 
@@ -61,7 +70,10 @@ def model_names() -> list[str]:
 SCHEMAS = ("hf-hub:", "local-dir:")  # open_clip's model names whose config (and weights) come from elsewhere
 
 
-TOKENIZER_KWARGS = {"clean", "strip_sep_token"}  # the tokenizer options open_clip's own configs use: nothing else passes
+TOKENIZER_KWARGS = {
+    "clean",
+    "strip_sep_token",
+}  # the tokenizer options open_clip's own configs use: nothing else passes
 HF_NAMES = ("hf_tokenizer_name", "hf_model_name")
 EXPORT_CONFIG = "open_clip_config.json"  # an open_clip hub-layout folder (local-dir:, clipdist export) holds these two
 EXPORT_WEIGHTS = "open_clip_model.safetensors"  # text_cfg keys transformers loads with from_pretrained
@@ -71,7 +83,9 @@ EXPORT_WEIGHTS = "open_clip_model.safetensors"  # text_cfg keys transformers loa
 def _open_clips_own_hf_names() -> frozenset[str]:
     """The Hugging Face tokenizer and text-tower names open_clip's own (wheel-shipped) configs use."""
     configs = [open_clip.get_model_config(name) or {} for name in open_clip.list_models()]
-    return frozenset(value for config in configs for key in HF_NAMES if (value := (config.get("text_cfg") or {}).get(key)))
+    return frozenset(
+        value for config in configs for key in HF_NAMES if (value := (config.get("text_cfg") or {}).get(key))
+    )
 
 
 def _remote_code_requests(node, path: str = "") -> list[str]:
@@ -96,22 +110,27 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
     `auto_map` (transformers imports the .py files an auto_map names); timm weights fetched for the image tower."""
     asked = _remote_code_requests(model_cfg)
     if asked:
-        raise UnsafeFileError(f"{where}: refused: {asked[0]!r} asks to run code shipped with the model, which "
-                              "clipdist never does")
+        raise UnsafeFileError(
+            f"{where}: refused: {asked[0]!r} asks to run code shipped with the model, which clipdist never does"
+        )
     text = model_cfg.get("text_cfg") or {}
     unknown = sorted(set(text.get("tokenizer_kwargs") or {}) - TOKENIZER_KWARGS)
     if unknown:
-        raise UnsafeFileError(f"{where}: refused: text_cfg.tokenizer_kwargs holds {unknown[0]!r}, not a tokenizer option "
-                              f"clipdist passes on (only {', '.join(sorted(TOKENIZER_KWARGS))})")
+        raise UnsafeFileError(
+            f"{where}: refused: text_cfg.tokenizer_kwargs holds {unknown[0]!r}, not a tokenizer option "
+            f"clipdist passes on (only {', '.join(sorted(TOKENIZER_KWARGS))})"
+        )
     for key in HF_NAMES:
         value = text.get(key)
         if not value or value in _open_clips_own_hf_names():
             continue
         folder = Path(str(value)).expanduser()
         if not folder.is_dir():
-            raise UnsafeFileError(f"{where}: refused: text_cfg.{key}={str(value)!r} is neither a local folder nor a name "
-                                  "open_clip's own configs use: transformers would fetch it (and any code it names) "
-                                  "from the hub; download it yourself and give the folder")
+            raise UnsafeFileError(
+                f"{where}: refused: text_cfg.{key}={str(value)!r} is neither a local folder nor a name "
+                "open_clip's own configs use: transformers would fetch it (and any code it names) "
+                "from the hub; download it yourself and give the folder"
+            )
         for file in ("tokenizer_config.json", "config.json"):
             try:
                 found = read_small_json(folder / file)
@@ -120,13 +139,17 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
             except (OSError, ValueError):  # none there, or not JSON: transformers reads no auto_map from it either
                 continue
             if isinstance(found, dict) and "auto_map" in found:
-                raise UnsafeFileError(f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
-                                      "transformers import the Python files it names")
+                raise UnsafeFileError(
+                    f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
+                    "transformers import the Python files it names"
+                )
     if KWARGS_KEY in (model_cfg.get("vision_cfg") or {}):
         check_tower_kwargs(model_cfg["vision_cfg"][KWARGS_KEY], where)
     if (model_cfg.get("vision_cfg") or {}).get("timm_model_pretrained"):
-        raise UnsafeFileError(f"{where}: refused: vision_cfg.timm_model_pretrained fetches weights from the hub when "
-                              "the model is built; set model.pretrained_image=true to ask for them")
+        raise UnsafeFileError(
+            f"{where}: refused: vision_cfg.timm_model_pretrained fetches weights from the hub when "
+            "the model is built; set model.pretrained_image=true to ask for them"
+        )
 
 
 def _read_model_config(path: Path, where: str) -> tuple[dict, dict]:
@@ -159,8 +182,10 @@ def resolve_model_name(name: str) -> str:
     if name.startswith("local-dir:"):
         folder = Path(name.removeprefix("local-dir:")).expanduser()
         if not (folder / EXPORT_CONFIG).is_file():
-            raise ValueError(f"model.name={name}: {folder} holds no open_clip_config.json (a folder in open_clip's "
-                             "hub layout, as `clipdist export` writes it)")
+            raise ValueError(
+                f"model.name={name}: {folder} holds no open_clip_config.json (a folder in open_clip's "
+                "hub layout, as `clipdist export` writes it)"
+            )
         _read_model_config(folder / EXPORT_CONFIG, f"model.name={name}")
         return f"local-dir:{folder}"
     if name.startswith("hf-hub:"):
@@ -209,25 +234,41 @@ def _export_with_tower_kwargs(name: str) -> str:
     return key
 
 
-MODEL_OVERRIDES = ("force_image_size", "force_context_length", "force_patch_dropout", "force_quick_gelu",
-                   "force_custom_text", "pretrained_image", "image_tower")
-PREPROCESS_OVERRIDES = {"image_mean": "mean", "image_std": "std", "image_interpolation": "interpolation",
-                        "image_resize_mode": "resize_mode"}
+MODEL_OVERRIDES = (
+    "force_image_size",
+    "force_context_length",
+    "force_patch_dropout",
+    "force_quick_gelu",
+    "force_custom_text",
+    "pretrained_image",
+    "image_tower",
+)
+PREPROCESS_OVERRIDES = {
+    "image_mean": "mean",
+    "image_std": "std",
+    "image_interpolation": "interpolation",
+    "image_resize_mode": "resize_mode",
+}
 
 
 def model_overrides(model_cfg, fetch: bool = True) -> dict:
     """open_clip.create_model's keyword arguments for the per-run overrides of `model` config (model.force_*,
     model.pretrained_image) and the image preprocessing it sets (model.image_*: "preprocess"). fetch=False: the
     structure alone, timm's image-tower weights not fetched (checks, exports, a checkpoint's own weights)."""
-    overrides = {key: value for key in MODEL_OVERRIDES
-                 if (value := getattr(model_cfg, key)) is not None and value is not False}  # 0.0 patch dropout counts
+    overrides = {
+        key: value for key in MODEL_OVERRIDES if (value := getattr(model_cfg, key)) is not None and value is not False
+    }  # 0.0 patch dropout counts
     if not fetch:
         overrides["pretrained_image"] = False
-    preprocess = {field: value if not isinstance(value, list) else tuple(value)
-                  for key, field in PREPROCESS_OVERRIDES.items() if (value := getattr(model_cfg, key)) is not None}
+    preprocess = {
+        field: value if not isinstance(value, list) else tuple(value)
+        for key, field in PREPROCESS_OVERRIDES.items()
+        if (value := getattr(model_cfg, key)) is not None
+    }
     if preprocess:
-        overrides["preprocess"] = {key: str(value) if key in ("interpolation", "resize_mode") else value
-                                   for key, value in preprocess.items()}
+        overrides["preprocess"] = {
+            key: str(value) if key in ("interpolation", "resize_mode") else value for key, value in preprocess.items()
+        }
     return overrides
 
 
@@ -242,9 +283,11 @@ def built_model_config(name: str, overrides: dict | None = None) -> dict:
         model_cfg["quick_gelu"] = True
     if overrides.get("force_custom_text"):
         model_cfg["custom_text"] = True
-    for key, tower, field in (("force_patch_dropout", "vision_cfg", "patch_dropout"),
-                              ("force_image_size", "vision_cfg", "image_size"),
-                              ("force_context_length", "text_cfg", "context_length")):
+    for key, tower, field in (
+        ("force_patch_dropout", "vision_cfg", "patch_dropout"),
+        ("force_image_size", "vision_cfg", "image_size"),
+        ("force_context_length", "text_cfg", "context_length"),
+    ):
         if overrides.get(key) is not None:
             model_cfg[tower][field] = overrides[key]
     return model_cfg
@@ -254,11 +297,13 @@ def lock_towers(model: torch.nn.Module, model_cfg) -> None:
     """model.lock_image / model.lock_text with open_clip's own lock functions: the locked parameters stop
     requiring gradients (so they get no gradient, no optimizer state, and a fully locked tower no backward)."""
     if model_cfg.lock_image:
-        model.lock_image_tower(unlocked_groups=model_cfg.lock_image_unlocked_groups,
-                               freeze_bn_stats=model_cfg.lock_image_freeze_bn_stats)
+        model.lock_image_tower(
+            unlocked_groups=model_cfg.lock_image_unlocked_groups, freeze_bn_stats=model_cfg.lock_image_freeze_bn_stats
+        )
     if model_cfg.lock_text:
-        model.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers,
-                              freeze_layer_norm=model_cfg.lock_text_freeze_layer_norm)
+        model.lock_text_tower(
+            unlocked_layers=model_cfg.lock_text_unlocked_layers, freeze_layer_norm=model_cfg.lock_text_freeze_layer_norm
+        )
 
 
 def is_captioning(name: str) -> bool | None:
@@ -283,8 +328,10 @@ def caption_weight(loss_cfg, captions: bool, model_name: str) -> float:
     if captions:
         return CAPTION_WEIGHT if loss_cfg.caption_weight is None else loss_cfg.caption_weight
     if loss_cfg.caption_weight:
-        raise ValueError(f"loss.caption_weight={loss_cfg.caption_weight}, but model.name={model_name} has no text "
-                         "decoder (a CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model")
+        raise ValueError(
+            f"loss.caption_weight={loss_cfg.caption_weight}, but model.name={model_name} has no text "
+            "decoder (a CoCa model config, e.g. coca_ViT-B-32, has one); remove the key or pick a CoCa model"
+        )
     return 0.0
 
 
@@ -303,17 +350,25 @@ def check_loss_weights(loss_cfg, model_name: str) -> None:
 def check_teacher(teacher: torch.nn.Module, student: torch.nn.Module, name: str) -> None:
     """A distillation teacher sees the student's images and tokens: the same image size, context length and
     vocabulary."""
-    for what, mine, theirs in (("image size", student.visual.image_size, teacher.visual.image_size),
-                               ("context length", student.context_length, teacher.context_length)):
+    for what, mine, theirs in (
+        ("image size", student.visual.image_size, teacher.visual.image_size),
+        ("context length", student.context_length, teacher.context_length),
+    ):
         if tuple(np.atleast_1d(mine)) != tuple(np.atleast_1d(theirs)):
-            raise ValueError(f"loss.distill.model={name}: its {what} is {theirs}, the student's {mine}; the teacher "
-                             f"is given the student's inputs (as open_clip_train does): pick a teacher with the same "
-                             f"{what}, or set model.force_image_size / model.force_context_length to match it")
-    vocabularies = [getattr(m, "vocab_size", None) or getattr(getattr(m, "text", None), "vocab_size", None)
-                    for m in (student, teacher)]
+            raise ValueError(
+                f"loss.distill.model={name}: its {what} is {theirs}, the student's {mine}; the teacher "
+                f"is given the student's inputs (as open_clip_train does): pick a teacher with the same "
+                f"{what}, or set model.force_image_size / model.force_context_length to match it"
+            )
+    vocabularies = [
+        getattr(m, "vocab_size", None) or getattr(getattr(m, "text", None), "vocab_size", None)
+        for m in (student, teacher)
+    ]
     if None not in vocabularies and vocabularies[0] != vocabularies[1]:
-        raise ValueError(f"loss.distill.model={name}: its vocabulary has {vocabularies[1]} tokens, the student's "
-                         f"{vocabularies[0]}: the teacher would read the student's token ids as other words")
+        raise ValueError(
+            f"loss.distill.model={name}: its vocabulary has {vocabularies[1]} tokens, the student's "
+            f"{vocabularies[0]}: the teacher would read the student's token ids as other words"
+        )
 
 
 def check_model_options(model_cfg) -> None:
@@ -327,21 +382,30 @@ def check_model_options(model_cfg) -> None:
         if getattr(model_cfg, key) < 0:
             raise ValueError(f"model.{key}={getattr(model_cfg, key)}: must be 0 or more")
     if model_cfg.image_tower is not None:
-        check_image_tower(model_cfg.image_tower, model_cfg.name, None if model_cfg.name.startswith(SCHEMAS) else
-                          open_clip.get_model_config(resolve_model_name(model_cfg.name)))
+        check_image_tower(
+            model_cfg.image_tower,
+            model_cfg.name,
+            None
+            if model_cfg.name.startswith(SCHEMAS)
+            else open_clip.get_model_config(resolve_model_name(model_cfg.name)),
+        )
     if not (model_cfg.lock_image or model_cfg.lock_text or model_cfg.pretrained_image or model_cfg.image_tower):
         return
     model = create_model(model_cfg.name, device="meta", overrides=model_overrides(model_cfg, fetch=False))
     if model_cfg.pretrained_image and type(model.visual).__name__ != "TimmModel":
-        raise ValueError(f"model.pretrained_image=true starts a timm image tower from timm's weights, but "
-                         f"{model_cfg.name}'s image tower is {type(model.visual).__name__} (use a timm tower, e.g. "
-                         "model=timm_tiny, or model.pretrained / model.checkpoint for the whole model)")
+        raise ValueError(
+            f"model.pretrained_image=true starts a timm image tower from timm's weights, but "
+            f"{model_cfg.name}'s image tower is {type(model.visual).__name__} (use a timm tower, e.g. "
+            "model=timm_tiny, or model.pretrained / model.checkpoint for the whole model)"
+        )
     if model_cfg.lock_text and not model_cfg.lock_text_freeze_layer_norm:
         text = getattr(model, "text", None)
         if not isinstance(text, HFTextEncoder):
-            raise ValueError("model.lock_text_freeze_layer_norm=false: open_clip's own text towers lock their "
-                             "LayerNorms with their layers (only Hugging Face text towers can leave them unlocked); "
-                             "leave it true")
+            raise ValueError(
+                "model.lock_text_freeze_layer_norm=false: open_clip's own text towers lock their "
+                "LayerNorms with their layers (only Hugging Face text towers can leave them unlocked); "
+                "leave it true"
+            )
     try:
         lock_towers(model, model_cfg)
     except (AssertionError, ValueError, TypeError, AttributeError) as error:
@@ -353,13 +417,17 @@ def pretrained_cfg(name: str, pretrained: str | None) -> dict:
     if pretrained is None:
         return {}
     if name.startswith(SCHEMAS):
-        raise ValueError(f"model.pretrained={pretrained} is for open_clip's built-in models; {name} brings its own "
-                         "weights: leave model.pretrained unset")
+        raise ValueError(
+            f"model.pretrained={pretrained} is for open_clip's built-in models; {name} brings its own "
+            "weights: leave model.pretrained unset"
+        )
     found = open_clip.get_pretrained_cfg(name, pretrained)
     if not found:
         tags = open_clip.list_pretrained_tags_by_model(name)
-        raise ValueError(f"model.pretrained={pretrained}: open_clip has no such tag for {name} "
-                         f"({'its tags: ' + ', '.join(tags) if tags else 'it has no pretrained weights'})")
+        raise ValueError(
+            f"model.pretrained={pretrained}: open_clip has no such tag for {name} "
+            f"({'its tags: ' + ', '.join(tags) if tags else 'it has no pretrained weights'})"
+        )
     return found
 
 
@@ -391,8 +459,10 @@ def pretrained_weights(name: str, pretrained: str | None = None, cache_dir: str 
         raise ValueError(
             f"{what}: the weights are not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and cannot "
             f"be fetched from here ({reason}); fetch them once where there is network (the same command, or "
-            f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache this machine reads (HF_HOME, model.cache_dir), or point "
-            "model.checkpoint at the file") from None
+            f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache "
+            "this machine reads (HF_HOME, model.cache_dir), or point "
+            "model.checkpoint at the file"
+        ) from None
 
 
 def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
@@ -400,8 +470,13 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
     cache without touching the network where it is there, else downloaded — after a quick check that the hub can
     be reached at all, since the hub's client retries an unreachable one for about a minute."""
     filename = filename or "open_clip_pytorch_model.bin"
-    names = [EXPORT_WEIGHTS] if filename == "open_clip_pytorch_model.bin" else \
-        [filename[:-4] + ".safetensors"] if filename.endswith((".bin", ".pth")) else []
+    names = (
+        [EXPORT_WEIGHTS]
+        if filename == "open_clip_pytorch_model.bin"
+        else [filename[:-4] + ".safetensors"]
+        if filename.endswith((".bin", ".pth"))
+        else []
+    )
     names.append(filename)
     for candidate in names:
         found = try_to_load_from_cache(repo, candidate, cache_dir=cache_dir)
@@ -427,7 +502,7 @@ def _init_caption_decoder(decoder: torch.nn.Module) -> None:
     could not run (it reads `self.transformer`, which the decoder is): a CoCa model built from scratch keeps
     `text_projection` as torch.empty left it — other values on every rank, at times 1e30 (found by gradcheck)."""
     width, layers = decoder.width, decoder.layers
-    attn_std, proj_std, fc_std = width ** -0.5, width ** -0.5 * (2 * layers) ** -0.5, (2 * width) ** -0.5
+    attn_std, proj_std, fc_std = width**-0.5, width**-0.5 * (2 * layers) ** -0.5, (2 * width) ** -0.5
     with torch.no_grad():
         for block in [*decoder.resblocks, *decoder.cross_attn]:
             torch.nn.init.normal_(block.attn.in_proj_weight, std=attn_std)
@@ -435,7 +510,7 @@ def _init_caption_decoder(decoder: torch.nn.Module) -> None:
             torch.nn.init.normal_(block.mlp.c_fc.weight, std=fc_std)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
         if decoder.text_projection is not None:
-            torch.nn.init.normal_(decoder.text_projection, std=width ** -0.5)
+            torch.nn.init.normal_(decoder.text_projection, std=width**-0.5)
 
 
 def create_model(
@@ -454,15 +529,18 @@ def create_model(
     `name` is any open_clip model config (ours: clipdist-tiny, clipdist-timm-tiny), a config file, or
     `hf-hub:` / `local-dir:` (see resolve_model_name); those two bring their weights, as does a pretrained
     tag (`pretrained`, with its image preprocessing). `checkpoint` loads weights from a local file or folder
-    instead (clipdist.checkpoint.weights.read_weights: nothing in it runs). Weights are fetched, where they must be, into open_clip's cache (`cache_dir`).
+    instead (clipdist.checkpoint.weights.read_weights: nothing in it runs). Weights are fetched, where they must be,
+    into open_clip's cache (`cache_dir`).
     `init_logit_scale` is the log of the initial scale; `init_logit_bias` gives the model a logit bias (SigLIP);
     a file's scalars replace them, except a bias the file does not have. `overrides`: open_clip.create_model's
     force_* / pretrained_image arguments and the image preprocessing ("preprocess"), as model_overrides makes them.
     """
     name = resolve_model_name(name)
     if name.startswith("hf-hub:"):  # the repo's config, fetched as open_clip would, checked before open_clip builds it
-        check_config_is_data(factory._get_hf_config(name.removeprefix("hf-hub:"), cache_dir=cache_dir).get("model_cfg", {}),
-                             f"model.name={name}")
+        check_config_is_data(
+            factory._get_hf_config(name.removeprefix("hf-hub:"), cache_dir=cache_dir).get("model_cfg", {}),
+            f"model.name={name}",
+        )
     tag = pretrained_cfg(name, pretrained)
     kwargs = {"device": device, "cache_dir": cache_dir}  # "meta": the structure alone, no memory (for checks)
     if init_logit_scale is not None:
@@ -477,8 +555,9 @@ def create_model(
         kwargs["force_preprocess_cfg"] = preprocess
     overrides.setdefault("pretrained_image", False)
     with _random_init_is_intended(), timm_tower(build, overrides.pop("image_tower", None)):
-        model = open_clip.create_model(build, pretrained=None, load_weights=False, pretrained_text=False,
-                                       **kwargs, **overrides)
+        model = open_clip.create_model(
+            build, pretrained=None, load_weights=False, pretrained_text=False, **kwargs, **overrides
+        )
     if has_caption_decoder(model) and device != "meta":
         _init_caption_decoder(model.text_decoder)
     source = checkpoint
@@ -511,12 +590,15 @@ def weights_for(model: torch.nn.Module, weights: dict[str, torch.Tensor], source
     wrong = [key for key in expected if key in weights and weights[key].shape != expected[key].shape]
     if wrong:
         key = wrong[0]
-        raise ValueError(f"{source} does not fit the model: {key} is {tuple(weights[key].shape)} there, "
-                         f"{tuple(expected[key].shape)} here ({len(wrong)} tensor(s) of another shape)")
+        raise ValueError(
+            f"{source} does not fit the model: {key} is {tuple(weights[key].shape)} there, "
+            f"{tuple(expected[key].shape)} here ({len(wrong)} tensor(s) of another shape)"
+        )
     if missing or unexpected:
         first = f"{missing[0]} is missing" if missing else f"{unexpected[0]} is not in the model"
-        raise ValueError(f"{source} does not fit the model: {first} ({len(missing)} missing, "
-                         f"{len(unexpected)} unexpected)")
+        raise ValueError(
+            f"{source} does not fit the model: {first} ({len(missing)} missing, {len(unexpected)} unexpected)"
+        )
     return weights
 
 
@@ -544,25 +626,40 @@ def check_weights(model_cfg, loss_fn, init_logit_bias: float | None = None) -> N
     (on the meta device: shapes only, no memory); a ValueError names the key and the first tensor that does not fit."""
     name, checkpoint = model_cfg.name, model_cfg.checkpoint
     if checkpoint is not None and (model_cfg.pretrained is not None or name.startswith(SCHEMAS)):
-        raise ValueError(f"model.checkpoint and {'model.pretrained' if model_cfg.pretrained else 'model.name=' + name}"
-                         " both give the starting weights: keep one")
+        raise ValueError(
+            f"model.checkpoint and {'model.pretrained' if model_cfg.pretrained else 'model.name=' + name}"
+            " both give the starting weights: keep one"
+        )
     source = checkpoint or pretrained_weights(name, model_cfg.pretrained, model_cfg.cache_dir)
     if source is None:
         return
     overrides = model_overrides(model_cfg, fetch=False)
-    what = f"model.checkpoint={checkpoint}" if checkpoint else \
-        f"model.pretrained={model_cfg.pretrained}" if model_cfg.pretrained else f"model.name={name}"
+    what = (
+        f"model.checkpoint={checkpoint}"
+        if checkpoint
+        else f"model.pretrained={model_cfg.pretrained}"
+        if model_cfg.pretrained
+        else f"model.name={name}"
+    )
     try:
         weights = read_weights(source)
     except ValueError as error:
         raise ValueError(f"{'model.checkpoint' if checkpoint else what}: {error}") from None
-    model = create_model_for_loss(name, loss_fn, init_logit_bias=init_logit_bias, device="meta",
-                                  pretrained=model_cfg.pretrained, cache_dir=model_cfg.cache_dir, overrides=overrides)
+    model = create_model_for_loss(
+        name,
+        loss_fn,
+        init_logit_bias=init_logit_bias,
+        device="meta",
+        pretrained=model_cfg.pretrained,
+        cache_dir=model_cfg.cache_dir,
+        overrides=overrides,
+    )
     weights_for(model, weights, what)
 
 
-def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = None,
-                          init_logit_bias: float | None = None, **options) -> torch.nn.Module:
+def create_model_for_loss(
+    name: str, loss_fn, init_logit_scale: float | None = None, init_logit_bias: float | None = None, **options
+) -> torch.nn.Module:
     """`create_model` with the scalars `loss_fn` needs: a logit bias only if it uses one, and its
     initial values (SigLIP: scale 10, bias −10) wherever the caller gives none."""
     if init_logit_scale is None:
@@ -574,17 +671,23 @@ def create_model_for_loss(name: str, loss_fn, init_logit_scale: float | None = N
     return create_model(name, init_logit_scale=init_logit_scale, init_logit_bias=init_logit_bias, **options)
 
 
-def create_run_model(model_cfg, loss_cfg, loss_fn, device: torch.device, dtype: torch.dtype,
-                     local_rank: int = 0) -> tuple[torch.nn.Module, object]:
+def create_run_model(
+    model_cfg, loss_cfg, loss_fn, device: torch.device, dtype: torch.dtype, local_rank: int = 0
+) -> tuple[torch.nn.Module, object]:
     """A run's model (model and loss sections: starting weights, overrides, scalars, locked towers) on `device` in
     `dtype`, and its tokenizer; weights a hub serves fetched by one rank a node first."""
     needed = fetches_weights(model_cfg.name, model_cfg.pretrained, model_cfg.pretrained_image)
     with node_leaders_first(local_rank, needed=needed):
         model = create_model_for_loss(
-            model_cfg.name, loss_fn, init_logit_scale=loss_cfg.init_logit_scale,
-            init_logit_bias=loss_cfg.init_logit_bias, checkpoint=model_cfg.checkpoint,
-            grad_checkpointing=model_cfg.grad_checkpointing, pretrained=model_cfg.pretrained,
-            cache_dir=model_cfg.cache_dir, overrides=model_overrides(model_cfg),
+            model_cfg.name,
+            loss_fn,
+            init_logit_scale=loss_cfg.init_logit_scale,
+            init_logit_bias=loss_cfg.init_logit_bias,
+            checkpoint=model_cfg.checkpoint,
+            grad_checkpointing=model_cfg.grad_checkpointing,
+            pretrained=model_cfg.pretrained,
+            cache_dir=model_cfg.cache_dir,
+            overrides=model_overrides(model_cfg),
         ).to(device, dtype)
         tokenizer = get_tokenizer(model_cfg.name, model_cfg.cache_dir, model_cfg.force_context_length)
     lock_towers(model, model_cfg)
@@ -611,8 +714,11 @@ def blank_images(model: torch.nn.Module, rows: int):
         return torch.zeros(rows, 3, *image_size(model))
     # drawn from no generator: a stopped step's stand-in must leave the RNG the checkpoint saves as it was
     patch = naflex_patch_size(model)
-    return {"patches": torch.zeros(rows, 1, patch * patch * 3), "patch_coord": torch.zeros(rows, 1, 2, dtype=torch.long),
-            "patch_valid": torch.ones(rows, 1, dtype=torch.bool)}
+    return {
+        "patches": torch.zeros(rows, 1, patch * patch * 3),
+        "patch_coord": torch.zeros(rows, 1, 2, dtype=torch.long),
+        "patch_valid": torch.ones(rows, 1, dtype=torch.bool),
+    }
 
 
 def random_tokens(batch: int, context_length: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -623,5 +729,5 @@ def random_tokens(batch: int, context_length: int, generator: torch.Generator | 
     words[:, 0] = tokenizer.sot_token_id
     for row, end in enumerate(ends.tolist()):
         words[row, end] = tokenizer.eot_token_id
-        words[row, end + 1:] = 0
+        words[row, end + 1 :] = 0
     return words

@@ -7,6 +7,7 @@ when shrinking: what open_clip's resize_pos_embed does to a checkpoint), the cla
 the one stored table, so its gradient reaches it from every size and the checkpoint stays the full-size model's.
 At the tower's own size nothing is resampled: the forward is open_clip's, bit for bit.
 """
+
 from __future__ import annotations
 
 import torch

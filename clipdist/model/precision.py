@@ -13,9 +13,11 @@ With a scaler the loss is multiplied by the scale S before backward and every gr
 after the last backward of the step (gradient caching included) and before clipping; an inf/NaN in any
 rank's gradients skips the optimizer update on every rank and halves S on every rank, so the ranks'
 weights and scales never drift apart: under DDP every rank holds the same averaged gradients, so the same
-found_inf; under FSDP2 each rank holds a shard, and found_inf is all-reduced (max) over ranks (GradScaler below). Multiplying by a power of two is exact, so a step that does not
+found_inf; under FSDP2 each rank holds a shard, and found_inf is all-reduced (max) over ranks (GradScaler below).
+Multiplying by a power of two is exact, so a step that does not
 overflow gives the same update as without the scaler.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext

@@ -12,6 +12,7 @@ positions): web captions of ~10–20 tokens against a context of 77.
 Where padding would matter — a tower pooling at the `last` position (SigLIP's), no causal mask, a custom, Hugging
 Face or CoCa text tower — nothing is trimmed, and the run's start says so.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,10 @@ EXACT_POOLING = ("argmax", "eos")  # pools at the end-of-text token, wherever th
 def trims_exactly(model: torch.nn.Module) -> str | None:
     """None where dropping a batch's trailing padding leaves every text feature as it is; else why not."""
     if not isinstance(model, CLIP):
-        return (f"a {type(model).__name__} model: its text tower ({type(getattr(model, 'text', model)).__name__}) "
-                "may attend to padding or pool where it ends")
+        return (
+            f"a {type(model).__name__} model: its text tower ({type(getattr(model, 'text', model)).__name__}) "
+            "may attend to padding or pool where it ends"
+        )
     if model.attn_mask is None:
         return "its text tower attends without a causal mask (padding is attended to)"
     if model.text_pool_type not in EXACT_POOLING:
@@ -37,7 +40,7 @@ def trims_exactly(model: torch.nn.Module) -> str | None:
 def trim(tokens: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
     """`tokens` without the columns after the last non-pad token of any row (one column at least)."""
     used = (tokens != pad_id).any(0).nonzero()
-    return tokens[:, :int(used.max()) + 1 if len(used) else 1]
+    return tokens[:, : int(used.max()) + 1 if len(used) else 1]
 
 
 class ShortTextCLIP(CLIP):
@@ -53,7 +56,11 @@ class ShortTextCLIP(CLIP):
         x = self.ln_final(x)
         x = text_global_pool(x, text, self.text_pool_type, eos_token_id=getattr(self, "text_eos_id", None))
         if self.text_projection is not None:
-            x = self.text_projection(x) if isinstance(self.text_projection, torch.nn.Linear) else x @ self.text_projection
+            x = (
+                self.text_projection(x)
+                if isinstance(self.text_projection, torch.nn.Linear)
+                else x @ self.text_projection
+            )
         return F.normalize(x, dim=-1) if normalize else x
 
 

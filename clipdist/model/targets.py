@@ -8,6 +8,7 @@ every check of them before the ranks start.
     structure(target)                   # the model on the meta device: its shapes, nothing allocated
     model, name = load(target)          # the model with its weights, and the name its tokenizer goes by
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,11 +16,18 @@ from pathlib import Path
 
 import torch
 
-from clipdist.config import model_config
-from clipdist.model.factory import (EXPORT_CONFIG, create_model, fetches_weights, model_overrides, pretrained_cfg,
-                             resolve_model_name, weights_for)
-from clipdist.distributed.parallel import node_leaders_first
 from clipdist.checkpoint.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
+from clipdist.config import model_config
+from clipdist.distributed.parallel import node_leaders_first
+from clipdist.model.factory import (
+    EXPORT_CONFIG,
+    create_model,
+    fetches_weights,
+    model_overrides,
+    pretrained_cfg,
+    resolve_model_name,
+    weights_for,
+)
 
 
 @dataclass(frozen=True)
@@ -87,8 +95,9 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
         checkpoint = find_checkpoint(target.path)
         weights, config = read_run_checkpoint(checkpoint)
         model_cfg, options = _saved_model(config)
-        model = create_model(model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None,
-                             device=device, **options)
+        model = create_model(
+            model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None, device=device, **options
+        )
         fitting = weights_for(model, weights, checkpoint)
         if device != "meta":
             model.load_state_dict(fitting)
@@ -98,8 +107,9 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
     return create_model(target.name, pretrained=target.pretrained, cache_dir=cache_dir, device=device), target.name
 
 
-def load_teacher(distill, cache_dir: str | None, device: torch.device, dtype: torch.dtype,
-                 local_rank: int = 0) -> torch.nn.Module | None:
+def load_teacher(
+    distill, cache_dir: str | None, device: torch.device, dtype: torch.dtype, local_rank: int = 0
+) -> torch.nn.Module | None:
     """loss.distill's teacher (a DistillConfig; None where it names none): frozen, in eval mode, in `dtype`, on
     `device`, whole on every rank, fetched by one rank a node first. That it can take the student's inputs was
     checked before the ranks started (preflight)."""

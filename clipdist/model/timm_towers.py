@@ -11,6 +11,7 @@
 
 A config is data: the keyword arguments are checked (`check_tower_kwargs`) before any model is built.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,12 +39,16 @@ def check_tower_kwargs(kwargs, where: str) -> dict:
     scalar = (bool, int, float, str, type(None))
     for key, value in kwargs.items():
         if not isinstance(key, str) or any(word in key.lower() for word in _REFUSED_WORDS):
-            raise UnsafeFileError(f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} could make timm read or fetch weights; "
-                             "a tower's starting weights come from model.pretrained_image, model.checkpoint or "
-                             "model.pretrained")
+            raise UnsafeFileError(
+                f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} could make timm read or fetch weights; "
+                "a tower's starting weights come from model.pretrained_image, model.checkpoint or "
+                "model.pretrained"
+            )
         if not (isinstance(value, scalar) or isinstance(value, list) and all(isinstance(v, scalar) for v in value)):
-            raise UnsafeFileError(f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} is a {type(value).__name__}: only numbers, "
-                             "strings, booleans and lists of them are passed to timm")
+            raise UnsafeFileError(
+                f"{where}: refused: vision_cfg.{KWARGS_KEY}.{key} is a {type(value).__name__}: only numbers, "
+                "strings, booleans and lists of them are passed to timm"
+            )
     return dict(kwargs)
 
 
@@ -68,12 +73,16 @@ def tower_settings(name: str, model_cfg: dict, image_tower: str | None) -> dict:
 def check_image_tower(image_tower: str, model_name: str, model_cfg: dict | None) -> None:
     """model.image_tower names a timm model, and the config it goes into has a timm image tower to replace."""
     if image_tower not in timm.list_models():
-        raise ValueError(f"model.image_tower={image_tower!r} is not a timm model name (timm.list_models(); NaFlex "
-                         f"towers: {', '.join(timm.list_models('naflexvit_*')[:4])}, ...)")
+        raise ValueError(
+            f"model.image_tower={image_tower!r} is not a timm model name (timm.list_models(); NaFlex "
+            f"towers: {', '.join(timm.list_models('naflexvit_*')[:4])}, ...)"
+        )
     if model_cfg is not None and not (model_cfg.get("vision_cfg") or {}).get("timm_model_name"):
-        raise ValueError(f"model.image_tower={image_tower} replaces a timm image tower, and model.name={model_name}'s "
-                         "image tower is open_clip's own: start from a config with a timm tower (model=naflex_b16, "
-                         "model=naflex_tiny, model=timm_tiny)")
+        raise ValueError(
+            f"model.image_tower={image_tower} replaces a timm image tower, and model.name={model_name}'s "
+            "image tower is open_clip's own: start from a config with a timm tower (model=naflex_b16, "
+            "model=naflex_tiny, model=timm_tiny)"
+        )
 
 
 @contextmanager
@@ -113,8 +122,13 @@ def seq_len(images) -> int | None:
     return images["patches"].shape[1] if isinstance(images, dict) else None
 
 
-def random_patches(rows: int, patch_size: int, max_patches: int, generator: torch.Generator | None = None,
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_patches(
+    rows: int,
+    patch_size: int,
+    max_patches: int,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """A NaFlex batch of random images, each its own grid (h × w ≤ max_patches, every aspect from 1×L to L×1 drawn),
     padded to max_patches: what gradcheck and the GPU battery feed a NaFlex tower."""
     patches = torch.randn(rows, max_patches, patch_size * patch_size * 3, generator=generator, dtype=dtype)
@@ -124,12 +138,14 @@ def random_patches(rows: int, patch_size: int, max_patches: int, generator: torc
         height = int(torch.randint(1, max_patches + 1, (), generator=generator))
         width = int(torch.randint(1, max_patches // height + 1, (), generator=generator))
         grid = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), -1).reshape(-1, 2)
-        coord[row, :len(grid)], valid[row, :len(grid)] = grid, True
+        coord[row, : len(grid)], valid[row, : len(grid)] = grid, True
     patches[~valid] = 0
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
 
-def full_patches(rows: int, patch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def full_patches(
+    rows: int, patch_size: int, seq_len: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """A NaFlex batch whose every image fills its sequence: the squarest grid h × w ≤ seq_len (what memory is
     planned for: the longest sequence, hardly padded)."""
     height = math.isqrt(seq_len)
@@ -137,9 +153,12 @@ def full_patches(rows: int, patch_size: int, seq_len: int, dtype: torch.dtype = 
     grid = torch.stack(torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij"), -1).reshape(-1, 2)
     coord = torch.zeros(rows, seq_len, 2, dtype=torch.long)
     valid = torch.zeros(rows, seq_len, dtype=torch.bool)
-    coord[:, :len(grid)], valid[:, :len(grid)] = grid, True
-    return {"patches": torch.randn(rows, seq_len, patch_size * patch_size * 3, dtype=dtype), "patch_coord": coord,
-            "patch_valid": valid}
+    coord[:, : len(grid)], valid[:, : len(grid)] = grid, True
+    return {
+        "patches": torch.randn(rows, seq_len, patch_size * patch_size * 3, dtype=dtype),
+        "patch_coord": coord,
+        "patch_valid": valid,
+    }
 
 
 def float32_parameters(model: torch.nn.Module) -> set[str]:
@@ -150,4 +169,6 @@ def float32_parameters(model: torch.nn.Module) -> set[str]:
     trunk = naflex_trunk(model)
     if trunk is None:
         return set()
-    return {f"visual.trunk.embeds.{name}" for name, _ in trunk.embeds.named_parameters() if name.startswith("pos_embed")}
+    return {
+        f"visual.trunk.embeds.{name}" for name, _ in trunk.embeds.named_parameters() if name.startswith("pos_embed")
+    }

@@ -7,6 +7,7 @@ Each term (base.Term) takes from a forward what it needs, merges the chunks of g
 share ℓ_r (mean over ranks: T; DDP's average of its gradient: ∂T/∂θ), and its single-process reference, which
 `clipdist gradcheck` compares against. A new term is one file here and one line in `build_objective`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,10 @@ class Objective:
     def chunk_outputs(self, raw, inputs: dict, per_chunk: bool = False) -> Outputs:
         """One forward's parts, unmerged (a chunk's under gradient caching; `per_chunk`: only the parts of the
         terms that backpropagate chunk by chunk, as the re-forward needs)."""
-        return Outputs(features_of(raw), {term.name: term.take(raw, inputs) for term, _ in self.terms
-                                          if term.per_chunk or not per_chunk})
+        return Outputs(
+            features_of(raw),
+            {term.name: term.take(raw, inputs) for term, _ in self.terms if term.per_chunk or not per_chunk},
+        )
 
     def merge(self, chunks: list[Outputs], features: tuple | None = None) -> Outputs:
         """The chunks' outputs as the whole batch's: `features` (gradient caching: detached leaves of them all), or
@@ -57,8 +60,11 @@ class Objective:
     def chunk_loss(self, chunk: Outputs, whole: Outputs) -> torch.Tensor | None:
         """Gradient caching: the share of the loss one chunk's re-forward backpropagates itself (None: all of it
         reaches the model through the features)."""
-        shares = [weight * term.chunk_value(chunk.parts[term.name], whole.parts[term.name])
-                  for term, weight in self.terms if term.per_chunk]
+        shares = [
+            weight * term.chunk_value(chunk.parts[term.name], whole.parts[term.name])
+            for term, weight in self.terms
+            if term.per_chunk
+        ]
         return sum(shares) if shares else None
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
@@ -66,9 +72,16 @@ class Objective:
         return sum(weight * term.reference(raw, inputs) for term, weight in self.terms)
 
 
-def build_objective(contrastive, *, contrastive_weight: float = 1.0, caption_weight: float = 0.0, pad_id: int = 0,
-                    teacher: torch.nn.Module | None = None, distill_weight: float = 1.0,
-                    tile: int = DEFAULT_TILE) -> Objective:
+def build_objective(
+    contrastive,
+    *,
+    contrastive_weight: float = 1.0,
+    caption_weight: float = 0.0,
+    pad_id: int = 0,
+    teacher: torch.nn.Module | None = None,
+    distill_weight: float = 1.0,
+    tile: int = DEFAULT_TILE,
+) -> Objective:
     """The run's objective: the contrastive backend; CoCa's caption term where its weight is not 0 (no cross-entropy
     over the logits otherwise); distillation where there is a teacher."""
     terms: list[tuple[Term, float]] = [(ContrastiveTerm(contrastive), contrastive_weight)]
@@ -79,14 +92,20 @@ def build_objective(contrastive, *, contrastive_weight: float = 1.0, caption_wei
     return Objective(terms)
 
 
-def run_objective(loss: LossConfig, model_name: str, backend, model: torch.nn.Module,
-                  teacher: torch.nn.Module | None = None) -> Objective:
+def run_objective(
+    loss: LossConfig, model_name: str, backend, model: torch.nn.Module, teacher: torch.nn.Module | None = None
+) -> Objective:
     """A run's objective from its loss section: the backend with `loss.contrastive_weight`; a CoCa model's caption
     term with `loss.caption_weight` (open_clip's 2 where unset); the teacher's term with `loss.distill.weight`."""
-    return build_objective(backend, contrastive_weight=loss.contrastive_weight,
-                           caption_weight=caption_weight(loss, has_caption_decoder(model), model_name),
-                           pad_id=getattr(model, "pad_id", 0), teacher=teacher, distill_weight=loss.distill.weight,
-                           tile=getattr(loss, "tile", DEFAULT_TILE))
+    return build_objective(
+        backend,
+        contrastive_weight=loss.contrastive_weight,
+        caption_weight=caption_weight(loss, has_caption_decoder(model), model_name),
+        pad_id=getattr(model, "pad_id", 0),
+        teacher=teacher,
+        distill_weight=loss.distill.weight,
+        tile=getattr(loss, "tile", DEFAULT_TILE),
+    )
 
 
 def as_objective(loss_fn) -> Objective:

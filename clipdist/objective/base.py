@@ -1,4 +1,5 @@
 """What a loss term is, and the parts of a forward the terms take (clipdist.objective's docstring has the sum)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

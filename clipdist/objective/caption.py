@@ -8,6 +8,7 @@ which is the global mean only when every rank has as many caption tokens. Here r
 of ∂ℓ_r/∂θ is ∂T/∂θ — for any split of the tokens, and chunk by chunk under gradient caching (a chunk's share is
 its own sum times the same N / T_count).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -1,4 +1,5 @@
 """The contrastive term: any backend of clipdist.losses (CLIP's softmax loss, SigLIP's sigmoid one) on the features."""
+
 from __future__ import annotations
 
 import torch

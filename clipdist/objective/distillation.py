@@ -1,4 +1,5 @@
 """Distillation from a frozen teacher over the global batch (clipdist.losses.distill has the math and the ring)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,11 @@ class DistillationTerm(Term):
     @torch.no_grad()
     def take(self, raw, inputs: dict) -> tuple:
         """The teacher's normalised features of the same images and texts, and its logit scale."""
-        return (self.teacher.encode_image(inputs["image"], normalize=True),
-                self.teacher.encode_text(inputs["text"], normalize=True), self.teacher.logit_scale.exp())
+        return (
+            self.teacher.encode_image(inputs["image"], normalize=True),
+            self.teacher.encode_text(inputs["text"], normalize=True),
+            self.teacher.logit_scale.exp(),
+        )
 
     def merge(self, parts: list) -> tuple:
         return torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts]), parts[0][2]

@@ -10,6 +10,7 @@ Configurations whose predicted memory (the fits `clipdist plan` uses; open_clip'
 taken as `disco`'s, which keeps the same b×B blocks) exceeds --budget for all ranks of this
 machine together are recorded as skipped, with the prediction.
 """
+
 from __future__ import annotations
 
 import json
@@ -108,8 +109,13 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
     for global_batch in global_batches:
         local_batch = global_batch // world_size
         for name in names:
-            row = {"backend": name, "world_size": world_size, "global_batch": global_batch, "dim": dim,
-                   "device": device.type}
+            row = {
+                "backend": name,
+                "world_size": world_size,
+                "global_batch": global_batch,
+                "dim": dim,
+                "device": device.type,
+            }
             if (name, global_batch) in skip_over:
                 rows.append({**row, "skipped": skip_over[(name, global_batch)]})
                 continue
@@ -121,11 +127,20 @@ def _bench_rank(names, global_batches, dim, repeats, skip_over):
             per_rank = [None] * world_size
             dist.all_gather_object(per_rank, (times, peak))
             slowest = [max(rank_times[i] for rank_times, _ in per_rank) for i in range(repeats)]
-            rows.append({**row, "kept_bytes": kept, "peak_bytes": max(p for _, p in per_rank),
-                         "seconds": statistics.median(slowest)})
+            rows.append(
+                {
+                    **row,
+                    "kept_bytes": kept,
+                    "peak_bytes": max(p for _, p in per_rank),
+                    "seconds": statistics.median(slowest),
+                }
+            )
             if rank == 0:
-                print(f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {human_bytes(kept, 1):>9}  "
-                      f"{statistics.median(slowest) * 1e3:8.1f} ms", flush=True)
+                print(
+                    f"  {name:>12}  N={world_size}  B={global_batch:>6}  kept {human_bytes(kept, 1):>9}  "
+                    f"{statistics.median(slowest) * 1e3:8.1f} ms",
+                    flush=True,
+                )
     return rows if rank == 0 else None
 
 
@@ -146,8 +161,16 @@ def loss_fits(names) -> dict:
     return fit_loss_memory(sorted(n for n in {*names, "disco"} if n != PEER))
 
 
-def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65536), dim=128, repeats=3,
-        budget_bytes=16e9, timeout_s=COLLECTIVE_TIMEOUT_S, fits=None):
+def run(
+    names=None,
+    world_sizes=(1, 2, 4),
+    global_batches=(1024, 4096, 16384, 65536),
+    dim=128,
+    repeats=3,
+    budget_bytes=16e9,
+    timeout_s=COLLECTIVE_TIMEOUT_S,
+    fits=None,
+):
     """Every (world size, global batch, backend) row; see the module docstring."""
     names = backends(names)
     # Large CPU buffers through mmap, so that freed memory leaves the resident set at once and
@@ -163,11 +186,14 @@ def run(names=None, world_sizes=(1, 2, 4), global_batches=(1024, 4096, 16384, 65
                 fit = fits["disco" if name == PEER else name]
                 predicted = fit.bytes(global_batch // world_size, global_batch, dim) * 3  # kept + transient + grads
                 if predicted * ranks_here > budget_bytes:
-                    skip_over[(name, global_batch)] = (f"predicted {predicted / 1e9:.1f} GB per rank × {ranks_here} "
-                                                       f"rank(s) here, over the {budget_bytes / 1e9:g} GB budget")
+                    skip_over[(name, global_batch)] = (
+                        f"predicted {predicted / 1e9:.1f} GB per rank × {ranks_here} "
+                        f"rank(s) here, over the {budget_bytes / 1e9:g} GB budget"
+                    )
         print(f"world size {world_size}:", flush=True)
-        rows += launch_local(_bench_rank, world_size, names, list(global_batches), dim, repeats, skip_over,
-                             timeout_s=timeout_s)[0]
+        rows += launch_local(
+            _bench_rank, world_size, names, list(global_batches), dim, repeats, skip_over, timeout_s=timeout_s
+        )[0]
     return rows
 
 
@@ -175,16 +201,21 @@ def markdown(rows, world_size: int, global_batch: int) -> str:
     """One markdown table: every backend at one (world size, global batch), ratios to `disco`."""
     chosen = {r["backend"]: r for r in rows if r["world_size"] == world_size and r["global_batch"] == global_batch}
     disco = chosen.get("disco")
-    lines = [f"| backend (N={world_size}, B={global_batch}) | kept for backward / rank | × disco | peak / rank | "
-             "time fwd+bwd | × disco |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| backend (N={world_size}, B={global_batch}) | kept for backward / rank | × disco | peak / rank | "
+        "time fwd+bwd | × disco |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, row in chosen.items():
         if "skipped" in row:
             lines.append(f"| {name} | skipped: {row['skipped']} | | | | |")
             continue
         kept_ratio = f"{row['kept_bytes'] / disco['kept_bytes']:.3f}" if disco and "kept_bytes" in disco else ""
         time_ratio = f"{row['seconds'] / disco['seconds']:.2f}" if disco and "seconds" in disco else ""
-        lines.append(f"| {name} | {human_bytes(row['kept_bytes'], 1)} | {kept_ratio} | {human_bytes(row['peak_bytes'], 1)} "
-                     f"| {row['seconds'] * 1e3:.0f} ms | {time_ratio} |")
+        lines.append(
+            f"| {name} | {human_bytes(row['kept_bytes'], 1)} | {kept_ratio} | {human_bytes(row['peak_bytes'], 1)} "
+            f"| {row['seconds'] * 1e3:.0f} ms | {time_ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -200,9 +231,16 @@ def scaling(fits, names, world_size: int = 8, global_batches=SCALING_BATCHES, di
         for global_batch in global_batches:
             local_batch = global_batch // world_size
             kept = fit.bytes(local_batch, global_batch, dim)
-            rows.append({"backend": name, "world_size": world_size, "global_batch": global_batch, "dim": dim,
-                         "predicted_kept_bytes": kept,
-                         "predicted_peak_bytes": kept + loss_fn.transient_bytes(local_batch, global_batch, dim, 4)})
+            rows.append(
+                {
+                    "backend": name,
+                    "world_size": world_size,
+                    "global_batch": global_batch,
+                    "dim": dim,
+                    "predicted_kept_bytes": kept,
+                    "predicted_peak_bytes": kept + loss_fn.transient_bytes(local_batch, global_batch, dim, 4),
+                }
+            )
     return rows
 
 
@@ -210,13 +248,23 @@ def scaling_markdown(rows) -> str:
     """The scaling rows as Inf-CL's Table 1: backends × global batch, kept (kept + in flight) per rank."""
     batches = sorted({r["global_batch"] for r in rows})
     first = rows[0]
-    lines = [f"| loss memory per rank, N={first['world_size']}, d={first['dim']}, fp32 (predicted) | "
-             + " | ".join(f"{b // 1024}k" if b % 1024 == 0 else f"{b:,}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
+    lines = [
+        f"| loss memory per rank, N={first['world_size']}, d={first['dim']}, fp32 (predicted) | "
+        + " | ".join(f"{b // 1024}k" if b % 1024 == 0 else f"{b:,}" for b in batches)
+        + " |",
+        "|---|" + "---:|" * len(batches),
+    ]
     for name in dict.fromkeys(r["backend"] for r in rows):
         cells = {r["global_batch"]: r for r in rows if r["backend"] == name}
-        lines.append(f"| {name} | " + " | ".join(
-            f"{human_bytes(cells[b]['predicted_kept_bytes'], 1)} ({human_bytes(cells[b]['predicted_peak_bytes'], 1)})"
-            for b in batches) + " |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{human_bytes(cells[b]['predicted_kept_bytes'], 1)} "
+                f"({human_bytes(cells[b]['predicted_peak_bytes'], 1)})"
+                for b in batches
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -235,21 +283,34 @@ def plot(rows, path: Path, scaling_rows=()) -> None:
     markers = "os^vDx*P"
     for axis, world_size in zip(axes[0], world_sizes):
         for index, name in enumerate(names):  # same-memory backends overlap: markers and dashes tell them apart
-            points = sorted((r["global_batch"], r["kept_bytes"]) for r in rows
-                            if r["world_size"] == world_size and r["backend"] == name and "kept_bytes" in r)
+            points = sorted(
+                (r["global_batch"], r["kept_bytes"])
+                for r in rows
+                if r["world_size"] == world_size and r["backend"] == name and "kept_bytes" in r
+            )
             if points:
-                axis.loglog(*zip(*points), marker=markers[index % len(markers)], linestyle="--" if index % 2 else "-",
-                            label=name, alpha=0.85)
+                axis.loglog(
+                    *zip(*points),
+                    marker=markers[index % len(markers)],
+                    linestyle="--" if index % 2 else "-",
+                    label=name,
+                    alpha=0.85,
+                )
         axis.set_title(f"{world_size} rank(s), d={rows[0]['dim']}, measured")
         axis.set_ylabel("bytes kept for backward per rank")
     if scaling_rows:
         axis, first = axes[0][-1], scaling_rows[0]
         for index, name in enumerate(names):
-            points = sorted((r["global_batch"], r["predicted_kept_bytes"], r["predicted_peak_bytes"])
-                            for r in scaling_rows if r["backend"] == name)
+            points = sorted(
+                (r["global_batch"], r["predicted_kept_bytes"], r["predicted_peak_bytes"])
+                for r in scaling_rows
+                if r["backend"] == name
+            )
             if points:
                 batches, kept, peak = zip(*points)
-                line, = axis.loglog(batches, peak, marker=markers[index % len(markers)], label=f"{name} (+ in flight)")
+                (line,) = axis.loglog(
+                    batches, peak, marker=markers[index % len(markers)], label=f"{name} (+ in flight)"
+                )
                 axis.loglog(batches, kept, linestyle=":", color=line.get_color())
         axis.set_title(f"{first['world_size']} ranks, d={first['dim']}, predicted (dotted: kept)")
         axis.set_ylabel("loss bytes per rank")

@@ -9,6 +9,7 @@ logit bias). Sets are any spec clipdist reads (shards, clip_benchmark folders) w
 templates beside them, or `--classnames` / `--templates`. With `--world N` the set is split over N local gloo
 ranks (clipdist.train.evaluate): the metrics are the one-process metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,25 +17,27 @@ from pathlib import Path
 
 import torch
 
-from clipdist.model import precision as precisions
-from clipdist.model import targets
 from clipdist.config import DataConfig
 from clipdist.data.sources import DEFAULT_TEMPLATES, eval_set
 from clipdist.data.transforms import image_transforms
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
-from clipdist.train.evaluate import evaluate
 from clipdist.distributed.host import intra_op_threads
 from clipdist.distributed.launch import launch_local
-from clipdist.model.factory import get_tokenizer
 from clipdist.distributed.parallel import rank_and_world_size
+from clipdist.model import precision as precisions
+from clipdist.model import targets
+from clipdist.model.factory import get_tokenizer
+from clipdist.train.evaluate import evaluate
 
 
 def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str]):
     """EvalSets from name -> spec; class names and templates beside a set's shards win over the given ones."""
     if not sets:
         raise ValueError("no evaluation set: give one or more, --set NAME=SPEC (shards, a folder, clip_benchmark's)")
-    return [eval_set(name, spec, list(classnames), list(templates) or DEFAULT_TEMPLATES, key=f"--set {name}")
-            for name, spec in sets.items()]
+    return [
+        eval_set(name, spec, list(classnames), list(templates) or DEFAULT_TEMPLATES, key=f"--set {name}")
+        for name, spec in sets.items()
+    ]
 
 
 def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_size, precision) -> dict:
@@ -47,14 +50,35 @@ def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_si
     tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))  # a forced length too
     metrics = {}
     for evalset in evalsets:
-        metrics.update(evaluate(model, tokenizer, evalset, transform, device, max_skips_in_a_row=1000,
-                                batch_size=batch_size, autocast=precisions.autocast(precision, device)))
+        metrics.update(
+            evaluate(
+                model,
+                tokenizer,
+                evalset,
+                transform,
+                device,
+                max_skips_in_a_row=1000,
+                batch_size=batch_size,
+                autocast=precisions.autocast(precision, device),
+            )
+        )
     return metrics
 
 
-def run_eval(target: str, sets: dict[str, str], *, pretrained: str | None = None, model_name: str | None = None,
-             classnames: list[str] = (), templates: list[str] = (), world_size: int = 1, batch_size: int = 256,
-             precision: str = "fp32", cache_dir: str | None = None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict:
+def run_eval(
+    target: str,
+    sets: dict[str, str],
+    *,
+    pretrained: str | None = None,
+    model_name: str | None = None,
+    classnames: list[str] = (),
+    templates: list[str] = (),
+    world_size: int = 1,
+    batch_size: int = 256,
+    precision: str = "fp32",
+    cache_dir: str | None = None,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> dict:
     """The metrics of TARGET on `sets` (the module docstring), on one process or `world_size` local ranks."""
     evalsets = eval_sets(sets, list(classnames), list(templates))
     arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision)

@@ -12,6 +12,7 @@ not, clipdist does), and the tower is written a second time as timm's own folder
 config.json with its architecture and arguments, model.safetensors): `timm.create_model("local-dir:…/image_tower",
 pretrained=True)` loads it alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,21 @@ import torch
 from safetensors.torch import save_file
 from timm.models import save_for_hf
 
-from clipdist.model import targets
+from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
 from clipdist.config import model_config
 from clipdist.files import publish
-from clipdist.model.factory import (EXPORT_CONFIG, EXPORT_WEIGHTS, built_model_config, create_model, get_tokenizer,
-                             model_overrides, resolve_model_name)
+from clipdist.model import targets
+from clipdist.model.factory import (
+    EXPORT_CONFIG,
+    EXPORT_WEIGHTS,
+    built_model_config,
+    create_model,
+    get_tokenizer,
+    model_overrides,
+    resolve_model_name,
+)
 from clipdist.model.timm_towers import KWARGS_KEY, naflex_trunk
 from clipdist.tools import to_transformers
-from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
 
 
 def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_settings: dict | None = None) -> dict:
@@ -41,8 +49,12 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
     if "logit_bias" in weights:
         model_cfg["init_logit_bias"] = float(weights["logit_bias"])
     preprocess = create_model(name, device="meta", overrides=overrides).visual.preprocess_cfg
-    return {"model_cfg": model_cfg, "preprocess_cfg": {key: list(value) if isinstance(value, tuple) else value
-                                                       for key, value in preprocess.items()}}
+    return {
+        "model_cfg": model_cfg,
+        "preprocess_cfg": {
+            key: list(value) if isinstance(value, tuple) else value for key, value in preprocess.items()
+        },
+    }
 
 
 def _write_open_clip(checkpoint: Path, folder: Path) -> None:
@@ -53,10 +65,14 @@ def _write_open_clip(checkpoint: Path, folder: Path) -> None:
     config_json = open_clip_config(model_name, weights, config.get("model"))
     folder.mkdir()
     (folder / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
-    save_file({key: value.detach().contiguous() for key, value in weights.items()}, str(folder / EXPORT_WEIGHTS),
-              metadata={"format": "pt", "source": str(checkpoint)})
+    save_file(
+        {key: value.detach().contiguous() for key, value in weights.items()},
+        str(folder / EXPORT_WEIGHTS),
+        metadata={"format": "pt", "source": str(checkpoint)},
+    )
     if KWARGS_KEY in config_json["model_cfg"]["vision_cfg"] or "naflexvit" in str(
-            config_json["model_cfg"]["vision_cfg"].get("timm_model_name")):
+        config_json["model_cfg"]["vision_cfg"].get("timm_model_name")
+    ):
         _write_image_tower(folder, config_json["preprocess_cfg"])
 
 
@@ -74,8 +90,16 @@ def _write_image_tower(folder: Path, preprocess: dict) -> None:
     save_for_hf(trunk, str(folder / IMAGE_TOWER), safe_serialization=True, data_config=data_config)
 
 
-def export(source: str | Path, out: str | Path, *, format: str = "open_clip", overwrite: bool = False,
-           pretrained: str | None = None, model_name: str | None = None, cache_dir: str | None = None) -> str:
+def export(
+    source: str | Path,
+    out: str | Path,
+    *,
+    format: str = "open_clip",
+    overwrite: bool = False,
+    pretrained: str | None = None,
+    model_name: str | None = None,
+    cache_dir: str | None = None,
+) -> str:
     """Write `source`'s model to the folder `out` in `format` ("open_clip": the module docstring; "transformers":
     clipdist.tools.to_transformers); what it came from, said for the console. The folder appears whole or not at
     all (written beside it, then renamed). open_clip's layout copies a run's checkpoint as it is; transformers'
@@ -91,8 +115,11 @@ def export(source: str | Path, out: str | Path, *, format: str = "open_clip", ov
     model, name = targets.load(target, cache_dir)
     tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))
     difference = []
-    publish(out, lambda folder: difference.append(to_transformers.write_transformers(model, tokenizer, folder)),
-            overwrite=overwrite)
+    publish(
+        out,
+        lambda folder: difference.append(to_transformers.write_transformers(model, tokenizer, folder)),
+        overwrite=overwrite,
+    )
     has_bias = getattr(model, "logit_bias", None) is not None
     bias = " (its logit bias in config.json: CLIPModel has none)" if has_bias else ""
     return f"{target.path or target.spec} as transformers' CLIPModel{bias}, features within {difference[0]:.1e}"

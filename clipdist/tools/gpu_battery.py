@@ -25,6 +25,7 @@ where the name is known (H100 / H200 SXM 989 TFLOPS bf16 and fp16, H100 PCIe 756
 measured here; memory: max_memory_allocated (CUDA) or the rise in resident memory (CPU). A row that fails says why
 in its own line and the others go on.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,14 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-SPEC_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0,
-               "A100": 312.0}  # dense bf16 / fp16 tensor-core peaks, by the first name fragment that matches
+SPEC_TFLOPS = {
+    "H200": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+}  # dense bf16 / fp16 tensor-core peaks, by the first name fragment that matches
 MODELS = ("ViT-B-32", "ViT-B-16", "ViT-L-14")
 BATCH = {"ViT-B-32": 256, "ViT-B-16": 128, "ViT-L-14": 64, "clipdist-tiny": 32}
 
@@ -53,8 +60,10 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             if fragment in name:
                 return tflops, f"{name} spec"
     size = 8192 if device.type == "cuda" else 1024
-    a, b = (torch.randn(size, size, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
-            for _ in range(2))
+    a, b = (
+        torch.randn(size, size, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
+        for _ in range(2)
+    )
     for _ in range(2):
         a @ b
     synchronize(device)
@@ -62,7 +71,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     for _ in range(repeats):
         a @ b
     synchronize(device)
-    return 2 * size ** 3 * repeats / (time.perf_counter() - started) / 1e12, "a matmul measured here"
+    return 2 * size**3 * repeats / (time.perf_counter() - started) / 1e12, "a matmul measured here"
 
 
 def synchronize(device: torch.device) -> None:
@@ -78,18 +87,38 @@ def memory_peak(device: torch.device):
         torch.cuda.reset_peak_memory_stats(device)
     before = psutil.Process().memory_info().rss
     yield found
-    found["bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        max(psutil.Process().memory_info().rss - before, 0)
+    found["bytes"] = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else max(psutil.Process().memory_info().rss - before, 0)
+    )
 
 
-def config(work: Path, model: str, precision: str, rows: int, *, loss: str = "disco", chunks: int = 1,
-           compile: bool = False, parallel: str = "ddp"):
+def config(
+    work: Path,
+    model: str,
+    precision: str,
+    rows: int,
+    *,
+    loss: str = "disco",
+    chunks: int = 1,
+    compile: bool = False,
+    parallel: str = "ddp",
+):
     from clipdist.config import to_train_config
 
-    return to_train_config({"name": "battery", "run_dir": str(work), "precision": precision,
-                            "model": {"name": model, "compile": compile}, "loss": {"name": loss},
-                            "world": {"batch_per_device": rows, "parallel": parallel},
-                            "grad_cache": {"chunks": chunks}, "optim": {"warmup_steps": 1, "max_steps": 10 ** 6}})
+    return to_train_config(
+        {
+            "name": "battery",
+            "run_dir": str(work),
+            "precision": precision,
+            "model": {"name": model, "compile": compile},
+            "loss": {"name": loss},
+            "world": {"batch_per_device": rows, "parallel": parallel},
+            "grad_cache": {"chunks": chunks},
+            "optim": {"warmup_steps": 1, "max_steps": 10**6},
+        }
+    )
 
 
 def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None = None):
@@ -129,8 +158,13 @@ def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: 
             synchronize(device)
             times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
-    return {"samples_per_s": rows / seconds, "step_s": seconds, "flops": counter.get_total_flops(),
-            "memory_bytes": memory["bytes"], **({"tokens_per_s": rows * seq_len / seconds} if seq_len else {})}
+    return {
+        "samples_per_s": rows / seconds,
+        "step_s": seconds,
+        "flops": counter.get_total_flops(),
+        "memory_bytes": memory["bytes"],
+        **({"tokens_per_s": rows * seq_len / seconds} if seq_len else {}),
+    }
 
 
 @contextmanager
@@ -140,8 +174,9 @@ def one_rank_group(device: torch.device):
 
     from clipdist.distributed.launch import free_port
 
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         yield
     finally:
@@ -151,8 +186,8 @@ def one_rank_group(device: torch.device):
 def checkpoint_stall(cfg, device: torch.device) -> dict:
     """How long a background save holds the loop, and how long its write takes until published."""
     from clipdist.checkpoint.manager import Checkpointer
-    from clipdist.distributed.launch import detect_env
     from clipdist.checkpoint.state import TrainState
+    from clipdist.distributed.launch import detect_env
     from clipdist.train.trainer import build_parts
 
     parts = build_parts(cfg, device)
@@ -170,8 +205,11 @@ def data_run(tiny: bool, steps: int) -> dict:
     """A real run (limit.real_run: a fresh interpreter): its median samples/s."""
     from clipdist.tools.limit import real_run
 
-    overrides = ["world=local", "data=digits", "world.batch_per_device=64"] if tiny else \
-        ["world=1gpu", "data=web_photos", "model=vit_b32", "precision=bf16", "world.batch_per_device=256"]
+    overrides = (
+        ["world=local", "data=digits", "world.batch_per_device=64"]
+        if tiny
+        else ["world=1gpu", "data=web_photos", "model=vit_b32", "precision=bf16", "world.batch_per_device=256"]
+    )
     return {"samples_per_s": real_run(overrides, steps, timeout_s=600)}
 
 
@@ -181,8 +219,11 @@ def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), o
     models = ("clipdist-tiny",) if tiny else MODELS
     precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
     compiles = (False,) if tiny else (False, True)
-    peaks = {name: peak_tflops(device, dtype) for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
-                                                                  ("fp32", torch.float32)) if name in precisions}
+    peaks = {
+        name: peak_tflops(device, dtype)
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))
+        if name in precisions
+    }
     rows: list[dict] = []
 
     def run(section: str, what: str, action, peak=None):
@@ -200,37 +241,75 @@ def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), o
         for precision in precisions:
             for compiled in compiles:
                 rows_per_step = BATCH[model]
-                run("step", f"{model} {precision}{' compiled' if compiled else ''} × {rows_per_step}",
-                    lambda work: time_steps(config(work, model, precision, rows_per_step, compile=compiled), device,
-                                            steps), peaks[precision])
+                run(
+                    "step",
+                    f"{model} {precision}{' compiled' if compiled else ''} × {rows_per_step}",
+                    lambda work: time_steps(
+                        config(work, model, precision, rows_per_step, compile=compiled),
+                        device,
+                        steps,
+                    ),
+                    peaks[precision],
+                )
     model, precision = models[0], precisions[0]
     sizes, micro = ((512,), 64) if tiny else (tuple(large_batches), 1024)
     for loss in ("tiled", "siglip"):
         for size in sizes:
-            run("large batch", f"{model} {precision} {loss} × {size:,} in chunks of {micro}",
-                lambda work: time_steps(config(work, model, precision, size, loss=loss, chunks=size // micro), device,
-                                        steps=1, warmup=1), peaks[precision])
-    naflex, lengths, budget = ("clipdist-naflex-tiny", (16, 64), 1024) if tiny else \
-        ("clipdist-naflex-b16", (256, 576, 784), 128 * 784)
+            run(
+                "large batch",
+                f"{model} {precision} {loss} × {size:,} in chunks of {micro}",
+                lambda work: time_steps(
+                    config(work, model, precision, size, loss=loss, chunks=size // micro),
+                    device,
+                    steps=1,
+                    warmup=1,
+                ),
+                peaks[precision],
+            )
+    naflex, lengths, budget = (
+        ("clipdist-naflex-tiny", (16, 64), 1024) if tiny else ("clipdist-naflex-b16", (256, 576, 784), 128 * 784)
+    )
     for length in lengths:
-        run("naflex", f"{naflex} {precision} × {budget // length} at {length} patches ({budget:,} a batch)",
+        run(
+            "naflex",
+            f"{naflex} {precision} × {budget // length} at {length} patches ({budget:,} a batch)",
             lambda work: time_steps(config(work, naflex, precision, budget // length), device, steps, seq_len=length),
-            peaks[precision])
+            peaks[precision],
+        )
     if not tiny:
-        run("naflex", f"ViT-B-16 {precision} × {budget // 196} at fixed 224 px (the same budget)",
+        run(
+            "naflex",
+            f"ViT-B-16 {precision} × {budget // 196} at fixed 224 px (the same budget)",
             lambda work: time_steps(config(work, "ViT-B-16", precision, budget // 196), device, steps),
-            peaks[precision])
+            peaks[precision],
+        )
     with one_rank_group(device):
-        run("fsdp", f"{model} {precision} FSDP2 × {BATCH[model]}, world 1",
+        run(
+            "fsdp",
+            f"{model} {precision} FSDP2 × {BATCH[model]}, world 1",
             lambda work: time_steps(config(work, model, precision, BATCH[model], parallel="fsdp"), device, steps),
-            peaks[precision])
-    run("checkpoint", f"{model} background save", lambda work: checkpoint_stall(
-        config(work, model, precision, BATCH[model]), device))
-    run("data", "train.py " + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16"),
-        lambda work: data_run(tiny, 8 if tiny else 60))
+            peaks[precision],
+        )
+    run(
+        "checkpoint",
+        f"{model} background save",
+        lambda work: checkpoint_stall(config(work, model, precision, BATCH[model]), device),
+    )
+    run(
+        "data",
+        "train.py " + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16"),
+        lambda work: data_run(tiny, 8 if tiny else 60),
+    )
     for name, (tflops, source) in peaks.items():
-        rows.append({"section": "peak", "what": f"{name} dense peak", "device": device_name(device),
-                     "tflops": tflops, "source": source})
+        rows.append(
+            {
+                "section": "peak",
+                "what": f"{name} dense peak",
+                "device": device_name(device),
+                "tflops": tflops,
+                "source": source,
+            }
+        )
     if out:
         Path(out).write_text(json.dumps(rows, indent=2) + "\n")
     return rows
@@ -246,10 +325,16 @@ def format_row(row: dict) -> str:
         return f"| {row['section']} | {row['what']} | failed: {row['error']} | | | |"
     samples = f"{row['samples_per_s']:,.0f}" if "samples_per_s" in row else ""
     mfu = f"{row['mfu']:.1%}" if "mfu" in row else ""
-    memory = f"{row['memory_bytes'] / 2 ** 30:.2f} GiB" if "memory_bytes" in row else ""
-    other = (f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s" if "stall_s" in row else
-             f"{row['tflops']:.0f} TFLOPS ({row['source']})" if "tflops" in row else
-             f"{row['tokens_per_s']:,.0f} image tokens/s" if "tokens_per_s" in row else "")
+    memory = f"{row['memory_bytes'] / 2**30:.2f} GiB" if "memory_bytes" in row else ""
+    other = (
+        f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s"
+        if "stall_s" in row
+        else f"{row['tflops']:.0f} TFLOPS ({row['source']})"
+        if "tflops" in row
+        else f"{row['tokens_per_s']:,.0f} image tokens/s"
+        if "tokens_per_s" in row
+        else ""
+    )
     return f"| {row['section']} | {row['what']} | {samples} | {mfu} | {memory} | {other} |"
 
 
@@ -259,7 +344,14 @@ HEADER = "| section | what | samples/s | MFU | memory | other |\n|---|---|---:|-
 def write_doc(rows: list[dict], path: str | Path) -> None:
     """The table as a Markdown page (docs/bench/gpu_battery.md when run on a GPU)."""
     when = time.strftime("%Y-%m-%d")
-    lines = [f"# GPU battery: {rows[0]['device']} ({when})", "", "`clipdist bench gpu` (clipdist/tools/gpu_battery.py"
-             "): the run's own step on a synthetic batch on the device, torch " + torch.__version__ + ".", "", HEADER,
-             *map(format_row, rows), ""]
+    lines = [
+        f"# GPU battery: {rows[0]['device']} ({when})",
+        "",
+        "`clipdist bench gpu` (clipdist/tools/gpu_battery.py"
+        "): the run's own step on a synthetic batch on the device, torch " + torch.__version__ + ".",
+        "",
+        HEADER,
+        *map(format_row, rows),
+        "",
+    ]
     Path(path).write_text("\n".join(lines))

@@ -3,14 +3,15 @@
 Every parameter's gradient is compared with the single-process reference and classified:
 exact, 1/N, N×, another pure rescaling, missing, or wrong (not a rescaling: terms dropped).
 """
+
 from __future__ import annotations
 
 import importlib
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,14 +20,21 @@ from clipdist.config import LossConfig
 from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL
 from clipdist.distributed.launch import launch_local
-from clipdist.losses import BACKENDS, build, clip_loss
-from clipdist.model.factory import (caption_weight, create_model, create_model_for_loss, get_tokenizer, has_caption_decoder,
-                             lock_towers, random_tokens)
-from clipdist.objective import build_objective
 from clipdist.distributed.parallel import full_tensor, wrap_model
+from clipdist.losses import BACKENDS, build, clip_loss
+from clipdist.model.factory import (
+    caption_weight,
+    create_model,
+    create_model_for_loss,
+    get_tokenizer,
+    has_caption_decoder,
+    lock_towers,
+    random_tokens,
+)
 from clipdist.model.precision import gradient_scaler
-from clipdist.train.step import build_step
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
+from clipdist.objective import build_objective
+from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
@@ -53,8 +61,9 @@ def resolve_loss(spec: str) -> Callable:
     try:
         inspect.signature(loss).bind(None, None, None)
     except TypeError as error:
-        raise ValueError(f"--loss {spec!r} cannot be called as loss(image_features, text_features, logit_scale): "
-                         f"{error}") from None
+        raise ValueError(
+            f"--loss {spec!r} cannot be called as loss(image_features, text_features, logit_scale): {error}"
+        ) from None
     except ValueError:  # no signature to read (some builtins): the call itself will tell
         pass
     return loss
@@ -85,10 +94,17 @@ class Locks:
 
     def apply(self, model: torch.nn.Module) -> None:
 
-        lock_towers(model, SimpleNamespace(
-            lock_image=self.image is not None, lock_image_unlocked_groups=self.image or 0,
-            lock_image_freeze_bn_stats=False, lock_text=self.text is not None,
-            lock_text_unlocked_layers=self.text or 0, lock_text_freeze_layer_norm=True))
+        lock_towers(
+            model,
+            SimpleNamespace(
+                lock_image=self.image is not None,
+                lock_image_unlocked_groups=self.image or 0,
+                lock_image_freeze_bn_stats=False,
+                lock_text=self.text is not None,
+                lock_text_unlocked_layers=self.text or 0,
+                lock_text_freeze_layer_norm=True,
+            ),
+        )
 
 
 def _teacher(model_name: str, seed: int, dtype: torch.dtype):
@@ -114,9 +130,18 @@ def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks
     return model
 
 
-def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int, dtype_name: str, model_name: str,
-               chunks: int, parallel: str = "ddp", locks: Locks = Locks(), scaler: bool = False,
-               distill: bool = False):
+def _rank_step(
+    loss_specs: Sequence[str],
+    local_sizes: Sequence[int],
+    seed: int,
+    dtype_name: str,
+    model_name: str,
+    chunks: int,
+    parallel: str = "ddp",
+    locks: Locks = Locks(),
+    scaler: bool = False,
+    distill: bool = False,
+):
     """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1;
     with `scaler`, the loss scaled by SCALE through precision=fp16's GradScaler and the gradients unscaled, as
     precision=fp16 trains).
@@ -126,7 +151,7 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
     dtype = getattr(torch, dtype_name)
     rank = dist.get_rank()
     start = sum(local_sizes[:rank])
-    batch = _random_batch(sum(local_sizes), model_name, seed, dtype).map(lambda t: t[start:start + local_sizes[rank]])
+    batch = _random_batch(sum(local_sizes), model_name, seed, dtype).map(lambda t: t[start : start + local_sizes[rank]])
     results = []
     for spec in loss_specs:
         loss_fn = resolve_loss(spec)
@@ -142,13 +167,22 @@ def _rank_step(loss_specs: Sequence[str], local_sizes: Sequence[int], seed: int,
         dist.all_reduce(mean_loss)
         mean_loss /= dist.get_world_size()
         # Under FSDP each rank holds a shard of every gradient: gathered whole (on every rank: a collective).
-        grads = {name: (None if p.grad is None else full_tensor(p.grad).clone()) for name, p in model.named_parameters()}
+        grads = {
+            name: (None if p.grad is None else full_tensor(p.grad).clone()) for name, p in model.named_parameters()
+        }
         results.append((mean_loss.item(), grads))
     return results if rank == 0 else None
 
 
-def _reference_step(global_batch: int, seed: int, dtype: torch.dtype, model_name: str, loss_fn, locks: Locks = Locks(),
-                    distill: bool = False):
+def _reference_step(
+    global_batch: int,
+    seed: int,
+    dtype: torch.dtype,
+    model_name: str,
+    loss_fn,
+    locks: Locks = Locks(),
+    distill: bool = False,
+):
     """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process; a locked
     parameter's gradient is None. With `distill`, plus open_clip's DistillClipLoss term against the teacher."""
     model = _model(model_name, seed, dtype, loss_fn, locks)
@@ -293,8 +327,21 @@ def run_gradchecks(
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
     locks = Locks(lock_image, lock_text)
-    rank_results = launch_local(_rank_step, world_size, list(losses), sizes, seed, dtype, model, chunks, parallel,
-                                locks, scaler, distill, timeout_s=timeout_s)[0]
+    rank_results = launch_local(
+        _rank_step,
+        world_size,
+        list(losses),
+        sizes,
+        seed,
+        dtype,
+        model,
+        chunks,
+        parallel,
+        locks,
+        scaler,
+        distill,
+        timeout_s=timeout_s,
+    )[0]
     tolerance = TOLERANCE[dtype]
     in_float32 = sorted(float32_parameters(create_model(model, device="meta"))) if dtype == "float64" else []
     references = {}  # one single-process step per loss definition, shared by the backends that use it
@@ -302,10 +349,22 @@ def run_gradchecks(
     for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
         definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))
         if definition not in references:
-            references[definition] = _reference_step(sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks,
-                                                     distill)
-        report = _report(spec, loss, grads, *references[definition], world_size, sizes, dtype, tolerance, chunks,
-                         parallel, in_float32)
+            references[definition] = _reference_step(
+                sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks, distill
+            )
+        report = _report(
+            spec,
+            loss,
+            grads,
+            *references[definition],
+            world_size,
+            sizes,
+            dtype,
+            tolerance,
+            chunks,
+            parallel,
+            in_float32,
+        )
         report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
         report.scaler, report.distill = scaler, distill
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
@@ -318,11 +377,27 @@ def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> Gradch
     return run_gradchecks([loss], world_size, **options)[0]
 
 
-def _report(spec, loss, grads, reference_loss, reference_grads, world_size, sizes, dtype, tolerance, chunks, parallel,
-            in_float32=()):
+def _report(
+    spec,
+    loss,
+    grads,
+    reference_loss,
+    reference_grads,
+    world_size,
+    sizes,
+    dtype,
+    tolerance,
+    chunks,
+    parallel,
+    in_float32=(),
+):
     checks = [
-        ParameterCheck(name, *classify(grads[name], ref, world_size,
-                                       max(tolerance, FLOAT32_TOLERANCE) if name in in_float32 else tolerance))
+        ParameterCheck(
+            name,
+            *classify(
+                grads[name], ref, world_size, max(tolerance, FLOAT32_TOLERANCE) if name in in_float32 else tolerance
+            ),
+        )
         for name, ref in reference_grads.items()
     ]
     loss_rel_err = abs(loss - reference_loss) / abs(reference_loss)
@@ -339,10 +414,14 @@ def _report(spec, loss, grads, reference_loss, reference_grads, world_size, size
         max_rel_err=max([loss_rel_err] + [c.rel_err for c in checks if c.name not in in_float32]),
         exact=loss_exact and all(c.verdict == "exact" for c in checks),
         parameters=checks,
-        diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size) + [
+        diagnosis=_diagnose(checks, loss / reference_loss, loss_exact, world_size)
+        + [
             f"{name}: compared at {FLOAT32_TOLERANCE:g} (relative error {check.rel_err:.1e}): the tower computes its "
-            "gradient in float32 whatever the weights' dtype" for check in checks for name in in_float32
-            if check.name == name],
+            "gradient in float32 whatever the weights' dtype"
+            for check in checks
+            for name in in_float32
+            if check.name == name
+        ],
         chunks=chunks,
         parallel=parallel,
         float32_parameters=list(in_float32),

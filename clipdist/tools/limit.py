@@ -20,6 +20,7 @@ machine's speed moves between runs.
 Workloads: digits (clipdist-tiny on the built-in digits, 32 px) and web_photos (224-px web JPEGs, the tiny model at
 224 px in 32-px patches, docs/bench/clipdist-tiny-224-p32.json).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from clipdist.distributed import host
 from clipdist.data.images import normalize_on_device
+from clipdist.distributed import host
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOADS = {"digits": [], "web_photos": [f"model.name={REPO / 'docs' / 'bench' / 'clipdist-tiny-224-p32.json'}"]}
@@ -50,8 +51,12 @@ def workload_config(data: str, batch: int, work: Path, cache_dir: str):
 
     from clipdist.config import preset, to_train_config
 
-    settings = {"name": "limit", "run_dir": str(work), "world": {"batch_per_device": batch},
-                "data": {**OmegaConf.to_container(preset("data", data)), "cache_dir": cache_dir}}
+    settings = {
+        "name": "limit",
+        "run_dir": str(work),
+        "world": {"batch_per_device": batch},
+        "data": {**OmegaConf.to_container(preset("data", data)), "cache_dir": cache_dir},
+    }
     for override in WORKLOADS[data]:
         key, value = override.split("=", 1)
         group, name = key.split(".")
@@ -74,9 +79,16 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
             cfg = workload_config(data, batch, Path(work), cache_dir)
             parts = build_parts(cfg, torch.device("cpu"))
             train, _ = builtin_shards(data, str(Path(cache_dir).expanduser()))
-            stream = TrainStream([expand_shards(train)], cfg.data, batch_size=batch,
-                                 image_transform=parts.train_transform, tokenizer=parts.tokenizer, seed=cfg.seed,
-                                 workers=0, pixels=normalize_on_device(cfg.data.normalize_on)[0])
+            stream = TrainStream(
+                [expand_shards(train)],
+                cfg.data,
+                batch_size=batch,
+                image_transform=parts.train_transform,
+                tokenizer=parts.tokenizer,
+                seed=cfg.seed,
+                workers=0,
+                pixels=normalize_on_device(cfg.data.normalize_on)[0],
+            )
             try:
                 next(stream)  # the stream's start (readers placed, first shards opened) is not a per-sample cost
                 loader = []
@@ -102,26 +114,50 @@ def real_run(overrides: list[str], steps: int, timeout_s: float = 1800) -> float
     """Median samples/s of a real run (`train.py` in a fresh interpreter, no evaluation or checkpoint on the way)
     over the second half of its steps, from its train_log.jsonl; a RuntimeError with its last line if it fails."""
     with tempfile.TemporaryDirectory() as work:
-        command = [sys.executable, str(REPO / "train.py"), f"run_dir={work}/run", f"optim.max_steps={steps}",
-                   f"eval_every={steps * 10}", f"checkpoint_every={steps * 10}", "logging.wandb=disabled",
-                   "logging.progress=false", "logging.report=false", "logging.log_every=1", *overrides]
+        command = [
+            sys.executable,
+            str(REPO / "train.py"),
+            f"run_dir={work}/run",
+            f"optim.max_steps={steps}",
+            f"eval_every={steps * 10}",
+            f"checkpoint_every={steps * 10}",
+            "logging.wandb=disabled",
+            "logging.progress=false",
+            "logging.report=false",
+            "logging.log_every=1",
+            *overrides,
+        ]
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
         if result.returncode:
             said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
             raise RuntimeError(f"train.py {' '.join(overrides)}: {said[-1] if said else result.returncode}")
         rows = [json.loads(line) for line in Path(work, "run", "train_log.jsonl").read_text().splitlines()]
-    return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2:])
+    return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2 :])
 
 
 def end_to_end(data: str, ranks: int, batch: int, steps: int, cache_dir: str) -> float:
     """Median samples/s of a real run of the workload on `ranks` local ranks."""
-    return real_run([f"data={data}", f"data.cache_dir={Path(cache_dir).expanduser()}",
-                     f"world={'local' if ranks == 1 else f'cpu{ranks}'}", f"world.batch_per_device={batch}",
-                     *WORKLOADS[data]], steps)
+    return real_run(
+        [
+            f"data={data}",
+            f"data.cache_dir={Path(cache_dir).expanduser()}",
+            f"world={'local' if ranks == 1 else f'cpu{ranks}'}",
+            f"world.batch_per_device={batch}",
+            *WORKLOADS[data],
+        ],
+        steps,
+    )
 
 
-def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, batches: int = 12,
-            steps: int = 60, cache_dir: str = "~/.cache/clipdist", repeats: int = 3) -> list[dict]:
+def measure(
+    workloads=("digits", "web_photos"),
+    ranks=(1, 2),
+    batch: int = 128,
+    batches: int = 12,
+    steps: int = 60,
+    cache_dir: str = "~/.cache/clipdist",
+    repeats: int = 3,
+) -> list[dict]:
     """A row per workload and world size: one-core costs, the bound for this machine's cores, the runs, the fraction.
 
     Each real run is measured against the bound from costs measured just before and just after it (their mean),
@@ -129,7 +165,9 @@ def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, 
     steady states from one minute to the next (this one: one-core costs ~25% apart), so costs from one state and a
     run from another would make a fraction off by as much (seen: 1.13 of a bound measured minutes earlier). Every
     run's figures stay in the row."""
-    pairs: dict[tuple[str, int], list[tuple[dict, float]]] = {(data, count): [] for data in workloads for count in ranks}
+    pairs: dict[tuple[str, int], list[tuple[dict, float]]] = {
+        (data, count): [] for data in workloads for count in ranks
+    }
     for _ in range(repeats):
         for data in workloads:
             for count in ranks:
@@ -142,24 +180,38 @@ def measure(workloads=("digits", "web_photos"), ranks=(1, 2), batch: int = 128, 
         costs, runs = [cost for cost, _ in measured], [run for _, run in measured]
         bounds = [cores() / (cost["loader_s"] + cost["step_s"]) for cost in costs]
         fractions = [run / bound for run, bound in zip(runs, bounds)]
-        rows.append({"data": data, "ranks": count, "cores": cores(),
-                     "loader_ms": statistics.median(cost["loader_s"] for cost in costs) * 1e3,
-                     "step_ms": statistics.median(cost["step_s"] for cost in costs) * 1e3,
-                     "bound": statistics.median(bounds), "bounds": bounds, "samples_per_s": statistics.median(runs),
-                     "runs": runs, "fraction": statistics.median(fractions), "fractions": fractions,
-                     "global_batch": batch // count * count,
-                     "cost_rounds": [{key: value * 1e3 for key, value in cost.items()} for cost in costs]})
+        rows.append(
+            {
+                "data": data,
+                "ranks": count,
+                "cores": cores(),
+                "loader_ms": statistics.median(cost["loader_s"] for cost in costs) * 1e3,
+                "step_ms": statistics.median(cost["step_s"] for cost in costs) * 1e3,
+                "bound": statistics.median(bounds),
+                "bounds": bounds,
+                "samples_per_s": statistics.median(runs),
+                "runs": runs,
+                "fraction": statistics.median(fractions),
+                "fractions": fractions,
+                "global_batch": batch // count * count,
+                "cost_rounds": [{key: value * 1e3 for key, value in cost.items()} for cost in costs],
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| data | ranks | loader ms/sample (1 core) | step ms/sample (1 core) | bound on "
-             f"{rows[0]['cores']} cores (around each run) | run samples/s (each run) | fraction of the bound (each run) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| data | ranks | loader ms/sample (1 core) | step ms/sample (1 core) | bound on "
+        f"{rows[0]['cores']} cores (around each run) | run samples/s (each run) | fraction of the bound (each run) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
         bounds, each = (", ".join(f"{value:,.0f}" for value in row[key]) for key in ("bounds", "runs"))
         fractions = ", ".join(f"{fraction:.2f}" for fraction in row["fractions"])
-        lines.append(f"| {row['data']} | {row['ranks']} | {row['loader_ms']:.3f} | {row['step_ms']:.3f} | "
-                     f"{row['bound']:,.0f} ({bounds}) | {row['samples_per_s']:,.0f} ({each}) | **{row['fraction']:.2f}** "
-                     f"({fractions}) |")
+        lines.append(
+            f"| {row['data']} | {row['ranks']} | {row['loader_ms']:.3f} | {row['step_ms']:.3f} | "
+            f"{row['bound']:,.0f} ({bounds}) | {row['samples_per_s']:,.0f} ({each}) | **{row['fraction']:.2f}** "
+            f"({fractions}) |"
+        )
     return "\n".join(lines)

@@ -5,6 +5,7 @@ and counts the distinct storages alive at once: the bytes kept for backward, pea
 `measure_activations` and `fit_loss_memory` turn small real runs of the towers and of a loss
 backend into per-sample and per-(b, B, d) coefficients that `clipdist plan` scales up.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -20,11 +21,11 @@ from clipdist.config import OptimConfig
 from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.distributed.launch import launch_local
+from clipdist.distributed.parallel import wrap_model
 from clipdist.losses import build
 from clipdist.model.factory import create_model_for_loss, get_tokenizer, image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 from clipdist.train.optim import build_optimizer
-from clipdist.distributed.parallel import wrap_model
 from clipdist.train.step import build_step
 
 
@@ -87,8 +88,11 @@ class SavedTensorMeter:
 def model_outputs(model, batch: int, context_length: int, seq_len: int | None = None):
     """Forward `batch` random images (a NaFlex tower: grids of up to `seq_len` patches, every one valid) and token
     rows through an open_clip model."""
-    images = torch.randn(batch, 3, *image_size(model)) if naflex_trunk(model) is None else \
-        full_patches(batch, naflex_patch_size(model), seq_len)
+    images = (
+        torch.randn(batch, 3, *image_size(model))
+        if naflex_trunk(model) is None
+        else full_patches(batch, naflex_patch_size(model), seq_len)
+    )
     tokens = random_tokens(batch, context_length)
     return model(images, tokens)
 
@@ -106,21 +110,23 @@ class ActivationFit:
         return self.per_sample * batch + self.per_step if batch > 0 else 0.0
 
 
-def measure_activations(model, context_length: int, autocast=None, batches=(1, 2),
-                        seq_len: int | None = None) -> ActivationFit:
+def measure_activations(
+    model, context_length: int, autocast=None, batches=(1, 2), seq_len: int | None = None
+) -> ActivationFit:
     """Run the real towers at two small batches (CPU) and fit the straight line through them (a NaFlex tower at
     `seq_len` patches an image)."""
     model.train()
     kept = []
     for batch in batches:
-        with SavedTensorMeter(exclude=list(model.parameters())) as meter, (autocast or nullcontext()):
+        with SavedTensorMeter(exclude=list(model.parameters())) as meter, autocast or nullcontext():
             outputs = model_outputs(model, batch, context_length, seq_len)
             kept.append(meter.live)
         feature_dim = outputs[0].shape[-1]
         del outputs
     per_sample = (kept[1] - kept[0]) / (batches[1] - batches[0])
-    return ActivationFit(per_sample, kept[0] - per_sample * batches[0], feature_dim,
-                         sum(p.numel() for p in model.parameters()))
+    return ActivationFit(
+        per_sample, kept[0] - per_sample * batches[0], feature_dim, sum(p.numel() for p in model.parameters())
+    )
 
 
 def human_bytes(nbytes: float, digits: int = 2) -> str:
@@ -158,8 +164,9 @@ FIT_DIMS = (8, 24)
 
 def loss_inputs(loss_fn, local_batch: int, dim: int, dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
     """Random unit image and text features and the scalars `loss_fn` takes, all requiring grad."""
-    image, text = (F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).to(dtype).requires_grad_()
-                   for _ in range(2))
+    image, text = (
+        F.normalize(torch.randn(local_batch, dim, device=device), dim=-1).to(dtype).requires_grad_() for _ in range(2)
+    )
     scalars = [torch.tensor(10.0, device=device, requires_grad=True)]
     if getattr(loss_fn, "uses_logit_bias", False):
         scalars.append(torch.tensor(loss_fn.init_logit_bias, device=device, requires_grad=True))
@@ -186,13 +193,18 @@ def _measure_loss_points(backends: list[str], dtype_name: str):
                 points[name].append((sizes[rank], sum(sizes), dim, kept))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, points)
-    return {name: [p for rank_points in gathered for p in rank_points[name]] for name in backends} if rank == 0 else None
+    return (
+        {name: [p for rank_points in gathered for p in rank_points[name]] for name in backends} if rank == 0 else None
+    )
 
 
-def fit_loss_memory(backends: list[str], feature_dtype: str = "float32", timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict[str, LossFit]:
+def fit_loss_memory(
+    backends: list[str], feature_dtype: str = "float32", timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> dict[str, LossFit]:
     """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
-    points = launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype,
-                          timeout_s=timeout_s)[0]
+    points = launch_local(
+        _measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype, timeout_s=timeout_s
+    )[0]
     fits = {}
     for name, rows in points.items():
         design = np.stack([_monomials(b, B, d) for b, B, d, _ in rows])
@@ -213,9 +225,11 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     """This rank's parameters, gradients and optimizer state in bytes (what DDP replicates, FSDP shards)."""
     params = list(model.parameters())
     moments = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
-    return {"parameters": sum(local_bytes(p) for p in params),
-            "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(local_bytes(m) for m in moments)}
+    return {
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(local_bytes(m) for m in moments),
+    }
 
 
 def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -> dict[str, int]:
@@ -226,14 +240,16 @@ def state_bytes_after_a_step(model_name: str, parallel: str, local_batch: int) -
     wrapped = wrap_model(model, parallel=parallel)
     optimizer, _ = build_optimizer(model, OptimConfig())
     images = torch.randn(local_batch, 3, *image_size(model))
-    build_step(wrapped, loss_fn).gradients(Batch.of(images, random_tokens(local_batch,
-                                                                      get_tokenizer(model_name).context_length)))
+    build_step(wrapped, loss_fn).gradients(
+        Batch.of(images, random_tokens(local_batch, get_tokenizer(model_name).context_length))
+    )
     optimizer.step()
     return state_bytes(model, optimizer)
 
 
-def measure_state_bytes(model_name: str, parallel: str, world_size: int, local_batch: int = 4,
-                        timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[dict[str, int]]:
+def measure_state_bytes(
+    model_name: str, parallel: str, world_size: int, local_batch: int = 4, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> list[dict[str, int]]:
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
     results = launch_local(state_bytes_after_a_step, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
     return [results[rank] for rank in range(world_size)]

@@ -39,6 +39,7 @@ weight (2 under bf16).
 `--chunks auto` picks the chunk size: the largest power of two whose largest batch is within 5% of the
 largest any chunk size reaches (smaller chunks add steps of overhead and little batch).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,14 +48,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from clipdist.model import targets
 from clipdist.config import CONF
 from clipdist.config import preset as menu_entry
-from clipdist.losses import build
 from clipdist.data.naflex import default_seq_lens
+from clipdist.distributed.parallel import transformer_blocks
+from clipdist.losses import build
+from clipdist.model import targets
 from clipdist.model.factory import create_model, get_tokenizer, image_size
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
-from clipdist.distributed.parallel import transformer_blocks
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
@@ -63,8 +64,16 @@ AUTO_CHUNK_SHARE = 0.95  # --chunks auto: the largest chunk whose largest batch 
 
 
 # Usable memory of common accelerators, as their makers state it.
-DEVICES = {"a100-40gb": 40 * 10**9, "a100-80gb": 80 * 10**9, "h100-80gb": 80 * 10**9, "h200": 141 * 10**9,
-           "l40s": 48 * 10**9, "a10g": 24 * 10**9, "v100-32gb": 32 * 10**9, "rtx4090": 24 * 10**9}
+DEVICES = {
+    "a100-40gb": 40 * 10**9,
+    "a100-80gb": 80 * 10**9,
+    "h100-80gb": 80 * 10**9,
+    "h200": 141 * 10**9,
+    "l40s": 48 * 10**9,
+    "a10g": 24 * 10**9,
+    "v100-32gb": 32 * 10**9,
+    "rtx4090": 24 * 10**9,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -73,8 +82,9 @@ def parse_bytes(text: str) -> int:
         return DEVICES[text.lower()]
     match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
     if not match:
-        raise ValueError(f"device memory {text!r}: write it like 40GB, 80GiB or 24G, or name a device: "
-                         f"{', '.join(DEVICES)}")
+        raise ValueError(
+            f"device memory {text!r}: write it like 40GB, 80GiB or 24G, or name a device: {', '.join(DEVICES)}"
+        )
     number, prefix, binary = match.groups()
     power = "kmgt".find(prefix) + 1 if prefix else 0
     return int(float(number) * (1024 if binary else 1000) ** power)
@@ -148,7 +158,9 @@ class Measurements:
     feature_bytes: int  # bytes per feature element reaching the loss (2 under bf16)
     parameter_shapes: list[tuple[int, ...]] = field(default_factory=list)
     block_parameters: list[int] = field(default_factory=list)  # FSDP units: each transformer block
-    input_bytes: int = 0  # per sample as the loader hands it over: uint8 pixels (NaFlex: float32 patches) + int64 tokens
+    input_bytes: int = (
+        0  # per sample as the loader hands it over: uint8 pixels (NaFlex: float32 patches) + int64 tokens
+    )
     teacher_parameters: int = 0  # distillation: the teacher's parameter count (fp32 weights, no gradient)
     teacher_dim: int = 0  # and its feature dim
 
@@ -159,8 +171,11 @@ class Measurements:
         if not self.teacher_parameters:
             return 0.0
         dim = self.activations.feature_dim
-        return 4 * self.teacher_parameters + 2 * local_batch * self.teacher_dim * 4 \
+        return (
+            4 * self.teacher_parameters
+            + 2 * local_batch * self.teacher_dim * 4
             + 7 * local_batch * (dim + self.teacher_dim) * 4
+        )
 
     def state_bytes(self, world_size: int, parallel: str) -> float:
         """Parameters, gradients and AdamW moments on one rank."""
@@ -174,8 +189,15 @@ class Measurements:
         return (2 * largest + root) * self.feature_bytes + (largest + root) * 4
 
 
-def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_checkpointing: bool = False,
-            progress=print, teacher: str | None = None, seq_len: int | None = None) -> Measurements:
+def measure(
+    model_name: str,
+    backends: list[str],
+    precision: str = "bf16",
+    grad_checkpointing: bool = False,
+    progress=print,
+    teacher: str | None = None,
+    seq_len: int | None = None,
+) -> Measurements:
     """Run the real towers and loss backends small, on CPU, and fit how their memory scales; `teacher`: a
     distillation teacher (loss.distill.model), counted from its structure; `seq_len`: a NaFlex tower's images at
     that many patches (default: its image_size grid)."""
@@ -199,26 +221,36 @@ def measure(model_name: str, backends: list[str], precision: str = "bf16", grad_
     elif seq_len is not None:
         raise ValueError(f"--seq-len is for NaFlex image towers; {model_name}'s takes {height}×{width} images")
     activations = measure_activations(model, context, autocast, seq_len=seq_len)
-    measured = Measurements(activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model),
-                            input_bytes=input_bytes)
+    measured = Measurements(
+        activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model), input_bytes=input_bytes
+    )
     if teacher:
         structure = targets.structure(targets.resolve(teacher))
         measured.teacher_parameters = sum(p.numel() for p in structure.parameters())
         with torch.no_grad():  # the feature dim: a forward on the meta device computes nothing
-            measured.teacher_dim = structure.encode_text(torch.zeros(1, structure.context_length, dtype=torch.long,
-                                                                     device="meta")).shape[-1]
+            measured.teacher_dim = structure.encode_text(
+                torch.zeros(1, structure.context_length, dtype=torch.long, device="meta")
+            ).shape[-1]
     return measured
-
 
 
 def parameter_layout(model) -> tuple[list[tuple[int, ...]], list[int]]:
     """(every parameter's shape, the parameter count of each transformer block): what sharding needs."""
-    return ([tuple(p.shape) for p in model.parameters()],
-            [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)])
+    return (
+        [tuple(p.shape) for p in model.parameters()],
+        [sum(p.numel() for p in block.parameters()) for block in transformer_blocks(model)],
+    )
 
 
-def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, micro_batch: int,
-              parallel: str = "ddp", host: Host | None = None) -> dict:
+def breakdown(
+    m: Measurements,
+    backend: str,
+    world_size: int,
+    local_batch: int,
+    micro_batch: int,
+    parallel: str = "ddp",
+    host: Host | None = None,
+) -> dict:
     """Per-device bytes (and host bytes per node) of one configuration (see the module docstring);
     micro_batch = local_batch: no gradient caching."""
     host = host or Host()
@@ -242,11 +274,19 @@ def breakdown(m: Measurements, backend: str, world_size: int, local_batch: int, 
     host_bytes = host.ranks_per_node * (local_batch + read_ahead) * m.input_bytes
     teacher = m.teacher_bytes(local_batch)
     terms = {"activations": activations, "loss": loss, "cached features": cached, "inputs": inputs}
-    return {"parameters_optimizer": params, "activations": activations, "cached_features": cached,
-            "loss_buffers": loss, "inputs": inputs, "communication_buffers": buffers, "teacher": teacher,
-            "peak": params + buffers + inputs + cached + held + teacher, "host_per_node": host_bytes,
-            "growing": max(terms, key=terms.get),  # the largest term that grows with the batch
-            "kept_for_backward": kept}  # what autograd holds at most: what SavedTensorMeter measures
+    return {
+        "parameters_optimizer": params,
+        "activations": activations,
+        "cached_features": cached,
+        "loss_buffers": loss,
+        "inputs": inputs,
+        "communication_buffers": buffers,
+        "teacher": teacher,
+        "peak": params + buffers + inputs + cached + held + teacher,
+        "host_per_node": host_bytes,
+        "growing": max(terms, key=terms.get),  # the largest term that grows with the batch
+        "kept_for_backward": kept,
+    }  # what autograd holds at most: what SavedTensorMeter measures
 
 
 def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int, parallel: str = "ddp") -> float:
@@ -260,8 +300,16 @@ def _fits(parts: dict, device_bytes: float, host: Host) -> bool:
     return parts["peak"] <= device_bytes and parts["host_per_node"] <= host.memory
 
 
-def largest_local_batch(m: Measurements, backend: str, world_size: int, chunks: int | None, device_bytes: int,
-                        parallel: str = "ddp", host: Host | None = None, micro_batch: int | None = None) -> tuple[int, str]:
+def largest_local_batch(
+    m: Measurements,
+    backend: str,
+    world_size: int,
+    chunks: int | None,
+    device_bytes: int,
+    parallel: str = "ddp",
+    host: Host | None = None,
+    micro_batch: int | None = None,
+) -> tuple[int, str]:
     """(the largest b that fits on the device and the host, what stops a larger one; 0 if none fits) with
     `chunks` chunks per batch, or chunks of `micro_batch` samples."""
     host = host or Host()
@@ -294,8 +342,9 @@ def limit_of(parts: dict, device_bytes: float, host: Host) -> str:
     return "host: inputs"
 
 
-def auto_micro_batch(m: Measurements, backend: str, world_size: int, device_bytes: int, parallel: str,
-                     host: Host) -> tuple[int, int, str]:
+def auto_micro_batch(
+    m: Measurements, backend: str, world_size: int, device_bytes: int, parallel: str, host: Host
+) -> tuple[int, int, str]:
     """--chunks auto: (chunk size, its largest local batch, its limit); see the module docstring."""
     found = []
     size = 1
@@ -311,8 +360,9 @@ def auto_micro_batch(m: Measurements, backend: str, world_size: int, device_byte
     return max((entry for entry in found if entry[1] >= AUTO_CHUNK_SHARE * best), key=lambda entry: entry[0])
 
 
-def check_request(backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
-                  parallel_options=("ddp",)) -> None:
+def check_request(
+    backends: list[str], chunks_options: list[int], world_size: int, global_batch: int, parallel_options=("ddp",)
+) -> None:
     """Arguments that cannot make a plan: a ValueError naming the argument, before anything is measured."""
     for parallel in parallel_options:
         if parallel not in ("ddp", "fsdp"):
@@ -335,8 +385,16 @@ def check_request(backends: list[str], chunks_options: list[int], world_size: in
 AUTO = 0  # --chunks auto
 
 
-def plan(m: Measurements, backends: list[str], chunks_options: list[int], world_size: int, global_batch: int,
-         device_bytes: int, parallel_options: tuple[str, ...] = ("ddp",), host: Host | None = None) -> list[PlanRow]:
+def plan(
+    m: Measurements,
+    backends: list[str],
+    chunks_options: list[int],
+    world_size: int,
+    global_batch: int,
+    device_bytes: int,
+    parallel_options: tuple[str, ...] = ("ddp",),
+    host: Host | None = None,
+) -> list[PlanRow]:
     """One row per (parallel, backend, chunks): the requested batch's figures and the largest batch.
     chunks AUTO: the chunk size from auto_micro_batch, kept for the requested and the largest batch."""
     host = host or Host()
@@ -355,11 +413,21 @@ def plan(m: Measurements, backends: list[str], chunks_options: list[int], world_
                     largest, limit = largest_local_batch(m, backend, world_size, chunks, device_bytes, parallel, host)
                 parts = breakdown(m, backend, world_size, local_batch, micro, parallel, host)
                 del parts["growing"], parts["kept_for_backward"]
-                rows.append(PlanRow(
-                    backend, chunks, micro, local_batch, global_batch, **parts, fits=_fits(parts, device_bytes, host),
-                    sent_bytes_per_step=sent_bytes(m, backend, world_size, local_batch, parallel),
-                    max_global_batch=world_size * largest, limit=limit, parallel=parallel,
-                ))
+                rows.append(
+                    PlanRow(
+                        backend,
+                        chunks,
+                        micro,
+                        local_batch,
+                        global_batch,
+                        **parts,
+                        fits=_fits(parts, device_bytes, host),
+                        sent_bytes_per_step=sent_bytes(m, backend, world_size, local_batch, parallel),
+                        max_global_batch=world_size * largest,
+                        limit=limit,
+                        parallel=parallel,
+                    )
+                )
     return rows
 
 

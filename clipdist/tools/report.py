@@ -4,6 +4,7 @@ samples/s and every evaluation metric against the step, each start of the run ma
 short text, `report.txt`: steps, samples, time, skips, the best and last of every metric. Written into the run
 directory at the end of every run and at a stop, and by the command for any run.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,13 +58,16 @@ def read_run(run_dir: str | Path) -> RunRecord:
 def summary(record: RunRecord, name: str) -> str:
     """A few lines: how far the run went, what it skipped, the best and last of each metric."""
     last = record.train[-1] if record.train else {}
-    lines = [f"run {name}: step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen"
-             + (f", train.log spans {record.seconds / 60:.1f} min" if record.seconds else "")
-             + f", {len(record.starts)} start(s)" + "".join(
-                 f"; resumed at step {step}" + (f" on {ranks} rank(s)" if ranks else "")
-                 for step, ranks in record.starts[1:]),
-             f"skipped: {last.get('skipped_samples', 0)} sample(s), {last.get('skipped_shards', 0)} shard(s), "
-             f"{last.get('skipped_steps', 0)} step(s); last loss {last.get('loss', float('nan')):.4f}"]
+    lines = [
+        f"run {name}: step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen"
+        + (f", train.log spans {record.seconds / 60:.1f} min" if record.seconds else "")
+        + f", {len(record.starts)} start(s)"
+        + "".join(
+            f"; resumed at step {step}" + (f" on {ranks} rank(s)" if ranks else "") for step, ranks in record.starts[1:]
+        ),
+        f"skipped: {last.get('skipped_samples', 0)} sample(s), {last.get('skipped_shards', 0)} shard(s), "
+        f"{last.get('skipped_steps', 0)} step(s); last loss {last.get('loss', float('nan')):.4f}",
+    ]
     for key in metric_keys(record.evals):
         points = [(row["step"], row[key]) for row in record.evals if isinstance(row.get(key), (int, float))]
         best = (min if LOWER_IS_BETTER.search(key) else max)(points, key=lambda point: point[1])
@@ -73,8 +77,12 @@ def summary(record: RunRecord, name: str) -> str:
 
 def metric_keys(evals: list[dict]) -> list[str]:
     """The evaluation metrics worth a curve: numbers that vary, counts of samples left out."""
-    keys = dict.fromkeys(key for row in evals for key, value in row.items()
-                         if key != "step" and isinstance(value, float) and not key.endswith(("samples", "errors")))
+    keys = dict.fromkeys(
+        key
+        for row in evals
+        for key, value in row.items()
+        if key != "step" and isinstance(value, float) and not key.endswith(("samples", "errors"))
+    )
     return list(keys)
 
 
@@ -95,16 +103,29 @@ def plot(record: RunRecord, path: Path, title: str) -> None:
     rate.plot(steps, [row.get("samples_per_s") for row in record.train], color="tab:green")
     lr.plot(steps, [row.get("lr") for row in record.train], color="tab:purple")
     for key in (key for key in metric_keys(record.evals) if FRACTIONS.search(key)):
-        metrics.plot([row["step"] for row in record.evals], [row.get(key) for row in record.evals], "o-", label=key,
-                     ms=3)
-    for axes, panel in ((losses, "loss (train, and evaluation's)"), (rate, "samples/s"), (lr, "learning rate"),
-                        (metrics, "evaluation")):
+        metrics.plot(
+            [row["step"] for row in record.evals], [row.get(key) for row in record.evals], "o-", label=key, ms=3
+        )
+    for axes, panel in (
+        (losses, "loss (train, and evaluation's)"),
+        (rate, "samples/s"),
+        (lr, "learning rate"),
+        (metrics, "evaluation"),
+    ):
         axes.set_title(panel)
         axes.grid(alpha=0.3)
         for step, ranks in record.starts[1:]:
             axes.axvline(step, color="grey", ls=":", lw=1)
-            axes.annotate(f"resumed{f' ×{ranks}' if ranks else ''}", (step, 1), xycoords=("data", "axes fraction"),
-                          fontsize=7, color="grey", ha="left", va="top", rotation=90)
+            axes.annotate(
+                f"resumed{f' ×{ranks}' if ranks else ''}",
+                (step, 1),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                color="grey",
+                ha="left",
+                va="top",
+                rotation=90,
+            )
     for axes in (losses, metrics):
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize=7, ncol=2)

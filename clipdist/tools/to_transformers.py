@@ -22,6 +22,7 @@ export, so a variant this mapping misses cannot leave as a different model. A Si
 a logit bias) maps to CLIPModel: its features and similarities are the model's; CLIPModel has no logit bias, so
 the bias is kept in config.json as `logit_bias` and sigmoid(scale·cos + bias) is computed by the user.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,10 @@ def _tower(transformer: nn.Module, where: str) -> dict:
     blocks = list(transformer.resblocks)
     first = blocks[0]
     if type(first) is not open_clip.transformer.ResidualAttentionBlock:
-        raise NoCounterpart(f"{where} uses {type(first).__name__} blocks (norms or scales inside attention): "
-                            "CLIPModel has plain pre-norm blocks")
+        raise NoCounterpart(
+            f"{where} uses {type(first).__name__} blocks (norms or scales inside attention): "
+            "CLIPModel has plain pre-norm blocks"
+        )
     for block in blocks:
         if not isinstance(block.ls_1, nn.Identity) or not isinstance(block.ls_2, nn.Identity):
             raise NoCounterpart(f"{where} has layer scale (ls_init_value): CLIPModel has none")
@@ -66,9 +69,14 @@ def _tower(transformer: nn.Module, where: str) -> dict:
     activations = {_activation(block, where) for block in blocks}
     if len(norms) != 1 or len(activations) != 1:
         raise NoCounterpart(f"{where} mixes norm eps or activations across blocks: CLIPModel has one of each")
-    return {"hidden_size": first.ln_1.normalized_shape[0], "intermediate_size": first.mlp.c_fc.out_features,
-            "num_hidden_layers": len(blocks), "num_attention_heads": first.attn.num_heads,
-            "hidden_act": activations.pop(), "layer_norm_eps": norms.pop()}
+    return {
+        "hidden_size": first.ln_1.normalized_shape[0],
+        "intermediate_size": first.mlp.c_fc.out_features,
+        "num_hidden_layers": len(blocks),
+        "num_attention_heads": first.attn.num_heads,
+        "hidden_act": activations.pop(),
+        "layer_norm_eps": norms.pop(),
+    }
 
 
 def _text_of(model: nn.Module) -> nn.Module:
@@ -77,8 +85,10 @@ def _text_of(model: nn.Module) -> nn.Module:
         raise NoCounterpart("CoCa's text decoder has no transformers counterpart: export it with --format open_clip")
     text = getattr(model, "text", model)
     if not isinstance(text, (open_clip.model.CLIP, open_clip.transformer.TextTransformer)):
-        raise NoCounterpart(f"the text tower is a {type(text).__name__} (a tower from transformers, hf_model_name): "
-                            "CLIPModel's text tower is open_clip's own TextTransformer")
+        raise NoCounterpart(
+            f"the text tower is a {type(text).__name__} (a tower from transformers, hf_model_name): "
+            "CLIPModel's text tower is open_clip's own TextTransformer"
+        )
     return text
 
 
@@ -88,33 +98,56 @@ def clip_config(model: nn.Module, tokenizer) -> dict:
     visual = model.visual
     if not isinstance(visual, open_clip.transformer.VisionTransformer):
         name = getattr(getattr(visual, "trunk", None), "default_cfg", {}).get("architecture", type(visual).__name__)
-        raise NoCounterpart(f"the image tower is {name} (not open_clip's VisionTransformer): CLIPModel's image "
-                            "tower is a ViT with a class token; export it with --format open_clip")
+        raise NoCounterpart(
+            f"the image tower is {name} (not open_clip's VisionTransformer): CLIPModel's image "
+            "tower is a ViT with a class token; export it with --format open_clip"
+        )
     if visual.attn_pool is not None or visual.pool_type != "tok" or visual.final_ln_after_pool:
-        raise NoCounterpart("the image tower pools by attention or by averaging (attentional_pool, pool_type, "
-                            "final_ln_after_pool): CLIPModel pools the class token")
+        raise NoCounterpart(
+            "the image tower pools by attention or by averaging (attentional_pool, pool_type, "
+            "final_ln_after_pool): CLIPModel pools the class token"
+        )
     if isinstance(visual.ln_pre, nn.Identity) or visual.proj is None:
-        raise NoCounterpart("the image tower has no pre-norm or no projection (no_ln_pre, proj_type): CLIPModel "
-                            "has both")
+        raise NoCounterpart(
+            "the image tower has no pre-norm or no projection (no_ln_pre, proj_type): CLIPModel has both"
+        )
     (height, width), (patch_h, patch_w) = visual.image_size, visual.patch_size
     if height != width or patch_h != patch_w:
         raise NoCounterpart(f"images {height}x{width} in patches {patch_h}x{patch_w}: CLIPModel takes square ones")
     if text.attn_mask is None or getattr(text, "cls_emb", None) is not None:
-        raise NoCounterpart("the text tower is not causal or has a class token (no_causal_mask, embed_cls): "
-                            "CLIPModel's is causal, pooled at the end-of-text token")
+        raise NoCounterpart(
+            "the text tower is not causal or has a class token (no_causal_mask, embed_cls): "
+            "CLIPModel's is causal, pooled at the end-of-text token"
+        )
     if text.text_pool_type not in ("argmax", "eos") or not isinstance(text.text_projection, nn.Parameter):
-        raise NoCounterpart(f"the text tower pools by {text.text_pool_type!r} or projects with a bias: CLIPModel "
-                            "pools the end-of-text token and projects without one")
+        raise NoCounterpart(
+            f"the text tower pools by {text.text_pool_type!r} or projects with a bias: CLIPModel "
+            "pools the end-of-text token and projects without one"
+        )
     _check_tokenizer(tokenizer, text.vocab_size)
     embed_dim = visual.proj.shape[1]
-    vision = {**_tower(visual.transformer, "the image tower"), "image_size": height, "patch_size": patch_h,
-              "num_channels": visual.conv1.in_channels, "projection_dim": embed_dim}
-    text_cfg = {**_tower(text.transformer, "the text tower"), "vocab_size": text.vocab_size,
-                "max_position_embeddings": text.context_length, "projection_dim": embed_dim,
-                "bos_token_id": tokenizer.sot_token_id, "eos_token_id": tokenizer.eot_token_id,
-                "pad_token_id": tokenizer.eot_token_id}
-    config = {"text_config": text_cfg, "vision_config": vision, "projection_dim": embed_dim,
-              "logit_scale_init_value": float(model.logit_scale.detach().float())}
+    vision = {
+        **_tower(visual.transformer, "the image tower"),
+        "image_size": height,
+        "patch_size": patch_h,
+        "num_channels": visual.conv1.in_channels,
+        "projection_dim": embed_dim,
+    }
+    text_cfg = {
+        **_tower(text.transformer, "the text tower"),
+        "vocab_size": text.vocab_size,
+        "max_position_embeddings": text.context_length,
+        "projection_dim": embed_dim,
+        "bos_token_id": tokenizer.sot_token_id,
+        "eos_token_id": tokenizer.eot_token_id,
+        "pad_token_id": tokenizer.eot_token_id,
+    }
+    config = {
+        "text_config": text_cfg,
+        "vision_config": vision,
+        "projection_dim": embed_dim,
+        "logit_scale_init_value": float(model.logit_scale.detach().float()),
+    }
     if getattr(model, "logit_bias", None) is not None:
         config["logit_bias"] = float(model.logit_bias.detach().float())
     return config
@@ -122,12 +155,20 @@ def clip_config(model: nn.Module, tokenizer) -> dict:
 
 def _check_tokenizer(tokenizer, vocab_size: int) -> None:
     if type(tokenizer) is not open_clip.tokenizer.SimpleTokenizer:
-        raise NoCounterpart(f"the tokenizer is {type(tokenizer).__name__}: the export writes open_clip's BPE "
-                            "vocabulary as CLIPTokenizer, and only that")
-    if (tokenizer.clean_fn is not open_clip.tokenizer._clean_lower or tokenizer.reduction_fn is not None
-            or tokenizer.vocab_size != vocab_size or len(tokenizer.all_special_ids) != 2):
-        raise NoCounterpart("the tokenizer cleans, reduces or extends open_clip's BPE (tokenizer_kwargs): "
-                            "CLIPTokenizer lower-cases and nothing else")
+        raise NoCounterpart(
+            f"the tokenizer is {type(tokenizer).__name__}: the export writes open_clip's BPE "
+            "vocabulary as CLIPTokenizer, and only that"
+        )
+    if (
+        tokenizer.clean_fn is not open_clip.tokenizer._clean_lower
+        or tokenizer.reduction_fn is not None
+        or tokenizer.vocab_size != vocab_size
+        or len(tokenizer.all_special_ids) != 2
+    ):
+        raise NoCounterpart(
+            "the tokenizer cleans, reduces or extends open_clip's BPE (tokenizer_kwargs): "
+            "CLIPTokenizer lower-cases and nothing else"
+        )
 
 
 def clip_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -146,8 +187,13 @@ def clip_weights(model: nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{layer}self_attn.{name}_proj.weight"] = value.contiguous()
             for name, value in zip("qkv", take(block + "attn.in_proj_bias").chunk(3)):
                 out[f"{layer}self_attn.{name}_proj.bias"] = value.contiguous()
-            for ours, theirs in (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"),
-                                 ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"), ("ln_2", "layer_norm2")):
+            for ours, theirs in (
+                ("attn.out_proj", "self_attn.out_proj"),
+                ("ln_1", "layer_norm1"),
+                ("mlp.c_fc", "mlp.fc1"),
+                ("mlp.c_proj", "mlp.fc2"),
+                ("ln_2", "layer_norm2"),
+            ):
                 for kind in ("weight", "bias"):
                     out[f"{layer}{theirs}.{kind}"] = take(f"{block}{ours}.{kind}")
 
@@ -195,22 +241,40 @@ def processor(model: nn.Module, tokenizer, context_length: int, folder: Path):
     height, width = (size, size) if isinstance(size, int) else size
     mode = preprocess.get("resize_mode", "shortest")
     if mode == "shortest" and height == width:
-        sizes = {"size": {"shortest_edge": height}, "crop_size": {"height": height, "width": width},
-                 "do_center_crop": True}
+        sizes = {
+            "size": {"shortest_edge": height},
+            "crop_size": {"height": height, "width": width},
+            "do_center_crop": True,
+        }
     elif mode == "squash":
         sizes = {"size": {"height": height, "width": width}, "do_center_crop": False}
     else:
-        raise NoCounterpart(f"images resized by {mode!r} to {height}x{width}: CLIPImageProcessor resizes the "
-                            "shortest edge and crops a square, or squashes")
+        raise NoCounterpart(
+            f"images resized by {mode!r} to {height}x{width}: CLIPImageProcessor resizes the "
+            "shortest edge and crops a square, or squashes"
+        )
     if preprocess.get("interpolation", "bicubic") not in INTERPOLATION:
         raise NoCounterpart(f"interpolation {preprocess['interpolation']!r}: not one CLIPImageProcessor has")
-    images = CLIPImageProcessor(**sizes, resample=INTERPOLATION[preprocess.get("interpolation", "bicubic")],
-                                image_mean=list(preprocess["mean"]), image_std=list(preprocess["std"]),
-                                do_rescale=True, rescale_factor=1 / 255, do_normalize=True, do_convert_rgb=True)
+    images = CLIPImageProcessor(
+        **sizes,
+        resample=INTERPOLATION[preprocess.get("interpolation", "bicubic")],
+        image_mean=list(preprocess["mean"]),
+        image_std=list(preprocess["std"]),
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        do_convert_rgb=True,
+    )
     vocab, merges = write_tokenizer(tokenizer, folder / ".bpe")
-    text = CLIPTokenizerFast(vocab_file=str(vocab), merges_file=str(merges), unk_token="<|endoftext|>",
-                             bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                             model_max_length=context_length)
+    text = CLIPTokenizerFast(
+        vocab_file=str(vocab),
+        merges_file=str(merges),
+        unk_token="<|endoftext|>",
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=context_length,
+    )
     return CLIPProcessor(image_processor=images, tokenizer=text)
 
 
@@ -223,16 +287,22 @@ def check_same(model: nn.Module, theirs, tokenizer, size: int) -> float:
     NoCounterpart where it exceeds CHECK_TOLERANCE."""
     generator = torch.Generator().manual_seed(0)
     images = torch.randn(2, 3, size, size, generator=generator)
-    tokens = tokenizer(["a photo of a cat.", "a diagram of the number 7, drawn by hand"],
-                       context_length=theirs.config.text_config.max_position_embeddings)
+    tokens = tokenizer(
+        ["a photo of a cat.", "a diagram of the number 7, drawn by hand"],
+        context_length=theirs.config.text_config.max_position_embeddings,
+    )
     model = model.float().eval()
     with torch.no_grad():
-        differences = (_relative(theirs.get_image_features(pixel_values=images), model.encode_image(images)),
-                       _relative(theirs.get_text_features(input_ids=tokens), model.encode_text(tokens)))
+        differences = (
+            _relative(theirs.get_image_features(pixel_values=images), model.encode_image(images)),
+            _relative(theirs.get_text_features(input_ids=tokens), model.encode_text(tokens)),
+        )
     if max(differences) > CHECK_TOLERANCE:
-        raise NoCounterpart(f"the converted model's features differ from the model's by {max(differences):.2e} "
-                            f"(relative; the bound is {CHECK_TOLERANCE:g}): a variant the mapping does not know; "
-                            "export it with --format open_clip")
+        raise NoCounterpart(
+            f"the converted model's features differ from the model's by {max(differences):.2e} "
+            f"(relative; the bound is {CHECK_TOLERANCE:g}): a variant the mapping does not know; "
+            "export it with --format open_clip"
+        )
     return max(differences)
 
 

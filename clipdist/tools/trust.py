@@ -12,6 +12,7 @@ it carries runs now, as you** — and writes a copy of only its tensors and plai
 Anything that is neither a tensor nor a plain value (int, float, str, bytes, bool, None, and lists, tuples and
 dicts of them; NumPy arrays become lists) stops the conversion with its place in the file: no clipdist file holds one.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -23,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from clipdist.files import publish
 from clipdist.checkpoint.weights import PROGRESS, single_process_quietly
+from clipdist.files import publish
 
 PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)
 
@@ -46,8 +47,10 @@ def plain_copy(value, where: str = "it"):
     if isinstance(value, (list, tuple)):
         copied = [plain_copy(item, f"{where}[{index}]") for index, item in enumerate(value)]
         return copied if isinstance(value, list) else tuple(copied)
-    raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which no checkpoint or "
-                     "weights file holds: not converted")
+    raise ValueError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which no checkpoint or "
+        "weights file holds: not converted"
+    )
 
 
 def trust(source: str | Path, out: str | Path | None = None) -> Path:
@@ -69,8 +72,9 @@ def trust(source: str | Path, out: str | Path | None = None) -> Path:
 def _convert_folder(source: Path, staging: Path) -> None:
     state: dict = {}
     with single_process_quietly():  # the trusted, unsafe read: DCP's own reader and planner
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(source)),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            state, storage_reader=dcp.FileSystemReader(str(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
         dcp.save(plain_copy(state, where=str(source)), checkpoint_id=str(staging), no_dist=True)
     progress = torch.load(source / PROGRESS, map_location="cpu", weights_only=False)
     torch.save(plain_copy(progress, where=str(source / PROGRESS)), staging / PROGRESS)

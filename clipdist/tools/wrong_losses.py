@@ -3,6 +3,7 @@
 None of these is a backend: they exist so `clipdist gradcheck --loss clipdist.tools.wrong_losses:NAME`
 can show what each fault looks like, and so the tests can prove the harness catches them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,9 @@ def rank_slice_gather(image_features, text_features, logit_scale):
 def overwrite_own_slice(image_features, text_features, logit_scale):
     """Plain all_gather with the own slice put back, nothing else: encoders get 1/N."""
     layout = world_layout(image_features, text_features)
-    return clip_loss(_overwrite_own_slice(image_features, layout), _overwrite_own_slice(text_features, layout), logit_scale)
+    return clip_loss(
+        _overwrite_own_slice(image_features, layout), _overwrite_own_slice(text_features, layout), logit_scale
+    )
 
 
 def loss_times_world_size(image_features, text_features, logit_scale):

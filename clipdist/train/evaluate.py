@@ -23,6 +23,7 @@ Metrics, as open_clip names them where it has them:
 - `caption_loss` (CoCa models): the caption cross-entropy of each captioned image with its first caption, a mean
   over the label tokens of the whole set (the training objective's caption term, unweighted).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,16 +35,16 @@ from clipdist.data.batch import apply, floats_to, stack_rows
 from clipdist.data.eval_stream import eval_records, shard_of, split_by_shard
 from clipdist.data.faults import SkipCounter
 from clipdist.data.sources import EvalSet
+from clipdist.distributed.parallel import all_ranks, rank_and_world_size
 from clipdist.losses import clip_loss
 from clipdist.model.factory import has_caption_decoder
 from clipdist.objective import caption_cross_entropy
-from clipdist.distributed.parallel import all_ranks, rank_and_world_size
 
 SIMILARITY_BLOCK = 1 << 24  # similarities held at once while ranking (64 MB of float32)
 
 
 def fill_template(template: str, classname: str) -> str:
-    """"a photo of a {}." or clip_benchmark's "a photo of a {c}."."""
+    """ "a photo of a {}." or clip_benchmark's "a photo of a {c}."."""
     return template.format(classname, c=classname)
 
 
@@ -52,8 +53,10 @@ def recall_at_k(similarity: torch.Tensor, owner: torch.Tensor, ks=(1, 5, 10)) ->
     owner[j]: an image is right when any of its captions is among its k best, a caption when its image is among
     the k best."""
     image_rank, caption_rank = image_ranks(similarity, owner), caption_ranks(similarity.T, owner)
-    return ({k: (image_rank < k).double().mean().item() for k in ks},
-            {k: (caption_rank < k).double().mean().item() for k in ks})
+    return (
+        {k: (image_rank < k).double().mean().item() for k in ks},
+        {k: (caption_rank < k).double().mean().item() for k in ks},
+    )
 
 
 def image_ranks(similarity: torch.Tensor, owner: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -86,8 +89,10 @@ def _ranked(queries: torch.Tensor, keys: torch.Tensor, rank_block) -> torch.Tens
     shares gathered in order: `rank_block(similarities, first query index)` ranks one block."""
     share = _mine(len(queries))
     step = max(1, SIMILARITY_BLOCK // max(1, len(keys)))
-    ranks = [rank_block(queries[start:min(start + step, share.stop)] @ keys.T, start)
-             for start in range(share.start, share.stop, step)]
+    ranks = [
+        rank_block(queries[start : min(start + step, share.stop)] @ keys.T, start)
+        for start in range(share.start, share.stop, step)
+    ]
     mine = torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.long)
     return torch.cat(all_ranks(mine))
 
@@ -132,8 +137,9 @@ class _Encoder:
         return bool(flag.item())
 
 
-def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: SkipCounter, batch_size: int,
-                  stand_in) -> dict:
+def _encode_share(
+    encoder: _Encoder, evalset: EvalSet, image_transform, skips: SkipCounter, batch_size: int, stand_in
+) -> dict:
     """This rank's share of the set, encoded: sample indices, image features, caption features and their owners
     (sample indices), labels; or the error that stopped it (reported on every rank by `_gathered`)."""
     rank, world_size = rank_and_world_size()
@@ -168,8 +174,9 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
             text_features.append(encoder.texts([caption for _, _, captions, _ in batch for caption in captions]))
             captioned = [(image, captions[0]) for image, (_, _, captions, _) in zip(pixels, batch) if captions]
             if encoder.captions and (captioned or encoder.lockstep):
-                caption_terms += encoder.caption_terms([p for p, _ in captioned] or pixels[:1],
-                                                       [c for _, c in captioned])
+                caption_terms += encoder.caption_terms(
+                    [p for p, _ in captioned] or pixels[:1], [c for _, c in captioned]
+                )
         except Exception as failure:  # noqa: BLE001 -- agreed with the other ranks (_gathered), then raised on all
             if encoder.lockstep:
                 raise  # the ranks' forwards are out of step: nothing to agree on
@@ -179,10 +186,19 @@ def _encode_share(encoder: _Encoder, evalset: EvalSet, image_transform, skips: S
             indices.append(index)
             owners += [index] * len(captions)
             labels.append(label)
-    return {"indices": torch.tensor(indices, dtype=torch.long), "images": _rows(image_features),
-            "texts": _rows(text_features), "owners": torch.tensor(owners, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long), "skipped": skips.samples, "skipped_shards": skips.shards,
-            "skip_count": skips.count, "last_reason": skips.last_reason, "error": error, "caption_terms": caption_terms}
+    return {
+        "indices": torch.tensor(indices, dtype=torch.long),
+        "images": _rows(image_features),
+        "texts": _rows(text_features),
+        "owners": torch.tensor(owners, dtype=torch.long),
+        "labels": torch.tensor(labels, dtype=torch.long),
+        "skipped": skips.samples,
+        "skipped_shards": skips.shards,
+        "skip_count": skips.count,
+        "last_reason": skips.last_reason,
+        "error": error,
+        "caption_terms": caption_terms,
+    }
 
 
 def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -196,26 +212,33 @@ def _gathered(share: dict, evalset: EvalSet) -> dict:
     captions are contiguous and in order on its rank), each caption's owner as its sample's position. An error
     on any rank is raised on every rank."""
     shares = all_ranks(share)
-    errors = [(f"rank {rank}: " if len(shares) > 1 else "") + part["error"]
-              for rank, part in enumerate(shares) if part["error"]]
+    errors = [
+        (f"rank {rank}: " if len(shares) > 1 else "") + part["error"]
+        for rank, part in enumerate(shares)
+        if part["error"]
+    ]
     if errors:
         raise ValueError(f"eval set {evalset.name}: {errors[0]}")
     indices = torch.cat([part["indices"] for part in shares])
     if not len(indices):
         reason = next((part["last_reason"] for part in shares if part["last_reason"]), None)
-        raise ValueError(f"eval set {evalset.name}: no sample could be read from {evalset.urls[:3]} "
-                         f"({sum(part['skip_count'] for part in shares)} skipped; the last: {reason})")
+        raise ValueError(
+            f"eval set {evalset.name}: no sample could be read from {evalset.urls[:3]} "
+            f"({sum(part['skip_count'] for part in shares)} skipped; the last: {reason})"
+        )
     order = indices.argsort()
     owners = torch.cat([part["owners"] for part in shares])
     caption_order = owners.argsort(stable=True)
     texts = _rows([part["texts"] for part in shares])
-    return {"images": _rows([part["images"] for part in shares])[order],
-            "labels": torch.cat([part["labels"] for part in shares])[order],
-            "texts": texts[caption_order] if texts.numel() else None,
-            "owners": torch.searchsorted(indices[order], owners[caption_order]),
-            "skipped": sum(part["skipped"] for part in shares),
-            "skipped_shards": sum(part["skipped_shards"] for part in shares),
-            "caption_terms": sum(part["caption_terms"] for part in shares)}
+    return {
+        "images": _rows([part["images"] for part in shares])[order],
+        "labels": torch.cat([part["labels"] for part in shares])[order],
+        "texts": texts[caption_order] if texts.numel() else None,
+        "owners": torch.searchsorted(indices[order], owners[caption_order]),
+        "skipped": sum(part["skipped"] for part in shares),
+        "skipped_shards": sum(part["skipped_shards"] for part in shares),
+        "caption_terms": sum(part["caption_terms"] for part in shares),
+    }
 
 
 def zero_shot_classifier(encoder: _Encoder, classnames: list[str], templates: list[str]) -> torch.Tensor:
@@ -239,14 +262,28 @@ def zero_shot_classifier(encoder: _Encoder, classnames: list[str], templates: li
 def clip_loss_in_blocks(images: torch.Tensor, texts: torch.Tensor, logit_scale: float, block: int) -> float:
     """The CLIP loss (losses.clip_loss) over consecutive blocks of `block` pairs, weighted by block size (open_clip's
     val loss)."""
-    total = sum(clip_loss(images[start:start + block], texts[start:start + block], logit_scale).item()
-                * len(images[start:start + block]) for start in range(0, len(images), block))
+    total = sum(
+        clip_loss(images[start : start + block], texts[start : start + block], logit_scale).item()
+        * len(images[start : start + block])
+        for start in range(0, len(images), block)
+    )
     return total / len(images)
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max_skips_in_a_row: int,
-             batch_size: int = 256, loss_block: int | None = None, autocast=None, lockstep: bool = False) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    evalset: EvalSet,
+    image_transform,
+    device,
+    *,
+    max_skips_in_a_row: int,
+    batch_size: int = 256,
+    loss_block: int | None = None,
+    autocast=None,
+    lockstep: bool = False,
+) -> dict:
     """Metrics on every usable sample of `evalset` (the module docstring), named by evalset.metric(). A collective
     where a process group has several ranks: every rank calls it and gets the same metrics. Images are encoded
     `batch_size` at a time; `clip_loss` is taken over blocks of `loss_block` (default: batch_size) — training
@@ -259,20 +296,28 @@ def evaluate(model, tokenizer, evalset: EvalSet, image_transform, device, *, max
     stand_in = image_transform(Image.new("RGB", (32, 32)))  # what a rank with nothing left encodes in lockstep
     try:
         with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
-            share = _encode_share(encoder, evalset, image_transform, SkipCounter(max_skips_in_a_row), batch_size,
-                                  stand_in)
+            share = _encode_share(
+                encoder, evalset, image_transform, SkipCounter(max_skips_in_a_row), batch_size, stand_in
+            )
             found = _gathered(share, evalset)
             classifier = None
             if evalset.classnames and bool((found["labels"] >= 0).any()):
                 classifier = zero_shot_classifier(encoder, evalset.classnames, evalset.templates)
-        metrics = {"samples": len(found["labels"]), "skipped": found["skipped"],
-                   "skipped_shards": found["skipped_shards"]}
+        metrics = {
+            "samples": len(found["labels"]),
+            "skipped": found["skipped"],
+            "skipped_shards": found["skipped_shards"],
+        }
         if found["texts"] is not None:
             metrics.update(retrieval_metrics(found["images"], found["texts"], found["owners"]))
             first = torch.ones(len(found["owners"]), dtype=torch.bool)
             first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
-            metrics["clip_loss"] = clip_loss_in_blocks(found["images"][found["owners"][first]], found["texts"][first],
-                                                       model.logit_scale.exp().item(), loss_block or batch_size)
+            metrics["clip_loss"] = clip_loss_in_blocks(
+                found["images"][found["owners"][first]],
+                found["texts"][first],
+                model.logit_scale.exp().item(),
+                loss_block or batch_size,
+            )
             caption_sum, caption_tokens = found["caption_terms"].tolist()
             if encoder.captions and caption_tokens:  # CoCa: each image with its first caption, a token mean
                 metrics["caption_loss"] = caption_sum / caption_tokens
@@ -290,7 +335,7 @@ def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.T
     remap[keep] = torch.arange(len(keep))
     owner, kept = remap[owners], images[keep]
     image_rank = _ranked(kept, texts, lambda block, start: image_ranks(block, owner, start))
-    caption_rank = _ranked(texts, kept, lambda block, start: caption_ranks(block, owner[start:start + len(block)]))
+    caption_rank = _ranked(texts, kept, lambda block, start: caption_ranks(block, owner[start : start + len(block)]))
     metrics = {}
     for name, ranks in (("i2t", image_rank), ("t2i", caption_rank)):
         metrics.update({f"{name}_r{k}": (ranks < k).double().mean().item() for k in ks})  # the fraction, as float64
@@ -302,10 +347,13 @@ def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.T
 def zero_shot_metrics(images: torch.Tensor, labels: torch.Tensor, classifier: torch.Tensor, evalset: EvalSet) -> dict:
     labelled = labels >= 0
     if int(labels.max()) >= len(evalset.classnames):
-        raise ValueError(f"eval set {evalset.name}: label {int(labels.max())} but only {len(evalset.classnames)} "
-                         "class names")
+        raise ValueError(
+            f"eval set {evalset.name}: label {int(labels.max())} but only {len(evalset.classnames)} class names"
+        )
     top = (images[labelled] @ classifier.T).topk(min(5, len(evalset.classnames)), dim=1).indices
     target = labels[labelled].unsqueeze(1)
-    return {"zeroshot_samples": int(labelled.sum()),
-            "zeroshot_top1": (top[:, :1] == target).any(dim=1).double().mean().item(),
-            "zeroshot_top5": (top == target).any(dim=1).double().mean().item()}
+    return {
+        "zeroshot_samples": int(labelled.sum()),
+        "zeroshot_top1": (top[:, :1] == target).any(dim=1).double().mean().item(),
+        "zeroshot_top5": (top == target).any(dim=1).double().mean().item(),
+    }

@@ -16,11 +16,12 @@
   ½(1 + cos(π (s − W)/(S − W))) · lr, `const` lr, or `const_cooldown` lr until S − C, then
   (1 − e/C)^p · (lr − end) + end with e = s − (S − C).
 """
+
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from timm.optim import create_optimizer_v2, get_optimizer_info, list_optimizers
@@ -60,9 +61,15 @@ def layer_scales(model: torch.nn.Module, decays: dict[str, float | None]) -> dic
         blocks = {name: int(found.group(1)) for name in members if (found := _BLOCK.search(name))}
         if not blocks:
             locked = any(_BLOCK.search(name) for name, _ in model.named_parameters() if tower_of(name) == tower)
-            raise ValueError(f"optim.{tower}_layer_decay: the {tower} tower has no numbered blocks to decay over" + (
-                " among its trainable parameters (model.lock_* keeps them all frozen): unlock more of them or drop "
-                "the decay" if locked else ""))
+            raise ValueError(
+                f"optim.{tower}_layer_decay: the {tower} tower has no numbered blocks to decay over"
+                + (
+                    " among its trainable parameters (model.lock_* keeps them all frozen): unlock more of them or drop "
+                    "the decay"
+                    if locked
+                    else ""
+                )
+            )
         depth = max(blocks.values()) + 1
         for name in members:
             layer = blocks[name] + 1 if name in blocks else 0 if _STEM.search(name) else depth + 1
@@ -70,8 +77,13 @@ def layer_scales(model: torch.nn.Module, decays: dict[str, float | None]) -> dic
     return scales
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay=("bn", "ln", "bias", "logit_scale"),
-                     decays: dict[str, float | None] | None = None, lr: float = 1.0) -> list[dict]:
+def parameter_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    no_decay=("bn", "ln", "bias", "logit_scale"),
+    decays: dict[str, float | None] | None = None,
+    lr: float = 1.0,
+) -> list[dict]:
     """Trainable parameters grouped by (decayed or not, lr multiplier); each group's lr is `lr` × its multiplier."""
     scales = layer_scales(model, decays or {})
     groups: dict[tuple[bool, float], list] = {}
@@ -79,8 +91,10 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, no_decay=("bn"
         if param.requires_grad:
             decayed = param.ndim >= 2 and not any(pattern in name for pattern in no_decay)
             groups.setdefault((decayed, scales[name]), []).append(param)
-    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale}
-            for (decayed, scale), params in sorted(groups.items(), key=lambda item: (not item[0][0], -item[0][1]))]
+    return [
+        {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale}
+        for (decayed, scale), params in sorted(groups.items(), key=lambda item: (not item[0][0], -item[0][1]))
+    ]
 
 
 def lr_factor(optim) -> Callable[[int], float]:
@@ -112,14 +126,19 @@ def check_schedule(optim) -> None:
     than the steps after warmup."""
     if str(optim.schedule) == "const_cooldown":
         if not optim.cooldown_steps or optim.cooldown_steps < 1:
-            raise ValueError("optim.schedule=const_cooldown needs optim.cooldown_steps (the last N steps decay), e.g. "
-                             f"optim.cooldown_steps={max(1, optim.max_steps // 10)}")
+            raise ValueError(
+                "optim.schedule=const_cooldown needs optim.cooldown_steps (the last N steps decay), e.g. "
+                f"optim.cooldown_steps={max(1, optim.max_steps // 10)}"
+            )
         if optim.cooldown_steps > optim.max_steps - optim.warmup_steps:
-            raise ValueError(f"optim.cooldown_steps={optim.cooldown_steps} is more than the steps after warmup "
-                             f"({optim.max_steps} - {optim.warmup_steps})")
+            raise ValueError(
+                f"optim.cooldown_steps={optim.cooldown_steps} is more than the steps after warmup "
+                f"({optim.max_steps} - {optim.warmup_steps})"
+            )
     elif optim.cooldown_steps is not None:
-        raise ValueError(f"optim.cooldown_steps={optim.cooldown_steps} is for optim.schedule=const_cooldown, "
-                         f"not {optim.schedule}")
+        raise ValueError(
+            f"optim.cooldown_steps={optim.cooldown_steps} is for optim.schedule=const_cooldown, not {optim.schedule}"
+        )
 
 
 def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
@@ -136,19 +155,25 @@ def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=optim.lr, fused=fused or None, **{**options, **optim.kwargs})
     info, options = get_optimizer_info(name), {}
     if info.has_betas and optim.betas:
-        options["betas"] = tuple(optim.betas[:info.num_betas])
+        options["betas"] = tuple(optim.betas[: info.num_betas])
     if info.has_eps and optim.eps is not None:
         options["eps"] = optim.eps
     if info.has_momentum and optim.momentum is not None:
         options["momentum"] = optim.momentum
-    return create_optimizer_v2(groups, opt=name, lr=optim.lr, weight_decay=optim.weight_decay,
-                               **{**options, **optim.kwargs})
+    return create_optimizer_v2(
+        groups, opt=name, lr=optim.lr, weight_decay=optim.weight_decay, **{**options, **optim.kwargs}
+    )
 
 
 def build_optimizer(model: torch.nn.Module, optim):
     """(the optimizer, its LambdaLR schedule) for `model`'s trainable parameters."""
-    groups = parameter_groups(model, optim.weight_decay, tuple(optim.no_decay),
-                              {"image": optim.image_layer_decay, "text": optim.text_layer_decay}, optim.lr)
+    groups = parameter_groups(
+        model,
+        optim.weight_decay,
+        tuple(optim.no_decay),
+        {"image": optim.image_layer_decay, "text": optim.text_layer_decay},
+        optim.lr,
+    )
     optimizer = create_optimizer(groups, optim)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim))
 

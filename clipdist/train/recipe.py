@@ -6,6 +6,7 @@ warnings for settings that run but do not do what their writer meant.
     loss disco: contrastive_loss × 1 + caption_loss × 2; global batch 128 (2 rank(s) × 64)
     data: 4 train shard(s) in 1 source(s); evaluation: val
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,15 +34,27 @@ def model_line(cfg: TrainConfig, model: torch.nn.Module) -> str:
     trained, total = _tower(model.parameters())
     image = _tower(model.visual.parameters())
     text = _tower(p for name, p in model.named_parameters() if not name.startswith("visual.") and name not in SCALARS)
-    locks = [f"{name} tower locked: {_millions(part[0])} of {_millions(part[1])} trained"
-             for name, locked, part in (("image", cfg.model.lock_image, image), ("text", cfg.model.lock_text, text))
-             if locked]
-    return (f"model {cfg.model.name}: {_millions(total)} parameters, {_millions(trained)} trained"
-            + (f" ({'; '.join(locks)})" if locks else ""))
+    locks = [
+        f"{name} tower locked: {_millions(part[0])} of {_millions(part[1])} trained"
+        for name, locked, part in (("image", cfg.model.lock_image, image), ("text", cfg.model.lock_text, text))
+        if locked
+    ]
+    return f"model {cfg.model.name}: {_millions(total)} parameters, {_millions(trained)} trained" + (
+        f" ({'; '.join(locks)})" if locks else ""
+    )
 
 
-def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int, chunks: int, precision: str,
-           shards: Shards, budget=None, trim_text: bool = False) -> list[str]:
+def recipe(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    objective,
+    world_size: int,
+    chunks: int,
+    precision: str,
+    shards: Shards,
+    budget=None,
+    trim_text: bool = False,
+) -> list[str]:
     """The start banner's lines (`budget`: a NaFlex run's data.naflex.TokenBudget; `trim_text`: the step cuts
     captions to the batch's longest)."""
     optim = cfg.optim
@@ -52,25 +65,35 @@ def recipe(cfg: TrainConfig, model: torch.nn.Module, objective, world_size: int,
     terms = " + ".join(f"{term.name} × {weight:g}" for term, weight in objective.terms)
     caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
     evals, rows = ", ".join(evalset.name for evalset in shards.evals) or "none", table_rows(shards)
-    batch = f"global batch {cfg.world.batch_per_device * world_size} ({world_size} rank(s) × {cfg.world.batch_per_device}"
+    batch = (
+        f"global batch {cfg.world.batch_per_device * world_size} ({world_size} rank(s) × {cfg.world.batch_per_device}"
+    )
     if budget is not None:
         sizes = ", ".join(f"{length}: {budget.max_tokens // length}" for length in budget.seq_lens)
-        batch = (f"global batch of {budget.max_tokens} image patches (samples at each sequence length: {sizes}; "
-                 f"{world_size} rank(s)")
-    return [model_line(cfg, model),
-            f"optimizer {optim.name} ({', '.join(settings)}); {optim.schedule} schedule, warmup {optim.warmup_steps} of "
-            f"{optim.max_steps} steps; precision {precision}",
-            f"loss {cfg.loss.name}: {terms}; {batch}{caching}); {cfg.world.parallel}",
-            f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
-            + (f", {rows:,} rows" if rows else "") + f"; evaluation: {evals}; {captions_line(cfg, model, trim_text)}"]
+        batch = (
+            f"global batch of {budget.max_tokens} image patches (samples at each sequence length: {sizes}; "
+            f"{world_size} rank(s)"
+        )
+    return [
+        model_line(cfg, model),
+        f"optimizer {optim.name} ({', '.join(settings)}); {optim.schedule} schedule, warmup {optim.warmup_steps} of "
+        f"{optim.max_steps} steps; precision {precision}",
+        f"loss {cfg.loss.name}: {terms}; {batch}{caching}); {cfg.world.parallel}",
+        f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
+        + (f", {rows:,} rows" if rows else "")
+        + f"; evaluation: {evals}; {captions_line(cfg, model, trim_text)}",
+    ]
 
 
 def captions_line(cfg: TrainConfig, model: torch.nn.Module, trimmed: bool) -> str:
     """How captions are padded, and why not to the batch's longest where they are not."""
     if trimmed:
         return "captions padded to the batch's longest"
-    why = "data.trim_text=false" if not cfg.data.trim_text else trims_exactly(model) or "the teacher's text tower " \
-        "cannot take them shorter"
+    why = (
+        "data.trim_text=false"
+        if not cfg.data.trim_text
+        else trims_exactly(model) or "the teacher's text tower cannot take them shorter"
+    )
     return f"captions padded to the context length ({why})"
 
 
@@ -87,10 +110,14 @@ def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
     reaches optim.lr), a global batch larger than the data (every batch holds pairs twice: false negatives)."""
     found, optim = [], cfg.optim
     if optim.warmup_steps >= optim.max_steps:
-        found.append(f"optim.warmup_steps={optim.warmup_steps} is not below optim.max_steps={optim.max_steps}: the lr "
-                     f"never reaches optim.lr={optim.lr:g}; lower the warmup or raise max_steps")
+        found.append(
+            f"optim.warmup_steps={optim.warmup_steps} is not below optim.max_steps={optim.max_steps}: the lr "
+            f"never reaches optim.lr={optim.lr:g}; lower the warmup or raise max_steps"
+        )
     rows, batch = table_rows(shards), cfg.world.batch_per_device * cfg.world.world_size
     if rows is not None and batch > rows:
-        found.append(f"the global batch {batch} is larger than the {rows} rows of data.train_shards: every batch "
-                     "holds some pairs twice, false negatives for a contrastive loss; lower world.batch_per_device")
+        found.append(
+            f"the global batch {batch} is larger than the {rows} rows of data.train_shards: every batch "
+            "holds some pairs twice, false negatives for a contrastive loss; lower world.batch_per_device"
+        )
     return found

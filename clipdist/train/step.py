@@ -28,6 +28,7 @@ cached feature gradients carry the scale into every chunk's backward) and the gr
 before clipping; an overflow anywhere skips the update on every rank (`Step.overflowed`); the step still
 counts and the schedule advances, as in open_clip_train.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
-from clipdist.distributed import parallel
 from clipdist.data.batch import Batch, as_batch, floats_to
+from clipdist.distributed import parallel
 from clipdist.model.short_text import trim
 from clipdist.objective import Outputs, as_objective
 
@@ -64,12 +65,18 @@ class StepAgreement:
         return parallel.all_reduce_mean(torch.cat([*values, flags.to(loss.device, non_blocking=True)]))
 
     @classmethod
-    def read(cls, mean: torch.Tensor, term_names=()) -> "StepAgreement":
+    def read(cls, mean: torch.Tensor, term_names=()) -> StepAgreement:
         values, world_size = mean.tolist(), parallel.rank_and_world_size()[1]
-        loss, terms = values[0], dict(zip(term_names, values[1:1 + len(term_names)]))
-        values = values[1 + len(term_names):]
-        return cls(loss, values[0] > 0, values[1] > 0, values[2] > 1 - 1e-9,
-                   [round(value * world_size) for value in values[3:]], terms)
+        loss, terms = values[0], dict(zip(term_names, values[1 : 1 + len(term_names)]))
+        values = values[1 + len(term_names) :]
+        return cls(
+            loss,
+            values[0] > 0,
+            values[1] > 0,
+            values[2] > 1 - 1e-9,
+            [round(value * world_size) for value in values[3:]],
+            terms,
+        )
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -87,9 +94,22 @@ class Step:
     compiled); `device` and `normalize` put a batch (or a chunk) on the device and normalise uint8 pixels
     there (None: as given); `trim_text`: captions cut to the batch's (or chunk's) longest (short_text.trim)."""
 
-    def __init__(self, model, loss_fn, optimizer=None, scheduler=None, *, autocast=None, device=None,
-                 normalize=None, grad_clip: float = 0.0, max_logit_scale: float = 100.0, scaler=None,
-                 input_dtype: torch.dtype | None = None, trim_text: bool = False):
+    def __init__(
+        self,
+        model,
+        loss_fn,
+        optimizer=None,
+        scheduler=None,
+        *,
+        autocast=None,
+        device=None,
+        normalize=None,
+        grad_clip: float = 0.0,
+        max_logit_scale: float = 100.0,
+        scaler=None,
+        input_dtype: torch.dtype | None = None,
+        trim_text: bool = False,
+    ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.objective = as_objective(loss_fn)  # the contrastive backend, CoCa's caption term, distillation
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
@@ -206,8 +226,11 @@ class CachedStep(Step):
                 with self.autocast:
                     chunk = self.objective.chunk_outputs(self.model(**inputs), inputs, per_chunk=True)
                 scalar_grads = [s.grad if last else torch.zeros_like(s) for s in scalars]
-                pairs = [(out, grad) for out, grad in zip(chunk.features, [image_grads[k], text_grads[k], *scalar_grads])
-                         if out.requires_grad]  # a locked tower's features have no graph
+                pairs = [
+                    (out, grad)
+                    for out, grad in zip(chunk.features, [image_grads[k], text_grads[k], *scalar_grads])
+                    if out.requires_grad
+                ]  # a locked tower's features have no graph
                 own = self.objective.chunk_loss(chunk, outputs)  # CoCa: the chunk's share of w·N/T·Σ CE
                 if own is not None:
                     pairs.append((self.scaled(own), None))

@@ -1,5 +1,6 @@
 """Weights & Biases (offline by default), TensorBoard (logging.tensorboard=true), <run_dir>/train_log.jsonl
 and <run_dir>/metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
-from clipdist.errors import RunDirError
-from clipdist.distributed.launch import unreachable
 from clipdist.checkpoint.run_dir import jsonl_rows
+from clipdist.distributed.launch import unreachable
+from clipdist.errors import RunDirError
 
 DEFAULT_WANDB_URL = "https://api.wandb.ai"
 REACH_TIMEOUT_S = 10
@@ -25,8 +26,10 @@ def check_wandb_online(environ=None) -> None:
     env = os.environ if environ is None else environ
     url = env.get("WANDB_BASE_URL", DEFAULT_WANDB_URL)
     host = urlparse(url).hostname or url
-    offline = ("log offline with logging.wandb=offline and upload later with `wandb sync runs/<name>/wandb/offline-run-*`, "
-               "or turn W&B off with logging.wandb=disabled")
+    offline = (
+        "log offline with logging.wandb=offline and upload later with `wandb sync runs/<name>/wandb/offline-run-*`, "
+        "or turn W&B off with logging.wandb=disabled"
+    )
     if not env.get("WANDB_API_KEY") and not _netrc_key(host, env):
         raise ValueError(f"logging.wandb=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): {offline}")
     reason = unreachable(url, REACH_TIMEOUT_S)
@@ -40,14 +43,17 @@ def _netrc_key(host: str, env) -> bool:
     except (OSError, netrc.NetrcParseError):
         return False
 
+
 def check_tensorboard() -> None:
     """Before any rank starts, for logging.tensorboard=true: torch writes event files through the
     tensorboard package, which clipdist does not require."""
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        raise ValueError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                         "(or clipdist[tensorboard]), or leave logging.tensorboard=false") from None
+        raise ValueError(
+            "logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+            "(or clipdist[tensorboard]), or leave logging.tensorboard=false"
+        ) from None
 
 
 def wandb_records(path: Path):
@@ -65,8 +71,8 @@ def wandb_records(path: Path):
         if room < 7:  # too little of the block left for a header: the writer padded it
             position += room
             continue
-        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
-        chunk = data[position + 7:position + 7 + length]
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        chunk = data[position + 7 : position + 7 + length]
         if kind == 0 or len(chunk) < length:
             return
         position += 7 + length
@@ -97,15 +103,27 @@ class RunTracker:
     W&B recorded, and from then on only steps after it. W&B's steps must grow within a run: this keeps every
     step once, in order."""
 
-    def __init__(self, run_dir: Path, mode: str, project: str, name: str, config: dict, enabled: bool,
-                 tensorboard: bool = False, start_step: int = 0, notes: str | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        mode: str,
+        project: str,
+        name: str,
+        config: dict,
+        enabled: bool,
+        tensorboard: bool = False,
+        start_step: int = 0,
+        notes: str | None = None,
+    ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.run = self.board = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.board = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self.board = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
+            )
         if enabled and mode != "disabled":
             import wandb
 
@@ -114,7 +132,13 @@ class RunTracker:
             id_file.write_text(run_id)
             recorded = wandb_steps(run_dir, run_id)
             self.run = wandb.init(
-                mode=str(mode), project=project, name=name, id=run_id, resume="allow", dir=str(run_dir), config=config,
+                mode=str(mode),
+                project=project,
+                name=name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                config=config,
                 notes=notes,
                 settings=wandb.Settings(silent=True, console="off", init_timeout=120),
             )
@@ -148,8 +172,10 @@ class RunTracker:
             with open(self.run_dir / filename, "a") as handle:
                 handle.write(json.dumps({"step": step, **values}) + "\n")
         except OSError as error:  # a full disk (a checkpoint written beside it, say): one line, not a traceback
-            raise RunDirError(f"could not write {self.run_dir / filename}: {error.strerror or error}; free space (or "
-                              "fix the folder) and resume with resume=auto") from None
+            raise RunDirError(
+                f"could not write {self.run_dir / filename}: {error.strerror or error}; free space (or "
+                "fix the folder) and resume with resume=auto"
+            ) from None
         if self.run is not None and step > self.wandb_after:  # a re-run step W&B recorded before the kill: once
             self.run.log({f"{section}/{key}": value for key, value in values.items()}, step=step)
         if self.board is not None:
@@ -182,15 +208,23 @@ class StepProfiler:
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.directory, self.rank = Path(run_dir) / "profile", rank
-            self.profiler = profile(activities=activities, record_shapes=True, on_trace_ready=self._write,
-                                    schedule=schedule(wait=max(0, wait - 1), warmup=1, active=steps, repeat=1))
+            self.profiler = profile(
+                activities=activities,
+                record_shapes=True,
+                on_trace_ready=self._write,
+                schedule=schedule(wait=max(0, wait - 1), warmup=1, active=steps, repeat=1),
+            )
             self.profiler.start()
 
     def _write(self, profiler) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(self.directory / f"rank{self.rank}.trace.json"))
-        sort_by = "self_cuda_time_total" if profiler.activities and len(profiler.activities) > 1 else "self_cpu_time_total"
-        (self.directory / f"rank{self.rank}.txt").write_text(profiler.key_averages().table(sort_by=sort_by, row_limit=40))
+        sort_by = (
+            "self_cuda_time_total" if profiler.activities and len(profiler.activities) > 1 else "self_cpu_time_total"
+        )
+        (self.directory / f"rank{self.rank}.txt").write_text(
+            profiler.key_averages().table(sort_by=sort_by, row_limit=40)
+        )
 
     def step(self) -> None:
         if self.profiler is not None:

@@ -1,27 +1,29 @@
 """Training: config → checks → world → components → the loop (step, log, evaluate, checkpoint).
 
-    run(cfg)                 checks the whole config before any rank starts, then starts the ranks
-    train(cfg, shards)       on every rank: process group, Trainer(...).fit()
-    Trainer.__init__         every component built from config, in one place
-    Trainer.fit              the loop, top to bottom
+run(cfg)                 checks the whole config before any rank starts, then starts the ranks
+train(cfg, shards)       on every rank: process group, Trainer(...).fit()
+Trainer.__init__         every component built from config, in one place
+Trainer.fit              the loop, top to bottom
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import record_function
 from tqdm import tqdm
 
 from clipdist import console
-
-from clipdist.distributed import host, launch, parallel
-
-from clipdist.model import precision, targets
 from clipdist.checkpoint.manager import Checkpointer
+from clipdist.checkpoint.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
+from clipdist.checkpoint.state import TrainState, seed_everything
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.images import PixelNormalize, normalize_on_device
@@ -30,20 +32,20 @@ from clipdist.data.sources import Shards
 from clipdist.data.stream import TrainStream
 from clipdist.data.transforms import image_transforms
 from clipdist.data.workers import LoaderPlan, loader_priority
+from clipdist.distributed import host, launch, parallel
 from clipdist.errors import TrainingDiverged
-from clipdist.train.evaluate import evaluate
-from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.losses import build as build_loss
+from clipdist.model import precision, targets
 from clipdist.model.factory import blank_images, create_run_model
-from clipdist.objective import run_objective
-from clipdist.train.optim import build_optimizer
-from clipdist.preflight import loader_workers_for, preflight
-from clipdist.train.recipe import recipe, traps
-from clipdist.checkpoint.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
+from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.short_text import allow_short_text
-from clipdist.checkpoint.state import TrainState, seed_everything
-from clipdist.train.step import build_step
 from clipdist.model.timm_towers import naflex_trunk, seq_len
+from clipdist.objective import run_objective
+from clipdist.preflight import loader_workers_for, preflight
+from clipdist.train.evaluate import evaluate
+from clipdist.train.optim import build_optimizer
+from clipdist.train.recipe import recipe, traps
+from clipdist.train.step import Step, build_step
 from clipdist.train.tracking import RunTracker, StepProfiler
 
 log = logging.getLogger("clipdist")
@@ -68,8 +70,7 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
         for warning in [*warnings, *traps(cfg, shards)]:  # the resume's, and settings that do not do what they seem
             log.warning("%s", warning)
         if env.launcher == "single" and cfg.world.world_size > 1:
-            return launch.launch_local(train, cfg.world.world_size, cfg, shards,
-                                            timeout_s=cfg.world.timeout_s)[0]
+            return launch.launch_local(train, cfg.world.world_size, cfg, shards, timeout_s=cfg.world.timeout_s)[0]
         return train(cfg, shards)
 
 
@@ -88,9 +89,13 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
         log.info("malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)")
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
-    launch.init_process_group(env, backend=backend, timeout_s=cfg.world.timeout_s,
-                                   rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
-                                   single=cfg.world.parallel == "fsdp")
+    launch.init_process_group(
+        env,
+        backend=backend,
+        timeout_s=cfg.world.timeout_s,
+        rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
+        single=cfg.world.parallel == "fsdp",
+    )
     console.name_rank(env.rank, env.world_size)
     try:
         if env.world_size > 1:
@@ -108,15 +113,15 @@ class Parts:
 
     model: torch.nn.Module  # the model (its parameters: what the optimizer and checkpoints see)
     train_model: torch.nn.Module  # the model as it steps: wrapped (DDP / FSDP) and compiled where asked
-    tokenizer: object
-    loss_fn: object
+    tokenizer: Callable[..., torch.Tensor]  # captions -> token ids (open_clip's tokenizer for the text tower)
+    loss_fn: torch.nn.Module  # the loss backend (clipdist.losses.build)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: object  # fp16's gradient scaler, or None
-    autocast: object
-    step: object  # clipdist.train.step.Step: one optimisation step of a Batch
-    train_transform: object
-    val_transform: object
+    scaler: precision.GradScaler | None  # fp16's gradient scaler
+    autocast: AbstractContextManager  # the forward's precision: torch.autocast, or a null context
+    step: Step  # one optimisation step of a Batch
+    train_transform: Callable[[Any], Any]  # a decoded image -> the tower's input
+    val_transform: Callable[[Any], Any]
 
 
 def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
@@ -125,47 +130,79 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     autocast = precision.autocast(cfg.precision, device)
     loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model, tokenizer = create_run_model(cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision),
-                                        local_rank)
+    model, tokenizer = create_run_model(
+        cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
+    )
     # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
     # the autocast dtype on CUDA (gradients are reduced in fp32).
-    gathered_dtype = precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" \
-        else None
-    train_model = parallel.wrap_model(model, parallel=str(cfg.world.parallel), compile=cfg.model.compile,
-                                      param_dtype=gathered_dtype, sync_batchnorm=cfg.world.sync_batchnorm)
+    gathered_dtype = (
+        precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
+    )
+    train_model = parallel.wrap_model(
+        model,
+        parallel=str(cfg.world.parallel),
+        compile=cfg.model.compile,
+        param_dtype=gathered_dtype,
+        sync_batchnorm=cfg.world.sync_batchnorm,
+    )
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     scaler = precision.gradient_scaler(cfg.precision, device)
     if cfg.data.resolution_schedule and naflex_trunk(model) is None:
         allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
     train_transform, val_transform = image_transforms(model, cfg.data)
     mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
-    teacher = targets.load_teacher(cfg.loss.distill, cfg.model.cache_dir, device,
-                                   precision.weights_dtype(cfg.precision), local_rank)
+    teacher = targets.load_teacher(
+        cfg.loss.distill, cfg.model.cache_dir, device, precision.weights_dtype(cfg.precision), local_rank
+    )
     objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, teacher)
     trim_text = cfg.data.trim_text and allow_short_text(model) and (teacher is None or allow_short_text(teacher))
-    step = build_step(train_model, objective, optimizer, scheduler,
-                      chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device), autocast=autocast,
-                      device=device, normalize=PixelNormalize(mean, std, device), grad_clip=cfg.optim.grad_clip,
-                      max_logit_scale=cfg.optim.max_logit_scale, scaler=scaler,
-                      input_dtype=precision.weights_dtype(cfg.precision), trim_text=trim_text)
-    return Parts(model, train_model, tokenizer, loss_fn, optimizer, scheduler, scaler, autocast, step,
-                 train_transform, val_transform)
+    step = build_step(
+        train_model,
+        objective,
+        optimizer,
+        scheduler,
+        chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
+        autocast=autocast,
+        device=device,
+        normalize=PixelNormalize(mean, std, device),
+        grad_clip=cfg.optim.grad_clip,
+        max_logit_scale=cfg.optim.max_logit_scale,
+        scaler=scaler,
+        input_dtype=precision.weights_dtype(cfg.precision),
+        trim_text=trim_text,
+    )
+    return Parts(
+        model,
+        train_model,
+        tokenizer,
+        loss_fn,
+        optimizer,
+        scheduler,
+        scaler,
+        autocast,
+        step,
+        train_transform,
+        val_transform,
+    )
 
 
 class Trainer:
     """One rank's run: components built from config (build_parts, the stream, the checkpointer, the tracker),
     then `fit`, a plain loop."""
 
-    def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device,
-                 plan: LoaderPlan):
+    def __init__(self, cfg: TrainConfig, shards: Shards, env: launch.DistEnv, device: torch.device, plan: LoaderPlan):
         self.cfg, self.shards, self.env, self.device = cfg, shards, env, device
         # Every rank must agree on the run directory (a ${now:...} name resolved per process can differ).
         self.run_dir = Path(parallel.all_ranks(cfg.run_dir)[0])
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         parts = build_parts(cfg, device, env.local_rank)
-        self.autocast, self.loss_fn, self.model, self.tokenizer = parts.autocast, parts.loss_fn, parts.model, \
-            parts.tokenizer
+        self.autocast, self.loss_fn, self.model, self.tokenizer = (
+            parts.autocast,
+            parts.loss_fn,
+            parts.model,
+            parts.tokenizer,
+        )
         self.train_model, self.scaler, self.step = parts.train_model, parts.scaler, parts.step
         self.val_transform = parts.val_transform
         self.sharded = parallel.is_sharded(self.model)
@@ -179,12 +216,25 @@ class Trainer:
         for warning in rewind_logs(self.run_dir, self.state.step) if env.is_main else ():
             log.warning("%s", warning)
         self.eval_errors, self.shown_scale = 0, "-"  # evaluations that failed; the progress bar's logit scale
-        self.tracker = RunTracker(self.run_dir, cfg.logging.wandb, cfg.logging.project, self.run_dir.name,
-                                  as_dict(cfg), env.is_main, cfg.logging.tensorboard, self.state.step,
-                                  notes=cfg.logging.wandb_notes)
-        self.progress = tqdm(total=cfg.optim.max_steps, initial=self.state.step, dynamic_ncols=True, mininterval=1.0,
-                             disable=not (env.is_main and cfg.logging.progress),
-                             desc=f"train {cfg.loss.name} ×{env.world_size}")
+        self.tracker = RunTracker(
+            self.run_dir,
+            cfg.logging.wandb,
+            cfg.logging.project,
+            self.run_dir.name,
+            as_dict(cfg),
+            env.is_main,
+            cfg.logging.tensorboard,
+            self.state.step,
+            notes=cfg.logging.wandb_notes,
+        )
+        self.progress = tqdm(
+            total=cfg.optim.max_steps,
+            initial=self.state.step,
+            dynamic_ncols=True,
+            mininterval=1.0,
+            disable=not (env.is_main and cfg.logging.progress),
+            desc=f"train {cfg.loss.name} ×{env.world_size}",
+        )
 
     def build_stream(self, plan: LoaderPlan, image_transform) -> TrainStream:
         """This rank's training stream, its loader workers tuned by the stream from the run's measurements."""
@@ -192,19 +242,33 @@ class Trainer:
         on_device, why = normalize_on_device(cfg.data.normalize_on)
         budget = None
         if isinstance(image_transform, PatchImages):  # a NaFlex tower: patches, normalized by the loader
-            budget = resolve_budget(cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size,
-                                    cfg.seed)
+            budget = resolve_budget(
+                cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size, cfg.seed
+            )
             on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
         self.say(f"images normalized {f'on {device.type} after the copy' if on_device else 'by the loader'} ({why})")
-        stream = TrainStream(self.shards.sources, cfg.data,
-                             batch_size=cfg.world.batch_per_device, image_transform=image_transform,
-                             tokenizer=self.tokenizer, rank=env.rank, world_size=env.world_size, seed=cfg.seed,
-                             pixels=on_device, pin_memory=on_device and device.type == "cuda", readers=plan.readers,
-                             workers=plan.workers, budget=budget)
+        stream = TrainStream(
+            self.shards.sources,
+            cfg.data,
+            batch_size=cfg.world.batch_per_device,
+            image_transform=image_transform,
+            tokenizer=self.tokenizer,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.seed,
+            pixels=on_device,
+            pin_memory=on_device and device.type == "cuda",
+            readers=plan.readers,
+            workers=plan.workers,
+            budget=budget,
+        )
         started = stream.tune(
-            plan, lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node,
-                                                  workers),
-            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0])
+            plan,
+            lambda workers: loader_priority(
+                str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node, workers
+            ),
+            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0],
+        )
         if started:
             self.say(started)
         return stream
@@ -220,22 +284,37 @@ class Trainer:
         if self.resumed_from is not None:
             self.say(f"resumed from {self.resumed_from} at step {state.step}")
         self.say(f"run directory: {self.run_dir}")
-        for line in recipe(cfg, self.model, self.step.objective, self.env.world_size, getattr(self.step, "chunks", 1),
-                           precision.resolved(cfg.precision, self.device), self.shards, stream.budget,
-                           self.step.trim_text):
+        for line in recipe(
+            cfg,
+            self.model,
+            self.step.objective,
+            self.env.world_size,
+            getattr(self.step, "chunks", 1),
+            precision.resolved(cfg.precision, self.device),
+            self.shards,
+            stream.budget,
+            self.step.trim_text,
+        ):
             self.say(line)
         if stream.continued:
-            self.say(f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
-                     f"reader(s); {self.env.world_size} rank(s) × {cfg.world.batch_per_device})")
+            self.say(
+                f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
+                f"reader(s); {self.env.world_size} rank(s) × {cfg.world.batch_per_device})"
+            )
         if assembly := stream.assembly():
             self.say(assembly)
         if stream.restart_reason:
-            self.say(f"the data stream cannot continue sample for sample ({stream.restart_reason}); it "
-                     f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
-                     "come again", logging.WARNING)
+            self.say(
+                f"the data stream cannot continue sample for sample ({stream.restart_reason}); it "
+                f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
+                "come again",
+                logging.WARNING,
+            )
         if state.step >= cfg.optim.max_steps:
-            self.say(f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
-                     f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run")
+            self.say(
+                f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
+                f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run"
+            )
 
     def fit(self) -> dict | None:
         cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
@@ -254,22 +333,27 @@ class Trainer:
                     checkpointer.finish()
                 if agreed.stop:  # this step's batch is not trained on: the saved position is before it
                     checkpointer.save(state, wait=True)
-                    self.say(f"stopped by a signal at step {state.step}: checkpoint written to "
-                             f"{checkpointer.directory}; run again with resume=auto to continue")
+                    self.say(
+                        f"stopped by a signal at step {state.step}: checkpoint written to "
+                        f"{checkpointer.directory}; run again with resume=auto to continue"
+                    )
                     break
                 stream.consumed(agreed.counts)
                 if switch := stream.switch_at(stream.batches):
                     self.say(f"after step {state.step + 1}: {switch}")
                 if cfg.logging.sample_keys:
-                    log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys,
-                                    seq_len(batch["image"]))
+                    log_sample_keys(
+                        self.run_dir, self.env.rank, state.step + 1, batch.sample_keys, seq_len(batch["image"])
+                    )
                 if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
-                    self.say(f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)",
-                             logging.WARNING)
+                    self.say(
+                        f"step {state.step + 1}: non-finite loss, step skipped ({bad_steps} in a row)", logging.WARNING
+                    )
                     if bad_steps >= cfg.max_nonfinite_steps:
-                        raise TrainingDiverged(checkpointer.divergence_advice(bad_steps, state.step,
-                                                                              cfg.max_nonfinite_steps, cfg.optim.lr))
+                        raise TrainingDiverged(
+                            checkpointer.divergence_advice(bad_steps, state.step, cfg.max_nonfinite_steps, cfg.optim.lr)
+                        )
                     continue
                 bad_steps = 0
                 self.overflow_steps += self.step.overflowed  # fp16: the update skipped on every rank; the step counts
@@ -307,9 +391,13 @@ class Trainer:
         device-to-host copy (logit scale and bias, grad norm) are read only then: on a GPU each is a sync."""
         state, model = self.state, self.model
         global_loss = agreed.loss
-        stats = {"loss": global_loss, **agreed.terms, "lr": self.step.applied_lr,
-                 "samples_per_s": rows_consumed(agreed.counts) / seconds,
-                 "samples_per_s_per_device": rows_consumed(agreed.counts) / self.env.world_size / seconds}
+        stats = {
+            "loss": global_loss,
+            **agreed.terms,
+            "lr": self.step.applied_lr,
+            "samples_per_s": rows_consumed(agreed.counts) / seconds,
+            "samples_per_s_per_device": rows_consumed(agreed.counts) / self.env.world_size / seconds,
+        }
         self.progress.update(1)
         if state.step % self.cfg.logging.log_every == 0:
             stats["logit_scale"] = model.logit_scale.exp().item()
@@ -319,35 +407,67 @@ class Trainer:
                 stats.update(loss_scale=self.scaler.get_scale(), overflow_steps=self.overflow_steps)
             stream = self.stream
             sources = {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
-            self.tracker.log_train({**stats, "grad_norm": float(grad_norm), "samples_seen": state.samples_seen,
-                                    "skipped_samples": stream.skipped_samples,
-                                    "skipped_shards": stream.skipped_shards, "skipped_steps": skipped_steps, **sources},
-                                   state.step)
+            self.tracker.log_train(
+                {
+                    **stats,
+                    "grad_norm": float(grad_norm),
+                    "samples_seen": state.samples_seen,
+                    "skipped_samples": stream.skipped_samples,
+                    "skipped_shards": stream.skipped_shards,
+                    "skipped_steps": skipped_steps,
+                    **sources,
+                },
+                state.step,
+            )
             self.shown_scale = f"{stats['logit_scale']:.1f}"
-        self.progress.set_postfix(loss=f"{global_loss:.3f}", samples_s=f"{stats['samples_per_s']:.0f}",
-                                  lr=f"{stats['lr']:.2e}", scale=self.shown_scale, refresh=False)
+        self.progress.set_postfix(
+            loss=f"{global_loss:.3f}",
+            samples_s=f"{stats['samples_per_s']:.0f}",
+            lr=f"{stats['lr']:.2e}",
+            scale=self.shown_scale,
+            refresh=False,
+        )
 
     def evaluate(self) -> dict | None:
         """Every evaluation set, on every rank: each encodes its share, all get the same metrics
-        (clipdist.train.evaluate), so no rank waits on another's evaluation. A set that fails (on any rank: the failure is
+        (clipdist.train.evaluate), so no rank waits on another's evaluation. A set that fails (on any rank: the failure
+        is
         agreed) is logged and counted (eval_errors) and training goes on: evaluation never stops a run."""
         if not self.shards.evals:
             return None
         metrics = {}
         for evalset in self.shards.evals:
             try:
-                metrics.update(evaluate(self.model, self.tokenizer, evalset, self.val_transform, self.device,
-                                        autocast=self.autocast, max_skips_in_a_row=self.cfg.data.max_skips_in_a_row,
-                                        loss_block=self.cfg.world.batch_per_device, lockstep=self.sharded))
+                metrics.update(
+                    evaluate(
+                        self.model,
+                        self.tokenizer,
+                        evalset,
+                        self.val_transform,
+                        self.device,
+                        autocast=self.autocast,
+                        max_skips_in_a_row=self.cfg.data.max_skips_in_a_row,
+                        loss_block=self.cfg.world.batch_per_device,
+                        lockstep=self.sharded,
+                    )
+                )
             except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal
                 self.eval_errors += 1
-                self.say(f"step {self.state.step}: evaluation of {evalset.name} failed ({type(error).__name__}: "
-                         f"{error}); training goes on (eval_errors={self.eval_errors})", logging.WARNING)
-        metrics.update(train_skipped=self.stream.skipped_samples, train_skipped_shards=self.stream.skipped_shards,
-                       eval_errors=self.eval_errors)
+                self.say(
+                    f"step {self.state.step}: evaluation of {evalset.name} failed ({type(error).__name__}: "
+                    f"{error}); training goes on (eval_errors={self.eval_errors})",
+                    logging.WARNING,
+                )
+        metrics.update(
+            train_skipped=self.stream.skipped_samples,
+            train_skipped_shards=self.stream.skipped_shards,
+            eval_errors=self.eval_errors,
+        )
         if not self.env.is_main:
             return None
         self.tracker.log_eval(metrics, self.state.step)
-        self.say(f"step {self.state.step}: " + ", ".join(
-            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        self.say(
+            f"step {self.state.step}: "
+            + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        )
         return metrics

@@ -1,4 +1,5 @@
 """`clipdist bench loss`: runs every backend and the open_clip peer, and its figures mean what they say."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,15 @@ from clipdist.tools import bench
 
 @pytest.fixture(scope="module")
 def rows():
-    return bench.run(["disco", "tiled", "siglip", bench.PEER], world_sizes=(2,), global_batches=(256, 1024), dim=16,
-                     repeats=1, budget_bytes=16e9, timeout_s=300)
+    return bench.run(
+        ["disco", "tiled", "siglip", bench.PEER],
+        world_sizes=(2,),
+        global_batches=(256, 1024),
+        dim=16,
+        repeats=1,
+        budget_bytes=16e9,
+        timeout_s=300,
+    )
 
 
 def by_key(rows):
@@ -24,8 +32,9 @@ def test_every_backend_and_the_open_clip_peer_is_measured(rows):
 
 
 def test_over_budget_configurations_are_skipped_with_the_prediction():
-    rows = bench.run(["disco"], world_sizes=(1,), global_batches=(4096,), dim=16, repeats=1, budget_bytes=1e6,
-                     timeout_s=300)
+    rows = bench.run(
+        ["disco"], world_sizes=(1,), global_batches=(4096,), dim=16, repeats=1, budget_bytes=1e6, timeout_s=300
+    )
     assert "GB per rank" in rows[0]["skipped"] and "over the 0.001 GB budget" in rows[0]["skipped"]
     assert "kept_bytes" not in rows[0]
     assert "skipped" in bench.markdown(rows, 1, 4096)
@@ -34,11 +43,18 @@ def test_over_budget_configurations_are_skipped_with_the_prediction():
 def test_the_scaling_table_predicts_what_a_run_keeps(rows):
     """Inf-CL's Table 1 shape comes from the exact fits: at sizes that were run, the prediction is the measurement."""
     table = by_key(rows)
-    scaling = bench.scaling(bench.loss_fits(["disco", "tiled"]), ["disco", "tiled", bench.PEER], world_size=2,
-                            global_batches=(256, 1024), dim=16)
+    scaling = bench.scaling(
+        bench.loss_fits(["disco", "tiled"]),
+        ["disco", "tiled", bench.PEER],
+        world_size=2,
+        global_batches=(256, 1024),
+        dim=16,
+    )
     for row in scaling:
-        assert row["predicted_kept_bytes"] == pytest.approx(table[(row["backend"], row["global_batch"])]["kept_bytes"],
-                                                            rel=0.05 if row["backend"] == bench.PEER else 0.01)
+        assert row["predicted_kept_bytes"] == pytest.approx(
+            table[(row["backend"], row["global_batch"])]["kept_bytes"],
+            rel=0.05 if row["backend"] == bench.PEER else 0.01,
+        )
         assert row["predicted_peak_bytes"] > row["predicted_kept_bytes"]
     markdown = bench.scaling_markdown(scaling)
     assert "| 256 | 1k |" in markdown and markdown.count("\n| ") == 3

@@ -1,5 +1,6 @@
 """The cluster files that no run here exercises: every SLURM script parses, the submitit launcher config composes
 (the sbatch scripts themselves run under a real SLURM in test_slurm.py)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,7 +18,12 @@ def test_slurm_scripts_parse(script):
 
 def test_hydra_slurm_launcher_config_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "hydra/launcher=slurm", "world=64gpu", "--cfg", "hydra"],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "hydra/launcher=slurm", "world=64gpu", "--cfg", "hydra"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "SlurmLauncher" in result.stdout and "tasks_per_node: ${world.procs_per_node}" in result.stdout

@@ -8,6 +8,7 @@ into the build read-only). Containers run with runc and cgroupfs, as the non-roo
 network. Both images stay in podman's storage so the next run reuses their layers; remove them with
 `podman rmi localhost/clipdist-test localhost/clipdist-test-base`.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ LIMITS = ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
 def podman(*arguments: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run([*PODMAN, *arguments], capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"podman {' '.join(arguments[:3])} ... exited {result.returncode}:\n"
-                             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"podman {' '.join(arguments[:3])} ... exited {result.returncode}:\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return result
 
 
@@ -52,8 +55,9 @@ def pip_mounts() -> tuple[str, list[str]]:
 
     Read from `pip config list` (files and PIP_* variables alike), so an index, find-links folder,
     constraint file or CA bundle set up here works the same inside the build."""
-    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                            timeout=60, check=True).stdout
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     options: dict[str, str] = {}
     for key, value in re.findall(r"^[^.\s]*\.([\w-]+)='(.*)'$", listed, flags=re.M):
         options.setdefault(key, value)  # the environment's line comes first; the same key in a file is the same
@@ -75,8 +79,12 @@ def _base_image(folder: Path) -> None:
     if podman("image", "exists", BASE, check=False).returncode == 0:
         return
     rootfs = folder / "base.tar"
-    subprocess.run(["mmdebstrap", "--variant=apt", "--include=python3,python3-venv,ca-certificates",
-                    "bookworm", str(rootfs)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        ["mmdebstrap", "--variant=apt", "--include=python3,python3-venv,ca-certificates", "bookworm", str(rootfs)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     podman("import", str(rootfs), BASE, timeout=300)
     rootfs.unlink()
 
@@ -95,19 +103,49 @@ def image(tmp_path_factory):
     (folder / "pip.conf").write_text(conf)
     pins = " ".join(f"{module.__name__}=={module.__version__.split('+')[0]}" for module in (torch, torchvision))
     started = time.time()
-    podman("build", *LIMITS, "--force-rm", "--build-arg", f"BASE={BASE}", "--build-arg", f"TORCH={pins}",
-           "-v", f"{folder / 'pip.conf'}:/etc/pip.conf:ro", *mounts, "-t", IMAGE, str(REPO), timeout=1500)
+    podman(
+        "build",
+        *LIMITS,
+        "--force-rm",
+        "--build-arg",
+        f"BASE={BASE}",
+        "--build-arg",
+        f"TORCH={pins}",
+        "-v",
+        f"{folder / 'pip.conf'}:/etc/pip.conf:ro",
+        *mounts,
+        "-t",
+        IMAGE,
+        str(REPO),
+        timeout=1500,
+    )
     print(f"image built in {time.time() - started:.0f} s")
     return IMAGE
 
 
-def run_container(image: str, *arguments: str, volumes: dict[Path, str] | None = None, detach: bool = False,
-                  entrypoint: str | None = None, timeout: float = 300) -> tuple[str, subprocess.CompletedProcess]:
+def run_container(
+    image: str,
+    *arguments: str,
+    volumes: dict[Path, str] | None = None,
+    detach: bool = False,
+    entrypoint: str | None = None,
+    timeout: float = 300,
+) -> tuple[str, subprocess.CompletedProcess]:
     name = f"clipdist-test-{uuid.uuid4().hex[:8]}"
     mounts = [argument for host, inside in (volumes or {}).items() for argument in ("-v", f"{host}:{inside}")]
-    command = ["run", "--name", name, "--network", "none", *LIMITS, *mounts,
-               *(["--entrypoint", entrypoint] if entrypoint else []), *(["-d"] if detach else ["--rm"]), image,
-               *arguments]
+    command = [
+        "run",
+        "--name",
+        name,
+        "--network",
+        "none",
+        *LIMITS,
+        *mounts,
+        *(["--entrypoint", entrypoint] if entrypoint else []),
+        *(["-d"] if detach else ["--rm"]),
+        image,
+        *arguments,
+    ]
     try:
         return name, podman(*command, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -151,16 +189,31 @@ def test_image_trains_as_the_user_stops_on_podman_stop_and_resumes(image, tmp_pa
     _, resumed = run_container(image, *overrides, "resume=auto", volumes={runs: "/app/runs"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
-    assert steps[-1] == 60 and steps[steps.index(stopped + 1, stopped):] == list(range(stopped + 1, 61))
+    assert steps[-1] == 60 and steps[steps.index(stopped + 1, stopped) :] == list(range(stopped + 1, 61))
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 60
     assert (run_dir / "checkpoints" / "step_00000060.dcp").stat().st_uid == 1000
 
 
 @pytest.mark.timeout(1800)
 def test_image_runs_the_planner(image):
-    _, result = run_container(image, "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
-                              "--backend", "disco,tiled", "--memory", "1GB", "--precision", "fp32", "--json",
-                              entrypoint="clipdist")
+    _, result = run_container(
+        image,
+        "plan",
+        "--model",
+        "tiny",
+        "--world",
+        "cpu2",
+        "--global-batch",
+        "64",
+        "--backend",
+        "disco,tiled",
+        "--memory",
+        "1GB",
+        "--precision",
+        "fp32",
+        "--json",
+        entrypoint="clipdist",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["world_size"] == 2 and [row["backend"] for row in report["rows"]] == ["disco", "tiled"]

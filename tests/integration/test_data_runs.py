@@ -1,5 +1,6 @@
 """Real runs on shards with problems: skip counts summed over ranks and loader workers under every
 launcher, sources that give nothing stop the run in seconds, a stuck loader still honours SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -15,18 +16,35 @@ from helpers import REPO, Run, read_jsonl, train, train_command
 
 
 def webdataset(shards, *overrides):
-    return ["data=webdataset", f"data.train_shards={shards}", "data.shuffle_buffer=0", "data.resampled=false",
-            *overrides]
+    return [
+        "data=webdataset",
+        f"data.train_shards={shards}",
+        "data.shuffle_buffer=0",
+        "data.resampled=false",
+        *overrides,
+    ]
 
 
 @pytest.mark.parametrize("launch", ["cpu2", "torchrun"])
 def test_skips_in_loader_workers_are_summed_over_ranks(tmp_path, launch):
     # 4 shards of 1 bad + 20 good samples; 2 ranks x 1 worker x 4 samples per step: step 1 opens one shard per
     # rank, by step 8 each rank is 12 samples into its second shard: all four bad samples read, and no other.
-    shards = caption_shards(tmp_path / "shards", shards=4, per_shard=20, bad_first=True,
-                            pixel=lambda shard, i: i * 9 % 256, caption=lambda i: b"a grey square")
-    overrides = webdataset(shards, "data.workers=1", "world.batch_per_device=4", "optim.max_steps=8",
-                           "eval_every=100", "checkpoint_every=100")
+    shards = caption_shards(
+        tmp_path / "shards",
+        shards=4,
+        per_shard=20,
+        bad_first=True,
+        pixel=lambda shard, i: i * 9 % 256,
+        caption=lambda i: b"a grey square",
+    )
+    overrides = webdataset(
+        shards,
+        "data.workers=1",
+        "world.batch_per_device=4",
+        "optim.max_steps=8",
+        "eval_every=100",
+        "checkpoint_every=100",
+    )
     run_dir = tmp_path / "run"
     if launch == "torchrun":
         command = train_command(run_dir, tmp_path / "cache", *overrides, "world=cpu2", "world.spawn=false")
@@ -46,7 +64,9 @@ def test_shards_that_are_not_tar_files_stop_the_run_in_seconds(tmp_path):
     for name in ["0.tar", "1.tar"]:
         (tmp_path / "shards" / name).write_text("<html>403 Forbidden</html>\n" * 30)
     started = time.monotonic()
-    result = train(tmp_path / "run", tmp_path / "cache", *webdataset(tmp_path / "shards", "data.workers=1"), timeout=120)
+    result = train(
+        tmp_path / "run", tmp_path / "cache", *webdataset(tmp_path / "shards", "data.workers=1"), timeout=120
+    )
     assert result.returncode == 1
     assert time.monotonic() - started < 60
     error = result.stderr.strip().splitlines()[-1]
@@ -67,11 +87,17 @@ def test_sigterm_while_the_loader_waits_on_a_stuck_source(tmp_path):
     # A pipe: shard whose command never writes: the loader blocks in read(). SIGTERM to the trainer alone
     # (as `kill PID` sends it) must still end in a checkpoint and a clean exit, and the command is stopped.
     run_dir, sleep = tmp_path / "run", f"sleep {1000 + os.getpid() % 9000}"  # a command line no one else runs
-    command = train_command(run_dir, tmp_path / "cache", *webdataset(f"'pipe:{sleep}'", "data.workers=0"),
-                            "checkpoint_every=100")
+    command = train_command(
+        run_dir, tmp_path / "cache", *webdataset(f"'pipe:{sleep}'", "data.workers=0"), "checkpoint_every=100"
+    )
     with Run(command, run_dir) as run:
-        run.wait_for(lambda: any(command_line(child) == sleep.split()
-                                 for child in psutil.Process(run.pid).children(recursive=True)), 120, "the pipe: command")
+        run.wait_for(
+            lambda: any(
+                command_line(child) == sleep.split() for child in psutil.Process(run.pid).children(recursive=True)
+            ),
+            120,
+            "the pipe: command",
+        )
         time.sleep(1)
         os.kill(run.pid, signal.SIGTERM)
         code, stdout, stderr = run.finish(timeout=60)
@@ -86,8 +112,15 @@ def test_training_on_a_table_skips_a_missing_image_and_resumes_exactly(tmp_path,
     from tests.unit.test_data import _open_clip_table
 
     table = _open_clip_table(tmp_path / "data", rows=40, missing=(3,))
-    common = ["data.source=null", f"data.train_shards={table}", f"data.val_shards={table}", "data.csv_rows_per_part=8",
-              "world.batch_per_device=8", "checkpoint_every=3", "eval_every=3"]
+    common = [
+        "data.source=null",
+        f"data.train_shards={table}",
+        f"data.val_shards={table}",
+        "data.csv_rows_per_part=8",
+        "world.batch_per_device=8",
+        "checkpoint_every=3",
+        "eval_every=3",
+    ]
     first = train(tmp_path / "run", cache_dir, "optim.max_steps=3", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "image images/3.png: No such file or directory" in first.stderr
@@ -98,5 +131,6 @@ def test_training_on_a_table_skips_a_missing_image_and_resumes_exactly(tmp_path,
     assert "resumed from" in resumed.stdout and "cannot continue sample for sample" not in resumed.stderr
     whole = train(tmp_path / "whole", cache_dir, "optim.max_steps=5", *common)  # within warmup: the same lr per step
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == \
-        [row["loss"] for row in read_jsonl(tmp_path / "whole" / "train_log.jsonl")]
+    assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == [
+        row["loss"] for row in read_jsonl(tmp_path / "whole" / "train_log.jsonl")
+    ]

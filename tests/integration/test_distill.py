@@ -1,5 +1,7 @@
 """Distillation over the global batch: the ring term equals open_clip's DistillClipLoss on one process (value and
-gradients, N = 1..4, unequal local batches, tiles smaller than the batch), end to end, and refused where it cannot run."""
+gradients, N = 1..4, unequal local batches, tiles smaller than the batch), end to end, and refused where it cannot
+run."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,10 +22,13 @@ TEACHER_DIM = 6  # the teacher's feature dim differs from the student's (8), as 
 
 def features(sizes, seed):
     generator = torch.Generator().manual_seed(seed)
-    student = [F.normalize(torch.randn(sum(sizes), 8, generator=generator, dtype=torch.float64), dim=-1)
-               for _ in range(2)]
-    teacher = [F.normalize(torch.randn(sum(sizes), TEACHER_DIM, generator=generator, dtype=torch.float64), dim=-1)
-               for _ in range(2)]
+    student = [
+        F.normalize(torch.randn(sum(sizes), 8, generator=generator, dtype=torch.float64), dim=-1) for _ in range(2)
+    ]
+    teacher = [
+        F.normalize(torch.randn(sum(sizes), TEACHER_DIM, generator=generator, dtype=torch.float64), dim=-1)
+        for _ in range(2)
+    ]
     return student, teacher
 
 
@@ -52,8 +57,9 @@ def distributed_errors():
         (image, text), (teacher_image, teacher_text) = features(sizes, seed)
         local_image, local_text = image[rows].clone().requires_grad_(), text[rows].clone().requires_grad_()
         logit_scale = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-        loss = DistillationLoss(tile=tile)(local_image, local_text, logit_scale, teacher_image[rows],
-                                           teacher_text[rows], torch.tensor(teacher_scale))
+        loss = DistillationLoss(tile=tile)(
+            local_image, local_text, logit_scale, teacher_image[rows], teacher_text[rows], torch.tensor(teacher_scale)
+        )
         loss.backward()
         image_grad, text_grad = torch.zeros_like(image), torch.zeros_like(text)
         image_grad[rows], text_grad[rows] = local_image.grad, local_text.grad
@@ -62,8 +68,12 @@ def distributed_errors():
             dist.all_reduce(tensor)
             tensor /= world_size
         got = (values[0], image_grad, text_grad, values[1])
-        errors.append((max_error(got, one_process(sizes, seed, scale, teacher_scale, distill_loss_reference)),
-                       max_error(got, one_process(sizes, seed, scale, teacher_scale, open_clip_distill))))
+        errors.append(
+            (
+                max_error(got, one_process(sizes, seed, scale, teacher_scale, distill_loss_reference)),
+                max_error(got, one_process(sizes, seed, scale, teacher_scale, open_clip_distill)),
+            )
+        )
     return errors if rank == 0 else None
 
 
@@ -93,8 +103,18 @@ def test_a_distilled_run_trains_three_steps_on_two_ranks(tmp_path, cache_dir):
     result = train(teacher, cache_dir, "optim.max_steps=2", "eval_every=1000")
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
-    result = train(run, cache_dir, f"loss.distill.model={teacher}", "loss.distill.weight=0.5", "world=cpu2",
-                   "grad_cache.chunks=2", "loss=tiled", "optim.max_steps=3", "eval_every=1000", "logging.log_every=1")
+    result = train(
+        run,
+        cache_dir,
+        f"loss.distill.model={teacher}",
+        "loss.distill.weight=0.5",
+        "world=cpu2",
+        "grad_cache.chunks=2",
+        "loss=tiled",
+        "optim.max_steps=3",
+        "eval_every=1000",
+        "logging.log_every=1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     log = read_jsonl(run / "train_log.jsonl")
     assert [row["step"] for row in log] == [1, 2, 3]

@@ -3,6 +3,7 @@ order — so, with exact losses, the same loss at every step — stopped mid-epo
 on 4, and on 4 (FSDP) then 1; on the digits (at 16 px, then 32 after a resolution schedule's switch that every
 resume crosses) and on weighted, resampled webdataset sources with 2 loader workers and a bad sample in every
 shard."""
+
 from __future__ import annotations
 
 import collections
@@ -23,8 +24,16 @@ WORLDS = {"cpu2": 2, "local": 1, "cpu4": 4}
 
 
 def overrides(world: str, *more: str, steps: int = STEPS) -> list[str]:
-    return [f"world={world}", f"world.batch_per_device={GLOBAL_BATCH // WORLDS[world]}", f"optim.max_steps={steps}",
-            "eval_every=1000", "checkpoint_every=1000", "logging.log_every=1", "logging.sample_keys=true", *more]
+    return [
+        f"world={world}",
+        f"world.batch_per_device={GLOBAL_BATCH // WORLDS[world]}",
+        f"optim.max_steps={steps}",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+        "logging.log_every=1",
+        "logging.sample_keys=true",
+        *more,
+    ]
 
 
 def stop_at(run_dir, cache_dir, world: str, step: int, *more: str, steps: int = STEPS) -> int:
@@ -99,17 +108,31 @@ def test_digits_resumed_on_other_world_sizes_is_the_uninterrupted_run(tmp_path, 
         assert stop_at(run_dir, cache_dir, world, step + 6, *DIGITS, "world.parallel=fsdp") > step
     stdout = resume(run_dir, cache_dir, worlds[-1], *DIGITS)
     assert "the data stream continues at sample" in stdout
-    print(f"{' -> '.join(['cpu2', *worlds])}: worst relative loss difference {assert_same_run(run_dir, whole, step, epoch=22):.2e}")
+    worst = assert_same_run(run_dir, whole, step, epoch=22)
+    print(f"{' -> '.join(['cpu2', *worlds])}: worst relative loss difference {worst:.2e}")
 
 
 def test_weighted_resampled_webdataset_with_two_workers_resumes_on_other_world_sizes(tmp_path, cache_dir):
     """Two sources mixed 3:1, drawn with replacement, a bad sample opening every shard (skipped by every rank
     that reads it, counted once): cpu2 stopped, continued on cpu4, stopped, finished on one process."""
-    a, b = (caption_shards(tmp_path / name, shards=4, per_shard=40, bad_first=True,
-                           pixel=lambda shard, i, base=base: (base + 37 * shard + 11 * i) % 256)
-            for name, base in [("a", 0), ("b", 128)])
-    data = ["data=webdataset", f"data.train_shards={a}::{b}", "data.resampled=true", "data.weights=[3,1]",
-            "data.workers=2", "data.shuffle_buffer=20"]
+    a, b = (
+        caption_shards(
+            tmp_path / name,
+            shards=4,
+            per_shard=40,
+            bad_first=True,
+            pixel=lambda shard, i, base=base: (base + 37 * shard + 11 * i) % 256,
+        )
+        for name, base in [("a", 0), ("b", 128)]
+    )
+    data = [
+        "data=webdataset",
+        f"data.train_shards={a}::{b}",
+        "data.resampled=true",
+        "data.weights=[3,1]",
+        "data.workers=2",
+        "data.shuffle_buffer=20",
+    ]
     steps, whole, run_dir = 12, tmp_path / "whole", tmp_path / "run"
     result = train(whole, cache_dir, *overrides("cpu2", *data, steps=steps))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -123,5 +146,3 @@ def test_weighted_resampled_webdataset_with_two_workers_resumes_on_other_world_s
     assert [row["source_samples"] for row in logged] == [row["source_samples"] for row in expected]
     assert [row["skipped_samples"] for row in logged] == [row["skipped_samples"] for row in expected]
     assert logged[-1]["skipped_samples"] > 0
-
-

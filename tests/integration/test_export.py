@@ -1,5 +1,6 @@
 """A trained model leaves clipdist: `clipdist export` writes what open_clip loads without clipdist (same image
 and text features), and clip_benchmark — the tool people evaluate with — scores it as clipdist's own zero-shot does."""
+
 from __future__ import annotations
 
 import json
@@ -32,20 +33,26 @@ torch.save({**features, "image_size": list(preprocess.transforms[1].size)}, sys.
 def open_clip_features(model_dir, images, captions, work) -> dict:
     """Image and text features (and the transform's image size) of an export as open_clip alone computes them."""
     torch.save({"images": images, "captions": captions}, work / "inputs.pt")
-    result = subprocess.run([sys.executable, "-c", OPEN_CLIP_ALONE, str(model_dir), str(work / "inputs.pt"),
-                             str(work / "features.pt")], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", OPEN_CLIP_ALONE, str(model_dir), str(work / "inputs.pt"), str(work / "features.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(work / "features.pt")
 
 
 def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path, capsys):
-    from clipdist.model.factory import create_model, get_tokenizer
     from clipdist.checkpoint.weights import read_run_checkpoint
+    from clipdist.model.factory import create_model, get_tokenizer
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     assert "exported" in capsys.readouterr().out
-    assert sorted(path.name for path in (tmp_path / "model").iterdir()) == ["open_clip_config.json",
-                                                                           "open_clip_model.safetensors"]
+    assert sorted(path.name for path in (tmp_path / "model").iterdir()) == [
+        "open_clip_config.json",
+        "open_clip_model.safetensors",
+    ]
     ours = create_model("clipdist-tiny")
     ours.load_state_dict(read_run_checkpoint(trained_run / "checkpoints" / "step_00000030.dcp")[0])
     ours.eval()
@@ -77,29 +84,60 @@ def digits_as_clip_benchmark(root, val_shard, classnames, templates):
     """clip_benchmark's webdataset layout from a shard of digits (.png + .json labels -> .png + .cls)."""
     with tarfile.open(val_shard) as source:
         members = {member.name: source.extractfile(member).read() for member in source.getmembers()}
-    samples = [{"__key__": name[:-4], "png": data, "cls": str(json.loads(members[f"{name[:-4]}.json"])["label"]).encode()}
-               for name, data in members.items() if name.endswith(".png")]
+    samples = [
+        {"__key__": name[:-4], "png": data, "cls": str(json.loads(members[f"{name[:-4]}.json"])["label"]).encode()}
+        for name, data in members.items()
+        if name.endswith(".png")
+    ]
     return clip_benchmark_set(root, [samples], classnames, templates)
 
 
 def test_clip_benchmark_scores_the_export_as_clipdist_and_clipdist_eval_do(trained_run, tmp_path, cache_dir):
     pytest.importorskip("clip_benchmark")
+    from clipdist.checkpoint.weights import read_run_checkpoint
     from clipdist.config import DataConfig
     from clipdist.data.builtin import builtin_shards, classnames_of
     from clipdist.data.sources import eval_set, expand_shards
-    from clipdist.train.evaluate import evaluate
     from clipdist.model.factory import create_model, get_tokenizer
-    from clipdist.checkpoint.weights import read_run_checkpoint
+    from clipdist.train.evaluate import evaluate
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     templates = ["a photo of the number {c}.", "a drawing of a {c}."]
-    root = digits_as_clip_benchmark(tmp_path / "wds_digits", expand_shards(builtin_shards("digits", str(cache_dir))[1])[0],
-                                    classnames_of("digits"), templates)
+    root = digits_as_clip_benchmark(
+        tmp_path / "wds_digits",
+        expand_shards(builtin_shards("digits", str(cache_dir))[1])[0],
+        classnames_of("digits"),
+        templates,
+    )
     result = subprocess.run(
-        [sys.executable, "-c", CLIP_BENCHMARK, "eval", "--dataset", "wds/digits", "--dataset_root", str(root),
-         "--task", "zeroshot_classification", "--model", f"local-dir:{tmp_path / 'model'}", "--pretrained", "",
-         "--no_amp", "--num_workers", "0", "--batch_size", "64", "--output", str(tmp_path / "result.json")],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            sys.executable,
+            "-c",
+            CLIP_BENCHMARK,
+            "eval",
+            "--dataset",
+            "wds/digits",
+            "--dataset_root",
+            str(root),
+            "--task",
+            "zeroshot_classification",
+            "--model",
+            f"local-dir:{tmp_path / 'model'}",
+            "--pretrained",
+            "",
+            "--no_amp",
+            "--num_workers",
+            "0",
+            "--batch_size",
+            "64",
+            "--output",
+            str(tmp_path / "result.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     theirs = json.loads((tmp_path / "result.json").read_text())["metrics"]["acc1"]
 
@@ -109,16 +147,36 @@ def test_clip_benchmark_scores_the_export_as_clipdist_and_clipdist_eval_do(train
     assert evalset.templates == templates and evalset.classnames == classnames_of("digits")
     import open_clip
 
-    transform = open_clip.image_transform(32, is_train=False, mean=model.visual.preprocess_cfg["mean"],
-                                          std=model.visual.preprocess_cfg["std"])
-    ours = evaluate(model, get_tokenizer("clipdist-tiny"), evalset, transform, torch.device("cpu"),
-                    max_skips_in_a_row=DataConfig.max_skips_in_a_row)
+    transform = open_clip.image_transform(
+        32, is_train=False, mean=model.visual.preprocess_cfg["mean"], std=model.visual.preprocess_cfg["std"]
+    )
+    ours = evaluate(
+        model,
+        get_tokenizer("clipdist-tiny"),
+        evalset,
+        transform,
+        torch.device("cpu"),
+        max_skips_in_a_row=DataConfig.max_skips_in_a_row,
+    )
     assert ours["digits/zeroshot_samples"] == 359
     assert theirs == pytest.approx(ours["digits/zeroshot_top1"], abs=0.5 / 359), (theirs, ours)
     # `clipdist eval` on the run (its checkpoint), on its export, and on 2 ranks: the same metrics as evaluate()
     for name, target, world in (("run", trained_run, 1), ("export", tmp_path / "model", 1), ("ranks", trained_run, 2)):
-        assert cli(["eval", str(target), "--set", f"digits={root}", "--world", str(world),
-                    "--out", str(tmp_path / f"{name}.json")]) == 0
+        assert (
+            cli(
+                [
+                    "eval",
+                    str(target),
+                    "--set",
+                    f"digits={root}",
+                    "--world",
+                    str(world),
+                    "--out",
+                    str(tmp_path / f"{name}.json"),
+                ]
+            )
+            == 0
+        )
         assert json.loads((tmp_path / f"{name}.json").read_text()) == ours, name
 
 
@@ -126,8 +184,14 @@ def test_fine_tuning_starts_from_a_run_checkpoint(trained_run, tmp_path, cache_d
     from helpers import read_jsonl
 
     checkpoint = trained_run / "checkpoints" / "step_00000030.dcp"
-    fine_tuned = train(tmp_path / "fine", cache_dir, f"model.checkpoint={checkpoint}", "optim.max_steps=1",
-                       "eval_every=1000", "checkpoint_every=1000")
+    fine_tuned = train(
+        tmp_path / "fine",
+        cache_dir,
+        f"model.checkpoint={checkpoint}",
+        "optim.max_steps=1",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+    )
     assert fine_tuned.returncode == 0, fine_tuned.stderr[-3000:]
     first = read_jsonl(tmp_path / "fine" / "train_log.jsonl")[0]["loss"]
     scratch = read_jsonl(trained_run / "train_log.jsonl")[0]["loss"]  # the same first batch, from random weights
@@ -139,19 +203,26 @@ def test_a_local_dir_model_starts_from_its_weights(trained_run, tmp_path, cache_
     from clipdist.checkpoint.weights import read_weights
 
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
-    run = train(tmp_path / "run", cache_dir, f"model.name=local-dir:{tmp_path / 'model'}", "optim.lr=0",
-                "optim.max_steps=1", "world.batch_per_device=8")
+    run = train(
+        tmp_path / "run",
+        cache_dir,
+        f"model.name=local-dir:{tmp_path / 'model'}",
+        "optim.lr=0",
+        "optim.max_steps=1",
+        "world.batch_per_device=8",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     exported, trained = read_weights(tmp_path / "model"), read_weights(tmp_path / "run")
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in exported)
 
 
-
-
-@pytest.mark.parametrize("target, message", [
-    ("no-such-model", "unknown model 'no-such-model'"),
-    ("ViT-B-32 --pretrained nope", "model.pretrained=nope: open_clip has no such tag for ViT-B-32"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("no-such-model", "unknown model 'no-such-model'"),
+        ("ViT-B-32 --pretrained nope", "model.pretrained=nope: open_clip has no such tag for ViT-B-32"),
+    ],
+)
 def test_clipdist_eval_refuses_a_target_it_cannot_load_in_one_line(tmp_path, capsys, target, message):
     code = cli(["eval", *target.split(), "--set", f"val={pets(tmp_path / 'pets')}", "--world", "2"])
     err = capsys.readouterr().err

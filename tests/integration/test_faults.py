@@ -1,4 +1,5 @@
 """Faults survived with nothing lost: signals, a killed rank, non-finite losses, srun-style launch."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ def test_signal_writes_a_checkpoint_and_resume_continues_the_schedule(tmp_path, 
 
     resumed = train(run_dir, cache_dir, *STEPS[:-1], "optim.max_steps=" + str(stopped_at + 5), "checkpoint_every=50")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = read_jsonl(run_dir / "train_log.jsonl")[len(before):]
+    after = read_jsonl(run_dir / "train_log.jsonl")[len(before) :]
     assert [row["step"] for row in after] == list(range(stopped_at + 1, stopped_at + 6))
     # The checkpoint holds the state after exactly the steps that were logged.
     saved = read_progress(run_dir / "checkpoints" / f"step_{stopped_at:08d}.dcp")
@@ -79,8 +80,14 @@ def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_d
     with torch.no_grad():
         model.logit_scale.fill_(float("nan"))
     torch.save({"state_dict": model.state_dict()}, tmp_path / "nan.pt")
-    result = train(tmp_path / "run", cache_dir, f"model.checkpoint={tmp_path / 'nan.pt'}", "max_nonfinite_steps=3",
-                   "optim.max_steps=50", timeout=120)
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        f"model.checkpoint={tmp_path / 'nan.pt'}",
+        "max_nonfinite_steps=3",
+        "optim.max_steps=50",
+        timeout=120,
+    )
     assert result.returncode == 1
     assert result.stderr.count("warning: step 1: non-finite loss, step skipped") == 3
     error = result.stderr.strip().splitlines()[-1]
@@ -96,9 +103,26 @@ def test_non_finite_losses_stop_the_run_and_say_where_to_go_on(tmp_path, cache_d
 def test_two_processes_started_like_srun_train(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     with contextlib.ExitStack() as ranks:
-        runs = [ranks.enter_context(Run.train(run_dir, cache_dir, "world=cpu2", "optim.max_steps=6", "eval_every=6", env={
-            "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_JOB_NODELIST": "localhost",
-            "SLURM_JOB_ID": str(4000 + os.getpid() % 1000), "OMP_NUM_THREADS": "1"})) for rank in range(2)]
+        runs = [
+            ranks.enter_context(
+                Run.train(
+                    run_dir,
+                    cache_dir,
+                    "world=cpu2",
+                    "optim.max_steps=6",
+                    "eval_every=6",
+                    env={
+                        "SLURM_PROCID": str(rank),
+                        "SLURM_NTASKS": "2",
+                        "SLURM_LOCALID": str(rank),
+                        "SLURM_JOB_NODELIST": "localhost",
+                        "SLURM_JOB_ID": str(4000 + os.getpid() % 1000),
+                        "OMP_NUM_THREADS": "1",
+                    },
+                )
+            )
+            for rank in range(2)
+        ]
         for run in runs:
             code, _, stderr = run.finish(timeout=240)
             assert code == 0, stderr[-3000:]

@@ -1,5 +1,6 @@
 """FSDP2 (world.parallel=fsdp): exact gradients for every backend, sharded state as planned, sharded
 checkpoints that are atomic and reshard on resume, and clear errors before any rank starts."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,13 @@ from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
 from clipdist.tools.memory import measure_state_bytes, state_bytes_after_a_step
 
-TRAIN = ["logging.log_every=1", "eval_every=1000", "checkpoint_every=6", "optim.warmup_steps=2", "world.batch_per_device=8"]
+TRAIN = [
+    "logging.log_every=1",
+    "eval_every=1000",
+    "checkpoint_every=6",
+    "optim.warmup_steps=2",
+    "world.batch_per_device=8",
+]
 
 
 @pytest.mark.parametrize("world_size, local_batch, chunks", [(2, 4, 2), (3, [4, 3, 5], 1), (4, 3, 1)])
@@ -29,8 +36,11 @@ def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
     measured = plan.Measurements(None, {}, 4, *plan.parameter_layout(create_model("clipdist-tiny", device="meta")))
     per_rank = {}
     for parallel, world_size in [("ddp", 1), ("fsdp", 2), ("fsdp", 4)]:  # DDP's replica is the same at any N
-        ranks = [state_bytes_after_a_step("clipdist-tiny", "ddp", 4)] if parallel == "ddp" else \
-            measure_state_bytes("clipdist-tiny", parallel, world_size)
+        ranks = (
+            [state_bytes_after_a_step("clipdist-tiny", "ddp", 4)]
+            if parallel == "ddp"
+            else measure_state_bytes("clipdist-tiny", parallel, world_size)
+        )
         per_rank[parallel, world_size] = max(sum(rank.values()) for rank in ranks)
         assert all(rank["gradients"] == rank["parameters"] for rank in ranks)  # one fp32 gradient per weight
         assert per_rank[parallel, world_size] == pytest.approx(measured.state_bytes(world_size, parallel), rel=0.2)
@@ -41,8 +51,9 @@ def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
 def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_dir):
     losses = {}
     for parallel in ("ddp", "fsdp"):
-        result = train(tmp_path / parallel, cache_dir, "world=cpu2", f"world.parallel={parallel}", "optim.max_steps=6",
-                       *TRAIN)
+        result = train(
+            tmp_path / parallel, cache_dir, "world=cpu2", f"world.parallel={parallel}", "optim.max_steps=6", *TRAIN
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         losses[parallel] = [row["loss"] for row in read_jsonl(tmp_path / parallel / "train_log.jsonl")]
     assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-5)  # sharded = replicated
@@ -50,8 +61,15 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     assert len(list((fsdp_dir / "checkpoints" / "step_00000006.dcp").glob("*.distcp"))) == 2  # one shard file per rank
 
     # Resharded: the 2-rank checkpoint continues on 4 ranks (same global batch).
-    resumed = train(fsdp_dir, cache_dir, "world=cpu4", "world.parallel=fsdp", "optim.max_steps=9",
-                    *TRAIN[:-1], "world.batch_per_device=4")
+    resumed = train(
+        fsdp_dir,
+        cache_dir,
+        "world=cpu4",
+        "world.parallel=fsdp",
+        "optim.max_steps=9",
+        *TRAIN[:-1],
+        "world.batch_per_device=4",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_00000006.dcp at step 6" in resumed.stdout
     assert "the data stream continues at sample" in resumed.stdout and "cannot continue" not in resumed.stderr
@@ -61,12 +79,15 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     assert (fsdp_dir / "checkpoints" / "step_00000009.dcp").is_dir()
 
     # The sharded checkpoint leaves clipdist whole: exported, its weights are the model's every tensor.
+    from clipdist.checkpoint.weights import read_weights
     from clipdist.cli import main as cli
     from clipdist.model.factory import create_model
-    from clipdist.checkpoint.weights import read_weights
 
     assert cli(["export", str(fsdp_dir), "--out", str(tmp_path / "exported")]) == 0
-    exported, sharded = read_weights(tmp_path / "exported"), read_weights(fsdp_dir / "checkpoints" / "step_00000009.dcp")
+    exported, sharded = (
+        read_weights(tmp_path / "exported"),
+        read_weights(fsdp_dir / "checkpoints" / "step_00000009.dcp"),
+    )
     assert exported.keys() == sharded.keys() == create_model("clipdist-tiny").state_dict().keys()
     assert all(torch.equal(exported[key], sharded[key]) for key in exported)
 
@@ -76,14 +97,14 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     by it. The names of the tensors (weights, AdamW moments) that differ, and how many were compared."""
     from pathlib import Path
 
+    from clipdist.checkpoint.state import TrainState
     from clipdist.config import OptimConfig
+    from clipdist.data.batch import Batch
     from clipdist.distributed.launch import detect_env
+    from clipdist.distributed.parallel import full_tensor, wrap_model
     from clipdist.losses import build
     from clipdist.model.factory import create_model_for_loss
     from clipdist.train.optim import build_optimizer
-    from clipdist.distributed.parallel import full_tensor, wrap_model
-    from clipdist.checkpoint.state import TrainState
-    from clipdist.data.batch import Batch
     from clipdist.train.step import build_step
 
     def fresh(seed):
@@ -95,8 +116,9 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     cfg.world.parallel = "fsdp"
     checkpointer = Checkpointer(cfg, Path(directory), detect_env())
     trained = fresh(0)
-    build_step(trained.model, build("siglip")).gradients(Batch.of(torch.randn(4, 3, 32, 32),
-                                                                    torch.randint(0, 49408, (4, 16))))
+    build_step(trained.model, build("siglip")).gradients(
+        Batch.of(torch.randn(4, 3, 32, 32), torch.randint(0, 49408, (4, 16)))
+    )
     trained.optimizer.step()
     trained.step = 1
     assert checkpointer.save(trained, wait=True)
@@ -107,8 +129,13 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     def tensors(state):
         saved = state.sharded_state_dict()
         flat = dict(saved["model"])
-        flat.update({f"{name}.{key}": value for name, moments in saved["optimizer"]["state"].items()
-                     for key, value in moments.items()})
+        flat.update(
+            {
+                f"{name}.{key}": value
+                for name, moments in saved["optimizer"]["state"].items()
+                for key, value in moments.items()
+            }
+        )
         return {name: full_tensor(value) for name, value in flat.items()}
 
     before, after = tensors(trained), tensors(loaded)
@@ -120,8 +147,6 @@ def test_sharded_checkpoint_restores_weights_and_adamw_state_exactly(tmp_path):
 
     for differing, compared in launch_local(_save_then_load, 2, str(tmp_path), timeout_s=120).values():
         assert differing == [] and compared > 100
-
-
 
 
 def test_ddp_and_fsdp_resume_each_others_checkpoints(tmp_path, cache_dir):

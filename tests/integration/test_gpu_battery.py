@@ -1,5 +1,6 @@
 """`clipdist bench gpu --tiny`: the GPU battery at tiny sizes on the CPU, every section, so that it cannot rot
 before a GPU is lent (the same code runs there with ViT-B/32, B/16, L/14)."""
+
 from __future__ import annotations
 
 import json
@@ -7,14 +8,31 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, own_environment
 
 
 def test_the_battery_runs_every_section_on_the_cpu(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "clipdist", "bench", "gpu", "--tiny", "--steps", "2",
-                             "--out", str(tmp_path / "rows.json"), "--doc", str(tmp_path / "battery.md")],
-                            capture_output=True, text=True, timeout=300, cwd=REPO, env=own_environment())
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clipdist",
+            "bench",
+            "gpu",
+            "--tiny",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "rows.json"),
+            "--doc",
+            str(tmp_path / "battery.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=own_environment(),
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert not [row for row in rows if "error" in row], rows

@@ -1,4 +1,5 @@
 """Gradient caching: the chunked step's gradients equal the whole step's, the scale counted once."""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,8 @@ import torch
 from clipdist.data.batch import Batch
 from clipdist.losses import build
 from clipdist.model.factory import create_model_for_loss
-from clipdist.train.step import build_step
 from clipdist.tools.gradcheck import _random_batch, run_gradchecks
+from clipdist.train.step import build_step
 
 
 def gradients(model):
@@ -53,5 +54,3 @@ def test_compiled_ddp_keeps_no_sync_and_chunks_sync_once():
     assert whole[0][0] and chunked[0][0]  # compiled in place, DDP outermost
     assert whole[0][1] >= 1
     assert chunked[0][1] == whole[0][1]  # 4 chunks, one gradient sync: no all-reduce per chunk
-
-

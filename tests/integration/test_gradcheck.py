@@ -1,4 +1,5 @@
 """Model-level exactness under DDP, and proof that the harness catches the classic bugs."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def test_every_backend_gives_ddp_the_single_process_gradients(world_size):
 def test_locked_towers_and_the_fp16_scaler_keep_every_backend_exact(parallel):
     """What precision=fp16 and model.lock_* change in the step (the loss scaled, the gradients unscaled once after
     the last chunk; locked parameters out of the graph), at unequal batches with gradient caching."""
-    reports = run_gradchecks(list(BACKENDS), 3, local_batch=[4, 3, 5], chunks=2, parallel=parallel, lock_image=1,
-                             lock_text=0, scaler=True)
+    reports = run_gradchecks(
+        list(BACKENDS), 3, local_batch=[4, 3, 5], chunks=2, parallel=parallel, lock_image=1, lock_text=0, scaler=True
+    )
     for report in reports:
         assert report.exact, (report.backend, report.max_rel_err, report.diagnosis)
         locked = [check for check in report.parameters if check.name.startswith("visual.conv1")]

@@ -8,6 +8,7 @@
 
 Every case is bounded in time (a FIFO, /dev/zero) by the check itself: nothing is opened before it is known to
 be a regular file inside the folder."""
+
 from __future__ import annotations
 
 import os
@@ -42,18 +43,30 @@ def one_refusal(lines: list[str]) -> None:
     assert "\x1b" not in lines[0] and "\x07" not in lines[0], lines  # a file's text cannot drive the terminal
 
 
-FILES = ["global", "stack_global", "protocol_5", "inst", "obj", "numpy_object", "partial", "getattr_chain", "ext1",
-         "escapes"]
+FILES = [
+    "global",
+    "stack_global",
+    "protocol_5",
+    "inst",
+    "obj",
+    "numpy_object",
+    "partial",
+    "getattr_chain",
+    "ext1",
+    "escapes",
+]
 
 
 @pytest.mark.parametrize("container", ["zip", "raw"])
 @pytest.mark.parametrize("shape", FILES)
-def test_a_weights_file_of_any_pickle_shape_is_refused_on_every_route(corpus, tmp_path, cache_dir, capsys,
-                                                                      monkeypatch, shape, container):
+def test_a_weights_file_of_any_pickle_shape_is_refused_on_every_route(
+    corpus, tmp_path, cache_dir, capsys, monkeypatch, shape, container
+):
     files, _, marker, evalset = corpus
     path = files[f"{shape}-{container}"]
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"model.checkpoint={path}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"model.checkpoint={path}"
+    )
     assert code == 2 and not marker.exists()
     one_refusal(lines)
     assert cli(["eval", str(path), "--model", "clipdist-tiny", "--set", f"val={evalset}"]) == 2
@@ -63,20 +76,35 @@ def test_a_weights_file_of_any_pickle_shape_is_refused_on_every_route(corpus, tm
         assert "\\x1b[2J" in lines[0]  # shown, escaped
 
 
-REFUSED = ["progress-global", "progress-stack_global", "progress-inst", "progress-numpy_object", "progress-escapes",
-           "config-interpolation", "config-bomb", "path-parent", "path-absolute", "shard-symlink", "shard-dev-zero", "progress-fifo", "metadata-symlink"]
+REFUSED = [
+    "progress-global",
+    "progress-stack_global",
+    "progress-inst",
+    "progress-numpy_object",
+    "progress-escapes",
+    "config-interpolation",
+    "config-bomb",
+    "path-parent",
+    "path-absolute",
+    "shard-symlink",
+    "shard-dev-zero",
+    "progress-fifo",
+    "metadata-symlink",
+]
 DAMAGED = ["shard-missing", "item-past-end", "progress-truncated"]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", REFUSED)
-def test_a_hostile_checkpoint_is_refused_on_every_route(corpus, trained_run, tmp_path, cache_dir, capsys, monkeypatch,
-                                                        name):
+def test_a_hostile_checkpoint_is_refused_on_every_route(
+    corpus, trained_run, tmp_path, cache_dir, capsys, monkeypatch, name
+):
     _, checkpoints, marker, evalset = corpus
     checkpoint, verdict = checkpoints[name]
     assert verdict == "refused"
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"resume={checkpoint}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"resume={checkpoint}"
+    )
     assert code == 2
     one_refusal(lines)
     run_dir = checkpoint.parent.parent
@@ -86,8 +114,13 @@ def test_a_hostile_checkpoint_is_refused_on_every_route(corpus, trained_run, tmp
         assert not (tmp_path / "out").exists()
     assert cli(["eval", str(run_dir), "--set", f"val={evalset}"]) == 2
     one_refusal(lines_of(capsys.readouterr().err))
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'student'}", f"data.cache_dir={cache_dir}",
-                          f"loss.distill.model={run_dir}")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'student'}",
+        f"data.cache_dir={cache_dir}",
+        f"loss.distill.model={run_dir}",
+    )
     assert code == 2
     one_refusal(lines)
     # dropped into a real run as its newest checkpoint: refused, not skipped for the older one, no fresh start
@@ -101,13 +134,15 @@ def test_a_hostile_checkpoint_is_refused_on_every_route(corpus, trained_run, tmp
 
 
 @pytest.mark.parametrize("name", DAMAGED)
-def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(corpus, trained_run, tmp_path, cache_dir,
-                                                                            capsys, monkeypatch, name):
+def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(
+    corpus, trained_run, tmp_path, cache_dir, capsys, monkeypatch, name
+):
     _, checkpoints, _, evalset = corpus
     checkpoint, verdict = checkpoints[name]
     assert verdict == "damaged"
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"resume={checkpoint}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"resume={checkpoint}"
+    )
     assert code == 2 and len(lines) == 1 and "cannot be read" in lines[0], lines
     for export_format in ("open_clip", "transformers"):
         assert cli(["export", str(checkpoint), "--out", str(tmp_path / "out"), "--format", export_format]) == 2
@@ -124,10 +159,15 @@ def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(cor
 
 def test_escapes_in_a_refused_name_reach_no_console_or_log_raw(corpus, tmp_path, cache_dir, capsys, monkeypatch):
     _, checkpoints, _, _ = corpus
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"resume={checkpoints['progress-escapes'][0]}")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={cache_dir}",
+        f"resume={checkpoints['progress-escapes'][0]}",
+    )
     assert code == 2 and "\x1b" not in lines[0] and "\\x1b[2J" in lines[0]  # the name shown, escaped
-    run_log = (tmp_path / "run" / "train.log")
+    run_log = tmp_path / "run" / "train.log"
     assert not run_log.exists() or "\x1b" not in run_log.read_text()
 
 
@@ -145,8 +185,9 @@ RUN_RECORDS = ["train.log", "metrics.jsonl", "wandb_id", "hydra/config.yaml", "c
 
 
 @pytest.mark.parametrize("record", RUN_RECORDS)
-def test_a_run_directory_whose_records_are_links_is_refused(trained_run, tmp_path, cache_dir, capsys, monkeypatch,
-                                                            record):
+def test_a_run_directory_whose_records_are_links_is_refused(
+    trained_run, tmp_path, cache_dir, capsys, monkeypatch, record
+):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     target = tmp_path / "elsewhere"
@@ -171,8 +212,13 @@ def test_a_run_directory_others_can_write_is_refused(trained_run, tmp_path, cach
 
 
 def test_credentials_in_a_remote_url_are_refused_and_never_written(tmp_path, cache_dir, capsys, monkeypatch):
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          "checkpoint.remote=s3://AKIAKEY:wJalrSECRET@bucket/runs/x")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={cache_dir}",
+        "checkpoint.remote=s3://AKIAKEY:wJalrSECRET@bucket/runs/x",
+    )
     assert code == 2 and len(lines) == 1 and "holds credentials" in lines[0], lines
     assert "wJalrSECRET" not in lines[0] and "AKIAKEY" not in lines[0]
     assert not (tmp_path / "run").exists()
@@ -186,19 +232,26 @@ def bomb_files(tmp_path_factory):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name, message", [("zip-bomb", "decompression bomb"),
-                                           ("safetensors-huge-header", "more tensors than any model has"),
-                                           ("safetensors-malformed", "cannot be read as safetensors"),
-                                           ("fifo", "not a regular file")])
-def test_a_weights_file_that_is_a_bomb_is_one_line_at_once(bomb_files, tmp_path, cache_dir, capsys, monkeypatch,
-                                                           name, message):
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("zip-bomb", "decompression bomb"),
+        ("safetensors-huge-header", "more tensors than any model has"),
+        ("safetensors-malformed", "cannot be read as safetensors"),
+        ("fifo", "not a regular file"),
+    ],
+)
+def test_a_weights_file_that_is_a_bomb_is_one_line_at_once(
+    bomb_files, tmp_path, cache_dir, capsys, monkeypatch, name, message
+):
     path = bomb_files[name]
     if name == "fifo":
         path = path.with_name("weights.pt")
         path.unlink(missing_ok=True)
         os.mkfifo(path)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"model.checkpoint={path}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"model.checkpoint={path}"
+    )
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
@@ -210,10 +263,15 @@ def test_a_tar_member_larger_than_any_sample_skips_its_shard_without_reading_it(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("templates, message", [(["{:>500000000}"], "has the field {:>500000000}"),
-                                                (["a {x} photo"], "has the field {x}"),
-                                                (["{0.__class__}"], "has the field {0.__class__}"),
-                                                (["a {", "b"], "is not a template")])
+@pytest.mark.parametrize(
+    "templates, message",
+    [
+        (["{:>500000000}"], "has the field {:>500000000}"),
+        (["a {x} photo"], "has the field {x}"),
+        (["{0.__class__}"], "has the field {0.__class__}"),
+        (["a {", "b"], "is not a template"),
+    ],
+)
 def test_a_template_that_is_not_a_class_slot_is_one_line(corpus, trained_run, capsys, templates, message):
     *_, evalset = corpus
     arguments = [argument for template in templates for argument in ("--templates", template)]
@@ -223,8 +281,9 @@ def test_a_template_that_is_not_a_class_slot_is_one_line(corpus, trained_run, ca
 
 
 @pytest.mark.timeout(120)
-def test_special_files_beside_an_eval_set_or_in_a_table_neither_hang_nor_fill_memory(corpus, trained_run, tmp_path,
-                                                                                     cache_dir, capsys):
+def test_special_files_beside_an_eval_set_or_in_a_table_neither_hang_nor_fill_memory(
+    corpus, trained_run, tmp_path, cache_dir, capsys
+):
     from fixtures import image_bytes
 
     *_, evalset = corpus
@@ -242,8 +301,16 @@ def test_special_files_beside_an_eval_set_or_in_a_table_neither_hang_nor_fill_me
     (tmp_path / "zero.png").symlink_to("/dev/zero")
     rows += [f"{tmp_path / 'fifo.png'}\ta pipe", f"{tmp_path / 'zero.png'}\tendless zeros"]
     (tmp_path / "table.tsv").write_text("\n".join(rows) + "\n")
-    result = train(tmp_path / "run", cache_dir, "data=webdataset", f"data.train_shards={tmp_path / 'table.tsv'}",
-                   "data.workers=0", "world.batch_per_device=6", "optim.max_steps=2", "eval_every=1000")
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        "data=webdataset",
+        f"data.train_shards={tmp_path / 'table.tsv'}",
+        "data.workers=0",
+        "world.batch_per_device=6",
+        "optim.max_steps=2",
+        "eval_every=1000",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_jsonl(tmp_path / "run" / "train_log.jsonl")[-1]["skipped_samples"] >= 2  # a whole epoch was read
     assert "not a regular file" in result.stderr

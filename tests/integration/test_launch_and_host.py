@@ -25,14 +25,14 @@ def test_freed_step_memory_is_reused_not_faulted_in_again():
     import sys
 
     def faults(mode):
-        out = subprocess.run([sys.executable, "-c", FAULTS_PER_ALLOCATION, mode], capture_output=True, text=True,
-                             timeout=120, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", FAULTS_PER_ALLOCATION, mode], capture_output=True, text=True, timeout=120, check=True
+        ).stdout.split()
         return out[0], float(out[1])
 
     kept, kept_faults = faults("keep")
     assert kept == "True"  # glibc (Linux): mallopt accepted
     assert kept_faults < faults("default")[1] / 3  # measured 0 vs 9766: a fresh 40 MB mapping faults in ~10k pages
-
 
 
 def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console():
@@ -52,7 +52,8 @@ def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console
         "    tqdm.get_lock().acquire()\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "os.waitpid(pid, 0)\n"
-        "tqdm.write('after')\n")
+        "tqdm.write('after')\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and done.stdout.split() == ["before", "after"], done.stderr
 
@@ -63,10 +64,17 @@ def test_low_priority_loader_workers_run_under_sched_idle_and_can_change(tmp_pat
     from fixtures import image_bytes, write_tar
     from helpers import train_stream
 
-    write_tar(tmp_path / "a.tar", [(f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
-                                   for i in range(4) for ext in ("png", "txt")])
-    stream = train_stream([tmp_path / "a.tar"], 2, lambda image: torch.zeros(1), resampled=True, workers=1,
-                          low_priority_workers=low)
+    write_tar(
+        tmp_path / "a.tar",
+        [
+            (f"{i:03d}.{ext}", image_bytes(i) if ext == "png" else b"a caption")
+            for i in range(4)
+            for ext in ("png", "txt")
+        ],
+    )
+    stream = train_stream(
+        [tmp_path / "a.tar"], 2, lambda image: torch.zeros(1), resampled=True, workers=1, low_priority_workers=low
+    )
     try:
         next(stream)
         (worker,) = stream.worker_pids()

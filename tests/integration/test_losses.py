@@ -6,6 +6,7 @@ average turns into the single-process gradient); mean over ranks of the logit sc
 gradient == ∂L/∂s (and the logit bias's, for siglip). References: ours and open_clip's
 ClipLoss / SigLipLoss with world size 1.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,9 +29,6 @@ CASES = [
     (lambda n: [3] * n, 100.0),
     (lambda n: [2 + r for r in range(n)], 100.0),
 ]
-
-
-
 
 
 def distributed(loss_fn, sizes, seed, scale, with_bias=False):
@@ -58,11 +56,13 @@ def open_clip_reference(loss_fn):
     return SigLipLoss() if loss_fn.uses_logit_bias else ClipLoss()
 
 
-
 # Every registered backend, plus the ring backends with tiles smaller than the local and global batch
 # so rows and columns span several (and partial) tiles.
-LOSSES = {**{name: (name, {}) for name in BACKENDS}, "tiled(tile=3)": ("tiled", {"tile": 3}),
-          "siglip(tile=3)": ("siglip", {"tile": 3})}
+LOSSES = {
+    **{name: (name, {}) for name in BACKENDS},
+    "tiled(tile=3)": ("tiled", {"tile": 3}),
+    "siglip(tile=3)": ("siglip", {"tile": 3}),
+}
 
 
 def check_all_backends():
@@ -105,5 +105,3 @@ def test_mismatched_feature_dims_raise_on_every_rank():
     messages = launch_local(mismatched_feature_dims, 3, timeout_s=60)
     assert len(messages) == 3
     assert all(m is not None and "feature dimension differs across ranks" in m for m in messages.values())
-
-

@@ -1,5 +1,6 @@
 """Every clipdist override docs/migrating.md gives for an open_clip_train flag composes with Hydra (as
 `python train.py <overrides>` parses it) and passes the checks a run makes before any rank starts."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,13 +14,14 @@ def test_every_override_in_the_migration_table_passes_the_checks_before_the_rank
     from clipdist.config import register, to_train_config
     from clipdist.data.transforms import augmentation_cfg
     from clipdist.model.factory import check_model_options, resolve_model_name
-    from clipdist.train.optim import check_optim
     from clipdist.preflight import check_config
+    from clipdist.train.optim import check_optim
 
     register()
     failures, checked = {}, 0
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "clipdist" / "conf"),
-                               version_base=None):
+    with initialize_config_dir(
+        config_dir=str(Path(__file__).resolve().parents[2] / "clipdist" / "conf"), version_base=None
+    ):
         for flag, (overrides, _, _) in rows().items():
             if not overrides:
                 continue

@@ -1,5 +1,6 @@
 """NaFlex towers: exact distributed gradients with every backend at unequal rows, and token-budget batches that a
 run stopped on 2 ranks continues sample for sample — the same keys at the same sequence lengths — on 1 and 4."""
+
 from __future__ import annotations
 
 import collections
@@ -18,21 +19,24 @@ from clipdist.cli import main as cli
 from clipdist.data.batch import Batch
 from clipdist.losses import BACKENDS, build
 from clipdist.model.factory import create_model, create_model_for_loss, random_tokens
-from clipdist.train.step import build_step
 from clipdist.model.timm_towers import full_patches, random_patches
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import run_gradchecks
 from clipdist.tools.memory import SavedTensorMeter
+from clipdist.train.step import build_step
 
 NAFLEX = "clipdist-naflex-tiny"
 
 
-@pytest.mark.parametrize("world_size, local_batch, options", [
-    (3, [1, 4, 2], {}),
-    (4, [2, 3, 1, 4], {}),
-    (2, [3, 4], {"chunks": 2}),
-    (2, [3, 4], {"parallel": "fsdp"}),
-])
+@pytest.mark.parametrize(
+    "world_size, local_batch, options",
+    [
+        (3, [1, 4, 2], {}),
+        (4, [2, 3, 1, 4], {}),
+        (2, [3, 4], {"chunks": 2}),
+        (2, [3, 4], {"parallel": "fsdp"}),
+    ],
+)
 def test_a_naflex_tower_gets_the_single_process_gradients_from_every_backend(world_size, local_batch, options):
     """Every row its own grid of patches (aspect ratios from 1×L to L×1, padded), unequal rows per rank."""
     for report in run_gradchecks(list(BACKENDS), world_size, local_batch, model=NAFLEX, **options):
@@ -52,9 +56,20 @@ WORLDS = {"cpu2": 2, "local": 1, "cpu4": 4}
 
 def naflex_overrides(world: str, *more: str) -> list[str]:
     # the budget is the first run's (2 ranks × 8 × 64 patches: 64, 28 or 16 images a batch); a resume keeps it
-    return ["model=naflex_tiny", "data=web_photos", "data.workers=0", SEQ_LENS, SCHEDULE, f"world={world}",
-            "world.batch_per_device=8", f"optim.max_steps={STEPS}", "eval_every=1000", "checkpoint_every=1000",
-            "logging.sample_keys=true", *more]
+    return [
+        "model=naflex_tiny",
+        "data=web_photos",
+        "data.workers=0",
+        SEQ_LENS,
+        SCHEDULE,
+        f"world={world}",
+        "world.batch_per_device=8",
+        f"optim.max_steps={STEPS}",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+        "logging.sample_keys=true",
+        *more,
+    ]
 
 
 def naflex_batches(run_dir) -> dict[int, tuple[int, list[str]]]:
@@ -130,15 +145,27 @@ def test_an_export_evaluates_as_the_run_and_timm_alone_loads_its_image_tower(who
     model = create_model(f"local-dir:{export}").eval()
     inputs = random_patches(3, 16, 64, torch.Generator().manual_seed(0))
     torch.save(inputs, tmp_path / "inputs.pt")
-    subprocess.run([sys.executable, "-c", TIMM_ALONE, str(export / "image_tower"), str(tmp_path / "inputs.pt"),
-                    str(tmp_path / "features.pt")], check=True, timeout=120)
-    torch.testing.assert_close(torch.load(tmp_path / "features.pt"), model.visual.trunk(inputs).detach(), rtol=0,
-                               atol=1e-6)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            TIMM_ALONE,
+            str(export / "image_tower"),
+            str(tmp_path / "inputs.pt"),
+            str(tmp_path / "features.pt"),
+        ],
+        check=True,
+        timeout=120,
+    )
+    torch.testing.assert_close(
+        torch.load(tmp_path / "features.pt"), model.visual.trunk(inputs).detach(), rtol=0, atol=1e-6
+    )
 
 
 def test_plan_counts_a_naflex_step_at_the_sequence_length_it_is_given():
-    measured = {length: plan.measure(NAFLEX, ["disco"], "fp32", progress=lambda _: None, seq_len=length)
-                for length in (16, 64)}
+    measured = {
+        length: plan.measure(NAFLEX, ["disco"], "fp32", progress=lambda _: None, seq_len=length) for length in (16, 64)
+    }
     assert measured[64].activations.per_sample > 2 * measured[16].activations.per_sample
     torch.manual_seed(0)
     loss_fn = build("disco")

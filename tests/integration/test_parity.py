@@ -11,6 +11,7 @@ config in a `local-dir:` folder named `vit-tiny` (open_clip_train picks its Adam
 
 RECIPES names the rows of the migration table each recipe covers; docs/migrating.md's "same" rows that say
 "tested end to end" are exactly these (test_the_table_names_the_rows_this_module_runs)."""
+
 from __future__ import annotations
 
 import json
@@ -31,54 +32,221 @@ ROWS, VAL_ROWS = 16, 24
 # itself (rows reordered), and by MIN_GAP of the update where that floor is ~0. Measured (update_gaps, all recipes):
 # see the note in test_a_recipe_trains_as_open_clip_train_trains_it's report.
 NOISE_TIMES, WORST_TIMES, MIN_GAP = 10.0, 30.0, 1e-6
-COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "grey", "pink", "brown", "cyan",
-           "teal", "navy", "olive", "maroon", "gold", "silver", "lime", "beige", "coral", "plum", "khaki", "azure"]
+COLOURS = [
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "purple",
+    "orange",
+    "black",
+    "white",
+    "grey",
+    "pink",
+    "brown",
+    "cyan",
+    "teal",
+    "navy",
+    "olive",
+    "maroon",
+    "gold",
+    "silver",
+    "lime",
+    "beige",
+    "coral",
+    "plum",
+    "khaki",
+    "azure",
+]
 
-METRICS = {"i2t_r1": "image_to_text_R@1", "i2t_r5": "image_to_text_R@5", "i2t_r10": "image_to_text_R@10",
-           "i2t_mean_rank": "image_to_text_mean_rank", "i2t_median_rank": "image_to_text_median_rank",
-           "t2i_r1": "text_to_image_R@1", "t2i_r5": "text_to_image_R@5", "t2i_r10": "text_to_image_R@10",
-           "t2i_mean_rank": "text_to_image_mean_rank", "t2i_median_rank": "text_to_image_median_rank"}  # ours: theirs
+METRICS = {
+    "i2t_r1": "image_to_text_R@1",
+    "i2t_r5": "image_to_text_R@5",
+    "i2t_r10": "image_to_text_R@10",
+    "i2t_mean_rank": "image_to_text_mean_rank",
+    "i2t_median_rank": "image_to_text_median_rank",
+    "t2i_r1": "text_to_image_R@1",
+    "t2i_r5": "text_to_image_R@5",
+    "t2i_r10": "text_to_image_R@10",
+    "t2i_mean_rank": "text_to_image_mean_rank",
+    "t2i_median_rank": "text_to_image_median_rank",
+}  # ours: theirs
 
 # name: (open_clip_train flags, clipdist overrides, steps, the migration table's rows it runs)
 RECIPES = {
-    "cosine": (["--lr-scheduler", "cosine", "--warmup", "1", "--lr", "1e-3", "--wd", "0.2"],
-               ["optim.schedule=cosine", "optim.warmup_steps=1", "optim.lr=1e-3", "optim.weight_decay=0.2",
-                "optim.grad_clip=0"], 3,
-               ["--train-data", "--dataset-type", "--csv-separator", "--csv-img-key", "--csv-caption-key",
-                "--val-data", "--batch-size", "--epochs", "--lr", "--wd", "--warmup", "--lr-scheduler", "--model",
-                "--precision"]),
-    "cooldown": (["--lr-scheduler", "const-cooldown", "--epochs-cooldown", "2", "--lr-cooldown-end", "1e-5",
-                  "--lr-cooldown-power", "2", "--warmup", "1", "--lr", "2e-3", "--wd", "0.5", "--beta1", "0.8",
-                  "--beta2", "0.95", "--eps", "1e-7", "--grad-clip-norm", "0.5", "--lock-image",
-                  "--lock-image-unlocked-groups", "1"],
-                 ["optim.schedule=const_cooldown", "optim.cooldown_steps=2", "optim.cooldown_end_lr=1e-5",
-                  "optim.cooldown_power=2", "optim.warmup_steps=1", "optim.lr=2e-3", "optim.weight_decay=0.5",
-                  "optim.betas=[0.8,0.95]", "optim.eps=1e-7", "optim.grad_clip=0.5", "model.lock_image=true",
-                  "model.lock_image_unlocked_groups=1"], 4,
-                 ["--epochs-cooldown", "--lr-cooldown-end", "--lr-cooldown-power", "--beta1", "--beta2", "--eps",
-                  "--grad-clip-norm", "--lock-image", "--lock-image-unlocked-groups"]),
-    "skip_scheduler": (["--skip-scheduler", "--lr", "1e-3", "--wd", "0.1", "--lock-text",
-               "--lock-text-unlocked-layers", "1", "--lock-text-freeze-layer-norm", "--image-mean", "0.5", "0.4",
-               "0.3", "--image-std", "0.2", "0.3", "0.4", "--force-quick-gelu"],
-              ["optim.schedule=const", "optim.warmup_steps=0", "optim.lr=1e-3", "optim.weight_decay=0.1",
-               "optim.grad_clip=0", "model.lock_text=true", "model.lock_text_unlocked_layers=1",
-               "model.lock_text_freeze_layer_norm=true", "model.image_mean=[0.5,0.4,0.3]",
-               "model.image_std=[0.2,0.3,0.4]", "model.force_quick_gelu=true"], 2,
-              ["--skip-scheduler", "--lock-text", "--lock-text-unlocked-layers", "--lock-text-freeze-layer-norm",
-               "--image-mean", "--image-std", "--force-quick-gelu"]),
-    "model_options": (["--lr-scheduler", "const", "--warmup", "1", "--lr", "1e-3", "--wd", "0.2",
-                       "--force-context-length", "12",
-                       "--force-image-size", "48", "--force-custom-text", "--grad-checkpointing",
-                       "--val-frequency", "1"],
-                      ["optim.schedule=const", "optim.warmup_steps=1", "optim.lr=1e-3", "optim.weight_decay=0.2",
-                       "optim.grad_clip=0",
-                       "model.force_context_length=12", "model.force_image_size=48", "model.force_custom_text=true",
-                       "model.grad_checkpointing=true", "eval_every=1"], 2,
-                      ["--force-context-length", "--force-image-size", "--force-custom-text", "--grad-checkpointing",
-                       "--val-frequency"]),
-    "siglip": (["--siglip", "--lr", "1e-3", "--warmup", "1", "--wd", "0.2"],
-               ["loss=siglip", "optim.lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.2", "optim.grad_clip=0"],
-               2, ["--siglip"]),
+    "cosine": (
+        ["--lr-scheduler", "cosine", "--warmup", "1", "--lr", "1e-3", "--wd", "0.2"],
+        [
+            "optim.schedule=cosine",
+            "optim.warmup_steps=1",
+            "optim.lr=1e-3",
+            "optim.weight_decay=0.2",
+            "optim.grad_clip=0",
+        ],
+        3,
+        [
+            "--train-data",
+            "--dataset-type",
+            "--csv-separator",
+            "--csv-img-key",
+            "--csv-caption-key",
+            "--val-data",
+            "--batch-size",
+            "--epochs",
+            "--lr",
+            "--wd",
+            "--warmup",
+            "--lr-scheduler",
+            "--model",
+            "--precision",
+        ],
+    ),
+    "cooldown": (
+        [
+            "--lr-scheduler",
+            "const-cooldown",
+            "--epochs-cooldown",
+            "2",
+            "--lr-cooldown-end",
+            "1e-5",
+            "--lr-cooldown-power",
+            "2",
+            "--warmup",
+            "1",
+            "--lr",
+            "2e-3",
+            "--wd",
+            "0.5",
+            "--beta1",
+            "0.8",
+            "--beta2",
+            "0.95",
+            "--eps",
+            "1e-7",
+            "--grad-clip-norm",
+            "0.5",
+            "--lock-image",
+            "--lock-image-unlocked-groups",
+            "1",
+        ],
+        [
+            "optim.schedule=const_cooldown",
+            "optim.cooldown_steps=2",
+            "optim.cooldown_end_lr=1e-5",
+            "optim.cooldown_power=2",
+            "optim.warmup_steps=1",
+            "optim.lr=2e-3",
+            "optim.weight_decay=0.5",
+            "optim.betas=[0.8,0.95]",
+            "optim.eps=1e-7",
+            "optim.grad_clip=0.5",
+            "model.lock_image=true",
+            "model.lock_image_unlocked_groups=1",
+        ],
+        4,
+        [
+            "--epochs-cooldown",
+            "--lr-cooldown-end",
+            "--lr-cooldown-power",
+            "--beta1",
+            "--beta2",
+            "--eps",
+            "--grad-clip-norm",
+            "--lock-image",
+            "--lock-image-unlocked-groups",
+        ],
+    ),
+    "skip_scheduler": (
+        [
+            "--skip-scheduler",
+            "--lr",
+            "1e-3",
+            "--wd",
+            "0.1",
+            "--lock-text",
+            "--lock-text-unlocked-layers",
+            "1",
+            "--lock-text-freeze-layer-norm",
+            "--image-mean",
+            "0.5",
+            "0.4",
+            "0.3",
+            "--image-std",
+            "0.2",
+            "0.3",
+            "0.4",
+            "--force-quick-gelu",
+        ],
+        [
+            "optim.schedule=const",
+            "optim.warmup_steps=0",
+            "optim.lr=1e-3",
+            "optim.weight_decay=0.1",
+            "optim.grad_clip=0",
+            "model.lock_text=true",
+            "model.lock_text_unlocked_layers=1",
+            "model.lock_text_freeze_layer_norm=true",
+            "model.image_mean=[0.5,0.4,0.3]",
+            "model.image_std=[0.2,0.3,0.4]",
+            "model.force_quick_gelu=true",
+        ],
+        2,
+        [
+            "--skip-scheduler",
+            "--lock-text",
+            "--lock-text-unlocked-layers",
+            "--lock-text-freeze-layer-norm",
+            "--image-mean",
+            "--image-std",
+            "--force-quick-gelu",
+        ],
+    ),
+    "model_options": (
+        [
+            "--lr-scheduler",
+            "const",
+            "--warmup",
+            "1",
+            "--lr",
+            "1e-3",
+            "--wd",
+            "0.2",
+            "--force-context-length",
+            "12",
+            "--force-image-size",
+            "48",
+            "--force-custom-text",
+            "--grad-checkpointing",
+            "--val-frequency",
+            "1",
+        ],
+        [
+            "optim.schedule=const",
+            "optim.warmup_steps=1",
+            "optim.lr=1e-3",
+            "optim.weight_decay=0.2",
+            "optim.grad_clip=0",
+            "model.force_context_length=12",
+            "model.force_image_size=48",
+            "model.force_custom_text=true",
+            "model.grad_checkpointing=true",
+            "eval_every=1",
+        ],
+        2,
+        [
+            "--force-context-length",
+            "--force-image-size",
+            "--force-custom-text",
+            "--grad-checkpointing",
+            "--val-frequency",
+        ],
+    ),
+    "siglip": (
+        ["--siglip", "--lr", "1e-3", "--warmup", "1", "--wd", "0.2"],
+        ["loss=siglip", "optim.lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.2", "optim.grad_clip=0"],
+        2,
+        ["--siglip"],
+    ),
 }
 
 
@@ -113,23 +281,48 @@ def start(tmp_path_factory):
     model = open_clip.CLIP(**config)
     folder = root / "vit-tiny"
     folder.mkdir()
-    save_file({name: value.contiguous() for name, value in model.state_dict().items()},
-              folder / "open_clip_model.safetensors")
+    save_file(
+        {name: value.contiguous() for name, value in model.state_dict().items()}, folder / "open_clip_model.safetensors"
+    )
     (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": config, "preprocess_cfg": {}}))
     siglip = root / "vit-tiny-siglip"  # with SigLIP's scalars: open_clip_train gives a file without a bias 0, we −10
     siglip.mkdir()
-    save_file({**{name: value.contiguous() for name, value in model.state_dict().items()},
-               "logit_scale": torch.tensor(math.log(10.0)), "logit_bias": torch.tensor(-10.0)},
-              siglip / "open_clip_model.safetensors")
+    save_file(
+        {
+            **{name: value.contiguous() for name, value in model.state_dict().items()},
+            "logit_scale": torch.tensor(math.log(10.0)),
+            "logit_bias": torch.tensor(-10.0),
+        },
+        siglip / "open_clip_model.safetensors",
+    )
     (siglip / "open_clip_config.json").write_text(json.dumps({"model_cfg": config, "preprocess_cfg": {}}))
     return root, train_table, val_table, folder
 
 
 def open_clip_train(out: Path, *flags: str) -> subprocess.CompletedProcess:
     """open_clip_train's own entry point, as a user runs it (a fresh interpreter, on the CPU)."""
-    command = [sys.executable, "-m", "open_clip_train.main", "--logs", str(out.parent), "--name", out.name,
-               "--workers", "0", "--precision", "fp32", "--seed", "0", "--report-to", "tensorboard",
-               "--log-every-n-steps", "1", "--save-frequency", "1", *flags]
+    command = [
+        sys.executable,
+        "-m",
+        "open_clip_train.main",
+        "--logs",
+        str(out.parent),
+        "--name",
+        out.name,
+        "--workers",
+        "0",
+        "--precision",
+        "fp32",
+        "--seed",
+        "0",
+        "--report-to",
+        "tensorboard",
+        "--log-every-n-steps",
+        "1",
+        "--save-frequency",
+        "1",
+        *flags,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -150,11 +343,14 @@ def their_model(model_folder: Path, flags: list[str]):
     def value(flag):
         return int(flags[flags.index(flag) + 1]) if flag in flags else None
 
-    model = open_clip.create_model(f"local-dir:{model_folder}", force_custom_text="--force-custom-text" in flags,
-                                   force_quick_gelu="--force-quick-gelu" in flags,
-                                   force_image_size=value("--force-image-size"),
-                                   force_context_length=value("--force-context-length"),
-                                   **({"init_logit_bias": -10.0} if "--siglip" in flags else {}))
+    model = open_clip.create_model(
+        f"local-dir:{model_folder}",
+        force_custom_text="--force-custom-text" in flags,
+        force_quick_gelu="--force-quick-gelu" in flags,
+        force_image_size=value("--force-image-size"),
+        force_context_length=value("--force-context-length"),
+        **({"init_logit_bias": -10.0} if "--siglip" in flags else {}),
+    )
     if "--lock-image" in flags:
         model.lock_image_tower(unlocked_groups=value("--lock-image-unlocked-groups"))
     if "--lock-text" in flags:
@@ -167,13 +363,22 @@ def their_groups(checkpoint: dict, model_folder: Path, flags: list[str]) -> list
     parameters in named_parameters order (main.py), saved as indices."""
     model = their_model(model_folder, flags)
     trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
-    undecayed = [name for name, parameter in trainable if parameter.ndim < 2 or any(
-        part in name for part in ("bn", "ln", "bias", "logit_scale"))]
+    undecayed = [
+        name
+        for name, parameter in trainable
+        if parameter.ndim < 2 or any(part in name for part in ("bn", "ln", "bias", "logit_scale"))
+    ]
     ordered = undecayed + [name for name, _ in trainable if name not in undecayed]
     groups = []
     for group in checkpoint["optimizer"]["param_groups"]:
-        groups.append({"names": sorted(ordered[index] for index in group["params"]),
-                       "weight_decay": group["weight_decay"], "betas": tuple(group["betas"]), "eps": group["eps"]})
+        groups.append(
+            {
+                "names": sorted(ordered[index] for index in group["params"]),
+                "weight_decay": group["weight_decay"],
+                "betas": tuple(group["betas"]),
+                "eps": group["eps"],
+            }
+        )
     return sorted(groups, key=lambda group: group["weight_decay"])
 
 
@@ -182,9 +387,18 @@ def our_groups(checkpoint: Path) -> list[dict]:
 
     keys = {f"optimizer.param_groups.{i}.{key}" for i in range(4) for key in ("params", "weight_decay", "betas", "eps")}
     groups = read_dcp(checkpoint, keys)["optimizer"]["param_groups"]
-    return sorted(({"names": sorted(group["params"]), "weight_decay": group["weight_decay"],
-                    "betas": tuple(group["betas"]), "eps": group["eps"]} for group in groups),
-                  key=lambda group: group["weight_decay"])
+    return sorted(
+        (
+            {
+                "names": sorted(group["params"]),
+                "weight_decay": group["weight_decay"],
+                "betas": tuple(group["betas"]),
+                "eps": group["eps"],
+            }
+            for group in groups
+        ),
+        key=lambda group: group["weight_decay"],
+    )
 
 
 def update_gaps(ours: dict, theirs: dict, initial: dict) -> tuple[float, float, str]:
@@ -200,7 +414,7 @@ def update_gaps(ours: dict, theirs: dict, initial: dict) -> tuple[float, float, 
         gap, moved = ours[name].double() - theirs[name].double(), theirs[name].double() - initial[name].double()
         if name.endswith("attn.in_proj_bias"):  # [query, key, value] biases
             third = len(gap) // 3
-            gap, moved = torch.cat([gap[:third], gap[2 * third:]]), torch.cat([moved[:third], moved[2 * third:]])
+            gap, moved = torch.cat([gap[:third], gap[2 * third :]]), torch.cat([moved[:third], moved[2 * third :]])
         if moved.norm() > 0:
             gaps[name] = (gap.norm() / moved.norm()).item()
             squares[0] += gap.square().sum().item()
@@ -219,25 +433,47 @@ def test_a_recipe_trains_as_open_clip_train_trains_it(tmp_path, cache_dir, start
     flags, overrides, steps, _rows = RECIPES[recipe]
     if "--siglip" in flags:
         model_folder = model_folder.with_name("vit-tiny-siglip")
-    common = ["--model", f"local-dir:{model_folder}", "--dataset-type", "csv", "--batch-size", str(ROWS),
-              "--epochs", str(steps), *flags]
+    common = [
+        "--model",
+        f"local-dir:{model_folder}",
+        "--dataset-type",
+        "csv",
+        "--batch-size",
+        str(ROWS),
+        "--epochs",
+        str(steps),
+        *flags,
+    ]
     theirs, reordered = tmp_path / "open_clip_train", tmp_path / "open_clip_train_reordered"
     open_clip_train(theirs, "--train-data", str(train_table), "--val-data", str(val_table), *common)
     open_clip_train(reordered, "--train-data", str(root / "train_reversed.tsv"), *common)
     ours = tmp_path / "clipdist"
-    result = train(ours, cache_dir, "data=webdataset", f"data.train_shards={train_table}",
-                   f"data.val_shards={val_table}", f"model.name=local-dir:{model_folder}",
-                   f"world.batch_per_device={ROWS}", f"optim.max_steps={steps}", "precision=fp32", "data.workers=0",
-                   "eval_every=1", "checkpoint_every=1", f"keep_checkpoints={steps}", *overrides,
-                   *os.environ.get("CLIPDIST_PARITY_SHIFT", "").split())  # a deliberate difference: the test fails
+    result = train(
+        ours,
+        cache_dir,
+        "data=webdataset",
+        f"data.train_shards={train_table}",
+        f"data.val_shards={val_table}",
+        f"model.name=local-dir:{model_folder}",
+        f"world.batch_per_device={ROWS}",
+        f"optim.max_steps={steps}",
+        "precision=fp32",
+        "data.workers=0",
+        "eval_every=1",
+        "checkpoint_every=1",
+        f"keep_checkpoints={steps}",
+        *overrides,
+        *os.environ.get("CLIPDIST_PARITY_SHIFT", "").split(),
+    )  # a deliberate difference: the test fails
     assert result.returncode == 0, result.stderr[-3000:]
 
     logged = read_jsonl(ours / "train_log.jsonl")
     their_lr = scalars(theirs / "tensorboard", "train/lr")
     assert len(their_lr) == steps
     np.testing.assert_allclose([row["lr"] for row in logged], their_lr, rtol=1e-6)  # TensorBoard keeps float32
-    np.testing.assert_allclose([row["loss"] for row in logged], scalars(theirs / "tensorboard", "train/loss"),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [row["loss"] for row in logged], scalars(theirs / "tensorboard", "train/loss"), rtol=1e-5
+    )
 
     their_results = read_jsonl(theirs / "checkpoints" / "results.jsonl")
     our_results = read_jsonl(ours / "metrics.jsonl")
@@ -250,20 +486,24 @@ def test_a_recipe_trains_as_open_clip_train_trains_it(tmp_path, cache_dir, start
     initial = their_model(model_folder, flags).state_dict()
     report = []
     for step in range(1, steps + 1):
-        their_checkpoint = torch.load(theirs / "checkpoints" / f"epoch_{step}.pt", map_location="cpu",
-                                      weights_only=True)
-        floor_checkpoint = torch.load(reordered / "checkpoints" / f"epoch_{step}.pt", map_location="cpu",
-                                      weights_only=True)
+        their_checkpoint = torch.load(
+            theirs / "checkpoints" / f"epoch_{step}.pt", map_location="cpu", weights_only=True
+        )
+        floor_checkpoint = torch.load(
+            reordered / "checkpoints" / f"epoch_{step}.pt", map_location="cpu", weights_only=True
+        )
         our_weights, _ = read_run_checkpoint(ours / "checkpoints" / f"step_{step:08d}.dcp")
         ours_all, ours_worst, where = update_gaps(our_weights, their_checkpoint["state_dict"], initial)
-        floor_all, floor_worst, _ = update_gaps(floor_checkpoint["state_dict"], their_checkpoint["state_dict"],
-                                                initial)
-        report.append(f"step {step}: {ours_all:.1e} (floor {floor_all:.1e}), worst tensor {ours_worst:.1e} "
-                      f"(floor {floor_worst:.1e}; {where})")
+        floor_all, floor_worst, _ = update_gaps(floor_checkpoint["state_dict"], their_checkpoint["state_dict"], initial)
+        report.append(
+            f"step {step}: {ours_all:.1e} (floor {floor_all:.1e}), worst tensor {ours_worst:.1e} "
+            f"(floor {floor_worst:.1e}; {where})"
+        )
         assert ours_all <= NOISE_TIMES * floor_all + MIN_GAP, report
         assert ours_worst <= WORST_TIMES * floor_worst + MIN_GAP, report
-    assert our_groups(ours / "checkpoints" / f"step_{steps:08d}.dcp") == their_groups(their_checkpoint, model_folder,
-                                                                                         flags)
+    assert our_groups(ours / "checkpoints" / f"step_{steps:08d}.dcp") == their_groups(
+        their_checkpoint, model_folder, flags
+    )
     print(f"{recipe}: weights' update gaps {'; '.join(report)}")
 
 
@@ -274,19 +514,40 @@ def test_one_exported_model_evaluates_the_same_in_both(tmp_path, cache_dir, star
 
     _root, train_table, val_table, model_folder = start
     run = tmp_path / "run"
-    result = train(run, cache_dir, "data=webdataset", f"data.train_shards={train_table}",
-                   f"model.name=local-dir:{model_folder}", f"world.batch_per_device={ROWS}", "optim.max_steps=4",
-                   "precision=fp32", "data.workers=0", "eval_every=1000", "checkpoint_every=4")
+    result = train(
+        run,
+        cache_dir,
+        "data=webdataset",
+        f"data.train_shards={train_table}",
+        f"model.name=local-dir:{model_folder}",
+        f"world.batch_per_device={ROWS}",
+        "optim.max_steps=4",
+        "precision=fp32",
+        "data.workers=0",
+        "eval_every=1000",
+        "checkpoint_every=4",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     export = tmp_path / "vit-export"
     assert main(["export", str(run), "--out", str(export)]) == 0
     theirs = tmp_path / "evaluated"
-    open_clip_train(theirs, "--model", f"local-dir:{export}", "--val-data", str(val_table), "--dataset-type", "csv",
-                    "--batch-size", str(ROWS))
+    open_clip_train(
+        theirs,
+        "--model",
+        f"local-dir:{export}",
+        "--val-data",
+        str(val_table),
+        "--dataset-type",
+        "csv",
+        "--batch-size",
+        str(ROWS),
+    )
     their = read_jsonl(theirs / "checkpoints" / "results.jsonl")[-1]
     metrics = tmp_path / "metrics.json"
-    assert main(["eval", str(export), "--set", f"val={val_table}", "--batch", str(ROWS), "--json",
-                 "--out", str(metrics)]) == 0
+    assert (
+        main(["eval", str(export), "--set", f"val={val_table}", "--batch", str(ROWS), "--json", "--out", str(metrics)])
+        == 0
+    )
     ours = json.loads(metrics.read_text())
     ours = {key.removeprefix("val_"): value for key, value in ours.get("val", ours).items()}
     assert {key: ours[key] for key in METRICS} == {key: their[name] for key, name in METRICS.items()}

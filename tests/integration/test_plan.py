@@ -1,4 +1,5 @@
 """`clipdist plan`: memory predicted from small measurements matches a real step's, within 20%."""
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,10 @@ from clipdist.data.batch import Batch
 from clipdist.distributed.launch import launch_local
 from clipdist.losses import build
 from clipdist.model.factory import create_model_for_loss
-from clipdist.train.step import build_step
 from clipdist.tools import plan
 from clipdist.tools.gradcheck import _random_batch
 from clipdist.tools.memory import LOSS_TERMS, SavedTensorMeter, loss_kept_bytes
+from clipdist.train.step import build_step
 
 BACKENDS = ["disco", "tiled", "siglip"]
 
@@ -76,20 +77,49 @@ def test_plan_predicts_the_memory_a_real_step_keeps(measured):
     configs, local_batch, world_size = [("disco", 1), ("tiled", 1), ("siglip", 1), ("disco", 4)], 32, 2
     real = launch_local(kept_bytes_of_configs, world_size, configs, local_batch, timeout_s=300)[0]
     for (backend, chunks), got in zip(configs, real):
-        predicted = plan.breakdown(measured, backend, world_size, local_batch, -(-local_batch // chunks))["kept_for_backward"]
+        predicted = plan.breakdown(measured, backend, world_size, local_batch, -(-local_batch // chunks))[
+            "kept_for_backward"
+        ]
         assert predicted == pytest.approx(got, rel=0.2), (backend, chunks, predicted, got)
 
 
 def test_cli_plan_json():
     result = subprocess.run(
-        [sys.executable, "-m", "clipdist.cli", "plan", "--model", "tiny", "--world", "cpu2", "--global-batch", "64",
-         "--backend", "disco,tiled", "--chunks", "1,2", "--memory", "1GB", "--precision", "fp32", "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"},
+        [
+            sys.executable,
+            "-m",
+            "clipdist.cli",
+            "plan",
+            "--model",
+            "tiny",
+            "--world",
+            "cpu2",
+            "--global-batch",
+            "64",
+            "--backend",
+            "disco,tiled",
+            "--chunks",
+            "1,2",
+            "--memory",
+            "1GB",
+            "--precision",
+            "fp32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
     )  # two threads: the towers run multi-threaded here, as for a user (the suite's default is one)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"] == "clipdist-tiny" and report["world_size"] == 2
-    assert [(r["backend"], r["chunks"]) for r in report["rows"]] == [("disco", 1), ("disco", 2), ("tiled", 1), ("tiled", 2)]
+    assert [(r["backend"], r["chunks"]) for r in report["rows"]] == [
+        ("disco", 1),
+        ("disco", 2),
+        ("tiled", 1),
+        ("tiled", 2),
+    ]
     assert all(r["fits"] and r["max_global_batch"] >= 64 for r in report["rows"])
 
 
@@ -97,7 +127,11 @@ def test_largest_batch_is_the_boundary(measured):
     device = 200e6
     b, limit = plan.largest_local_batch(measured, "disco", 4, 1, device)
     assert b > 0 and limit.startswith("device: ")
-    assert plan.breakdown(measured, "disco", 4, b, b)["peak"] <= device < plan.breakdown(measured, "disco", 4, b + 1, b + 1)["peak"]
+    assert (
+        plan.breakdown(measured, "disco", 4, b, b)["peak"]
+        <= device
+        < plan.breakdown(measured, "disco", 4, b + 1, b + 1)["peak"]
+    )
     cached, _ = plan.largest_local_batch(measured, "disco", 4, 8, device)
     assert cached > b  # gradient caching trades activations for re-computation
 
@@ -118,8 +152,9 @@ def test_inputs_are_counted_on_the_device_and_on_the_host(measured):
 def test_host_memory_can_be_what_limits_the_batch(measured):
     device = 10**12
     roomy, _ = plan.largest_local_batch(measured, "tiled", 4, None, device, host=plan.Host(4, 1, 10**12), micro_batch=8)
-    tight, limit = plan.largest_local_batch(measured, "tiled", 4, None, device, host=plan.Host(4, 1, 10**8),
-                                            micro_batch=8)
+    tight, limit = plan.largest_local_batch(
+        measured, "tiled", 4, None, device, host=plan.Host(4, 1, 10**8), micro_batch=8
+    )
     assert tight < roomy and limit == "host: inputs"
     assert plan.breakdown(measured, "tiled", 4, tight, 8, host=plan.Host(4, 1, 10**8))["host_per_node"] <= 10**8
     assert plan.breakdown(measured, "tiled", 4, tight + 1, 8, host=plan.Host(4, 1, 10**8))["host_per_node"] > 10**8
@@ -128,8 +163,10 @@ def test_host_memory_can_be_what_limits_the_batch(measured):
 def test_automatic_chunks_reach_nearly_the_largest_batch_with_the_largest_chunk(measured):
     host, device = plan.Host(4, 2, 10**12), 300e6
     micro, batch, _ = plan.auto_micro_batch(measured, "tiled", 4, device, "ddp", host)
-    best = max(plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=size)[0]
-               for size in (1, 2, 4))
+    best = max(
+        plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=size)[0]
+        for size in (1, 2, 4)
+    )
     assert batch >= plan.AUTO_CHUNK_SHARE * best
     bigger, _ = plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=2 * micro)
     assert bigger < plan.AUTO_CHUNK_SHARE * best  # a larger chunk would give up more than 5%

@@ -1,5 +1,6 @@
 """open_clip_train's recipes over real ranks: an fp16 overflow on one rank skips the update on every rank (DDP and
 FSDP2), and a run with fp16, a locked tower, a timm optimizer and a cooldown schedule resumes exactly."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,11 @@ def _overflow_on_rank_1(parallel: str):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from clipdist.distributed.parallel import full_tensor, wrap_model
     from clipdist.losses import build
     from clipdist.model.factory import create_model_for_loss, random_tokens
-    from clipdist.train.optim import build_optimizer
-    from clipdist.distributed.parallel import full_tensor, wrap_model
     from clipdist.model.precision import autocast, gradient_scaler
+    from clipdist.train.optim import build_optimizer
     from clipdist.train.step import Step
     from tests.unit.test_recipes import _optim
 
@@ -76,11 +77,24 @@ def losses(run_dir):
 
 
 def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_uninterrupted(tmp_path, cache_dir):
-    overrides = ["world=cpu2", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
-                 "checkpoint_every=4", "precision=fp16", "model.lock_image=true", "model.lock_image_unlocked_groups=1",
-                 "optim.name=lion", "optim.lr=1e-4", "optim.warmup_steps=2", "optim.schedule=const_cooldown",
-                 "optim.cooldown_steps=6", "data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]",
-                 "data.augmentation.color_jitter_prob=0.5", "model.force_patch_dropout=0.25"]
+    overrides = [
+        "world=cpu2",
+        "world.batch_per_device=16",
+        f"optim.max_steps={STEPS}",
+        "eval_every=1000",
+        "checkpoint_every=4",
+        "precision=fp16",
+        "model.lock_image=true",
+        "model.lock_image_unlocked_groups=1",
+        "optim.name=lion",
+        "optim.lr=1e-4",
+        "optim.warmup_steps=2",
+        "optim.schedule=const_cooldown",
+        "optim.cooldown_steps=6",
+        "data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]",
+        "data.augmentation.color_jitter_prob=0.5",
+        "model.force_patch_dropout=0.25",
+    ]
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
@@ -101,12 +115,20 @@ def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_unint
 
 
 def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropout_is_warned(tmp_path, cache_dir):
-    overrides = ["world.batch_per_device=8", "optim.max_steps=2", "eval_every=1000", "checkpoint_every=2",
-                 "model.lock_image=true", "model.force_patch_dropout=0.5"]
+    overrides = [
+        "world.batch_per_device=8",
+        "optim.max_steps=2",
+        "eval_every=1000",
+        "checkpoint_every=2",
+        "model.lock_image=true",
+        "model.force_patch_dropout=0.5",
+    ]
     assert train(tmp_path / "run", cache_dir, *overrides).returncode == 0
     unlocked = train(tmp_path / "run", cache_dir, *overrides[:-2], "optim.max_steps=3", "model.force_patch_dropout=0.5")
-    assert unlocked.returncode == 2 and "was trained with model.lock_image=True, not model.lock_image=False" in \
-        unlocked.stderr, unlocked.stderr[-2000:]
+    assert (
+        unlocked.returncode == 2
+        and "was trained with model.lock_image=True, not model.lock_image=False" in unlocked.stderr
+    ), unlocked.stderr[-2000:]
     flip = train(tmp_path / "run", cache_dir, *overrides[:-1], "optim.max_steps=3", "model.force_patch_dropout=0")
     assert flip.returncode == 0, flip.stderr[-3000:]
     assert "changed since step_00000002.dcp: model.force_patch_dropout 0.5 -> 0.0" in flip.stderr
@@ -115,15 +137,23 @@ def test_a_resume_that_unlocks_a_tower_is_refused_and_one_that_ends_patch_dropou
 def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, cache_dir):
     """open_clip alone loads the export of a run with force_* overrides and its own image mean as the run built it."""
 
+    from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
     from clipdist.cli import main as cli
     from clipdist.model.factory import create_model, get_tokenizer, model_overrides
-    from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
     from tests.integration.test_export import open_clip_features
     from tests.unit.test_recipes import _model_cfg
 
     overrides = {"force_image_size": 48, "force_quick_gelu": True, "image_mean": [0.5, 0.4, 0.3]}
-    run = train(tmp_path / "run", cache_dir, "world.batch_per_device=8", "optim.max_steps=2", "eval_every=1000",
-                "model.force_image_size=48", "model.force_quick_gelu=true", "model.image_mean=[0.5,0.4,0.3]")
+    run = train(
+        tmp_path / "run",
+        cache_dir,
+        "world.batch_per_device=8",
+        "optim.max_steps=2",
+        "eval_every=1000",
+        "model.force_image_size=48",
+        "model.force_quick_gelu=true",
+        "model.image_mean=[0.5,0.4,0.3]",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert cli(["export", str(tmp_path / "run"), "--out", str(tmp_path / "model")]) == 0
     ours = create_model("clipdist-tiny", overrides=model_overrides(_model_cfg(**overrides)))
@@ -143,8 +173,15 @@ def test_an_export_carries_the_runs_model_overrides_and_preprocessing(tmp_path, 
 def test_two_steps_and_an_evaluation_in_each_precision(tmp_path, cache_dir, precision):
     from clipdist.checkpoint.weights import read_progress
 
-    result = train(tmp_path / "run", cache_dir, f"precision={precision}", "world.batch_per_device=16",
-                   "optim.max_steps=2", "eval_every=2", "checkpoint_every=2")
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        f"precision={precision}",
+        "world.batch_per_device=16",
+        "optim.max_steps=2",
+        "eval_every=2",
+        "checkpoint_every=2",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["loss"]) for row in rows)

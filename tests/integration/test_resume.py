@@ -1,6 +1,7 @@
 """A stopped and resumed run is indistinguishable from one never stopped: the same batches, the same
 per-step loss — through SIGTERM and kill -9, twice, with 0–2 loader workers, epoch and resampled
 modes, 1 and 2 ranks; weighted sources mixed by weight; a changed layout restarts with a warning."""
+
 from __future__ import annotations
 
 import signal
@@ -49,12 +50,22 @@ def run_until(run_dir, cache_dir, overrides, step, signum):
         run.finish()
 
 
-# Loader workers 2 (resampled) and 1 (epoch mode, 2 ranks); 0 workers resume in test_the_stream_resumes_from_any_batch_exactly.
+# Loader workers 2 (resampled) and 1 (epoch mode, 2 ranks); 0 workers resume in
+# test_the_stream_resumes_from_any_batch_exactly.
 @pytest.mark.parametrize("launch, workers, resampled", [("local", 2, True), ("cpu2", 1, False)])
 def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, launch, workers, resampled):
-    overrides = [f"world={launch}", "world.batch_per_device=16", f"optim.max_steps={STEPS}", "eval_every=1000",
-                 "checkpoint_every=4", "keep_checkpoints=10", f"data.workers={workers}", f"data.resampled={resampled}",
-                 "logging.tensorboard=true", "logging.wandb=offline"]
+    overrides = [
+        f"world={launch}",
+        "world.batch_per_device=16",
+        f"optim.max_steps={STEPS}",
+        "eval_every=1000",
+        "checkpoint_every=4",
+        "keep_checkpoints=10",
+        f"data.workers={workers}",
+        f"data.resampled={resampled}",
+        "logging.tensorboard=true",
+        "logging.wandb=offline",
+    ]
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
@@ -83,22 +94,30 @@ def test_other_workers_continue_and_a_changed_layout_restarts_reshuffled_with_a_
     assert "cannot continue" not in resumed.stderr
     resumed = train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=7", "data.shuffle_buffer=10")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ("warning: the data stream cannot continue sample for sample (changed since the checkpoint: shuffle_buffer "
-            "1000 -> 10); it restarts reshuffled at sample 80") in resumed.stderr
+    assert (
+        "warning: the data stream cannot continue sample for sample (changed since the checkpoint: shuffle_buffer "
+        "1000 -> 10); it restarts reshuffled at sample 80"
+    ) in resumed.stderr
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == list(range(1, 8))
 
 
 def test_checkpoint_every_minutes(tmp_path, cache_dir):
-    result = train(tmp_path / "run", cache_dir, "world.batch_per_device=8", "optim.max_steps=40",
-                   "eval_every=1000", "checkpoint_every=1000", "checkpoint_every_minutes=0.005", "keep_checkpoints=100")
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        "world.batch_per_device=8",
+        "optim.max_steps=40",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+        "checkpoint_every_minutes=0.005",
+        "keep_checkpoints=100",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     steps = sorted(int(path.stem.split("_")[1]) for path in (tmp_path / "run" / "checkpoints").glob("step_*.dcp"))
     assert steps[-1] == 40 and len(steps) >= 3, steps  # the end, and every ~0.3 s on the way
 
 
 # --- the stream alone: resume from a batch's position, mixing --------------------------------------
-
-
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -131,8 +150,18 @@ def test_pieces_and_workers_do_not_change_the_stream(tmp_path):
     sources = two_sources(tmp_path)
 
     def run(workers, pieces=1, count=9, switch=None, saved=None):
-        batches = train_stream(sources, 4, flat, resampled=True, shuffle_buffer=6, workers=workers, seed=3,
-                               weights=[3, 1], readers=4, pieces=pieces)
+        batches = train_stream(
+            sources,
+            4,
+            flat,
+            resampled=True,
+            shuffle_buffer=6,
+            workers=workers,
+            seed=3,
+            weights=[3, 1],
+            readers=4,
+            pieces=pieces,
+        )
         batches.load_state_dict(saved)
         try:
             seen = []
@@ -173,9 +202,22 @@ def test_the_global_batches_are_the_same_on_any_world_size(tmp_path):
     sources = two_sources(tmp_path, shards=8, per_shard=5)
 
     def run(ranks, count, batch=12, saved=None, workers=0, pieces=1, resampled=False):
-        streams = [train_stream(sources, batch // ranks, flat, rank=rank, world_size=ranks, resampled=resampled,
-                                shuffle_buffer=6, seed=3, readers=2, workers=workers, pieces=pieces)
-                   for rank in range(ranks)]
+        streams = [
+            train_stream(
+                sources,
+                batch // ranks,
+                flat,
+                rank=rank,
+                world_size=ranks,
+                resampled=resampled,
+                shuffle_buffer=6,
+                seed=3,
+                readers=2,
+                workers=workers,
+                pieces=pieces,
+            )
+            for rank in range(ranks)
+        ]
         try:
             for stream in streams:
                 if saved is not None:
@@ -197,19 +239,35 @@ def test_the_global_batches_are_the_same_on_any_world_size(tmp_path):
     for resampled in (False, True):
         whole, _ = run(2, 10, resampled=resampled)
         _, saved = run(2, 4, resampled=resampled)
-        for ranks, batch, workers, pieces in [(1, 12, 0, 1), (3, 12, 0, 1), (4, 12, 2, 1), (6, 12, 0, 2),
-                                              (2, 24, 0, 1), (4, 8, 0, 1)]:
-            tail, _ = run(ranks, 72 // batch, batch=batch, saved=saved, workers=workers, pieces=pieces,
-                          resampled=resampled)
+        for ranks, batch, workers, pieces in [
+            (1, 12, 0, 1),
+            (3, 12, 0, 1),
+            (4, 12, 2, 1),
+            (6, 12, 0, 2),
+            (2, 24, 0, 1),
+            (4, 8, 0, 1),
+        ]:
+            tail, _ = run(
+                ranks, 72 // batch, batch=batch, saved=saved, workers=workers, pieces=pieces, resampled=resampled
+            )
             assert tail == whole[48:120], (resampled, ranks, batch)
         assert run(1, 10, resampled=resampled)[0] != whole  # 2 readers (1 rank × 2) are another order than 4
 
 
 def test_a_run_logs_the_samples_of_each_source(tmp_path, cache_dir):
     a, b = two_sources(tmp_path, shards=2, per_shard=8)
-    result = train(tmp_path / "run", cache_dir, "data=webdataset", f"data.train_shards={a[0]}::{b[0]}",
-                   "data.resampled=true", "data.weights=[1,1]", "data.workers=0", "world.batch_per_device=8",
-                   "optim.max_steps=3", "eval_every=1000")
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        "data=webdataset",
+        f"data.train_shards={a[0]}::{b[0]}",
+        "data.resampled=true",
+        "data.weights=[1,1]",
+        "data.workers=0",
+        "world.batch_per_device=8",
+        "optim.max_steps=3",
+        "eval_every=1000",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
     assert [sum(row["source_samples"]) for row in rows] == [8, 16, 24]
@@ -219,8 +277,13 @@ def test_wandb_holds_every_step_once_after_a_kill_that_lost_its_buffer(tmp_path,
     """kill -9 before W&B wrote anything leaves a 7-byte run file (seen: W&B's service exits with the killed run,
     its buffer unwritten); made certain here by cutting the killed segment back to that header. The resumed run
     logs to W&B, from train_log.jsonl, the steps it lacks, then goes on: every step once, the same losses."""
-    overrides = ["world.batch_per_device=16", "optim.max_steps=12", "eval_every=1000", "checkpoint_every=4",
-                 "logging.wandb=offline"]
+    overrides = [
+        "world.batch_per_device=16",
+        "optim.max_steps=12",
+        "eval_every=1000",
+        "checkpoint_every=4",
+        "logging.wandb=offline",
+    ]
     run_dir = tmp_path / "run"
     run_until(run_dir, cache_dir, overrides, 10, signal.SIGKILL)  # the checkpoint at step 8 survives
     killed = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -241,20 +304,20 @@ def test_a_checkpoint_with_the_readers_and_generators_in_progress_pt_still_resum
     import shutil
 
     import torch
-
-    from clipdist.data.stream import unpack_position
-    from clipdist.checkpoint.state import rng_state_of
     import torch.distributed.checkpoint as dcp
 
+    from clipdist.checkpoint.state import rng_state_of
     from clipdist.checkpoint.weights import PROGRESS, dcp_sizes, read_dcp, read_progress
+    from clipdist.data.stream import unpack_position
 
     common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=1000", "data.workers=1"]
     assert train(tmp_path / "today", cache_dir, "optim.max_steps=3", *common).returncode == 0
     shutil.copytree(tmp_path / "today", tmp_path / "then")
     checkpoint = tmp_path / "then" / "checkpoints" / "step_00000003.dcp"
     progress, tensors = read_progress(checkpoint), read_dcp(checkpoint, {"data", "rng"})
-    progress["stream"]["readers"] = {int(key.removeprefix("reader_")): unpack_position(packed)
-                                     for key, packed in tensors["data"].items()}
+    progress["stream"]["readers"] = {
+        int(key.removeprefix("reader_")): unpack_position(packed) for key, packed in tensors["data"].items()
+    }
     progress["rng"] = [rng_state_of(tensors["rng"]["rank_00000"])]
     weights_alone = read_dcp(checkpoint, {"model", "optimizer"})  # the folder as then: no data.*, no rng.*
     shutil.rmtree(checkpoint)

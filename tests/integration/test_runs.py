@@ -1,5 +1,6 @@
 """A run is safe from its user: one locked directory, resumes that check what they resume, signals
 to the whole process group (as SLURM, `timeout` and Ctrl-C send them) end in a checkpoint."""
+
 from __future__ import annotations
 
 import os
@@ -13,23 +14,50 @@ from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, train, train_com
 
 
 def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir):
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), f"data.cache_dir={cache_dir}", *QUIET,
-                             "optim.max_steps=2", "eval_every=2"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            f"data.cache_dir={cache_dir}",
+            *QUIET,
+            "optim.max_steps=2",
+            "eval_every=2",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1, runs
     run_dir = runs[0]
-    assert {"hydra", "train.log", "checkpoints", "metrics.jsonl", "train_log.jsonl"} <= {p.name for p in run_dir.iterdir()}
+    assert {"hydra", "train.log", "checkpoints", "metrics.jsonl", "train_log.jsonl"} <= {
+        p.name for p in run_dir.iterdir()
+    }
     record = (run_dir / "hydra" / "config.yaml").read_text()
     assert f"name: '{run_dir.name}'" in record or f"name: {run_dir.name}\n" in record, record[:300]
     assert "${now" not in record
 
 
 def test_multirun_jobs_each_get_their_own_run(tmp_path, cache_dir):
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "name=sweep", f"data.cache_dir={cache_dir}",
-                             *QUIET, "optim.max_steps=2", "eval_every=2", "optim.lr=0.001,0.002"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "name=sweep",
+            f"data.cache_dir={cache_dir}",
+            *QUIET,
+            "optim.max_steps=2",
+            "eval_every=2",
+            "optim.lr=0.001,0.002",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for job in ("0", "1"):
         run_dir = tmp_path / "runs" / "sweep" / job
@@ -58,10 +86,11 @@ def test_second_process_on_the_same_run_is_refused_with_the_holder(tmp_path, cac
 def test_resume_with_another_world_size_warns_of_the_new_global_batch(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     assert train(run_dir, cache_dir, "optim.max_steps=2", "eval_every=2", "world.batch_per_device=16").returncode == 0
-    resumed = train(run_dir, cache_dir, "optim.max_steps=3", "eval_every=3", "world=cpu2",
-                    "world.batch_per_device=16")
+    resumed = train(run_dir, cache_dir, "optim.max_steps=3", "eval_every=3", "world=cpu2", "world.batch_per_device=16")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "warning: resuming" in resumed.stderr and "with global batch 32 (2 rank(s) × 16), it was 16" in resumed.stderr
+    assert (
+        "warning: resuming" in resumed.stderr and "with global batch 32 (2 rank(s) × 16), it was 16" in resumed.stderr
+    )
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout  # on every launcher, spawned ranks too
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2, 3]
 
@@ -71,17 +100,26 @@ def torchrun_command(run_dir, cache_dir, *overrides):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *command[1:]]
 
 
-@pytest.mark.parametrize("signum, launch, workers", [
-    (signal.SIGTERM, "local", 2),
-    (signal.SIGINT, "local", 4),
-    (signal.SIGTERM, "cpu2", 1),
-    (signal.SIGINT, "cpu2", 0),
-    (signal.SIGTERM, "torchrun", 1),
-])
+@pytest.mark.parametrize(
+    "signum, launch, workers",
+    [
+        (signal.SIGTERM, "local", 2),
+        (signal.SIGINT, "local", 4),
+        (signal.SIGTERM, "cpu2", 1),
+        (signal.SIGINT, "cpu2", 0),
+        (signal.SIGTERM, "torchrun", 1),
+    ],
+)
 def test_signal_to_the_process_group_ends_in_a_checkpoint(tmp_path, cache_dir, signum, launch, workers):
     run_dir = tmp_path / "run"
-    overrides = ["optim.max_steps=400", "eval_every=1000", "checkpoint_every=1000", f"data.workers={workers}",
-                 "data.resampled=true", "world.batch_per_device=16"]
+    overrides = [
+        "optim.max_steps=400",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+        f"data.workers={workers}",
+        "data.resampled=true",
+        "world.batch_per_device=16",
+    ]
     if launch == "torchrun":
         command = torchrun_command(run_dir, cache_dir, *overrides, "world=cpu2", "world.spawn=false")
     else:
@@ -122,8 +160,13 @@ def test_kill_and_resume_logs_each_step_once(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     overrides = ["optim.max_steps=12", "eval_every=4", "checkpoint_every=3", "world.batch_per_device=16"]
     with Run.train(run_dir, cache_dir, *overrides) as run:
-        run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000006.dcp").exists()
-                     and (run_dir / "metrics.jsonl").exists() and logged_steps(run_dir) >= 8)
+        run.wait_for(
+            lambda: (
+                (run_dir / "checkpoints" / "step_00000006.dcp").exists()
+                and (run_dir / "metrics.jsonl").exists()
+                and logged_steps(run_dir) >= 8
+            )
+        )
         run.signal_group(signal.SIGKILL)
         run.finish(timeout=30)
     killed = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
@@ -139,8 +182,9 @@ def test_kill_and_resume_logs_each_step_once(tmp_path, cache_dir):
 def small_disk(tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip() or 'not root'})")
     yield mount
@@ -151,8 +195,9 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     """The 12 MB disk takes the logs but not a checkpoint (41 MB). Written in the step, the save's failure is the
     one line; in the background (the default), whichever of the checkpoint and the log line beside it meets the
     full disk first says so in one line. No partial file is left either way."""
-    background = train(small_disk / "background", cache_dir, "optim.max_steps=3", "checkpoint_every=2",
-                       "eval_every=1000", timeout=120)
+    background = train(
+        small_disk / "background", cache_dir, "optim.max_steps=3", "checkpoint_every=2", "eval_every=1000", timeout=120
+    )
     assert background.returncode == 1 and "Traceback" not in background.stderr
     last = background.stderr.strip().splitlines()[-1]
     assert last.startswith("error: could not write ") and "No space left on device" in last, last
@@ -160,8 +205,15 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     shutil.rmtree(small_disk / "background")
 
     run_dir = small_disk / "run"
-    result = train(run_dir, cache_dir, "optim.max_steps=3", "checkpoint_every=2", "eval_every=1000",
-                   "checkpoint.async_save=false", timeout=120)
+    result = train(
+        run_dir,
+        cache_dir,
+        "optim.max_steps=3",
+        "checkpoint_every=2",
+        "eval_every=1000",
+        "checkpoint.async_save=false",
+        timeout=120,
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: could not write checkpoint ") and "No space left on device" in lines[-1]
@@ -169,8 +221,16 @@ def test_disk_full_is_one_line_and_leaves_no_partial_file(small_disk, cache_dir)
     assert "Traceback" not in result.stderr
     assert not list((run_dir / "checkpoints").glob(".*partial"))
 
-    goes_on = train(small_disk / "run2", cache_dir, "optim.max_steps=3", "checkpoint_every=2",
-                    "eval_every=1000", "on_checkpoint_error=warn", "checkpoint.async_save=false", timeout=120)
+    goes_on = train(
+        small_disk / "run2",
+        cache_dir,
+        "optim.max_steps=3",
+        "checkpoint_every=2",
+        "eval_every=1000",
+        "on_checkpoint_error=warn",
+        "checkpoint.async_save=false",
+        timeout=120,
+    )
     assert goes_on.returncode == 0, goes_on.stderr[-3000:]
     assert goes_on.stderr.count("No space left on device") == 2  # steps 2 and 3 tried, warned, went on
     assert [row["step"] for row in read_jsonl(small_disk / "run2" / "train_log.jsonl")] == [1, 2, 3]
@@ -185,16 +245,40 @@ def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path,
 
     def agents(steps):
         port = free_port()
-        overrides = ["world=cpu2", "world.nodes=2", "world.procs_per_node=1", "world.spawn=false",
-                     f"optim.max_steps={steps}", "checkpoint_every=2", "eval_every=1000", "logging.log_every=1",
-                     "world.batch_per_device=16"]
+        overrides = [
+            "world=cpu2",
+            "world.nodes=2",
+            "world.procs_per_node=1",
+            "world.spawn=false",
+            f"optim.max_steps={steps}",
+            "checkpoint_every=2",
+            "eval_every=1000",
+            "logging.log_every=1",
+            "world.batch_per_device=16",
+        ]
         started = []
         for node in range(2):
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                       "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{steps}",
-                       f"--rdzv-conf=is_host={int(node == 0)}", *train_command(run_dir, cache_dir, *overrides)[1:]]
-            started.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            env={**os.environ, "HYDRA_FULL_ERROR": "0"}))
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=two-nodes-{steps}",
+                f"--rdzv-conf=is_host={int(node == 0)}",
+                *train_command(run_dir, cache_dir, *overrides)[1:],
+            ]
+            started.append(
+                subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+                )
+            )
         outputs = []
         for agent in started:
             try:

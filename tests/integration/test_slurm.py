@@ -4,6 +4,7 @@ The cluster is started for this module from Debian's slurm-wlm and munge (`.ci/r
 them), with its own config, key, sockets, ports and spool in a temporary folder, and stopped
 afterwards. Jobs use world=slurm_cpu (gloo srun tasks) and the tiny model.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,10 @@ class Hosts:
         self.addresses = [f"{subnet}.{10 + i}" for i in range(1, count + 1)]
         self.namespaces = [f"cd{tag}ns{i}" for i in range(1, count + 1)]
         self.hosts_file = root / "hosts"
-        self.hosts_file.write_text(f"127.0.0.1 localhost\n{self.gateway} {controller}\n" + "".join(
-            f"{address} {name}\n" for address, name in zip(self.addresses, self.names)))
+        self.hosts_file.write_text(
+            f"127.0.0.1 localhost\n{self.gateway} {controller}\n"
+            + "".join(f"{address} {name}\n" for address, name in zip(self.addresses, self.names))
+        )
 
     def create(self) -> None:
         def ip(*arguments: str) -> None:
@@ -66,10 +69,24 @@ class Hosts:
     def on(self, index: int, command: list[str]) -> list[str]:
         """`command` on node `index`: in its namespaces, with its hostname and the nodes' /etc/hosts."""
         # nsenter, not `ip netns exec`: that mounts a fresh /sys without the cgroup tree slurmd needs.
-        return ["nsenter", f"--net=/run/netns/{self.namespaces[index]}", "--", "unshare", "--uts", "--mount",
-                "--propagation", "private", "--", "sh", "-c",
-                'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"', "sh",
-                self.names[index], str(self.hosts_file), *command]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.namespaces[index]}",
+            "--",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"',
+            "sh",
+            self.names[index],
+            str(self.hosts_file),
+            *command,
+        ]
 
     def remove(self) -> None:
         for namespace in self.namespaces:  # its end of the veth pair goes with it
@@ -92,8 +109,10 @@ class LocalSlurm:
         spool.mkdir()
         if self.hosts:
             controller = f"{host}({self.hosts.gateway})"
-            node_lines = "".join(f"NodeName={name} NodeAddr={address} CPUs=2 RealMemory=8000 State=UNKNOWN\n"
-                                 for name, address in zip(self.hosts.names, self.hosts.addresses))
+            node_lines = "".join(
+                f"NodeName={name} NodeAddr={address} CPUs=2 RealMemory=8000 State=UNKNOWN\n"
+                for name, address in zip(self.hosts.names, self.hosts.addresses)
+            )
         else:
             controller, node_lines = host, f"NodeName={host} CPUs=8 RealMemory=8000 State=UNKNOWN\n"
         self.conf = root / "slurm.conf"
@@ -106,13 +125,13 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root / 'munge.socket'},cred_expire=10
+AuthInfo=socket={root / "munge.socket"},cred_expire=10
 StateSaveLocation={state}
 SlurmdSpoolDir={spool}/%n
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd-%n.pid'}
-SlurmctldLogFile={root / 'slurmctld.log'}
-SlurmdLogFile={root / 'slurmd-%n.log'}
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd-%n.pid"}
+SlurmctldLogFile={root / "slurmctld.log"}
+SlurmdLogFile={root / "slurmd-%n.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -130,19 +149,39 @@ KillWait=10
         # Jobs inherit this environment (sbatch --export=ALL): this Python first on PATH, and no
         # OMP_NUM_THREADS, so the tasks' threads come from --cpus-per-task as on a cluster.
         # Nor a launcher's variables another test may have left in this process (a login shell has none).
-        launcher = {"OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                    "LOCAL_WORLD_SIZE"}
-        self.env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "SLURM_CONF": str(self.conf),
-                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        launcher = {
+            "OMP_NUM_THREADS",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+        }
+        self.env = {
+            **{k: v for k, v in os.environ.items() if k not in launcher},
+            "SLURM_CONF": str(self.conf),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        }
 
     def start(self) -> None:
         key = self.root / "munge.key"
-        subprocess.run(["mungekey", "--create", f"--keyfile={key}", "--force"], check=True, timeout=30,
-                       capture_output=True)
+        subprocess.run(
+            ["mungekey", "--create", f"--keyfile={key}", "--force"], check=True, timeout=30, capture_output=True
+        )
         key.chmod(0o600)
-        self._daemon(["munged", "-F", "--force", f"--socket={self.root / 'munge.socket'}", f"--key-file={key}",
-                      f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
-                      f"--seed-file={self.root / 'munged.seed'}"])
+        self._daemon(
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--socket={self.root / 'munge.socket'}",
+                f"--key-file={key}",
+                f"--pid-file={self.root / 'munged.pid'}",
+                f"--log-file={self.root / 'munged.log'}",
+                f"--seed-file={self.root / 'munged.seed'}",
+            ]
+        )
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)])
         if self.hosts:
             self.hosts.create()
@@ -164,8 +203,9 @@ KillWait=10
     def _daemon(self, command: list[str], name: str | None = None) -> None:
         name = name or command[0]
         log = open(self.root / f"{name}.out", "w")
-        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                               start_new_session=True))
+        self.processes.append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        )
         time.sleep(0.3)
         if self.processes[-1].poll() is not None:
             raise RuntimeError(f"{name} exited at start: {(self.root / f'{name}.out').read_text()[-500:]}")
@@ -184,12 +224,19 @@ KillWait=10
             self.hosts.remove()
 
     def run(self, *command: str, check: bool = True, cwd: Path | None = None, timeout: float = 60):
-        return subprocess.run(list(command), env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                              check=check)
+        return subprocess.run(
+            list(command), env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=check
+        )
 
     def sbatch(self, cwd: Path, *arguments: str, extra_env: dict | None = None) -> int:
-        result = subprocess.run(["sbatch", "--parsable", *arguments], env={**self.env, **(extra_env or {})}, cwd=cwd,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["sbatch", "--parsable", *arguments],
+            env={**self.env, **(extra_env or {})},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
         return int(result.stdout.strip().split(";")[0])
 
@@ -271,8 +318,9 @@ def cluster(tmp_path_factory):
 def two_nodes(tmp_path_factory):
     missing = [tool for tool in ("ip", "nsenter", "unshare") if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"two nodes need network namespaces ({', '.join(missing)} missing: apt-get install iproute2 "
-                    "util-linux)")
+        pytest.skip(
+            f"two nodes need network namespaces ({', '.join(missing)} missing: apt-get install iproute2 util-linux)"
+        )
     slurm = _started(tmp_path_factory.mktemp("slurm2"), nodes=2)
     yield slurm
     slurm.stop()
@@ -287,8 +335,9 @@ def finished(job: dict) -> bool:
 
 
 def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, cache_dir, tmp_path):
-    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
-                            "optim.max_steps=12", "eval_every=12")
+    job_id = cluster.sbatch(
+        tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}", "optim.max_steps=12", "eval_every=12"
+    )
     job = cluster.wait(job_id, finished, 300)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert job["JobState"] == "COMPLETED", log[-3000:]
@@ -301,8 +350,17 @@ def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, c
 
 
 def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, tmp_path):
-    run_dir, log = cluster.stopped_and_requeued(tmp_path, 8, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
-                                                "optim.max_steps=60", "eval_every=1000", "checkpoint_every=1000")
+    run_dir, log = cluster.stopped_and_requeued(
+        tmp_path,
+        8,
+        *SBATCH_CPU,
+        SCRIPT,
+        *SMALL,
+        f"data.cache_dir={cache_dir}",
+        "optim.max_steps=60",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+    )
     stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
     assert len(stopped) == 1 and 8 <= stopped[0] < 60, log[-3000:]
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.dcp"))
@@ -322,12 +380,15 @@ def test_failed_rank_ends_the_job_promptly_with_its_error_in_the_log(cluster, ca
     job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL[1:], "world=8gpu", f"data.cache_dir={cache_dir}")
     job = cluster.wait(job_id, finished, 120)
     assert job["JobState"] == "FAILED" and time.time() - started < 60
-    assert "error: world=8gpu expects 8 processes (1 node(s) × 8), but slurm started 2" in \
-        (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert (
+        "error: world=8gpu expects 8 processes (1 node(s) × 8), but slurm started 2"
+        in (tmp_path / f"slurm-{job_id}.out").read_text()
+    )
 
     # A task killed mid-run: srun's --kill-on-bad-exit ends its peer at once, not after world.timeout_s.
-    job_id = cluster.sbatch(tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}",
-                            "optim.max_steps=400", "eval_every=1000")
+    job_id = cluster.sbatch(
+        tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}", "optim.max_steps=400", "eval_every=1000"
+    )
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
     cluster.wait_for_steps(job_id, run_dir, 3, tmp_path / f"slurm-{job_id}.out")
     tasks = [pid for pid in _pids_with(f"run_dir={run_dir}") if _environ(pid).get("SLURM_PROCID") == "1"]
@@ -360,11 +421,26 @@ def _environ(pid: int) -> dict[str, str]:
 def test_hydra_submitit_launcher_trains_on_the_cluster(cluster, cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     result = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
-         "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
-         f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "optim.max_steps=6", "eval_every=6",
-         *SMALL],
-        env=cluster.env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.gpus_per_node=0",
+            "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.timeout_min=10",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={cache_dir}",
+            "optim.max_steps=6",
+            "eval_every=6",
+            *SMALL,
+        ],
+        env=cluster.env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
     run_dir = tmp_path / "run" / "0"  # a sweep's job 0: its own run directory
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 7))
@@ -373,16 +449,32 @@ def test_hydra_submitit_launcher_trains_on_the_cluster(cluster, cache_dir, tmp_p
 
 SCRIPT_64 = str(REPO / "slurm" / "train_64gpu.sbatch")
 TWO_BY_TWO = ["--nodes=2", *SBATCH_CPU]  # over the script's 8 nodes × 8 GPUs; world and model on the command line
-CPU_WORLD = ["world=slurm_cpu", "world.nodes=2", "world.procs_per_node=2", "model=tiny", "data=digits", "optim=tiny",
-             *QUIET, "world.batch_per_device=16"]
+CPU_WORLD = [
+    "world=slurm_cpu",
+    "world.nodes=2",
+    "world.procs_per_node=2",
+    "model=tiny",
+    "data=digits",
+    "optim=tiny",
+    *QUIET,
+    "world.batch_per_device=16",
+]
 
 
 def test_64gpu_script_on_two_nodes_meets_on_the_first_requeues_and_resumes(two_nodes, cache_dir, tmp_path):
     """The unmodified 64-GPU script on 2 nodes × 2 tasks: the ranks meet at the first node of the allocation,
     USR1 → checkpoint → requeue → resume at that step, both halves in one log."""
-    run_dir, log = two_nodes.stopped_and_requeued(tmp_path, 6, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD,
-                                                  f"data.cache_dir={cache_dir}", "optim.max_steps=40",
-                                                  "eval_every=1000", "checkpoint_every=1000")
+    run_dir, log = two_nodes.stopped_and_requeued(
+        tmp_path,
+        6,
+        *TWO_BY_TWO,
+        SCRIPT_64,
+        *CPU_WORLD,
+        f"data.cache_dir={cache_dir}",
+        "optim.max_steps=40",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+    )
     first, second = two_nodes.hosts.names
     placed = f"4 ranks on 2 node(s) ({first}: ranks 0-1, {second}: ranks 2-3), rendezvous at {first}:"
     assert log.count(placed) == 2, log[-3000:]  # both runs of the job, each met at the allocation's first node
@@ -391,14 +483,15 @@ def test_64gpu_script_on_two_nodes_meets_on_the_first_requeues_and_resumes(two_n
     assert "restart 0" in log and "restart 1" in log and f"at step {stopped[0]}" in log
     assert "cannot continue sample for sample" not in log
     steps = [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")]
-    assert steps[-1] == 40 and steps[steps.index(stopped[0] + 1, stopped[0]):] == list(range(stopped[0] + 1, 41))
+    assert steps[-1] == 40 and steps[steps.index(stopped[0] + 1, stopped[0]) :] == list(range(stopped[0] + 1, 41))
     assert read_jsonl(run_dir / "train_log.jsonl")[-1]["samples_seen"] == 40 * 4 * 16
 
 
 def test_a_world_preset_that_does_not_match_the_allocation_fails_in_one_line(two_nodes, cache_dir, tmp_path):
     started = time.time()
-    job_id = two_nodes.sbatch(tmp_path, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD, "world.nodes=1",
-                              f"data.cache_dir={cache_dir}")
+    job_id = two_nodes.sbatch(
+        tmp_path, *TWO_BY_TWO, SCRIPT_64, *CPU_WORLD, "world.nodes=1", f"data.cache_dir={cache_dir}"
+    )
     job = two_nodes.wait(job_id, finished, 120)
     log = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert job["JobState"] == "FAILED" and time.time() - started < 90, log[-3000:]

@@ -1,5 +1,6 @@
 """`python train.py` end to end: it learns, N ranks equal one, gradient caching equals the whole step (resume and
 determinism: test_resume.py, where a stopped run equals one never stopped; bad input: test_config.py)."""
+
 from __future__ import annotations
 
 import re
@@ -38,8 +39,15 @@ def local_losses(tmp_path_factory, cache_dir):
         definition = "siglip" if build(backend).uses_logit_bias else "disco"
         if definition not in runs:
             run_dir = tmp_path_factory.mktemp("local")
-            result = train(run_dir, cache_dir, f"loss={definition}", "world=local", "world.batch_per_device=8",
-                           "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+            result = train(
+                run_dir,
+                cache_dir,
+                f"loss={definition}",
+                "world=local",
+                "world.batch_per_device=8",
+                "optim.max_steps=2",
+                *SAME_GLOBAL_BATCH,
+            )
             assert result.returncode == 0, result.stderr[-3000:]
             runs[definition] = [row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")]
         return runs[definition]
@@ -52,8 +60,15 @@ def local_losses(tmp_path_factory, cache_dir):
 @pytest.mark.parametrize("backend", ["disco", "tiled", "siglip"])
 def test_cpu2_first_step_loss_equals_local(tmp_path, cache_dir, local_losses, backend):
     expected = local_losses(backend)
-    result = train(tmp_path / "run", cache_dir, f"loss={backend}", "world=cpu2", "world.batch_per_device=4",
-                   "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        f"loss={backend}",
+        "world=cpu2",
+        "world.batch_per_device=4",
+        "optim.max_steps=2",
+        *SAME_GLOBAL_BATCH,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")]
     assert losses[0] == pytest.approx(expected[0], rel=1e-6)
@@ -61,8 +76,17 @@ def test_cpu2_first_step_loss_equals_local(tmp_path, cache_dir, local_losses, ba
 
 
 def test_siglip_with_grad_cache_trains_on_two_ranks(tmp_path, cache_dir):
-    result = train(tmp_path / "run", cache_dir, "loss=siglip", "grad_cache.chunks=2", "world=cpu2",
-                   "world.batch_per_device=8", "optim.max_steps=4", "logging.log_every=1", "eval_every=1000")
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        "loss=siglip",
+        "grad_cache.chunks=2",
+        "world=cpu2",
+        "world.batch_per_device=8",
+        "optim.max_steps=4",
+        "logging.log_every=1",
+        "eval_every=1000",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "run" / "train_log.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -70,14 +94,22 @@ def test_siglip_with_grad_cache_trains_on_two_ranks(tmp_path, cache_dir):
     assert rows[0]["logit_bias"] == pytest.approx(-10.0, abs=0.01)
 
 
-@pytest.mark.parametrize("chunking", [("grad_cache.chunks=4",), ("grad_cache.micro_batch=3",),
-                                      ("grad_cache.chunks=4", "data.pieces=4")])
+@pytest.mark.parametrize(
+    "chunking", [("grad_cache.chunks=4",), ("grad_cache.micro_batch=3",), ("grad_cache.chunks=4", "data.pieces=4")]
+)
 def test_grad_cached_run_follows_the_unchunked_run(tmp_path, cache_dir, local_losses, chunking):
     """Gradient caching changes no loss; nor does the loader reading the batch in pieces into host memory
     while the step moves one chunk at a time to the device (the last case: inputs off the device)."""
     expected = local_losses("disco")
-    result = train(tmp_path / "run", cache_dir, *chunking, "world=local", "world.batch_per_device=8",
-                   "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        *chunking,
+        "world=local",
+        "world.batch_per_device=8",
+        "optim.max_steps=2",
+        *SAME_GLOBAL_BATCH,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")]
     assert losses[0] == pytest.approx(expected[0], rel=1e-6)
@@ -89,8 +121,15 @@ def test_float_batches_normalized_by_the_loader_train_exactly_as_uint8_batches(t
     pixels for the rank to normalize after the copy (the default, auto); on the CPU the losses are the same,
     bit for bit."""
     expected = local_losses("disco")
-    result = train(tmp_path / "run", cache_dir, "data.normalize_on=loader", "world=local", "world.batch_per_device=8",
-                   "optim.max_steps=2", *SAME_GLOBAL_BATCH)
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        "data.normalize_on=loader",
+        "world=local",
+        "world.batch_per_device=8",
+        "optim.max_steps=2",
+        *SAME_GLOBAL_BATCH,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == expected
     assert "images normalized by the loader (data.normalize_on=loader)" in run_log(tmp_path / "run")  # a line
@@ -102,38 +141,53 @@ def test_loader_workers_priority_follows_what_the_run_measures(tmp_path, cache_d
     wait for data decides at step 30 (warm-up 10 + a 20-step window), in the log: idle priority where the rank
     waited less than `idle_below` of its time (made certain either way here: every share is below 1.01 and none
     below 0)."""
-    from clipdist.distributed import host
     from clipdist.data import workers
+    from clipdist.distributed import host
 
     monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (1, "1 CPU (test)"))
     monkeypatch.setattr(workers.MeasuredPriority.__init__, "__defaults__", (10, 20, idle_below, 1.01))
-    result = train(tmp_path / "run", cache_dir, "data.workers=1", "optim.max_steps=31", "eval_every=1000",
-                   "checkpoint_every=1000")
+    result = train(
+        tmp_path / "run", cache_dir, "data.workers=1", "optim.max_steps=31", "eval_every=1000", "checkpoint_every=1000"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     log = "\n".join(run_log(tmp_path / "run"))
-    assert ("loader workers at normal priority (data.worker_priority=auto: 1 CPU (test), fewer than the rank + 1 "
-            "worker(s); idle priority once the run shows the loader keeps up)") in log
-    assert re.search(rf"step 30: loader workers {decision} priority: over steps 11-30 the rank waited "
-                     r"[0-9.]+% of its time for data", log), log
+    assert (
+        "loader workers at normal priority (data.worker_priority=auto: 1 CPU (test), fewer than the rank + 1 "
+        "worker(s); idle priority once the run shows the loader keeps up)"
+    ) in log
+    assert re.search(
+        rf"step 30: loader workers {decision} priority: over steps 11-30 the rank waited "
+        r"[0-9.]+% of its time for data",
+        log,
+    ), log
 
 
 def test_the_loader_worker_count_the_run_measures_changes_no_sample(tmp_path, cache_dir, monkeypatch):
     """data.workers=auto on a CPU rank with 4 CPUs: 4 readers, 2 workers at the start; at step 30 the run moves to
     the count its measurements favour (made to move here: no minimum gain; a digits step outweighs its loading,
-    so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 4 fixed workers (4 readers)."""
-    from clipdist.distributed import host
+    so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 4 fixed workers (4
+    readers)."""
     from clipdist.data import workers
+    from clipdist.distributed import host
 
     monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (4, "4 CPUs (test)"))
     monkeypatch.setattr(workers.MeasuredWorkers.__init__, "__defaults__", (10, 20, 0.0))
-    common = ["data.resampled=true", "world.batch_per_device=16", "optim.max_steps=36", "eval_every=1000",
-              "checkpoint_every=1000"]
+    common = [
+        "data.resampled=true",
+        "world.batch_per_device=16",
+        "optim.max_steps=36",
+        "eval_every=1000",
+        "checkpoint_every=1000",
+    ]
     measured = train(tmp_path / "measured", cache_dir, "data.workers=null", *common)
     assert measured.returncode == 0, measured.stderr[-3000:]
     log = "\n".join(run_log(tmp_path / "measured"))
     assert "2 loader worker(s) per rank (data.workers=auto: 4 CPUs (test), CPU ranks start with up to 4" in log, log
-    assert re.search(r"step 30: 2 -> 1 loader worker\(s\): over steps 11-30 a batch took [0-9]+ ms of a loader "
-                     r"worker's CPU and the step [0-9]+ ms", log), log
+    assert re.search(
+        r"step 30: 2 -> 1 loader worker\(s\): over steps 11-30 a batch took [0-9]+ ms of a loader "
+        r"worker's CPU and the step [0-9]+ ms",
+        log,
+    ), log
     fixed = train(tmp_path / "fixed", cache_dir, "data.workers=4", *common)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     rows = [[row["loss"] for row in read_jsonl(tmp_path / name / "train_log.jsonl")] for name in ("measured", "fixed")]

@@ -1,6 +1,7 @@
 """A trained model leaves for Hugging Face: `clipdist export --format transformers` writes a folder that
 transformers alone (no clipdist, no open_clip importable) loads as CLIPModel + CLIPProcessor, with the model's image
 and text features, open_clip's token ids, and the zero-shot pipeline's top-1 equal to `clipdist eval`'s."""
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,9 @@ def converted(model, tokenizer=None):
     return theirs, to_transformers.check_same(model, theirs, tokenizer, 32)
 
 
-@pytest.mark.parametrize("options", [{}, {"quick_gelu": True}, {"init_logit_bias": -10.0}],
-                         ids=["gelu", "quick_gelu", "siglip_bias"])
+@pytest.mark.parametrize(
+    "options", [{}, {"quick_gelu": True}, {"init_logit_bias": -10.0}], ids=["gelu", "quick_gelu", "siglip_bias"]
+)
 def test_clip_variants_convert_with_the_models_features(options):
     model = tiny_open_clip(**options)
     theirs, difference = converted(model)
@@ -74,8 +76,10 @@ def test_a_mapping_that_drops_a_tensor_is_caught_by_the_feature_check(monkeypatc
     def swapped(model):  # q and k exchanged in one block: loads, runs, is wrong
         weights = real(model)
         layer = "vision_model.encoder.layers.1.self_attn."
-        weights[layer + "q_proj.weight"], weights[layer + "k_proj.weight"] = \
-            weights[layer + "k_proj.weight"], weights[layer + "q_proj.weight"]
+        weights[layer + "q_proj.weight"], weights[layer + "k_proj.weight"] = (
+            weights[layer + "k_proj.weight"],
+            weights[layer + "q_proj.weight"],
+        )
         return weights
 
     monkeypatch.setattr(to_transformers, "clip_weights", swapped)
@@ -84,10 +88,16 @@ def test_a_mapping_that_drops_a_tensor_is_caught_by_the_feature_check(monkeypatc
 
 
 def transformers_alone(folder, work, images, captions, labels=(), template="", pngs=()) -> dict:
-    torch.save({"images": images, "captions": captions, "labels": list(labels), "template": template,
-                "pngs": list(pngs)}, work / "inputs.pt")
-    result = subprocess.run([sys.executable, "-c", TRANSFORMERS_ALONE, str(folder), str(work / "inputs.pt"),
-                             str(work / "out.pt")], capture_output=True, text=True, timeout=300)
+    torch.save(
+        {"images": images, "captions": captions, "labels": list(labels), "template": template, "pngs": list(pngs)},
+        work / "inputs.pt",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", TRANSFORMERS_ALONE, str(folder), str(work / "inputs.pt"), str(work / "out.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(work / "out.pt")
 
@@ -115,7 +125,11 @@ def exported(trained_run, cache_dir, tmp_path_factory):
     with tarfile.open(expand_shards(builtin_shards("digits", str(cache_dir))[1])[0]) as shard:
         members = {member.name: shard.extractfile(member).read() for member in shard.getmembers()}
     keys = sorted(name[:-4] for name in members if name.endswith(".png"))
-    digits = (keys, [members[f"{key}.png"] for key in keys], [json.loads(members[f"{key}.json"])["label"] for key in keys])
+    digits = (
+        keys,
+        [members[f"{key}.png"] for key in keys],
+        [json.loads(members[f"{key}.json"])["label"] for key in keys],
+    )
     images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     theirs = transformers_alone(work / "hf", work, images, CAPTIONS, classnames_of("digits"), TEMPLATE, digits[1])
     return work / "hf", said.getvalue(), images, theirs, digits
@@ -127,8 +141,14 @@ def test_transformers_alone_loads_the_export_with_the_same_features_and_token_id
 
     out, said, images, theirs, _ = exported
     assert "CLIPModel.from_pretrained" in said
-    assert {"config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json", "vocab.json",
-            "merges.txt"} <= {path.name for path in out.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "tokenizer.json",
+        "vocab.json",
+        "merges.txt",
+    } <= {path.name for path in out.iterdir()}
     model, name = targets.load(targets.resolve(str(trained_run)))
     model.eval()
     tokenizer = get_tokenizer(name)
@@ -136,7 +156,7 @@ def test_transformers_alone_loads_the_export_with_the_same_features_and_token_id
         image, text = model.encode_image(images), model.encode_text(tokenizer(CAPTIONS))
     assert relative(theirs["image"], image) <= 1e-5 and relative(theirs["text"], text) <= 1e-5
     for caption, ids, ours in zip(CAPTIONS, theirs["ids"], tokenizer(CAPTIONS)):
-        assert ids == ours[:len(ids)].tolist(), caption  # the same ids up to and with the end-of-text token
+        assert ids == ours[: len(ids)].tolist(), caption  # the same ids up to and with the end-of-text token
     assert len(theirs["ids"][-1]) == 16  # truncated to the context length, ending in <|endoftext|>
 
 
@@ -145,9 +165,12 @@ def test_the_zero_shot_pipeline_scores_the_export_as_clipdist_eval_does(trained_
 
     _, _, _, theirs, (keys, pngs, labels) = exported
     classnames = classnames_of("digits")
-    root = clip_benchmark_set(tmp_path / "digits", [[{"__key__": key, "png": png, "cls": str(label).encode()}
-                                                     for key, png, label in zip(keys, pngs, labels)]],
-                              classnames, [TEMPLATE])
+    root = clip_benchmark_set(
+        tmp_path / "digits",
+        [[{"__key__": key, "png": png, "cls": str(label).encode()} for key, png, label in zip(keys, pngs, labels)]],
+        classnames,
+        [TEMPLATE],
+    )
     assert cli(["eval", str(trained_run), "--set", f"digits={root}", "--out", str(tmp_path / "eval.json")]) == 0
     ours = json.loads((tmp_path / "eval.json").read_text())["digits/zeroshot_top1"]
     top1 = sum(guess == classnames[label] for guess, label in zip(theirs["top1"], labels)) / len(labels)

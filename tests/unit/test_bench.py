@@ -1,4 +1,5 @@
 """`clipdist bench loss`: runs every backend and the open_clip peer, and its figures mean what they say."""
+
 from __future__ import annotations
 
 
@@ -15,10 +16,13 @@ def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_pat
     spec = importlib.util.spec_from_file_location("bench_loader", REPO / "scripts" / "bench_loader.py")
     bench_loader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_loader)
-    shard = write_samples(tmp_path / "0.tar", [{"__key__": str(i), "png": image_bytes(i), "txt": b"x"} for i in range(8)])
+    shard = write_samples(
+        tmp_path / "0.tar", [{"__key__": str(i), "png": image_bytes(i), "txt": b"x"} for i in range(8)]
+    )
     for pieces in (1, 2):
-        batches = bench_loader.clipdist_batches([str(shard)], 4, 0, T.ToTensor(), get_tokenizer(), pixels=False,
-                                                pieces=pieces)
+        batches = bench_loader.clipdist_batches(
+            [str(shard)], 4, 0, T.ToTensor(), get_tokenizer(), pixels=False, pieces=pieces
+        )
         assert [next(batches), next(batches)] == [4, 4]
         batches.close()
 

@@ -1,5 +1,6 @@
 """Checkpoint files: one format (a DCP folder + progress.pt), atomic, retained, the newest readable resumed;
 checkpoints of the .pt days still resume."""
+
 from __future__ import annotations
 
 import logging
@@ -9,10 +10,10 @@ import numpy as np
 import torch
 
 from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
-from clipdist.config import TrainConfig
-from clipdist.distributed.launch import detect_env
 from clipdist.checkpoint.state import TrainState
 from clipdist.checkpoint.weights import read_progress
+from clipdist.config import TrainConfig
+from clipdist.distributed.launch import detect_env
 
 
 class LiveStream:
@@ -66,7 +67,9 @@ def test_newest_complete_checkpoint_wins_and_partial_writes_are_ignored(tmp_path
     assert path.name == "step_00000030.dcp" and state.step == 30
     saved = tiny_state(30.0)
     assert torch.equal(state.model.weight.detach(), saved.model.weight.detach())
-    assert torch.equal(state.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        state.optimizer.state_dict()["state"][0]["exp_avg"], saved.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
 
 
 def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
@@ -91,9 +94,20 @@ def test_a_checkpoint_of_the_pt_days_still_resumes(tmp_path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save({"model": old.model.state_dict(), "optimizer": old.optimizer.state_dict(),
-                "scheduler": old.scheduler.state_dict(), "step": 7, "samples_seen": 70, "rng": [rng], "world_size": 1,
-                "stream": None, "config": {}}, folder / "step_00000007.pt")
+    torch.save(
+        {
+            "model": old.model.state_dict(),
+            "optimizer": old.optimizer.state_dict(),
+            "scheduler": old.scheduler.state_dict(),
+            "step": 7,
+            "samples_seen": 70,
+            "rng": [rng],
+            "world_size": 1,
+            "stream": None,
+            "config": {},
+        },
+        folder / "step_00000007.pt",
+    )
     state, path = restore(tmp_path)
     assert path.name == "step_00000007.pt" and (state.step, state.samples_seen) == (7, 70)
     assert torch.equal(state.model.weight.detach(), old.model.weight.detach())
@@ -108,8 +122,11 @@ def test_a_save_in_the_background_holds_the_state_of_its_step(tmp_path, monkeypa
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     write_data = FileSystemWriter.write_data
-    monkeypatch.setattr(FileSystemWriter, "write_data",
-                        lambda self, *args, **kwargs: (time.sleep(0.5), write_data(self, *args, **kwargs))[1])
+    monkeypatch.setattr(
+        FileSystemWriter,
+        "write_data",
+        lambda self, *args, **kwargs: (time.sleep(0.5), write_data(self, *args, **kwargs))[1],
+    )
     cfg = TrainConfig(name="x", run_dir=str(tmp_path))
     assert cfg.checkpoint.async_save
     checkpointer = Checkpointer(cfg, tmp_path, detect_env())
@@ -137,8 +154,7 @@ def test_each_ranks_generators_go_with_the_tensors_and_come_back(tmp_path):
     np.random.standard_normal()
     path = save(files, tiny_state(1.0), 3)
     expected = (random.random(), np.random.standard_normal(), torch.rand(1).item(), random.gauss(0, 1))
-    assert set(read_progress(path)) == {"scheduler", "step", "samples_seen", "world_size", "stream", "scaler",
-                                        "config"}
+    assert set(read_progress(path)) == {"scheduler", "step", "samples_seen", "world_size", "stream", "scaler", "config"}
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     restore(tmp_path)
     assert (random.random(), np.random.standard_normal(), torch.rand(1).item(), random.gauss(0, 1)) == expected
@@ -149,8 +165,16 @@ def test_a_readers_position_survives_packing_into_tensors():
 
     rng = random.Random("reader")
     rng.random()
-    position = {"reader": {"entry": 12, "taken": 345, "received": 2000, "rng": rng.getstate(),
-                           "buffer": [(11, 9999), (12, 0), (12, 344)]}, "taken": 6789}
+    position = {
+        "reader": {
+            "entry": 12,
+            "taken": 345,
+            "received": 2000,
+            "rng": rng.getstate(),
+            "buffer": [(11, 9999), (12, 0), (12, 344)],
+        },
+        "taken": 6789,
+    }
     packed = pack_position(position)
     assert all(tensor.dtype == torch.int64 for tensor in packed.values()) and packed["buffer"].shape == (3, 2)
     assert unpack_position(packed) == position

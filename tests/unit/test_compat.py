@@ -1,5 +1,6 @@
 """The torch floor (clipdist/compat.py): declared once, said in pyproject and README, refused in one line below it,
 and no torch API newer than the floor used without `require`."""
+
 from __future__ import annotations
 
 import ast
@@ -57,11 +58,15 @@ def test_every_newer_torch_api_is_guarded():
         text = path.read_text()
         for name in _uses(ast.parse(text)):
             for api in compat.NEWER_APIS:
-                if (name == api or name.startswith(api + ".")) and not re.search(rf"require\(\"{re.escape(api)}\"\)", text):
+                if (name == api or name.startswith(api + ".")) and not re.search(
+                    rf"require\(\"{re.escape(api)}\"\)", text
+                ):
                     unguarded.append(f"{path.relative_to(REPO)}: {name} (torch {compat.NEWER_APIS[api]})")
     assert not unguarded, unguarded
 
 
 def test_the_guard_sees_a_use():
-    tree = ast.parse("import torch\nfrom torch.distributed.checkpoint import HuggingFaceStorageReader\nx = torch.optim.Muon")
+    tree = ast.parse(
+        "import torch\nfrom torch.distributed.checkpoint import HuggingFaceStorageReader\nx = torch.optim.Muon"
+    )
     assert {"torch.distributed.checkpoint.HuggingFaceStorageReader", "torch.optim.Muon"} <= _uses(tree)

@@ -1,4 +1,5 @@
 """The config owns validation: typed choices and every check before any rank starts, one line each."""
+
 from __future__ import annotations
 
 import time
@@ -10,55 +11,77 @@ from clipdist.config import ConfigError, TiledLossConfig, TrainConfig, to_train_
 from clipdist.preflight import check_config
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["world=cpu2", "precision=fp8"], "Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16, pure_bf16, pure_fp16]"),
-    (["world=cpu2", "world.device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
-    (["world=cpu2", "logging.wandb=foo"], "Invalid value 'foo', expected one of [offline, online, disabled]"),
-    (["world=cpu2", "data.split=bar"], "Invalid value 'bar', expected one of [node, replicated]"),
-    (["world=cpu2", "world.backend=mpi"], "Invalid value 'mpi', expected one of [auto, gloo, nccl]"),
-    (["optim.lrr=0.1"], "Key 'lrr' not in 'OptimConfig'"),
-    (["loss=tiled", "loss.tyle=4"], "Key 'tyle' not in 'TiledLossConfig'"),
-])
-def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(tmp_path, capsys, monkeypatch, overrides,
-                                                                         message):
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["world=cpu2", "precision=fp8"],
+            "Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16, pure_bf16, pure_fp16]",
+        ),
+        (["world=cpu2", "world.device=tpu"], "Invalid value 'tpu', expected one of [auto, cpu, cuda]"),
+        (["world=cpu2", "logging.wandb=foo"], "Invalid value 'foo', expected one of [offline, online, disabled]"),
+        (["world=cpu2", "data.split=bar"], "Invalid value 'bar', expected one of [node, replicated]"),
+        (["world=cpu2", "world.backend=mpi"], "Invalid value 'mpi', expected one of [auto, gloo, nccl]"),
+        (["optim.lrr=0.1"], "Key 'lrr' not in 'OptimConfig'"),
+        (["loss=tiled", "loss.tyle=4"], "Key 'tyle' not in 'TiledLossConfig'"),
+    ],
+)
+def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
+    tmp_path, capsys, monkeypatch, overrides, message
+):
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", *overrides)
     assert code == 1 and any(message in line for line in lines), lines
     assert not any("Traceback" in line for line in lines)
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
-    (["world.batch_per_device=0"], "world.batch_per_device=0: must be at least 1"),
-    (["loss.name=nope"], "unknown loss backend 'nope'"),
-    (["grad_cache.chunks=100", "world.batch_per_device=8"], "grad_cache.chunks=100 is more than world.batch_per_device=8"),
-    (["grad_cache.chunks=2", "grad_cache.micro_batch=4"], "give one of them"),
-    (["data.pieces=3", "world.batch_per_device=8"], "data.pieces=3 does not divide world.batch_per_device=8"),
-    (["data.pieces=0"], "data.pieces=0: must be at least 1"),
-    (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
-    (["world=8gpu", "world.device=cpu", "world.backend=gloo"], "expects 8 processes (1 node(s) × 8) but this process was started alone. "
-                                         "Launch it with `torchrun --nproc-per-node 8"),
-    (["world=64gpu", "world.device=cpu", "world.backend=gloo"], "Launch it with `torchrun --nnodes 8 --nproc-per-node 8 "
-                                                                "--rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
-                                                                "train.py world=64gpu` on every node"),
-    (["world=cpu2", "data.workers=3"], "4 shard(s) for 6 reader(s) (ranks × data.workers, or data.readers)"),
-    (["world=cpu2", "data.readers=3"], "data.readers=3 is not a multiple of the world size 2"),
-    (["data.readers=0"], "data.readers=0: must be at least 1"),
-    (["data.readers=64", "world.batch_per_device=32"], "64 reader(s) cannot share a cycle of 32 sample(s)"),
-    (["data=webdataset", "data.train_shards='{tmp}/nope/{{000..003}}.tar'"], "4 of 4 shards not found"),
-    (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
-    (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
-    (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
-    (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
-    (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
-    (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
-    (["+optim.lrr=1"], "optim.lrr: no such key (OptimConfig has no 'lrr')"),  # `+` adds what the schema would drop
-    (["+data.csv=x"], "data.csv: no such key (DataConfig has no 'csv')"),
-    (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key (TiledLossConfig has no 'tyle')"),
-    (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "model.name: KeyError raised while resolving interpolation: "
-                                                       "\"Environment variable 'CLIPDIST_UNSET_VARIABLE' not found\""),
-    (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
+        (["world.batch_per_device=0"], "world.batch_per_device=0: must be at least 1"),
+        (["loss.name=nope"], "unknown loss backend 'nope'"),
+        (
+            ["grad_cache.chunks=100", "world.batch_per_device=8"],
+            "grad_cache.chunks=100 is more than world.batch_per_device=8",
+        ),
+        (["grad_cache.chunks=2", "grad_cache.micro_batch=4"], "give one of them"),
+        (["data.pieces=3", "world.batch_per_device=8"], "data.pieces=3 does not divide world.batch_per_device=8"),
+        (["data.pieces=0"], "data.pieces=0: must be at least 1"),
+        (["world=cpu2", "world.device=cuda"], "world.device=cuda (world=cpu2) but no CUDA device is visible"),
+        (
+            ["world=8gpu", "world.device=cpu", "world.backend=gloo"],
+            "expects 8 processes (1 node(s) × 8) but this process was started alone. "
+            "Launch it with `torchrun --nproc-per-node 8",
+        ),
+        (
+            ["world=64gpu", "world.device=cpu", "world.backend=gloo"],
+            "Launch it with `torchrun --nnodes 8 --nproc-per-node 8 "
+            "--rdzv-backend c10d --rdzv-endpoint <first node>:29500 "
+            "train.py world=64gpu` on every node",
+        ),
+        (["world=cpu2", "data.workers=3"], "4 shard(s) for 6 reader(s) (ranks × data.workers, or data.readers)"),
+        (["world=cpu2", "data.readers=3"], "data.readers=3 is not a multiple of the world size 2"),
+        (["data.readers=0"], "data.readers=0: must be at least 1"),
+        (["data.readers=64", "world.batch_per_device=32"], "64 reader(s) cannot share a cycle of 32 sample(s)"),
+        (["data=webdataset", "data.train_shards='{tmp}/nope/{{000..003}}.tar'"], "4 of 4 shards not found"),
+        (["world=cpu2", "resume=/nope.pt"], "resume='/nope.pt': no such checkpoint file"),
+        (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
+        (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
+        (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
+        (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
+        (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
+        (["+optim.lrr=1"], "optim.lrr: no such key (OptimConfig has no 'lrr')"),  # `+` adds what the schema would drop
+        (["+data.csv=x"], "data.csv: no such key (DataConfig has no 'csv')"),
+        (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key (TiledLossConfig has no 'tyle')"),
+        (
+            ["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"],
+            "model.name: KeyError raised while resolving interpolation: "
+            "\"Environment variable 'CLIPDIST_UNSET_VARIABLE' not found\"",
+        ),
+        (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
+    ],
+)
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
     overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *overrides)
@@ -69,21 +92,34 @@ def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys
 def test_a_world_that_does_not_match_the_launcher_is_refused(tmp_path, cache_dir, capsys, monkeypatch):
     for name, value in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)  # torchrun started 3 processes
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2"
+    )
     assert code == 2 and "world=cpu2 expects 2 processes (1 node(s) × 2), but torchrun started 3" in lines[0], lines
 
 
-@pytest.mark.parametrize("launch", [
-    {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},  # torchrun --nnodes 2
-    {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2",
-     "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "7"},  # srun over 2 nodes, one task each
-])
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},  # torchrun --nnodes 2
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "0",
+            "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_JOB_ID": "7",
+        },  # srun over 2 nodes, one task each
+    ],
+)
 def test_a_world_whose_nodes_do_not_match_the_launch_is_refused(tmp_path, cache_dir, capsys, monkeypatch, launch):
     """The same process count on another node layout is refused too: 2 nodes × 1 is not world=cpu2's 1 × 2."""
     for name, value in launch.items():
         monkeypatch.setenv(name, value)
     without_rendezvous(monkeypatch)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "world=cpu2"
+    )
     assert code == 2 and len(lines) == 1, lines
     assert "world=cpu2 expects 1 node(s) × 2, but" in lines[0] and "started 2 node(s) × 1" in lines[0], lines
     assert "world.nodes=2 world.procs_per_node=1" in lines[0]
@@ -101,21 +137,37 @@ def without_rendezvous(monkeypatch) -> None:
 def test_a_loopback_rendezvous_on_several_nodes_is_refused(tmp_path, cache_dir, capsys, monkeypatch, address):
     """An srun job over 2 nodes that inherited MASTER_ADDR=localhost would leave the second node's ranks waiting
     out the rendezvous timeout; it is one line instead."""
-    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2",
-                        "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_JOB_ID": "7"}.items():
+    for name, value in {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "gpu[1-2]",
+        "SLURM_JOB_ID": "7",
+    }.items():
         monkeypatch.setenv(name, value)
     without_rendezvous(monkeypatch)
     monkeypatch.setenv("MASTER_ADDR", address)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          "world=cpu2", "world.nodes=2", "world.procs_per_node=1")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={cache_dir}",
+        "world=cpu2",
+        "world.nodes=2",
+        "world.procs_per_node=1",
+    )
     assert code == 2 and len(lines) == 1, lines
     assert f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node" in lines[0]
 
 
-@pytest.mark.parametrize("overrides, code, message", [
-    (["precision=fp8"], 1, "Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16, pure_bf16, pure_fp16]"),
-    (["world.batch_per_device=0"], 2, "error: world.batch_per_device=0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, code, message",
+    [
+        (["precision=fp8"], 1, "Invalid value 'fp8', expected one of [auto, fp32, bf16, fp16, pure_bf16, pure_fp16]"),
+        (["world.batch_per_device=0"], 2, "error: world.batch_per_device=0: must be at least 1"),
+    ],
+)
 def test_train_py_refuses_spawned_ranks_before_they_start(tmp_path, overrides, code, message):
     """The same checks through the real entry point, under a world that spawns ranks: no rank, no traceback."""
     started = time.monotonic()
@@ -166,14 +218,24 @@ def test_micro_batch_sets_the_number_of_chunks():
     assert GradCacheConfig(chunks=4).chunks_for(8) == 4
 
 
-@pytest.mark.parametrize("key, message", [
-    (None, "logging.wandb=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): log offline with "
-           "logging.wandb=offline and upload later with `wandb sync"),
-    ("0123456789abcdef", "logging.wandb=online but http://127.0.0.1:{port} cannot be reached from here (Connection "
-                         "refused): log offline with logging.wandb=offline"),
-])
-def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch,
-                                                                            key, message):
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        (
+            None,
+            "logging.wandb=online but no W&B API key is set (WANDB_API_KEY, or `wandb login`): log offline with "
+            "logging.wandb=offline and upload later with `wandb sync",
+        ),
+        (
+            "0123456789abcdef",
+            "logging.wandb=online but http://127.0.0.1:{port} cannot be reached from here (Connection "
+            "refused): log offline with logging.wandb=offline",
+        ),
+    ],
+)
+def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(
+    tmp_path, cache_dir, capsys, monkeypatch, key, message
+):
     from clipdist.distributed.launch import free_port
 
     port = free_port()  # nothing listens there
@@ -183,13 +245,16 @@ def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(tmp
     if key:
         monkeypatch.setenv("WANDB_API_KEY", key)
     started = time.monotonic()
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          "logging=online")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", "logging=online"
+    )
     assert code == 2 and len(lines) == 1 and message.format(port=port) in lines[0], lines
     assert time.monotonic() - started < 30 and not (tmp_path / "run").exists()
 
 
 def test_the_loss_menu_offers_backends_only(tmp_path, capsys, monkeypatch):
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "loss=nope")
-    offered = lines[lines.index("Available options in 'loss':") + 1:][:5]
-    assert code == 1 and [line.strip() for line in offered] == ["disco", "gather_layer", "naive", "siglip", "tiled"], lines
+    offered = lines[lines.index("Available options in 'loss':") + 1 :][:5]
+    assert code == 1 and [line.strip() for line in offered] == ["disco", "gather_layer", "naive", "siglip", "tiled"], (
+        lines
+    )

@@ -12,6 +12,7 @@ from helpers import refusal, train_stream
 from PIL import Image
 
 from clipdist.cli import main as cli
+from clipdist.data.batch import zero_counts
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.faults import DataError, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
@@ -23,7 +24,6 @@ from clipdist.data.samples import (
     to_rgb,
 )
 from clipdist.data.sources import eval_set, expand_shards
-from clipdist.data.batch import zero_counts
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
 from clipdist.model.factory import get_tokenizer
 
@@ -45,8 +45,9 @@ def test_batched_image_conversion_is_bit_identical_to_the_transform(is_train):
 
     from clipdist.data.images import PixelNormalize
 
-    transform = open_clip.image_transform(32, is_train=is_train, mean=open_clip.OPENAI_DATASET_MEAN,
-                                          std=open_clip.OPENAI_DATASET_STD)
+    transform = open_clip.image_transform(
+        32, is_train=is_train, mean=open_clip.OPENAI_DATASET_MEAN, std=open_clip.OPENAI_DATASET_STD
+    )
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(8, 8), (40, 31), (32, 32)]]
     images += [Image.fromarray(rng.integers(0, 256, (20, 24), dtype=np.uint8))]  # L: open_clip converts it to RGB
@@ -124,8 +125,9 @@ def member_offsets(data):
 
 def read_all_once(urls):
     skips = SkipCounter(max_in_a_row=1000)
-    pipeline = wds.DataPipeline(wds.SimpleShardList(urls), tar_samples(handler=skips),
-                                wds.to_tuple("png", "txt", handler=skips))
+    pipeline = wds.DataPipeline(
+        wds.SimpleShardList(urls), tar_samples(handler=skips), wds.to_tuple("png", "txt", handler=skips)
+    )
     return [key for key, _ in pipeline], skips.take()  # (samples, shards) skipped
 
 
@@ -155,10 +157,15 @@ def _directory(name):
 @pytest.mark.parametrize("compression", ["", "gz", "bz2", "xz"])
 def test_tar_files_reads_what_tarfile_reads(format, compression):
     long_dir = "d" * 90 + "/" + "e" * 60  # ustar prefix field
-    members = [("s1.txt", b"caption"), ("dir", None), ("s1.png", bytes(range(256)) * 5), ("empty.cls", b""),
-               (f"{long_dir}/s2.txt", b"in a deep folder")]
+    members = [
+        ("s1.txt", b"caption"),
+        ("dir", None),
+        ("s1.png", bytes(range(256)) * 5),
+        ("empty.cls", b""),
+        (f"{long_dir}/s2.txt", b"in a deep folder"),
+    ]
     if format != tarfile.USTAR_FORMAT:
-        members += [("n" * 150 + ".txt", b"long name"), ("caf\u00e9-\u5b57.txt", "unicode".encode())]
+        members += [("n" * 150 + ".txt", b"long name"), ("caf\u00e9-\u5b57.txt", b"unicode")]
     data = tar_of(format, members, compression)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isreg()]
@@ -173,13 +180,13 @@ def test_tar_files_refuses_what_is_not_a_whole_tar():
     with pytest.raises(tarfile.ReadError, match="invalid header"):
         list(tar_files(io.BytesIO(b"<html>not found</html>" * 40)))
     with pytest.raises(TruncatedShardError, match="inside a member"):
-        list(tar_files(io.BytesIO(data[:1024 + 600])))
+        list(tar_files(io.BytesIO(data[: 1024 + 600])))
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         ends = tar.getmember("b.txt").offset  # where b.txt's pax header starts
     with pytest.raises(TruncatedShardError, match=f"at byte {ends}"):
         list(tar_files(io.BytesIO(data[:ends])))
     with pytest.raises(TruncatedShardError, match=f"damaged at byte {ends}"):
-        list(tar_files(io.BytesIO(data[:ends] + b"\x7f" * 512 + data[ends + 512:])))
+        list(tar_files(io.BytesIO(data[:ends] + b"\x7f" * 512 + data[ends + 512 :])))
 
 
 @pytest.mark.parametrize("cut", ["at_member_boundary", "inside_data", "inside_header", "damaged_header"])
@@ -189,9 +196,9 @@ def test_truncated_or_damaged_shard_is_counted_and_reading_goes_on(tmp_path, cut
     sixth_sample = offsets[10]  # header of 005.png
     damaged = {
         "at_member_boundary": data[:sixth_sample],
-        "inside_data": data[:sixth_sample + 512 + 40],
-        "inside_header": data[:sixth_sample + 100],
-        "damaged_header": data[:sixth_sample] + b"\x7fgarbage" * 64 + data[sixth_sample + 512:],
+        "inside_data": data[: sixth_sample + 512 + 40],
+        "inside_header": data[: sixth_sample + 100],
+        "damaged_header": data[:sixth_sample] + b"\x7fgarbage" * 64 + data[sixth_sample + 512 :],
     }[cut]
     (tmp_path / "bad.tar").write_bytes(damaged)
     keys, skipped = read_all_once([str(tmp_path / "bad.tar"), str(tmp_path / "whole.tar")])
@@ -264,8 +271,20 @@ def test_make_shards_from_csv(tmp_path):
     for i in range(3):
         (tmp_path / f"{i}.png").write_bytes(png(i))
     (tmp_path / "pairs.csv").write_text("path,caption\n0.png,zero\n1.png,one\n2.png,two\n")
-    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "out"),
-                "--samples-per-shard", "2"]) == 0
+    assert (
+        cli(
+            [
+                "make-shards",
+                "--csv",
+                str(tmp_path / "pairs.csv"),
+                "--out",
+                str(tmp_path / "out"),
+                "--samples-per-shard",
+                "2",
+            ]
+        )
+        == 0
+    )
     shards = sorted((tmp_path / "out").glob("*.tar"))
     assert [s.name for s in shards] == ["shard-000000.tar", "shard-000001.tar"]
     with tarfile.open(shards[0]) as tar:
@@ -273,6 +292,7 @@ def test_make_shards_from_csv(tmp_path):
 
 
 # --- images of every mode ---------------------------------------------------------------------
+
 
 def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
     buffer = io.BytesIO()
@@ -305,8 +325,10 @@ def test_alpha_is_composited_on_white_and_palettes_keep_their_colours():
     assert decoded_mean(encoded(palette)) == pytest.approx([255, 255, 255])  # its only colour is transparent
 
 
-@pytest.mark.parametrize("mode, value, expected", [("1", 1, 255), ("L", 77, 77), ("CMYK", (0, 0, 0, 0), 255),
-                                                   ("I", 65535, 255), ("F", 300.0, 255)])
+@pytest.mark.parametrize(
+    "mode, value, expected",
+    [("1", 1, 255), ("L", 77, 77), ("CMYK", (0, 0, 0, 0), 255), ("I", 65535, 255), ("F", 300.0, 255)],
+)
 def test_every_mode_becomes_rgb(mode, value, expected):
     image = to_rgb(Image.new(mode, (4, 4), value))
     assert image.mode == "RGB" and np.asarray(image).mean() == pytest.approx(expected, abs=1)
@@ -334,6 +356,7 @@ def test_sample_errors_name_the_shard_the_key_and_the_reason():
 
 # --- labels and captions --------------------------------------------------------------------------
 
+
 def test_labels_from_cls_or_json_and_unlabelled_samples_with_captions_are_kept():
     png8 = image_bytes()
     assert label_of({"cls": b"3\n"}) == 3
@@ -347,6 +370,7 @@ def test_labels_from_cls_or_json_and_unlabelled_samples_with_captions_are_kept()
 
 # --- shard specs ----------------------------------------------------------------------------------
 
+
 def test_directories_and_globs_are_shard_specs(tmp_path):
     for name in ["b-10.tar", "b-2.tar", "a-1.tar", "notes.txt"]:
         write_tar(tmp_path / name, [("x.txt", b"x")]) if name.endswith(".tar") else (tmp_path / name).write_text("x")
@@ -359,7 +383,6 @@ def test_directories_and_globs_are_shard_specs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no .tar files"):
         expand_shards(str(tmp_path / "empty"))
-
 
 
 def test_a_clip_benchmark_folder_is_an_eval_set(tmp_path):
@@ -376,8 +399,9 @@ def test_a_clip_benchmark_folder_is_an_eval_set(tmp_path):
 
 
 def stream(urls, workers=0, resampled=False, max_skips_in_a_row=1000, batch=2):
-    return train_stream(urls, batch, identity_transform, workers=workers, resampled=resampled,
-                        max_skips_in_a_row=max_skips_in_a_row)
+    return train_stream(
+        urls, batch, identity_transform, workers=workers, resampled=resampled, max_skips_in_a_row=max_skips_in_a_row
+    )
 
 
 @pytest.mark.parametrize("resampled", [False, True])
@@ -393,8 +417,10 @@ def test_a_shard_that_is_not_a_tar_is_counted_and_the_others_are_read(tmp_path, 
 
 
 def test_shards_in_the_wrong_layout_stop_with_the_reason(tmp_path):
-    write_samples(tmp_path / "s.tar", [{"__key__": f"{i:04d}", "jpg": image_bytes(fmt="JPEG"), "caption": b"x"}
-                                       for i in range(40)])
+    write_samples(
+        tmp_path / "s.tar",
+        [{"__key__": f"{i:04d}", "jpg": image_bytes(fmt="JPEG"), "caption": b"x"} for i in range(40)],
+    )
     with pytest.raises(DataError, match="25 samples in a row could not be used.*no .txt caption"):
         next(stream([tmp_path / "s.tar"], resampled=True, max_skips_in_a_row=25))
 
@@ -410,13 +436,16 @@ def test_skip_warnings_are_rate_limited_and_say_where(tmp_path, caplog):
 
 # --- make-shards ----------------------------------------------------------------------------------
 
+
 def test_make_shards_refuses_a_non_empty_folder_and_overwrites_it_whole(tmp_path, capsys):
     images = tmp_path / "images" / "cat"
     images.mkdir(parents=True)
     for i in range(5):
         (images / f"{i}.png").write_bytes(png(i))
     out = tmp_path / "out"
-    assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--samples-per-shard", "2"]) == 0
+    assert (
+        cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--samples-per-shard", "2"]) == 0
+    )
     assert sorted(p.name for p in out.iterdir()) == [f"shard-00000{i}.tar" for i in range(3)]
     (images / "3.png").unlink()
     (images / "4.png").unlink()
@@ -498,8 +527,13 @@ def test_jpegs_of_every_kind_decode_like_pil():
     from clipdist.data.samples import load_rgb, open_image
 
     photo = photo_like(400, 320)
-    for image, save in [(photo.convert("L"), {}), (photo.convert("CMYK"), {}), (photo, {"progressive": True}),
-                        (photo, {"subsampling": 0}), (photo, {"quality": 75})]:
+    for image, save in [
+        (photo.convert("L"), {}),
+        (photo.convert("CMYK"), {}),
+        (photo, {"progressive": True}),
+        (photo, {"subsampling": 0}),
+        (photo, {"quality": 75}),
+    ]:
         sample = jpeg_sample(image, **save)
         reference = decode_image(sample)
         assert np.abs(np.asarray(reference, np.float32) - np.asarray(image.convert("RGB"), np.float32)).mean() < 6
@@ -568,11 +602,19 @@ def test_bad_images_are_skipped_and_counted_in_the_stream(tmp_path, huge_jpeg):
     import open_clip
 
     photo = photo_like(300, 260)
-    good = [_jpeg(photo.convert("CMYK")), _jpeg(photo, progressive=True), _jpeg(photo.convert("L")),
-            encoded(photo, "PNG"), huge_jpeg]
+    good = [
+        _jpeg(photo.convert("CMYK")),
+        _jpeg(photo, progressive=True),
+        _jpeg(photo.convert("L")),
+        encoded(photo, "PNG"),
+        huge_jpeg,
+    ]
     bad = [_jpeg(photo)[:2000], encoded(Image.new("1", (12_000, 12_000)))]
-    members = [item for i, data in enumerate(good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:])
-               for item in [(f"{i:03d}.jpg", data), (f"{i:03d}.txt", b"a photo")]]
+    members = [
+        item
+        for i, data in enumerate(good[:2] + bad[:1] + good[2:4] + bad[1:] + good[4:])
+        for item in [(f"{i:03d}.jpg", data), (f"{i:03d}.txt", b"a photo")]
+    ]
     write_tar(tmp_path / "a.tar", members)
     stream = train_stream([tmp_path / "a.tar"], 5, open_clip.image_transform(224, is_train=True))
     batch = next(stream)
@@ -590,7 +632,9 @@ def _open_clip_table(folder, rows=21, missing=(), separator="\t"):
     lines = [f"filepath{separator}title"]
     for i in range(rows):
         if i not in missing:
-            Image.fromarray(generator.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(folder / "images" / f"{i}.png")
+            Image.fromarray(generator.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(
+                folder / "images" / f"{i}.png"
+            )
         lines.append(f"images/{i}.png{separator}a photo of thing {i}")
     (folder / "table.tsv").write_text("\n".join(lines) + "\n")
     return folder / "table.tsv"
@@ -620,8 +664,9 @@ def test_a_table_is_read_in_parts_row_for_row_as_open_clip_reads_it(tmp_path):
 
 def test_a_table_without_the_columns_is_one_line_before_the_ranks(tmp_path, capsys, monkeypatch):
     table = _open_clip_table(tmp_path, rows=3, separator=",")
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "data.source=null",
-                          f"data.train_shards={table}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "data.source=null", f"data.train_shards={table}"
+    )
     assert code == 2 and len(lines) == 1, lines
     assert "has no column 'filepath' (its columns, split at '\\t': ['filepath,title'])" in lines[0]
 
@@ -629,8 +674,13 @@ def test_a_table_without_the_columns_is_one_line_before_the_ranks(tmp_path, caps
 def _recaptioned(key: str, **fields) -> dict:
     import json
 
-    return {"__key__": key, "__url__": "shard-0.tar", "png": image_bytes(), "txt": b"the alt text",
-            "json": json.dumps(fields).encode()}
+    return {
+        "__key__": key,
+        "__url__": "shard-0.tar",
+        "png": image_bytes(),
+        "txt": b"the alt text",
+        "json": json.dumps(fields).encode(),
+    }
 
 
 def test_captions_from_json_fields_lists_and_by_probability_seeded_per_sample():
@@ -645,16 +695,24 @@ def test_captions_from_json_fields_lists_and_by_probability_seeded_per_sample():
     drawn = [training_pair(_recaptioned(str(i), caption="dense"), keys)[1] for i in range(400)]
     assert drawn == [training_pair(_recaptioned(str(i), caption="dense"), keys)[1] for i in range(400)]  # seeded
     assert 0.68 < drawn.count("dense") / 400 < 0.82  # 3 : 1
-    picks = {training_pair(_recaptioned(str(i), captions=["x", "y"]), SampleKeys(("json:captions",)))[1]
-             for i in range(40)}
+    picks = {
+        training_pair(_recaptioned(str(i), captions=["x", "y"]), SampleKeys(("json:captions",)))[1] for i in range(40)
+    }
     assert picks == {"x", "y"}
-    with pytest.raises(SampleError, match=r"no caption at json:caption; it has \.json, \.png, \.txt \(\.json fields: alt\)"):
+    with pytest.raises(
+        SampleError, match=r"no caption at json:caption; it has \.json, \.png, \.txt \(\.json fields: alt\)"
+    ):
         training_pair(_recaptioned("c", alt="x"), SampleKeys(("json:caption",)))
 
 
 def test_caption_probabilities_that_do_not_fit_the_keys_are_one_line_before_the_ranks(tmp_path, capsys, monkeypatch):
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "data.caption_keys=[json:caption,txt]",
-                          "data.caption_probs=[1.0]")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        "data.caption_keys=[json:caption,txt]",
+        "data.caption_probs=[1.0]",
+    )
     assert code == 2 and len(lines) == 1 and "data.caption_probs=[1.0]: one probability above 0 per" in lines[0], lines
 
 
@@ -663,9 +721,17 @@ def test_the_stream_reads_captions_from_the_keys_it_is_given(tmp_path):
 
     from torchvision import transforms as T
 
-    write_samples(tmp_path / "0.tar", [{"__key__": f"k{i}", "png": image_bytes(i * 20),
-                                        "json": json.dumps({"caption": f"json caption {i}"}).encode()}
-                                       for i in range(8)])
+    write_samples(
+        tmp_path / "0.tar",
+        [
+            {
+                "__key__": f"k{i}",
+                "png": image_bytes(i * 20),
+                "json": json.dumps({"caption": f"json caption {i}"}).encode(),
+            }
+            for i in range(8)
+        ],
+    )
     to_tensor = T.Compose([T.Resize((8, 8)), T.ToTensor()])
     without = train_stream([tmp_path / "0.tar"], 4, to_tensor, max_skips_in_a_row=4)
     with pytest.raises(DataError, match="no .txt caption; it has .json, .png"):
@@ -686,5 +752,7 @@ def test_make_shards_captions_a_folder_as_evaluation_names_its_class(tmp_path):
     (tmp_path / "blue_circle" / "a.png").write_bytes(png(10))
     (tmp_path / "blue_circle" / "b.png").write_bytes(png(20))
     (tmp_path / "blue_circle" / "b.txt").write_text("a round blue thing\n")
-    assert [caption for _, caption, _ in pairs_from_folder(tmp_path)] == ["a photo of a blue circle",
-                                                                         "a round blue thing"]
+    assert [caption for _, caption, _ in pairs_from_folder(tmp_path)] == [
+        "a photo of a blue circle",
+        "a round blue thing",
+    ]

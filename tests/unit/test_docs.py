@@ -1,4 +1,5 @@
 """The docs stay true to the tests: every test function and test file README.md and docs/ name exists."""
+
 from __future__ import annotations
 
 import re
@@ -31,23 +32,53 @@ def expand(path: str) -> list[str]:
     match = re.search(r"\{([\w,]+)\}", path)
     if not match:
         return [path]
-    return [expanded for part in match.group(1).split(",")
-            for expanded in expand(path[:match.start()] + part + path[match.end():])]
+    return [
+        expanded
+        for part in match.group(1).split(",")
+        for expanded in expand(path[: match.start()] + part + path[match.end() :])
+    ]
 
 
 def test_every_test_file_named_in_the_docs_exists():
     paths = cited(r"\b(tests/(?:\{[\w,]+\}|[\w/])+\.py)\b")
-    assert any("{" in path for path in paths) and paths, "the docs name no test file (or none in both): the pattern is wrong"
+    assert any("{" in path for path in paths) and paths, (
+        "the docs name no test file (or none in both): the pattern is wrong"
+    )
     missing = {path: pages for path, pages in paths.items() if not all((REPO / one).is_file() for one in expand(path))}
     assert not missing, f"the docs name test files that do not exist: {missing}"
 
 
 PACKAGE = REPO / "clipdist"
-MODULES = {".".join(path.relative_to(PACKAGE).with_suffix("").parts[:-1] if path.name == "__init__.py"
-                    else path.relative_to(PACKAGE).with_suffix("").parts)
-           for path in PACKAGE.rglob("*.py")} - {""}
-FILE_SUFFIXES = {"py", "json", "yaml", "md", "txt", "pt", "jsonl", "log", "dcp", "safetensors", "bin", "tar", "csv",
-                 "tsv", "png", "jpg", "sh", "toml", "metadata", "wandb"}
+MODULES = {
+    ".".join(
+        path.relative_to(PACKAGE).with_suffix("").parts[:-1]
+        if path.name == "__init__.py"
+        else path.relative_to(PACKAGE).with_suffix("").parts
+    )
+    for path in PACKAGE.rglob("*.py")
+} - {""}
+FILE_SUFFIXES = {
+    "py",
+    "json",
+    "yaml",
+    "md",
+    "txt",
+    "pt",
+    "jsonl",
+    "log",
+    "dcp",
+    "safetensors",
+    "bin",
+    "tar",
+    "csv",
+    "tsv",
+    "png",
+    "jpg",
+    "sh",
+    "toml",
+    "metadata",
+    "wandb",
+}
 CONFIG_SECTIONS = ("model", "data", "loss", "world", "optim", "logging", "checkpoint", "grad_cache")
 
 
@@ -101,25 +132,38 @@ def _is_config_key(dotted: str) -> bool:
 
 
 def test_every_code_symbol_and_config_key_the_docs_cite_exists():
-    """A backticked `module.symbol` (clipdist.model.factory.check_config_is_data, weights.read_small_json, objective.base.Term)
+    """A backticked `module.symbol` (clipdist.model.factory.check_config_is_data, weights.read_small_json,
+    objective.base.Term)
     resolves in the code, and a backticked config key (data.readers, loss.distill.weight) is in the schema: the docs
     cannot name what was renamed or removed."""
-    tokens = {token: pages for token, pages in cited(r"`((?:clipdist\.)?[a-z_]+(?:\.[A-Za-z_]\w*)+)`").items()
-              if token.rsplit(".", 1)[1] not in FILE_SUFFIXES}
-    code = {token: pages for token, pages in tokens.items()
-            if token.startswith("clipdist.") or _modules_named(token.split(".")[0])}
+    tokens = {
+        token: pages
+        for token, pages in cited(r"`((?:clipdist\.)?[a-z_]+(?:\.[A-Za-z_]\w*)+)`").items()
+        if token.rsplit(".", 1)[1] not in FILE_SUFFIXES
+    }
+    code = {
+        token: pages
+        for token, pages in tokens.items()
+        if token.startswith("clipdist.") or _modules_named(token.split(".")[0])
+    }
     assert len(code) > 30, "the pattern finds too few citations"
-    missing = {token: pages for token, pages in code.items()
-               if not _resolves_in_code(token)
-               and not (token.split(".")[0] in CONFIG_SECTIONS and _is_config_key(token))}
+    missing = {
+        token: pages
+        for token, pages in code.items()
+        if not _resolves_in_code(token) and not (token.split(".")[0] in CONFIG_SECTIONS and _is_config_key(token))
+    }
     assert not missing, f"the docs cite code or config keys that do not exist: {missing}"
     keys = {token: pages for token, pages in tokens.items() if token.split(".")[0] in CONFIG_SECTIONS}
-    unknown = {token: pages for token, pages in keys.items() if not _is_config_key(token) and not _resolves_in_code(token)}
+    unknown = {
+        token: pages for token, pages in keys.items() if not _is_config_key(token) and not _resolves_in_code(token)
+    }
     assert not unknown, f"the docs cite config keys the schema does not have: {unknown}"
 
 
 def test_the_profiler_ranges_the_docs_list_are_the_codes():
-    ranges = {match for path in PACKAGE.rglob("*.py") for match in re.findall(r'record_function\("(\w+)"\)', path.read_text())}
+    ranges = {
+        match for path in PACKAGE.rglob("*.py") for match in re.findall(r'record_function\("(\w+)"\)', path.read_text())
+    }
     text = (REPO / "docs" / "performance.md").read_text()
     sentence = re.search(r"labelled ranges:(.*?)Look at", text, re.S)
     assert sentence and ranges, "performance.md no longer lists the ranges, or the code has none"
@@ -132,6 +176,8 @@ def test_the_test_counts_the_docs_give_are_the_suites():
     claims = re.findall(r"`tests/(unit|integration)/`\s+holds\s+(\d+)\s+test\s+functions", text)
     assert {folder for folder, _ in claims} == {"unit", "integration"}, "development.md states no counts: pattern?"
     for folder, count in claims:
-        defined = sum(len(re.findall(r"(?m)^\s*def test_\w+\(", path.read_text()))
-                      for path in (REPO / "tests" / folder).rglob("test_*.py"))
+        defined = sum(
+            len(re.findall(r"(?m)^\s*def test_\w+\(", path.read_text()))
+            for path in (REPO / "tests" / folder).rglob("test_*.py")
+        )
         assert int(count) == defined, f"tests/{folder}/ holds {defined} test functions, development.md says {count}"

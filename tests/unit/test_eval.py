@@ -1,6 +1,7 @@
 """Evaluation on the sets people have: clip_benchmark's zero-shot folders (.webp + .cls), retrieval
 sets with several captions per image, mixed labelled/unlabelled shards, several sets in one run —
 and an evaluation that fails never stops training."""
+
 from __future__ import annotations
 
 import open_clip
@@ -11,13 +12,12 @@ from helpers import refusal
 
 from clipdist.config import DataConfig
 from clipdist.data.sources import EvalSet, eval_set
-from clipdist.train.evaluate import evaluate, fill_template, recall_at_k
 from clipdist.model.factory import create_model, get_tokenizer
+from clipdist.train.evaluate import evaluate, fill_template, recall_at_k
 
 
 def test_recall_counts_an_image_right_when_any_of_its_captions_is_among_the_best():
-    similarity = torch.tensor([[0.9, 0.1, 0.5],
-                               [0.2, 0.3, 0.4]])
+    similarity = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.3, 0.4]])
     owner = torch.tensor([0, 0, 1])  # image 0 has captions 0 and 1, image 1 has caption 2
     image_to_text, text_to_image = recall_at_k(similarity, owner, ks=(1, 2))
     assert image_to_text == {1: 1.0, 2: 1.0}
@@ -33,15 +33,23 @@ def tiny():
     torch.manual_seed(0)
     model = create_model()
     visual = model.visual
-    transform = open_clip.image_transform(visual.image_size, is_train=False, mean=visual.preprocess_cfg["mean"],
-                                          std=visual.preprocess_cfg["std"])
+    transform = open_clip.image_transform(
+        visual.image_size, is_train=False, mean=visual.preprocess_cfg["mean"], std=visual.preprocess_cfg["std"]
+    )
     return model, get_tokenizer(), transform
 
 
 def run_eval(tiny, evalset):
     model, tokenizer, transform = tiny
-    return evaluate(model, tokenizer, evalset, transform, torch.device("cpu"), batch_size=4,
-                    max_skips_in_a_row=DataConfig.max_skips_in_a_row)
+    return evaluate(
+        model,
+        tokenizer,
+        evalset,
+        transform,
+        torch.device("cpu"),
+        batch_size=4,
+        max_skips_in_a_row=DataConfig.max_skips_in_a_row,
+    )
 
 
 def test_clip_benchmark_classification_set(tmp_path, tiny):
@@ -53,12 +61,15 @@ def test_clip_benchmark_classification_set(tmp_path, tiny):
 
 
 def test_retrieval_with_several_captions_and_partly_labelled_samples(tmp_path, tiny):
-    write_samples(tmp_path / "0.tar", [
-        {"__key__": "a", "png": image_bytes(10), "txt": b"a dark square\nsomething black"},
-        {"__key__": "b", "png": image_bytes(240), "txt": b"a white square", "json": b'{"label": 1}'},
-        {"__key__": "c", "png": image_bytes(120), "cls": b"0"},  # labelled, no caption
-        {"__key__": "d", "png": image_bytes(60), "json": b"{}"},  # neither: skipped, counted
-    ])
+    write_samples(
+        tmp_path / "0.tar",
+        [
+            {"__key__": "a", "png": image_bytes(10), "txt": b"a dark square\nsomething black"},
+            {"__key__": "b", "png": image_bytes(240), "txt": b"a white square", "json": b'{"label": 1}'},
+            {"__key__": "c", "png": image_bytes(120), "cls": b"0"},  # labelled, no caption
+            {"__key__": "d", "png": image_bytes(60), "json": b"{}"},  # neither: skipped, counted
+        ],
+    )
     metrics = run_eval(tiny, EvalSet("val", [str(tmp_path / "0.tar")], ["dark", "light"], ["a {} photo"]))
     assert metrics["val_samples"] == 3 and metrics["val_skipped"] == 1
     assert metrics["zeroshot_samples"] == 2  # b and c
@@ -66,23 +77,46 @@ def test_retrieval_with_several_captions_and_partly_labelled_samples(tmp_path, t
 
 
 def webdataset_run_overrides(shards):
-    return ["data=webdataset", f"data.train_shards={shards}", "data.workers=0", "data.shuffle_buffer=0",
-            "world.batch_per_device=8", "optim.max_steps=4", "eval_every=2", "checkpoint_every=2", "logging.log_every=1"]
+    return [
+        "data=webdataset",
+        f"data.train_shards={shards}",
+        "data.workers=0",
+        "data.shuffle_buffer=0",
+        "world.batch_per_device=8",
+        "optim.max_steps=4",
+        "eval_every=2",
+        "checkpoint_every=2",
+        "logging.log_every=1",
+    ]
 
 
-
-@pytest.mark.parametrize("make_val, message", [
-    (lambda d: (d / "val.tar").write_text("not a tar"), "cannot read its first sample"),
-    (lambda d: write_samples(d / "val.tar", [{"__key__": "a", "png": image_bytes(), "cls": b"1"}]),
-     "samples have labels but no captions, and the set has no class names"),
-    (lambda d: write_samples(d / "val.tar", [{"__key__": "a", "jpg": b"garbage", "txt": b"x"}]), ".jpg does not decode"),
-])
+@pytest.mark.parametrize(
+    "make_val, message",
+    [
+        (lambda d: (d / "val.tar").write_text("not a tar"), "cannot read its first sample"),
+        (
+            lambda d: write_samples(d / "val.tar", [{"__key__": "a", "png": image_bytes(), "cls": b"1"}]),
+            "samples have labels but no captions, and the set has no class names",
+        ),
+        (
+            lambda d: write_samples(d / "val.tar", [{"__key__": "a", "jpg": b"garbage", "txt": b"x"}]),
+            ".jpg does not decode",
+        ),
+    ],
+)
 def test_a_bad_eval_set_is_refused_before_training(tmp_path, capsys, monkeypatch, make_val, message):
     train_dir = caption_shards(tmp_path / "train")
     make_val(tmp_path)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", *webdataset_run_overrides(train_dir),
-                          f"data.val_shards={tmp_path}/val.tar")
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: data.val_shards") and message in lines[0], lines
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        *webdataset_run_overrides(train_dir),
+        f"data.val_shards={tmp_path}/val.tar",
+    )
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: data.val_shards") and message in lines[0], (
+        lines
+    )
 
 
 def test_retrieval_metrics_equal_open_clip_trains_get_clip_metrics():
@@ -156,8 +190,9 @@ def test_your_own_val_shards_beside_a_built_in_training_source_are_the_ones_eval
     from clipdist.data.sources import resolve_shards
 
     root = pets(tmp_path / "wds_pets")
-    data = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig),
-                                               {"val_shards": str(root), "cache_dir": str(cache_dir)}))
+    data = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(DataConfig), {"val_shards": str(root), "cache_dir": str(cache_dir)})
+    )
     (val,) = resolve_shards(data).evals
     assert all(url.startswith(str(root)) for url in val.urls) and val.classnames == ["cat", "dog"]
 
@@ -185,8 +220,13 @@ def test_an_image_folder_evaluates_as_the_same_images_in_clip_benchmark_shards(t
     shards = tmp_path / "wds" / "test"
     shards.mkdir(parents=True)
     for label, name in enumerate(sorted(p.name for p in root.iterdir())):
-        write_samples(shards / f"{label}.tar", [{"__key__": f"{name}-{i}", "png": (root / name / f"{i}.png").read_bytes(),
-                                                 "cls": str(label).encode()} for i in range(4)])
+        write_samples(
+            shards / f"{label}.tar",
+            [
+                {"__key__": f"{name}-{i}", "png": (root / name / f"{i}.png").read_bytes(), "cls": str(label).encode()}
+                for i in range(4)
+            ],
+        )
     (tmp_path / "wds" / "classnames.txt").write_text("\n".join(folder_set.classnames) + "\n")
     shard_set = eval_set("imagenet", str(tmp_path / "wds"), [], ["a photo of a {}."])
     ours, theirs = run_eval(tiny, folder_set), run_eval(tiny, shard_set)

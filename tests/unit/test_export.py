@@ -1,5 +1,6 @@
 """A trained model leaves clipdist: `clipdist export` writes what open_clip loads without clipdist (same image
 and text features), and clip_benchmark — the tool people evaluate with — scores it as clipdist's own zero-shot does."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,15 +26,18 @@ def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(
     checkpoint = trained_run / "checkpoints" / "step_00000030.dcp"
     expected = read_run_checkpoint(checkpoint)[0]
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
-    torch.save({"epoch": 3, "state_dict": {f"module.{key}": value for key, value in expected.items()}},
-               tmp_path / "open_clip_train.pt")  # what open_clip_train saves
+    torch.save(
+        {"epoch": 3, "state_dict": {f"module.{key}": value for key, value in expected.items()}},
+        tmp_path / "open_clip_train.pt",
+    )  # what open_clip_train saves
     for source in (checkpoint, trained_run, tmp_path / "model", tmp_path / "open_clip_train.pt"):
         weights = read_weights(source)
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected), source
 
 
 def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_them_is_one_line(
-        tmp_path, cache_dir, capsys, monkeypatch):
+    tmp_path, cache_dir, capsys, monkeypatch
+):
     """open_clip's ViT-B-32 `openai` weights, placed in a Hugging Face cache as a download leaves them, with the
     hub offline: the model starts from them, with the tag's preprocessing; another tag, not cached, is refused."""
     import huggingface_hub.constants
@@ -57,8 +61,15 @@ def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_the
     assert all(torch.equal(value, weights[key].float()) for key, value in model.state_dict().items())
     assert model.visual.preprocess_cfg["mean"] == open_clip.OPENAI_DATASET_MEAN
 
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          "model.name=ViT-B-32", "model.pretrained=laion2b_s34b_b79k", f"model.cache_dir={hub}")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={cache_dir}",
+        "model.name=ViT-B-32",
+        "model.pretrained=laion2b_s34b_b79k",
+        f"model.cache_dir={hub}",
+    )
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: model.pretrained=laion2b_s34b_b79k: the weights are not in the cache ({hub})")
     assert not (tmp_path / "run").exists()
@@ -70,8 +81,8 @@ def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, mon
 
     import huggingface_hub.constants
 
-    from clipdist.model.factory import create_model, get_tokenizer
     from clipdist.checkpoint.weights import read_weights
+    from clipdist.model.factory import create_model, get_tokenizer
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "export")]) == 0
@@ -86,20 +97,28 @@ def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, mon
     assert get_tokenizer("hf-hub:someone/tiny-clip", str(hub))(["a cat"]).shape[1] == model.context_length
 
 
-@pytest.mark.parametrize("weights, message", [
-    (None, "model.checkpoint: {path}: no such file or folder"),
-    ({"visual.conv1.weight": torch.zeros(3)}, "does not fit the model: visual.conv1.weight is (3,) there, (64, 3, 8, 8) here"),
-    ({"the": torch.zeros(1)}, "does not fit the model: positional_embedding is missing (62 missing, 1 unexpected)"),
-    ("not a checkpoint", "holds no state dict of tensors"),
-])
-def test_a_checkpoint_that_cannot_be_used_is_one_line_and_leaves_no_run(tmp_path, cache_dir, capsys, monkeypatch,
-                                                                        weights, message):
+@pytest.mark.parametrize(
+    "weights, message",
+    [
+        (None, "model.checkpoint: {path}: no such file or folder"),
+        (
+            {"visual.conv1.weight": torch.zeros(3)},
+            "does not fit the model: visual.conv1.weight is (3,) there, (64, 3, 8, 8) here",
+        ),
+        ({"the": torch.zeros(1)}, "does not fit the model: positional_embedding is missing (62 missing, 1 unexpected)"),
+        ("not a checkpoint", "holds no state dict of tensors"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_used_is_one_line_and_leaves_no_run(
+    tmp_path, cache_dir, capsys, monkeypatch, weights, message
+):
     from helpers import refusal
 
     path = tmp_path / "weights.pt"
     if weights is not None:
         torch.save(weights, path)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"model.checkpoint={path}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"model.checkpoint={path}"
+    )
     assert code == 2 and len(lines) == 1 and message.format(path=path) in lines[0], lines
     assert not (tmp_path / "run").exists()

@@ -1,5 +1,6 @@
 """Progressive resolution for fixed-size towers: the tower at another size is open_clip's tower resized as open_clip
 resizes a checkpoint, at its own size open_clip's forward bit for bit; the schedule gives each batch its size."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,14 +8,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from fixtures import caption_shards
 from helpers import train_stream
+from PIL import Image
 
 from clipdist.data.transforms import image_size_stages, image_transforms
-from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.factory import create_model, weights_for
+from clipdist.model.flexible_grid import allow_other_sizes
 
 
 def _tiny():
@@ -38,14 +38,20 @@ def test_the_tower_at_another_size_is_open_clips_tower_resized_as_a_checkpoint_i
 
 
 def _data(**schedule):
-    return SimpleNamespace(resolution_schedule={str(k): v for k, v in schedule.items()}, augment=False,
-                           naflex_square_crop=False, seq_lens=None, patch_size=None)
+    return SimpleNamespace(
+        resolution_schedule={str(k): v for k, v in schedule.items()},
+        augment=False,
+        naflex_square_crop=False,
+        seq_lens=None,
+        patch_size=None,
+    )
 
 
 def test_a_schedule_gives_each_batch_its_size_and_evaluates_at_the_last():
     model = create_model("clipdist-tiny")
-    train, evaluation = image_transforms(model, SimpleNamespace(**{**vars(_data()), "resolution_schedule": {
-        "0": [16], "24": [32]}}))
+    train, evaluation = image_transforms(
+        model, SimpleNamespace(**{**vars(_data()), "resolution_schedule": {"0": [16], "24": [32]}})
+    )
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8))
     assert [train.size(k) for k in (0, 23, 24, 99)] == [16, 16, 32, 32]
     assert train.batcher_at(3).stack([train.batcher_at(3)(image)]).shape == (1, 3, 16, 16)
@@ -56,11 +62,14 @@ def test_a_schedule_gives_each_batch_its_size_and_evaluates_at_the_last():
     assert [later.size(k) for k in (0, 9, 10)] == [32, 32, 16]  # before the first stage: the tower's own size
 
 
-@pytest.mark.parametrize("name, schedule, message", [
-    ("clipdist-tiny", {"5": [12]}, "a multiple of its 8-px patch"),
-    ("clipdist-tiny", {"5": [16, 24]}, "one image size a stage"),
-    ("clipdist-timm-tiny", {"5": [112]}, "not open_clip's VisionTransformer"),
-])
+@pytest.mark.parametrize(
+    "name, schedule, message",
+    [
+        ("clipdist-tiny", {"5": [12]}, "a multiple of its 8-px patch"),
+        ("clipdist-tiny", {"5": [16, 24]}, "one image size a stage"),
+        ("clipdist-timm-tiny", {"5": [112]}, "not open_clip's VisionTransformer"),
+    ],
+)
 def test_a_schedule_the_tower_cannot_take_is_refused(name, schedule, message):
     with pytest.raises(ValueError, match=message):
         image_size_stages(create_model(name, device="meta"), schedule)

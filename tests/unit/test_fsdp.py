@@ -1,5 +1,6 @@
 """FSDP2 (world.parallel=fsdp): exact gradients for every backend, sharded state as planned, sharded
 checkpoints that are atomic and reshard on resume, and clear errors before any rank starts."""
+
 from __future__ import annotations
 
 from datetime import timedelta

@@ -1,15 +1,16 @@
 """Gradient caching: the chunked step's gradients equal the whole step's, the scale counted once."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from open_clip.transformer import PatchDropout
 
+from clipdist.data.batch import Batch
 from clipdist.losses import build
 from clipdist.model.factory import create_model_for_loss
-from clipdist.data.batch import Batch
-from clipdist.train.step import CachedStep, Step, _restored_rng, _rng_state
 from clipdist.tools.gradcheck import _random_batch
+from clipdist.train.step import CachedStep, Step, _restored_rng, _rng_state
 
 BATCH = 6
 
@@ -52,8 +53,9 @@ class ScaleInEveryChunk(CachedStep):
         (image_features, text_features, *scalars), (pieces, rng_states) = outputs.features, replay
         loss.backward()
         sizes = [piece.rows for piece in pieces]
-        for piece, rng, g_image, g_text in zip(pieces, rng_states, image_features.grad.split(sizes),
-                                               text_features.grad.split(sizes)):
+        for piece, rng, g_image, g_text in zip(
+            pieces, rng_states, image_features.grad.split(sizes), text_features.grad.split(sizes)
+        ):
             with _restored_rng(rng, self.rng_device):
                 outputs = self.model(**piece)
             torch.autograd.backward(list(outputs), [g_image, g_text, *(s.grad for s in scalars)])

@@ -1,4 +1,5 @@
 """Model-level exactness under DDP, and proof that the harness catches the classic bugs."""
+
 from __future__ import annotations
 
 from clipdist.tools.gradcheck import classify

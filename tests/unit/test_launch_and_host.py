@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from clipdist.distributed import host
 from clipdist.data import workers as loader
+from clipdist.distributed import host
 from clipdist.distributed.host import intra_op_threads
 from clipdist.distributed.launch import _expand_first_host, detect_env
 
@@ -16,8 +16,15 @@ def test_torchrun_variables_win():
 
 
 def test_srun_variables_map_to_rank_world_and_local_rank():
-    env = detect_env({"SLURM_PROCID": "13", "SLURM_NTASKS": "64", "SLURM_LOCALID": "5",
-                      "SLURM_JOB_NODELIST": "gpu[003-010]", "SLURM_JOB_ID": "4242"})
+    env = detect_env(
+        {
+            "SLURM_PROCID": "13",
+            "SLURM_NTASKS": "64",
+            "SLURM_LOCALID": "5",
+            "SLURM_JOB_NODELIST": "gpu[003-010]",
+            "SLURM_JOB_ID": "4242",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank, env.launcher) == (13, 64, 5, "slurm")
 
 
@@ -36,40 +43,56 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
     cpus = len(os.sched_getaffinity(0))
     assert intra_op_threads(None, 1, 0, {})[0] == cpus
     assert intra_op_threads(None, 1, 1, {})[0] == max(1, cpus - 1)
-    assert intra_op_threads(None, 1, 4, {"SLURM_CPUS_PER_TASK": "12"}) == (8, "SLURM_CPUS_PER_TASK=12 - 4 loader worker(s)")
+    assert intra_op_threads(None, 1, 4, {"SLURM_CPUS_PER_TASK": "12"}) == (
+        8,
+        "SLURM_CPUS_PER_TASK=12 - 4 loader worker(s)",
+    )
     assert intra_op_threads(None, 2, 8, {"SLURM_CPUS_PER_TASK": "4"})[0] == 1  # never fewer than one
 
 
-@pytest.mark.parametrize("setting, cpus, shards_per_rank, readers, workers, choices", [
-    (3, "1", None, 3, 3, (3,)), (0, "8", None, 1, 0, (0,)),  # a number is taken as given
-    # a CPU rank: readers up to its CPUs, the most divisible; it starts with no more workers than its spare CPUs
-    # (and at most 4); a rank of one CPU has no time for a second worker
-    (None, "1", None, 1, 1, (1,)), (None, "2", None, 2, 1, (1, 2)), (None, "4", None, 4, 2, (1, 2, 4)),
-    (None, "8", None, 8, 4, (1, 2, 4, 8)),  # 7 spare CPUs: 8 readers (as many divisors as 6, and larger)
-    (None, "6", None, 6, 3, (1, 2, 3, 6)),  # 5 spare: 6, so start with 3 (4 is not a divisor)
-    (None, "32", None, 30, 3, (1, 2, 3, 5, 6, 10, 15, 30)),  # 31 spare: 30 (as many divisors as 24, and larger)
-    (None, "32", 2, 2, 2, (1, 2)), (None, "32", 0, 1, 1, (1,)),  # no more than the shards each rank reads
-    (None, "12", None, 11, 11, (11,)), (None, "12", 5, 5, 5, (5,)),  # a GPU rank: every CPU it can spare
-])
-def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, readers, workers,
-                                                                      choices):
+@pytest.mark.parametrize(
+    "setting, cpus, shards_per_rank, readers, workers, choices",
+    [
+        (3, "1", None, 3, 3, (3,)),
+        (0, "8", None, 1, 0, (0,)),  # a number is taken as given
+        # a CPU rank: readers up to its CPUs, the most divisible; it starts with no more workers than its spare CPUs
+        # (and at most 4); a rank of one CPU has no time for a second worker
+        (None, "1", None, 1, 1, (1,)),
+        (None, "2", None, 2, 1, (1, 2)),
+        (None, "4", None, 4, 2, (1, 2, 4)),
+        (None, "8", None, 8, 4, (1, 2, 4, 8)),  # 7 spare CPUs: 8 readers (as many divisors as 6, and larger)
+        (None, "6", None, 6, 3, (1, 2, 3, 6)),  # 5 spare: 6, so start with 3 (4 is not a divisor)
+        (None, "32", None, 30, 3, (1, 2, 3, 5, 6, 10, 15, 30)),  # 31 spare: 30 (as many divisors as 24, and larger)
+        (None, "32", 2, 2, 2, (1, 2)),
+        (None, "32", 0, 1, 1, (1,)),  # no more than the shards each rank reads
+        (None, "12", None, 11, 11, (11,)),
+        (None, "12", 5, 5, 5, (5,)),  # a GPU rank: every CPU it can spare
+    ],
+)
+def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(
+    setting, cpus, shards_per_rank, readers, workers, choices
+):
     device = "cuda" if cpus == "12" else "cpu"
     plan = loader.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus}, device_type=device)
     assert (plan.readers, plan.workers, plan.choices) == (readers, workers, choices)
-    assert plan.why.startswith("data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}")
+    assert plan.why.startswith(
+        "data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}"
+    )
     assert plan.cpus == (None if setting is not None else int(cpus))
 
 
-def measured_workers(choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0, rank_cpu_s=None,
-                     whole=True):
+def measured_workers(
+    choices, workers, cpus, load_s, compute_s, *, fixed_threads=None, wait_s=0.0, rank_cpu_s=None, whole=True
+):
     """A MeasuredWorkers fed 30 steps of a loader taking `load_s` CPU seconds a batch and a step computing
     `compute_s` with the threads `workers` workers leave of `cpus`, the rank's process spending `rank_cpu_s`
     CPU seconds a step (None: the cores are not counted), its workers making whole batches or not (`whole`);
     returns what it decided."""
     threads = (lambda w: fixed_threads) if fixed_threads else (lambda w: max(1, cpus - w))
     clock = itertools.count(0.0, rank_cpu_s or 0.0).__next__
-    tuner = loader.MeasuredWorkers(choices, workers, threads, cpus=cpus if rank_cpu_s else None, clock=clock,
-                                   whole=lambda w: whole)
+    tuner = loader.MeasuredWorkers(
+        choices, workers, threads, cpus=cpus if rank_cpu_s else None, clock=clock, whole=lambda w: whole
+    )
     decisions = [tuner.observe(wait_s, compute_s + wait_s, load_s) for _ in range(30)]
     assert all(decision == (None, None) for decision in decisions[:29])
     assert tuner.observe(wait_s, compute_s + wait_s, load_s) == (None, None)  # once only
@@ -81,8 +104,10 @@ def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measure
     # CPU, the step 0.1 s): 4 workers give 3.3 batches/s; 6 give 5 while the step slows to 0.12 s (8.3/s); 12
     # would give 10 but leave 4 threads (3.3/s)
     workers, line = measured_workers((1, 2, 3, 4, 6, 12), 4, 16, load_s=1.2, compute_s=0.1, wait_s=0.2)
-    assert workers == 6 and line.startswith("4 -> 6 loader worker(s), 12 -> 10 intra-op thread(s): over steps 11-30 "
-                                             "a batch took 1200 ms of a loader worker's CPU and the step 100 ms")
+    assert workers == 6 and line.startswith(
+        "4 -> 6 loader worker(s), 12 -> 10 intra-op thread(s): over steps 11-30 "
+        "a batch took 1200 ms of a loader worker's CPU and the step 100 ms"
+    )
     # A model-bound run (0.05 s a batch, 1 s a step): one worker keeps up and frees three cores for threads
     workers, line = measured_workers((1, 2, 3, 4, 6, 12), 4, 16, load_s=0.05, compute_s=1.0)
     assert workers == 1 and line.startswith("4 -> 1 loader worker(s), 12 -> 15 intra-op thread(s)")
@@ -95,14 +120,20 @@ def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measure
     # for and the cores have time left — 224-px web photos: a batch 371 ms of a worker, the step 220 ms (240 ms of
     # the rank's CPU): 1 worker 2.7 batches/s, 2 workers sharing the cores 2 / 0.611 = 3.3
     workers, line = measured_workers((1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24)
-    assert workers == 2 and line.startswith("1 -> 2 loader worker(s): over steps 11-30 a batch took 371 ms of a "
-                                             "loader worker's CPU and the step 220 ms (240 ms of the rank's CPU)")
+    assert workers == 2 and line.startswith(
+        "1 -> 2 loader worker(s): over steps 11-30 a batch took 371 ms of a "
+        "loader worker's CPU and the step 220 ms (240 ms of the rank's CPU)"
+    )
     # ... only where each worker makes whole batches (data.pieces, a token budget, a replicated split: every worker's
     # rows of every batch, which 2 workers sharing the cores ran slower than 1); the log says what was left out
-    workers, line = measured_workers((1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24,
-                                     whole=False)
-    assert workers is None and line.startswith("1 loader worker(s) kept: ") and line.endswith(
-        "; 2 would measure faster but, sharing the rank's cores, would not each make whole batches")
+    workers, line = measured_workers(
+        (1, 2), 1, 2, load_s=0.371, compute_s=0.22, wait_s=0.15, rank_cpu_s=0.24, whole=False
+    )
+    assert (
+        workers is None
+        and line.startswith("1 loader worker(s) kept: ")
+        and line.endswith("; 2 would measure faster but, sharing the rank's cores, would not each make whole batches")
+    )
     # ... and not where the step is the limit (digits: 36 ms a batch, the step 165 ms) or the cores are (a rank of
     # one CPU: 1 / (L + S) whatever the count)
     workers, line = measured_workers((1, 2), 1, 2, load_s=0.036, compute_s=0.165, rank_cpu_s=0.17)
@@ -111,10 +142,10 @@ def test_the_loader_worker_count_follows_the_loader_and_the_step_the_run_measure
     # the same loader-bound run without the cores counted would have moved: the cores' bound is what stops it
     assert measured_workers((1, 2), 1, 1, load_s=0.186, compute_s=0.11, wait_s=0.08)[0] == 2
     # One choice (a GPU rank, an explicit count): said, not changed
-    assert measured_workers((7,), 7, 8, load_s=0.5, compute_s=0.1, wait_s=0.01)[1].startswith(
-        "the loader keeps up: ")
+    assert measured_workers((7,), 7, 8, load_s=0.5, compute_s=0.1, wait_s=0.01)[1].startswith("the loader keeps up: ")
     assert measured_workers((3,), 3, 8, load_s=0.5, compute_s=0.1, wait_s=0.1)[1].startswith(
-        "the loader limits this run: it needs ~5 worker(s) to keep up, this rank has 3: ")
+        "the loader limits this run: it needs ~5 worker(s) to keep up, this rank has 3: "
+    )
 
 
 def test_explicit_thread_counts_are_taken_as_given():
@@ -174,8 +205,6 @@ def test_loader_workers_go_idle_only_when_the_run_shows_the_loader_keeps_up():
     assert calls == [True, False] and "cannot return" in lines[10] and "data.worker_priority=normal" in lines[10]
 
 
-
-
 def test_a_worker_restart_measures_priority_afresh_and_says_which_steps():
     """LoaderTuning: a loader-bound rank (1 worker of 2 choices) moves to 2 workers at step 30; the 2 workers share
     the rank's cores, so their priority is measured from their restart: warm-up to step 40, decided over 41-60."""
@@ -194,9 +223,12 @@ def test_a_worker_restart_measures_priority_afresh_and_says_which_steps():
             return [[worker] for worker in range(workers)]
 
     stream, threads = Stream(), torch.get_num_threads()  # a move sets this process's intra-op threads: put back
-    tuning = LoaderTuning(stream, LoaderPlan(2, 1, (1, 2), "test", cpus=2),
-                          lambda workers: ("normal", "a core each") if workers == 1 else ("measured", "shared"),
-                          lambda workers: 1)
+    tuning = LoaderTuning(
+        stream,
+        LoaderPlan(2, 1, (1, 2), "test", cpus=2),
+        lambda workers: ("normal", "a core each") if workers == 1 else ("measured", "shared"),
+        lambda workers: 1,
+    )
     assert tuning.started == "loader workers at normal priority (a core each)"
     try:
         said = {step: tuning.observe(0.15, 0.37, 0.37) for step in range(1, 31)}
@@ -206,5 +238,7 @@ def test_a_worker_restart_measures_priority_afresh_and_says_which_steps():
     assert stream.counts == [2] and said[30][0].startswith("1 -> 2 loader worker(s): over steps 11-30")
     assert said[30][1] == "loader workers at normal priority (shared)"
     assert [step for step, lines in said.items() if lines] == [30, 60]
-    assert said[60] == ["loader workers to idle priority: over steps 41-60 the rank waited 0.0% of its time for data "
-                        "(the loader keeps up); they now decode in the time the rank leaves idle"]
+    assert said[60] == [
+        "loader workers to idle priority: over steps 41-60 the rank waited 0.0% of its time for data "
+        "(the loader keeps up); they now decode in the time the rank leaves idle"
+    ]

@@ -1,5 +1,6 @@
 """The house's layering (shared/DESIGN.md): each module imports only its own layer and the layers below, and no
 modules import each other in a loop — function-level imports included, since those are where cycles hide."""
+
 from __future__ import annotations
 
 import ast
@@ -32,8 +33,12 @@ def _layer(module: str) -> int:
 def _imports(path: Path, modules: set[str]) -> list[tuple[str, bool]]:
     """(clipdist module imported, whether the import is inside a function) for each import in `path`."""
     tree, found = ast.parse(path.read_text()), []
-    local_nodes = {id(node) for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for node in ast.walk(function)}
+    local_nodes = {
+        id(node)
+        for function in ast.walk(tree)
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(function)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipdist"):
             names = [f"{node.module}.{alias.name}" for alias in node.names]
@@ -59,15 +64,23 @@ def _graph() -> tuple[dict[str, set[str]], int]:
 
 def _all_local_imports(path: Path) -> int:
     tree = ast.parse(path.read_text())
-    return sum(1 for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
-               for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom)))
+    return sum(
+        1
+        for function in ast.walk(tree)
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(function)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    )
 
 
 def test_no_module_imports_a_higher_layer():
     graph, _ = _graph()
-    upward = sorted(f"{module} (layer {_layer(module)}) -> {target} (layer {_layer(target)})"
-                    for module, targets in graph.items() for target in targets
-                    if not target.endswith("__init__") and _layer(target) > _layer(module))
+    upward = sorted(
+        f"{module} (layer {_layer(module)}) -> {target} (layer {_layer(target)})"
+        for module, targets in graph.items()
+        for target in targets
+        if not target.endswith("__init__") and _layer(target) > _layer(module)
+    )
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
@@ -80,7 +93,7 @@ def test_no_import_cycle():
         stack.append(module)
         for target in sorted(graph.get(module, ())):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+                cycles.append(" -> ".join(stack[stack.index(target) :] + [target]))
             elif target not in state:
                 visit(target)
         stack.pop()
@@ -90,9 +103,14 @@ def test_no_import_cycle():
         if module not in state:
             visit(module)
     # a package's __init__ importing its own submodules is how a package hands names on, not a cycle
-    cycles = [cycle for cycle in cycles
-              if not all(part.rsplit(".", 1)[0] == cycle.split(" -> ")[0] or part == cycle.split(" -> ")[0]
-                         for part in cycle.split(" -> "))]
+    cycles = [
+        cycle
+        for cycle in cycles
+        if not all(
+            part.rsplit(".", 1)[0] == cycle.split(" -> ")[0] or part == cycle.split(" -> ")[0]
+            for part in cycle.split(" -> ")
+        )
+    ]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 

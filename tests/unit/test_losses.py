@@ -2,6 +2,7 @@
 gradients), our references equal open_clip's ClipLoss / SigLipLoss, bf16 features give a float32 loss, and bad
 shapes are clear errors. The multi-rank contract (N·∂L/∂f_r, the scalars' gradient once) is checked in
 tests/integration/test_losses.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,6 @@ from open_clip.loss import ClipLoss, SigLipLoss
 from clipdist.losses import BACKENDS, build, clip_loss, siglip_loss
 
 TOLERANCE = 1e-12
-
-
-
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

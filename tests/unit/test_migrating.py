@@ -1,5 +1,6 @@
 """docs/migrating.md lists every flag of the installed open_clip_train (its overrides are composed and checked in
 tests/integration/test_migrating.py: ~10 s of Hydra composition)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def open_clip_train_flags() -> set[str]:
         params.parse_args([])
     finally:
         argparse.ArgumentParser.parse_args = parse
-    return {option for action in captured["parser"]._actions for option in action.option_strings
-            if option.startswith("--") and option != "--help"}
+    return {
+        option
+        for action in captured["parser"]._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help"
+    }
 
 
 def rows() -> dict[str, tuple[list[str], str, str]]:

@@ -2,6 +2,7 @@
 import code or reach the network (issue: open_clip hands `text_cfg.tokenizer_kwargs` and `hf_tokenizer_name` to
 transformers' AutoTokenizer, which imports the .py files a tokenizer_config.json's auto_map names). Every route
 refuses such a config in one line, before anything is built; the marker the hostile code would write never appears."""
+
 from __future__ import annotations
 
 import json
@@ -13,17 +14,18 @@ import pytest
 from fixtures import caption_shards
 from helpers import refusal
 
+from clipdist.checkpoint.weights import UnsafeFileError
 from clipdist.cli import main as cli
 from clipdist.model.factory import CONFIG_DIR, check_config_is_data, resolve_model_name
-from clipdist.checkpoint.weights import UnsafeFileError
 
 
 def _hostile_tokenizer(folder: Path, marker: Path) -> Path:
     """A tokenizer folder whose tokenizer_config.json names code (auto_map) that writes `marker` when imported."""
     folder.mkdir(parents=True)
     (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}, "tokenizer_class": "EvilTokenizer"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}, "tokenizer_class": "EvilTokenizer"})
+    )
     return folder
 
 
@@ -31,8 +33,10 @@ def _config(tmp_path: Path, marker: Path, case: str) -> dict:
     config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
     text = config["text_cfg"]
     if case == "trust_remote_code":
-        text.update(hf_tokenizer_name=str(_hostile_tokenizer(tmp_path / "tok", marker)),
-                    tokenizer_kwargs={"trust_remote_code": True})
+        text.update(
+            hf_tokenizer_name=str(_hostile_tokenizer(tmp_path / "tok", marker)),
+            tokenizer_kwargs={"trust_remote_code": True},
+        )
     elif case == "auto_map":
         text.update(hf_tokenizer_name=str(_hostile_tokenizer(tmp_path / "tok", marker)))
     elif case == "hub_tokenizer":
@@ -44,16 +48,33 @@ def _config(tmp_path: Path, marker: Path, case: str) -> dict:
     elif case == "timm_weights":
         config["vision_cfg"].update(timm_model_name="vit_tiny_patch16_224", timm_model_pretrained=True)
     elif case == "timm_kwargs_weights":  # timm would read a file as the tower's weights (pretrained_cfg_overlay)
-        config["vision_cfg"] = {"timm_model_name": "naflexvit_base_patch16_gap", "timm_model_kwargs": {
-            "embed_dim": 64, "depth": 1, "num_heads": 2, "pretrained_cfg_overlay": {"file": str(marker)}}}
+        config["vision_cfg"] = {
+            "timm_model_name": "naflexvit_base_patch16_gap",
+            "timm_model_kwargs": {
+                "embed_dim": 64,
+                "depth": 1,
+                "num_heads": 2,
+                "pretrained_cfg_overlay": {"file": str(marker)},
+            },
+        }
     elif case == "timm_kwargs_object":  # only plain values pass to timm.create_model
-        config["vision_cfg"] = {"timm_model_name": "naflexvit_base_patch16_gap",
-                                "timm_model_kwargs": {"embed_dim": 64, "depth": 1, "num_heads": 2, "act_layer": {}}}
+        config["vision_cfg"] = {
+            "timm_model_name": "naflexvit_base_patch16_gap",
+            "timm_model_kwargs": {"embed_dim": 64, "depth": 1, "num_heads": 2, "act_layer": {}},
+        }
     return config
 
 
-CASES = ["trust_remote_code", "auto_map", "hub_tokenizer", "hub_text_tower", "tokenizer_option", "timm_weights",
-         "timm_kwargs_weights", "timm_kwargs_object"]
+CASES = [
+    "trust_remote_code",
+    "auto_map",
+    "hub_tokenizer",
+    "hub_text_tower",
+    "tokenizer_option",
+    "timm_weights",
+    "timm_kwargs_weights",
+    "timm_kwargs_object",
+]
 
 
 @pytest.fixture(params=CASES)
@@ -86,8 +107,10 @@ def test_eval_refuses_an_export_or_a_config_that_would_run_code(hostile, tmp_pat
     val = caption_shards(tmp_path / "val", shards=1, per_shard=4)
     weights = tmp_path / "weights.safetensors"
     weights.write_bytes(b"")
-    for argv in (["eval", str(export), "--set", f"val={val}"],
-                 ["eval", str(weights), "--model", str(config_file), "--set", f"val={val}"]):
+    for argv in (
+        ["eval", str(export), "--set", f"val={val}"],
+        ["eval", str(weights), "--model", str(config_file), "--set", f"val={val}"],
+    ):
         code = cli(argv)
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert code != 0 and not marker.exists(), argv
@@ -112,8 +135,15 @@ def test_open_clips_own_configs_and_plain_local_tokenizers_are_data(tmp_path):
         check_config_is_data(config, "escaped")
 
 
-@pytest.mark.parametrize("which, kind", [("tokenizer_config", "fifo"), ("tokenizer_config", "dev_zero"),
-                                         ("tokenizer_config", "huge"), ("model_config", "huge")])
+@pytest.mark.parametrize(
+    "which, kind",
+    [
+        ("tokenizer_config", "fifo"),
+        ("tokenizer_config", "dev_zero"),
+        ("tokenizer_config", "huge"),
+        ("model_config", "huge"),
+    ],
+)
 def test_a_config_that_is_a_fifo_a_device_or_huge_is_refused_without_reading_it(tmp_path, which, kind):
     """The tokenizer config a model config names, as a FIFO (reading would hang), /dev/zero (reading would never
     end) or a 17 MiB file, and a 17 MiB model config: refused at once, in one line, before a byte is read. (A model

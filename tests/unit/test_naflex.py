@@ -1,5 +1,6 @@
 """NaFlex pieces without a process: the token budget's draws, the order's cycles, patches in timm's layout, a tower
 whose features ignore padding, and the checks that refuse what a token budget cannot do."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,9 +16,9 @@ from clipdist.data.naflex import PatchImages, TokenBudget, eval_seq_len, resolve
 from clipdist.data.order import BudgetOrder
 from clipdist.distributed.launch import _openmp_runtime
 from clipdist.model.factory import blank_images, create_model, lock_towers
-from clipdist.train.optim import layer_scales
-from clipdist.preflight import check_naflex
 from clipdist.model.timm_towers import check_image_tower, float32_parameters, random_patches
+from clipdist.preflight import check_naflex
+from clipdist.train.optim import layer_scales
 
 NAFLEX = "clipdist-naflex-tiny"
 
@@ -28,7 +29,9 @@ def test_a_batchs_sequence_length_is_drawn_from_the_seed_and_its_index_alone():
     assert [budget.seq_len(k) for k in (17, 3, 17)] == [lengths[17], lengths[3], lengths[17]]  # any order, same draw
     shares = [float(np.mean(lengths == length)) for length in (16, 36, 64)]
     assert shares == pytest.approx([0.25, 0.5, 0.25], abs=0.02)
-    assert not np.array_equal(lengths[:50], TokenBudget([16, 36, 64], [1, 2, 1], 1024, seed=6).seq_lens_of(np.arange(50)))
+    assert not np.array_equal(
+        lengths[:50], TokenBudget([16, 36, 64], [1, 2, 1], 1024, seed=6).seq_lens_of(np.arange(50))
+    )
     assert [budget.size(k) for k in range(5)] == [1024 // length for length in lengths[:5]]
     assert budget.start(5) == sum(1024 // length for length in lengths[:5])
     assert budget.batch_at(budget.start(5)) == 5 and budget.batch_at(budget.start(5) - 1) == 4
@@ -47,12 +50,15 @@ def test_a_resolution_schedule_changes_the_lengths_drawn_after_its_step():
         TokenBudget([16], None, 64, seed=0, schedule={"soon": [32]})
 
 
-@pytest.mark.parametrize("message, args", [
-    ("data.seq_lens", ([], None, 64)),
-    ("data.seq_len_probs", ([16, 32], [1.0], 64)),
-    ("data.seq_len_probs", ([16, 32], [0, 0], 64)),
-    ("data.max_tokens_per_batch=8", ([16], None, 8)),
-])
+@pytest.mark.parametrize(
+    "message, args",
+    [
+        ("data.seq_lens", ([], None, 64)),
+        ("data.seq_len_probs", ([16, 32], [1.0], 64)),
+        ("data.seq_len_probs", ([16, 32], [0, 0], 64)),
+        ("data.max_tokens_per_batch=8", ([16], None, 8)),
+    ],
+)
 def test_a_budget_that_cannot_be_drawn_is_refused_in_one_line(message, args):
     with pytest.raises(ValueError, match=message):
         TokenBudget(*args, seed=0)
@@ -102,8 +108,10 @@ def test_patches_are_timms_layout_at_the_aspect_ratio_of_the_image():
     assert rows * columns <= 36 and columns > 2 * rows  # wide stays wide
     batch = batcher.stack([pixels, batcher(wide.rotate(90, expand=True))])
     assert batch["patches"].shape == (2, 36, 16 * 16 * 3)
-    expected = Patchify(16)(((pixels.permute(2, 0, 1).float() / 255) - torch.tensor([0.5, 0.4, 0.3])[:, None, None])
-                            / torch.tensor([0.2, 0.25, 0.3])[:, None, None])
+    expected = Patchify(16)(
+        ((pixels.permute(2, 0, 1).float() / 255) - torch.tensor([0.5, 0.4, 0.3])[:, None, None])
+        / torch.tensor([0.2, 0.25, 0.3])[:, None, None]
+    )
     count = rows * columns
     assert torch.allclose(batch["patches"][0, :count], expected["patches"], atol=1e-6)
     assert torch.equal(batch["patch_coord"][0, :count], expected["patch_coord"])
@@ -122,17 +130,22 @@ def test_a_naflex_towers_features_do_not_depend_on_its_batchs_padding():
     longest = int(inputs["patch_valid"].sum(1).max())
     features = model.encode_image(inputs)
     trimmed = model.encode_image({name: value[:, :longest] for name, value in inputs.items()})
-    alone = torch.cat([model.encode_image({name: value[row:row + 1] for name, value in inputs.items()})
-                       for row in range(4)])
+    alone = torch.cat(
+        [model.encode_image({name: value[row : row + 1] for name, value in inputs.items()}) for row in range(4)]
+    )
     assert torch.allclose(features, trimmed, rtol=0, atol=1e-12) and torch.allclose(features, alone, atol=1e-12)
     assert float32_parameters(model) == {"visual.trunk.embeds.pos_embed"}
     assert float32_parameters(create_model("clipdist-tiny", device="meta")) == set()
 
 
 def _cfg(**data):
-    return SimpleNamespace(data=DataConfig(**data), world=SimpleNamespace(world_size=2, batch_per_device=8),
-                           grad_cache=SimpleNamespace(chunks_for=lambda rows: 1), model=SimpleNamespace(name=NAFLEX),
-                           seed=0)
+    return SimpleNamespace(
+        data=DataConfig(**data),
+        world=SimpleNamespace(world_size=2, batch_per_device=8),
+        grad_cache=SimpleNamespace(chunks_for=lambda rows: 1),
+        model=SimpleNamespace(name=NAFLEX),
+        seed=0,
+    )
 
 
 def test_a_stopped_steps_stand_in_batch_draws_nothing_from_the_rng():
@@ -148,12 +161,15 @@ def test_a_stopped_steps_stand_in_batch_draws_nothing_from_the_rng():
     assert model.encode_image(blank).shape[0] == 3
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"max_tokens_per_batch": 64}, "holds 1 image"),
-    ({"patch_size": 8}, "patch embedding takes 16-px patches"),
-    ({"normalize_on": "device"}, "normalized by the loader"),
-    ({"pieces": 2}, "data.pieces=2 with a token budget"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"max_tokens_per_batch": 64}, "holds 1 image"),
+        ({"patch_size": 8}, "patch embedding takes 16-px patches"),
+        ({"normalize_on": "device"}, "normalized by the loader"),
+        ({"pieces": 2}, "data.pieces=2 with a token budget"),
+    ],
+)
 def test_a_token_budget_the_run_cannot_use_is_refused_before_the_ranks(data, message):
     model = create_model(NAFLEX, device="meta")
     with pytest.raises(ValueError, match=message):
@@ -185,15 +201,23 @@ def test_torchs_openmp_runtime_can_be_released_before_a_fork():
 def test_layer_decay_and_locks_reach_a_naflex_towers_blocks():
     model = create_model(NAFLEX, device="meta")
     scales = layer_scales(model, {"image": 0.5})
-    assert scales["visual.trunk.embeds.proj.weight"] == 0.5 ** 3  # the stem, then 2 blocks, then the head
-    assert scales["visual.trunk.blocks.0.attn.qkv.weight"] == 0.5 ** 2
+    assert scales["visual.trunk.embeds.proj.weight"] == 0.5**3  # the stem, then 2 blocks, then the head
+    assert scales["visual.trunk.blocks.0.attn.qkv.weight"] == 0.5**2
     assert scales["visual.trunk.blocks.1.mlp.fc1.weight"] == 0.5
     assert scales["visual.head.proj.weight"] == 1.0 and scales["token_embedding.weight"] == 1.0
-    lock_towers(model, SimpleNamespace(lock_image=True, lock_image_unlocked_groups=2, lock_image_freeze_bn_stats=False,
-                                       lock_text=False))
+    lock_towers(
+        model,
+        SimpleNamespace(
+            lock_image=True, lock_image_unlocked_groups=2, lock_image_freeze_bn_stats=False, lock_text=False
+        ),
+    )
     trainable = [name for name, p in model.named_parameters() if name.startswith("visual.") and p.requires_grad]
     assert trainable and all("blocks.0" not in name and "embeds" not in name for name in trainable)
-    lock_towers(model, SimpleNamespace(lock_image=True, lock_image_unlocked_groups=1, lock_image_freeze_bn_stats=False,
-                                       lock_text=False))
+    lock_towers(
+        model,
+        SimpleNamespace(
+            lock_image=True, lock_image_unlocked_groups=1, lock_image_freeze_bn_stats=False, lock_text=False
+        ),
+    )
     with pytest.raises(ValueError, match="among its trainable parameters .* unlock more of them or drop the decay"):
         layer_scales(model, {"image": 0.5})

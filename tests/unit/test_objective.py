@@ -1,5 +1,6 @@
 """The step's objective on one process: the contrastive backend plus CoCa's caption term, equal to open_clip's
 CoCaLoss from the installed wheel (value and gradients); the loss weights checked before any rank starts."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,15 +15,20 @@ from clipdist.objective import build_objective
 
 def coca_outputs(seed: int = 0, batch: int = 5, length: int = 7, vocab: int = 11):
     generator = torch.Generator().manual_seed(seed)
-    features = [torch.nn.functional.normalize(torch.randn(batch, 8, generator=generator, dtype=torch.float64), dim=-1)
-                for _ in range(2)]
+    features = [
+        torch.nn.functional.normalize(torch.randn(batch, 8, generator=generator, dtype=torch.float64), dim=-1)
+        for _ in range(2)
+    ]
     labels = torch.randint(1, vocab, (batch, length), generator=generator)
     labels[:, 4:] = 0  # padding
     labels[0, 2:] = 0
-    return {"image_features": features[0].requires_grad_(), "text_features": features[1].requires_grad_(),
-            "logit_scale": torch.tensor(14.0, dtype=torch.float64, requires_grad=True),
-            "logits": torch.randn(batch, length, vocab, generator=generator, dtype=torch.float64).requires_grad_(),
-            "labels": labels}
+    return {
+        "image_features": features[0].requires_grad_(),
+        "text_features": features[1].requires_grad_(),
+        "logit_scale": torch.tensor(14.0, dtype=torch.float64, requires_grad=True),
+        "logits": torch.randn(batch, length, vocab, generator=generator, dtype=torch.float64).requires_grad_(),
+        "labels": labels,
+    }
 
 
 @pytest.mark.parametrize("weights", [(1.0, 2.0), (0.5, 1.0), (0.0, 2.0)])
@@ -32,7 +38,8 @@ def test_objective_equals_open_clip_coca_loss(weights):
     objective = build_objective(build("disco"), contrastive_weight=contrastive_weight, caption_weight=caption_weight)
     loss, terms = objective(objective.outputs(ours, {}))
     clip_part, caption_part = CoCaLoss(caption_loss_weight=caption_weight, clip_loss_weight=contrastive_weight)(
-        theirs["image_features"], theirs["text_features"], theirs["logits"], theirs["labels"], theirs["logit_scale"])
+        theirs["image_features"], theirs["text_features"], theirs["logits"], theirs["labels"], theirs["logit_scale"]
+    )
     reference = clip_part + caption_part
     assert loss.item() == pytest.approx(reference.item(), rel=1e-12)
     loss.backward()
@@ -57,11 +64,14 @@ def test_a_clip_model_output_is_the_backend_alone():
     assert loss.item() == build("disco")(*parts.features).item() and terms == {}
 
 
-@pytest.mark.parametrize("model, weights, message", [
-    ("clipdist-tiny", {"caption_weight": 1.0}, "has no text decoder"),
-    ("clipdist-coca-tiny", {"contrastive_weight": -1.0}, "must be 0 or more"),
-    ("clipdist-coca-tiny", {"contrastive_weight": 0.0, "caption_weight": 0.0}, "nothing to train"),
-])
+@pytest.mark.parametrize(
+    "model, weights, message",
+    [
+        ("clipdist-tiny", {"caption_weight": 1.0}, "has no text decoder"),
+        ("clipdist-coca-tiny", {"contrastive_weight": -1.0}, "must be 0 or more"),
+        ("clipdist-coca-tiny", {"contrastive_weight": 0.0, "caption_weight": 0.0}, "nothing to train"),
+    ],
+)
 def test_bad_loss_weights_are_refused(model, weights, message):
     with pytest.raises(ValueError, match=message):
         check_loss_weights(LossConfig(**weights), model)
@@ -82,12 +92,19 @@ def test_a_coca_model_from_scratch_is_initialised_the_same_on_every_rank():
     assert 0.05 < projection.std().item() < 0.2  # width 64: std 64^-0.5 = 0.125
 
 
-@pytest.mark.parametrize("teacher, message", [
-    ("clipdist-timm-tiny", "loss.distill.model=clipdist-timm-tiny: its image size is (224, 224), the student's (32, 32)"),
-    ("no-such-model", "no-such-model"),
-])
-def test_a_teacher_that_cannot_see_the_students_inputs_is_refused_before_any_rank(tmp_path, capsys, monkeypatch,
-                                                                                  teacher, message):
+@pytest.mark.parametrize(
+    "teacher, message",
+    [
+        (
+            "clipdist-timm-tiny",
+            "loss.distill.model=clipdist-timm-tiny: its image size is (224, 224), the student's (32, 32)",
+        ),
+        ("no-such-model", "no-such-model"),
+    ],
+)
+def test_a_teacher_that_cannot_see_the_students_inputs_is_refused_before_any_rank(
+    tmp_path, capsys, monkeypatch, teacher, message
+):
     from tests.helpers import refusal
 
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"loss.distill.model={teacher}")

@@ -1,4 +1,5 @@
 """The global sample order's arithmetic (clipdist/data/order.py), against a plain listing of the order."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,9 @@ def test_ranks_of_the_starting_layout_read_their_own_readers():
     assert [order.rank_readers(640, 64, rank, 4) for rank in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert order.rank_readers(64, 64, 0, 1) == list(range(8))
     assert [order.rank_readers(0, 64, rank, 16) for rank in (0, 1, 15)] == [[0], [0], [7]]  # halves of a reader's chunk
-    assert [order.rank_readers(0, 48, rank, 2) for rank in range(2)] == [list(range(8))] * 2  # batch ≠ cycle: all turn up
+    assert [order.rank_readers(0, 48, rank, 2) for rank in range(2)] == [
+        list(range(8))
+    ] * 2  # batch ≠ cycle: all turn up
 
 
 def test_a_layout_with_more_readers_than_samples_is_refused():
@@ -47,8 +50,10 @@ def test_a_layout_with_more_readers_than_samples_is_refused():
         SampleOrder(3, 2)
 
 
-@pytest.mark.parametrize("ranks, per_rank, workers, start", [(1, 4, 2, 0), (1, 4, 4, 0), (2, 4, 2, 0), (2, 4, 4, 3 * 24),
-                                                           (2, 6, 3, 24), (3, 2, 2, 5 * 36), (1, 4, 1, 0)])
+@pytest.mark.parametrize(
+    "ranks, per_rank, workers, start",
+    [(1, 4, 2, 0), (1, 4, 4, 0), (2, 4, 2, 0), (2, 4, 4, 3 * 24), (2, 6, 3, 24), (3, 2, 2, 5 * 36), (1, 4, 1, 0)],
+)
 def test_workers_make_whole_batches_from_readers_of_their_own(ranks, per_rank, workers, start):
     """A fresh run's layout, Λ = (V/N)·G: with W dividing the rank's readers, worker w's readers hold all of the
     rank's rows of every batch k ≡ w (mod W) from any start, and no other worker's batches — checked against the
@@ -62,7 +67,7 @@ def test_workers_make_whole_batches_from_readers_of_their_own(ranks, per_rank, w
         assert groups is not None and sorted(sum(groups, [])) == order.rank_readers(start, batch, rank, ranks)
         for k in range(2 * per_rank):
             low = start + k * batch + rank * rows
-            assert {reader for reader, _ in stream[low:low + rows]} <= set(groups[k % workers]), (rank, k)
+            assert {reader for reader, _ in stream[low : low + rows]} <= set(groups[k % workers]), (rank, k)
 
 
 @pytest.mark.parametrize("readers, cycle, batch, workers", [(4, 64, 64, 2), (4, 256, 64, 3), (6, 192, 64, 2)])

@@ -1,4 +1,5 @@
 """`clipdist plan`: memory predicted from small measurements matches a real step's, within 20%."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,13 @@ def test_a_distillation_teacher_adds_its_weights_features_and_ring_buffers_to_th
     taught = plan.breakdown(measured, "tiled", 4, 32, 32)
     expected = 4 * 5 * 10**6 + 2 * 32 * 128 * 4 + 7 * 32 * (64 + 128) * 4
     assert taught["teacher"] == expected and taught["peak"] - alone["peak"] == expected
-    assert plan.largest_local_batch(measured, "tiled", 4, 1, 10**8)[0] < plan.largest_local_batch(
-        plan.Measurements(ActivationFit(1000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], []), "tiled", 4, 1,
-        10**8)[0]
+    assert (
+        plan.largest_local_batch(measured, "tiled", 4, 1, 10**8)[0]
+        < plan.largest_local_batch(
+            plan.Measurements(ActivationFit(1000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], []),
+            "tiled",
+            4,
+            1,
+            10**8,
+        )[0]
+    )

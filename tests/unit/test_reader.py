@@ -1,6 +1,7 @@
 """A reader's passes: in epoch mode every pass gives each of its samples exactly once, whatever the shuffle
 buffer (open_clip_train's epochs are permutations too), and a reader stopped anywhere — inside a pass, or while
 the buffer empties at its end — reads on as one never stopped."""
+
 from __future__ import annotations
 
 import itertools
@@ -28,8 +29,9 @@ def keys(samples, count):
 @pytest.mark.parametrize("readers", [1, 2])
 def test_every_pass_is_a_permutation_of_its_samples(tmp_path, buffer, initial, readers):
     """28 samples in 4 shards, dealt each pass over 1 or 2 readers: pass p of the readers together is the 28."""
-    streams = [iter(reader(tmp_path, buffer, index=index, readers=readers, initial=initial))
-               for index in range(readers)]
+    streams = [
+        iter(reader(tmp_path, buffer, index=index, readers=readers, initial=initial)) for index in range(readers)
+    ]
     passes = [[key for samples in streams for key in keys(samples, 28 // readers)] for _ in range(4)]
     for seen in passes:
         assert sorted(seen) == sorted(passes[0]) and len(set(seen)) == 28, (buffer, sorted(seen))
@@ -75,4 +77,4 @@ def test_the_streams_epochs_are_permutations_with_a_buffer_larger_than_a_pass(tm
     finally:
         stream.close()
     for epoch in range(3):
-        assert sorted(values[40 * epoch:40 * (epoch + 1)]) == list(range(40)), epoch
+        assert sorted(values[40 * epoch : 40 * (epoch + 1)]) == list(range(40)), epoch

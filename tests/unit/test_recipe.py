@@ -1,4 +1,5 @@
 """The recipe said back: one-line warnings for settings that run but do not do what they seem to."""
+
 from __future__ import annotations
 
 from clipdist.config import to_train_config

@@ -1,5 +1,6 @@
 """open_clip_train's recipes in clipdist — schedules, locked towers, optimizers, augmentation, model overrides,
 fp16 with a gradient scaler — each compared with open_clip's own code from the installed wheel."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ from clipdist.config import DataConfig, ModelConfig, OptimConfig, model_config, 
 from clipdist.data.batch import Batch
 from clipdist.data.transforms import augmentation_cfg, image_transforms
 from clipdist.model.factory import built_model_config, create_model, lock_towers, model_overrides
-from clipdist.train.optim import build_optimizer, check_optim, layer_scales
 from clipdist.model.precision import gradient_scaler
+from clipdist.train.optim import build_optimizer, check_optim, layer_scales
 from clipdist.train.step import build_step
 
 
@@ -29,15 +30,25 @@ def _model_cfg(**values) -> ModelConfig:
     return model_config(values)
 
 
-@pytest.mark.parametrize("schedule, extra, open_clip_schedule", [
-    ("cosine", {}, lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.cosine_lr(o, lr, w, s)),
-    ("const", {}, lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr(o, lr, w, s)),
-    ("const_cooldown", {"cooldown_steps": 30},
-     lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr_cooldown(o, lr, w, s, 30)),
-    ("const_cooldown", {"cooldown_steps": 25, "cooldown_power": 2.0, "cooldown_end_lr": 1e-5},
-     lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr_cooldown(
-         o, lr, w, s, 25, cooldown_power=2.0, cooldown_end_lr=1e-5)),
-])
+@pytest.mark.parametrize(
+    "schedule, extra, open_clip_schedule",
+    [
+        ("cosine", {}, lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.cosine_lr(o, lr, w, s)),
+        ("const", {}, lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr(o, lr, w, s)),
+        (
+            "const_cooldown",
+            {"cooldown_steps": 30},
+            lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr_cooldown(o, lr, w, s, 30),
+        ),
+        (
+            "const_cooldown",
+            {"cooldown_steps": 25, "cooldown_power": 2.0, "cooldown_end_lr": 1e-5},
+            lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr_cooldown(
+                o, lr, w, s, 25, cooldown_power=2.0, cooldown_end_lr=1e-5
+            ),
+        ),
+    ],
+)
 def test_lr_at_every_step_equals_open_clip_trains_scheduler(schedule, extra, open_clip_schedule):
     optim = _optim(schedule=schedule, lr=5e-4, warmup_steps=10, max_steps=100, **extra)
     model = torch.nn.Linear(3, 2)
@@ -56,11 +67,16 @@ def _trainable(model) -> set[str]:
 
 
 @pytest.mark.parametrize("model_name", ["clipdist-tiny", "clipdist-timm-tiny"])
-@pytest.mark.parametrize("lock", [
-    {"lock_image": True}, {"lock_image": True, "lock_image_unlocked_groups": 2},
-    {"lock_text": True}, {"lock_text": True, "lock_text_unlocked_layers": 1},
-    {"lock_image": True, "lock_image_unlocked_groups": 1, "lock_text": True, "lock_text_unlocked_layers": 2},
-])
+@pytest.mark.parametrize(
+    "lock",
+    [
+        {"lock_image": True},
+        {"lock_image": True, "lock_image_unlocked_groups": 2},
+        {"lock_text": True},
+        {"lock_text": True, "lock_text_unlocked_layers": 1},
+        {"lock_image": True, "lock_image_unlocked_groups": 1, "lock_text": True, "lock_text_unlocked_layers": 2},
+    ],
+)
 def test_locked_towers_train_what_open_clips_lock_functions_leave_trainable(model_name, lock):
     model_cfg = _model_cfg(name=model_name, **lock)
     ours = create_model(model_name)
@@ -108,13 +124,16 @@ def test_optimizer_names_go_to_timms_factory_with_the_options_they_take():
     assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.98)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"name": "adamq"}, "optim.name=adamq: no such optimizer; adamw (torch's) or one of timm's: "),
-    ({"name": "lion", "kwargs": {"bogus": 1}}, "optim.name=lion with {'bogus': 1}:"),
-    ({"schedule": "const_cooldown"}, "optim.schedule=const_cooldown needs optim.cooldown_steps"),
-    ({"schedule": "cosine", "cooldown_steps": 5}, "optim.cooldown_steps=5 is for optim.schedule=const_cooldown"),
-    ({"image_layer_decay": 1.5}, "optim.image_layer_decay=1.5: must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"name": "adamq"}, "optim.name=adamq: no such optimizer; adamw (torch's) or one of timm's: "),
+        ({"name": "lion", "kwargs": {"bogus": 1}}, "optim.name=lion with {'bogus': 1}:"),
+        ({"schedule": "const_cooldown"}, "optim.schedule=const_cooldown needs optim.cooldown_steps"),
+        ({"schedule": "cosine", "cooldown_steps": 5}, "optim.cooldown_steps=5 is for optim.schedule=const_cooldown"),
+        ({"image_layer_decay": 1.5}, "optim.image_layer_decay=1.5: must be in (0, 1]"),
+    ],
+)
 def test_optimizer_settings_that_cannot_run_are_refused_before_any_rank(values, message):
     with pytest.raises(ValueError) as raised:
         check_optim(_optim(**values))
@@ -164,16 +183,28 @@ def _data(**augmentation) -> DataConfig:
 
 
 @pytest.mark.parametrize("interpolation", [None, "bilinear"])
-@pytest.mark.parametrize("augmentation", [
-    {}, {"scale": [0.4, 1.0]}, {"use_timm": True, "scale": [0.4, 1.0], "ratio": [0.5, 2.0]},
-    {"color_jitter": [0.4, 0.4, 0.4, 0.1], "color_jitter_prob": 0.8, "gray_scale_prob": 0.2},
-    {"use_timm": True, "scale": [0.5, 1.0], "color_jitter": [0.4], "re_prob": 0.5, "re_count": 2},
-])
+@pytest.mark.parametrize(
+    "augmentation",
+    [
+        {},
+        {"scale": [0.4, 1.0]},
+        {"use_timm": True, "scale": [0.4, 1.0], "ratio": [0.5, 2.0]},
+        {"color_jitter": [0.4, 0.4, 0.4, 0.1], "color_jitter_prob": 0.8, "gray_scale_prob": 0.2},
+        {"use_timm": True, "scale": [0.5, 1.0], "color_jitter": [0.4], "re_prob": 0.5, "re_count": 2},
+    ],
+)
 def test_train_transform_equals_open_clips_for_the_same_aug_config_and_seed(augmentation, interpolation):
-    theirs_aug = {key: tuple(value) if isinstance(value, list) and len(value) > 1 else
-                  value[0] if isinstance(value, list) else value for key, value in augmentation.items()}
-    _, theirs, _ = open_clip.create_model_and_transforms("clipdist-tiny", aug_cfg=theirs_aug,
-                                                         image_interpolation=interpolation)
+    theirs_aug = {
+        key: tuple(value)
+        if isinstance(value, list) and len(value) > 1
+        else value[0]
+        if isinstance(value, list)
+        else value
+        for key, value in augmentation.items()
+    }
+    _, theirs, _ = open_clip.create_model_and_transforms(
+        "clipdist-tiny", aug_cfg=theirs_aug, image_interpolation=interpolation
+    )
     model = create_model("clipdist-tiny", overrides=model_overrides(_model_cfg(image_interpolation=interpolation)))
     ours, _ = image_transforms(model, _data(**augmentation))
     pixels = torch.Generator().manual_seed(1)
@@ -187,20 +218,30 @@ def test_train_transform_equals_open_clips_for_the_same_aug_config_and_seed(augm
         assert torch.equal(*outputs), seed
 
 
-@pytest.mark.parametrize("augmentation, message", [
-    ({"color_jitter": [0.4, 0.4, 0.4]}, "data.augmentation.color_jitter: open_clip's own pipeline does not use it"),
-    ({"ratio": [0.5, 2.0]}, "data.augmentation.ratio: open_clip's own pipeline does not use it"),
-    ({"color_jitter": [0.4], "color_jitter_prob": 0.5}, "color_jitter_prob needs color_jitter as four values"),
-])
+@pytest.mark.parametrize(
+    "augmentation, message",
+    [
+        ({"color_jitter": [0.4, 0.4, 0.4]}, "data.augmentation.color_jitter: open_clip's own pipeline does not use it"),
+        ({"ratio": [0.5, 2.0]}, "data.augmentation.ratio: open_clip's own pipeline does not use it"),
+        ({"color_jitter": [0.4], "color_jitter_prob": 0.5}, "color_jitter_prob needs color_jitter as four values"),
+    ],
+)
 def test_an_augmentation_open_clip_would_ignore_or_crash_on_is_refused(augmentation, message):
     with pytest.raises(ValueError, match=message):
         augmentation_cfg(_data(**augmentation))
 
 
-@pytest.mark.parametrize("overrides", [
-    {"force_image_size": 48}, {"force_context_length": 32}, {"force_patch_dropout": 0.5}, {"force_patch_dropout": 0.0},
-    {"force_quick_gelu": True}, {"force_custom_text": True},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"force_image_size": 48},
+        {"force_context_length": 32},
+        {"force_patch_dropout": 0.5},
+        {"force_patch_dropout": 0.0},
+        {"force_quick_gelu": True},
+        {"force_custom_text": True},
+    ],
+)
 def test_model_overrides_build_what_open_clip_builds(tmp_path, overrides):
     torch.manual_seed(0)
     ours = create_model("clipdist-tiny", overrides=model_overrides(_model_cfg(**overrides)))
@@ -215,10 +256,15 @@ def test_model_overrides_build_what_open_clip_builds(tmp_path, overrides):
     assert type(rebuilt) is type(theirs) and repr(rebuilt) == repr(theirs)
 
 
-@pytest.mark.parametrize("overrides", [
-    {"force_image_size": 48}, {"force_context_length": 12}, {"force_custom_text": True},
-    {"force_image_size": 16, "force_context_length": 20, "force_custom_text": True},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"force_image_size": 48},
+        {"force_context_length": 12},
+        {"force_custom_text": True},
+        {"force_image_size": 16, "force_context_length": 20, "force_custom_text": True},
+    ],
+)
 def test_starting_weights_load_into_forced_sizes_as_open_clip_loads_them(tmp_path, overrides):
     """A file's weights into a model with another image grid, context length or text tower layout: position
     embeddings resized and keys moved by open_clip's own functions, as its load_checkpoint does (refused before)."""
@@ -237,8 +283,11 @@ def test_starting_weights_load_into_forced_sizes_as_open_clip_loads_them(tmp_pat
 def test_a_model_config_file_carrying_preprocess_cfg_builds_with_that_preprocessing(tmp_path, layout):
     config = dict(open_clip.get_model_config("clipdist-tiny"))
     preprocess = {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "interpolation": "bilinear"}
-    content = {**config, "preprocess_cfg": preprocess} if layout == "model_cfg" else \
-        {"model_cfg": config, "preprocess_cfg": preprocess}
+    content = (
+        {**config, "preprocess_cfg": preprocess}
+        if layout == "model_cfg"
+        else {"model_cfg": config, "preprocess_cfg": preprocess}
+    )
     path = tmp_path / f"my-tiny-{layout}.json"
     path.write_text(json.dumps(content))
     model = create_model(str(path))
@@ -257,8 +306,9 @@ def _tiny_step(precision: str, chunks: int = 1):
     optimizer, scheduler = build_optimizer(model, _optim(warmup_steps=1, lr=2e-4))
     device = torch.device("cpu")
     scaler = gradient_scaler(precision, device)
-    step = build_step(model, build("disco"), optimizer, scheduler, chunks=chunks, scaler=scaler,
-                      autocast=autocast(precision, device))
+    step = build_step(
+        model, build("disco"), optimizer, scheduler, chunks=chunks, scaler=scaler, autocast=autocast(precision, device)
+    )
     return model, step, scaler, scheduler
 
 
@@ -293,18 +343,25 @@ def test_fp16_steps_follow_fp32_steps():
     assert losses["fp16"] != losses["fp32"]  # it did compute in fp16
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.pretrained_image=true"], "model.pretrained_image=true starts a timm image tower"),
-    (["loss.caption_weight=1.0"], "loss.caption_weight=1.0, but model.name=clipdist-tiny has no text decoder"),
-    (["model.name=RN50", "world.sync_batchnorm=true", "world.device=cpu"], "SyncBatchNorm runs on CUDA ranks only"),
-    (["model.lock_text=true", "model.lock_text_freeze_layer_norm=false"], "model.lock_text_freeze_layer_norm=false"),
-    (["model.force_patch_dropout=1.5"], "model.force_patch_dropout=1.5: must be in [0, 1)"),
-    (["optim.name=adamq"], "optim.name=adamq: no such optimizer"),
-    (["optim.schedule=const_cooldown"], "optim.schedule=const_cooldown needs optim.cooldown_steps"),
-    (["data.augmentation.re_prob=0.5"], "data.augmentation.re_prob: open_clip's own pipeline does not use it"),
-])
-def test_recipe_settings_that_cannot_run_are_one_line_before_any_rank(tmp_path, capsys, monkeypatch, overrides,
-                                                                       message):
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.pretrained_image=true"], "model.pretrained_image=true starts a timm image tower"),
+        (["loss.caption_weight=1.0"], "loss.caption_weight=1.0, but model.name=clipdist-tiny has no text decoder"),
+        (["model.name=RN50", "world.sync_batchnorm=true", "world.device=cpu"], "SyncBatchNorm runs on CUDA ranks only"),
+        (
+            ["model.lock_text=true", "model.lock_text_freeze_layer_norm=false"],
+            "model.lock_text_freeze_layer_norm=false",
+        ),
+        (["model.force_patch_dropout=1.5"], "model.force_patch_dropout=1.5: must be in [0, 1)"),
+        (["optim.name=adamq"], "optim.name=adamq: no such optimizer"),
+        (["optim.schedule=const_cooldown"], "optim.schedule=const_cooldown needs optim.cooldown_steps"),
+        (["data.augmentation.re_prob=0.5"], "data.augmentation.re_prob: open_clip's own pipeline does not use it"),
+    ],
+)
+def test_recipe_settings_that_cannot_run_are_one_line_before_any_rank(
+    tmp_path, capsys, monkeypatch, overrides, message
+):
     from tests.helpers import refusal
 
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", *overrides)
@@ -322,9 +379,12 @@ def test_a_resume_that_changes_the_structure_is_refused_and_one_that_changes_num
     for change in ({"model": {"lock_image": True}}, {"optim": {"name": "lion"}}, {"model": {"force_image_size": 64}}):
         with pytest.raises(ConfigError, match="was trained with"):
             _compare(saved, as_dict(to_train_config({"name": "x", **change})), 1, tmp_path / "step_00000010.dcp")
-    (warning,) = _compare(saved, as_dict(to_train_config({"name": "x", "precision": "fp16",
-                                                          "model": {"force_patch_dropout": 0.0}})), 1,
-                          tmp_path / "step_00000010.dcp")
+    (warning,) = _compare(
+        saved,
+        as_dict(to_train_config({"name": "x", "precision": "fp16", "model": {"force_patch_dropout": 0.0}})),
+        1,
+        tmp_path / "step_00000010.dcp",
+    )
     assert "precision auto -> fp16" in warning and "model.force_patch_dropout None -> 0.0" in warning
     old = {**saved, "config": {k: v for k, v in as_dict(saved_cfg).items() if k != "optim"}}  # before these keys
     assert _compare(old, as_dict(saved_cfg), 1, tmp_path / "step_00000010.dcp") == []

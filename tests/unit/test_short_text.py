@@ -1,5 +1,6 @@
 """Captions cut to their batch's longest change no feature and no gradient where clipdist cuts them, and are left
 padded (with the reason said) where padding would matter."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,12 @@ from clipdist.model.factory import create_model, get_tokenizer
 from clipdist.model.short_text import allow_short_text, trim, trims_exactly
 from clipdist.train.step import build_step
 
-CAPTIONS = ["a photo of the digit seven.", "4", "a handwritten zero, slightly slanted to the left, on white",
-            "café's — nine"]
+CAPTIONS = [
+    "a photo of the digit seven.",
+    "4",
+    "a handwritten zero, slightly slanted to the left, on white",
+    "café's — nine",
+]
 
 
 def _tiny(seed: int = 0) -> torch.nn.Module:
@@ -25,8 +30,8 @@ def _tiny(seed: int = 0) -> torch.nn.Module:
 def test_cut_captions_give_the_padded_captions_features_and_gradients():
     tokens = get_tokenizer("clipdist-tiny")(CAPTIONS)
     short = trim(tokens)
-    assert short.shape[1] < tokens.shape[1] and torch.equal(short, tokens[:, :short.shape[1]])
-    assert (tokens[:, short.shape[1]:] == 0).all()
+    assert short.shape[1] < tokens.shape[1] and torch.equal(short, tokens[:, : short.shape[1]])
+    assert (tokens[:, short.shape[1] :] == 0).all()
     model = _tiny()
     padded = model.encode_text(tokens)
     assert allow_short_text(model) and type(model).__name__ == "ShortTextCLIP"

@@ -1,5 +1,6 @@
 """The training loop in the fast loop: train.py's own entry point in this process (no rank, no loader worker
 started) trains the embedded default for three steps, checkpoints, and a second start continues from it."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,13 @@ from clipdist.checkpoint.weights import read_progress
 
 def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    common = ["world.batch_per_device=16", "checkpoint_every=3", "eval_every=3", "optim.warmup_steps=2",
-              "logging.report=true"]
+    common = [
+        "world.batch_per_device=16",
+        "checkpoint_every=3",
+        "eval_every=3",
+        "optim.warmup_steps=2",
+        "logging.report=true",
+    ]
     first = train(run_dir, cache_dir, "optim.max_steps=3", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     rows = read_jsonl(run_dir / "train_log.jsonl")
@@ -25,11 +31,13 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [3]
     checkpoint = run_dir / "checkpoints" / "step_00000003.dcp"
     assert checkpoint.is_dir()
-    banner = ["model clipdist-tiny: 3.4M parameters, 3.4M trained",  # the recipe said back (clipdist/train/recipe.py)
-              "optimizer adamw (lr 0.002, weight decay 0.1, betas [0.9, 0.98], eps 1e-06, grad clip 1); cosine "
-              "schedule, warmup 2 of 3 steps; precision fp32",
-              "loss disco: contrastive_loss × 1; global batch 16 (1 rank(s) × 16); ddp",
-              "data: 4 train shard(s) in 1 source(s); evaluation: val; captions padded to the batch's longest"]
+    banner = [
+        "model clipdist-tiny: 3.4M parameters, 3.4M trained",  # the recipe said back (clipdist/train/recipe.py)
+        "optimizer adamw (lr 0.002, weight decay 0.1, betas [0.9, 0.98], eps 1e-06, grad clip 1); cosine "
+        "schedule, warmup 2 of 3 steps; precision fp32",
+        "loss disco: contrastive_loss × 1; global batch 16 (1 rank(s) × 16); ddp",
+        "data: 4 train shard(s) in 1 source(s); evaluation: val; captions padded to the batch's longest",
+    ]
     lines = first.stdout.splitlines()
     assert all(line in lines for line in banner), first.stdout
     assert all(line in (run_dir / "train.log").read_text() for line in banner)

@@ -2,6 +2,7 @@
 refused in one line, before any rank starts, by every route a user hands them over — and the marker never
 appears. Real clipdist checkpoints with one extra object in one part each (DCP progress, DCP metadata, a DCP
 item, a .pt checkpoint), weights files, a protocol-0 INST pickle."""
+
 from __future__ import annotations
 
 import shutil
@@ -34,33 +35,42 @@ def refused_in_one_line(lines: list[str], path) -> None:
 @pytest.mark.parametrize("name", WEIGHTS)
 def test_model_checkpoint_that_would_run_code_is_refused(untrusted, tmp_path, cache_dir, capsys, monkeypatch, name):
     made, marker = untrusted
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"model.checkpoint={made[name]}")
+    code, lines = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'run'}",
+        f"data.cache_dir={cache_dir}",
+        f"model.checkpoint={made[name]}",
+    )
     assert code == 2 and not marker.exists()
     refused_in_one_line(lines, made[name].parent if name.startswith("dcp") else made[name])
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_resume_from_a_checkpoint_that_would_run_code_is_refused(untrusted, tmp_path, cache_dir, capsys, monkeypatch,
-                                                                name):
+def test_resume_from_a_checkpoint_that_would_run_code_is_refused(
+    untrusted, tmp_path, cache_dir, capsys, monkeypatch, name
+):
     made, marker = untrusted
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}",
-                          f"resume={made[name]}")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"resume={made[name]}"
+    )
     assert code == 2 and not marker.exists()
     refused_in_one_line(lines, made[name])
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_a_checkpoint_dropped_into_a_run_is_refused_not_resumed(untrusted, trained_run, tmp_path, cache_dir, capsys,
-                                                               monkeypatch, name):
+def test_a_checkpoint_dropped_into_a_run_is_refused_not_resumed(
+    untrusted, trained_run, tmp_path, cache_dir, capsys, monkeypatch, name
+):
     """The silent route: a real run (resume=auto) whose newest checkpoint someone replaced."""
     made, marker = untrusted
     run_dir = tmp_path / "run"
     shutil.copytree(trained_run, run_dir)
     shutil.move(made[name], run_dir / "checkpoints" / made[name].name)
-    code, lines = refusal(capsys, monkeypatch, f"run_dir={run_dir}", f"data.cache_dir={cache_dir}",
-                          "optim.max_steps=200")
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={run_dir}", f"data.cache_dir={cache_dir}", "optim.max_steps=200"
+    )
     assert code == 2 and not marker.exists()
     refused_in_one_line(lines, run_dir / "checkpoints" / made[name].name)
     shutil.move(run_dir / "checkpoints" / made[name].name, made[name])
@@ -98,8 +108,10 @@ def test_a_trusted_file_is_converted_once_and_then_read_safely(untrusted, traine
 def test_trust_refuses_what_no_checkpoint_holds(tmp_path, capsys):
     torch.save({"state_dict": {"w": torch.ones(2)}, "hook": print}, tmp_path / "odd.pt")
     assert cli(["trust", str(tmp_path / "odd.pt")]) == 2
-    assert "['hook'] is a builtins.builtin_function_or_method, which no checkpoint or weights file holds" in \
-        capsys.readouterr().err
+    assert (
+        "['hook'] is a builtins.builtin_function_or_method, which no checkpoint or weights file holds"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "odd.trusted.pt").exists()
 
 
