@@ -1,5 +1,6 @@
-"""The house's layering (shared/DESIGN.md): each module imports only its own layer and the layers below, and no
-modules import each other in a loop — function-level imports included, since those are where cycles hide."""
+"""The house's layering (clipdist.LAYERS, docs/architecture.md): each module imports only its own layer and the
+layers below, and no modules import each other in a loop — function-level imports included, since those are where
+cycles hide."""
 
 from __future__ import annotations
 
