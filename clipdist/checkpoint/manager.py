@@ -322,11 +322,13 @@ class Checkpointer:
             return None
 
     def restore(self, state: TrainState) -> Path | None:
-        """Load what `resume` names into `state` (auto: the newest readable checkpoint); its path, or None."""
+        """Load what `resume` names into `state` (auto: the newest checkpoint); its path, or None (a new run). A
+        published checkpoint that cannot be read is refused (unreadable()), never passed over for an older one or
+        a fresh start: only never-published `.partial` folders are, and `checkpoints()` does not list them."""
         if self.resume == "never":
             return None
         candidates = self.files.checkpoints() if self.resume == "auto" else [Path(self.resume)]
-        for path in candidates:
+        for path in candidates[:1]:
             try:
                 progress = weights.verify(path)  # every pickled part, and every file its items lie in
             except weights.UnsafeFileError:
@@ -334,12 +336,9 @@ class Checkpointer:
             except (Exception, CheckpointException) as error:  # damaged (DCP's failure is a BaseException)
                 if self.resume != "auto":
                     raise
-                log.warning("checkpoint %s is unreadable (%s); trying an older one", path, _one_line(error))
-                continue
+                raise CheckpointError(unreadable(path, candidates[1:], error)) from None
             state.load_progress(progress)  # first: the stream's layout says which readers this rank needs
-            if (
-                path.is_dir()
-            ):  # every rank reads its part of each tensor, whatever world size and parallelism wrote them
+            if path.is_dir():  # every rank reads its part of each tensor, whatever world size and parallelism wrote
                 shards = state.sharded_state_dict_to_load(weights.dcp_sizes(path))
                 weights.load_dcp(shards, path)
                 state.load_sharded_state_dict(shards)
@@ -375,7 +374,8 @@ class Checkpointer:
             raise ConfigError(
                 f"resume={cfg.resume!r}: no such checkpoint file or .dcp folder (use auto, never, or a path)"
             )
-        for path in CheckpointFiles(cfg.run_dir).checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]:
+        candidates = CheckpointFiles(cfg.run_dir).checkpoints() if cfg.resume == "auto" else [Path(cfg.resume)]
+        for path in candidates[:1]:
             try:
                 return path, weights.verify(path)
             except weights.UnsafeFileError as error:
@@ -384,9 +384,9 @@ class Checkpointer:
                 if cfg.resume != "auto":
                     raise ConfigError(
                         f"resume={cfg.resume}: cannot be read ({_one_line(error)}); name another "
-                        "checkpoint, or resume=auto for the newest readable one"
+                        "checkpoint, or resume=auto for the newest one"
                     ) from None
-                continue  # restore falls back to an older one and says so
+                raise ConfigError(unreadable(path, candidates[1:], error)) from None
         return None
 
     @staticmethod
@@ -480,3 +480,13 @@ def _compare(saved: dict, config: dict, world_size: int, path: Path) -> list[str
             f"({world_size} rank(s) × {config['world']['batch_per_device']}), it was {old_batch}"
         )
     return lines
+
+
+def unreadable(path: Path, older: list[Path], error: BaseException) -> str:
+    """resume=auto's one line for a published checkpoint it cannot read: nothing is overwritten, and the two ways
+    on — an older checkpoint by name, or a new run — are named (a silent fresh start would lose the run)."""
+    way = f"resume={older[0]} to go on from the newest older one, or " if older else ""
+    return (
+        f"resume=auto: the run's newest checkpoint {path} cannot be read ({_one_line(error)}); nothing was "
+        f"overwritten. Use {way}name=<new name> (with resume=never) to start a new run"
+    )

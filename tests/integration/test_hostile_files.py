@@ -134,7 +134,7 @@ def test_a_hostile_checkpoint_is_refused_on_every_route(
 
 
 @pytest.mark.parametrize("name", DAMAGED)
-def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(
+def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_refuses_it(
     corpus, trained_run, tmp_path, cache_dir, capsys, monkeypatch, name
 ):
     _, checkpoints, _, evalset = corpus
@@ -151,10 +151,12 @@ def test_a_damaged_checkpoint_is_said_in_one_line_and_resume_auto_falls_back(
     run = tmp_path / "run-with-damage"
     shutil.copytree(trained_run, run)
     place(checkpoint, run / "checkpoints" / "step_00000040.dcp")
+    logged = (run / "train_log.jsonl").read_bytes()
     result = train(run, cache_dir, "optim.max_steps=32", "eval_every=1000", "checkpoint_every=1000")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "step_00000040.dcp is unreadable" in result.stderr and "trying an older one" in result.stderr
-    assert [row["step"] for row in read_jsonl(run / "train_log.jsonl")][-3:] == [30, 31, 32]
+    assert result.returncode != 0, result.stderr[-3000:]  # refused: never a quiet fall back or a fresh start
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "step_00000040.dcp cannot be read" in errors[-1] and "resume=" in errors[-1], errors[-3:]
+    assert (run / "train_log.jsonl").read_bytes() == logged  # nothing overwritten
 
 
 def test_escapes_in_a_refused_name_reach_no_console_or_log_raw(corpus, tmp_path, cache_dir, capsys, monkeypatch):

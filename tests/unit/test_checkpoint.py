@@ -3,10 +3,11 @@ checkpoints of the .pt days still resume."""
 
 from __future__ import annotations
 
-import logging
 import random
+import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
@@ -14,6 +15,7 @@ from clipdist.checkpoint.state import TrainState
 from clipdist.checkpoint.weights import read_progress
 from clipdist.config import TrainConfig
 from clipdist.distributed.launch import detect_env
+from clipdist.errors import CheckpointError, ConfigError
 
 
 class LiveStream:
@@ -72,15 +74,26 @@ def test_newest_complete_checkpoint_wins_and_partial_writes_are_ignored(tmp_path
     )
 
 
-def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+def test_an_unreadable_newest_checkpoint_is_refused_naming_the_ways_on_never_skipped(tmp_path):
+    """resume=auto with a damaged published checkpoint: a one-line refusal naming it, the older one by name and a new
+    run — not a quiet fall back (nor, with no older one, a fresh start that would lose the run)."""
     files = CheckpointFiles(tmp_path, keep=3)
-    save(files, tiny_state(1.0), 10)
+    older = save(files, tiny_state(1.0), 10)
     newest = save(files, tiny_state(2.0), 20)
     (newest / "progress.pt").write_bytes(b"not a checkpoint")
-    with caplog.at_level(logging.WARNING):
-        state, path = restore(tmp_path)
-    assert path.name == "step_00000010.dcp" and state.step == 10
-    assert "step_00000020.dcp is unreadable" in caplog.text
+    before = sorted(p.name for p in files.directory.iterdir())
+    with pytest.raises(CheckpointError) as raised:
+        restore(tmp_path)
+    message = str(raised.value)
+    assert "step_00000020.dcp cannot be read" in message and f"resume={older}" in message and "\n" not in message
+    cfg = TrainConfig(name="x", run_dir=str(tmp_path), resume="auto")
+    with pytest.raises(ConfigError, match="step_00000020.dcp cannot be read.*resume=.*step_00000010.dcp"):
+        Checkpointer.resume_point(cfg)  # before any rank starts
+    shutil.rmtree(older)
+    with pytest.raises(ConfigError, match="name=<new name>") as raised:
+        Checkpointer.resume_point(cfg)
+    assert "go on from" not in str(raised.value)
+    assert sorted(p.name for p in files.directory.iterdir()) == [n for n in before if n != older.name]
 
 
 def test_no_checkpoint_is_none(tmp_path):
