@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from clipdist.compat import floor_problem
+from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 from clipdist.distributed import host
 from clipdist.errors import printable
 
@@ -713,12 +714,14 @@ def _add_make_shards(commands) -> None:
     source.add_argument(
         "--images", help="folder of images; caption from a same-name .txt, else the parent folder's name"
     )
-    source.add_argument("--csv", help="CSV with image paths (relative to the CSV) and captions")
-    shards.add_argument(
-        "--separator", default=",", help="--csv's column separator: , (default) or \\t / tab for open_clip's TSV"
+    source.add_argument(
+        "--csv", help="a table of image paths (relative to it) and captions; by default open_clip's TSV layout"
     )
-    shards.add_argument("--path-column", default="path")
-    shards.add_argument("--caption-column", default="caption")
+    shards.add_argument(
+        "--separator", default=TABLE_SEPARATOR, help="--csv's column separator: \\t / tab (default, open_clip's) or ,"
+    )
+    shards.add_argument("--path-column", default=TABLE_IMAGE_KEY, help="default: filepath (open_clip's)")
+    shards.add_argument("--caption-column", default=TABLE_CAPTION_KEY, help="default: title (open_clip's)")
     shards.add_argument("--out", required=True, help="output folder")
     shards.add_argument("--prefix", default="shard")
     shards.add_argument("--samples-per-shard", type=int, default=1000)

@@ -18,7 +18,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL, DEFAULT_TILE
+from clipdist.defaults import (
+    COLLECTIVE_TIMEOUT_S,
+    DEFAULT_MODEL,
+    DEFAULT_TILE,
+    TABLE_CAPTION_KEY,
+    TABLE_IMAGE_KEY,
+    TABLE_SEPARATOR,
+)
 from clipdist.errors import ConfigError, printable
 
 
@@ -83,6 +90,14 @@ class Precision(Choice):
     fp16 = "fp16"  # fp16 autocast, fp32 weights, gradients scaled (GradScaler; open_clip's amp)
     pure_bf16 = "pure_bf16"  # weights, activations and gradients in bf16 (open_clip's pure_bf16)
     pure_fp16 = "pure_fp16"  # weights, activations and gradients in fp16, no scaler (open_clip's pure_fp16)
+    amp = "amp"  # open_clip's spelling of fp16 (read as fp16)
+    amp_bf16 = "amp_bf16"  # open_clip's spelling of bf16 (read as bf16)
+    amp_bfloat16 = "amp_bfloat16"  # open_clip's other spelling of bf16 (read as bf16)
+
+
+# open_clip_train's --precision names that mean one of ours; its bf16 / fp16 (weights in that dtype) are nearest our
+# pure_bf16 / pure_fp16, since our bf16 / fp16 are autocast (docs/migrating.md)
+PRECISION_ALIASES = {"amp": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16"}
 
 
 class Schedule(Choice):
@@ -235,9 +250,11 @@ class DataConfig:
     train_shards: str | None = None
     val_shards: str | None = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
     eval_sets: dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
-    csv_separator: str = "\t"  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
-    csv_image_key: str = "filepath"  # the column of image paths (relative to the table, or absolute)
-    csv_caption_key: str = "title"  # the column of captions
+    csv_separator: str = (
+        TABLE_SEPARATOR  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
+    )
+    csv_image_key: str = TABLE_IMAGE_KEY  # the column of image paths (relative to the table, or absolute)
+    csv_caption_key: str = TABLE_CAPTION_KEY  # the column of captions
     # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
     csv_rows_per_part: int = positive(1000)
     # Where a training sample's caption is: member extensions (txt) or JSON paths (json:caption, json:captions.0;
@@ -594,6 +611,8 @@ def to_train_config(cfg) -> TrainConfig:
             "(python train.py --cfg job lists every key)"
         )
     merged = OmegaConf.merge(schema, cfg)
+    if str(merged.precision) in PRECISION_ALIASES:
+        merged.precision = PRECISION_ALIASES[str(merged.precision)]
     try:
         OmegaConf.resolve(merged)
     except InterpolationResolutionError as error:  # ${oc.env:UNSET}, ${no.such.key}: one line, not a traceback

@@ -14,6 +14,7 @@ import webdataset as wds
 from PIL import Image
 
 from clipdist.data.tables import TableFormat
+from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
@@ -143,10 +144,13 @@ def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
 
 
 def pairs_from_csv(
-    table: str | Path, path_column: str = "path", caption_column: str = "caption", separator: str = ","
+    table: str | Path,
+    path_column: str = TABLE_IMAGE_KEY,
+    caption_column: str = TABLE_CAPTION_KEY,
+    separator: str = TABLE_SEPARATOR,
 ) -> Iterator[tuple[bytes, str, dict]]:
-    """Rows of a CSV (or TSV: `separator` \\t) with an image path column and a caption column (paths relative to
-    the table)."""
+    """Rows of a table with an image path column and a caption column (paths relative to the table); by default
+    open_clip's TSV (tab, `filepath`, `title`)."""
     table = Path(table)
     with open(table, newline="") as handle:
         reader = csv.DictReader(handle, delimiter=TableFormat(separator).delimiter)

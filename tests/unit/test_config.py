@@ -258,3 +258,11 @@ def test_the_loss_menu_offers_backends_only(tmp_path, capsys, monkeypatch):
     assert code == 1 and [line.strip() for line in offered] == ["disco", "gather_layer", "naive", "siglip", "tiled"], (
         lines
     )
+
+
+def test_open_clips_precision_names_are_read_as_ours():
+    """open_clip_train's --precision amp / amp_bf16 / amp_bfloat16 mean our fp16 / bf16 (autocast)."""
+    from clipdist.config import to_train_config
+
+    for given, meant in (("amp", "fp16"), ("amp_bf16", "bf16"), ("amp_bfloat16", "bf16"), ("pure_bf16", "pure_bf16")):
+        assert str(to_train_config({"name": "x", "precision": given}).precision) == meant

@@ -270,7 +270,7 @@ def test_fashion_mnist_without_the_package_is_a_clear_error(tmp_path):
 def test_make_shards_from_csv(tmp_path):
     for i in range(3):
         (tmp_path / f"{i}.png").write_bytes(png(i))
-    (tmp_path / "pairs.csv").write_text("path,caption\n0.png,zero\n1.png,one\n2.png,two\n")
+    (tmp_path / "pairs.csv").write_text("filepath\ttitle\n0.png\tzero\n1.png\tone\n2.png\ttwo\n")  # open_clip's
     assert (
         cli(
             [
@@ -460,14 +460,15 @@ def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files
     (tmp_path / "ok.png").write_bytes(png(1))
     (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     (tmp_path / "pairs.csv").write_text("path,caption\nok.png,fine\nbroken.jpg,broken\n")
-    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "a")]) == 0
+    comma = ["--separator", ",", "--path-column", "path", "--caption-column", "caption"]
+    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "a"), *comma]) == 0
     captured = capsys.readouterr()
     assert "broken.jpg: not a readable image" in captured.err and "1 unreadable image(s) left out" in captured.out
     with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tar:
         assert sorted(tar.getnames()) == ["000000000.json", "000000000.png", "000000000.txt"]
 
     (tmp_path / "pairs.csv").write_text("path,caption\nok.png,fine\nmissing.png,gone\n")
-    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "b")]) == 2
+    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.csv"), "--out", str(tmp_path / "b"), *comma]) == 2
     assert "line 3: image 'missing.png' not found" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b*"))  # nothing half-written
 
