@@ -250,9 +250,7 @@ class DataConfig:
     train_shards: str | None = None
     val_shards: str | None = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
     eval_sets: dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
-    csv_separator: str = (
-        TABLE_SEPARATOR  # CSV/TSV tables: the column separator (\t, ',' ...); open_clip's default, a tab
-    )
+    csv_separator: str = TABLE_SEPARATOR  # CSV/TSV tables: the column separator (\t, ','); default a tab
     csv_image_key: str = TABLE_IMAGE_KEY  # the column of image paths (relative to the table, or absolute)
     csv_caption_key: str = TABLE_CAPTION_KEY  # the column of captions
     # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
