@@ -15,6 +15,7 @@ pretrained=True)` loads it alone.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -110,7 +111,14 @@ def export(
         return str(checkpoint)
     if format != to_transformers.FORMAT:
         raise ValueError(f"unknown export format {format!r}; choose open_clip or transformers")
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("--format transformers needs Hugging Face transformers: pip install 'clipdist[transformers]'")
     target = targets.resolve(str(source), pretrained, model_name)
+    if target.kind == "name" and not target.pretrained and not target.spec.startswith(("hf-hub:", "local-dir:")):
+        raise ValueError(
+            f"{target.spec} names a model, not weights: it would export random weights. Add --pretrained TAG "
+            "(open_clip.list_pretrained_tags_by_model), or export a run, a checkpoint or an export folder"
+        )
     targets.check(target)
     model, name = targets.load(target, cache_dir)
     tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))

@@ -122,3 +122,25 @@ def test_a_checkpoint_that_cannot_be_used_is_one_line_and_leaves_no_run(
     )
     assert code == 2 and len(lines) == 1 and message.format(path=path) in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_transformers_export_of_a_bare_model_name_is_refused_not_random(tmp_path, capsys):
+    """`clipdist export ViT-B-32 --format transformers` without --pretrained would write random weights: one line."""
+    from clipdist.cli import main
+
+    assert main(["export", "clipdist-tiny", "--out", str(tmp_path / "x"), "--format", "transformers"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "would export random weights" in error and "--pretrained" in error and "\n" not in error
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_transformers_export_without_transformers_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from clipdist.cli import main
+
+    real = importlib.util.find_spec
+    absent = lambda name, *rest: None if name == "transformers" else real(name, *rest)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", absent)
+    assert main(["export", "clipdist-tiny", "--out", str(tmp_path / "x"), "--format", "transformers"]) == 2
+    assert "pip install 'clipdist[transformers]'" in capsys.readouterr().err
