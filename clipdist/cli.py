@@ -448,6 +448,28 @@ def _write_report(run_dir: str) -> None:
         logging.getLogger("clipdist").info("report: %s", picture)
 
 
+def unwritable_run_dir(arguments: list[str]) -> str | None:
+    """One line where the run directory the overrides name (runs/<name> under the working directory by default)
+    cannot be made or written — a read-only file system, no permission — else None. Checked on the nearest folder
+    that exists; a value with an interpolation is checked up to it."""
+    given = [a.split("=", 1)[1] for a in arguments if a.lstrip("+").startswith("run_dir=")]
+    value = given[-1].strip("'\"") if given else "runs/x"
+    literal = value.split("${", 1)[0]
+    folder = Path(literal if literal.endswith("/") or not literal else os.path.dirname(literal) or ".")
+    if given and "${" not in value:
+        folder = Path(value)
+    folder = folder.expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return None
+    what = "is not a folder" if not folder.is_dir() else "cannot be written (a read-only file system or no permission)"
+    return (
+        f"run_dir={value}: {folder} {what}; choose a run directory on a writable file system "
+        "(run_dir=/path/to/runs/<name>)"
+    )
+
+
 def train_main(overrides: list[str] | None = None) -> None:
     """`python train.py [overrides]`, `clipdist train [overrides]`: Hydra composes clipdist/conf and trains."""
     host.spin_briefly()  # before torch loads libgomp
@@ -461,6 +483,10 @@ def train_main(overrides: list[str] | None = None) -> None:
     register()
     if overrides is not None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
+    problem = unwritable_run_dir(sys.argv[1:])
+    if problem:  # before Hydra makes the directory (its traceback otherwise)
+        print(f"error: {printable(problem)}", file=sys.stderr)
+        sys.exit(2)
     hydra.main(version_base=None, config_path="conf", config_name="config")(_run_composed)()
 
 

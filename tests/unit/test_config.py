@@ -266,3 +266,18 @@ def test_open_clips_precision_names_are_read_as_ours():
 
     for given, meant in (("amp", "fp16"), ("amp_bf16", "bf16"), ("amp_bfloat16", "bf16"), ("pure_bf16", "pure_bf16")):
         assert str(to_train_config({"name": "x", "precision": given}).precision) == meant
+
+
+def test_an_unwritable_run_directory_is_one_line_before_hydra_makes_it(tmp_path, monkeypatch):
+    import os
+
+    from clipdist.cli import unwritable_run_dir
+
+    assert unwritable_run_dir([f"run_dir={tmp_path / 'a' / 'b'}"]) is None
+    (tmp_path / "file").write_text("")
+    assert "is not a folder" in unwritable_run_dir([f"run_dir={tmp_path / 'file' / 'run'}"])
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real(path, mode))
+    for given in (f"run_dir={tmp_path / 'run'}", f"run_dir={tmp_path}/${{name}}", f"+run_dir='{tmp_path}/x/y'"):
+        problem = unwritable_run_dir(["loss=disco", given])
+        assert problem and f"{tmp_path} cannot be written" in problem and "\n" not in problem, given
