@@ -483,7 +483,9 @@ def train_main(overrides: list[str] | None = None) -> None:
     register()
     if overrides is not None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
-    problem = unwritable_run_dir(sys.argv[1:])
+    from clipdist.config import unknown_override
+
+    problem = unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
     if problem:  # before Hydra makes the directory (its traceback otherwise)
         print(f"error: {printable(problem)}", file=sys.stderr)
         sys.exit(2)

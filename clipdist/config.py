@@ -644,3 +644,52 @@ def _resolves(cfg, key: str) -> bool:
     except InterpolationResolutionError:
         return False
     return True
+
+
+def schema_keys() -> tuple[set[str], set[str]]:
+    """(every dotted key of the schema, the keys of free-form fields whose own keys are the user's): `loss.*` holds
+    the options of every loss backend (its schema is chosen by loss.name)."""
+    import typing
+
+    keys, free = set(), set()
+
+    def walk(schema, prefix: str) -> None:
+        hints = typing.get_type_hints(schema)
+        for item in fields(schema):
+            path, kind = f"{prefix}{item.name}", hints[item.name]
+            keys.add(path)
+            if is_dataclass(kind):
+                walk(kind, f"{path}.")
+            elif typing.get_origin(kind) is dict or (
+                typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", None))
+                and any(typing.get_origin(arg) is dict for arg in typing.get_args(kind))
+            ):
+                free.add(path)
+
+    walk(TrainConfig, "")
+    for schema in LOSS_SCHEMAS.values():
+        walk(schema, "loss.")
+    return keys, free
+
+
+def unknown_override(arguments: list[str]) -> str | None:
+    """One line for the first `key=value` override whose key the schema does not have, with the nearest keys it
+    does have ("did you mean"), said before Hydra composes anything; None where every key exists. Group choices
+    (`loss=disco`), Hydra's own keys and deletions (`~key`) are left to Hydra."""
+    import difflib
+
+    keys, free = schema_keys()
+    for argument in arguments:
+        if argument.startswith(("-", "~")) or "=" not in argument:
+            continue
+        key = argument.split("=", 1)[0].lstrip("+")
+        if "/" in key or key.split(".")[0] == "hydra" or key in keys or any(key.startswith(f"{f}.") for f in free):
+            continue
+        siblings = sorted(k for k in keys if k.count(".") == key.count("."))
+        near = difflib.get_close_matches(key, siblings, n=2, cutoff=0.8)
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        return (
+            f"{printable(key)}: no such key; {hint}(python train.py --cfg job lists every key; a loss backend's "
+            "options exist with its loss=)"
+        )
+    return None
