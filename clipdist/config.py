@@ -9,7 +9,11 @@ schema (`loss=tiled` → TiledLossConfig with `tile`). `validate` checks what ty
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+import difflib
+import types
+import typing
+from dataclasses import MISSING as MISSING_FIELD
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,15 +22,19 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from clipdist.defaults import (
+from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the checks
     COLLECTIVE_TIMEOUT_S,
     DEFAULT_MODEL,
     DEFAULT_TILE,
+    FREE,
+    REFUSE,
     TABLE_CAPTION_KEY,
     TABLE_IMAGE_KEY,
     TABLE_SEPARATOR,
+    WARN,
 )
 from clipdist.errors import ConfigError, printable
+from clipdist.losses.specs import BACKENDS, LossSpec
 
 
 def _bounded(default, low: float, strict: bool, says: str):
@@ -55,7 +63,6 @@ def above_zero(default):
 # whose keys make the run's state (model, optim, loss) gives every field its rule in RESUME, and a unit test holds it
 # to that, so a new key cannot slip through; every key of the other sections (data, world, logging, ...) is free:
 # the stream continues or restarts with a line saying why, the world size and batch may change.
-REFUSE, WARN, FREE = "refuse", "warn", "free"
 
 
 def resume_rule(key: str, loss_schemas=None) -> str:
@@ -343,24 +350,29 @@ class LossConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in common}
 
 
-@dataclass
-class TiledLossConfig(LossConfig):
-    RESUME: ClassVar[dict] = {**LossConfig.RESUME, "tile": FREE}  # an order of summation, as the world size is
-    name: str = "tiled"
-    tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
+def _loss_schema(spec: LossSpec) -> type:
+    """LossConfig with a backend's own options (`loss=tiled` → `loss.tile`), named for it (TiledLossConfig)."""
+    own = spec.options
+    hints = typing.get_type_hints(own)
+    extra = [
+        (
+            f.name,
+            hints[f.name],
+            field(default=f.default) if f.default is not MISSING_FIELD else field(default_factory=f.default_factory),
+        )
+        for f in fields(own)
+    ]
+    schema = make_dataclass(
+        "".join(part.title() for part in spec.name.split("_")) + "LossConfig",
+        [("name", str, field(default=spec.name)), *extra],
+        bases=(LossConfig,),
+        namespace={"RESUME": {**LossConfig.RESUME, **getattr(own, "RESUME", {})}, "__module__": __name__},
+    )
+    return schema
 
 
-@dataclass
-class SigLipLossConfig(LossConfig):
-    RESUME: ClassVar[dict] = {**LossConfig.RESUME, "tile": FREE}  # an order of summation, as the world size is
-    name: str = "siglip"
-    tile: int = DEFAULT_TILE  # rows and columns per tile; the largest transient block is tile × tile logits
-
-
-LOSS_SCHEMAS = {
-    "tiled": TiledLossConfig,
-    "siglip": SigLipLossConfig,
-}  # backends with options: loss/<name>.yaml starts from /<name>_loss_schema
+# the schema of each backend with options (clipdist.losses.specs): `loss=<name>` composes against it
+LOSS_SCHEMAS = {name: _loss_schema(spec) for name, spec in BACKENDS.items() if spec.options is not None}
 
 
 @dataclass
@@ -557,6 +569,9 @@ def register() -> None:
     store.store(name="train_schema", node=TrainConfig)
     for name, schema in LOSS_SCHEMAS.items():
         store.store(name=f"{name}_loss_schema", node=schema)  # top level: not offered in the loss= menu
+    for name in BACKENDS:  # a backend without a conf/loss/<name>.yaml is still on the menu: its schema, as is
+        if not (CONF / "loss" / f"{name}.yaml").is_file():
+            store.store(group="loss", name=name, node=LOSS_SCHEMAS.get(name, LossConfig)(name=name))
 
 
 def as_dict(cfg: TrainConfig) -> dict:
@@ -649,8 +664,6 @@ def _resolves(cfg, key: str) -> bool:
 def schema_keys() -> tuple[set[str], set[str]]:
     """(every dotted key of the schema, the keys of free-form fields whose own keys are the user's): `loss.*` holds
     the options of every loss backend (its schema is chosen by loss.name)."""
-    import typing
-
     keys, free = set(), set()
 
     def walk(schema, prefix: str) -> None:
@@ -661,7 +674,7 @@ def schema_keys() -> tuple[set[str], set[str]]:
             if is_dataclass(kind):
                 walk(kind, f"{path}.")
             elif typing.get_origin(kind) is dict or (
-                typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", None))
+                typing.get_origin(kind) in (typing.Union, getattr(types, "UnionType", None))
                 and any(typing.get_origin(arg) is dict for arg in typing.get_args(kind))
             ):
                 free.add(path)
@@ -676,8 +689,6 @@ def unknown_override(arguments: list[str]) -> str | None:
     """One line for the first `key=value` override whose key the schema does not have, with the nearest keys it
     does have ("did you mean"), said before Hydra composes anything; None where every key exists. Group choices
     (`loss=disco`), Hydra's own keys and deletions (`~key`) are left to Hydra."""
-    import difflib
-
     keys, free = schema_keys()
     for argument in arguments:
         if argument.startswith(("-", "~")) or "=" not in argument:

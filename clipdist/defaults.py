@@ -9,3 +9,5 @@ COLLECTIVE_TIMEOUT_S = 600  # the default bound on one collective, for runs and 
 # open_clip's CSV/TSV table (open_clip_train's --csv-separator, --csv-img-key, --csv-caption-key): data.csv_* and
 # `clipdist make-shards --csv` read the same tables the same way
 TABLE_SEPARATOR, TABLE_IMAGE_KEY, TABLE_CAPTION_KEY = "\t", "filepath", "title"
+# Resume rules: what a resume does when a key differs from the checkpoint's (clipdist.config.resume_rule)
+REFUSE, WARN, FREE = "refuse", "warn", "free"

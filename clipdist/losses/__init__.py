@@ -1,39 +1,31 @@
-"""Exact distributed contrastive-loss backends and their registry.
+"""Exact distributed contrastive-loss backends, built by name from their registry (clipdist.losses.specs).
 
     loss_fn = build("disco")
     loss = loss_fn(image_features, text_features, logit_scale)               # softmax backends
     loss = build("siglip")(image_features, text_features, logit_scale, logit_bias)
 
-See DistributedContrastiveLoss for the contract every backend keeps.
+See DistributedContrastiveLoss (clipdist.losses.base) for the contract every backend keeps. Importing this package
+imports no torch: a backend's module is imported when it is built.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
-from torch import nn
+from clipdist.losses.specs import BACKENDS
 
-from clipdist.losses.base import DistributedContrastiveLoss
-from clipdist.losses.disco import DiscoLoss
-from clipdist.losses.gather_layer import GatherLayerLoss
-from clipdist.losses.naive import NaiveLoss
-from clipdist.losses.reference import clip_loss, siglip_loss
-from clipdist.losses.siglip import SigLipLoss
-from clipdist.losses.tiled import TiledLoss
-
-BACKENDS: dict[str, type[nn.Module]] = {
-    "naive": NaiveLoss,
-    "gather_layer": GatherLayerLoss,
-    "disco": DiscoLoss,
-    "tiled": TiledLoss,
-    "siglip": SigLipLoss,
+_LAZY = {  # name -> the module that defines it, imported on first use
+    "DistributedContrastiveLoss": "clipdist.losses.base",
+    "clip_loss": "clipdist.losses.reference",
+    "siglip_loss": "clipdist.losses.reference",
 }
 
 
-def build(name: str, **options) -> nn.Module:
-    """Instantiate the backend registered as `name` with its options."""
+def build(name: str, **options):
+    """Instantiate the backend registered as `name` with its options (an nn.Module)."""
     try:
-        backend = BACKENDS[name]
+        backend = BACKENDS[name].load()
     except KeyError:
         raise ValueError(f"unknown loss backend {name!r}; choose one of: {', '.join(BACKENDS)}") from None
     try:
@@ -41,6 +33,12 @@ def build(name: str, **options) -> nn.Module:
     except TypeError as error:
         accepted = [p for p in inspect.signature(backend).parameters if p != "group"]
         raise ValueError(f"loss.options for {name!r}: {error}; it accepts {accepted or 'no options'}") from None
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BACKENDS", "DistributedContrastiveLoss", "build", "clip_loss", "siglip_loss"]

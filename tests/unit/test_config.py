@@ -7,7 +7,7 @@ import time
 import pytest
 from helpers import refusal, train
 
-from clipdist.config import ConfigError, TiledLossConfig, TrainConfig, to_train_config, validate
+from clipdist.config import LOSS_SCHEMAS, ConfigError, TrainConfig, to_train_config, validate
 from clipdist.preflight import check_config
 
 
@@ -194,7 +194,7 @@ def test_a_model_config_file_is_a_model_name(tmp_path):
 
 def test_loss_options_are_typed_per_backend():
     cfg = to_train_config({"name": "x", "loss": {"name": "tiled", "tile": 16}})
-    assert isinstance(cfg.loss, TiledLossConfig) and cfg.loss.options() == {"tile": 16}
+    assert isinstance(cfg.loss, LOSS_SCHEMAS["tiled"]) and cfg.loss.options() == {"tile": 16}
     assert to_train_config({"name": "x"}).loss.options() == {}
     with pytest.raises(Exception, match="tile"):
         to_train_config({"name": "x", "loss": {"name": "tiled", "tile": "many"}})
