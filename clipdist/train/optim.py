@@ -7,7 +7,8 @@
   betas / eps / momentum it takes and `optim.kwargs`.
 - Parameter groups: decoupled weight decay on the matrices only — every parameter with ndim < 2 and every
   name containing an `optim.no_decay` pattern (default bn, ln, bias, logit_scale: open_clip_train's rule) is left
-  undecayed; frozen (locked) parameters are left out.
+  undecayed; with a timm optimizer also what `model.no_weight_decay()` names (the positional embeddings), as
+  open_clip_train's `--opt timm/<name>` leaves to timm; frozen (locked) parameters are left out.
   Layer-wise lr decay per tower (`optim.image_layer_decay`, `optim.text_layer_decay`): with L blocks, the
   stem (patch / token / position embeddings, the pre-norm) is layer 0, block i is layer i + 1, the rest
   (final norm, projection, pooling) is layer L + 1, and layer l's lr is lr · decay^(L + 1 − l).
@@ -19,6 +20,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Callable
@@ -83,13 +85,22 @@ def parameter_groups(
     no_decay=("bn", "ln", "bias", "logit_scale"),
     decays: dict[str, float | None] | None = None,
     lr: float = 1.0,
+    model_no_decay: bool = False,
 ) -> list[dict]:
-    """Trainable parameters grouped by (decayed or not, lr multiplier); each group's lr is `lr` × its multiplier."""
+    """Trainable parameters grouped by (decayed or not, lr multiplier); each group's lr is `lr` × its multiplier.
+    `model_no_decay`: also leave undecayed what the model's own `no_weight_decay()` names (fnmatch patterns) — the
+    rule timm's optimizer factory applies, so open_clip_train's `--opt timm/<name>` (positional embeddings)."""
     scales = layer_scales(model, decays or {})
+    named = getattr(model, "no_weight_decay", None)
+    exempt = set(named()) if model_no_decay and callable(named) else set()
     groups: dict[tuple[bool, float], list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            decayed = param.ndim >= 2 and not any(pattern in name for pattern in no_decay)
+            decayed = (
+                param.ndim >= 2
+                and not any(pattern in name for pattern in no_decay)
+                and not any(fnmatch.fnmatch(name, pattern) for pattern in exempt)
+            )
             groups.setdefault((decayed, scales[name]), []).append(param)
     return [
         {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale}
@@ -173,6 +184,7 @@ def build_optimizer(model: torch.nn.Module, optim):
         tuple(optim.no_decay),
         {"image": optim.image_layer_decay, "text": optim.text_layer_decay},
         optim.lr,
+        model_no_decay=optimizer_name(optim.name) != ADAMW,  # timm's factory skips model.no_weight_decay()
     )
     optimizer = create_optimizer(groups, optim)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim))

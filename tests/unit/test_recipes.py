@@ -165,6 +165,27 @@ def test_weight_decay_groups_are_open_clip_trains_by_default(model_name):
     assert model_name == "RN50" or any("positional_embedding" in name for name in ours)
 
 
+@pytest.mark.parametrize("model_name", ["ViT-B-32", "clipdist-tiny"])
+def test_a_timm_optimizers_decay_groups_are_timms_as_open_clip_train_hands_it_the_model(model_name):
+    """open_clip_train --opt timm/lion gives timm the model: timm leaves undecayed 1-d tensors, biases and what
+    model.no_weight_decay() names (the positional embeddings); so do we, and AdamW keeps open_clip_train's rule."""
+    from timm.optim import param_groups_weight_decay
+
+    model = create_model(model_name, device="meta")
+    nowd = model.no_weight_decay()
+    theirs = {
+        id(param)
+        for group in param_groups_weight_decay(model, 0.1, no_weight_decay_list=nowd)
+        if group["weight_decay"] > 0
+        for param in group["params"]
+    }
+    optimizer, _ = build_optimizer(model, _optim(name="lion"))
+    ours = {id(param) for group in optimizer.param_groups if group["weight_decay"] > 0 for param in group["params"]}
+    names = {id(param): name for name, param in model.named_parameters()}
+    assert {names[i] for i in ours} == {names[i] for i in theirs}
+    assert not any("positional_embedding" in names[i] for i in ours)
+
+
 def test_layer_decay_scales_each_tower_by_depth():
     model = create_model("clipdist-tiny")
     depth = len(model.visual.transformer.resblocks)
