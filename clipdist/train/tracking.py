@@ -91,6 +91,12 @@ def wandb_steps(run_dir: Path, run_id: str) -> set[int]:
     return steps
 
 
+def logs_step(step: int, every: int, last: int) -> bool:
+    """Whether step `step` (1-based) is logged: the first, every `every`-th after it, and the last — open_clip_train's
+    cadence for --log-every-n-steps (steps 1, 4, 7, 10 for every 3 of 10), counted over the run, not per epoch."""
+    return (step - 1) % every == 0 or step == last
+
+
 class RunTracker:
     """Logs on the main rank only; every other rank gets a tracker that does nothing.
 

@@ -46,7 +46,7 @@ from clipdist.train.evaluate import evaluate
 from clipdist.train.optim import build_optimizer
 from clipdist.train.recipe import recipe, traps
 from clipdist.train.step import Step, build_step
-from clipdist.train.tracking import RunTracker, StepProfiler
+from clipdist.train.tracking import RunTracker, StepProfiler, logs_step
 
 log = logging.getLogger("clipdist")
 
@@ -399,7 +399,7 @@ class Trainer:
             "samples_per_s_per_device": rows_consumed(agreed.counts) / self.env.world_size / seconds,
         }
         self.progress.update(1)
-        if state.step % self.cfg.logging.log_every == 0:
+        if logs_step(state.step, self.cfg.logging.log_every, self.cfg.optim.max_steps):
             stats["logit_scale"] = model.logit_scale.exp().item()
             if self.loss_fn.uses_logit_bias:
                 stats["logit_bias"] = model.logit_bias.item()

@@ -51,3 +51,15 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == [1, 2, 3, 4]
     saved = read_progress(run_dir / "checkpoints" / "step_00000004.dcp")
     assert saved["step"] == 4 and saved["samples_seen"] == 4 * 16
+
+
+def test_the_log_cadence_is_open_clip_trains():
+    """--log-every-n-steps 3 over 10 steps logs 1, 4, 7, 10 there; every step at 1; the last step always."""
+    from clipdist.train.tracking import logs_step
+
+    assert [step for step in range(1, 11) if logs_step(step, 3, 10)] == [1, 4, 7, 10]
+    assert [step for step in range(1, 12) if logs_step(step, 5, 11)] == [1, 6, 11]
+    assert [step for step in range(1, 10) if logs_step(step, 4, 9)] == [1, 5, 9]
+    assert all(logs_step(step, 1, 4) for step in range(1, 5))
+    assert [step for step in range(1, 8) if logs_step(step, 3, 7)] == [1, 4, 7]
+    assert [step for step in range(1, 9) if logs_step(step, 3, 8)] == [1, 4, 7, 8]
