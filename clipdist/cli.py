@@ -347,10 +347,19 @@ def _bench_limit(args: argparse.Namespace) -> int:
 def _bench_gpu(args: argparse.Namespace) -> int:
     from clipdist.tools import gpu_battery
 
+    if args.estimate_for is not None:
+        print(gpu_battery.estimate_table(args.estimate_for, args.steps, args.large_batches))
+        return 0
     print(gpu_battery.HEADER)
-    rows = gpu_battery.battery(tiny=args.tiny, steps=args.steps, large_batches=args.large_batches, out=args.out)
+    rows = gpu_battery.battery(
+        tiny=args.tiny,
+        steps=args.steps,
+        large_batches=args.large_batches,
+        out=args.out,
+        doc=args.doc,
+        budget_s=args.budget,
+    )
     if args.doc:
-        gpu_battery.write_doc(rows, args.doc)
         print(f"wrote {args.doc}")
     return 1 if any("error" in row for row in rows) else 0
 
@@ -702,11 +711,28 @@ def _add_bench(commands) -> None:
     gpu.add_argument(
         "--large-batches",
         type=_csv(int),
-        default=[32768, 65536],
-        help="global batches for tiled and siglip (default 32768,65536; up to 262144 on an H100)",
+        default=[16384, 32768, 65536],
+        help="global batches for disco, tiled and siglip on one device (default 16384,32768,65536)",
     )
-    gpu.add_argument("--out", default=None, help="write every row as JSON here")
-    gpu.add_argument("--doc", default=None, help="write the table as Markdown here (docs/bench/gpu_battery.md)")
+    gpu.add_argument("--out", default=None, help="write every row as JSON here (after each row)")
+    gpu.add_argument(
+        "--doc", default=None, help="write the table as Markdown here, after each row (docs/bench/gpu_battery.md)"
+    )
+    gpu.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds the battery may take: rows run most valuable first, a row whose estimate does not fit is "
+        "skipped and says so (default 420 on a GPU, none on the CPU)",
+    )
+    gpu.add_argument(
+        "--estimate-for",
+        type=float,
+        default=None,
+        metavar="TFLOPS",
+        help="print the default plan's rows with their time estimates for a device of this dense peak (989: H100 "
+        "SXM bf16), run nothing",
+    )
     gpu.set_defaults(run=_bench_gpu)
     limit = bench_kinds.add_parser(
         "limit",

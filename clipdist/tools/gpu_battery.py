@@ -33,7 +33,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -213,93 +215,153 @@ def data_run(tiny: bool, steps: int) -> dict:
     return {"samples_per_s": real_run(overrides, steps, timeout_s=600)}
 
 
-def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), out=None) -> list[dict]:
-    """Every row (the module docstring); each {"section", "what", ...figures} or {"section", "what", "error"}."""
-    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
-    models = ("clipdist-tiny",) if tiny else MODELS
-    precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
+FORWARD_GFLOPS = {  # one sample's forward, image + text towers (224 px, 77 tokens): the plan's time estimates
+    "ViT-B-32": 7.4,
+    "ViT-B-16": 20.6,
+    "ViT-L-14": 87.6,
+    "clipdist-tiny": 0.02,
+    "clipdist-naflex-tiny": 0.02,
+    "clipdist-naflex-b16": 20.6,
+}
+ASSUMED_MFU = 0.3  # for estimates only: what a row is assumed to reach before it is measured
+SETUP_S, COMPILE_S = 8.0, 60.0  # building the parts; torch.compile's first steps
+DEFAULT_BUDGET_S = 420.0  # 7 minutes: fits one 10-minute device call with the machine's start and the kit's install
+
+
+@dataclass
+class Planned:
+    """One row of the plan: what it runs and how long it is expected to take."""
+
+    section: str
+    what: str
+    action: Callable[[Path], dict]
+    estimate_s: float
+    peak: tuple[float, str] | None = None
+
+
+def step_estimate(model: str, rows: int, steps: int, peak_tflops: float, compiled: bool = False, passes=3.0) -> float:
+    """Seconds for `steps` (+2 warm-up) training steps of `rows` samples: 3 forwards' FLOPs a sample (forward and
+    backward; gradient caching's re-forward: 4) at ASSUMED_MFU of the peak, plus building (and compiling)."""
+    flops = FORWARD_GFLOPS.get(model, 20.0) * 1e9 * passes * rows * (steps + 2)
+    return SETUP_S + (COMPILE_S if compiled else 0.0) + flops / (peak_tflops * 1e12 * ASSUMED_MFU)
+
+
+def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dict) -> list[Planned]:
+    """Every row, most valuable first: the B/16 and B/32 bf16 step (compile off, then on), the loss backends at large
+    global batches on one device with gradient caching, a real run's loader feeding the device, NaFlex at one token
+    budget, a background save's stall; then fp16, L/14 and FSDP2."""
+    precision = "fp32" if device.type == "cpu" else "bf16"
+    peak = peaks[precision]
+    models = ("clipdist-tiny",) if tiny else ("ViT-B-16", "ViT-B-32")
     compiles = (False,) if tiny else (False, True)
+    rows: list[Planned] = []
+
+    def step_row(model: str, prec: str, compiled: bool) -> Planned:
+        size = BATCH[model]
+        return Planned(
+            "step",
+            f"{model} {prec}{' compiled' if compiled else ''} × {size}",
+            lambda work: time_steps(config(work, model, prec, size, compile=compiled), device, steps),
+            step_estimate(model, size, steps, peaks[prec][0], compiled),
+            peaks[prec],
+        )
+
+    rows += [step_row(model, precision, compiled) for compiled in compiles for model in models]
+    base = "clipdist-tiny" if tiny else "ViT-B-32"
+    sizes, micro = ((512,), 64) if tiny else (tuple(large_batches), 1024)
+    for size in sizes:
+        for loss in ("disco", "tiled", "siglip"):
+            rows.append(
+                Planned(
+                    "large batch",
+                    f"{base} {precision} {loss} × {size:,} in chunks of {micro}",
+                    lambda work, loss=loss, size=size: time_steps(
+                        config(work, base, precision, size, loss=loss, chunks=size // micro),
+                        device,
+                        steps=1,
+                        warmup=1,
+                    ),
+                    step_estimate(base, size, 0, peak[0], passes=4.0) / 1.0,
+                    peak,
+                )
+            )
+    data_steps = 8 if tiny else 200
+    rows.append(
+        Planned(
+            "data",
+            "train.py "
+            + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16")
+            + f", {data_steps} steps",
+            lambda work: data_run(tiny, data_steps),
+            30.0 if tiny else 45.0 + step_estimate("ViT-B-32", 256, data_steps, peak[0]),
+        )
+    )
+    naflex, lengths, budget = (
+        ("clipdist-naflex-tiny", (16, 64), 1024) if tiny else ("clipdist-naflex-b16", (576,), 128 * 784)
+    )
+    for length in lengths:
+        rows.append(
+            Planned(
+                "naflex",
+                f"{naflex} {precision} × {budget // length} at {length} patches ({budget:,} a batch)",
+                lambda work, length=length: time_steps(
+                    config(work, naflex, precision, budget // length), device, steps, seq_len=length
+                ),
+                step_estimate(naflex, budget // 196, steps, peak[0]),
+                peak,
+            )
+        )
+    rows.append(
+        Planned(
+            "checkpoint",
+            f"{base} background save",
+            lambda work: checkpoint_stall(config(work, base, precision, BATCH[base]), device),
+            SETUP_S + 10.0,
+        )
+    )
+    if not tiny:
+        rows += [step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")]
+        rows += [step_row("ViT-L-14", "bf16", compiled) for compiled in (False, True)]
+    rows.append(
+        Planned(
+            "fsdp",
+            f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
+            lambda work: with_one_rank_group(
+                device, lambda: time_steps(config(work, base, precision, BATCH[base], parallel="fsdp"), device, steps)
+            ),
+            step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
+            peak,
+        )
+    )
+    return rows
+
+
+def with_one_rank_group(device: torch.device, action: Callable[[], dict]) -> dict:
+    with one_rank_group(device):
+        return action()
+
+
+def battery(
+    tiny: bool = False,
+    steps: int = 10,
+    large_batches=(16384, 32768, 65536),
+    out=None,
+    doc=None,
+    budget_s: float | None = None,
+) -> list[dict]:
+    """Run the plan within `budget_s` (default: DEFAULT_BUDGET_S on a GPU, none on the CPU): a row whose estimate
+    does not fit what is left is skipped and says so; every finished row is written to `out` (JSON) and `doc`
+    (Markdown) at once, so a battery stopped midway leaves every row it finished."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
     peaks = {
         name: peak_tflops(device, dtype)
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))
         if name in precisions
     }
-    rows: list[dict] = []
-
-    def run(section: str, what: str, action, peak=None):
-        with tempfile.TemporaryDirectory() as work:
-            try:
-                figures = action(Path(work))
-            except Exception as error:  # noqa: BLE001 -- a row that fails says why; the battery goes on
-                figures = {"error": " ".join(f"{type(error).__name__}: {error}".split())[:300]}
-        if peak and "flops" in figures:
-            figures["mfu"] = figures["flops"] / figures["step_s"] / 1e12 / peak[0]
-        rows.append({"section": section, "what": what, "device": device_name(device), **figures})
-        print(format_row(rows[-1]), flush=True)
-
-    for model in models:
-        for precision in precisions:
-            for compiled in compiles:
-                rows_per_step = BATCH[model]
-                run(
-                    "step",
-                    f"{model} {precision}{' compiled' if compiled else ''} × {rows_per_step}",
-                    lambda work: time_steps(
-                        config(work, model, precision, rows_per_step, compile=compiled),
-                        device,
-                        steps,
-                    ),
-                    peaks[precision],
-                )
-    model, precision = models[0], precisions[0]
-    sizes, micro = ((512,), 64) if tiny else (tuple(large_batches), 1024)
-    for loss in ("tiled", "siglip"):
-        for size in sizes:
-            run(
-                "large batch",
-                f"{model} {precision} {loss} × {size:,} in chunks of {micro}",
-                lambda work: time_steps(
-                    config(work, model, precision, size, loss=loss, chunks=size // micro),
-                    device,
-                    steps=1,
-                    warmup=1,
-                ),
-                peaks[precision],
-            )
-    naflex, lengths, budget = (
-        ("clipdist-naflex-tiny", (16, 64), 1024) if tiny else ("clipdist-naflex-b16", (256, 576, 784), 128 * 784)
-    )
-    for length in lengths:
-        run(
-            "naflex",
-            f"{naflex} {precision} × {budget // length} at {length} patches ({budget:,} a batch)",
-            lambda work: time_steps(config(work, naflex, precision, budget // length), device, steps, seq_len=length),
-            peaks[precision],
-        )
-    if not tiny:
-        run(
-            "naflex",
-            f"ViT-B-16 {precision} × {budget // 196} at fixed 224 px (the same budget)",
-            lambda work: time_steps(config(work, "ViT-B-16", precision, budget // 196), device, steps),
-            peaks[precision],
-        )
-    with one_rank_group(device):
-        run(
-            "fsdp",
-            f"{model} {precision} FSDP2 × {BATCH[model]}, world 1",
-            lambda work: time_steps(config(work, model, precision, BATCH[model], parallel="fsdp"), device, steps),
-            peaks[precision],
-        )
-    run(
-        "checkpoint",
-        f"{model} background save",
-        lambda work: checkpoint_stall(config(work, model, precision, BATCH[model]), device),
-    )
-    run(
-        "data",
-        "train.py " + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16"),
-        lambda work: data_run(tiny, 8 if tiny else 60),
-    )
+    if budget_s is None:
+        budget_s = DEFAULT_BUDGET_S if device.type == "cuda" else float("inf")
+    started, rows = time.perf_counter(), []
     for name, (tflops, source) in peaks.items():
         rows.append(
             {
@@ -310,9 +372,52 @@ def battery(tiny: bool = False, steps: int = 10, large_batches=(32768, 65536), o
                 "source": source,
             }
         )
-    if out:
-        Path(out).write_text(json.dumps(rows, indent=2) + "\n")
+    for item in plan(tiny, steps, large_batches, device, peaks):
+        left = budget_s - (time.perf_counter() - started)
+        if item.estimate_s > left:
+            row = {
+                "section": item.section,
+                "what": item.what,
+                "device": device_name(device),
+                "skipped": f"needs ~{item.estimate_s:.0f} s, {max(left, 0):.0f} s of the budget left",
+            }
+        else:
+            row = run_row(item, device)
+        rows.append(row)
+        print(format_row(row), flush=True)
+        publish(rows, out, doc)
     return rows
+
+
+def run_row(item: Planned, device: torch.device) -> dict:
+    """One planned row, measured (or the reason it failed), with its estimate and what it took."""
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            figures = item.action(Path(work))
+        except Exception as error:  # noqa: BLE001 -- a row that fails says why; the battery goes on
+            figures = {"error": " ".join(f"{type(error).__name__}: {error}".split())[:300]}
+    if item.peak and "flops" in figures:
+        figures["mfu"] = figures["flops"] / figures["step_s"] / 1e12 / item.peak[0]
+    return {
+        "section": item.section,
+        "what": item.what,
+        "device": device_name(device),
+        **figures,
+        "estimate_s": item.estimate_s,
+        "took_s": time.perf_counter() - began,
+    }
+
+
+def publish(rows: list[dict], out, doc) -> None:
+    """Every row so far, to the JSON file `out` and the Markdown page `doc` (each replaced whole, atomically)."""
+    for path, text in ((out, json.dumps(rows, indent=2) + "\n"), (doc, doc and page(rows))):
+        if path:
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.partial")
+            partial.write_text(text)
+            os.replace(partial, target)
 
 
 def device_name(device: torch.device) -> str:
@@ -323,6 +428,8 @@ def format_row(row: dict) -> str:
     """One line of the table (Markdown)."""
     if "error" in row:
         return f"| {row['section']} | {row['what']} | failed: {row['error']} | | | |"
+    if "skipped" in row:
+        return f"| {row['section']} | {row['what']} | skipped: {row['skipped']} | | | |"
     samples = f"{row['samples_per_s']:,.0f}" if "samples_per_s" in row else ""
     mfu = f"{row['mfu']:.1%}" if "mfu" in row else ""
     memory = f"{row['memory_bytes'] / 2**30:.2f} GiB" if "memory_bytes" in row else ""
@@ -341,7 +448,7 @@ def format_row(row: dict) -> str:
 HEADER = "| section | what | samples/s | MFU | memory | other |\n|---|---|---:|---:|---:|---|"
 
 
-def write_doc(rows: list[dict], path: str | Path) -> None:
+def page(rows: list[dict]) -> str:
     """The table as a Markdown page (docs/bench/gpu_battery.md when run on a GPU)."""
     when = time.strftime("%Y-%m-%d")
     lines = [
@@ -354,4 +461,16 @@ def write_doc(rows: list[dict], path: str | Path) -> None:
         *map(format_row, rows),
         "",
     ]
-    Path(path).write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def estimate_table(peak_tflops: float, steps: int = 10, large_batches=(16384, 32768, 65536)) -> str:
+    """The default plan's rows and their estimates on a device of this dense peak (e.g. 989: H100 SXM bf16),
+    without running anything: what `--budget` will fit."""
+    device = torch.device("cuda")
+    rows = plan(False, steps, large_batches, device, {"bf16": (peak_tflops, "spec"), "fp16": (peak_tflops, "spec")})
+    total, lines = 0.0, ["| row | estimate | running total |", "|---|---:|---:|"]
+    for item in rows:
+        total += item.estimate_s
+        lines.append(f"| {item.section}: {item.what} | {item.estimate_s:.0f} s | {total:.0f} s |")
+    return "\n".join(lines)

@@ -40,10 +40,33 @@ def test_the_battery_runs_every_section_on_the_cpu(tmp_path):
     naflex = [row for row in rows if row["section"] == "naflex"]
     assert [row["tokens_per_s"] / row["samples_per_s"] for row in naflex] == pytest.approx([16, 64])
     steps = [row for row in rows if "flops" in row]
-    assert len(steps) == 6 and all(row["samples_per_s"] > 0 and 0 < row["mfu"] < 1 for row in steps), steps
-    assert {row["what"].split()[2] for row in rows if row["section"] == "large batch"} == {"tiled", "siglip"}
+    assert len(steps) == 7 and all(row["samples_per_s"] > 0 and 0 < row["mfu"] < 1 for row in steps), steps
+    assert [row["what"].split()[2] for row in rows if row["section"] == "large batch"] == ["disco", "tiled", "siglip"]
+    assert all(row["took_s"] > 0 and row["estimate_s"] > 0 for row in rows if row["section"] != "peak")
     checkpoint = next(row for row in rows if row["section"] == "checkpoint")
     assert 0 < checkpoint["stall_s"] <= checkpoint["written_s"]
     assert next(row for row in rows if row["section"] == "data")["samples_per_s"] > 0
     page = (tmp_path / "battery.md").read_text()
     assert page.startswith("# GPU battery: CPU") and page.count("\n| ") == len(rows) + 1  # the header and a row each
+
+
+def test_a_budget_skips_what_does_not_fit_and_every_row_is_written_as_it_goes(tmp_path):
+    """--budget: rows whose estimate does not fit are skipped with the reason, in the JSON and the page alike."""
+    from clipdist.tools import gpu_battery
+
+    rows = gpu_battery.battery(tiny=True, steps=1, out=tmp_path / "rows.json", doc=tmp_path / "page.md", budget_s=0)
+    skipped = [row for row in rows if "skipped" in row]
+    assert len(skipped) == len(rows) - 1 and "needs ~" in skipped[0]["skipped"]  # all but the measured peak
+    assert json.loads((tmp_path / "rows.json").read_text()) == json.loads(json.dumps(rows))
+    assert (tmp_path / "page.md").read_text().count("skipped: needs") == len(skipped)
+
+
+def test_the_default_plan_fits_seven_minutes_on_an_h100_by_its_estimates():
+    """The plan's rows, in order of value, with FLOP-based estimates (989 TFLOPS: H100 SXM bf16): the default budget
+    of 420 s runs every row up to the first that does not fit; the estimate table says which."""
+    from clipdist.tools import gpu_battery
+
+    table = gpu_battery.estimate_table(989.0)
+    totals = [float(line.rsplit("|", 2)[1].strip().rstrip(" s")) for line in table.splitlines()[2:]]
+    assert totals == sorted(totals) and totals[1] < 60  # B/16 and B/32 first, in seconds
+    assert gpu_battery.DEFAULT_BUDGET_S == 420 and "ViT-B-16 bf16 × 128" in table.splitlines()[2]
