@@ -31,7 +31,9 @@ def sections(path: Path = HERE / "kit.txt") -> dict[str, list[str]]:
 def pins() -> list[str]:
     pinned = {
         normal(name): version
-        for name, version in re.findall(r"(?m)^([A-Za-z0-9_.-]+)==(\S+)", (HERE.parents[1] / "requirements" / "ci.txt").read_text())
+        for name, version in re.findall(
+            r"(?m)^([A-Za-z0-9_.-]+)==(\S+)", (HERE.parents[1] / "requirements" / "ci.txt").read_text()
+        )
     }
     missing = [name for name in sections()["wheels"] if name not in pinned]
     if missing:

@@ -139,3 +139,31 @@ def test_dcp_metadata_may_name_an_enum_member_by_getattr_and_nothing_else(tmp_pa
     for owner, name in ((_MEM_FORMAT_ENCODING, "__class__"), (pathlib.Path, "__init__")):
         with pytest.raises(UnsafeFileError, match="refused"):
             _MetadataUnpickler(io.BytesIO(pickle.dumps(ByGetattr(owner, name))), tmp_path).load()
+
+
+def test_one_huge_caption_is_bounded_before_bpe_and_real_captions_keep_their_tokens():
+    """A 1 MB single-word caption would cost BPE minutes (the tokenizer is not bounded per caption); bounded, it is
+    milliseconds, and captions a dataset really holds tokenize exactly as open_clip's tokenizer does."""
+    import random
+    import string
+    import time
+
+    import open_clip
+    import torch
+
+    from clipdist.model.factory import get_tokenizer
+
+    tokenizer = get_tokenizer()
+    theirs = open_clip.get_tokenizer("ViT-B-32", context_length=tokenizer.context_length)
+    rng = random.Random(0)
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(1_000_000))
+    started = time.process_time()
+    assert tokenizer([word]).shape == (1, tokenizer.context_length)
+    assert time.process_time() - started < 2  # unbounded: 8,000 letters alone take ~2 s
+    real = [
+        "a photo of a cat",
+        "A   spaced\\tcaption\\n" * 40,
+        "é" * 300 + " tail",
+        "numbers 123 and ünïcode, punctuation!",
+    ]
+    assert torch.equal(tokenizer(real), theirs(real))
