@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from clipdist.compat import floor_problem
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 from clipdist.distributed import host
 from clipdist.errors import printable
+from clipdist.files import read_bounded
 
 
 def _csv(cast):
@@ -457,6 +459,57 @@ def _write_report(run_dir: str) -> None:
         logging.getLogger("clipdist").info("report: %s", picture)
 
 
+ENVIRONMENT_RESOLVERS = ("${oc.env:", "${env:", "${oc.decode:")  # read the environment, or parse text as YAML
+TARGET_PREFIXES = ("clipdist.", "hydra_plugins.hydra_submitit_launcher.")  # the only _target_s a config may name
+
+
+def closed_door(arguments: list[str]) -> str | None:
+    """One line for a Hydra door that would run or leak something, before Hydra opens it; None if all closed:
+    `--experimental-rerun` (unpickles its file), a `--config-dir` / `--config-path` folder whose YAML names callbacks
+    or a `_target_` outside clipdist's own (Hydra would instantiate it), an override that reads the environment
+    (`${oc.env:...}`: a secret resolved into errors, logs and the saved config) or sets a `_target_` / callback."""
+    for index, argument in enumerate(arguments):
+        flag, _, attached = argument.partition("=")
+        if flag == "--experimental-rerun":
+            return (
+                "--experimental-rerun unpickles its file (a pickle can run code): refused. Re-run a run with the "
+                "overrides it saved in <run_dir>/hydra/overrides.yaml (python train.py name=<its name> resumes it)"
+            )
+        if flag in ("--config-dir", "-cd", "--config-path", "-cp"):
+            folder = attached or (arguments[index + 1] if index + 1 < len(arguments) else "")
+            problem = _config_folder_runs_code(Path(folder))
+            if problem:
+                return f"{flag} {printable(folder)}: {problem}; clipdist reads config folders as data only"
+        if flag.startswith("-") or "=" not in argument:
+            continue
+        key, value = argument.split("=", 1)
+        if any(resolver in value for resolver in ENVIRONMENT_RESOLVERS):
+            return (
+                f"{printable(key.lstrip('+~'))}: an override may not read the environment (${{oc.env:...}}): its value "
+                "would be resolved into errors, logs and the saved config; write the value itself"
+            )
+        if "_target_" in key or "callbacks" in key.split("."):
+            return f"{printable(key.lstrip('+~'))}: an override may not name code to run (_target_, callbacks)"
+    return None
+
+
+def _config_folder_runs_code(folder: Path) -> str | None:
+    """Why a user's config folder would run code (a Hydra callback, a `_target_` outside clipdist's own), or None."""
+    if not folder.is_dir():
+        return None  # Hydra says it is missing
+    for path in sorted(folder.rglob("*.y*ml"))[:10_000]:
+        try:
+            text = read_bounded(path, 1 << 20).decode("utf-8", "replace")
+        except (OSError, ValueError) as error:
+            return f"{path.name} cannot be read ({error})"
+        if re.search(r"(?m)^\s*callbacks\s*:", text):
+            return f"{path.relative_to(folder)} names Hydra callbacks (code Hydra runs at the start of a job)"
+        for target in re.findall(r"_target_\s*:\s*['\"]?([^\s'\"#]+)", text):
+            if not target.startswith(TARGET_PREFIXES):
+                return f"{path.relative_to(folder)} names _target_ {printable(target)[:80]} (code Hydra would build)"
+    return None
+
+
 def unwritable_run_dir(arguments: list[str]) -> str | None:
     """One line where the run directory the overrides name (runs/<name> under the working directory by default)
     cannot be made or written — a read-only file system, no permission — else None. Checked on the nearest folder
@@ -494,7 +547,7 @@ def train_main(overrides: list[str] | None = None) -> None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
     from clipdist.config import unknown_override
 
-    problem = unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
+    problem = closed_door(sys.argv[1:]) or unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
     if problem:  # before Hydra makes the directory (its traceback otherwise)
         print(f"error: {printable(problem)}", file=sys.stderr)
         sys.exit(2)

@@ -72,11 +72,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
         (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile?"),
-        (
-            ["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"],
-            "model.name: KeyError raised while resolving interpolation: "
-            "\"Environment variable 'CLIPDIST_UNSET_VARIABLE' not found\"",
-        ),
+        (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "model.name: an override may not read the environment"),
         (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
     ],
 )
@@ -311,3 +307,28 @@ def test_a_misspelt_key_is_one_line_before_hydra_composes(tmp_path, capsys, monk
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", *overrides)
     assert code == 2 and lines == [f"error: {lines[0][7:]}"] and message in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_hydras_doors_that_run_or_leak_are_closed_before_hydra_opens_them(tmp_path, monkeypatch, capsys):
+    """--experimental-rerun (unpickles), a --config-dir whose YAML names a callback or a foreign _target_, an
+    override reading the environment: one line each, nothing run, the secret printed nowhere."""
+    from clipdist.cli import closed_door
+
+    assert "unpickles" in closed_door(["--experimental-rerun", str(tmp_path / "x.pickle")])
+    folder = tmp_path / "conf" / "model"
+    folder.mkdir(parents=True)
+    (folder / "mine.yaml").write_text("name: ViT-B-32\n")
+    assert closed_door(["--config-dir", str(tmp_path / "conf"), "model=mine"]) is None  # data only: fine
+    (folder / "evil.yaml").write_text("hydra:\n  callbacks:\n    x:\n      _target_: os.system\n")
+    assert "names Hydra callbacks" in closed_door([f"--config-dir={tmp_path / 'conf'}", "model=evil"])
+    (folder / "evil.yaml").write_text("thing:\n  _target_: builtins.eval\n")
+    assert "names _target_ builtins.eval" in closed_door(["-cd", str(tmp_path / "conf")])
+    monkeypatch.setenv("CLIPDIST_TEST_SECRET", "sekrit-value")
+    for override in (
+        "model.name=${oc.env:CLIPDIST_TEST_SECRET}",
+        "+loss.distill.model=x${oc.env:CLIPDIST_TEST_SECRET}",
+    ):
+        said = closed_door([override])
+        assert "may not read the environment" in said and "sekrit" not in said
+    assert "may not name code" in closed_door(["+hydra.callbacks.x._target_=os.system"])
+    assert closed_door(["loss=disco", "optim.lr=1e-3", "run_dir=/tmp/${name}"]) is None
