@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from clipdist.errors import ConfigError
+from clipdist.files import read_lines, write_atomic
 
 
 class RunLock:
@@ -108,6 +109,11 @@ def check_run_dir(run_dir: str | Path) -> None:
                 f"{os.readlink(path)!r}); a run's records are its own files: remove the link, or "
                 "choose another run_dir"
             )
+        if path.exists() and not (path.is_file() or path.is_dir()):  # a FIFO would hang the log's rewind
+            raise ConfigError(
+                f"run_dir={root}: {path.relative_to(root)} is not a regular file (a FIFO, a device or a socket); "
+                "a run's records are its own files: remove it, or choose another run_dir"
+            )
 
 
 def write_record(run_dir: str | Path, config: dict, overrides: list[str]) -> None:
@@ -119,33 +125,44 @@ def write_record(run_dir: str | Path, config: dict, overrides: list[str]) -> Non
     OmegaConf.save(OmegaConf.create(list(overrides)), record / "overrides.yaml")
 
 
+LOG_LINE_BYTES, LOG_TOTAL_BYTES = 1 << 20, 1 << 30  # a log line clipdist writes is ~1 kB; a run's log, MBs
+
+
 def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
-    """The {"step": int, ...} rows of a JSONL log, and how many lines are not such a row (a line torn by a crash
-    mid-write, or text that is not clipdist's): those are dropped, never a traceback."""
+    """The {"step": int, ...} rows of a run's JSONL log, and how many lines are not such a row — torn by a crash
+    mid-write, over 1 MiB, nested past what the parser takes, holding NaN / Infinity, or text that is not
+    clipdist's: those are dropped and counted, never a traceback. Read line by line, without following a link,
+    at most 1 GiB (files.read_lines): a log that is a link, a FIFO or a device is a one-line UnboundedFileError."""
     path = Path(path)
     rows, damaged = [], 0
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+    if not path.exists() and not path.is_symlink():
+        return rows, damaged
+    for line in read_lines(path, LOG_LINE_BYTES, LOG_TOTAL_BYTES):
         try:
-            row = json.loads(line) if line.strip() else None
-        except ValueError:
+            row = json.loads(line, parse_constant=_no_constant) if line is not None and line.strip() else None
+        except (ValueError, RecursionError):
             row = ...
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
+        if line is None:
+            row = ...
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
             rows.append(row)
         elif row is not None:
             damaged += 1
     return rows, damaged
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a log holds")
+
+
 def rewind_jsonl(path: str | Path, step: int) -> int:
     """Drop the rows of a {"step": ...} JSONL log after `step` (what a resumed run will log again), and any line
-    that is not a row; returns how many of those there were."""
+    that is not a row; returns how many of those there were. Written whole to a new name, then renamed."""
     path = Path(path)
     if not path.exists():
         return 0
     rows, damaged = jsonl_rows(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
     return damaged
 
 

@@ -7,12 +7,15 @@ directory at the end of every run and at a stop, and by the command for any run.
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from clipdist.checkpoint.run_dir import jsonl_rows
+from clipdist.files import write_atomic
 
 PICTURE, SUMMARY = "report.png", "report.txt"
 FRACTIONS = re.compile(r"(_r\d+|_top\d+)$")  # metrics in [0, 1]: recall@k, zero-shot top-k
@@ -35,7 +38,8 @@ class RunRecord:
 def read_run(run_dir: str | Path) -> RunRecord:
     """The run's logs; a ValueError where the directory holds no training log."""
     run_dir = Path(run_dir)
-    if not (run_dir / "train_log.jsonl").is_file():
+    log = run_dir / "train_log.jsonl"
+    if not log.exists() and not log.is_symlink():  # a link, a FIFO: refused by name when read (files.open_own)
         raise ValueError(f"{run_dir}: no train_log.jsonl (not a clipdist run directory, or no step logged yet)")
     record = RunRecord(jsonl_rows(run_dir / "train_log.jsonl")[0], jsonl_rows(run_dir / "metrics.jsonl")[0])
     log = run_dir / "train.log"
@@ -86,7 +90,7 @@ def metric_keys(evals: list[dict]) -> list[str]:
     return list(keys)
 
 
-def plot(record: RunRecord, path: Path, title: str) -> None:
+def plot(record: RunRecord, path: Path | BinaryIO, title: str) -> None:
     """report.png: four panels against the step, each start of the run marked, under `title`."""
     import matplotlib
 
@@ -142,6 +146,8 @@ def write_report(run_dir: str | Path) -> tuple[Path, str]:
     run_dir = Path(run_dir)
     record = read_run(run_dir)
     text = summary(record, run_dir.name)
-    plot(record, run_dir / PICTURE, text.splitlines()[0])
-    (run_dir / SUMMARY).write_text(text)
+    picture = io.BytesIO()
+    plot(record, picture, text.splitlines()[0])
+    write_atomic(run_dir / PICTURE, picture.getvalue())  # a link planted at either name is replaced, not followed
+    write_atomic(run_dir / SUMMARY, text)
     return run_dir / PICTURE, text

@@ -76,3 +76,45 @@ def test_a_directory_without_a_training_log_is_one_line(tmp_path, capsys):
         .err.strip()
         .endswith("no train_log.jsonl (not a clipdist run directory, or no step logged yet)")
     )
+
+
+def test_a_runs_own_logs_are_read_bounded_and_its_report_never_written_through_a_link(tmp_path, capsys):
+    """What a copied or shared run directory may hold: a log line nested past the parser, one endless line, NaN,
+    a FIFO or a link in place of a log, links planted at report.png / report.txt — read and written without a
+    traceback, a hang, unbounded memory, or a byte outside the run."""
+    import os
+
+    from clipdist.checkpoint.run_dir import jsonl_rows, rewind_jsonl
+
+    run = tmp_path / "run"
+    a_run(run)
+    log = run / "train_log.jsonl"
+    with log.open("a") as file:
+        file.write("\n" + "[" * 100_000 + "]" * 100_000 + "\n")  # RecursionError in json.loads
+        file.write('{"step": 60, "loss": NaN}\n')
+        file.write('{"step": "7"}\n{"step": true}\n')
+        file.write("x" * (3 << 20) + "\n")  # over the 1 MiB line bound
+        file.write(json.dumps({"step": 70, "loss": 1.0}) + "\n")
+    rows, damaged = jsonl_rows(log)
+    assert [row["step"] for row in rows] == [10, 20, 30, 40, 70] and damaged == 6  # the torn line, and those five
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("theirs\n")
+    for name in ("report.png", "report.txt"):
+        (run / name).symlink_to(outside)
+    assert cli(["report", str(run)]) == 0
+    assert outside.read_text() == "theirs\n" and not (run / "report.txt").is_symlink()
+    assert Image.open(run / "report.png").size[0] > 100
+
+    rewind_jsonl(log, 40)  # the rewind writes a new file and renames it: a planted temporary name is never used
+    assert [row["step"] for row in jsonl_rows(log)[0]] == [10, 20, 30, 40] and outside.read_text() == "theirs\n"
+
+    log.unlink()
+    log.symlink_to(outside)
+    capsys.readouterr()
+    assert cli(["report", str(run)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "symbolic link" in error and "theirs" not in error and "\n" not in error
+    log.unlink()
+    os.mkfifo(log)  # a FIFO would hang a reader that opens it plainly
+    assert cli(["report", str(run)]) == 2 and "not a regular file" in capsys.readouterr().err
