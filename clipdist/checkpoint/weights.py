@@ -482,6 +482,22 @@ def check_saved_config(config, path) -> None:
                 stack.extend((key, depth + 1, where) for key in value if isinstance(key, str))
 
 
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check_counters(progress: dict, path) -> None:
+    """The counters a resume continues from are what clipdist writes — `step` and `samples_seen` whole numbers ≥ 0,
+    `world_size` 1 to 2^20 — or the checkpoint is damaged (ValueError, one line): an edited `step=-5` would rewind
+    the logs past the run's start, a step stored as text fail deep in the loop."""
+    for key, low, high in (("step", 0, None), ("samples_seen", 0, None), ("world_size", 1, MAX_WORLD_SIZE)):
+        if key not in progress:
+            continue
+        value = progress[key]
+        if type(value) is not int or value < low or (high is not None and value > high):
+            shown = printable(repr(value))[:40] if isinstance(value, (int, str, float)) else type(value).__name__
+            raise ValueError(f"{path}: its {key} is {shown}, not a count clipdist writes (damaged or edited)")
+
+
 def verify(path: Path) -> dict:
     """Read every pickled part of checkpoint `path` the safe way, tensors left out where they can be: nothing in
     it may build more than clipdist saves (UnsafeFileError names the first thing that would). Before any rank
@@ -489,6 +505,7 @@ def verify(path: Path) -> dict:
     progress = read_progress(path)  # a .pt file whole: every pickled part there is
     if isinstance(progress, dict):
         check_saved_config(progress.get("config"), path)
+        check_counters(progress, path)
     if not path.is_dir():
         return progress
     metadata = SafeReader(str(path)).read_metadata()

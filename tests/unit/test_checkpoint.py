@@ -193,3 +193,19 @@ def test_a_readers_position_survives_packing_into_tensors():
     assert unpack_position(packed) == position
     empty = {**position, "reader": {**position["reader"], "buffer": []}}
     assert unpack_position(pack_position(empty)) == empty
+
+
+def test_edited_counters_in_progress_are_a_damaged_checkpoint(tmp_path):
+    """step=-5, a step stored as text, a world size holding a list: refused in one line by every route (verify),
+    never trained on (step -5 would rewind the logs past the run's start)."""
+    from clipdist.checkpoint import weights
+
+    files = CheckpointFiles(tmp_path, keep=3)
+    path = save(files, tiny_state(1.0), 10)
+    progress = weights.verify(path)
+    for key, value in (("step", -5), ("step", "10"), ("step", True), ("world_size", [1] * 1000), ("samples_seen", 1.5)):
+        edited = {**progress, key: value}
+        torch.save(edited, path / "progress.pt")
+        with pytest.raises(ValueError, match=f"its {key} is .*not a count clipdist writes") as raised:
+            weights.verify(path)
+        assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
