@@ -21,6 +21,7 @@ from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
+from clipdist.data.tables import total_rows
 from clipdist.data.transforms import augmentation_cfg, image_size_stages
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.distributed import launch, parallel
@@ -69,7 +70,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     with one_line(FileNotFoundError):
         shards = resolve_shards(cfg.data)
         readers = stream_readers(cfg, len(shards.train), resuming)
-        check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled)
+        rows = total_rows(shards.train)
+        check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, table_rows=rows)
     with one_line():
         check_naflex(cfg, student, readers, resuming)
     for evalset in shards.evals:

@@ -66,12 +66,19 @@ def unpack_position(packed: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def check_shard_count(shards: int, readers: int, *, resampled: bool) -> None:
-    """Epoch mode deals each pass's shards over the run's readers: each needs at least one (a ValueError otherwise)."""
+def check_shard_count(shards: int, readers: int, *, resampled: bool, table_rows: int | None = None) -> None:
+    """Epoch mode deals each pass's shards over the run's readers: each needs at least one (a ValueError otherwise;
+    for a table, the part size that would give every reader one)."""
     if not resampled and shards < readers:
+        split = (
+            f" The table's {table_rows} rows are read in parts of data.csv_rows_per_part rows: "
+            f"data.csv_rows_per_part={max(1, table_rows // readers)} gives {readers} part(s) or more."
+            if table_rows
+            else ""
+        )
         raise ValueError(
             f"{shards} shard(s) for {readers} reader(s) (ranks × data.workers, or data.readers): every reader needs at "
-            "least one shard. Use more shards, fewer data.workers or data.readers, or data.resampled=true"
+            f"least one shard.{split} Use more shards, fewer data.workers or data.readers, or data.resampled=true"
         )
 
 

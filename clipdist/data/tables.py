@@ -129,3 +129,11 @@ def part_members(url: str):
                 extension = image.suffix.lower().lstrip(".")
                 yield f"{key}.{extension if extension in IMAGE_EXTENSIONS else 'jpg'}", data  # decoded by content
             yield f"{key}.txt", row[caption_at].encode("utf-8")
+
+
+def total_rows(urls: list[str]) -> int | None:
+    """The rows of a shard list when every shard is a table part (the only kind whose size is known before
+    reading), else None."""
+    if not urls or not all(url.startswith(SCHEME) for url in urls):
+        return None
+    return sum(part_rows(url) for url in urls)

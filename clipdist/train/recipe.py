@@ -99,10 +99,7 @@ def captions_line(cfg: TrainConfig, model: torch.nn.Module, trimmed: bool) -> st
 
 def table_rows(shards: Shards) -> int | None:
     """The training rows where every shard is a table part (the only kind whose size is known before reading)."""
-    urls = shards.train
-    if not urls or not all(url.startswith(tables.SCHEME) for url in urls):
-        return None
-    return sum(tables.part_rows(url) for url in urls)
+    return tables.total_rows(shards.train)
 
 
 def traps(cfg: TrainConfig, shards: Shards) -> list[str]:

@@ -757,3 +757,14 @@ def test_make_shards_captions_a_folder_as_evaluation_names_its_class(tmp_path):
         "a photo of a blue circle",
         "a round blue thing",
     ]
+
+
+def test_too_few_table_parts_for_the_readers_names_the_part_size_that_fits():
+    from clipdist.data.stream import check_shard_count
+
+    with pytest.raises(ValueError, match=r"900 rows .* data.csv_rows_per_part=450 gives 2 part\(s\)"):
+        check_shard_count(1, 2, resampled=False, table_rows=900)
+    with pytest.raises(ValueError) as raised:
+        check_shard_count(1, 2, resampled=False)
+    assert "csv_rows_per_part" not in str(raised.value)
+    check_shard_count(2, 2, resampled=False, table_rows=900)
