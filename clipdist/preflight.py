@@ -19,8 +19,9 @@ from clipdist.config import Device, TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, SampleOrder
+from clipdist.data.samples import SampleKeys
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
-from clipdist.data.stream import check_pieces, check_shard_count, kept_readers, run_readers
+from clipdist.data.stream import check_caption_keys, check_pieces, check_shard_count, kept_readers, run_readers
 from clipdist.data.tables import total_rows
 from clipdist.data.transforms import augmentation_cfg, image_size_stages
 from clipdist.data.workers import LoaderPlan, loader_workers
@@ -72,6 +73,7 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
         readers = stream_readers(cfg, len(shards.train), resuming)
         rows = total_rows(shards.train)
         check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, table_rows=rows)
+        check_caption_keys(shards.train, SampleKeys(tuple(cfg.data.caption_keys), None, tuple(cfg.data.image_keys)))
     with one_line():
         check_naflex(cfg, student, readers, resuming)
     for evalset in shards.evals:

@@ -15,6 +15,7 @@ import random
 import time
 
 import torch
+import webdataset as wds
 
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
@@ -22,7 +23,7 @@ from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.loader import Loader, assemble
 from clipdist.data.naflex import TokenBudget, resolve_budget
 from clipdist.data.order import BudgetOrder, SampleOrder
-from clipdist.data.reader import Reader, ShardList, ShardSequence
+from clipdist.data.reader import Reader, ShardList, ShardSequence, shard_samples
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 
@@ -79,6 +80,31 @@ def check_shard_count(shards: int, readers: int, *, resampled: bool, table_rows:
         raise ValueError(
             f"{shards} shard(s) for {readers} reader(s) (ranks × data.workers, or data.readers): every reader needs at "
             f"least one shard.{split} Use more shards, fewer data.workers or data.readers, or data.resampled=true"
+        )
+
+
+def check_caption_keys(urls: list[str], keys: SampleKeys, samples: int = 8) -> None:
+    """Before any rank starts: where the first shard is a local file or part, its first samples have a caption at
+    data.caption_keys — a ValueError naming the keys and what the samples have otherwise (a key that matches
+    nothing would fail only once the run had started). Remote shards (`pipe:`, URLs) are not read here."""
+    if not urls or urls[0].startswith("pipe:") or "://" in urls[0]:
+        return
+    first, found = None, 0
+    try:
+        for sample in itertools.islice(shard_samples(urls[0], wds.reraise_exception), samples):
+            found += 1
+            try:
+                keys.caption(sample)
+                return
+            except ValueError as error:
+                first = first or error
+    except Exception:  # noqa: BLE001 -- an unreadable shard is the shard checks' to report, not this one's
+        return
+    if first is not None:
+        reason = str(first).split(": ", 1)[-1] if ": " in str(first) else str(first)
+        raise ValueError(
+            f"data.caption_keys={list(keys.caption_keys)}: none of the first {found} samples of {urls[0]} has a "
+            f"caption there ({reason}); name a key they have, e.g. data.caption_keys=[txt] or [json:caption]"
         )
 
 

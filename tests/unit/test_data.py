@@ -768,3 +768,20 @@ def test_too_few_table_parts_for_the_readers_names_the_part_size_that_fits():
         check_shard_count(1, 2, resampled=False)
     assert "csv_rows_per_part" not in str(raised.value)
     check_shard_count(2, 2, resampled=False, table_rows=900)
+
+
+def test_a_caption_key_that_matches_nothing_is_refused_before_any_rank_starts(tmp_path):
+    """data.caption_keys=[json:recaption] on shards whose samples have .txt and a .json without it: one line naming
+    what the first samples have; a key that matches passes."""
+    from clipdist.data.samples import SampleKeys
+    from clipdist.data.stream import check_caption_keys
+
+    for i in range(3):
+        (tmp_path / f"{i}.png").write_bytes(png(i))
+    (tmp_path / "pairs.tsv").write_text("filepath\ttitle\n0.png\tzero\n1.png\tone\n2.png\ttwo\n")
+    assert cli(["make-shards", "--csv", str(tmp_path / "pairs.tsv"), "--out", str(tmp_path / "out")]) == 0
+    shards = [str(path) for path in sorted((tmp_path / "out").glob("*.tar"))]
+    with pytest.raises(ValueError, match=r"none of the first 3 samples .* no caption at json:recaption; it has"):
+        check_caption_keys(shards, SampleKeys(("json:recaption",)))
+    check_caption_keys(shards, SampleKeys(("json:recaption", "txt")))  # the second key matches
+    check_caption_keys(["pipe:curl -s https://example.invalid/x.tar"], SampleKeys(("nothing",)))  # not read here
