@@ -18,8 +18,23 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from clipdist.errors import ConfigError
-from clipdist.files import read_lines, write_atomic
+from clipdist.errors import ConfigError, printable
+from clipdist.files import open_own, read_lines, write_atomic
+
+
+def running_holder(run_dir: str | Path) -> str | None:
+    """Who holds the run directory's lock (a run in progress: "pid 123 on node4 since ..."), or None. Asked with a
+    shared, non-blocking flock on a descriptor of its own, released at once."""
+    try:
+        with open_own(Path(run_dir) / ".lock") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return printable(handle.read(200).decode("utf-8", "replace").strip()) or "another process"
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    except OSError:
+        return None
+    return None
 
 
 class RunLock:

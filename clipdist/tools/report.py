@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO
 
-from clipdist.checkpoint.run_dir import jsonl_rows
+from clipdist.checkpoint.run_dir import jsonl_rows, running_holder
 from clipdist.files import write_atomic
 
 PICTURE, SUMMARY = "report.png", "report.txt"
@@ -59,24 +59,49 @@ def read_run(run_dir: str | Path) -> RunRecord:
     return record
 
 
-def summary(record: RunRecord, name: str) -> str:
-    """A few lines: how far the run went, what it skipped, the best and last of each metric."""
+HEADLINES = ("zeroshot_top1", "t2i_r1", "i2t_r1", "val_clip_loss")  # the first a run has is its headline
+
+
+def summary(record: RunRecord, name: str, running: str | None = None) -> str:
+    """A few lines: a headline (what state the run is in, how far it went, its main result), what it skipped, the
+    best and last of each metric — image→text recall said to be degenerate where the captions repeat."""
     last = record.train[-1] if record.train else {}
+    state = f"RUNNING ({running})" if running else "not running"
+    keys = metric_keys(record.evals)
+    headline = next((key for key in HEADLINES if key in keys), None)
+    result = ""
+    if headline:
+        points = [(row["step"], row[headline]) for row in record.evals if isinstance(row.get(headline), (int, float))]
+        result = f"; {headline} {points[-1][1]:.4g} at step {points[-1][0]}"
     lines = [
-        f"run {name}: step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen"
-        + (f", train.log spans {record.seconds / 60:.1f} min" if record.seconds else "")
-        + f", {len(record.starts)} start(s)"
+        f"run {name}: {state}, step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen" + result,
+        (f"train.log spans {record.seconds / 60:.1f} min, " if record.seconds else "")
+        + f"{len(record.starts)} start(s)"
         + "".join(
             f"; resumed at step {step}" + (f" on {ranks} rank(s)" if ranks else "") for step, ranks in record.starts[1:]
         ),
         f"skipped: {last.get('skipped_samples', 0)} sample(s), {last.get('skipped_shards', 0)} shard(s), "
         f"{last.get('skipped_steps', 0)} step(s); last loss {last.get('loss', float('nan')):.4f}",
     ]
-    for key in metric_keys(record.evals):
+    for key in keys:
         points = [(row["step"], row[key]) for row in record.evals if isinstance(row.get(key), (int, float))]
         best = (min if LOWER_IS_BETTER.search(key) else max)(points, key=lambda point: point[1])
-        lines.append(f"{key}: last {points[-1][1]:.4g} (step {points[-1][0]}), best {best[1]:.4g} (step {best[0]})")
+        lines.append(
+            f"{key}: last {points[-1][1]:.4g} (step {points[-1][0]}), best {best[1]:.4g} (step {best[0]})"
+            + _degenerate(key, record.evals[-1])
+        )
     return "\n".join(lines) + "\n"
+
+
+def _degenerate(key: str, row: dict) -> str:
+    """Why an image→text metric says little on this set: fewer distinct captions than images (e.g. the digits'
+    10 prompts for 359 images), so most images' own caption ties with others', and ties count against them."""
+    prefix = key.split("/")[0] + "/" if "/" in key else "val_"  # the main set's counts are val_*, a named set's name/*
+    distinct, images = row.get(f"{prefix}distinct_captions"), row.get(f"{prefix}images")
+    stem = key.split("/")[-1]
+    if stem.startswith("i2t_") and isinstance(distinct, int) and isinstance(images, int) and distinct < images:
+        return f"  [degenerate: {distinct} distinct captions for {images} images]"
+    return ""
 
 
 def metric_keys(evals: list[dict]) -> list[str]:
@@ -145,7 +170,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, str]:
     """report.png and report.txt into the run directory; (the picture's path, the summary)."""
     run_dir = Path(run_dir)
     record = read_run(run_dir)
-    text = summary(record, run_dir.name)
+    text = summary(record, run_dir.name, running_holder(run_dir))
     picture = io.BytesIO()
     plot(record, picture, text.splitlines()[0])
     write_atomic(run_dir / PICTURE, picture.getvalue())  # a link planted at either name is replaced, not followed

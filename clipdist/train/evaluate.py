@@ -336,7 +336,8 @@ def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.T
     owner, kept = remap[owners], images[keep]
     image_rank = _ranked(kept, texts, lambda block, start: image_ranks(block, owner, start))
     caption_rank = _ranked(texts, kept, lambda block, start: caption_ranks(block, owner[start : start + len(block)]))
-    metrics = {}
+    # captions that repeat (class-name prompts) make image→text recall degenerate: ties count against the image
+    metrics = {"distinct_captions": len(torch.unique(torch.round(texts.float() * 1e4), dim=0)), "images": len(kept)}
     for name, ranks in (("i2t", image_rank), ("t2i", caption_rank)):
         metrics.update({f"{name}_r{k}": (ranks < k).double().mean().item() for k in ks})  # the fraction, as float64
         metrics[f"{name}_mean_rank"] = ranks.double().mean().item() + 1  # exact: float32 would round the sum

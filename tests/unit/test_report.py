@@ -4,6 +4,7 @@ and last of each metric, one picture."""
 from __future__ import annotations
 
 import json
+import os
 
 from PIL import Image
 
@@ -57,9 +58,8 @@ def test_a_report_reads_the_starts_and_gives_the_best_and_last_of_each_metric(tm
     text = (run / "report.txt").read_text()
     assert text in capsys.readouterr().out
     lines = text.splitlines()
-    assert lines[0] == (
-        "run run: step 40, 2,560 samples seen, train.log spans 1.0 min, 2 start(s); resumed at step 20 on 2 rank(s)"
-    )
+    assert lines[0] == "run run: not running, step 40, 2,560 samples seen; zeroshot_top1 0.4 at step 40"
+    assert lines[1] == "train.log spans 1.0 min, 2 start(s); resumed at step 20 on 2 rank(s)"
     assert "zeroshot_top1: last 0.4 (step 40), best 0.5 (step 20)" in lines  # higher is better
     assert "val_clip_loss: last 2 (step 40), best 2 (step 40)" in lines  # lower is better
     assert "i2t_mean_rank: last 7 (step 40), best 7 (step 40)" in lines
@@ -118,3 +118,31 @@ def test_a_runs_own_logs_are_read_bounded_and_its_report_never_written_through_a
     log.unlink()
     os.mkfifo(log)  # a FIFO would hang a reader that opens it plainly
     assert cli(["report", str(run)]) == 2 and "not a regular file" in capsys.readouterr().err
+
+
+def test_the_headline_says_whether_the_run_is_running_and_its_result(tmp_path, capsys):
+    from clipdist.checkpoint.run_dir import RunLock
+
+    run = tmp_path / "run"
+    a_run(run)
+    with RunLock(run):
+        assert cli(["report", str(run)]) == 0
+        headline = capsys.readouterr().out.splitlines()[0]
+        assert (
+            headline.startswith(f"run run: RUNNING (pid {os.getpid()} on ")
+            and "zeroshot_top1 0.4 at step 40" in headline
+        )
+    assert cli(["report", str(run)]) == 0
+    assert capsys.readouterr().out.startswith("run run: not running, step 40")
+
+
+def test_image_to_text_recall_over_repeated_captions_is_said_to_be_degenerate(tmp_path, capsys):
+    run = tmp_path / "run"
+    a_run(run)
+    with (run / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps({"step": 50, "i2t_r1": 0.0, "val_distinct_captions": 10, "val_images": 359}) + "\n")
+    assert cli(["report", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(
+        line.startswith("i2t_r1:") and "degenerate: 10 distinct captions for 359 images" in line for line in lines
+    )

@@ -42,7 +42,7 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
     assert all(line in lines for line in banner), first.stdout
     assert all(line in (run_dir / "train.log").read_text() for line in banner)
     assert (run_dir / "report.png").is_file()  # written at the end of every run (clipdist report)
-    assert (run_dir / "report.txt").read_text().startswith("run run: step 3, 48 samples seen")
+    assert (run_dir / "report.txt").read_text().startswith("run run: not running, step 3, 48 samples seen")
 
     resumed = train(run_dir, cache_dir, "optim.max_steps=4", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
