@@ -510,6 +510,36 @@ def _config_folder_runs_code(folder: Path) -> str | None:
     return None
 
 
+def train_help() -> str:
+    """`python train.py --help`: the config groups and their options, then every key with its default and what it
+    is (from the schema's own comments: clipdist.config.describe_keys)."""
+    from clipdist.config import CONF, describe_keys
+
+    chosen = dict(
+        re.findall(r"(?m)^\s*-\s*(\w+):\s*(\w+)\s*$", (CONF / "config.yaml").read_text())
+    )  # the defaults list: group -> option
+    groups = []
+    for folder in sorted(
+        path for path in CONF.iterdir() if path.is_dir() and path.name not in ("hydra", "__pycache__")
+    ):
+        options = sorted(path.stem for path in folder.glob("*.yaml"))
+        shown = [f"{name} (default)" if name == chosen.get(folder.name) else name for name in options]
+        groups.append(f"  {folder.name}=: {', '.join(shown)}")
+    return "\n".join(
+        [
+            "python train.py [group=option ...] [key=value ...]    e.g. python train.py loss=disco world=cpu2",
+            "",
+            "Config groups (clipdist/conf/<group>/<option>.yaml):",
+            *groups,
+            "",
+            "Keys (key = default  — what it is); a misspelt key is refused with the nearest ones:",
+            *describe_keys(),
+            "",
+            "The composed config: python train.py --cfg job [overrides]; Hydra's help: python train.py --hydra-help.",
+        ]
+    )
+
+
 def unwritable_run_dir(arguments: list[str]) -> str | None:
     """One line where the run directory the overrides name (runs/<name> under the working directory by default)
     cannot be made or written — a read-only file system, no permission — else None. Checked on the nearest folder
@@ -547,6 +577,14 @@ def train_main(overrides: list[str] | None = None) -> None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
     from clipdist.config import unknown_override
 
+    if (
+        "--help" in sys.argv[1:] or "-h" in sys.argv[1:]
+    ):  # every key with its default and meaning; Hydra's own: --hydra-help
+        try:
+            print(train_help())
+        except BrokenPipeError:  # `| head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return
     problem = closed_door(sys.argv[1:]) or unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
     if problem:  # before Hydra makes the directory (its traceback otherwise)
         print(f"error: {printable(problem)}", file=sys.stderr)

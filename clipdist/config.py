@@ -202,7 +202,7 @@ class ModelConfig:
     pretrained: str | None = None  # an open_clip pretrained tag of `name` (laion2b_s34b_b79k, openai, ...)
     checkpoint: str | None = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
     cache_dir: str | None = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~30% more compute)
     compile: bool = False  # torch.compile the towers (before DDP wraps them)
     # Locked towers (LiT, fine-tuning): open_clip's own lock functions; a locked parameter gets no gradient.
     lock_image: bool = False  # freeze the image tower
@@ -213,6 +213,7 @@ class ModelConfig:
     lock_text_freeze_layer_norm: bool = True  # false: the LayerNorms of locked layers still train (HF text towers)
     # Per-run changes to the model config (no JSON needed), as open_clip's --force-* flags:
     force_image_size: int | None = None
+    # text tokens per caption; null: the model's own (open_clip's --force-context-length)
     force_context_length: int | None = None
     force_patch_dropout: float | None = None  # fraction of image patches dropped in training (FLIP); 0: none
     force_quick_gelu: bool = False  # QuickGELU activations (OpenAI's pretrained weights need them)
@@ -221,9 +222,9 @@ class ModelConfig:
     pretrained_image: bool = False  # a timm image tower starts from timm's ImageNet weights (fetched into the cache)
     # Image preprocessing for training and evaluation; null: the model config's (or its pretrained tag's)
     image_mean: list[float] | None = None
-    image_std: list[float] | None = None
-    image_interpolation: Interpolation | None = None
-    image_resize_mode: ResizeMode | None = None
+    image_std: list[float] | None = None  # per-channel std for normalisation; null: the model's own
+    image_interpolation: Interpolation | None = None  # resize interpolation; null: the model's own
+    image_resize_mode: ResizeMode | None = None  # how an image meets the tower's size; null: the model's own
 
 
 @dataclass
@@ -234,9 +235,9 @@ class AugmentationConfig:
     ratio: list[float] | None = None  # crop aspect-ratio range; null: [3/4, 4/3]
     color_jitter: list[float] | None = None  # brightness, contrast, saturation[, hue]
     color_jitter_prob: float | None = None  # with gray_scale_prob: SimCLR-style jitter applied with this probability
-    gray_scale_prob: float | None = None
+    gray_scale_prob: float | None = None  # probability of a grey-scale image; null: none
     re_prob: float | None = None  # random erasing probability (with use_timm)
-    re_count: int | None = None
+    re_count: int | None = None  # random-erasing regions per image; null: timm's default
     use_timm: bool = False  # timm's create_transform (RandAugment-style pipelines, random erasing)
 
 
@@ -265,14 +266,14 @@ class DataConfig:
     # Where a training sample's caption is: member extensions (txt) or JSON paths (json:caption, json:captions.0;
     # json:captions, a list: one drawn); the first the sample has, or one drawn by caption_probs (seeded per sample)
     caption_keys: list[str] = field(default_factory=lambda: ["txt"])
-    caption_probs: list[float] | None = None
+    caption_probs: list[float] | None = None  # one probability per caption key: draw among the keys a sample has
     image_keys: list[str] = field(default_factory=list)  # image extensions to read, first found; empty: any image
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
     weights: list[float] | None = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
-    split: Split = Split.node
+    split: Split = Split.node  # node: each rank reads its own shards; replicated: every rank reads them all
     augment: bool = True  # augment training images (data.augmentation); false: the evaluation transform
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
-    shuffle_buffer: int = non_negative(1000)
+    shuffle_buffer: int = non_negative(1000)  # samples in each reader's shuffle buffer (0: shard order)
     workers: int | None = non_negative(0)  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
     pieces: int = positive(
         1
@@ -283,7 +284,7 @@ class DataConfig:
     worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     source_dir: str | None = None  # where a built-in source's raw files are (fashion_mnist)
-    cache_dir: str = "~/.cache/clipdist"
+    cache_dir: str = "~/.cache/clipdist"  # where built-in datasets are written on first use
     classnames: list[str] = field(
         default_factory=list
     )  # zero-shot classes; empty: a built-in source's or classnames.txt
@@ -386,13 +387,13 @@ class GradCacheConfig:
 
 @dataclass
 class WorldConfig:
-    name: str = "local"
-    nodes: int = positive(1)
-    procs_per_node: int = positive(1)
-    device: Device = Device.auto
-    backend: Backend = Backend.auto
-    batch_per_device: int = positive(64)
-    parallel: Parallel = Parallel.ddp
+    name: str = "local"  # the preset's name (world=<name>)
+    nodes: int = positive(1)  # nodes the launch spans
+    procs_per_node: int = positive(1)  # processes (ranks) per node
+    device: Device = Device.auto  # auto: CUDA if present, else CPU
+    backend: Backend = Backend.auto  # auto: nccl on CUDA, gloo on CPU
+    batch_per_device: int = positive(64)  # samples per rank per step (global batch = this × ranks)
+    parallel: Parallel = Parallel.ddp  # ddp (replicated weights) or fsdp (FSDP2: sharded weights and AdamW state)
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm; towers with BatchNorm)
     spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
     timeout_s: int = positive(COLLECTIVE_TIMEOUT_S)  # bound on every collective
@@ -428,8 +429,8 @@ class OptimConfig:
         "max_logit_scale": FREE,
     }
     name: str = "adamw"  # adamw (torch's, fused), or any timm optimizer: lion, lamb, nadamw, sgd, ... (timm.optim)
-    lr: float = non_negative(2e-3)
-    weight_decay: float = non_negative(0.1)
+    lr: float = non_negative(2e-3)  # peak learning rate
+    weight_decay: float = non_negative(0.1)  # decoupled weight decay on the matrices (optim.no_decay: the exceptions)
     betas: list[float] | None = field(default_factory=lambda: [0.9, 0.98])  # null: the optimizer's own
     eps: float | None = 1e-6  # null: the optimizer's own
     momentum: float | None = None  # for optimizers that take one (sgd, ...)
@@ -440,14 +441,14 @@ class OptimConfig:
     no_decay: list[str] = field(default_factory=lambda: ["bn", "ln", "bias", "logit_scale"])
     image_layer_decay: float | None = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
     text_layer_decay: float | None = None  # the same in the text tower
-    schedule: Schedule = Schedule.cosine
-    warmup_steps: int = non_negative(50)
-    max_steps: int = positive(600)
+    schedule: Schedule = Schedule.cosine  # cosine | const | const_cooldown, after warmup
+    warmup_steps: int = non_negative(50)  # linear warmup steps
+    max_steps: int = positive(600)  # optimizer steps the run trains
     cooldown_steps: int | None = None  # const_cooldown: the last this many steps decay
     cooldown_end_lr: float = 0.0  # const_cooldown: the lr at the last step
     cooldown_power: float = 1.0  # const_cooldown: 1 linear, else polynomial decay
     grad_clip: float = non_negative(1.0)  # max global grad norm; 0 disables
-    max_logit_scale: float = 100.0
+    max_logit_scale: float = 100.0  # the learnt logit scale is clamped at this (CLIP's 100)
 
 
 @dataclass
@@ -465,12 +466,12 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    wandb: WandbMode = WandbMode.offline
+    wandb: WandbMode = WandbMode.offline  # offline (no network; wandb sync later) | online | disabled
     tensorboard: bool = False  # also TensorBoard event files in <run_dir>/tensorboard/ (needs the tensorboard package)
-    project: str = "clipdist"
+    project: str = "clipdist"  # the W&B project
     wandb_notes: str | None = None  # the W&B run's notes
-    log_every: int = positive(10)
-    progress: bool = True
+    log_every: int = positive(10)  # train_log.jsonl / W&B: step 1, every N-th after it, and the last
+    progress: bool = True  # a progress bar on the console
     profile_steps: int = non_negative(
         0
     )  # >0: torch.profiler over this many steps -> <run_dir>/profile/ (trace + table per rank)
@@ -482,18 +483,19 @@ class LoggingConfig:
 @dataclass
 class TrainConfig:
     RESUME: ClassVar[dict] = {"precision": WARN}
-    name: str = MISSING
-    run_dir: str = "runs/${name}"
-    seed: int = 0
+    name: str = MISSING  # the run's name (default: the start time); runs/<name> unless run_dir says
+    run_dir: str = "runs/${name}"  # the run's directory: checkpoints, logs, report
+    seed: int = 0  # seeds weights, data order and augmentation
     resume: str = "auto"  # auto: newest checkpoint in run_dir | never | path to a checkpoint
+    # auto | fp32 | bf16 | fp16 | pure_bf16 | pure_fp16 (open_clip's amp names too)
     precision: Precision = Precision.auto
-    eval_every: int = positive(200)
-    checkpoint_every: int = positive(200)
+    eval_every: int = positive(200)  # evaluate every N steps (and at the end)
+    checkpoint_every: int = positive(200)  # save every N steps (and on a stop signal)
     checkpoint_every_minutes: float | None = above_zero(
         None
     )  # also checkpoint when this much time passed since the last
-    keep_checkpoints: int = positive(3)
-    on_checkpoint_error: OnCheckpointError = OnCheckpointError.stop
+    keep_checkpoints: int = positive(3)  # the newest N checkpoints are kept
+    on_checkpoint_error: OnCheckpointError = OnCheckpointError.stop  # stop | warn: what a failed save does
     max_nonfinite_steps: int = positive(10)  # non-finite losses in a row before the run stops (after a checkpoint)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -704,3 +706,75 @@ def unknown_override(arguments: list[str]) -> str | None:
             "options exist with its loss=)"
         )
     return None
+
+
+def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str]:
+    """(dataclass name, field name) -> the comment the schema's source gives it: on the field's line, or the comment
+    lines just above it. Read from the module's source (this one's, or the loss registry's)."""
+    import ast
+    import io
+    import tokenize
+
+    source = Path(source_file).read_text()
+    comments: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+    lines = source.splitlines()
+    notes = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                said = [
+                    comments[line]
+                    for line in range(item.lineno, (item.end_lineno or item.lineno) + 1)
+                    if line in comments
+                ]
+                above, line = [], item.lineno - 1
+                while line in comments and lines[line - 1].lstrip().startswith("#"):
+                    above.insert(0, comments[line])
+                    line -= 1
+                text = " ".join(above + said)
+                if text:
+                    notes[node.name, item.target.id] = text
+    return notes
+
+
+def describe_keys() -> list[str]:
+    """One line per key of the schema: `key = default  — what it is` (`python train.py --help`)."""
+    from clipdist.losses import specs
+
+    notes, described = {**field_notes(), **field_notes(specs.__file__)}, []
+
+    def walk(schema, prefix: str) -> None:
+        hints = typing.get_type_hints(schema)
+        for item in fields(schema):
+            path = f"{prefix}{item.name}"
+            if is_dataclass(hints[item.name]):
+                walk(hints[item.name], f"{path}.")
+                continue
+            default = (
+                item.default
+                if item.default is not MISSING_FIELD
+                else (item.default_factory() if item.default_factory is not MISSING_FIELD else "???")
+            )
+            default = default.value if isinstance(default, Enum) else default
+            shown = str(default) if not isinstance(default, str) else repr(default)
+            note = notes.get((schema.__name__, item.name), "")
+            described.append(f"  {path} = {shown}" + (f"  — {note}" if note else ""))
+
+    walk(TrainConfig, "")
+    options: dict[str, list[str]] = {}
+    for name, spec in BACKENDS.items():
+        if spec.options is not None:
+            for item in fields(spec.options):
+                options.setdefault(f"{spec.options.__name__}.{item.name}", [])
+                options[f"{spec.options.__name__}.{item.name}"].append(name)
+    for key, backends in options.items():
+        owner, name = key.split(".")
+        item = next(f for f in fields(BACKENDS[backends[0]].options) if f.name == name)
+        note = notes.get((owner, name), "")
+        described.append(f"  loss.{name} = {item.default}  — (loss={' | '.join(backends)}) {note}".rstrip())
+    return described

@@ -332,3 +332,17 @@ def test_hydras_doors_that_run_or_leak_are_closed_before_hydra_opens_them(tmp_pa
         assert "may not read the environment" in said and "sekrit" not in said
     assert "may not name code" in closed_door(["+hydra.callbacks.x._target_=os.system"])
     assert closed_door(["loss=disco", "optim.lr=1e-3", "run_dir=/tmp/${name}"]) is None
+
+
+def test_train_help_describes_every_key_and_lists_every_group_option(capsys):
+    """`python train.py --help`: every key of the schema with its default and a description, at once."""
+    from clipdist.cli import train_help
+    from clipdist.config import schema_keys
+
+    text = train_help()
+    described = {line.split(" = ")[0].strip(): line for line in text.splitlines() if " = " in line}
+    keys, free = schema_keys()
+    leaves = {key for key in keys if not any(other.startswith(key + ".") for other in keys)}
+    assert leaves <= set(described), sorted(leaves - set(described))
+    assert all("  — " in described[key] for key in leaves), [key for key in leaves if "  — " not in described[key]]
+    assert "loss=: disco (default), gather_layer, naive, siglip, tiled" in text
