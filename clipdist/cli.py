@@ -300,6 +300,11 @@ def _plan(args: argparse.Namespace) -> int:
     for row in rows:
         name = row.backend + (f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
         chunks = f"{row.chunks:,}×{row.micro_batch:,}" if row.chunks > 1 else "1"
+        largest = f"{row.max_global_batch:,}"
+        if row.chunk_size:  # --chunks auto: say the size, and that the largest batch is in chunks of it too
+            chunks = f"auto: {row.chunks:,}×{min(row.chunk_size, row.local_batch):,}"
+            per_rank = row.max_global_batch // max(row.global_batch // row.local_batch, 1)
+            largest += f" ({-(-per_rank // row.chunk_size):,}×{row.chunk_size:,})"
         fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
         table.add_row(
             name,
@@ -320,7 +325,7 @@ def _plan(args: argparse.Namespace) -> int:
             fits,
             human_bytes(row.host_per_node),
             human_bytes(row.sent_bytes_per_step),
-            f"{row.max_global_batch:,}",
+            largest,
             row.limit,
         )
     console.print(table)

@@ -149,6 +149,8 @@ class PlanRow:
     limit: str  # what stops the batch from growing past max_global_batch
     parallel: str = "ddp"
     teacher: float = 0.0  # distillation (--distill): the teacher's weights, its features, the term's ring buffers
+    # --chunks auto: the chunk size chosen; the request and max_global_batch are both in chunks of this size
+    chunk_size: int | None = None
 
 
 @dataclass
@@ -404,14 +406,14 @@ def plan(
     for parallel in parallel_options:
         for backend in backends:
             for chunks in chunks_options:
-                if chunks == AUTO:
+                auto = chunks == AUTO
+                if auto:  # chunks of `micro` samples (the auto size), for this batch and the largest
                     micro, largest, limit = auto_micro_batch(m, backend, world_size, device_bytes, parallel, host)
-                    micro = min(micro, local_batch)
                     chunks = -(-local_batch // micro)
                 else:
                     micro = -(-local_batch // chunks)
                     largest, limit = largest_local_batch(m, backend, world_size, chunks, device_bytes, parallel, host)
-                parts = breakdown(m, backend, world_size, local_batch, micro, parallel, host)
+                parts = breakdown(m, backend, world_size, local_batch, min(micro, local_batch), parallel, host)
                 del parts["growing"], parts["kept_for_backward"]
                 rows.append(
                     PlanRow(
@@ -426,6 +428,7 @@ def plan(
                         max_global_batch=world_size * largest,
                         limit=limit,
                         parallel=parallel,
+                        chunk_size=micro if auto else None,
                     )
                 )
     return rows

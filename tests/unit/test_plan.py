@@ -45,3 +45,25 @@ def test_a_distillation_teacher_adds_its_weights_features_and_ring_buffers_to_th
             10**8,
         )[0]
     )
+
+
+@pytest.mark.parametrize("global_batch", [4 * 8, 4 * 4096])
+def test_the_auto_row_is_the_chunk_size_it_chose_for_the_request_and_the_largest_batch(global_batch):
+    """--chunks auto: the row's micro_batch is the chosen chunk size, its largest batch is that chunk size's (one of
+    the candidates it chose from, within 5% of the best), and its chunks are that size's for the requested batch —
+    even where the requested batch is smaller than one chunk (was: chunks 1 at the local batch, beside the largest
+    batch of another chunk size)."""
+    from clipdist.tools.memory import LOSS_TERMS, ActivationFit, LossFit
+
+    fit = LossFit("tiled", tuple([0.0] * len(LOSS_TERMS)), 0.0)
+    measured = plan.Measurements(ActivationFit(10_000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], [])
+    host, device = plan.Host(4, 1, 10**15), 10**9
+    (row,) = plan.plan(measured, ["tiled"], [plan.AUTO], 4, global_batch, device, host=host)
+    local = global_batch // 4
+    candidates = {
+        size: plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=size)[0]
+        for size in (2**k for k in range(20))
+    }
+    assert row.micro_batch in candidates and row.max_global_batch == 4 * candidates[row.micro_batch]
+    assert candidates[row.micro_batch] >= plan.AUTO_CHUNK_SHARE * max(candidates.values())
+    assert row.chunks == -(-local // row.micro_batch)
