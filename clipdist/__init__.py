@@ -12,7 +12,7 @@ LAYERS = (
     # components built from config: losses, towers, data, checkpoints, optimizer, trackers
     ("losses", "model", "data", "checkpoint", "train.optim", "train.tracking"),
     # what combines components: the loss terms, one step, evaluation, the checks before any rank starts
-    ("objective", "train.step", "train.evaluate", "train.recipe", "preflight"),
+    ("objective", "train.step", "train.parts", "train.evaluate", "train.recipe", "preflight"),
     # the loop
     ("train", "train.trainer"),
     # the commands

@@ -9,7 +9,10 @@ schema (`loss=tiled` → TiledLossConfig with `tile`). `validate` checks what ty
 
 from __future__ import annotations
 
+import ast
 import difflib
+import io
+import tokenize
 import types
 import typing
 from dataclasses import MISSING as MISSING_FIELD
@@ -34,6 +37,7 @@ from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the check
     WARN,
 )
 from clipdist.errors import ConfigError, printable
+from clipdist.losses import specs
 from clipdist.losses.specs import BACKENDS, LossSpec
 
 
@@ -711,10 +715,6 @@ def unknown_override(arguments: list[str]) -> str | None:
 def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str]:
     """(dataclass name, field name) -> the comment the schema's source gives it: on the field's line, or the comment
     lines just above it. Read from the module's source (this one's, or the loss registry's)."""
-    import ast
-    import io
-    import tokenize
-
     source = Path(source_file).read_text()
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -744,8 +744,6 @@ def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str
 
 def describe_keys() -> list[str]:
     """One line per key of the schema: `key = default  — what it is` (`python train.py --help`)."""
-    from clipdist.losses import specs
-
     notes, described = {**field_notes(), **field_notes(specs.__file__)}, []
 
     def walk(schema, prefix: str) -> None:

@@ -18,7 +18,7 @@ import open_clip
 import torch
 
 from clipdist.tools.gpu_battery import config, synthetic_batch
-from clipdist.train.trainer import build_parts
+from clipdist.train.parts import build_parts
 
 
 def bare_step(model, optimizer, scheduler, loss_fn, pixels, tokens, mean, std, grad_clip: float) -> None:

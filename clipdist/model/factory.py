@@ -672,8 +672,8 @@ def create_model_for_loss(
 
 
 def create_run_model(
-    model_cfg, loss_cfg, loss_fn, device: torch.device, dtype: torch.dtype, local_rank: int = 0
-) -> tuple[torch.nn.Module, object]:
+    model_cfg, loss_cfg, loss_fn, device: torch.device, dtype: torch.dtype | None, local_rank: int = 0
+) -> tuple[torch.nn.Module, BoundedTokenizer]:
     """A run's model (model and loss sections: starting weights, overrides, scalars, locked towers) on `device` in
     `dtype`, and its tokenizer; weights a hub serves fetched by one rank a node first."""
     needed = fetches_weights(model_cfg.name, model_cfg.pretrained, model_cfg.pretrained_image)

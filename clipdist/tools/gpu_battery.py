@@ -4,7 +4,7 @@ CPU so that CI runs it and it cannot rot.
     clipdist bench gpu                                   # on a GPU: the table, and --doc writes it into docs/
     clipdist bench gpu --tiny                            # CPU: clipdist-tiny, small batches (what CI runs)
 
-Every row runs the run's own code — `trainer.build_parts` (model, AdamW, schedule, precision, objective, the step
+Every row runs the run's own code — `parts.build_parts` (model, AdamW, schedule, precision, objective, the step
 with its device normalisation) — on a synthetic batch of uint8 pixels and tokens already on the device, so the
 figures are the step's, not the loader's:
 
@@ -142,7 +142,7 @@ def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None 
 def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: int | None = None) -> dict:
     """One row: the run's step on a synthetic batch — samples/s (and image tokens/s at a NaFlex `seq_len`), FLOPs
     per step, peak memory."""
-    from clipdist.train.trainer import build_parts
+    from clipdist.train.parts import build_parts
 
     parts = build_parts(cfg, device)
     rows = cfg.world.batch_per_device
@@ -190,7 +190,7 @@ def checkpoint_stall(cfg, device: torch.device) -> dict:
     from clipdist.checkpoint.manager import Checkpointer
     from clipdist.checkpoint.state import TrainState
     from clipdist.distributed.launch import detect_env
-    from clipdist.train.trainer import build_parts
+    from clipdist.train.parts import build_parts
 
     parts = build_parts(cfg, device)
     parts.step(synthetic_batch(parts.model, cfg.world.batch_per_device, device))  # AdamW's moments exist

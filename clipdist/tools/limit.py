@@ -5,7 +5,7 @@
 On the machine it runs on, one core at a time (one intra-op thread, CPU time of the process):
   loader   CPU seconds per sample to read, decode, augment, tokenize and collate — the run's own stream
            (data.TrainStream, no workers: the same work a loader worker does), over --batches batches;
-  step     CPU seconds per sample of the run's own step (trainer.build_parts: the pixels normalized where
+  step     CPU seconds per sample of the run's own step (parts.build_parts: the pixels normalized where
            data.normalize_on puts them, forward, loss, backward, optimizer) on a batch the stream made.
 Every sample costs L + S CPU-seconds wherever it is spent, so C cores give at most C / (L + S) samples/s with
 perfect overlap: the pipelined bound. Then real runs (train.py, world=local and world=cpu2, the loader's automatic
@@ -69,7 +69,7 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     from clipdist.data.builtin import builtin_shards
     from clipdist.data.sources import expand_shards
     from clipdist.data.stream import TrainStream
-    from clipdist.train.trainer import build_parts
+    from clipdist.train.parts import build_parts
 
     host.keep_freed_memory()  # as the trainer's ranks do (this process's malloc: kept for the rest of the command)
     threads = torch.get_num_threads()

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -26,26 +22,20 @@ from clipdist.checkpoint.run_dir import RunLock, log_sample_keys, rewind_logs, w
 from clipdist.checkpoint.state import TrainState, seed_everything
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.data.batch import Batch, rows_consumed
-from clipdist.data.images import PixelNormalize, normalize_on_device
+from clipdist.data.images import normalize_on_device
 from clipdist.data.naflex import PatchImages, resolve_budget
 from clipdist.data.sources import Shards
 from clipdist.data.stream import TrainStream
-from clipdist.data.transforms import image_transforms
 from clipdist.data.workers import LoaderPlan, loader_priority
 from clipdist.distributed import host, launch, parallel
 from clipdist.errors import TrainingDiverged
-from clipdist.losses import build as build_loss
-from clipdist.model import precision, targets
-from clipdist.model.factory import blank_images, create_run_model
-from clipdist.model.flexible_grid import allow_other_sizes
-from clipdist.model.short_text import allow_short_text
-from clipdist.model.timm_towers import naflex_trunk, seq_len
-from clipdist.objective import run_objective
+from clipdist.model import precision
+from clipdist.model.factory import blank_images
+from clipdist.model.timm_towers import seq_len
 from clipdist.preflight import loader_workers_for, preflight
 from clipdist.train.evaluate import evaluate
-from clipdist.train.optim import build_optimizer
+from clipdist.train.parts import build_parts
 from clipdist.train.recipe import recipe, traps
-from clipdist.train.step import Step, build_step
 from clipdist.train.tracking import RunTracker, StepProfiler, logs_step
 
 log = logging.getLogger("clipdist")
@@ -105,85 +95,6 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
         return Trainer(cfg, shards, env, device, plan).fit()
     finally:
         launch.destroy_process_group()
-
-
-@dataclass
-class Parts:
-    """A rank's training components, built from config (build_parts)."""
-
-    model: torch.nn.Module  # the model (its parameters: what the optimizer and checkpoints see)
-    train_model: torch.nn.Module  # the model as it steps: wrapped (DDP / FSDP) and compiled where asked
-    tokenizer: Callable[..., torch.Tensor]  # captions -> token ids (open_clip's tokenizer for the text tower)
-    loss_fn: torch.nn.Module  # the loss backend (clipdist.losses.build)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: precision.GradScaler | None  # fp16's gradient scaler
-    autocast: AbstractContextManager  # the forward's precision: torch.autocast, or a null context
-    step: Step  # one optimisation step of a Batch
-    train_transform: Callable[[Any], Any]  # a decoded image -> the tower's input
-    val_transform: Callable[[Any], Any]
-
-
-def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
-    """Model, its wrapping, optimizer, schedule, precision, objective and step from config, as a run builds them
-    (the trainer, and `clipdist bench gpu` timing the run's own step); the same initial weights on every rank."""
-    autocast = precision.autocast(cfg.precision, device)
-    loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-    model, tokenizer = create_run_model(
-        cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
-    )
-    # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
-    # the autocast dtype on CUDA (gradients are reduced in fp32).
-    gathered_dtype = (
-        precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
-    )
-    train_model = parallel.wrap_model(
-        model,
-        parallel=str(cfg.world.parallel),
-        compile=cfg.model.compile,
-        param_dtype=gathered_dtype,
-        sync_batchnorm=cfg.world.sync_batchnorm,
-    )
-    optimizer, scheduler = build_optimizer(model, cfg.optim)
-    scaler = precision.gradient_scaler(cfg.precision, device)
-    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
-        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
-    train_transform, val_transform = image_transforms(model, cfg.data)
-    mean, std = model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"]
-    teacher = targets.load_teacher(
-        cfg.loss.distill, cfg.model.cache_dir, device, precision.weights_dtype(cfg.precision), local_rank
-    )
-    objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, teacher)
-    trim_text = cfg.data.trim_text and allow_short_text(model) and (teacher is None or allow_short_text(teacher))
-    step = build_step(
-        train_model,
-        objective,
-        optimizer,
-        scheduler,
-        chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
-        autocast=autocast,
-        device=device,
-        normalize=PixelNormalize(mean, std, device),
-        grad_clip=cfg.optim.grad_clip,
-        max_logit_scale=cfg.optim.max_logit_scale,
-        scaler=scaler,
-        input_dtype=precision.weights_dtype(cfg.precision),
-        trim_text=trim_text,
-    )
-    return Parts(
-        model,
-        train_model,
-        tokenizer,
-        loss_fn,
-        optimizer,
-        scheduler,
-        scaler,
-        autocast,
-        step,
-        train_transform,
-        val_transform,
-    )
 
 
 class Trainer:

@@ -1,0 +1,110 @@
+"""A rank's training components built from config, in one place: the model and its wrapping, the loss backend,
+the optimizer and schedule, precision, the objective and the step — what the trainer runs and what
+`clipdist bench gpu` times.
+
+    parts = build_parts(cfg, device)
+    parts.step(batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from clipdist.config import TrainConfig
+from clipdist.data.images import PixelNormalize
+from clipdist.data.transforms import image_transforms
+from clipdist.distributed import parallel
+from clipdist.losses import build as build_loss
+from clipdist.model import precision, targets
+from clipdist.model.factory import create_run_model
+from clipdist.model.flexible_grid import allow_other_sizes
+from clipdist.model.short_text import allow_short_text
+from clipdist.model.timm_towers import naflex_trunk
+from clipdist.objective import run_objective
+from clipdist.train.optim import build_optimizer
+from clipdist.train.step import Step, build_step
+
+
+@dataclass
+class Parts:
+    """A rank's training components, built from config (build_parts)."""
+
+    model: torch.nn.Module  # the model (its parameters: what the optimizer and checkpoints see)
+    train_model: torch.nn.Module  # the model as it steps: wrapped (DDP / FSDP) and compiled where asked
+    tokenizer: Callable[..., torch.Tensor]  # captions -> token ids (open_clip's tokenizer for the text tower)
+    loss_fn: torch.nn.Module  # the loss backend (clipdist.losses.build)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: precision.GradScaler | None  # fp16's gradient scaler
+    autocast: AbstractContextManager  # the forward's precision: torch.autocast, or a null context
+    step: Step  # one optimisation step of a Batch
+    train_transform: Callable[[Any], Any]  # a decoded image -> the tower's input
+    val_transform: Callable[[Any], Any]
+
+
+def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
+    """Model, its wrapping, optimizer, schedule, precision, objective and step from config, as a run builds them
+    (the trainer, and `clipdist bench gpu` timing the run's own step); the same initial weights on every rank."""
+    autocast = precision.autocast(cfg.precision, device)
+    loss_fn = build_loss(cfg.loss.name, **cfg.loss.options())
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    model, tokenizer = create_run_model(
+        cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
+    )
+    # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
+    # the autocast dtype on CUDA (gradients are reduced in fp32).
+    gathered_dtype = (
+        precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
+    )
+    train_model = parallel.wrap_model(
+        model,
+        parallel=str(cfg.world.parallel),
+        compile=cfg.model.compile,
+        param_dtype=gathered_dtype,
+        sync_batchnorm=cfg.world.sync_batchnorm,
+    )
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    scaler = precision.gradient_scaler(cfg.precision, device)
+    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
+        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
+    train_transform, val_transform = image_transforms(model, cfg.data)
+    preprocess: dict = model.visual.preprocess_cfg  # type: ignore[union-attr,assignment]
+    mean, std = preprocess["mean"], preprocess["std"]
+    teacher = targets.load_teacher(
+        cfg.loss.distill, cfg.model.cache_dir, device, precision.weights_dtype(cfg.precision), local_rank
+    )
+    objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, teacher)
+    trim_text = cfg.data.trim_text and allow_short_text(model) and (teacher is None or allow_short_text(teacher))
+    step = build_step(
+        train_model,
+        objective,
+        optimizer,
+        scheduler,
+        chunks=cfg.grad_cache.chunks_for(cfg.world.batch_per_device),
+        autocast=autocast,
+        device=device,
+        normalize=PixelNormalize(mean, std, device),
+        grad_clip=cfg.optim.grad_clip,
+        max_logit_scale=cfg.optim.max_logit_scale,
+        scaler=scaler,
+        input_dtype=precision.weights_dtype(cfg.precision),
+        trim_text=trim_text,
+    )
+    return Parts(
+        model,
+        train_model,
+        tokenizer,
+        loss_fn,
+        optimizer,
+        scheduler,
+        scaler,
+        autocast,
+        step,
+        train_transform,
+        val_transform,
+    )
