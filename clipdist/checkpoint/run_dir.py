@@ -145,8 +145,9 @@ LOG_LINE_BYTES, LOG_TOTAL_BYTES = 1 << 20, 1 << 30  # a log line clipdist writes
 
 def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
     """The {"step": int, ...} rows of a run's JSONL log, and how many lines are not such a row — torn by a crash
-    mid-write, over 1 MiB, nested past what the parser takes, holding NaN / Infinity, or text that is not
-    clipdist's: those are dropped and counted, never a traceback. Read line by line, without following a link,
+    mid-write, over 1 MiB, nested past what the parser takes, or text that is not clipdist's: those are dropped and
+    counted, never a traceback. NaN and Infinity are kept: clipdist writes them (an fp16 step's overflowed grad
+    norm). Read line by line, without following a link,
     at most 1 GiB (files.read_lines): a log that is a link, a FIFO or a device is a one-line UnboundedFileError."""
     path = Path(path)
     rows, damaged = [], 0
@@ -154,7 +155,7 @@ def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
         return rows, damaged
     for line in read_lines(path, LOG_LINE_BYTES, LOG_TOTAL_BYTES):
         try:
-            row = json.loads(line, parse_constant=_no_constant) if line is not None and line.strip() else None
+            row = json.loads(line) if line is not None and line.strip() else None
         except (ValueError, RecursionError):
             row = ...
         if line is None:
@@ -164,10 +165,6 @@ def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
         elif row is not None:
             damaged += 1
     return rows, damaged
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number a log holds")
 
 
 def rewind_jsonl(path: str | Path, step: int) -> int:

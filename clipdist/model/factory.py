@@ -719,6 +719,11 @@ def bound_text(text: str, context_length: int) -> str:
     return " ".join(word[:WORD_BOUND] for word in words)[:limit]
 
 
+def base_tokenizer(tokenizer):
+    """open_clip's own tokenizer inside a BoundedTokenizer (for what reads its vocabulary: the transformers export)."""
+    return tokenizer.tokenizer if isinstance(tokenizer, BoundedTokenizer) else tokenizer
+
+
 class BoundedTokenizer:
     """An open_clip tokenizer whose every text is bound_text'ed first (training, evaluation, zero-shot prompts);
     everything else (context_length, vocabulary, decode) is the tokenizer's own."""

@@ -32,6 +32,8 @@ import open_clip
 import torch
 from torch import nn
 
+from clipdist.model.factory import base_tokenizer
+
 FORMAT = "transformers"
 CHECK_TOLERANCE = 1e-5  # relative difference of the features, fp32, before the export is written
 SPECIAL = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}  # open_clip's -> transformers'
@@ -154,6 +156,7 @@ def clip_config(model: nn.Module, tokenizer) -> dict:
 
 
 def _check_tokenizer(tokenizer, vocab_size: int) -> None:
+    tokenizer = base_tokenizer(tokenizer)
     if type(tokenizer) is not open_clip.tokenizer.SimpleTokenizer:
         raise NoCounterpart(
             f"the tokenizer is {type(tokenizer).__name__}: the export writes open_clip's BPE "
@@ -311,6 +314,7 @@ def write_transformers(model: nn.Module, tokenizer, folder: Path) -> float:
     relative feature difference the check measured."""
     from transformers import CLIPConfig, CLIPModel
 
+    tokenizer = base_tokenizer(tokenizer)  # its vocabulary, as open_clip ships it
     model = model.float().eval()
     config = CLIPConfig(**clip_config(model, tokenizer))
     theirs = CLIPModel(config).eval()
