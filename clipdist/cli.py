@@ -415,8 +415,7 @@ def _run_composed(cfg) -> None:
 
     from clipdist import console
     from clipdist.distributed.launch import detect_env
-    from clipdist.errors import ClipdistError
-    from clipdist.train.trainer import run
+    from clipdist.errors import ClipdistError, ConfigError
 
     hydra = HydraConfig.get()
     run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
@@ -432,6 +431,9 @@ def _run_composed(cfg) -> None:
             )
         cfg.run_dir = run_dir
     try:
+        _quick_checks(cfg)  # the schema, the world against the launch: before the towers' libraries load
+        from clipdist.train.trainer import run
+
         run(cfg, overrides=OmegaConf.to_container(hydra.overrides.task, resolve=False))  # as typed: ${...} kept
         if cfg.logging.report:
             _write_report(run_dir)
@@ -440,11 +442,23 @@ def _run_composed(cfg) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        logging.getLogger("clipdist").error("%s", error)
+        if not isinstance(error, ConfigError) or detect_env().is_main:  # a config refusal: every rank's is the same
+            logging.getLogger("clipdist").error("%s", error)
         sys.exit(2 if isinstance(error, ValueError) else 1)
     except Exception as error:  # noqa: BLE001 -- logged where the run's reader looks, then raised as ever
         logging.getLogger("clipdist").exception("%s: %s", type(error).__name__, error)
         raise SystemExit(1) from None
+
+
+def _quick_checks(cfg) -> None:
+    """What can be refused with torch alone loaded (a second, not the ~10 s open_clip, timm and transformers take):
+    the schema's values and the world preset against the launch. preflight repeats them with the rest."""
+    from clipdist.config import to_train_config, validate
+    from clipdist.distributed.launch import check_launch, detect_env
+
+    checked = to_train_config(cfg)
+    validate(checked)
+    check_launch(checked.world, detect_env())
 
 
 def _write_report(run_dir: str) -> None:

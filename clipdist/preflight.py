@@ -15,7 +15,7 @@ import torch
 from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.remote import check_remote
 from clipdist.checkpoint.run_dir import check_run_dir
-from clipdist.config import Device, TrainConfig, validate
+from clipdist.config import TrainConfig, validate
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, SampleOrder
@@ -48,7 +48,7 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     """Every check that needs no process group, before any rank starts; ConfigError says what to change. The
     model is built once, on the meta device (its structure, no memory), for every check that needs it."""
     check_config(cfg)
-    check_launch(cfg.world, env)
+    launch.check_launch(cfg.world, env)
     check_run_dir(cfg.run_dir)
     resuming = Checkpointer.resume_point(cfg)
     Checkpointer.check_resume(cfg, cfg.world.world_size, resuming)
@@ -109,48 +109,6 @@ def one_line(*errors: type[Exception]):
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error)) from None
-
-
-def check_launch(world, env: launch.DistEnv) -> None:
-    """The world preset against how this process was launched (process count, node layout, rendezvous, CUDA)."""
-    launched_alone = env.launcher == "single" and world.world_size > 1
-    if launched_alone and not world.spawn:
-        torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
-        if world.nodes > 1:
-            torchrun = (
-                f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
-                "--rdzv-endpoint <first node>:29500"
-            )
-        raise ConfigError(
-            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
-            f"{world.procs_per_node}) but this process was started alone. Launch it with "
-            f"`{torchrun} train.py world={world.name}`{' on every node' if world.nodes > 1 else ''} or srun "
-            "(see slurm/), or pick world=local / cpu2 / cpu4"
-        )
-    if not launched_alone and env.world_size != world.world_size:
-        raise ConfigError(
-            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
-            f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
-            f"matches the launch, or override world.nodes / world.procs_per_node"
-        )
-    if not launched_alone and env.nodes is not None and env.nodes != world.nodes:
-        raise ConfigError(
-            f"world={world.name} expects {world.nodes} node(s) × {world.procs_per_node}, but {env.launcher} started "
-            f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
-            f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
-        )
-    address = launch.loopback_rendezvous(env)
-    if address:
-        raise ConfigError(
-            f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node and the job "
-            f"spans {env.nodes}: unset MASTER_ADDR and MASTER_PORT before sbatch/srun (clipdist then meets at the "
-            "job's first node) or set MASTER_ADDR to an address every node reaches"
-        )
-    if world.device == Device.cuda and not torch.cuda.is_available():
-        raise ConfigError(
-            f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
-            "use world=local or world=cpu2, or world.device=cpu"
-        )
 
 
 NAFLEX_KEYS = (

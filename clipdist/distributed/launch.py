@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from clipdist import console
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
-from clipdist.errors import ClipdistError
+from clipdist.errors import ClipdistError, ConfigError
 
 # Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
 # handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
@@ -368,3 +368,45 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLEC
         if isinstance(result, _UserError):
             raise result.type(result.message)
     return collected
+
+
+def check_launch(world, env: DistEnv) -> None:
+    """The world preset against how this process was launched (process count, node layout, rendezvous, CUDA)."""
+    launched_alone = env.launcher == "single" and world.world_size > 1
+    if launched_alone and not world.spawn:
+        torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
+        if world.nodes > 1:
+            torchrun = (
+                f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
+                "--rdzv-endpoint <first node>:29500"
+            )
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}) but this process was started alone. Launch it with "
+            f"`{torchrun} train.py world={world.name}`{' on every node' if world.nodes > 1 else ''} or srun "
+            "(see slurm/), or pick world=local / cpu2 / cpu4"
+        )
+    if not launched_alone and env.world_size != world.world_size:
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
+            f"matches the launch, or override world.nodes / world.procs_per_node"
+        )
+    if not launched_alone and env.nodes is not None and env.nodes != world.nodes:
+        raise ConfigError(
+            f"world={world.name} expects {world.nodes} node(s) × {world.procs_per_node}, but {env.launcher} started "
+            f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
+            f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
+        )
+    address = loopback_rendezvous(env)
+    if address:
+        raise ConfigError(
+            f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node and the job "
+            f"spans {env.nodes}: unset MASTER_ADDR and MASTER_PORT before sbatch/srun (clipdist then meets at the "
+            "job's first node) or set MASTER_ADDR to an address every node reaches"
+        )
+    if str(world.device) == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"world.device=cuda (world={world.name}) but no CUDA device is visible; "
+            "use world=local or world=cpu2, or world.device=cpu"
+        )
