@@ -26,3 +26,9 @@ def printable(text: str) -> str:
     a module name in a refused pickle, a path, a caption — cannot move the cursor, recolour or hide what a
     console or log shows after it."""
     return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def one_line(text: str) -> str:
+    """`text` printable and on one line: newlines and tabs escaped too, so a name a file chose cannot forge a line
+    of a log or a report (`skipped: ...\\nerror: ...`)."""
+    return printable(text).replace("\n", "\\n").replace("\t", "\\t")

@@ -12,7 +12,7 @@ import logging
 import time
 
 from clipdist.data.samples import SampleError
-from clipdist.errors import ClipdistError
+from clipdist.errors import ClipdistError, one_line
 
 log = logging.getLogger("clipdist.data")
 
@@ -29,10 +29,11 @@ class DataFailure:
 
 
 def describe(exn: BaseException) -> str:
-    """One line: shard, key and reason (SampleError and ShardError say all three themselves)."""
+    """One line: shard, key and reason (SampleError and ShardError say all three themselves), escaped: a shard's or
+    sample's name cannot move the cursor or forge a line."""
     if isinstance(exn, (SampleError, ShardError)):
-        return str(exn)
-    return f"{type(exn).__name__}: {exn}"
+        return one_line(str(exn))
+    return one_line(f"{type(exn).__name__}: {exn}")
 
 
 class ShardError(OSError):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from clipdist.checkpoint.run_dir import jsonl_rows, running_holder
+from clipdist.errors import one_line
 from clipdist.files import write_atomic
 
 PICTURE, SUMMARY = "report.png", "report.txt"
@@ -74,7 +75,8 @@ def summary(record: RunRecord, name: str, running: str | None = None) -> str:
         points = [(row["step"], row[headline]) for row in record.evals if isinstance(row.get(headline), (int, float))]
         result = f"; {headline} {points[-1][1]:.4g} at step {points[-1][0]}"
     lines = [
-        f"run {name}: {state}, step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen" + result,
+        f"run {one_line(name)}: {state}, step {last.get('step', 0)}, {last.get('samples_seen', 0):,} samples seen"
+        + result,
         (f"train.log spans {record.seconds / 60:.1f} min, " if record.seconds else "")
         + f"{len(record.starts)} start(s)"
         + "".join(
@@ -87,7 +89,7 @@ def summary(record: RunRecord, name: str, running: str | None = None) -> str:
         points = [(row["step"], row[key]) for row in record.evals if isinstance(row.get(key), (int, float))]
         best = (min if LOWER_IS_BETTER.search(key) else max)(points, key=lambda point: point[1])
         lines.append(
-            f"{key}: last {points[-1][1]:.4g} (step {points[-1][0]}), best {best[1]:.4g} (step {best[0]})"
+            f"{one_line(key)}: last {points[-1][1]:.4g} (step {points[-1][0]}), best {best[1]:.4g} (step {best[0]})"
             + _degenerate(key, record.evals[-1])
         )
     return "\n".join(lines) + "\n"

@@ -147,3 +147,15 @@ def test_image_to_text_recall_over_repeated_captions_is_said_to_be_degenerate(tm
     assert any(
         line.startswith("i2t_r1:") and "degenerate: 10 distinct captions for 359 images" in line for line in lines
     )
+
+
+def test_escapes_in_a_runs_logs_reach_the_report_escaped(tmp_path, capsys):
+    """A metric key holding a screen clear, a window title and a forged line: printed and written escaped."""
+    run = tmp_path / "run"
+    a_run(run)
+    key = "zeroshot\x1b[2J\x1b]0;owned\x07\nerror: forged"
+    with (run / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps({"step": 50, key: 0.5}) + "\n")
+    assert cli(["report", str(run)]) == 0
+    out = capsys.readouterr().out + (run / "report.txt").read_text()
+    assert "\x1b" not in out and "\x07" not in out and "\nerror: forged" not in out and "\\x1b[2J" in out
