@@ -226,6 +226,7 @@ def load_rgb(image: EncodedImage | Image.Image, min_size: tuple[int, int] = (0, 
         if drafted is not None:
             scale = drafted[1][2] / width
     _check_pixels(*opened.size)
+    _check_decoded_bytes(opened)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. "Palette images with Transparency..."
         opened.load()
@@ -248,6 +249,42 @@ def _check_pixels(width: int, height: int) -> None:
         raise Image.DecompressionBombError(
             f"{width}x{height} pixels to decode exceed the limit of {limit} (PIL's MAX_IMAGE_PIXELS), which "
             "guards against a decompression bomb"
+        )
+
+
+MAX_DECODE_BYTES = 512 << 20  # one image's decode and conversion to RGB, at most (a loader worker holds a few)
+MODE_BYTES = {
+    "1": 1,
+    "L": 1,
+    "P": 1,
+    "LA": 2,
+    "PA": 2,
+    "I;16": 2,
+    "I;16B": 2,
+    "I;16L": 2,
+    "RGB": 3,
+    "YCbCr": 3,
+    "LAB": 3,
+    "HSV": 3,
+    "RGBA": 4,
+    "RGBa": 4,
+    "CMYK": 4,
+    "I": 4,
+    "F": 4,
+}
+
+
+def _check_decoded_bytes(opened: Image.Image) -> None:
+    """Refuse (DecompressionBombError) an image whose decode and conversion to RGB would take more than
+    MAX_DECODE_BYTES: its pixels × (its mode's bytes + RGB's 3 + 4 for compositing an alpha channel). PIL's pixel
+    limit alone lets an 89-Mpixel RGBA PNG of 470 KB cost ~2.5 GB in one process."""
+    width, height = opened.size
+    alpha = 4 if "A" in opened.mode or "transparency" in opened.info else 0
+    needed = width * height * (MODE_BYTES.get(opened.mode, 4) + 3 + alpha)
+    if needed > MAX_DECODE_BYTES:
+        raise Image.DecompressionBombError(
+            f"{width}x{height} {opened.mode} would take {needed >> 20} MiB to decode and convert, more than "
+            f"{MAX_DECODE_BYTES >> 20} MiB (a decompression bomb guard)"
         )
 
 

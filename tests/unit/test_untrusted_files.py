@@ -167,3 +167,25 @@ def test_one_huge_caption_is_bounded_before_bpe_and_real_captions_keep_their_tok
         "numbers 123 and ünïcode, punctuation!",
     ]
     assert torch.equal(tokenizer(real), theirs(real))
+
+
+def test_an_image_under_pils_pixel_limit_is_still_bounded_by_its_decoded_bytes():
+    """An RGBA PNG of 81 Mpixel (a few hundred KB, under PIL's 89-Mpixel limit) would cost ~2.5 GB to decode and
+    convert: refused as a decompression bomb before decoding; a 12-Mpixel one decodes."""
+    import io
+
+    from PIL import Image
+
+    from clipdist.data.samples import EncodedImage, load_rgb
+
+    def png(size):
+        buffer = io.BytesIO()
+        Image.new("RGBA", size, (1, 2, 3, 4)).save(buffer, "PNG")
+        return buffer.getvalue()
+
+    big = png((9000, 9000))
+    assert len(big) < 1 << 20 and 9000 * 9000 < Image.MAX_IMAGE_PIXELS
+    with pytest.raises(Image.DecompressionBombError, match="MiB to decode and convert"):
+        load_rgb(EncodedImage(big, Image.open(io.BytesIO(big))), (224, 224))
+    ok = png((4000, 3000))
+    assert load_rgb(EncodedImage(ok, Image.open(io.BytesIO(ok))), (224, 224))[0].size == (4000, 3000)
