@@ -431,7 +431,10 @@ def _run_composed(cfg) -> None:
             )
         cfg.run_dir = run_dir
     try:
-        _quick_checks(cfg)  # the schema, the world against the launch: before the towers' libraries load
+        complete = _quick_checks(cfg)  # the schema, the world against the launch: before the towers' libraries load
+        if complete:
+            logging.getLogger("clipdist").info("%s", complete)
+            return
         from clipdist.train.trainer import run
 
         run(cfg, overrides=OmegaConf.to_container(hydra.overrides.task, resolve=False))  # as typed: ${...} kept
@@ -450,15 +453,26 @@ def _run_composed(cfg) -> None:
         raise SystemExit(1) from None
 
 
-def _quick_checks(cfg) -> None:
-    """What can be refused with torch alone loaded (a second, not the ~10 s open_clip, timm and transformers take):
-    the schema's values and the world preset against the launch. preflight repeats them with the rest."""
+def _quick_checks(cfg) -> str | None:
+    """What can be said with torch alone loaded (a few seconds, not the ~10 s open_clip, timm and transformers take
+    and the minute a run's start takes): the schema's values, the world preset against the launch, a checkpoint
+    that cannot be read, and a run that is already complete (returned: the line to say; nothing else runs).
+    preflight repeats the checks with the rest."""
+    from clipdist.checkpoint.manager import Checkpointer
     from clipdist.config import to_train_config, validate
     from clipdist.distributed.launch import check_launch, detect_env
 
     checked = to_train_config(cfg)
     validate(checked)
     check_launch(checked.world, detect_env())
+    found = Checkpointer.resume_point(checked)
+    step = found[1].get("step") if found else None
+    if isinstance(step, int) and step >= checked.optim.max_steps:
+        return (
+            f"run {checked.run_dir} is already complete at step {step} (optim.max_steps={checked.optim.max_steps}); "
+            "raise optim.max_steps to train on, or set name= for a new run"
+        )
+    return None
 
 
 def _write_report(run_dir: str) -> None:

@@ -78,3 +78,32 @@ def test_a_refusal_comes_before_the_towers_libraries_load(tmp_path, overrides, s
         imported & {"open_clip", "timm", "transformers"}
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_complete_run_says_so_in_seconds(tmp_path, cache_dir):
+    """Resubmitting a finished run: one line that it is complete, exit 0, said before the towers' libraries load
+    (was: the whole start, ~40 s, to say the same)."""
+    from helpers import REPO, own_environment, train
+
+    run_dir = tmp_path / "run"
+    assert train(run_dir, cache_dir, "optim.max_steps=2", "eval_every=2", "checkpoint_every=2").returncode == 0
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            str(REPO / "train.py"),
+            f"run_dir={run_dir}",
+            f"data.cache_dir={cache_dir}",
+            "optim.max_steps=2",
+            "logging.wandb=disabled",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=own_environment(),
+    )
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert result.returncode == 0 and "is already complete at step 2 (optim.max_steps=2)" in result.stdout, result
+    assert "open_clip" not in imported
