@@ -41,6 +41,9 @@ class _Formatter(logging.Formatter):
         return printable(super().format(record).rstrip())  # a file's text cannot drive the terminal
 
 
+DETAIL = {"detail": True}  # log.info(..., extra=DETAIL): a line for train.log, not the console
+
+
 class ConsoleHandler(logging.Handler):
     """INFO to stdout, WARNING and above to stderr (the streams looked up as each line is written)."""
 
@@ -49,6 +52,8 @@ class ConsoleHandler(logging.Handler):
         self.setFormatter(_Formatter("%(prefix)s%(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "detail", False) and record.levelno < logging.WARNING:
+            return  # the host's internals (threads, malloc, loader priority): train.log only
         try:
             stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
             tqdm.write(self.format(record), file=stream)

@@ -70,14 +70,23 @@ def train(cfg: TrainConfig, shards: Shards) -> dict | None:
     automatic = cfg.data.workers is None
     plan = loader_workers_for(cfg, len(shards.train))  # the config stays as checked: the plan travels beside it
     if env.is_main and automatic:
-        log.info("%d loader worker(s) per rank (%s)", plan.workers, plan.why)
+        log.info("%d loader worker(s) per rank (%s)", plan.workers, plan.why, extra=console.DETAIL)
     threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, plan.workers)
     torch.set_num_threads(threads)
     if env.is_main:
-        log.info("%d intra-op thread(s) per rank (%s; waiting: %s)", threads, source, host.openmp_wait())
+        log.info(
+            "%d intra-op thread(s) per rank (%s; waiting: %s)",
+            threads,
+            source,
+            host.openmp_wait(),
+            extra=console.DETAIL,
+        )
     device = parallel.select_device(cfg.world.device, env.local_rank)
     if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
-        log.info("malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)")
+        log.info(
+            "malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)",
+            extra=console.DETAIL,
+        )
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
     launch.init_process_group(
         env,
@@ -157,7 +166,8 @@ class Trainer:
                 cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size, cfg.seed
             )
             on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
-        self.say(f"images normalized {f'on {device.type} after the copy' if on_device else 'by the loader'} ({why})")
+        where = f"on {device.type} after the copy" if on_device else "by the loader"
+        self.say(f"images normalized {where} ({why})", detail=True)
         stream = TrainStream(
             self.shards.sources,
             cfg.data,
@@ -181,13 +191,13 @@ class Trainer:
             lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0],
         )
         if started:
-            self.say(started)
+            self.say(started, detail=True)
         return stream
 
-    def say(self, message: str, level: int = logging.INFO) -> None:
-        """A line from rank 0 on the console and in train.log (clipdist.console)."""
+    def say(self, message: str, level: int = logging.INFO, detail: bool = False) -> None:
+        """A line from rank 0 on the console and in train.log (clipdist.console); `detail`: train.log only."""
         if self.env.is_main:
-            log.log(level, message)
+            log.log(level, message, extra=console.DETAIL if detail else None)
 
     def say_where_it_starts(self) -> None:
         """Where the run starts: the checkpoint, the run directory, where the data stream goes on from."""
