@@ -169,23 +169,25 @@ def test_one_huge_caption_is_bounded_before_bpe_and_real_captions_keep_their_tok
     assert torch.equal(tokenizer(real), theirs(real))
 
 
-def test_an_image_under_pils_pixel_limit_is_still_bounded_by_its_decoded_bytes():
+def test_an_image_under_pils_pixel_limit_is_still_bounded_by_its_decoded_bytes(monkeypatch):
     """An RGBA PNG of 81 Mpixel (a few hundred KB, under PIL's 89-Mpixel limit) would cost ~2.5 GB to decode and
-    convert: refused as a decompression bomb before decoding; a 12-Mpixel one decodes."""
+    convert: refused as a decompression bomb before decoding (here at a bound of 8 MiB and 1.5 Mpixel, to stay
+    fast: the same arithmetic); a smaller one decodes."""
     import io
 
     from PIL import Image
 
-    from clipdist.data.samples import EncodedImage, load_rgb
+    from clipdist.data import samples
 
     def png(size):
         buffer = io.BytesIO()
         Image.new("RGBA", size, (1, 2, 3, 4)).save(buffer, "PNG")
         return buffer.getvalue()
 
-    big = png((9000, 9000))
-    assert len(big) < 1 << 20 and 9000 * 9000 < Image.MAX_IMAGE_PIXELS
+    assert 9000 * 9000 * (4 + 3 + 4) > samples.MAX_DECODE_BYTES and 9000 * 9000 < Image.MAX_IMAGE_PIXELS
+    monkeypatch.setattr(samples, "MAX_DECODE_BYTES", 8 << 20)
+    big = png((1200, 1200))  # 1200² × 11 bytes: 15 MiB
     with pytest.raises(Image.DecompressionBombError, match="MiB to decode and convert"):
-        load_rgb(EncodedImage(big, Image.open(io.BytesIO(big))), (224, 224))
-    ok = png((4000, 3000))
-    assert load_rgb(EncodedImage(ok, Image.open(io.BytesIO(ok))), (224, 224))[0].size == (4000, 3000)
+        samples.load_rgb(samples.EncodedImage(big, Image.open(io.BytesIO(big))), (224, 224))
+    ok = png((600, 600))  # 3.8 MiB
+    assert samples.load_rgb(samples.EncodedImage(ok, Image.open(io.BytesIO(ok))), (224, 224))[0].size == (600, 600)
