@@ -188,6 +188,7 @@ def _eval(args: argparse.Namespace) -> int:
         batch_size=args.batch,
         precision=args.precision,
         cache_dir=args.cache_dir,
+        retrieval_ties=args.retrieval_ties,
     )
     if args.out:
         write_metrics(metrics, args.out)
@@ -983,6 +984,12 @@ def _add_eval(commands) -> None:
     evaluator.add_argument("--batch", type=int, default=256, help="images per forward")
     evaluator.add_argument("--precision", choices=["fp32", "bf16", "fp16", "pure_bf16", "pure_fp16"], default="fp32")
     evaluator.add_argument("--cache-dir", default=None, help="where downloaded weights go (Hugging Face's cache)")
+    evaluator.add_argument(
+        "--retrieval-ties",
+        choices=["pessimistic", "open_clip"],
+        default="pessimistic",
+        help="repeated captions: a tie counts against the image (default), or open_clip_train's argsort order",
+    )
     evaluator.add_argument("--out", default=None, help="write the metrics to this JSON file")
     evaluator.add_argument("--json", action="store_true", help="print the metrics as JSON")
     evaluator.set_defaults(run=_eval)

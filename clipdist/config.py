@@ -146,6 +146,11 @@ class Parallel(Choice):
     fsdp = "fsdp"  # FSDP2: parameters, gradients and AdamW state sharded over ranks (fully_shard per block)
 
 
+class RetrievalTies(Choice):
+    pessimistic = "pessimistic"  # a caption tied with other images' counts against the image (never a free hit)
+    open_clip = "open_clip"  # open_clip_train's rule: ties in argsort's order (one caption per image)
+
+
 class Split(Choice):
     node = "node"  # shards split over ranks and loader workers
     replicated = "replicated"  # every rank reads the same samples and keeps its slice of the global batch
@@ -275,6 +280,8 @@ class DataConfig:
     resampled: bool = False  # draw shards with replacement forever instead of epoch by epoch
     weights: list[float] | None = None  # resampled: one weight per '::' part of train_shards (sources drawn by weight)
     split: Split = Split.node  # node: each rank reads its own shards; replicated: every rank reads them all
+    # retrieval metrics where captions tie (repeated captions): pessimistic, or open_clip to compare with its runs
+    retrieval_ties: RetrievalTies = RetrievalTies.pessimistic
     augment: bool = True  # augment training images (data.augmentation); false: the evaluation transform
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
     shuffle_buffer: int = non_negative(1000)  # samples in each reader's shuffle buffer (0: shard order)

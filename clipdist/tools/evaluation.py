@@ -40,7 +40,9 @@ def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str])
     ]
 
 
-def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_size, precision) -> dict:
+def _evaluate_here(
+    target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties="pessimistic"
+) -> dict:
     """Every set on this rank (every rank calls it under launch_local: each encodes its share)."""
     torch.set_num_threads(intra_op_threads(None, rank_and_world_size()[1])[0])  # the CPUs shared by the ranks
     device = torch.device("cpu")
@@ -60,6 +62,7 @@ def _evaluate_here(target, pretrained, model_name, cache_dir, evalsets, batch_si
                 max_skips_in_a_row=1000,
                 batch_size=batch_size,
                 autocast=precisions.autocast(precision, device),
+                retrieval_ties=retrieval_ties,
             )
         )
     return metrics
@@ -78,10 +81,11 @@ def run_eval(
     precision: str = "fp32",
     cache_dir: str | None = None,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    retrieval_ties: str = "pessimistic",
 ) -> dict:
     """The metrics of TARGET on `sets` (the module docstring), on one process or `world_size` local ranks."""
     evalsets = eval_sets(sets, list(classnames), list(templates))
-    arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision)
+    arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties)
     if world_size == 1:
         return _evaluate_here(*arguments)
     targets.check(targets.resolve(target, pretrained, model_name))  # a bad target: one line, before the ranks

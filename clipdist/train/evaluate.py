@@ -283,6 +283,7 @@ def evaluate(
     loss_block: int | None = None,
     autocast=None,
     lockstep: bool = False,
+    retrieval_ties: str = "pessimistic",
 ) -> dict:
     """Metrics on every usable sample of `evalset` (the module docstring), named by evalset.metric(). A collective
     where a process group has several ranks: every rank calls it and gets the same metrics. Images are encoded
@@ -309,7 +310,12 @@ def evaluate(
             "skipped_shards": found["skipped_shards"],
         }
         if found["texts"] is not None:
-            metrics.update(retrieval_metrics(found["images"], found["texts"], found["owners"]))
+            scale = model.logit_scale.exp().detach().float().cpu() if hasattr(model, "logit_scale") else 1.0
+            metrics.update(
+                retrieval_metrics(
+                    found["images"], found["texts"], found["owners"], ties=retrieval_ties, logit_scale=scale
+                )
+            )
             first = torch.ones(len(found["owners"]), dtype=torch.bool)
             first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
             metrics["clip_loss"] = clip_loss_in_blocks(
@@ -328,8 +334,18 @@ def evaluate(
     return {evalset.metric(key): value for key, value in metrics.items()}
 
 
-def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.Tensor, ks=(1, 5, 10)) -> dict:
-    """recall@k and mean/median rank both ways, over the images that have captions (ranks split over ranks)."""
+def retrieval_metrics(
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    owners: torch.Tensor,
+    ks=(1, 5, 10),
+    ties: str = "pessimistic",
+    logit_scale: float | torch.Tensor = 1.0,
+) -> dict:
+    """recall@k and mean/median rank both ways, over the images that have captions (ranks split over ranks).
+    `ties="open_clip"`: open_clip_train's rule instead (data.retrieval_ties), to compare with its runs."""
+    if str(ties) == "open_clip":
+        return open_clip_retrieval(images, texts, owners, ks, logit_scale)
     keep = torch.unique(owners)
     remap = torch.full((len(images),), -1, dtype=torch.long)
     remap[keep] = torch.arange(len(keep))
@@ -342,6 +358,29 @@ def retrieval_metrics(images: torch.Tensor, texts: torch.Tensor, owners: torch.T
         metrics.update({f"{name}_r{k}": (ranks < k).double().mean().item() for k in ks})  # the fraction, as float64
         metrics[f"{name}_mean_rank"] = ranks.double().mean().item() + 1  # exact: float32 would round the sum
         metrics[f"{name}_median_rank"] = int(np.floor(np.median(ranks.numpy()))) + 1  # open_clip's, numpy's median
+    return metrics
+
+
+def open_clip_retrieval(
+    images: torch.Tensor, texts: torch.Tensor, owners: torch.Tensor, ks=(1, 5, 10), logit_scale=1.0
+) -> dict:
+    """open_clip_train's retrieval metrics (`get_clip_metrics`): one caption per image, caption i the image i's; each
+    ranking is `torch.argsort(similarities, descending=True)`, so captions repeated for other images tie and the
+    sort's order decides — the numbers its runs log, for comparing with them (not a measure of the model where
+    captions repeat: a tie counts for or against an image as the sort happens to order it)."""
+    if len(owners) != len(images) or not torch.equal(owners, torch.arange(len(images))):
+        raise ValueError("data.retrieval_ties=open_clip needs one caption per image (open_clip_train's csv layout)")
+    ground_truth = torch.arange(len(texts)).view(-1, 1)
+    metrics: dict = {
+        "distinct_captions": len(torch.unique(torch.round(texts.float() * 1e4), dim=0)),
+        "images": len(images),
+    }
+    logits = (logit_scale * images @ texts.T).detach().cpu()  # as open_clip_train computes them, to tie alike
+    for name, similarity in (("i2t", logits), ("t2i", logits.T)):
+        ranks = torch.where(torch.argsort(similarity, descending=True) == ground_truth)[1]
+        metrics.update({f"{name}_r{k}": (ranks < k).double().mean().item() for k in ks})
+        metrics[f"{name}_mean_rank"] = ranks.double().mean().item() + 1
+        metrics[f"{name}_median_rank"] = int(np.floor(np.median(ranks.numpy()))) + 1
     return metrics
 
 

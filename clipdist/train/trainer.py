@@ -370,6 +370,7 @@ class Trainer:
                         max_skips_in_a_row=self.cfg.data.max_skips_in_a_row,
                         loss_block=self.cfg.world.batch_per_device,
                         lockstep=self.sharded,
+                        retrieval_ties=str(self.cfg.data.retrieval_ties),
                     )
                 )
             except Exception as error:  # noqa: BLE001 -- any failure of an evaluation is reported, not fatal

@@ -242,3 +242,31 @@ def test_an_imagenet_folder_gets_open_clips_class_names_and_openais_templates(tm
     imagenet = eval_set("imagenet", str(root), [], DEFAULT_TEMPLATES)
     assert imagenet.classnames == list(IMAGENET_CLASSNAMES) and len(imagenet.templates) == 80
     assert imagenet.templates[0] == "a bad photo of a {}." and len(imagenet.urls) == 1000
+
+
+def test_open_clip_trains_tie_rule_gives_its_numbers_on_repeated_captions():
+    """data.retrieval_ties=open_clip: open_clip_train's own get_clip_metrics (from its wheel) on the same features,
+    ten captions repeated over 200 images: every metric equal; the default rule stays pessimistic about ties."""
+    import torch.nn.functional as F
+    from open_clip_train.train import get_clip_metrics
+
+    from clipdist.train.evaluate import retrieval_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    images = F.normalize(torch.randn(200, 16, generator=generator), dim=-1)
+    prompts = F.normalize(torch.randn(10, 16, generator=generator), dim=-1)
+    texts = prompts[torch.arange(200) % 10]
+    scale = torch.tensor(14.3)
+    theirs = get_clip_metrics(images, texts, scale)
+    ours = retrieval_metrics(images, texts, torch.arange(200), ties="open_clip", logit_scale=scale)
+    names = {"i2t": "image_to_text", "t2i": "text_to_image"}
+    for key, value in ours.items():
+        if key.split("_")[0] in names:
+            stem, rest = key.split("_", 1)
+            other = theirs[
+                f"{names[stem]}_{rest.replace('r', 'R@', 1) if rest[0] == 'r' and rest[1].isdigit() else rest}"
+            ]
+            assert value == pytest.approx(float(other), abs=0), key
+    assert retrieval_metrics(images, texts, torch.arange(200))["i2t_r1"] == 0.0  # ties count against the image
+    with pytest.raises(ValueError, match="one caption per image"):
+        retrieval_metrics(images, texts[:100], torch.arange(100) * 2, ties="open_clip")
