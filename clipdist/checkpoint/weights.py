@@ -549,6 +549,22 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path} cannot be read as safetensors: {printable(str(error))[:200]}") from None
 
 
+def own_file(folder: Path, path: Path) -> Path:
+    """`path`, a file of `folder`, where it is the folder's own: a symbolic link is followed only to a file inside
+    the folder, or into its Hugging Face cache's blobs (snapshots/<rev>/x -> ../../blobs/<hash>, the cache's own
+    layout); a link anywhere else is refused (UnsafeFileError) — an export folder cannot read /etc or ~/.ssh."""
+    if not path.is_symlink():
+        return path
+    target, home = path.resolve(), folder.resolve()
+    blobs = home.parent.parent / "blobs" if home.parent.name == "snapshots" else None
+    if target.is_relative_to(home) or (blobs is not None and target.is_relative_to(blobs)):
+        return path
+    raise UnsafeFileError(
+        f"{printable(str(path))}: refused: a symbolic link to a file outside its folder (a model folder's files "
+        "are its own; copy the file in)"
+    )
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The model weights in `path`, whichever way they were saved: an open_clip checkpoint file (a state dict,
     or {"state_dict": ...}, .pt/.bin/.safetensors), a folder in open_clip's hub layout (`clipdist export`,
@@ -561,7 +577,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         found = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
         if not found:
             raise ValueError(f"{path} holds no weights (*.safetensors, *.bin, *.pt)")
-        path = found[0]
+        path = own_file(path, found[0])
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
     if not stat.S_ISREG(path.stat().st_mode):  # through links (a hub cache's files are links), never to a FIFO

@@ -191,3 +191,26 @@ def test_an_image_under_pils_pixel_limit_is_still_bounded_by_its_decoded_bytes(m
         samples.load_rgb(samples.EncodedImage(big, Image.open(io.BytesIO(big))), (224, 224))
     ok = png((600, 600))  # 3.8 MiB
     assert samples.load_rgb(samples.EncodedImage(ok, Image.open(io.BytesIO(ok))), (224, 224))[0].size == (600, 600)
+
+
+def test_a_model_folders_weights_linked_outside_it_are_refused_but_a_hub_caches_layout_reads(tmp_path):
+    """An export / local-dir folder whose weights file is a link to a file elsewhere: refused, nothing read
+    through it; a link inside the folder, or a hub cache's snapshots/<rev>/x -> ../../blobs/<hash>, reads."""
+    import torch
+    from safetensors.torch import save_file
+
+    from clipdist.checkpoint.weights import UnsafeFileError, read_weights
+
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    save_file({"w": torch.ones(2)}, elsewhere)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "open_clip_model.safetensors").symlink_to(elsewhere)
+    with pytest.raises(UnsafeFileError, match="symbolic link to a file outside its folder"):
+        read_weights(folder)
+    cache = tmp_path / "models--org--name"
+    (cache / "blobs").mkdir(parents=True)
+    (cache / "snapshots" / "abc").mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, cache / "blobs" / "123")
+    (cache / "snapshots" / "abc" / "open_clip_model.safetensors").symlink_to("../../blobs/123")
+    assert torch.equal(read_weights(cache / "snapshots" / "abc")["w"], torch.ones(2))
