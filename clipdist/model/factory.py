@@ -20,9 +20,10 @@ from open_clip.hf_model import HFTextEncoder
 from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
 from open_clip.transform import merge_preprocess_dict
 
-from clipdist.checkpoint.weights import UnsafeFileError, read_small_json, read_weights
+from clipdist.checkpoint.weights import UnsafeFileError, own_file, read_small_json, read_weights
 from clipdist.defaults import DEFAULT_MODEL
 from clipdist.distributed.parallel import node_leaders_first
+from clipdist.errors import printable
 from clipdist.model.timm_towers import (
     KWARGS_KEY,
     check_image_tower,
@@ -102,6 +103,18 @@ def _remote_code_requests(node, path: str = "") -> list[str]:
     return found
 
 
+def check_folder_is_its_own(folder: Path, where: str) -> None:
+    """A tokenizer or model folder holds its own regular files: a link out of it, a FIFO or a device there is refused
+    (UnsafeFileError) before transformers opens anything in it."""
+    for entry in sorted(folder.iterdir())[:10_000]:
+        if not (entry.is_file() or entry.is_dir()):  # through a link: what transformers would open
+            raise UnsafeFileError(f"{where}: refused: not a regular file (a FIFO or a device): {str(entry)!r}")
+        try:
+            own_file(folder, entry)  # a link stays inside the folder (or a hub cache's snapshot -> blobs)
+        except UnsafeFileError as error:
+            raise UnsafeFileError(f"{where}: {error}") from None
+
+
 def check_config_is_data(model_cfg: dict, where: str) -> None:
     """A model config from a file (a config file, an export / local-dir folder, a hub repo, a run's saved name) is
     data: nothing in it may make a rank import code or reach the network on its own. Refused, one line
@@ -131,6 +144,7 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
                 "open_clip's own configs use: transformers would fetch it (and any code it names) "
                 "from the hub; download it yourself and give the folder"
             )
+        check_folder_is_its_own(folder, where)
         for file in ("tokenizer_config.json", "config.json"):
             try:
                 found = read_small_json(folder / file)
@@ -138,6 +152,13 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
                 raise UnsafeFileError(f"{where}: {error}") from None
             except (OSError, ValueError):  # none there, or not JSON: transformers reads no auto_map from it either
                 continue
+            for name, named in found.items() if isinstance(found, dict) else ():
+                if name.endswith("_file") and isinstance(named, str) and named:
+                    if not (folder / named).resolve().is_relative_to(folder.resolve()):
+                        raise UnsafeFileError(
+                            f"{where}: refused: {str(folder / file)!r} names {name}={printable(named)[:80]!r}, a file "
+                            "outside its folder"
+                        )
             if isinstance(found, dict) and "auto_map" in found:
                 raise UnsafeFileError(
                     f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "

@@ -168,3 +168,24 @@ def test_a_config_that_is_a_fifo_a_device_or_huge_is_refused_without_reading_it(
     with pytest.raises(UnsafeFileError, match="refused: (not a regular file|larger than 16 MiB)") as refused:
         resolve_model_name(f"local-dir:{folder}")
     assert time.monotonic() - started < 5 and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("route", ["vocab_file", "link", "fifo"])
+def test_a_tokenizer_folder_that_reaches_outside_or_hangs_is_refused(tmp_path, route):
+    """A model JSON's hf_tokenizer_name folder whose tokenizer_config.json names vocab_file=/etc/passwd, whose vocab
+    is a link out of the folder, or a FIFO: one line, before transformers opens anything."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    config = {"tokenizer_class": "CLIPTokenizer"}
+    if route == "vocab_file":
+        config["vocab_file"] = "/etc/passwd"
+    elif route == "link":
+        (folder / "vocab.json").symlink_to("/etc/passwd")
+    else:
+        os.mkfifo(folder / "vocab.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    model["text_cfg"]["hf_tokenizer_name"] = str(folder)
+    with pytest.raises(UnsafeFileError, match="outside its folder|not a regular file") as raised:
+        check_config_is_data(model, "model.name=x.json")
+    assert "\n" not in str(raised.value)
