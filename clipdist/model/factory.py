@@ -166,6 +166,12 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
                 )
     if KWARGS_KEY in (model_cfg.get("vision_cfg") or {}):
         check_tower_kwargs(model_cfg["vision_cfg"][KWARGS_KEY], where)
+    named = (model_cfg.get("vision_cfg") or {}).get("timm_model_name")
+    if isinstance(named, str) and named.startswith("hf-hub:"):
+        raise UnsafeFileError(
+            f"{where}: refused: vision_cfg.timm_model_name={printable(named)[:80]!r}: timm would fetch it from the hub "
+            "when the model is built; a model config names local towers only"
+        )
     if (model_cfg.get("vision_cfg") or {}).get("timm_model_pretrained"):
         raise UnsafeFileError(
             f"{where}: refused: vision_cfg.timm_model_pretrained fetches weights from the hub when "

@@ -189,3 +189,11 @@ def test_a_tokenizer_folder_that_reaches_outside_or_hangs_is_refused(tmp_path, r
     with pytest.raises(UnsafeFileError, match="outside its folder|not a regular file") as raised:
         check_config_is_data(model, "model.name=x.json")
     assert "\n" not in str(raised.value)
+
+
+def test_a_timm_tower_named_on_the_hub_is_refused():
+    """vision_cfg.timm_model_name=hf-hub:...: timm fetches its config (and more) from the hub when built."""
+    model = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    model["vision_cfg"] = {"timm_model_name": "hf-hub:timm/vit_tiny_patch16_224"}
+    with pytest.raises(UnsafeFileError, match="timm would fetch it from the hub"):
+        check_config_is_data(model, "model.name=x.json")
