@@ -460,12 +460,14 @@ def _quick_checks(cfg) -> str | None:
     that cannot be read, and a run that is already complete (returned: the line to say; nothing else runs).
     preflight repeats the checks with the rest."""
     from clipdist.checkpoint.manager import Checkpointer
+    from clipdist.checkpoint.run_dir import check_run_dir
     from clipdist.config import to_train_config, validate
     from clipdist.distributed.launch import check_launch, detect_env
 
     checked = to_train_config(cfg)
     validate(checked)
     check_launch(checked.world, detect_env())
+    check_run_dir(checked.run_dir)  # a record that is a link or a FIFO: said before anything in it is read
     found = Checkpointer.resume_point(checked)
     step = found[1].get("step") if found else None
     if isinstance(step, int) and step >= checked.optim.max_steps:

@@ -344,8 +344,10 @@ def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, c
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 13))
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 12
-    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK=1" in log  # 2 tasks never oversubscribe the node
-    assert "waiting: GOMP_SPINCOUNT=300)" in log  # set before torch loaded libgomp (host.spin_briefly)
+    host = (run_dir / "train.log").read_text()  # the host's lines: train.log only, not the console
+    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK=1" in host  # 2 tasks never oversubscribe the node
+    assert "waiting: GOMP_SPINCOUNT=300)" in host  # set before torch loaded libgomp (host.spin_briefly)
+    assert "intra-op thread(s)" not in log
     assert json.loads(json.dumps(read_jsonl(run_dir / "train_log.jsonl")[-1]))["samples_seen"] == 12 * 32
 
 
