@@ -16,13 +16,13 @@ from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.remote import check_remote
 from clipdist.checkpoint.run_dir import check_run_dir
 from clipdist.config import TrainConfig, validate
+from clipdist.data.epochs import shard_sizes
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.samples import SampleKeys
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_caption_keys, check_pieces, check_shard_count, kept_readers, run_readers
-from clipdist.data.tables import total_rows
 from clipdist.data.transforms import augmentation_cfg, image_size_stages
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.distributed import launch, parallel
@@ -71,8 +71,8 @@ def preflight(cfg: TrainConfig, env: launch.DistEnv) -> Shards:
     with one_line(FileNotFoundError):
         shards = resolve_shards(cfg.data)
         readers = stream_readers(cfg, len(shards.train), resuming)
-        rows = total_rows(shards.train)
-        check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, table_rows=rows)
+        sized = not cfg.data.resampled and shard_sizes(shards.train)[0] is not None
+        check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, sized=sized)
         check_caption_keys(shards.train, SampleKeys(tuple(cfg.data.caption_keys), None, tuple(cfg.data.image_keys)))
     with one_line():
         check_naflex(cfg, student, readers, resuming)

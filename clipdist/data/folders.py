@@ -43,12 +43,21 @@ def folder_parts(root: Path) -> list[str]:
     ]
 
 
-def class_members(url: str):
-    """(fname, data) of a class subfolder's images in name order, each with its class index (.cls)."""
+def _class_images(url: str) -> tuple[dict[str, str], list[Path]]:
     path, _, fragment = url[len(SCHEME) :].partition("#")
     options = {key: values[0] for key, values in parse_qs(fragment).items()}
     folder = Path(unquote(path)) / options["name"]
-    images = sorted(file for file in folder.iterdir() if file.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+    return options, sorted(file for file in folder.iterdir() if file.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+
+
+def class_size(url: str) -> int:
+    """The images of a class subfolder."""
+    return len(_class_images(url)[1])
+
+
+def class_members(url: str):
+    """(fname, data) of a class subfolder's images in name order, each with its class index (.cls)."""
+    options, images = _class_images(url)
     for number, file in enumerate(images):
         key = f"{options['name']}/{number:06d}"
         try:

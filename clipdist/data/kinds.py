@@ -6,7 +6,8 @@ alike).
     tables       open_clip's CSV/TSV of image paths and captions, cut into `table:` parts (data/tables.py)
     folders      an ImageFolder, one `folder:` part per class subfolder (data/folders.py)
 
-A new kind is one module with its three functions and one line in KINDS.
+A new kind is one module with its functions (expand, members, size; narrow where a part can be read in pieces
+cheaply) and one line in KINDS.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class DataKind:
     names_it: Callable[[str], bool]  # whether an item of a spec (a path, after brace expansion) is of this kind
     expand: Callable[[str, tables.TableFormat, str], list[str]]  # (item, table format, config key) -> part URLs
     members: Callable[[str], Iterator[tuple[str, bytes]]]  # a part URL -> (name, bytes) as a tar shard's members
+    size: Callable[[str], int]  # a part URL -> its samples (known before reading)
+    narrow: Callable[[str, int, int], str] | None = None  # (URL, first, count) -> a URL of those samples only
 
 
 def _table_parts(item: str, table: tables.TableFormat, what: str) -> list[str]:
@@ -33,13 +36,16 @@ def _table_parts(item: str, table: tables.TableFormat, what: str) -> list[str]:
     return tables.table_parts(item, table, what)
 
 
-TABLES = DataKind("table", tables.SCHEME, tables.is_table, _table_parts, tables.part_members)
+TABLES = DataKind(
+    "table", tables.SCHEME, tables.is_table, _table_parts, tables.part_members, tables.part_rows, tables.narrow
+)
 FOLDERS = DataKind(
     "folder",
     folders.SCHEME,
     lambda item: bool(folders.class_folders(Path(item).expanduser())),
     lambda item, table, what: folders.folder_parts(Path(item).expanduser()),
     folders.class_members,
+    folders.class_size,
 )
 KINDS = (TABLES, FOLDERS)
 

@@ -3,10 +3,12 @@ function of the seed, the reader and the position alone, with a position that is
 checkpoint and restored exactly (a resumed run reads the same samples as one never stopped).
 
     shard sequence   epoch mode: pass p shuffles the whole shard list with seed + p and deals it out
-                     over the readers, each shard to one. Resampled: draw i picks a source by
+                     over the readers: where every shard's size is known, cut into each reader's rows of
+                     epoch p (epochs.RowDeal: an epoch is then a permutation of the rows), else whole
+                     shards, each to one reader. Resampled: draw i picks a source by
                      data.weights, then one of its shards, from a generator seeded by (seed, reader).
                      Entry n of the sequence is found by replaying n picks: no I/O.
-    samples          a shard's samples in tar order, numbered from 0.
+    samples          a shard's (or a piece's) samples in tar order, numbered from 0.
     shuffle buffer   webdataset's algorithm (fill to `initial`, then two in per one out up to `size`;
                      a uniform pick, swapped with the last) driven by our own random.Random. In epoch
                      mode the buffer is emptied at the end of each pass and filled afresh, so a pass
@@ -31,7 +33,9 @@ from collections.abc import Iterator
 import numpy as np
 import webdataset as wds
 
+from clipdist.data.epochs import RowDeal
 from clipdist.data.faults import ShardHealth
+from clipdist.data.kinds import kind_of_url
 from clipdist.data.tar_samples import tar_samples
 
 
@@ -54,18 +58,24 @@ class ShardList:
         """(url, source) of shard `index` of the whole list."""
         return self.urls[index], bisect.bisect_right(self.ends, index)
 
-    def dealt(self, seed: int, reader: int, readers: int) -> list[tuple[str, int]]:
-        """Reader j's shards of the pass shuffled with `seed`: the list shuffled with random.Random(seed) (the
-        permutation of positions: the same as shuffling the list itself), entries j, j + V, j + 2V, ..."""
+    def permutation(self, seed: int) -> np.ndarray:
+        """The shards' order in the pass shuffled with `seed`: the list shuffled with random.Random(seed) (the
+        permutation of positions: the same as shuffling the list itself)."""
         if self._shuffled[0] != seed:
             order = list(range(len(self.urls)))
             random.Random(seed).shuffle(order)
             self._shuffled = (seed, np.asarray(order, dtype=np.int64 if len(order) >= 2**31 else np.int32))
-        return [self[int(index)] for index in self._shuffled[1][reader::readers]]
+        return self._shuffled[1]
+
+    def dealt(self, seed: int, reader: int, readers: int) -> list[tuple[str, int]]:
+        """Reader j's shards of the pass shuffled with `seed`: entries j, j + V, j + 2V, ... of its order."""
+        return [self[int(index)] for index in self.permutation(seed)[reader::readers]]
 
 
 class ShardSequence:
-    """The shards one reader opens, endlessly, as (entry, url, source)."""
+    """The shards one reader opens, endlessly, as (entry, url, source, first, count): its samples `first` …
+    `first + count − 1` of the shard (count None: all of them). Entries are numbered pass by pass: pass p is
+    entries p·L … p·L + L − 1 (fewer where a RowDeal gives the reader fewer pieces)."""
 
     def __init__(
         self,
@@ -75,35 +85,58 @@ class ShardSequence:
         reader: int,
         readers: int,
         resampled: bool,
+        deal: RowDeal | None = None,
     ):
         self.shards = shards if isinstance(shards, ShardList) else ShardList(shards)
         self.sources, self.weights, self.seed = self.shards.sources, weights, seed
-        self.reader, self.readers, self.resampled = reader, readers, resampled
+        self.reader, self.readers, self.resampled, self.deal = reader, readers, resampled, deal
         self._dealt: tuple[int, list] = (-1, [])
 
-    def _deal(self, epoch: int) -> list[tuple[str, int]]:
-        if self._dealt[0] != epoch:
-            self._dealt = (epoch, self.shards.dealt(self.seed + epoch, self.reader, self.readers))
+    def _pass(self, number: int) -> list[tuple[str, int, int, int | None]]:
+        """(url, source, first, count) of each piece of pass `number` (epoch mode)."""
+        if self._dealt[0] != number:
+            if self.deal is None:
+                pieces = [
+                    (url, source, 0, None)
+                    for url, source in self.shards.dealt(self.seed + number, self.reader, self.readers)
+                ]
+            else:
+                pieces = [self._piece(*piece) for piece in self.deal.pieces(number, self.reader)]
+            self._dealt = (number, pieces)
         return self._dealt[1]
 
+    def _piece(self, shard: int, first: int, count: int) -> tuple[str, int, int, int | None]:
+        url, source = self.shards[shard]
+        kind = kind_of_url(url)
+        if first == 0 and count == self.deal.sizes[shard]:
+            return url, source, 0, None
+        if kind is not None and kind.narrow is not None:
+            return kind.narrow(url, first, count), source, 0, None
+        return url, source, first, count
+
     def pass_length(self) -> int:
-        """Entries per pass: this reader's shards in an epoch, or as many draws as there are shards."""
-        if self.resampled:
+        """Entries a pass may hold: this reader's shards in an epoch, every shard where a RowDeal cuts them into
+        pieces, or as many draws as there are shards (resampled)."""
+        if self.resampled or self.deal is not None:
             return len(self.shards)
         return len(range(self.reader, len(self.shards), self.readers))  # the size of a deal, without dealing one
+
+    def pass_of(self, entry: int) -> int:
+        return entry // self.pass_length()
 
     def pass_urls(self, entry: int) -> list[str]:
         """The shards a pass can open (for the all-failed check)."""
         if self.resampled:
             return self.shards.urls
-        return [url for url, _ in self._deal(entry // self.pass_length())]
+        return [url for url, *_ in self._pass(self.pass_of(entry))]
 
-    def from_entry(self, start: int) -> Iterator[tuple[int, str, int]]:
+    def from_entry(self, start: int) -> Iterator[tuple[int, str, int, int, int | None]]:
         if not self.resampled:
             length = self.pass_length()
-            for entry in itertools.count(start):
-                url, source = self._deal(entry // length)[entry % length]
-                yield entry, url, source
+            for number in itertools.count(start // length):
+                for index, (url, source, first, count) in enumerate(self._pass(number)):
+                    if number * length + index >= start:
+                        yield number * length + index, url, source, first, count
             return
         rng = random.Random(f"{self.seed}-{self.reader}")
         for entry in itertools.count():
@@ -113,12 +146,31 @@ class ShardSequence:
                 source = rng.choices(range(len(self.sources)), weights=self.weights)[0]
                 url = rng.choice(self.sources[source])
             if entry >= start:
-                yield entry, url, source
+                yield entry, url, source, 0, None
 
 
 def shard_samples(url: str, handler, health: ShardHealth | None = None) -> Iterator[dict]:
     """Every sample of one shard, in tar order (bad shards go to the handler and the health record)."""
     return iter(tar_samples(handler=handler, health=health)(iter([{"url": url}])))
+
+
+def piece_samples(
+    url: str, first: int, count: int | None, handler, health: ShardHealth | None = None
+) -> Iterator[dict]:
+    """Samples `first` … `first + count − 1` of a shard (all of them where count is None); those before read and
+    dropped undecoded."""
+    samples = shard_samples(url, handler, health)
+    if count is None:
+        yield from samples
+        return
+    try:
+        for index, sample in enumerate(samples):
+            if index >= first + count:
+                return
+            if index >= first:
+                yield sample
+    finally:
+        samples.close()  # type: ignore[attr-defined]
 
 
 class Reader:
@@ -161,32 +213,32 @@ class Reader:
             wanted.setdefault(entry, set()).add(index)
         found = {}
         if wanted:
-            for entry, url, source in self.sequence.from_entry(min(wanted)):
+            for entry, url, source, first, count in self.sequence.from_entry(min(wanted)):
                 if entry > max(wanted):
                     break
                 if entry in wanted:
                     for index, sample in enumerate(
-                        shard_samples(url, wds.ignore_and_continue)
+                        piece_samples(url, first, count, wds.ignore_and_continue)
                     ):  # counted when first read
                         if index in wanted[entry]:
                             found[entry, index] = _labelled(sample, entry, index, source)
         self.buffer = [found[ref] for ref in map(tuple, state["buffer"]) if ref in found]
 
     def __iter__(self) -> Iterator[dict]:
-        resume_at = self.taken
-        for entry, url, source in self.sequence.from_entry(self.entry):
-            length = self.sequence.pass_length()
-            if entry % length == 0 and entry != self.entry:
+        resume_at, previous = self.taken, self.entry
+        for entry, url, source, first, count in self.sequence.from_entry(self.entry):
+            if self.sequence.pass_of(entry) != self.sequence.pass_of(previous):
                 if not self.sequence.resampled:
                     yield from self._drain()
-                self._end_pass(entry - 1)
+                self._end_pass(previous)
+            previous = entry
             self.entry, self.taken = (
                 entry,
                 resume_at,
             )  # skipped samples count as taken: a state saved mid-drain keeps them
             if self.sequence.resampled and url in self.health.failed:
                 continue  # gave nothing earlier in this pass
-            for index, sample in enumerate(shard_samples(url, self.handler, self.health)):
+            for index, sample in enumerate(piece_samples(url, first, count, self.handler, self.health)):
                 if index < resume_at:
                     continue
                 self.taken = index + 1

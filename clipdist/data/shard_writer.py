@@ -13,8 +13,10 @@ from pathlib import Path
 import webdataset as wds
 from PIL import Image
 
+from clipdist.data.epochs import stats_path
 from clipdist.data.tables import TableFormat
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
+from clipdist.files import write_atomic
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
@@ -51,11 +53,11 @@ def write_shards(
 ) -> list[Path]:
     """Write pairs (image, caption, extra json) to out_dir/prefix-000000.tar, ... ; return the paths.
 
-    Images given as PIL are stored as PNG; bytes must decode (checked_image) and are stored as
-    they are — one that does not is passed to on_unreadable(message) and left out, or raises
-    UnreadableImage when on_unreadable is None. Shards are written under a temporary name and renamed when all are
-    done; if writing
-    fails, the temporary files are removed.
+    Each shard gets img2dataset's `<shard>_stats.json` beside it ({"successes": its samples}): training reads
+    the sizes from it (data/epochs.py). Images given as PIL are stored as PNG; bytes must decode (checked_image)
+    and are stored as they are — one that does not is passed to on_unreadable(message) and left out, or raises
+    UnreadableImage when on_unreadable is None. Shards are written under a temporary name and renamed when all
+    are done; if writing fails, the temporary files are removed.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -85,8 +87,11 @@ def write_shards(
             partial.unlink()
         raise
     written = []
-    for partial in sorted(out_dir.glob(f".{prefix}-*.tar.partial")):
+    partials = sorted(out_dir.glob(f".{prefix}-*.tar.partial"))
+    for number, partial in enumerate(partials):
         final = out_dir / partial.name[1:].removesuffix(".partial")
+        size = samples_per_shard if number < len(partials) - 1 else index - number * samples_per_shard
+        write_atomic(stats_path(str(final)), json.dumps({"successes": size}).encode())  # img2dataset's, for epochs
         os.replace(partial, final)
         written.append(final)
     return written

@@ -18,6 +18,7 @@ import torch
 import webdataset as wds
 
 from clipdist.data.batch import Batch, rows_consumed
+from clipdist.data.epochs import RowDeal, shard_sizes
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.loader import Loader, assemble
@@ -28,7 +29,8 @@ from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
-ORDER = ("resampled", "seed", "shuffle_buffer", "weights", "shards", "budget")  # what the sample order is made of
+# what the sample order is made of
+ORDER = ("resampled", "seed", "shuffle_buffer", "weights", "shards", "budget", "epochs")
 
 
 READER_KEY = "reader_{:08d}"  # a reader's position among a checkpoint's tensors (the DCP folder's data.<key>.*)
@@ -67,19 +69,14 @@ def unpack_position(packed: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def check_shard_count(shards: int, readers: int, *, resampled: bool, table_rows: int | None = None) -> None:
-    """Epoch mode deals each pass's shards over the run's readers: each needs at least one (a ValueError otherwise;
-    for a table, the part size that would give every reader one)."""
-    if not resampled and shards < readers:
-        split = (
-            f" The table's {table_rows} rows are read in parts of data.csv_rows_per_part rows: "
-            f"data.csv_rows_per_part={max(1, table_rows // readers)} gives {readers} part(s) or more."
-            if table_rows
-            else ""
-        )
+def check_shard_count(shards: int, readers: int, *, resampled: bool, sized: bool = False) -> None:
+    """Epoch mode deals each pass's shards over the run's readers: where the shards' sizes are unknown (whole
+    shards dealt), each reader needs at least one (a ValueError otherwise)."""
+    if not resampled and not sized and shards < readers:
         raise ValueError(
             f"{shards} shard(s) for {readers} reader(s) (ranks × data.workers, or data.readers): every reader needs at "
-            f"least one shard.{split} Use more shards, fewer data.workers or data.readers, or data.resampled=true"
+            "least one shard where the shards' sizes are unknown (remote shards without a _stats.json beside them). "
+            "Use more shards, fewer data.workers or data.readers, or data.resampled=true"
         )
 
 
@@ -213,6 +210,11 @@ class TrainStream:
             "cycle": batch_size * world_size * (total // world_size if whole else 1),
             "budget": budget.layout() if budget is not None else None,
         }
+        # epoch mode with every shard's size known: each epoch is a permutation of the rows (data/epochs.py)
+        self.sizes, self.sizes_how = (
+            shard_sizes([url for urls in sources for url in urls]) if not data.resampled else (None, "resampled")
+        )
+        self.layout["epochs"] = "rows" if self.sizes is not None else "shards"
         self.order = self._order(total, self.layout["cycle"])
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)
         self.readers: dict[int, dict] = {}  # reader -> its position after the samples consumed (those this rank read)
@@ -386,7 +388,9 @@ class TrainStream:
     def _start(self):
         """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:
         that is the restored position, or the start)."""
-        check_shard_count(sum(map(len, self.sources)), self.order.readers, resampled=self.data.resampled)
+        check_shard_count(
+            sum(map(len, self.sources)), self.order.readers, resampled=self.data.resampled, sized=self.sizes is not None
+        )
         workers = self._processes
         self._worker_readers = self.worker_readers(workers)
         dataset = TrainingBatches(
@@ -406,6 +410,7 @@ class TrainStream:
             pixels=self.pixels,
             first_batch=self.batches,
             worker_readers=self._worker_readers,
+            sizes=self.sizes,
         )
         whole = self._items == 1
         # in flight per worker: two whole batches, or 2·W items of a W·pieces-th of a batch (2/pieces batches)
@@ -436,6 +441,18 @@ class TrainStream:
             else "data.split=replicated"
             if self.replicated
             else None
+        )
+
+    def epochs(self) -> str | None:
+        """What an epoch is here, for the log (None: resampled, no epochs)."""
+        if self.data.resampled:
+            return None
+        if self.sizes is not None:
+            return f"an epoch is every one of the {sum(self.sizes)} rows once ({self.sizes_how})"
+        return (
+            f"an epoch is every shard once, not exactly every row: {self.sizes_how}, so whole shards are dealt and a "
+            "reader holding fewer rows starts its next pass early (write <shard>_stats.json files, as img2dataset "
+            "and `clipdist make-shards` do, for exact epochs)"
         )
 
     def assembly(self) -> str | None:
@@ -549,8 +566,10 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         pixels: bool = False,
         first_batch: int = 0,
         worker_readers: list[list[int]] | None = None,
+        sizes: list[int] | None = None,
     ):
         super().__init__()
+        self.sizes = sizes
         self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
         self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
         self.rank, self.world_size, self.seed, self.resume, self.readers = rank, world_size, seed, resume, readers
@@ -563,11 +582,18 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         """The shards and each pass's shuffled order, once per process (each loader worker makes its own)."""
         return ShardList(self.sources)
 
+    @functools.cached_property
+    def deal(self) -> RowDeal | None:
+        """Each reader's rows of each epoch, where the shards' sizes are known (once per process)."""
+        if self.sizes is None or self.data.resampled:
+            return None
+        return RowDeal(self.sizes, self.seed, self.order, self.shard_list.permutation)
+
     def reader(self, index: int) -> _ReaderRun:
         """Reader `index` of the run where the consumed batches left it."""
         skips, health = SkipCounter(self.data.max_skips_in_a_row), ShardHealth()
         sequence = ShardSequence(
-            self.shard_list, self.data.weights, self.seed, index, self.order.readers, self.data.resampled
+            self.shard_list, self.data.weights, self.seed, index, self.order.readers, self.data.resampled, self.deal
         )
         reader = Reader(
             sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health, name=f"reader {index}"

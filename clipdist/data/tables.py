@@ -93,6 +93,15 @@ def part_rows(url: str) -> int:
     return last - first + 1
 
 
+def narrow(url: str, first: int, count: int) -> str:
+    """The part URL of `count` rows of a part from its row `first` on (its lines before them skipped unread)."""
+    path, _, fragment = url.partition("#")
+    options = {key: values[0] for key, values in parse_qs(fragment, keep_blank_values=True).items()}
+    start = int(options["rows"].split("-")[0]) + first
+    options.update(rows=f"{start}-{start + count - 1}", skip=str(int(options.get("skip", 0)) + first))
+    return f"{path}#{urlencode(options)}"
+
+
 def part_members(url: str):
     """(fname, data) of a part's rows, as tar_files gives a shard's members: `<row>.<ext>` and `<row>.txt`; a row
     whose image file cannot be read gives its caption alone (the sample is then skipped as having no image)."""
@@ -106,7 +115,9 @@ def part_members(url: str):
         columns = _row(handle.readline(), delimiter)
         image_at, caption_at = columns.index(options["image"]), columns.index(options["caption"])
         handle.seek(int(options["at"]))
-        taken = 0
+        skip, taken = int(options.get("skip", 0)), 0
+        while skip and (line := handle.readline()):
+            skip -= 1 if line.strip() else 0
         while taken < rows:
             line = handle.readline()
             if not line:

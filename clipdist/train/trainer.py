@@ -222,6 +222,8 @@ class Trainer:
                 f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
                 f"reader(s); {self.env.world_size} rank(s) × {cfg.world.batch_per_device})"
             )
+        if epochs := stream.epochs():
+            self.say(epochs)
         if assembly := stream.assembly():
             self.say(assembly)
         if stream.restart_reason:

@@ -1,20 +1,14 @@
 import time
 
-import numpy as np
 import pytest
-import torch
 from fixtures import image_bytes, write_samples
-from helpers import train_stream
+from helpers import identity_transform, train_stream
 
 from clipdist.data.faults import DataError
 
 
 def png(value):
     return image_bytes(value)
-
-
-def identity_transform(image):
-    return torch.from_numpy(np.array(image)).float().mean()
 
 
 def stream(urls, workers=0, resampled=False, max_skips_in_a_row=1000, batch=2):
@@ -46,13 +40,14 @@ def test_skips_are_counted_in_workers_of_every_start_method(tmp_path, start_meth
         write_samples(
             tmp_path / f"{shard}.tar",
             [{"__key__": "bad", "png": b"nope", "txt": b"x"}]
-            + [{"__key__": f"{i:03d}", "png": image_bytes(i), "txt": b"a caption"} for i in range(6)],
+            + [{"__key__": f"{i:03d}", "png": image_bytes(i), "txt": b"a caption"} for i in range(7)],
         )
     batches = train_stream(
         [tmp_path / "0.tar", tmp_path / "1.tar"], 2, identity_transform, workers=2, start_method=start_method
     )
     try:
-        # Two readers (one shard each) on two workers, each making every other batch whole: each worker's first
+        # Two readers (one shard each: 8 rows, an epoch's share of each) on two workers, each making every other
+        # batch whole: each worker's first
         # batch carries its shard's bad sample, counted in the worker and passed on to the rank.
         assert [next(batches).counts[0] for _ in range(4)] == [1, 1, 0, 0]
     finally:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import webdataset as wds
 from fixtures import caption_shards, image_bytes, pets, write_samples, write_tar
-from helpers import refusal, train_stream
+from helpers import identity_transform, refusal, train_stream
 from PIL import Image
 
 from clipdist.cli import main as cli
@@ -30,10 +30,6 @@ from clipdist.model.factory import get_tokenizer
 
 def png(value):
     return image_bytes(value)
-
-
-def identity_transform(image):
-    return torch.from_numpy(np.array(image)).float().mean()
 
 
 @pytest.mark.parametrize("is_train", [True, False])
@@ -759,15 +755,15 @@ def test_make_shards_captions_a_folder_as_evaluation_names_its_class(tmp_path):
     ]
 
 
-def test_too_few_table_parts_for_the_readers_names_the_part_size_that_fits():
+def test_too_few_shards_for_the_readers_is_refused_only_where_sizes_are_unknown():
+    """Shards of known size are cut into each reader's rows (data/epochs.py): one shard (a small table) serves any
+    number of readers; whole shards dealt (sizes unknown) need one per reader, and the refusal says why."""
     from clipdist.data.stream import check_shard_count
 
-    with pytest.raises(ValueError, match=r"900 rows .* data.csv_rows_per_part=450 gives 2 part\(s\)"):
-        check_shard_count(1, 2, resampled=False, table_rows=900)
-    with pytest.raises(ValueError) as raised:
+    check_shard_count(1, 2, resampled=False, sized=True)
+    with pytest.raises(ValueError, match=r"1 shard\(s\) for 2 reader\(s\).*sizes are unknown"):
         check_shard_count(1, 2, resampled=False)
-    assert "csv_rows_per_part" not in str(raised.value)
-    check_shard_count(2, 2, resampled=False, table_rows=900)
+    check_shard_count(1, 2, resampled=True)
 
 
 def test_a_caption_key_that_matches_nothing_is_refused_before_any_rank_starts(tmp_path):
