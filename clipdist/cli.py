@@ -1,5 +1,5 @@
-"""`clipdist` command line: train, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval, trust,
-report."""
+"""`clipdist` command line: train, torchrun, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval,
+trust, report."""
 
 from __future__ import annotations
 
@@ -636,6 +636,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)",
     )
+    commands.add_parser(
+        "torchrun",
+        add_help=False,
+        help="torchrun's launch (its options, then train.py and overrides), a failed rank ending it in one line",
+    )
     for add in (
         _add_gradcheck,
         _add_plan,
@@ -1043,6 +1048,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         train_main(argv[1:])
         return 0
+    if argv[:1] == ["torchrun"]:
+        from clipdist.distributed import torchrun
+
+        return torchrun.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

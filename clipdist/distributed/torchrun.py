@@ -9,6 +9,7 @@ one line: the first rank that failed, its exit code (the launch's own), and how 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> int:
         print(
             f"clipdist torchrun: error: rank {rank} exited with code {first.exitcode}"
             + (f" ({others} other rank(s) failed too)" if others else "")
-            + f" on {first.hostname}; the lines above are its own",
+            + f" on {socket.gethostname()}; the lines above are its own",
             file=sys.stderr,
         )
         return exit_code(first.exitcode)

@@ -27,12 +27,13 @@ def webdataset(shards, *overrides):
 
 @pytest.mark.parametrize("launch", ["cpu2", "torchrun"])
 def test_skips_in_loader_workers_are_summed_over_ranks(tmp_path, launch):
-    # 4 shards of 1 bad + 20 good samples; 2 ranks x 1 worker x 4 samples per step: step 1 opens one shard per
-    # rank, by step 8 each rank is 12 samples into its second shard: all four bad samples read, and no other.
+    # 4 shards of 1 bad + 23 good samples; 2 ranks x 1 worker x 4 samples per step, an epoch of 96 rows = 12 cycles
+    # of 8, so each rank's reader has two whole shards of it: step 1 opens one shard per rank, by step 8 each rank is
+    # 9 samples into its second shard: all four bad samples read, and no other.
     shards = caption_shards(
         tmp_path / "shards",
         shards=4,
-        per_shard=20,
+        per_shard=23,
         bad_first=True,
         pixel=lambda shard, i: i * 9 % 256,
         caption=lambda i: b"a grey square",

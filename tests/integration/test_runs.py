@@ -297,3 +297,16 @@ def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path,
     assert "resumed from" in first_out and "at step 2" in first_out
     rows = read_jsonl(run_dir / "train_log.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3] and all(row["loss"] == row["loss"] for row in rows)
+
+
+def test_clipdist_torchrun_ends_a_failed_launch_in_one_line(tmp_path, cache_dir):
+    """torchrun answers a rank's one-line refusal with its agent's traceback and a failure table; `clipdist torchrun`
+    (the same launcher in-process) with one line naming the rank, and the rank's exit code as its own."""
+    command = train_command(tmp_path / "run", cache_dir, "world=8gpu")
+    launched = [sys.executable, "-m", "clipdist", "torchrun", "--standalone", "--nproc-per-node=2", *command[1:]]
+    result = subprocess.run(launched, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors[0].startswith("error: world=8gpu expects 8 processes"), errors
+    assert "clipdist torchrun: error: rank" in errors[-1] and "exited with code 2" in errors[-1], errors
