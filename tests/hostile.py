@@ -145,6 +145,10 @@ def hostile_checkpoints(real: Path, folder: Path, marker: Path) -> dict[str, tup
     config = {**progress["config"], "model": {**progress["config"]["model"], "name": "${oc.env:CLIPDIST_SECRET}"}}
     _save_progress(path, {**progress, "config": config})
     made["config-interpolation"] = (path, "refused")
+    path = _copy(real, folder, "config-hf-hub")
+    config = {**progress["config"], "model": {**progress["config"]["model"], "name": "hf-hub:clipdist-test/uncached"}}
+    _save_progress(path, {**progress, "config": config})
+    made["config-hf-hub"] = (path, "refused")
     path = _copy(real, folder, "config-bomb")
     bomb: dict = {}
     for _ in range(60):

@@ -201,6 +201,17 @@ def _read_model_config(path: Path, where: str) -> tuple[dict, dict]:
     return model_cfg, preprocess
 
 
+@contextmanager
+def hub_offline():
+    """huggingface_hub answers from its cache alone inside (for a model a saved file names: no request leaves)."""
+    saved = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = saved
+
+
 def resolve_model_name(name: str) -> str:
     """`name` as open_clip knows it (a ValueError says how to fix an unknown one). A path to a model
     config file (`my-vit.json`, open_clip's format: embed_dim, vision_cfg, text_cfg) is registered

@@ -15,14 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from clipdist.checkpoint.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
 from clipdist.config import model_config
 from clipdist.distributed.parallel import node_leaders_first
+from clipdist.errors import printable
 from clipdist.model.factory import (
     EXPORT_CONFIG,
     create_model,
     fetches_weights,
+    hub_offline,
     model_overrides,
     pretrained_cfg,
     resolve_model_name,
@@ -62,16 +65,32 @@ def check(target: Target) -> None:
     it forks ranks: libgomp is not fork-safe)."""
     if target.kind == "checkpoint":
         config = verify(find_checkpoint(target.path)).get("config", {})
-        resolve_model_name(model_config(config.get("model", {})).name)  # the name it saved: a file it names is checked
+        saved_name(model_config(config.get("model", {})).name, target.spec)  # a file it names is checked too
     elif target.kind in ("export", "weights"):
         resolve_model_name(target.name)
     elif target.kind == "name":
         pretrained_cfg(resolve_model_name(target.name), target.pretrained)
 
 
-def _saved_model(config: dict) -> tuple:
+def saved_name(name: str, where: str) -> str:
+    """A model name a saved file holds (a run's config), resolved without the network: an `hf-hub:` model only
+    where its config is already in this machine's cache (a file does not choose what is fetched); a ValueError in
+    one line otherwise."""
+    if name.startswith("hf-hub:"):
+        found = try_to_load_from_cache(name.removeprefix("hf-hub:"), EXPORT_CONFIG)
+        if not isinstance(found, str):
+            shown = printable(name)[:80]
+            raise ValueError(
+                f"{where}: its saved model.name={shown} is a hub model not in this machine's cache, and a saved "
+                f"run does not reach the network: fetch it once on purpose (clipdist eval {shown}), then use the run"
+            )
+    return resolve_model_name(name)
+
+
+def _saved_model(config: dict, where: str) -> tuple:
     """(the ModelConfig a run saved in its `config`, the keyword arguments create_model builds it with)."""
     model_cfg = model_config(config.get("model", {}))
+    saved_name(model_cfg.name, where)
     return model_cfg, {"overrides": model_overrides(model_cfg, fetch=False)}
 
 
@@ -79,8 +98,9 @@ def structure(target: Target) -> torch.nn.Module:
     """The model `target` names on the meta device: its structure, no tensor read (a checkpoint is verified once
     and its saved config read)."""
     if target.kind == "checkpoint":
-        model_cfg, options = _saved_model(verify(find_checkpoint(target.path)).get("config", {}))
-        return create_model(model_cfg.name, device="meta", **options)
+        model_cfg, options = _saved_model(verify(find_checkpoint(target.path)).get("config", {}), target.spec)
+        with hub_offline():
+            return create_model(model_cfg.name, device="meta", **options)
     if target.kind == "name":
         check(target)  # its pretrained tag; create_model resolves (and checks) every kind's name itself
     return create_model(target.name, device="meta")
@@ -94,10 +114,11 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
     if target.kind == "checkpoint":
         checkpoint = find_checkpoint(target.path)
         weights, config = read_run_checkpoint(checkpoint)
-        model_cfg, options = _saved_model(config)
-        model = create_model(
-            model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None, device=device, **options
-        )
+        model_cfg, options = _saved_model(config, target.spec)
+        with hub_offline():
+            model = create_model(
+                model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None, device=device, **options
+            )
         fitting = weights_for(model, weights, checkpoint)
         if device != "meta":
             model.load_state_dict(fitting)

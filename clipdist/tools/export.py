@@ -33,6 +33,7 @@ from clipdist.model.factory import (
     built_model_config,
     create_model,
     get_tokenizer,
+    hub_offline,
     model_overrides,
     resolve_model_name,
 )
@@ -63,7 +64,9 @@ def _write_open_clip(checkpoint: Path, folder: Path) -> None:
     model_name = config.get("model", {}).get("name")
     if not model_name:
         raise ValueError(f"{checkpoint} does not say which model it holds (no model.name in its config)")
-    config_json = open_clip_config(model_name, weights, config.get("model"))
+    targets.saved_name(model_name, str(checkpoint))  # a saved hub name: from the cache only
+    with hub_offline():
+        config_json = open_clip_config(model_name, weights, config.get("model"))
     folder.mkdir()
     (folder / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
     save_file(

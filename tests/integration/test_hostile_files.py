@@ -183,6 +183,32 @@ def test_a_saved_interpolation_is_never_resolved(corpus, tmp_path, capsys, monke
     assert "s3cr3t-value" not in err and "interpolation" in err
 
 
+def test_a_saved_hub_model_is_read_from_the_cache_only(corpus, tmp_path, cache_dir, capsys, monkeypatch):
+    """A run whose saved model.name is `hf-hub:...` (a copied run directory): evaluating, exporting or distilling
+    from it fetches nothing — one line saying how to fetch it on purpose — and no hub request is made."""
+    import huggingface_hub.file_download as download
+
+    def no_request(*args, **kwargs):
+        raise AssertionError("a request to the hub")
+
+    monkeypatch.setattr(download, "get_hf_file_metadata", no_request)
+    _, checkpoints, _, evalset = corpus
+    run_dir = checkpoints["config-hf-hub"][0].parent.parent
+    assert cli(["eval", str(run_dir), "--set", f"val={evalset}"]) == 2
+    assert cli(["export", str(run_dir), "--out", str(tmp_path / "out")]) == 2
+    lines = lines_of(capsys.readouterr().err)
+    code, more = refusal(
+        capsys,
+        monkeypatch,
+        f"run_dir={tmp_path / 'student'}",
+        f"data.cache_dir={cache_dir}",
+        f"loss.distill.model={run_dir}",
+    )
+    lines += more
+    assert code == 2 and len(lines) == 3, lines
+    assert all("hf-hub:clipdist-test/uncached is a hub model not in" in line for line in lines), lines
+
+
 RUN_RECORDS = ["train.log", "metrics.jsonl", "wandb_id", "hydra/config.yaml", "checkpoints/step_00000030.dcp"]
 
 
