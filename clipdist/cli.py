@@ -16,7 +16,7 @@ from clipdist.compat import floor_problem
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 from clipdist.distributed import host
 from clipdist.errors import printable
-from clipdist.files import read_bounded
+from clipdist.files import discard_stdout, read_bounded, write_atomic
 
 
 def _csv(cast):
@@ -348,7 +348,7 @@ def _bench_limit(args: argparse.Namespace) -> int:
     rows = limit.measure(args.data, args.ranks, args.batch, args.batches, args.steps, args.cache_dir, args.repeats)
     print(limit.markdown(rows))
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+        write_atomic(Path(args.out), json.dumps(rows, indent=2) + "\n")
     return 0
 
 
@@ -552,7 +552,7 @@ def train_help() -> str:
     from clipdist.config import CONF, describe_keys
 
     chosen = dict(
-        re.findall(r"(?m)^\s*-\s*(\w+):\s*(\w+)\s*$", (CONF / "config.yaml").read_text())
+        re.findall(r"(?m)^\s*-\s*(\w+):\s*(\w+)\s*$", read_bounded(CONF / "config.yaml", 1 << 20).decode())
     )  # the defaults list: group -> option
     groups = []
     for folder in sorted(
@@ -619,7 +619,7 @@ def train_main(overrides: list[str] | None = None) -> None:
         try:
             print(train_help())
         except BrokenPipeError:  # `| head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            discard_stdout()
         return
     problem = closed_door(sys.argv[1:]) or unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
     if problem:  # before Hydra makes the directory (its traceback otherwise)

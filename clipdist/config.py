@@ -37,6 +37,7 @@ from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the check
     WARN,
 )
 from clipdist.errors import ConfigError, printable
+from clipdist.files import read_bounded
 from clipdist.losses import specs
 from clipdist.losses.specs import BACKENDS, LossSpec
 
@@ -722,7 +723,7 @@ def unknown_override(arguments: list[str]) -> str | None:
 def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str]:
     """(dataclass name, field name) -> the comment the schema's source gives it: on the field's line, or the comment
     lines just above it. Read from the module's source (this one's, or the loss registry's)."""
-    source = Path(source_file).read_text()
+    source = read_bounded(source_file, 1 << 20).decode()
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:

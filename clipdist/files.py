@@ -1,12 +1,21 @@
-"""Reading a file that a user or another file named, bounded: a regular file of at most a given size, checked
-before anything is read from it — a FIFO would hang the reader, a device (`/dev/zero`) never ends, a huge file
-exhausts memory. Model and tokenizer configs (weights.read_small_json), table and ImageFolder images
-(data/tables.py, data/folders.py), an evaluation set's class names and templates (data/sources.py) all read so.
+"""Every file clipdist opens, reads or writes goes through this module (tests/unit/test_file_access.py fails on any
+other), so each route is bounded and none follows a link it should not:
 
-A run's own files read back (train_log.jsonl, metrics.jsonl: `read_lines`) are opened without following a link,
-line by line with a bound per line and in all; files clipdist writes into a folder it shares with others (a
-run directory's report and rewound logs: `write_atomic`) are written to a new private name and renamed over the
-old, so a link planted at either name is replaced, never written through."""
+    read_bounded(path, limit)   a file a user or another file named (a model config, a table's image, class names):
+                                through links, a regular file of at most `limit` bytes, checked before reading
+    open_user / read_whole      a file the user named read as a stream (a table, a tar shard) or whole (weights):
+                                a regular file only — a FIFO would hang, a device never ends
+    open_stream(url)            a shard: a local file (open_user), a URL or a `pipe:` command (webdataset's gopen)
+    open_own / read_own /       a run's own records read back (train_log.jsonl, metrics.jsonl, the W&B id): never
+    read_lines                  through a link, line by line with a bound per line and in all
+    write_atomic                a file in a folder shared with others (reports, rewound logs, outputs): a new
+                                private name renamed over the old, so a link planted at the name is replaced
+    append_own / open_lock /    a run's own logs appended, its lock, a checkpoint's part: never through a link
+    write_durable / write_new
+    load_torch / save_torch,    the serializers' file routes, through the above (DCP's own reader and writer work on
+    load_safetensors / ...      folders clipdist checks first: checkpoint/weights.py)
+    publish(out, write)         a file or folder that appears whole or not at all
+"""
 
 from __future__ import annotations
 
@@ -126,3 +135,125 @@ def write_atomic(path: str | Path, data: bytes | str) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+def read_own(path: str | Path, limit: int) -> bytes:
+    """The bytes of a file clipdist wrote and reads back (a run's records: its W&B id, a log), at most `limit`:
+    opened without following a link, a regular file only (open_own), UnboundedFileError beyond the bound."""
+    with open_own(path) as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise UnboundedFileError(errno.EFBIG, f"larger than {limit >> 20} MiB", str(path))
+    return data
+
+
+def open_user(path: str | Path):
+    """A file the user named (a table, a tar shard on disk), opened for reading as binary through links — it is
+    theirs to name — but only if it is a regular file: a FIFO (which would block), a device or a socket is refused
+    at once (UnboundedFileError). What is read from it is bounded by its reader (a line, a tar member)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
+def open_stream(url: str):
+    """A shard's bytes as a stream: a local file (open_user), or what webdataset opens for a URL or a `pipe:`
+    command (the user's to name; tar_samples bounds every member read from it)."""
+    if url.startswith("pipe:") or "://" in url:
+        import webdataset
+
+        return webdataset.gopen(url, "rb")
+    return open_user(url.removeprefix("file:"))
+
+
+def _own_descriptor(path: str | Path, flags: int) -> int:
+    """A descriptor for writing a file of clipdist's own (never through a link at that name; a regular file)."""
+    descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(descriptor, True)
+    return descriptor
+
+
+def append_own(path: str | Path):
+    """A run's own log opened for appending text lines (created if missing), not through a link at its name."""
+    return os.fdopen(_own_descriptor(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+
+
+def open_lock(path: str | Path):
+    """A lock file opened for reading and writing (created if missing), not through a link at its name."""
+    return os.fdopen(_own_descriptor(path, os.O_RDWR | os.O_CREAT), "a+", encoding="utf-8")
+
+
+def write_durable(path: str | Path, data: bytes) -> None:
+    """`data` as a new file `path` (an existing name or link is refused), flushed to disk before it returns."""
+    with os.fdopen(_own_descriptor(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def discard_stdout() -> None:
+    """Standard output sent to /dev/null from here on (a reader that closed the pipe: `| head`)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+
+def read_whole(path: str | Path) -> bytes:
+    """A regular file the user named, whole (a weights file: its size is what it holds; open_user's checks)."""
+    with open_user(path) as file:
+        return file.read()
+
+
+def write_new(path: str | Path, write) -> None:
+    """`write(binary file)` makes the file `path` (created or truncated; never written through a link at its name)."""
+    with os.fdopen(_own_descriptor(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as file:
+        write(file)
+
+
+def _serializers():
+    """(torch, safetensors.torch), imported on first use: this module stays light (the command line's quick
+    checks import it)."""
+    import safetensors.torch
+    import torch
+
+    return torch, safetensors.torch
+
+
+def load_torch(source, **kwargs):
+    """torch.load of bytes in memory (io.BytesIO) or of a regular file (open_user; by name where `mmap`, which
+    maps the file: checked to be a regular file first)."""
+    torch = _serializers()[0]
+    if isinstance(source, (str, Path)):
+        if kwargs.get("mmap"):
+            if not stat.S_ISREG(os.stat(source).st_mode):
+                raise UnboundedFileError(errno.EINVAL, "not a regular file", str(source))
+            return torch.load(str(source), **kwargs)
+        with open_user(source) as file:
+            return torch.load(file, **kwargs)
+    return torch.load(source, **kwargs)
+
+
+def save_torch(value, target) -> None:
+    """torch.save into memory (io.BytesIO) or as a new file `target` (write_new)."""
+    torch = _serializers()[0]
+    if isinstance(target, (str, Path)):
+        write_new(target, lambda file: torch.save(value, file))
+    else:
+        torch.save(value, target)
+
+
+def load_safetensors(path: str | Path):
+    """A .safetensors file's tensors (mapped by safetensors; a regular file only)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
+    return _serializers()[1].load_file(str(path))
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """Tensors as a new .safetensors file `path` (write_new)."""
+    data = _serializers()[1].save(tensors, metadata=metadata)
+    write_new(path, lambda file: file.write(data))

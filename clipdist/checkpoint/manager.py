@@ -40,6 +40,7 @@ from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dic
 from clipdist.distributed.launch import DistEnv, StopSignal
 from clipdist.distributed.parallel import all_ranks
 from clipdist.errors import CheckpointError, ConfigError
+from clipdist.files import save_torch, write_durable
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class CheckpointFiles:
         # that training goes on changing before a save in the background is published.
         buffer = io.BytesIO()
         if is_main:
-            torch.save(progress, buffer)
+            save_torch(progress, buffer)
         pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main)
 
         def prepare():
@@ -106,7 +107,7 @@ class CheckpointFiles:
             self._agree(pending, future.result, run=True)
 
         def publish():
-            _write(pending.partial / weights.PROGRESS, pending.progress)
+            write_durable(pending.partial / weights.PROGRESS, pending.progress)
             if pending.final.exists():
                 shutil.rmtree(pending.final)
             os.replace(pending.partial, pending.final)
@@ -184,14 +185,6 @@ class PendingSave:
     def written(self) -> bool:
         """This rank's part is on disk (or failed: `finish` says which)."""
         return self.future is None or self.future.done()
-
-
-def _write(path: Path, data: bytes) -> None:
-    """`data` written and flushed to disk before it returns."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _reason(error: Exception, directory: Path) -> str:

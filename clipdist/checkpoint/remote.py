@@ -28,9 +28,10 @@ from pathlib import Path
 
 import fsspec
 
-from clipdist.checkpoint.run_dir import COPIED_LOGS
+from clipdist.checkpoint.run_dir import COPIED_LOGS, LOG_TOTAL_BYTES
 from clipdist.checkpoint.weights import CHECKPOINT
 from clipdist.errors import ConfigError
+from clipdist.files import read_own
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
@@ -62,7 +63,7 @@ def check_remote(url: str) -> None:
 
 def whole_lines(path: Path) -> bytes:
     """A log's bytes up to its last newline: a line being appended is left for the next copy."""
-    data = path.read_bytes()
+    data = read_own(path, LOG_TOTAL_BYTES)
     return data[: data.rfind(b"\n") + 1]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from clipdist.errors import ConfigError, printable
-from clipdist.files import open_own, read_lines, write_atomic
+from clipdist.files import append_own, open_lock, open_own, read_lines, write_atomic
 
 
 def running_holder(run_dir: str | Path) -> str | None:
@@ -44,7 +44,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
+        handle = open_lock(self.path)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -191,7 +191,7 @@ def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str], 
     batch's sequence length with them."""
     path = Path(run_dir) / SAMPLES / f"rank_{rank}.jsonl"
     path.parent.mkdir(exist_ok=True)
-    with path.open("a") as log_file:
+    with append_own(path) as log_file:
         log_file.write(json.dumps({"step": step, "keys": keys, **({"seq_len": seq_len} if seq_len else {})}) + "\n")
 
 

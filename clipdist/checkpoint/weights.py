@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.errors import ClipdistError, printable
-from clipdist.files import UnboundedFileError, read_bounded
+from clipdist.files import UnboundedFileError, load_safetensors, load_torch, open_user, read_bounded, read_whole
 
 PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
 LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
@@ -92,7 +92,7 @@ def _wanted(error: Exception) -> str | None:
 def _pickles_in(source) -> list[bytes]:
     """The pickle streams of a file as torch.load reads it: the `*.pkl` members of a zip file (torch's format;
     at most PICKLE_BYTES each, else none), or the bytes themselves."""
-    data = source.getvalue() if isinstance(source, io.BytesIO) else Path(source).read_bytes()
+    data = source.getvalue() if isinstance(source, io.BytesIO) else read_whole(source)
     if not zipfile.is_zipfile(io.BytesIO(data)):
         return [data]
     try:
@@ -201,7 +201,7 @@ def load_pickle(source, map_location="cpu", mmap: bool = False, path=None):
     with torch.serialization.safe_globals(SAFE_GLOBALS), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected pickle protocol")  # said of every file of protocol > 2
         try:
-            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+            return load_torch(source, map_location=map_location, weights_only=True, mmap=mmap)
         except RuntimeError as error:  # torch's zip reader: a truncated or damaged archive
             raise ValueError(f"{path} cannot be read: {printable(str(error).splitlines()[0])[:200]}") from None
         except pickle.UnpicklingError as error:
@@ -535,16 +535,14 @@ SAFETENSORS_HEADER_BYTES = 8 << 20  # a model's tensor index: ~100 bytes a tenso
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """A .safetensors file, its header bounded first (a million entries is a memory and time bomb, not a model);
     a malformed file is a ValueError in one line."""
-    from safetensors.torch import load_file
-
-    with path.open("rb") as file:
+    with open_user(path) as file:
         prefix = file.read(8)
     header = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
     if not 0 < header <= SAFETENSORS_HEADER_BYTES:
         what = "no header" if header <= 0 else f"a header of {header >> 20} MiB, more tensors than any model has"
         raise ValueError(f"{path} is not a safetensors file clipdist reads: {what}")
     try:
-        return load_file(str(path))
+        return load_safetensors(path)
     except Exception as error:  # noqa: BLE001 -- SafetensorError and friends: damaged
         raise ValueError(f"{path} cannot be read as safetensors: {printable(str(error))[:200]}") from None
 

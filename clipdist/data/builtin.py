@@ -19,7 +19,9 @@ import numpy as np
 from PIL import Image
 
 from clipdist.data.shard_writer import publish_dir, write_shards
+from clipdist.files import read_bounded, write_atomic
 
+PACKAGED_BYTES = 256 << 20  # a dataset file a Debian package or scikit-image ships (fashion-mnist: 26 MB)
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 FASHION_NAMES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle boot"]
 CAPTIONS = {
@@ -81,10 +83,9 @@ def _fashion_mnist(source_dir):
             f"data=fashion_mnist needs {files[0].name} and {files[1].name} in {root}: "
             "install them with `apt-get install dataset-fashion-mnist`, or set data.source_dir"
         )
-    with gzip.open(files[0]) as handle:
-        images = np.frombuffer(handle.read(), np.uint8, offset=16).reshape(-1, 28, 28)
-    with gzip.open(files[1]) as handle:
-        labels = np.frombuffer(handle.read(), np.uint8, offset=8)
+    images = np.frombuffer(gzip.decompress(read_bounded(files[0], PACKAGED_BYTES)), np.uint8, offset=16)
+    images = images.reshape(-1, 28, 28)
+    labels = np.frombuffer(gzip.decompress(read_bounded(files[1], PACKAGED_BYTES)), np.uint8, offset=8)
     return images, labels, FASHION_NAMES
 
 
@@ -100,7 +101,11 @@ def _web_photos(_source_dir, samples: int = WEB_SAMPLES):
     from sklearn.datasets import load_sample_images
 
     folder = Path(skimage.__file__).parent / "data"
-    photos = {name: Image.open(folder / name).convert("RGB") for name in WEB_PHOTOS if (folder / name).exists()}
+    photos = {
+        name: Image.open(io.BytesIO(read_bounded(folder / name, PACKAGED_BYTES))).convert("RGB")
+        for name in WEB_PHOTOS
+        if (folder / name).exists()
+    }
     photos.update(zip(("china.jpg", "flower.jpg"), map(Image.fromarray, load_sample_images().images)))
     names = sorted(set(WEB_PHOTOS.values()))
     files = sorted(photos)
@@ -172,6 +177,6 @@ def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -
     n_train = len(order) - n_val
     write_shards(pairs(order[n_val:]), tmp, "train", samples_per_shard=-(-n_train // shards))
     write_shards(pairs(order[:n_val]), tmp, "val", samples_per_shard=n_val)
-    (tmp / "done").write_text(f"{n_train} train, {n_val} val\n")
+    write_atomic(tmp / "done", f"{n_train} train, {n_val} val\n")
     publish_dir(tmp, out)
     return train, val

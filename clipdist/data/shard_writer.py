@@ -14,9 +14,13 @@ import webdataset as wds
 from PIL import Image
 
 from clipdist.data.epochs import stats_path
+from clipdist.data.samples import IMAGE_FILE_BYTES
 from clipdist.data.tables import TableFormat
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
-from clipdist.files import write_atomic
+from clipdist.files import open_user, read_bounded, write_atomic
+
+CAPTION_FILE_BYTES = 1 << 20  # a caption .txt beside an image
+
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
 
@@ -139,11 +143,11 @@ def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:
         found = True
         caption_file = path.with_suffix(".txt")
         caption = (
-            caption_file.read_text().strip()
+            read_bounded(caption_file, CAPTION_FILE_BYTES).decode().strip()
             if caption_file.exists()
             else f"a photo of a {path.parent.name.replace('_', ' ')}"
         )
-        yield path.read_bytes(), caption, {"source": str(path.relative_to(folder))}
+        yield read_bounded(path, IMAGE_FILE_BYTES), caption, {"source": str(path.relative_to(folder))}
     if not found:
         raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {folder}")
 
@@ -157,7 +161,7 @@ def pairs_from_csv(
     """Rows of a table with an image path column and a caption column (paths relative to the table); by default
     open_clip's TSV (tab, `filepath`, `title`)."""
     table = Path(table)
-    with open(table, newline="") as handle:
+    with io.TextIOWrapper(open_user(table), newline="") as handle:
         reader = csv.DictReader(handle, delimiter=TableFormat(separator).delimiter)
         missing = {path_column, caption_column} - set(reader.fieldnames or [])
         if missing:
@@ -166,7 +170,7 @@ def pairs_from_csv(
             path = (table.parent / row[path_column]).resolve()
             if not path.is_file():
                 raise FileNotFoundError(f"{table}, line {line}: image {row[path_column]!r} not found ({path})")
-            yield path.read_bytes(), row[caption_column], {"source": row[path_column]}
+            yield read_bounded(path, IMAGE_FILE_BYTES), row[caption_column], {"source": row[path_column]}
 
 
 def publish_dir(tmp_dir: Path, final_dir: Path) -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
 from clipdist.data.samples import IMAGE_EXTENSIONS, IMAGE_FILE_BYTES
-from clipdist.files import read_bounded
+from clipdist.files import open_user, read_bounded
 
 SCHEME = "table:"
+LINE_BYTES = 1 << 20  # a row: a path and a caption (open_clip's captions: a few hundred bytes)
 SUFFIXES = (".csv", ".tsv")
 
 
@@ -53,13 +54,23 @@ def _row(line: bytes, delimiter: str) -> list[str]:
     return next(csv.reader(io.StringIO(line.decode("utf-8")), delimiter=delimiter), [])
 
 
+def _line(handle, file: Path, number: int) -> bytes:
+    """The next line of a table, at most LINE_BYTES (a ValueError naming it otherwise: no row is that long)."""
+    line = handle.readline(LINE_BYTES + 1)
+    if len(line) > LINE_BYTES:
+        raise ValueError(
+            f"{file}: line {number} is longer than {LINE_BYTES >> 10} KiB: not a table of paths and captions"
+        )
+    return line
+
+
 def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
     """The part URLs of the table at `path`; a ValueError naming the columns it has where a key is missing."""
     file = Path(path).expanduser().resolve()
     if len(table.delimiter) != 1:
         raise ValueError(f"data.csv_separator={table.separator!r}: one character (a tab is \\t)")
-    with open(file, "rb") as handle:
-        header = _row(handle.readline(), table.delimiter)
+    with open_user(file) as handle:
+        header = _row(_line(handle, file, 1), table.delimiter)
         missing = [key for key in (table.image_key, table.caption_key) if key not in header]
         if missing:
             raise ValueError(
@@ -72,8 +83,9 @@ def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
         def part(first: int, rows: int, at: int) -> str:
             return f"{SCHEME}{quote(str(file))}#rows={first}-{first + rows - 1}&at={at}&{query}"
 
-        parts, start, rows, offset, first = [], handle.tell(), 0, handle.tell(), 0
-        for line in iter(handle.readline, b""):
+        parts, start, rows, offset, first, number = [], handle.tell(), 0, handle.tell(), 0, 1
+        while line := _line(handle, file, number + 1):
+            number += 1
             if rows == table.rows_per_part:
                 parts.append(part(first, rows, start))
                 start, first, rows = offset, first + rows, 0
@@ -111,15 +123,15 @@ def part_members(url: str):
     first_row, last_row = (int(number) for number in options["rows"].split("-"))
     rows = last_row - first_row + 1
     file = Path(unquote(path))
-    with open(file, "rb") as handle:
-        columns = _row(handle.readline(), delimiter)
+    with open_user(file) as handle:
+        columns = _row(_line(handle, file, 1), delimiter)
         image_at, caption_at = columns.index(options["image"]), columns.index(options["caption"])
         handle.seek(int(options["at"]))
         skip, taken = int(options.get("skip", 0)), 0
-        while skip and (line := handle.readline()):
+        while skip and (line := handle.readline(LINE_BYTES + 1)):
             skip -= 1 if line.strip() else 0
         while taken < rows:
-            line = handle.readline()
+            line = handle.readline(LINE_BYTES + 1)
             if not line:
                 break
             if not line.strip():

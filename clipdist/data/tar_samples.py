@@ -25,6 +25,7 @@ from webdataset.tariterators import base_plus_ext, group_by_keys
 from clipdist.data.faults import ShardError, ShardHealth
 from clipdist.data.kinds import members as part_members
 from clipdist.distributed.launch import kill_tree
+from clipdist.files import open_stream, open_user
 
 
 class TruncatedShardError(tarfile.ReadError):
@@ -186,7 +187,7 @@ def _tar_members(sources, handler, health: ShardHealth | None):
         try:
             members = part_members(url)  # a table's rows, an ImageFolder's class (data/kinds.py)
             if members is None:
-                stream = wds.gopen(url, "rb")
+                stream = open_stream(url)
                 members = tar_files(stream)
             for name, data in members:
                 if not name.startswith("__"):
@@ -220,7 +221,7 @@ def count_samples(path: str) -> int:
     files sharing a key up to the first dot of their base name are one sample); an OSError or tarfile.ReadError
     where it cannot be read."""
     count, key = 0, None
-    with open(path, "rb") as stream:
+    with open_user(path) as stream:
         for name, _ in tar_files(stream, names_only=True):
             prefix, _suffix = base_plus_ext(name)
             if prefix is not None and not name.startswith("__") and prefix != key:

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from clipdist import console
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.errors import ClipdistError, ConfigError
+from clipdist.files import save_torch
 
 # Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
 # handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
@@ -277,7 +278,7 @@ def _spawned_worker(
         destroy_process_group()
     # By value: tensors passed through a queue live in this process's shared memory, gone once it exits.
     buffer = io.BytesIO()
-    torch.save(result, buffer)
+    save_torch(result, buffer)
     results.put((rank, buffer.getvalue()))
 
 

@@ -12,6 +12,9 @@ import logging
 import socket
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
 AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
 
 
@@ -21,9 +24,6 @@ def exit_code(code: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     args = get_args_parser().parse_args(argv)
     for name in AGENT_LOGGERS:  # its lines for a failed rank (the failure, the SIGTERMs to the others): ours below
         logging.getLogger(name).setLevel(logging.CRITICAL)

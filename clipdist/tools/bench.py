@@ -26,6 +26,7 @@ from open_clip.loss import ClipLoss
 
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.distributed.launch import launch_local
+from clipdist.files import read_bounded, write_atomic
 from clipdist.losses import BACKENDS, build
 from clipdist.tools.memory import fit_loss_memory, human_bytes, loss_inputs, loss_kept_bytes
 
@@ -60,8 +61,7 @@ class _ResidentPeak:
         return self
 
     def _resident(self) -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * self.page
+        return int(read_bounded("/proc/self/statm", 4096).split()[1]) * self.page
 
     def _sample(self):
         while self._running:
@@ -326,11 +326,11 @@ def plot(rows, path: Path, scaling_rows=()) -> None:
 def write(rows, out_dir: Path, tag: str, scaling_rows=()) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"loss_{tag}.json"
-    json_path.write_text(json.dumps(rows, indent=1))
+    write_atomic(json_path, json.dumps(rows, indent=1))
     written = [json_path]
     if scaling_rows:
         written.append(out_dir / f"loss_scaling_{tag}.json")
-        written[-1].write_text(json.dumps(list(scaling_rows), indent=1))
+        write_atomic(written[-1], json.dumps(list(scaling_rows), indent=1))
     try:
         plot(rows, out_dir / f"loss_memory_{tag}.png", scaling_rows)
         written.append(out_dir / f"loss_memory_{tag}.png")

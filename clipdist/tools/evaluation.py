@@ -24,6 +24,7 @@ from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.distributed.host import intra_op_threads
 from clipdist.distributed.launch import launch_local
 from clipdist.distributed.parallel import rank_and_world_size
+from clipdist.files import write_atomic
 from clipdist.model import precision as precisions
 from clipdist.model import targets
 from clipdist.model.factory import get_tokenizer
@@ -93,4 +94,4 @@ def run_eval(
 
 
 def write_metrics(metrics: dict, out: str | Path) -> None:
-    Path(out).expanduser().write_text(json.dumps(metrics, indent=2) + "\n")
+    write_atomic(Path(out).expanduser(), json.dumps(metrics, indent=2) + "\n")

@@ -20,12 +20,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from timm.models import save_for_hf
 
 from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
 from clipdist.config import model_config
-from clipdist.files import publish
+from clipdist.files import publish, save_safetensors, write_atomic
 from clipdist.model import targets
 from clipdist.model.factory import (
     EXPORT_CONFIG,
@@ -68,10 +67,10 @@ def _write_open_clip(checkpoint: Path, folder: Path) -> None:
     with hub_offline():
         config_json = open_clip_config(model_name, weights, config.get("model"))
     folder.mkdir()
-    (folder / EXPORT_CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
-    save_file(
+    write_atomic(folder / EXPORT_CONFIG, json.dumps(config_json, indent=2) + "\n")
+    save_safetensors(
         {key: value.detach().contiguous() for key, value in weights.items()},
-        str(folder / EXPORT_WEIGHTS),
+        folder / EXPORT_WEIGHTS,
         metadata={"format": "pt", "source": str(checkpoint)},
     )
     if KWARGS_KEY in config_json["model_cfg"]["vision_cfg"] or "naflexvit" in str(

@@ -42,6 +42,17 @@ import psutil
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from clipdist.checkpoint.manager import Checkpointer
+from clipdist.checkpoint.state import TrainState
+from clipdist.config import to_train_config
+from clipdist.data.batch import Batch, apply, zero_counts
+from clipdist.distributed.launch import detect_env, free_port
+from clipdist.files import write_atomic
+from clipdist.model.factory import image_size, random_tokens
+from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
+from clipdist.tools.limit import real_run
+from clipdist.train.parts import build_parts
+
 SPEC_TFLOPS = {
     "H200": 989.0,
     "H100 80GB HBM3": 989.0,
@@ -107,7 +118,6 @@ def config(
     compile: bool = False,
     parallel: str = "ddp",
 ):
-    from clipdist.config import to_train_config
 
     return to_train_config(
         {
@@ -126,9 +136,6 @@ def config(
 def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None = None):
     """uint8 pixels (B, H, W, C) and random tokens on the device: what a GPU rank holds after the loader's copy (a
     NaFlex tower: float32 patches, every image filling `seq_len`)."""
-    from clipdist.data.batch import Batch, apply, zero_counts
-    from clipdist.model.factory import image_size, random_tokens
-    from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 
     height, width = image_size(model)
     if naflex_trunk(model) is not None:
@@ -142,7 +149,6 @@ def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None 
 def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: int | None = None) -> dict:
     """One row: the run's step on a synthetic batch — samples/s (and image tokens/s at a NaFlex `seq_len`), FLOPs
     per step, peak memory."""
-    from clipdist.train.parts import build_parts
 
     parts = build_parts(cfg, device)
     rows = cfg.world.batch_per_device
@@ -174,8 +180,6 @@ def one_rank_group(device: torch.device):
     """A process group of one (FSDP2 needs a mesh), torn down after."""
     import torch.distributed as dist
 
-    from clipdist.distributed.launch import free_port
-
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
@@ -187,10 +191,6 @@ def one_rank_group(device: torch.device):
 
 def checkpoint_stall(cfg, device: torch.device) -> dict:
     """How long a background save holds the loop, and how long its write takes until published."""
-    from clipdist.checkpoint.manager import Checkpointer
-    from clipdist.checkpoint.state import TrainState
-    from clipdist.distributed.launch import detect_env
-    from clipdist.train.parts import build_parts
 
     parts = build_parts(cfg, device)
     parts.step(synthetic_batch(parts.model, cfg.world.batch_per_device, device))  # AdamW's moments exist
@@ -205,7 +205,6 @@ def checkpoint_stall(cfg, device: torch.device) -> dict:
 
 def data_run(tiny: bool, steps: int) -> dict:
     """A real run (limit.real_run: a fresh interpreter): its median samples/s."""
-    from clipdist.tools.limit import real_run
 
     overrides = (
         ["world=local", "data=digits", "world.batch_per_device=64"]
@@ -415,9 +414,7 @@ def publish(rows: list[dict], out, doc) -> None:
         if path:
             target = Path(path)
             target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.partial")
-            partial.write_text(text)
-            os.replace(partial, target)
+            write_atomic(target, text)
 
 
 def device_name(device: torch.device) -> str:

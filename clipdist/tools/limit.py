@@ -23,7 +23,6 @@ Workloads: digits (clipdist-tiny on the built-in digits, 32 px) and web_photos (
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from clipdist.checkpoint.run_dir import jsonl_rows
 from clipdist.data.images import normalize_on_device
 from clipdist.distributed import host
 
@@ -131,7 +131,7 @@ def real_run(overrides: list[str], steps: int, timeout_s: float = 1800) -> float
         if result.returncode:
             said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
             raise RuntimeError(f"train.py {' '.join(overrides)}: {said[-1] if said else result.returncode}")
-        rows = [json.loads(line) for line in Path(work, "run", "train_log.jsonl").read_text().splitlines()]
+        rows = jsonl_rows(Path(work, "run", "train_log.jsonl"))[0]
     return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2 :])
 
 

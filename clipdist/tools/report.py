@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from clipdist.checkpoint.run_dir import jsonl_rows, running_holder
 from clipdist.errors import one_line
-from clipdist.files import write_atomic
+from clipdist.files import read_lines, write_atomic
 
 PICTURE, SUMMARY = "report.png", "report.txt"
 FRACTIONS = re.compile(r"(_r\d+|_top\d+)$")  # metrics in [0, 1]: recall@k, zero-shot top-k
@@ -45,7 +45,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
     record = RunRecord(jsonl_rows(run_dir / "train_log.jsonl")[0], jsonl_rows(run_dir / "metrics.jsonl")[0])
     log = run_dir / "train.log"
     times, resumed_at = [], 0
-    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+    for raw in read_lines(log) if log.is_file() else []:
+        line = (raw or b"").decode(errors="replace")
         stamped = STAMP.match(line)
         if stamped is None:
             continue

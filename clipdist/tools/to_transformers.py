@@ -32,6 +32,7 @@ import open_clip
 import torch
 from torch import nn
 
+from clipdist.files import write_atomic
 from clipdist.model.factory import base_tokenizer
 
 FORMAT = "transformers"
@@ -230,8 +231,8 @@ def write_tokenizer(tokenizer, folder: Path) -> tuple[Path, Path]:
     vocab = {SPECIAL.get(token, token): index for token, index in tokenizer.encoder.items()}
     merges = sorted(tokenizer.bpe_ranks, key=tokenizer.bpe_ranks.__getitem__)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    write_atomic(folder / "vocab.json", json.dumps(vocab, ensure_ascii=False))
+    write_atomic(folder / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
     return folder / "vocab.json", folder / "merges.txt"
 
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.checkpoint.weights import PROGRESS, single_process_quietly
-from clipdist.files import publish
+from clipdist.files import load_torch, publish, save_torch
 
 PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)
 
@@ -64,9 +64,9 @@ def trust(source: str | Path, out: str | Path | None = None) -> Path:
     if not source.is_file():
         raise ValueError(f"{source}: no such file or checkpoint folder")
     out = Path(out) if out else source.with_name(f"{source.stem}.trusted{source.suffix}")
-    loaded = torch.load(source, map_location="cpu", weights_only=False)  # the trusted, unsafe read
+    loaded = load_torch(source, map_location="cpu", weights_only=False)  # the trusted, unsafe read
     copy = plain_copy(loaded, where=str(source))
-    return publish(out, lambda staging: torch.save(copy, staging), hint="give another --out, or remove it")
+    return publish(out, lambda staging: save_torch(copy, staging), hint="give another --out, or remove it")
 
 
 def _convert_folder(source: Path, staging: Path) -> None:
@@ -76,5 +76,5 @@ def _convert_folder(source: Path, staging: Path) -> None:
             state, storage_reader=dcp.FileSystemReader(str(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
         )
         dcp.save(plain_copy(state, where=str(source)), checkpoint_id=str(staging), no_dist=True)
-    progress = torch.load(source / PROGRESS, map_location="cpu", weights_only=False)
-    torch.save(plain_copy(progress, where=str(source / PROGRESS)), staging / PROGRESS)
+    progress = load_torch(source / PROGRESS, map_location="cpu", weights_only=False)
+    save_torch(plain_copy(progress, where=str(source / PROGRESS)), staging / PROGRESS)

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from clipdist.checkpoint.run_dir import jsonl_rows
 from clipdist.distributed.launch import unreachable
 from clipdist.errors import RunDirError
+from clipdist.files import UnboundedFileError, append_own, read_own, write_atomic
 
 DEFAULT_WANDB_URL = "https://api.wandb.ai"
 REACH_TIMEOUT_S = 10
@@ -56,13 +57,19 @@ def check_tensorboard() -> None:
         ) from None
 
 
+WANDB_FILE_BYTES = 2 << 30  # a W&B run file read back for the steps it recorded (a long run: ~100s of MB)
+
+
 def wandb_records(path: Path):
     """The records of a local W&B run file (`run-<id>.wandb`, offline or online), as wandb's protobuf Records:
     LevelDB's log format (32 KiB blocks of [crc32 u32, length u16, kind u8] + data; kinds full, first, middle,
     last) after a 7-byte ':W&B' header. Read up to the first torn record: a killed run's file ends anywhere."""
     from wandb.proto import wandb_internal_pb2
 
-    data = Path(path).read_bytes()
+    try:
+        data = read_own(path, WANDB_FILE_BYTES)
+    except UnboundedFileError:  # a link, or larger than any run's: not W&B's own file; its steps are not known
+        return
     if data[:4] != b":W&B":
         return
     position, block, pending = 7, 32768, b""
@@ -134,8 +141,8 @@ class RunTracker:
             import wandb
 
             id_file = Path(run_dir) / "wandb_id"  # same W&B run when the job resumes
-            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-            id_file.write_text(run_id)
+            run_id = read_own(id_file, 4096).decode().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+            write_atomic(id_file, run_id)
             recorded = wandb_steps(run_dir, run_id)
             self.run = wandb.init(
                 mode=str(mode),
@@ -175,7 +182,7 @@ class RunTracker:
         if not self.enabled:
             return
         try:
-            with open(self.run_dir / filename, "a") as handle:
+            with append_own(self.run_dir / filename) as handle:
                 handle.write(json.dumps({"step": step, **values}) + "\n")
         except OSError as error:  # a full disk (a checkpoint written beside it, say): one line, not a traceback
             raise RunDirError(
@@ -228,8 +235,8 @@ class StepProfiler:
         sort_by = (
             "self_cuda_time_total" if profiler.activities and len(profiler.activities) > 1 else "self_cpu_time_total"
         )
-        (self.directory / f"rank{self.rank}.txt").write_text(
-            profiler.key_averages().table(sort_by=sort_by, row_limit=40)
+        write_atomic(
+            self.directory / f"rank{self.rank}.txt", profiler.key_averages().table(sort_by=sort_by, row_limit=40)
         )
 
     def step(self) -> None:

@@ -442,13 +442,16 @@ def test_make_shards_refuses_a_non_empty_folder_and_overwrites_it_whole(tmp_path
     assert (
         cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--samples-per-shard", "2"]) == 0
     )
-    assert sorted(p.name for p in out.iterdir()) == [f"shard-00000{i}.tar" for i in range(3)]
+    shards = [f"shard-00000{i}" for i in range(3)]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{s}.tar" for s in shards] + [f"{s}_stats.json" for s in shards]
+    )
     (images / "3.png").unlink()
     (images / "4.png").unlink()
     assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar"]  # nothing left of the first run
+    assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar", "shard-000000_stats.json"]  # nothing else
     assert not list(tmp_path.glob(".out*"))
 
 

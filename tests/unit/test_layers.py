@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "clipdist"
 
 LAYERS = [set(names) for names in clipdist.LAYERS]  # lowest first, declared in clipdist/__init__.py
 
-LOCAL_IMPORTS_OUTSIDE_CLI = 40  # function-level imports left: optional dependencies and lazy starts
+LOCAL_IMPORTS_OUTSIDE_CLI = 31  # function-level imports left: optional dependencies and lazy starts
 
 
 def _module(path: Path) -> str:
