@@ -1,5 +1,7 @@
 """Failures a user can act on: shown as one line (`error: ...`), no traceback unless HYDRA_FULL_ERROR=1."""
 
+from contextlib import contextmanager
+
 
 class ClipdistError(Exception):
     """Base of the errors whose message says what is wrong and what to do."""
@@ -32,3 +34,15 @@ def one_line(text: str) -> str:
     """`text` printable and on one line: newlines and tabs escaped too, so a name a file chose cannot forge a line
     of a log or a report (`skipped: ...\\nerror: ...`)."""
     return printable(text).replace("\n", "\\n").replace("\t", "\\t")
+
+
+@contextmanager
+def as_config_error(*errors: type[Exception]):
+    """A component's ValueError (or one of `errors`) as the ConfigError the user sees, in one line."""
+    caught: tuple[type[BaseException], ...] = (ValueError, *errors)
+    try:
+        yield
+    except caught as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(str(error)) from None

@@ -82,6 +82,12 @@ class Batch(Mapping):
         """The samples this batch holds (every input's first dimension)."""
         return _first_tensor(next(iter(self.inputs.values()))).shape[0]
 
+    @property
+    def seq_len(self) -> int | None:
+        """A NaFlex batch's sequence length (its patches' second dimension); None for image tensors."""
+        images = self.inputs.get("image")
+        return images["patches"].shape[1] if isinstance(images, dict) else None
+
     def map(self, function: Callable[[torch.Tensor], Any], names=None) -> Batch:
         """The batch with `function` applied to every tensor of the inputs `names` (all where None)."""
         inputs = {

@@ -117,11 +117,6 @@ def naflex_patch_size(model: torch.nn.Module) -> int:
     return int(size[0] if isinstance(size, (tuple, list)) else size)
 
 
-def seq_len(images) -> int | None:
-    """The sequence length of a NaFlex batch's image input (its patches' second dimension); None for image tensors."""
-    return images["patches"].shape[1] if isinstance(images, dict) else None
-
-
 def random_patches(
     rows: int,
     patch_size: int,

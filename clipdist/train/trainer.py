@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -22,21 +23,18 @@ from clipdist.checkpoint.run_dir import RunLock, log_sample_keys, rewind_logs, w
 from clipdist.checkpoint.state import TrainState, seed_everything
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.data.batch import Batch, rows_consumed
-from clipdist.data.images import normalize_on_device
-from clipdist.data.naflex import PatchImages, resolve_budget
-from clipdist.data.sources import Shards
-from clipdist.data.stream import TrainStream
-from clipdist.data.workers import LoaderPlan, loader_priority
-from clipdist.distributed import host, launch, parallel
+from clipdist.distributed import launch, parallel
 from clipdist.errors import TrainingDiverged
-from clipdist.model import precision
-from clipdist.model.factory import blank_images
-from clipdist.model.timm_towers import seq_len
-from clipdist.preflight import loader_workers_for, preflight
+from clipdist.preflight import preflight
+from clipdist.train import startup
 from clipdist.train.evaluate import evaluate
 from clipdist.train.parts import build_parts
-from clipdist.train.recipe import recipe, traps
+from clipdist.train.recipe import traps
 from clipdist.train.tracking import RunTracker, StepProfiler, logs_step
+
+if TYPE_CHECKING:  # annotations only
+    from clipdist.data.sources import Shards
+    from clipdist.data.workers import LoaderPlan
 
 log = logging.getLogger("clipdist")
 
@@ -46,10 +44,10 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
     here or on spawned local ranks. `overrides` (the command line) go into the run's record."""
     cfg = to_train_config(cfg)
     env = launch.detect_env()
-    shards = preflight(cfg, env)
+    shards, plan = preflight(cfg, env)
     if not env.is_main:
         console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
-        return train(cfg, shards)
+        return train(cfg, shards, plan)
     with RunLock(cfg.run_dir):
         fetched = Checkpointer.fetch_remote(cfg)
         warnings = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
@@ -60,33 +58,16 @@ def run(cfg, overrides: list[str] = ()) -> dict | None:
         for warning in [*warnings, *traps(cfg, shards)]:  # the resume's, and settings that do not do what they seem
             log.warning("%s", warning)
         if env.launcher == "single" and cfg.world.world_size > 1:
-            return launch.launch_local(train, cfg.world.world_size, cfg, shards, timeout_s=cfg.world.timeout_s)[0]
-        return train(cfg, shards)
+            return launch.launch_local(train, cfg.world.world_size, cfg, shards, plan, timeout_s=cfg.world.timeout_s)[0]
+        return train(cfg, shards, plan)
 
 
-def train(cfg: TrainConfig, shards: Shards) -> dict | None:
-    """Train on this rank (every rank calls it). Returns the last evaluation on rank 0."""
+def train(cfg: TrainConfig, shards: Shards, plan: LoaderPlan) -> dict | None:
+    """Train on this rank (every rank calls it), with the loader plan preflight decided. Returns the last evaluation
+    on rank 0."""
     env = launch.detect_env()
-    automatic = cfg.data.workers is None
-    plan = loader_workers_for(cfg, len(shards.train))  # the config stays as checked: the plan travels beside it
-    if env.is_main and automatic:
-        log.info("%d loader worker(s) per rank (%s)", plan.workers, plan.why, extra=console.DETAIL)
-    threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, plan.workers)
-    torch.set_num_threads(threads)
-    if env.is_main:
-        log.info(
-            "%d intra-op thread(s) per rank (%s; waiting: %s)",
-            threads,
-            source,
-            host.openmp_wait(),
-            extra=console.DETAIL,
-        )
     device = parallel.select_device(cfg.world.device, env.local_rank)
-    if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
-        log.info(
-            "malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)",
-            extra=console.DETAIL,
-        )
+    startup.configure_host(cfg, plan, env, device)
     backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
     launch.init_process_group(
         env,
@@ -127,7 +108,7 @@ class Trainer:
         self.val_transform = parts.val_transform
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler, train_transform = parts.optimizer, parts.scheduler, parts.train_transform
-        self.stream = self.build_stream(plan, train_transform)
+        self.stream = startup.build_stream(self, plan, train_transform, self.say)
         self.state = TrainState(self.model, optimizer, scheduler, self.stream, scaler=self.scaler)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
@@ -156,88 +137,15 @@ class Trainer:
             desc=f"train {cfg.loss.name} ×{env.world_size}",
         )
 
-    def build_stream(self, plan: LoaderPlan, image_transform) -> TrainStream:
-        """This rank's training stream, its loader workers tuned by the stream from the run's measurements."""
-        cfg, device, env = self.cfg, self.device, self.env
-        on_device, why = normalize_on_device(cfg.data.normalize_on)
-        budget = None
-        if isinstance(image_transform, PatchImages):  # a NaFlex tower: patches, normalized by the loader
-            budget = resolve_budget(
-                cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size, cfg.seed
-            )
-            on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
-        where = f"on {device.type} after the copy" if on_device else "by the loader"
-        self.say(f"images normalized {where} ({why})", detail=True)
-        stream = TrainStream(
-            self.shards.sources,
-            cfg.data,
-            batch_size=cfg.world.batch_per_device,
-            image_transform=image_transform,
-            tokenizer=self.tokenizer,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=cfg.seed,
-            pixels=on_device,
-            pin_memory=on_device and device.type == "cuda",
-            readers=plan.readers,
-            workers=plan.workers,
-            budget=budget,
-        )
-        started = stream.tune(
-            plan,
-            lambda workers: loader_priority(
-                str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node, workers
-            ),
-            lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0],
-        )
-        if started:
-            self.say(started, detail=True)
-        return stream
-
     def say(self, message: str, level: int = logging.INFO, detail: bool = False) -> None:
         """A line from rank 0 on the console and in train.log (clipdist.console); `detail`: train.log only."""
         if self.env.is_main:
             log.log(level, message, extra=console.DETAIL if detail else None)
 
     def say_where_it_starts(self) -> None:
-        """Where the run starts: the checkpoint, the run directory, where the data stream goes on from."""
-        cfg, state, stream = self.cfg, self.state, self.stream
-        if self.resumed_from is not None:
-            self.say(f"resumed from {self.resumed_from} at step {state.step}")
-        self.say(f"run directory: {self.run_dir}")
-        for line in recipe(
-            cfg,
-            self.model,
-            self.step.objective,
-            self.env.world_size,
-            getattr(self.step, "chunks", 1),
-            precision.resolved(cfg.precision, self.device),
-            self.shards,
-            stream.budget,
-            self.step.trim_text,
-        ):
-            self.say(line)
-        if stream.continued:
-            self.say(
-                f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
-                f"reader(s); {self.env.world_size} rank(s) × {cfg.world.batch_per_device})"
-            )
-        if epochs := stream.epochs():
-            self.say(epochs)
-        if assembly := stream.assembly():
-            self.say(assembly)
-        if stream.restart_reason:
-            self.say(
-                f"the data stream cannot continue sample for sample ({stream.restart_reason}); it "
-                f"restarts reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may "
-                "come again",
-                logging.WARNING,
-            )
-        if state.step >= cfg.optim.max_steps:
-            self.say(
-                f"run {self.run_dir} is already complete at step {state.step} (optim.max_steps="
-                f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run"
-            )
+        """Where the run starts (startup.start_lines), on the console and in train.log."""
+        for line, level in startup.start_lines(self):
+            self.say(line, level)
 
     def fit(self) -> dict | None:
         cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
@@ -265,9 +173,7 @@ class Trainer:
                 if switch := stream.switch_at(stream.batches):
                     self.say(f"after step {state.step + 1}: {switch}")
                 if cfg.logging.sample_keys:
-                    log_sample_keys(
-                        self.run_dir, self.env.rank, state.step + 1, batch.sample_keys, seq_len(batch["image"])
-                    )
+                    log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys, batch.seq_len)
                 if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(
@@ -306,8 +212,7 @@ class Trainer:
             with self.checkpointer.stop.interruptible():
                 return next(self.stream)
         except launch.StopRequested:
-            rows = max(self.stream.global_batch // self.env.world_size, 1)
-            return Batch.dummy(blank_images(self.model, rows), self.tokenizer.context_length, len(self.shards.sources))
+            return startup.stand_in_batch(self)
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a

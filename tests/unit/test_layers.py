@@ -140,3 +140,29 @@ def test_the_config_schema_imports_no_torch():
             heavy += [f"{module} imports {name}" for name in names if name.split(".")[0] in ("torch", "open_clip")]
             todo += [name for name in names if name in files]
     assert not heavy, heavy
+
+
+MOST_PROJECT_IMPORTS = 15  # project modules one module may import at its top level (a hub beyond it: split it)
+
+
+def runtime_project_imports(path) -> set[str]:
+    """The clipdist modules `path` imports at module level, as the import system runs it (not under TYPE_CHECKING)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "clipdist":
+            for alias in node.names:
+                module = f"{node.module}.{alias.name}"
+                is_module = (PACKAGE.parent / (module.replace(".", "/") + ".py")).exists() or (
+                    PACKAGE.parent / module.replace(".", "/")
+                ).is_dir()
+                found.add(module if is_module else node.module)
+    return found
+
+
+def test_no_module_imports_more_than_a_few_project_modules():
+    hubs = {
+        str(path.relative_to(PACKAGE.parent)): len(imported)
+        for path in PACKAGE.rglob("*.py")
+        if len(imported := runtime_project_imports(path)) > MOST_PROJECT_IMPORTS
+    }
+    assert hubs == {}, hubs

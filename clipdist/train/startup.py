@@ -1,0 +1,138 @@
+"""What one rank sets up around the loop (train/trainer.py): its host (intra-op threads, the malloc policy), its data
+stream with the loader plan preflight decided, the lines the run opens with, and the stand-in batch a stop signal
+gets."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from clipdist import console
+from clipdist.config import TrainConfig
+from clipdist.data.batch import Batch
+from clipdist.data.images import normalize_on_device
+from clipdist.data.naflex import PatchImages, resolve_budget
+from clipdist.data.stream import TrainStream
+from clipdist.data.workers import LoaderPlan, loader_priority
+from clipdist.distributed import host, launch
+from clipdist.model import precision
+from clipdist.model.factory import blank_images
+from clipdist.train.recipe import recipe
+
+log = logging.getLogger("clipdist")
+
+
+def configure_host(cfg: TrainConfig, plan: LoaderPlan, env: launch.DistEnv, device: torch.device) -> None:
+    """The rank's intra-op threads beside its loader workers, and the malloc policy of a CPU rank (train.log says
+    which and why)."""
+    if env.is_main and cfg.data.workers is None:
+        log.info("%d loader worker(s) per rank (%s)", plan.workers, plan.why, extra=console.DETAIL)
+    threads, source = host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, plan.workers)
+    torch.set_num_threads(threads)
+    if env.is_main:
+        log.info(
+            "%d intra-op thread(s) per rank (%s; waiting: %s)",
+            threads,
+            source,
+            host.openmp_wait(),
+            extra=console.DETAIL,
+        )
+    if device.type == "cpu" and host.keep_freed_memory() and env.is_main:
+        log.info(
+            "malloc keeps freed memory for reuse (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = 1 GiB, 2 GiB)",
+            extra=console.DETAIL,
+        )
+
+
+def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., None]) -> TrainStream:
+    """The rank's training stream, its loader workers tuned by the stream from the run's measurements."""
+    cfg, device, env = trainer.cfg, trainer.device, trainer.env
+    on_device, why = normalize_on_device(cfg.data.normalize_on)
+    budget = None
+    if isinstance(image_transform, PatchImages):  # a NaFlex tower: patches, normalized by the loader
+        budget = resolve_budget(
+            cfg.data, image_transform.seq_lens, cfg.world.batch_per_device * env.world_size, cfg.seed
+        )
+        on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
+    where = f"on {device.type} after the copy" if on_device else "by the loader"
+    say(f"images normalized {where} ({why})", detail=True)
+    stream = TrainStream(
+        trainer.shards.sources,
+        cfg.data,
+        batch_size=cfg.world.batch_per_device,
+        image_transform=image_transform,
+        tokenizer=trainer.tokenizer,
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=cfg.seed,
+        pixels=on_device,
+        pin_memory=on_device and device.type == "cuda",
+        readers=plan.readers,
+        workers=plan.workers,
+        budget=budget,
+    )
+    started = stream.tune(
+        plan,
+        lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node, workers),
+        lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0],
+    )
+    if started:
+        say(started, detail=True)
+    return stream
+
+
+def start_lines(trainer) -> list[tuple[str, int]]:
+    """(line, level) for where the run starts: the checkpoint, the run directory, the recipe, where the data stream
+    goes on from, and whether there is anything left to train."""
+    cfg, state, stream = trainer.cfg, trainer.state, trainer.stream
+    lines = (
+        [(f"resumed from {trainer.resumed_from} at step {state.step}", logging.INFO)] if trainer.resumed_from else []
+    )
+    lines.append((f"run directory: {trainer.run_dir}", logging.INFO))
+    said = recipe(
+        cfg,
+        trainer.model,
+        trainer.step.objective,
+        trainer.env.world_size,
+        getattr(trainer.step, "chunks", 1),
+        precision.resolved(cfg.precision, trainer.device),
+        trainer.shards,
+        stream.budget,
+        trainer.step.trim_text,
+    )
+    lines += [(line, logging.INFO) for line in said]
+    if stream.continued:
+        lines.append(
+            (
+                f"the data stream continues at sample {stream.position} of its order ({stream.order.readers} "
+                f"reader(s); {trainer.env.world_size} rank(s) × {cfg.world.batch_per_device})",
+                logging.INFO,
+            )
+        )
+    lines += [(line, logging.INFO) for line in (stream.epochs(), stream.assembly()) if line]
+    if stream.restart_reason:
+        lines.append(
+            (
+                f"the data stream cannot continue sample for sample ({stream.restart_reason}); it restarts "
+                f"reshuffled at sample {state.samples_seen}, so samples already seen in this epoch may come again",
+                logging.WARNING,
+            )
+        )
+    if state.step >= cfg.optim.max_steps:
+        lines.append(
+            (
+                f"run {trainer.run_dir} is already complete at step {state.step} (optim.max_steps="
+                f"{cfg.optim.max_steps}); raise optim.max_steps to train on, or set name= for a new run",
+                logging.INFO,
+            )
+        )
+    return lines
+
+
+def stand_in_batch(trainer) -> Batch:
+    """Zeros of the shape of this rank's batch: what a step gets when a stop signal came while it waited for data
+    (its collectives still match on every rank, and its agreement stops them)."""
+    rows = max(trainer.stream.global_batch // trainer.env.world_size, 1)
+    return Batch.dummy(blank_images(trainer.model, rows), trainer.tokenizer.context_length, len(trainer.shards.sources))
