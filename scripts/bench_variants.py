@@ -11,34 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from clipdist.tools.limit import real_run
 
 
 def run(overrides: list[str], steps: int, skip: int, timeout: float) -> float:
-    with tempfile.TemporaryDirectory() as work:
-        command = [
-            sys.executable,
-            str(REPO / "train.py"),
-            f"run_dir={work}/run",
-            f"optim.max_steps={steps}",
-            f"eval_every={steps * 10}",
-            f"checkpoint_every={steps * 10}",
-            "logging.wandb=disabled",
-            "logging.progress=false",
-            "logging.log_every=1",
-            *overrides,
-        ]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        if result.returncode != 0:
-            raise SystemExit(f"{' '.join(overrides)} failed:\n{result.stderr[-3000:]}")
-        rows = [json.loads(line) for line in (Path(work) / "run" / "train_log.jsonl").read_text().splitlines()]
-        return statistics.median(row["samples_per_s"] for row in rows[skip:])
+    try:
+        return real_run(overrides, steps, timeout, skip=skip)
+    except RuntimeError as error:
+        raise SystemExit(f"{' '.join(overrides)} failed: {error}") from None
 
 
 def main() -> None:

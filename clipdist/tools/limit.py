@@ -110,9 +110,10 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     return {"loader_s": statistics.median(loader) / batch, "step_s": statistics.median(step) / batch}
 
 
-def real_run(overrides: list[str], steps: int, timeout_s: float = 1800) -> float:
+def real_run(overrides: list[str], steps: int, timeout_s: float = 1800, skip: int | None = None) -> float:
     """Median samples/s of a real run (`train.py` in a fresh interpreter, no evaluation or checkpoint on the way)
-    over the second half of its steps, from its train_log.jsonl; a RuntimeError with its last line if it fails."""
+    over its steps after `skip` (the second half where None), from its train_log.jsonl; a RuntimeError with its last
+    line if it fails."""
     with tempfile.TemporaryDirectory() as work:
         command = [
             sys.executable,
@@ -132,7 +133,7 @@ def real_run(overrides: list[str], steps: int, timeout_s: float = 1800) -> float
             said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
             raise RuntimeError(f"train.py {' '.join(overrides)}: {said[-1] if said else result.returncode}")
         rows = jsonl_rows(Path(work, "run", "train_log.jsonl"))[0]
-    return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2 :])
+    return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2 if skip is None else skip :])
 
 
 def end_to_end(data: str, ranks: int, batch: int, steps: int, cache_dir: str) -> float:
