@@ -150,6 +150,7 @@ def _export(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         pretrained=args.pretrained,
         model_name=args.model,
+        ema=args.ema,
     )
     if args.format == "transformers":
         print(
@@ -189,6 +190,7 @@ def _eval(args: argparse.Namespace) -> int:
         precision=args.precision,
         cache_dir=args.cache_dir,
         retrieval_ties=args.retrieval_ties,
+        ema=args.ema,
     )
     if args.out:
         write_metrics(metrics, args.out)
@@ -942,6 +944,7 @@ def _add_export(commands) -> None:
     exporter.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name (transformers)")
     exporter.add_argument("--model", default=None, help="the model a bare weights file fits (transformers)")
     exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    exporter.add_argument("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights")
     exporter.set_defaults(run=_export)
 
 
@@ -997,6 +1000,7 @@ def _add_eval(commands) -> None:
         default="pessimistic",
         help="repeated captions: a tie counts against the image (default), or open_clip_train's argsort order",
     )
+    evaluator.add_argument("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights")
     evaluator.add_argument("--out", default=None, help="write the metrics to this JSON file")
     evaluator.add_argument("--json", action="store_true", help="print the metrics as JSON")
     evaluator.set_defaults(run=_eval)

@@ -419,8 +419,23 @@ class WorldConfig:
 
 
 @dataclass
+class EmaConfig:
+    """An exponential moving average of the weights (open_clip main's --model-ema, MobileCLIP trains with one): after
+    optimizer step t, every `every` steps from `start_step` on, ema ← decay·ema + (1 − decay)·θ; until then the
+    average is the weights themselves. Kept in every checkpoint (resharded to any world size, FSDP2 too);
+    `clipdist eval --ema` and `clipdist export --ema` take it (clipdist.train.ema)."""
+
+    RESUME: ClassVar[dict] = {"decay": WARN, "start_step": WARN, "every": WARN}
+
+    decay: float = non_negative(0.0)  # 0: no average; 0.999 ... 0.9999 (it spans ~1/(1 − decay) updates)
+    start_step: int = non_negative(0)  # the first optimizer step that averages (before it: the weights)
+    every: int = positive(1)  # average every this many steps
+
+
+@dataclass
 class OptimConfig:
     RESUME: ClassVar[dict] = {
+        "ema": WARN,  # the average goes on from the checkpoint's (or starts at the weights, where it had none)
         "name": REFUSE,  # another optimizer state
         "schedule": WARN,
         "cooldown_steps": WARN,
@@ -460,6 +475,7 @@ class OptimConfig:
     cooldown_end_lr: float = 0.0  # const_cooldown: the lr at the last step
     cooldown_power: float = 1.0  # const_cooldown: 1 linear, else polynomial decay
     grad_clip: float = non_negative(1.0)  # max global grad norm; 0 disables
+    ema: EmaConfig = field(default_factory=EmaConfig)  # optim.ema.decay=0.9999: an average of the weights
     max_logit_scale: float = 100.0  # the learnt logit scale is clamped at this (CLIP's 100)
 
 
@@ -534,6 +550,8 @@ def validate(cfg: TrainConfig) -> None:
             f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
             f"{cfg.world.batch_per_device}: a chunk needs at least one sample"
         )
+    if not cfg.optim.ema.decay < 1:
+        raise ConfigError(f"optim.ema.decay={cfg.optim.ema.decay}: must be below 1 (0.999 ... 0.9999; 0: no average)")
     if cfg.optim.max_logit_scale <= 1:
         raise ConfigError(f"optim.max_logit_scale={cfg.optim.max_logit_scale}: must be above 1 (it is exp-ed)")
     if cfg.world.backend == Backend.nccl and cfg.world.device == Device.cpu:

@@ -77,6 +77,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stream: Any = None  # a TrainStream (state_dict / load_state_dict), or None where there is no data
     scaler: Any = None  # precision=fp16's gradient scaler (its scale and growth count), or None
+    ema: Any = None  # optim.ema's weight average (train.ema.WeightAverage: state_dict, reset), or None
     step: int = 0
     samples_seen: int = 0
     saved_world_size: int | None = None  # the loaded checkpoint's (load_progress)
@@ -93,6 +94,8 @@ class TrainState:
         }
         if self.stream is not None:  # the readers' positions: each rank writes those it reads, one copy is kept
             shards["data"] = self.stream.reader_tensors()
+        if self.ema is not None:  # the weight average, sharded as the weights
+            shards["ema"] = self.ema.state_dict()
         return shards
 
     def sharded_state_dict_to_load(self, sizes: dict[str, torch.Size]) -> dict:
@@ -100,6 +103,8 @@ class TrainState:
         its metadata gives (`sizes`: flattened key -> size): the readers it needs (one the checkpoint lacks is left
         out: the stream says which it missed) and its own generators where the world size is the saved one."""
         shards = self.sharded_state_dict()
+        if "ema" in shards and not any(name.startswith("ema.") for name in sizes):
+            del shards["ema"]  # a checkpoint without an average: it starts at the loaded weights
         rank, world_size = rank_and_world_size()
         key = RNG_KEY.format(rank)
         parts = [name.rsplit(".", 1)[1] for name in sizes if name.startswith(f"rng.{key}.")]
@@ -135,6 +140,8 @@ class TrainState:
         set_state_dict(
             self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
         )
+        if self.ema is not None and "ema" not in loaded:
+            self.ema.reset()
         for generators in loaded.get("rng", {}).values():  # this rank's, where the world size is the saved one
             set_rng_state(rng_state_of(generators))
         if self.stream is not None and loaded.get("data"):

@@ -515,18 +515,26 @@ def verify(path: Path) -> dict:
     return progress
 
 
-def read_run_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone. Every
-    pickled part is checked first, the parts the model does not need included: a checkpoint that carries code
-    anywhere is refused, whatever is read of it."""
+def read_run_checkpoint(path: Path, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone; with `ema`,
+    its weight average (optim.ema) in place of the parameters (the buffers are the model's). Every pickled part is
+    checked first, the parts the model does not need included: a checkpoint that carries code anywhere is refused,
+    whatever is read of it."""
     progress = verify(path)
     if "config" not in progress:
         raise ValueError(f"{path} is not a clipdist checkpoint (no config in it)")
     if path.is_dir():
-        return read_dcp(path, {"model"})["model"], progress["config"]
-    if "model" not in progress:
+        parts = read_dcp(path, {"model", "ema"} if ema else {"model"})
+        weights, average = parts["model"], parts.get("ema")
+    elif "model" not in progress:
         raise ValueError(f"{path} is not a clipdist checkpoint (no model in it)")
-    return progress["model"], progress["config"]
+    else:
+        weights, average = progress["model"], progress.get("ema")
+    if not ema:
+        return weights, progress["config"]
+    if not average:
+        raise ValueError(f"{path} holds no weight average: its run trained without optim.ema.decay; leave out --ema")
+    return {**weights, **{name: tensor.to(weights[name].dtype) for name, tensor in average.items()}}, progress["config"]
 
 
 SAFETENSORS_HEADER_BYTES = 8 << 20  # a model's tensor index: ~100 bytes a tensor, a few thousand tensors (~1 MB)

@@ -44,11 +44,17 @@ class Target:
     name: str | None  # the open_clip model name to build (None for a checkpoint: its saved config says)
     path: Path | None = None  # the export folder, the checkpoint, the weights file
     pretrained: str | None = None
+    ema: bool = False  # a checkpoint's weight average (optim.ema) in place of its weights
 
 
-def resolve(spec: str, pretrained: str | None = None, model_name: str | None = None) -> Target:
-    """What `spec` names (the module docstring); a ValueError where a weights file names no model."""
+def resolve(spec: str, pretrained: str | None = None, model_name: str | None = None, ema: bool = False) -> Target:
+    """What `spec` names (the module docstring); a ValueError where a weights file names no model, or where `ema`
+    asks for a weight average of anything but a run or a checkpoint."""
     path = Path(spec).expanduser()
+    if ema:
+        if not (path.exists() and (path.is_dir() or CHECKPOINT.search(path.name))) or (path / EXPORT_CONFIG).is_file():
+            raise ValueError(f"--ema takes a run directory or a checkpoint (its optim.ema average); {spec} is neither")
+        return Target("checkpoint", spec, None, path, ema=True)
     if path.is_dir() and (path / EXPORT_CONFIG).is_file():
         return Target("export", spec, f"local-dir:{path}", path)
     if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
@@ -113,7 +119,7 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
         return create_model(target.name, cache_dir=cache_dir, device=device), target.name
     if target.kind == "checkpoint":
         checkpoint = find_checkpoint(target.path)
-        weights, config = read_run_checkpoint(checkpoint)
+        weights, config = read_run_checkpoint(checkpoint, ema=target.ema)
         model_cfg, options = _saved_model(config, target.spec)
         with hub_offline():
             model = create_model(

@@ -42,12 +42,12 @@ def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str])
 
 
 def _evaluate_here(
-    target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties="pessimistic"
+    target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties="pessimistic", ema=False
 ) -> dict:
     """Every set on this rank (every rank calls it under launch_local: each encodes its share)."""
     torch.set_num_threads(intra_op_threads(None, rank_and_world_size()[1])[0])  # the CPUs shared by the ranks
     device = torch.device("cpu")
-    model, name = targets.load(targets.resolve(target, pretrained, model_name), cache_dir)
+    model, name = targets.load(targets.resolve(target, pretrained, model_name, ema), cache_dir)
     model = model.to(device, precisions.weights_dtype(precision))
     _, transform = image_transforms(model, DataConfig())
     tokenizer = get_tokenizer(name, cache_dir, getattr(model, "context_length", None))  # a forced length too
@@ -83,13 +83,15 @@ def run_eval(
     cache_dir: str | None = None,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     retrieval_ties: str = "pessimistic",
+    ema: bool = False,
 ) -> dict:
-    """The metrics of TARGET on `sets` (the module docstring), on one process or `world_size` local ranks."""
+    """The metrics of TARGET on `sets` (the module docstring), on one process or `world_size` local ranks; `ema`:
+    a run's or checkpoint's weight average (optim.ema) in place of its weights."""
     evalsets = eval_sets(sets, list(classnames), list(templates))
-    arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties)
+    arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties, ema)
     if world_size == 1:
         return _evaluate_here(*arguments)
-    targets.check(targets.resolve(target, pretrained, model_name))  # a bad target: one line, before the ranks
+    targets.check(targets.resolve(target, pretrained, model_name, ema))  # a bad target: one line, before the ranks
     return launch_local(_evaluate_here, world_size, *arguments, timeout_s=timeout_s)[0]
 
 

@@ -58,8 +58,8 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
     }
 
 
-def _write_open_clip(checkpoint: Path, folder: Path) -> None:
-    weights, config = read_run_checkpoint(checkpoint)
+def _write_open_clip(checkpoint: Path, folder: Path, ema: bool = False) -> None:
+    weights, config = read_run_checkpoint(checkpoint, ema=ema)
     model_name = config.get("model", {}).get("name")
     if not model_name:
         raise ValueError(f"{checkpoint} does not say which model it holds (no model.name in its config)")
@@ -102,6 +102,7 @@ def export(
     pretrained: str | None = None,
     model_name: str | None = None,
     cache_dir: str | None = None,
+    ema: bool = False,
 ) -> str:
     """Write `source`'s model to the folder `out` in `format` ("open_clip": the module docstring; "transformers":
     clipdist.tools.to_transformers); what it came from, said for the console. The folder appears whole or not at
@@ -109,13 +110,13 @@ def export(
     converts any model clipdist eval takes (a run, a checkpoint, an export, an open_clip name)."""
     if format == "open_clip":
         checkpoint = find_checkpoint(source)
-        publish(out, lambda folder: _write_open_clip(checkpoint, folder), overwrite=overwrite)
-        return str(checkpoint)
+        publish(out, lambda folder: _write_open_clip(checkpoint, folder, ema), overwrite=overwrite)
+        return f"{checkpoint}'s weight average" if ema else str(checkpoint)
     if format != to_transformers.FORMAT:
         raise ValueError(f"unknown export format {format!r}; choose open_clip or transformers")
     if importlib.util.find_spec("transformers") is None:
         raise ValueError("--format transformers needs Hugging Face transformers: pip install 'clipdist[transformers]'")
-    target = targets.resolve(str(source), pretrained, model_name)
+    target = targets.resolve(str(source), pretrained, model_name, ema)
     if target.kind == "name" and not target.pretrained and not target.spec.startswith(("hf-hub:", "local-dir:")):
         raise ValueError(
             f"{target.spec} names a model, not weights: it would export random weights. Add --pretrained TAG "

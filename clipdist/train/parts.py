@@ -26,6 +26,7 @@ from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.short_text import allow_short_text
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective import run_objective
+from clipdist.train.ema import WeightAverage
 from clipdist.train.optim import build_optimizer
 from clipdist.train.step import Step, build_step
 
@@ -45,6 +46,7 @@ class Parts:
     step: Step  # one optimisation step of a Batch
     train_transform: Callable[[Any], Any]  # a decoded image -> the tower's input
     val_transform: Callable[[Any], Any]
+    ema: WeightAverage | None = None  # optim.ema's average of the weights (None: optim.ema.decay=0)
 
 
 def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
@@ -107,4 +109,5 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         step,
         train_transform,
         val_transform,
+        WeightAverage(model, cfg.optim.ema) if cfg.optim.ema.decay > 0 else None,
     )

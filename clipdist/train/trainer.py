@@ -109,7 +109,7 @@ class Trainer:
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler, train_transform = parts.optimizer, parts.scheduler, parts.train_transform
         self.stream = startup.build_stream(self, plan, train_transform, self.say)
-        self.state = TrainState(self.model, optimizer, scheduler, self.stream, scaler=self.scaler)
+        self.state = TrainState(self.model, optimizer, scheduler, self.stream, scaler=self.scaler, ema=parts.ema)
         self.checkpointer = Checkpointer(cfg, self.run_dir, env)
         self.resumed_from = self.checkpointer.restore(self.state)
         if self.resumed_from is None:
@@ -187,6 +187,8 @@ class Trainer:
                 bad_steps = 0
                 self.overflow_steps += self.step.overflowed  # fp16: the update skipped on every rank; the step counts
                 state.step, state.samples_seen = state.step + 1, state.samples_seen + rows_consumed(agreed.counts)
+                if state.ema is not None:
+                    state.ema.update(state.step)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed, grad_norm, seconds, skipped_steps)
                 for line in stream.observe(waited, seconds, batch.load_s):

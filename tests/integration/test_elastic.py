@@ -2,7 +2,7 @@
 order — so, with exact losses, the same loss at every step — stopped mid-epoch on 2 ranks and continued on 1,
 on 4, and on 4 (FSDP) then 1; on the digits (at 16 px, then 32 after a resolution schedule's switch that every
 resume crosses) and on weighted, resampled webdataset sources with 2 loader workers and a bad sample in every
-shard."""
+shard; the weight average (optim.ema) resumed with them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ from helpers import Run, read_jsonl, train
 STEPS = 30  # the digits' epoch is 22 global batches of 64: the stops fall in the first, the runs end in the second
 # progressive resolution (a fixed-size tower's data.resolution_schedule): 16 px, then the tower's 32 px from the 25th
 # step — after every stop, so each resume crosses the switch
-DIGITS = ("data.workers=2", "+data.resolution_schedule.0=[16]", "+data.resolution_schedule.24=[32]")
+# and a weight average (optim.ema) that starts at step 12, after every stop: each resume crosses its start
+DIGITS = (
+    "data.workers=2",
+    "+data.resolution_schedule.0=[16]",
+    "+data.resolution_schedule.24=[32]",
+    "optim.ema.decay=0.8",
+    "optim.ema.start_step=12",
+)
 GLOBAL_BATCH = 64
 WORLDS = {"cpu2": 2, "local": 1, "cpu4": 4}
 
@@ -110,6 +117,26 @@ def test_digits_resumed_on_other_world_sizes_is_the_uninterrupted_run(tmp_path, 
     assert "the data stream continues at sample" in stdout
     worst = assert_same_run(run_dir, whole, step, epoch=22)
     print(f"{' -> '.join(['cpu2', *worlds])}: worst relative loss difference {worst:.2e}")
+    assert_same_average(run_dir, whole)
+
+
+def assert_same_average(run_dir, whole_dir) -> None:
+    """The newest checkpoints' weight averages (optim.ema) equal within 1e-5 (absolute: the weights are O(1e-2 … 1),
+    and a resume on another world size moves them by ~1e-6 through the reductions' order, as it moves the losses),
+    and not the weights (the average moved)."""
+    import torch
+
+    from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint
+
+    ours, theirs = find_checkpoint(run_dir), find_checkpoint(whole_dir)
+    assert ours.name == theirs.name == f"step_{STEPS:08d}.dcp"
+    average, expected = read_run_checkpoint(ours, ema=True)[0], read_run_checkpoint(theirs, ema=True)[0]
+    weights = read_run_checkpoint(ours)[0]
+    assert average.keys() == expected.keys()
+    worst = max(float((average[name] - expected[name]).abs().max()) for name in average)
+    print(f"weight average: worst absolute difference {worst:.1e}")
+    assert worst <= 1e-5, worst
+    assert any(not torch.equal(average[name], weights[name]) for name in average)
 
 
 def test_weighted_resampled_webdataset_with_two_workers_resumes_on_other_world_sizes(tmp_path, cache_dir):

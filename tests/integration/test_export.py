@@ -227,3 +227,28 @@ def test_clipdist_eval_refuses_a_target_it_cannot_load_in_one_line(tmp_path, cap
     code = cli(["eval", *target.split(), "--set", f"val={pets(tmp_path / 'pets')}", "--world", "2"])
     err = capsys.readouterr().err
     assert code != 0 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_and_export_take_the_weight_average_with_ema(trained_run, tmp_path, cache_dir, capsys):
+    """optim.ema: `clipdist export --ema` writes the checkpoint's average (not its weights) and `clipdist eval --ema`
+    scores it; a run trained without one says so in one line."""
+    from clipdist.checkpoint.weights import find_checkpoint, read_run_checkpoint, read_weights
+
+    run = tmp_path / "run"
+    result = train(run, cache_dir, "optim.max_steps=4", "eval_every=100", "checkpoint_every=4", "optim.ema.decay=0.5")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert cli(["export", str(run), "--ema", "--out", str(tmp_path / "model")]) == 0
+    assert "weight average" in capsys.readouterr().out
+    exported = read_weights(tmp_path / "model")
+    average, _ = read_run_checkpoint(find_checkpoint(run), ema=True)
+    weights, _ = read_run_checkpoint(find_checkpoint(run))
+    assert exported.keys() == average.keys() and all(torch.equal(exported[k], average[k]) for k in exported)
+    assert any(not torch.equal(average[k], weights[k]) for k in average)
+    evalset = f"val={cache_dir / 'digits' / 'val-000000.tar'}"  # captioned: a validation loss to tell them apart
+    assert cli(["eval", str(run), "--ema", "--set", evalset, "--json"]) == 0
+    with_average = json.loads(capsys.readouterr().out)
+    assert cli(["eval", str(run), "--set", evalset, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) != with_average
+    assert cli(["eval", str(trained_run), "--ema", "--set", evalset]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no weight average" in err[0], err
