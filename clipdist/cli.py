@@ -251,6 +251,7 @@ def _plan(args: argparse.Namespace) -> int:
         teacher=args.distill,
         seq_len=args.seq_len,
     )
+    measured.ema = args.ema
     rows = plan.plan(
         measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel, host
     )
@@ -785,6 +786,9 @@ def _add_plan(commands) -> None:
         metavar="TEACHER",
         help="count a distillation teacher (loss.distill.model): "
         "an open_clip name, hf-hub:, local-dir:, an export or a run",
+    )
+    planner.add_argument(
+        "--ema", action="store_true", help="count optim.ema's weight average (an fp32 copy of the weights per rank)"
     )
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     planner.set_defaults(run=_plan)

@@ -59,6 +59,7 @@ from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
+EMA_BYTES_PER_PARAMETER = 4  # optim.ema's fp32 average, sharded as the weights under FSDP2
 READ_AHEAD_PER_WORKER = 2  # DataLoader's prefetch_factor: loader batches each worker holds ready
 AUTO_CHUNK_SHARE = 0.95  # --chunks auto: the largest chunk whose largest batch is this share of the best
 
@@ -165,6 +166,7 @@ class Measurements:
     )
     teacher_parameters: int = 0  # distillation: the teacher's parameter count (fp32 weights, no gradient)
     teacher_dim: int = 0  # and its feature dim
+    ema: bool = False  # optim.ema: a weight average beside the weights (--ema)
 
     def teacher_bytes(self, local_batch: int) -> float:
         """A distillation teacher on one rank: fp32 weights; its image and text features of the local batch (kept
@@ -180,10 +182,10 @@ class Measurements:
         )
 
     def state_bytes(self, world_size: int, parallel: str) -> float:
-        """Parameters, gradients and AdamW moments on one rank."""
+        """Parameters, gradients and AdamW moments on one rank (and optim.ema's average where `ema`)."""
         shards = world_size if parallel == "fsdp" else 1
         held = sum(-(-shape[0] // shards) * math.prod(shape[1:]) if shape else 1 for shape in self.parameter_shapes)
-        return held * OPTIMIZER_BYTES_PER_PARAMETER
+        return held * (OPTIMIZER_BYTES_PER_PARAMETER + (EMA_BYTES_PER_PARAMETER if self.ema else 0))
 
     def fsdp_buffers(self) -> float:
         largest = max(self.block_parameters, default=0)

@@ -47,6 +47,19 @@ def test_a_distillation_teacher_adds_its_weights_features_and_ring_buffers_to_th
     )
 
 
+@pytest.mark.parametrize("parallel, held", [("ddp", 10**6), ("fsdp", 10**6 // 4)])
+def test_a_weight_average_adds_an_fp32_copy_of_the_weights_a_rank_holds(parallel, held):
+    """--ema (optim.ema): 4 bytes more per parameter a rank holds (all of them under DDP, its shard under FSDP2)."""
+    from clipdist.tools.memory import LOSS_TERMS, ActivationFit, LossFit
+
+    fit = LossFit("tiled", tuple([0.0] * len(LOSS_TERMS)), 0.0)
+    measured = plan.Measurements(ActivationFit(1000.0, 0.0, 64, 10**6), {"tiled": fit}, 4, [(10**6,)], [])
+    alone = plan.breakdown(measured, "tiled", 4, 32, 32, parallel)
+    measured.ema = True
+    averaged = plan.breakdown(measured, "tiled", 4, 32, 32, parallel)
+    assert averaged["peak"] - alone["peak"] == plan.EMA_BYTES_PER_PARAMETER * held
+
+
 @pytest.mark.parametrize("global_batch", [4 * 8, 4 * 4096])
 def test_the_auto_row_is_the_chunk_size_it_chose_for_the_request_and_the_largest_batch(global_batch):
     """--chunks auto: the row's micro_batch is the chosen chunk size, its largest batch is that chunk size's (one of
