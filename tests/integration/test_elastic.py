@@ -71,9 +71,8 @@ def global_batches(run_dir) -> dict[int, list[str]]:
 
 def assert_same_run(run_dir, whole_dir, since: int, steps: int = STEPS, epoch: int | None = None) -> float:
     """Every step's global batch equal to the uninterrupted run's, and its loss within 1e-5 (relative) after
-    `since` (before it: the same run, bit for bit); the samples of the first `epoch` steps the same multiset
-    (not each once: the readers' passes differ in length, so one reader begins its next pass while another
-    ends this one).
+    `since` (before it: the same run, bit for bit); the samples of the first `epoch` steps the same, each once
+    (an epoch is every row once: data/epochs.py).
     Returns the worst relative difference."""
     batches, expected = global_batches(run_dir), global_batches(whole_dir)
     assert sorted(batches) == list(range(1, steps + 1))
@@ -82,6 +81,7 @@ def assert_same_run(run_dir, whole_dir, since: int, steps: int = STEPS, epoch: i
     if epoch:
         seen = collections.Counter(key for step in range(1, epoch + 1) for key in batches[step])
         assert seen == collections.Counter(key for step in range(1, epoch + 1) for key in expected[step])
+        assert max(seen.values()) == 1, seen.most_common(3)
     losses = np.array([row["loss"] for row in read_jsonl(run_dir / "train_log.jsonl")])
     whole = np.array([row["loss"] for row in read_jsonl(whole_dir / "train_log.jsonl")])
     assert len(losses) == steps
