@@ -1,5 +1,6 @@
 """An epoch is a permutation of the rows for every layout (data/epochs.py): shards of any sizes (empty ones too)
-over any number of readers, ranks and loader workers — the order's readers V and cycle Λ are what those make —
+over any number of readers, ranks and loader workers — the order's readers V and cycle Λ are what those make, or a
+NaFlex token budget's batches of varying size —
 and readers stopped and resumed anywhere. The property test drives the real order, deal, shard sequence and
 reader (its shuffle buffer and end-of-pass drain) with the shards' bytes stood in by their row numbers; the stream
 tests read a real table end to end."""
@@ -15,7 +16,8 @@ from helpers import identity_transform, train_stream
 from clipdist.data import reader as reader_module
 from clipdist.data.epochs import RowDeal, shard_sizes, stats_path
 from clipdist.data.faults import ShardHealth
-from clipdist.data.order import SampleOrder
+from clipdist.data.naflex import TokenBudget
+from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
 from clipdist.data.tables import TableFormat, table_parts
 
@@ -47,6 +49,8 @@ def layout(rng: random.Random) -> dict:
         "sizes": sizes,
         "readers": readers,
         "cycle": cycle,
+        # a NaFlex token budget in a quarter of them: batches of max_tokens // L_k samples, L_k drawn per batch
+        "budget": 64 * readers * rng.choice([1, 2, 3]) if rng.random() < 0.25 else None,
         "buffer": rng.choice([0, 1, 4, 50]),
         "seed": rng.randrange(1000),
         "stops": sorted(rng.sample(range(1, 3 * sum(sizes)), k=min(3, 3 * sum(sizes) - 1))),
@@ -65,7 +69,10 @@ def read_stream(case: dict, monkeypatch, epochs: int = 3) -> list[int]:
             yield {"__key__": str(row), "__url__": url, "row": row}
 
     monkeypatch.setattr(reader_module, "piece_samples", piece_samples)
-    order = SampleOrder(case["readers"], case["cycle"])
+    if case["budget"]:
+        order = BudgetOrder(case["readers"], TokenBudget([16, 36, 64], [1, 2, 1], case["budget"], seed=case["seed"]))
+    else:
+        order = SampleOrder(case["readers"], case["cycle"])
     shards = ShardList([urls])
     deal = RowDeal(case["sizes"], case["seed"], order, shards.permutation)
     total = epochs * deal.rows
