@@ -377,13 +377,20 @@ class TrainStream:
             return "its data position is an earlier clipdist's, per rank"
         changed = [key for key in ORDER if saved.get(key) != self.layout[key]]
         if changed:
-            return "changed since the checkpoint: " + ", ".join(
-                f"{key} {saved.get(key)} -> {self.layout[key]}" if key != "shards" else "the shard list"
-                for key in changed
-            )
+            return "changed since the checkpoint: " + ", ".join(self._change(key, saved.get(key)) for key in changed)
         if kept_readers(saved, self.readers_setting) is None:
             return f"changed since the checkpoint: data.readers {saved['readers']} -> {self.readers_setting}"
         return None
+
+    def _change(self, key: str, saved) -> str:
+        """One changed part of the order, said for the log."""
+        if key == "shards":
+            return "the shard list"
+        if key == "epochs":
+            dealt = {"rows": "every row once", "shards": "whole shards", None: "whole shards"}
+            why = f" ({self.sizes_how})" if self.sizes is None else " (the shards' sizes are known now)"
+            return f"epochs {dealt.get(saved, saved)} -> {dealt[self.layout['epochs']]}{why}"
+        return f"{key} {saved} -> {self.layout[key]}"
 
     def _start(self):
         """The DataLoader, its readers placed where the consumed batches left them (nothing is consumed yet:

@@ -217,3 +217,16 @@ def test_tar_shards_of_unequal_sizes_read_every_sample_once_an_epoch(tmp_path):
     for keys in epochs:
         assert sorted(keys) == sorted(f"{url}#0-{i:03d}" for url, n in zip(urls, (12, 4)) for i in range(n)), keys
     assert epochs[0] != epochs[1]
+
+
+def test_a_checkpoint_from_before_exact_epochs_restarts_the_order_and_says_why(tmp_path):
+    """A stream position saved when whole shards were dealt (its layout has no "epochs") cannot go on sample for
+    sample under the row deal: reshuffled, with the reason in the log's words."""
+    parts = table_parts(str(write_table(tmp_path, 20)), TableFormat(rows_per_part=10), "data.train_shards")
+    before = train_stream(parts, 4, identity_transform)
+    saved = before.state_dict()
+    saved["layout"] = {key: value for key, value in saved["layout"].items() if key != "epochs"}
+    after = train_stream(parts, 4, identity_transform)
+    after.load_state_dict(saved)
+    assert not after.continued
+    assert "epochs whole shards -> every row once (the shards' sizes are known now)" in after.restart_reason
