@@ -38,6 +38,12 @@ def optimizer_name(name: str) -> str:
     return name.lower().removeprefix("timm/")
 
 
+def hands_to_timm(name: str) -> bool:
+    """Whether open_clip_train would build `name` with timm's factory (every optimizer but its own AdamW, and
+    `timm/adamw` too): its decay groups are then timm's, which also leave `model.no_weight_decay()` undecayed."""
+    return optimizer_name(name) != ADAMW or name.lower().startswith("timm/")
+
+
 def check_optimizer(name: str) -> None:
     """A ValueError naming the choices when `name` is neither adamw nor one of timm's optimizers."""
     if optimizer_name(name) != ADAMW and optimizer_name(name) not in list_optimizers():
@@ -184,7 +190,7 @@ def build_optimizer(model: torch.nn.Module, optim):
         tuple(optim.no_decay),
         {"image": optim.image_layer_decay, "text": optim.text_layer_decay},
         optim.lr,
-        model_no_decay=optimizer_name(optim.name) != ADAMW,  # timm's factory skips model.no_weight_decay()
+        model_no_decay=hands_to_timm(optim.name),  # timm's factory skips model.no_weight_decay()
     )
     optimizer = create_optimizer(groups, optim)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim))

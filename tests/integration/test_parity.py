@@ -241,6 +241,21 @@ RECIPES = {
             "--val-frequency",
         ],
     ),
+    # timm's optimizer factory (its decay groups: model.no_weight_decay() undecayed, the positional embeddings too)
+    "timm_optimizer": (
+        # (open_clip_train hands --eps, --beta1 and --beta2 to timm as given: no eps is a crash, no betas timm's own)
+        ["--opt", "timm/adamw", "--lr", "1e-3", "--warmup", "1", "--wd", "0.2", "--eps", "1e-6"]
+        + ["--beta1", "0.9", "--beta2", "0.98"],
+        [
+            "optim.name=timm/adamw",
+            "optim.lr=1e-3",
+            "optim.warmup_steps=1",
+            "optim.weight_decay=0.2",
+            "optim.grad_clip=0",
+        ],
+        2,
+        ["--opt"],
+    ),
     "siglip": (
         ["--siglip", "--lr", "1e-3", "--warmup", "1", "--wd", "0.2"],
         ["loss=siglip", "optim.lr=1e-3", "optim.warmup_steps=1", "optim.weight_decay=0.2", "optim.grad_clip=0"],
@@ -363,12 +378,19 @@ def their_groups(checkpoint: dict, model_folder: Path, flags: list[str]) -> list
     parameters in named_parameters order (main.py), saved as indices."""
     model = their_model(model_folder, flags)
     trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
-    undecayed = [
-        name
-        for name, parameter in trainable
-        if parameter.ndim < 2 or any(part in name for part in ("bn", "ln", "bias", "logit_scale"))
-    ]
-    ordered = undecayed + [name for name, _ in trainable if name not in undecayed]
+    if "--opt" in flags:  # handed to timm's factory (main.py): its own groups, asked of timm itself
+        from timm.optim import create_optimizer_v2
+
+        names = {id(parameter): name for name, parameter in trainable}
+        built = create_optimizer_v2(model, flags[flags.index("--opt") + 1].removeprefix("timm/"), weight_decay=0.1)
+        ordered = [names[id(parameter)] for group in built.param_groups for parameter in group["params"]]
+    else:
+        undecayed = [
+            name
+            for name, parameter in trainable
+            if parameter.ndim < 2 or any(part in name for part in ("bn", "ln", "bias", "logit_scale"))
+        ]
+        ordered = undecayed + [name for name, _ in trainable if name not in undecayed]
     groups = []
     for group in checkpoint["optimizer"]["param_groups"]:
         groups.append(
