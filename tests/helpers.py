@@ -210,6 +210,7 @@ def train_stream(
     start_method: str | None = None,
     low_priority_workers: bool = False,
     readers: int | None = None,
+    sizes=None,
     **data,
 ):
     """A TrainStream over `sources` (shard paths, or a list of such lists: one per source), with
@@ -233,6 +234,7 @@ def train_stream(
         low_priority_workers=low_priority_workers,
         start_method=start_method,
         readers=readers,
+        sizes=sizes,
     )
 
 

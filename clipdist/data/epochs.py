@@ -78,6 +78,11 @@ def shard_sizes(urls: list[str]) -> tuple[list[int] | None, str]:
     return [int(size or 0) for size in sizes], how
 
 
+def epoch_sizes(urls: list[str], resampled: bool) -> tuple[list[int] | None, str]:
+    """shard_sizes for a run's training shards: none in resampled mode, which has no epochs."""
+    return (None, "resampled") if resampled else shard_sizes(urls)
+
+
 class RowDeal:
     """Each reader's pieces of each epoch (the module docstring): (shard index, first sample, samples)."""
 

@@ -97,6 +97,8 @@ class Shards:
 
     sources: list[list[str]]
     evals: list[EvalSet] = field(default_factory=list)
+    # the training shards' sizes and how they were found (data.epochs.epoch_sizes), found once before the ranks start
+    sizes: tuple[list[int] | None, str] | None = None
 
     @property
     def train(self) -> list[str]:

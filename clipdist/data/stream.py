@@ -18,7 +18,7 @@ import torch
 import webdataset as wds
 
 from clipdist.data.batch import Batch, rows_consumed
-from clipdist.data.epochs import RowDeal, shard_sizes
+from clipdist.data.epochs import RowDeal, epoch_sizes
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
 from clipdist.data.loader import Loader, assemble
@@ -152,6 +152,7 @@ class TrainStream:
     `budget` (a NaFlex tower: data/naflex.TokenBudget): global batch k holds G_k samples at sequence length L_k
     (`image_transform` is then a naflex.PatchImages), every batch one cycle of the order (order.BudgetOrder); rank
     r holds rows ⌊rG_k/N⌋ … ⌊(r+1)G_k/N⌋. The batches consumed so far (`batches`) say which k comes next.
+    `sizes`: the shards' sizes as preflight found them (data.epochs.epoch_sizes), so no rank counts them again.
 
     The loader's workers (data.workers, any count; `set_workers` moves to another between batches) each
     run some of the rank's readers. Where the layout lets them (a fresh run's cycle is (V/N)·G for this, and
@@ -180,6 +181,7 @@ class TrainStream:
         readers: int | None = None,
         workers: int | None = None,
         budget: TokenBudget | None = None,
+        sizes: tuple[list[int] | None, str] | None = None,
     ):
         split = str(data.split)
         if split not in ("node", "replicated"):
@@ -210,10 +212,9 @@ class TrainStream:
             "cycle": batch_size * world_size * (total // world_size if whole else 1),
             "budget": budget.layout() if budget is not None else None,
         }
-        # epoch mode with every shard's size known: each epoch is a permutation of the rows (data/epochs.py)
-        self.sizes, self.sizes_how = (
-            shard_sizes([url for urls in sources for url in urls]) if not data.resampled else (None, "resampled")
-        )
+        # epoch mode with every shard's size known: each epoch is a permutation of the rows (data/epochs.py); found
+        # here where the caller did not find them once already (preflight: Shards.sizes)
+        self.sizes, self.sizes_how = sizes or epoch_sizes([url for urls in sources for url in urls], data.resampled)
         self.layout["epochs"] = "rows" if self.sizes is not None else "shards"
         self.order = self._order(total, self.layout["cycle"])
         self.skipped_samples, self.skipped_shards, self.source_samples = 0, 0, [0] * len(sources)

@@ -4,12 +4,13 @@ and the loader plan and reader count the run will have (the same on every rank).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from clipdist.config import TrainConfig
-from clipdist.data.epochs import shard_sizes
+from clipdist.data.epochs import epoch_sizes
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder
@@ -32,7 +33,8 @@ def check_data(
         shards = resolve_shards(cfg.data)
         plan = loader_workers_for(cfg, len(shards.train))
         readers = stream_readers(cfg, plan, resuming)
-        sized = not cfg.data.resampled and shard_sizes(shards.train)[0] is not None
+        shards = dataclasses.replace(shards, sizes=epoch_sizes(shards.train, cfg.data.resampled))
+        sized = shards.sizes is not None and shards.sizes[0] is not None
         check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, sized=sized)
         check_caption_keys(shards.train, SampleKeys(tuple(cfg.data.caption_keys), None, tuple(cfg.data.image_keys)))
     with as_config_error():

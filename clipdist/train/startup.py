@@ -72,6 +72,7 @@ def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., 
         readers=plan.readers,
         workers=plan.workers,
         budget=budget,
+        sizes=trainer.shards.sizes,
     )
     started = stream.tune(
         plan,

@@ -230,3 +230,22 @@ def test_a_checkpoint_from_before_exact_epochs_restarts_the_order_and_says_why(t
     after.load_state_dict(saved)
     assert not after.continued
     assert "epochs whole shards -> every row once (the shards' sizes are known now)" in after.restart_reason
+
+
+def test_sizes_found_before_the_ranks_start_are_not_found_again(tmp_path, monkeypatch):
+    """preflight finds the shards' sizes once (Shards.sizes) and each rank's stream takes them as they are."""
+    from clipdist.data import stream as stream_module
+
+    parts = table_parts(str(write_table(tmp_path, 12)), TableFormat(rows_per_part=5), "data.train_shards")
+
+    def counted_again(*args):
+        raise AssertionError("the sizes were found again")
+
+    monkeypatch.setattr(stream_module, "epoch_sizes", counted_again)
+    stream = train_stream(parts, 4, identity_transform, sizes=([5, 5, 2], "their sizes known"))
+    try:
+        assert "every one of the 12 rows once" in stream.epochs()
+        keys = epoch_keys([stream], 3)
+    finally:
+        stream.close()
+    assert sorted(int(key.rsplit("row", 1)[1]) for key in keys) == list(range(12))
