@@ -79,22 +79,39 @@ def _as_new_files_are(path: Path) -> None:
             each.chmod((0o777 if each.is_dir() else 0o666) & ~umask)
 
 
+def _regular_descriptor(path: str | Path, flags: int) -> int:
+    """`path` opened with `flags` — without blocking on a FIFO while it opens — where it is a regular file; a
+    blocking descriptor, or UnboundedFileError (a FIFO, a device, a socket)."""
+    descriptor = os.open(path, flags | os.O_NONBLOCK, 0o666)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
+    os.set_blocking(descriptor, True)
+    return descriptor
+
+
+def _check_regular(path: str | Path) -> None:
+    """UnboundedFileError where `path` (through links) is not a regular file: for readers that open it by name."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
+
+
+def is_remote(url: str) -> bool:
+    """A shard that is not a local file: a URL or a `pipe:` command."""
+    return url.startswith("pipe:") or "://" in url
+
+
 def open_own(path: str | Path):
     """`path` opened for reading as a binary file, refusing (UnboundedFileError) a symbolic link at that name and
     anything but a regular file — without blocking on a FIFO."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return os.fdopen(_regular_descriptor(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise UnboundedFileError(
                 errno.ELOOP, "a symbolic link, not read (a run's own files are its own)", str(path)
             ) from None
         raise
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
-    os.set_blocking(descriptor, True)
-    return os.fdopen(descriptor, "rb")
 
 
 def read_lines(path: str | Path, line_limit: int = 1 << 20, total_limit: int = 1 << 30):
@@ -151,18 +168,13 @@ def open_user(path: str | Path):
     """A file the user named (a table, a tar shard on disk), opened for reading as binary through links — it is
     theirs to name — but only if it is a regular file: a FIFO (which would block), a device or a socket is refused
     at once (UnboundedFileError). What is read from it is bounded by its reader (a line, a tar member)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
-    os.set_blocking(descriptor, True)
-    return os.fdopen(descriptor, "rb")
+    return os.fdopen(_regular_descriptor(path, os.O_RDONLY), "rb")
 
 
 def open_stream(url: str):
     """A shard's bytes as a stream: a local file (open_user), or what webdataset opens for a URL or a `pipe:`
     command (the user's to name; tar_samples bounds every member read from it)."""
-    if url.startswith("pipe:") or "://" in url:
+    if is_remote(url):
         import webdataset
 
         return webdataset.gopen(url, "rb")
@@ -171,12 +183,7 @@ def open_stream(url: str):
 
 def _own_descriptor(path: str | Path, flags: int) -> int:
     """A descriptor for writing a file of clipdist's own (never through a link at that name; a regular file)."""
-    descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
-    os.set_blocking(descriptor, True)
-    return descriptor
+    return _regular_descriptor(path, flags | os.O_NOFOLLOW)
 
 
 def append_own(path: str | Path):
@@ -229,8 +236,7 @@ def load_torch(source, **kwargs):
     torch = _serializers()[0]
     if isinstance(source, (str, Path)):
         if kwargs.get("mmap"):
-            if not stat.S_ISREG(os.stat(source).st_mode):
-                raise UnboundedFileError(errno.EINVAL, "not a regular file", str(source))
+            _check_regular(source)
             return torch.load(str(source), **kwargs)
         with open_user(source) as file:
             return torch.load(file, **kwargs)
@@ -248,8 +254,7 @@ def save_torch(value, target) -> None:
 
 def load_safetensors(path: str | Path):
     """A .safetensors file's tensors (mapped by safetensors; a regular file only)."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise UnboundedFileError(errno.EINVAL, "not a regular file", str(path))
+    _check_regular(path)
     return _serializers()[1].load_file(str(path))
 
 

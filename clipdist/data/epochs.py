@@ -28,7 +28,7 @@ import numpy as np
 
 from clipdist.data.kinds import kind_of_url
 from clipdist.data.tar_samples import count_samples
-from clipdist.files import UnboundedFileError, read_bounded
+from clipdist.files import UnboundedFileError, is_remote, read_bounded
 
 MAX_COUNTED = 2_000  # local tar shards counted file by file at the start, at most (beyond: write _stats.json)
 STATS_SUFFIX = "_stats.json"
@@ -39,10 +39,6 @@ def stats_path(shard: str) -> Path:
     """The img2dataset statistics file beside a tar shard: 00000.tar -> 00000_stats.json."""
     path = Path(shard.removeprefix("file:"))
     return path.with_name(path.name.split(".", 1)[0] + STATS_SUFFIX)
-
-
-def _local(url: str) -> bool:
-    return not url.startswith("pipe:") and "://" not in url
 
 
 def _from_stats(url: str) -> int | None:
@@ -59,9 +55,9 @@ def shard_sizes(urls: list[str]) -> tuple[list[int] | None, str]:
     sizes: list[int | None] = []
     for url in urls:
         kind = kind_of_url(url)
-        sizes.append(kind.size(url) if kind is not None else _from_stats(url) if _local(url) else None)
+        sizes.append(kind.size(url) if kind is not None else _from_stats(url) if not is_remote(url) else None)
     missing = [index for index, size in enumerate(sizes) if size is None]
-    remote = next((urls[index] for index in missing if not _local(urls[index])), None)
+    remote = next((urls[index] for index in missing if is_remote(urls[index])), None)
     if remote is not None:
         return None, f"{remote} is remote (a remote shard's size is not read before training)"
     if len(missing) > MAX_COUNTED:

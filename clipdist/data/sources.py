@@ -26,7 +26,7 @@ from clipdist.data.folders import folder_classnames
 from clipdist.data.kinds import FOLDERS, kind_of_item, kind_of_url
 from clipdist.data.tables import TableFormat
 from clipdist.errors import printable
-from clipdist.files import UnboundedFileError, read_bounded
+from clipdist.files import UnboundedFileError, is_remote, read_bounded
 
 CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
@@ -107,7 +107,7 @@ class Shards:
 
 def _is_remote(item: str) -> bool:
     """Not a local file: a URL, a `pipe:` command, or a part of a table (its table was checked when it was cut)."""
-    return "://" in item or item.startswith("pipe:") or kind_of_url(item) is not None
+    return is_remote(item) or kind_of_url(item) is not None
 
 
 def _natural(path: str):

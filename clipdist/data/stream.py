@@ -27,6 +27,7 @@ from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence, shard_samples
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
 from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
+from clipdist.files import is_remote
 
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
 # what the sample order is made of
@@ -84,7 +85,7 @@ def check_caption_keys(urls: list[str], keys: SampleKeys, samples: int = 8) -> N
     """Before any rank starts: where the first shard is a local file or part, its first samples have a caption at
     data.caption_keys — a ValueError naming the keys and what the samples have otherwise (a key that matches
     nothing would fail only once the run had started). Remote shards (`pipe:`, URLs) are not read here."""
-    if not urls or urls[0].startswith("pipe:") or "://" in urls[0]:
+    if not urls or is_remote(urls[0]):
         return
     first, found = None, 0
     try:
