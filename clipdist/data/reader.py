@@ -164,11 +164,7 @@ def piece_samples(
         yield from samples
         return
     try:
-        for index, sample in enumerate(samples):
-            if index >= first + count:
-                return
-            if index >= first:
-                yield sample
+        yield from itertools.islice(samples, first, first + count)
     finally:
         samples.close()  # type: ignore[attr-defined]
 

@@ -18,7 +18,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from clipdist.checkpoint.weights import CHECKPOINT, find_checkpoint, read_run_checkpoint, verify
-from clipdist.config import model_config
+from clipdist.config import ModelConfig, model_config
 from clipdist.distributed.parallel import node_leaders_first
 from clipdist.errors import printable
 from clipdist.model.factory import (
@@ -51,14 +51,14 @@ def resolve(spec: str, pretrained: str | None = None, model_name: str | None = N
     """What `spec` names (the module docstring); a ValueError where a weights file names no model, or where `ema`
     asks for a weight average of anything but a run or a checkpoint."""
     path = Path(spec).expanduser()
-    if ema:
-        if not (path.exists() and (path.is_dir() or CHECKPOINT.search(path.name))) or (path / EXPORT_CONFIG).is_file():
-            raise ValueError(f"--ema takes a run directory or a checkpoint (its optim.ema average); {spec} is neither")
-        return Target("checkpoint", spec, None, path, ema=True)
-    if path.is_dir() and (path / EXPORT_CONFIG).is_file():
+    export = path.is_dir() and (path / EXPORT_CONFIG).is_file()
+    checkpoint = not export and path.exists() and (path.is_dir() or bool(CHECKPOINT.search(path.name)))
+    if ema and not checkpoint:
+        raise ValueError(f"--ema takes a run directory or a checkpoint (its optim.ema average); {spec} is neither")
+    if export:
         return Target("export", spec, f"local-dir:{path}", path)
-    if path.exists() and (path.is_dir() or CHECKPOINT.search(path.name)):
-        return Target("checkpoint", spec, None, path)
+    if checkpoint:
+        return Target("checkpoint", spec, None, path, ema=ema)
     if path.is_file():
         if not model_name:
             raise ValueError(f"{spec} is a weights file: name its model too (--model ViT-B-32)")
@@ -93,20 +93,20 @@ def saved_name(name: str, where: str) -> str:
     return resolve_model_name(name)
 
 
-def _saved_model(config: dict, where: str) -> tuple:
-    """(the ModelConfig a run saved in its `config`, the keyword arguments create_model builds it with)."""
+def _saved_model(config: dict, where: str, **options) -> tuple[ModelConfig, torch.nn.Module]:
+    """(the ModelConfig a run saved in its `config`, the model built from it with `options`): its name checked
+    (saved_name) and built with huggingface_hub answering from its cache alone."""
     model_cfg = model_config(config.get("model", {}))
     saved_name(model_cfg.name, where)
-    return model_cfg, {"overrides": model_overrides(model_cfg, fetch=False)}
+    with hub_offline():
+        return model_cfg, create_model(model_cfg.name, overrides=model_overrides(model_cfg, fetch=False), **options)
 
 
 def structure(target: Target) -> torch.nn.Module:
     """The model `target` names on the meta device: its structure, no tensor read (a checkpoint is verified once
     and its saved config read)."""
     if target.kind == "checkpoint":
-        model_cfg, options = _saved_model(verify(find_checkpoint(target.path)).get("config", {}), target.spec)
-        with hub_offline():
-            return create_model(model_cfg.name, device="meta", **options)
+        return _saved_model(verify(find_checkpoint(target.path)).get("config", {}), target.spec, device="meta")[1]
     if target.kind == "name":
         check(target)  # its pretrained tag; create_model resolves (and checks) every kind's name itself
     return create_model(target.name, device="meta")
@@ -120,11 +120,8 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
     if target.kind == "checkpoint":
         checkpoint = find_checkpoint(target.path)
         weights, config = read_run_checkpoint(checkpoint, ema=target.ema)
-        model_cfg, options = _saved_model(config, target.spec)
-        with hub_offline():
-            model = create_model(
-                model_cfg.name, init_logit_bias=0.0 if "logit_bias" in weights else None, device=device, **options
-            )
+        bias = 0.0 if "logit_bias" in weights else None
+        model_cfg, model = _saved_model(config, target.spec, init_logit_bias=bias, device=device)
         fitting = weights_for(model, weights, checkpoint)
         if device != "meta":
             model.load_state_dict(fitting)
