@@ -301,9 +301,9 @@ class DataConfig:
         default_factory=list
     )  # zero-shot classes; empty: a built-in source's or classnames.txt
     max_skips_in_a_row: int = positive(1000)  # this many unusable samples with no good one between: stop with an error
-    trim_text: bool = (
-        True  # captions padded to the batch's longest where that changes no feature (clipdist/model/short_text.py)
-    )
+    # captions cut to the batch's longest (clipdist/model/short_text.py); null: where the towers compute in fp32
+    # (under fp16 / bf16 autocast the cut moves features by the autocast's rounding: docs/migrating.md#defaults-that-differ)
+    trim_text: bool | None = None
     # NaFlex image towers (model=naflex_tiny, naflex_b16, any timm NaFlexVit): token-budget batches (docs/naflex.md)
     seq_lens: list[int] | None = (
         None  # patches an image may become, one length drawn per global batch; null: the tower's image_size grid
@@ -499,6 +499,9 @@ class LoggingConfig:
     project: str = "clipdist"  # the W&B project
     wandb_notes: str | None = None  # the W&B run's notes
     log_every: int = positive(10)  # train_log.jsonl / W&B: step 1, every N-th after it, and the last
+    # count log_every within epochs of this many steps and log each one's last, as open_clip_train does (its
+    # "steps an epoch"); null: over the run
+    epoch_steps: int | None = positive(None)
     progress: bool = True  # a progress bar on the console
     profile_steps: int = non_negative(
         0

@@ -89,11 +89,15 @@ def captions_line(cfg: TrainConfig, model: torch.nn.Module, trimmed: bool) -> st
     """How captions are padded, and why not to the batch's longest where they are not."""
     if trimmed:
         return "captions padded to the batch's longest"
-    why = (
-        "data.trim_text=false"
-        if not cfg.data.trim_text
-        else trims_exactly(model) or "the teacher's text tower cannot take them shorter"
-    )
+    reason = trims_exactly(model)
+    if cfg.data.trim_text is False:
+        why = "data.trim_text=false"
+    elif reason:
+        why = reason
+    elif cfg.data.trim_text is None:
+        why = "data.trim_text=null cuts them in fp32 only; data.trim_text=true cuts them under autocast too"
+    else:
+        why = "the teacher's text tower cannot take them shorter"
     return f"captions padded to the context length ({why})"
 
 

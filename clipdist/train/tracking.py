@@ -98,9 +98,13 @@ def wandb_steps(run_dir: Path, run_id: str) -> set[int]:
     return steps
 
 
-def logs_step(step: int, every: int, last: int) -> bool:
-    """Whether step `step` (1-based) is logged: the first, every `every`-th after it, and the last — open_clip_train's
-    cadence for --log-every-n-steps (steps 1, 4, 7, 10 for every 3 of 10), counted over the run, not per epoch."""
+def logs_step(step: int, every: int, last: int, epoch_steps: int | None = None) -> bool:
+    """Whether step `step` (1-based) is logged: the first, every `every`-th after it, and the last (steps 1, 4, 7, 8
+    for every 3 of 8). With `epoch_steps`, counted within each epoch of that many steps, its last step logged too —
+    open_clip_train's --log-every-n-steps (1, 4, 5, 8 for every 3 of two 4-step epochs)."""
+    if epoch_steps is not None:
+        within = (step - 1) % epoch_steps
+        return within % every == 0 or within == epoch_steps - 1 or step == last
     return (step - 1) % every == 0 or step == last
 
 

@@ -229,7 +229,8 @@ class Trainer:
             "samples_per_s_per_device": rows_consumed(agreed.counts) / self.env.world_size / seconds,
         }
         self.progress.update(1)
-        if logs_step(state.step, self.cfg.logging.log_every, self.cfg.optim.max_steps):
+        cadence = self.cfg.logging
+        if logs_step(state.step, cadence.log_every, self.cfg.optim.max_steps, cadence.epoch_steps):
             stats["logit_scale"] = model.logit_scale.exp().item()
             if self.loss_fn.uses_logit_bias:
                 stats["logit_bias"] = model.logit_bias.item()

@@ -577,9 +577,54 @@ def test_one_exported_model_evaluates_the_same_in_both(tmp_path, cache_dir, star
     assert math.isclose(ours["clip_loss"], their["clip_val_loss"], rel_tol=1e-5)
 
 
+def logged_steps(tensorboard: Path, tag: str) -> list[int]:
+    """The 1-based steps open_clip_train logged `tag` at (its TensorBoard steps count from 0)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard), size_guidance={"scalars": 0})
+    events.Reload()
+    return sorted(event.step + 1 for event in events.Scalars(tag))
+
+
+def test_the_log_cadence_is_open_clip_trains(tmp_path, cache_dir, start):
+    """--log-every-n-steps 3 over two 4-step epochs: open_clip_train logs steps 1, 4, 5, 8 (counted within each
+    epoch, its last step too); clipdist with logging.epoch_steps=4 the same steps."""
+    _root, train_table, _val_table, model_folder = start
+    batch, epochs, every = ROWS // 4, 2, 3
+    theirs = tmp_path / "open_clip_train"
+    open_clip_train(
+        theirs,
+        *("--train-data", str(train_table), "--model", f"local-dir:{model_folder}", "--dataset-type", "csv"),
+        *("--batch-size", str(batch), "--epochs", str(epochs), "--log-every-n-steps", str(every)),
+    )
+    ours = tmp_path / "clipdist"
+    result = train(
+        ours,
+        cache_dir,
+        "data=webdataset",
+        f"data.train_shards={train_table}",
+        f"model.name=local-dir:{model_folder}",
+        f"world.batch_per_device={batch}",
+        f"optim.max_steps={epochs * 4}",
+        "precision=fp32",
+        "data.workers=0",
+        f"logging.log_every={every}",
+        "logging.epoch_steps=4",
+        *os.environ.get("CLIPDIST_PARITY_SHIFT", "").split(),
+    )  # a deliberate difference (logging.epoch_steps=null): the test fails
+    assert result.returncode == 0, result.stderr[-3000:]
+    their_steps = logged_steps(theirs / "tensorboard", "train/loss")
+    assert their_steps == [1, 4, 5, 8]
+    assert [row["step"] for row in read_jsonl(ours / "train_log.jsonl")] == their_steps
+
+
+# Rows tested end to end outside RECIPES, with the test that runs them.
+OTHER_ROWS = {"--log-every-n-steps": test_the_log_cadence_is_open_clip_trains}
+
+
 def test_the_table_names_the_rows_this_module_runs():
     """docs/migrating.md marks a row "tested end to end" exactly where a recipe here runs its flag."""
-    covered = {flag for *_, rows in RECIPES.values() for flag in rows}
+    covered = {flag for *_, rows in RECIPES.values() for flag in rows} | set(OTHER_ROWS)
     text = (REPO / "docs" / "migrating.md").read_text()
     marked = set(re.findall(r"^\| `(--[a-z0-9-]+)` \|[^\n]*tested end to end", text, flags=re.M))
     assert marked == covered, (sorted(covered - marked), sorted(marked - covered))

@@ -60,3 +60,17 @@ def test_a_tower_whose_features_depend_on_padding_is_left_padded_and_says_why():
     assert "pools at 'last'" in trims_exactly(last) and not allow_short_text(last)
     assert "a CoCa model" in trims_exactly(create_model("clipdist-coca-tiny", device="meta"))
     assert trim(torch.zeros(2, 5, dtype=torch.long)).shape == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "trim_text, precision, cut",
+    [(None, "fp32", True), (None, "bf16", False), (None, "fp16", False), (True, "bf16", True), (False, "fp32", False)],
+)
+def test_the_default_cuts_captions_in_fp32_only(trim_text, precision, cut):
+    """data.trim_text=null cuts where the towers compute in fp32; under autocast only when asked (true)."""
+    from clipdist.config import TrainConfig
+    from clipdist.train.parts import trims_text
+
+    cfg = TrainConfig()
+    cfg.data.trim_text, cfg.precision = trim_text, precision
+    assert trims_text(cfg, torch.device("cpu")) is cut

@@ -63,3 +63,5 @@ def test_the_log_cadence_is_open_clip_trains():
     assert all(logs_step(step, 1, 4) for step in range(1, 5))
     assert [step for step in range(1, 8) if logs_step(step, 3, 7)] == [1, 4, 7]
     assert [step for step in range(1, 9) if logs_step(step, 3, 8)] == [1, 4, 7, 8]
+    assert [step for step in range(1, 9) if logs_step(step, 3, 8, epoch_steps=4)] == [1, 4, 5, 8]
+    assert [step for step in range(1, 13) if logs_step(step, 3, 12, epoch_steps=6)] == [1, 4, 6, 7, 10, 12]
