@@ -8,7 +8,10 @@ __version__ = "0.1.0"
 
 LAYERS = (
     # foundations: the schema and its errors, the console, bounded files, who runs where
-    ("errors", "defaults", "compat", "losses.specs", "config", "console", "files", "distributed", "model.precision"),
+    (
+        *("errors", "defaults", "compat", "losses.specs", "objective.specs", "config", "console", "files"),
+        *("distributed", "model.precision"),
+    ),
     # components built from config: losses, towers, data, checkpoints, optimizer, trackers
     ("losses", "model", "data", "checkpoint", "train.optim", "train.ema", "train.tracking"),
     # what combines components: the loss terms, one step, evaluation, the checks before any rank starts

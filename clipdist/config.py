@@ -40,6 +40,8 @@ from clipdist.errors import ConfigError, printable
 from clipdist.files import read_bounded
 from clipdist.losses import specs
 from clipdist.losses.specs import BACKENDS, LossSpec
+from clipdist.objective import specs as term_specs
+from clipdist.objective.specs import TERMS, TermOptions
 
 
 def _bounded(default, low: float, strict: bool, says: str):
@@ -302,7 +304,7 @@ class DataConfig:
     )  # zero-shot classes; empty: a built-in source's or classnames.txt
     max_skips_in_a_row: int = positive(1000)  # this many unusable samples with no good one between: stop with an error
     # captions cut to the batch's longest (clipdist/model/short_text.py); null: where the towers compute in fp32
-    # (under fp16 / bf16 autocast the cut moves features by the autocast's rounding: docs/migrating.md#defaults-that-differ)
+    # (under fp16 / bf16 autocast the cut moves features by the autocast's rounding: scripts/trim_gap.py)
     trim_text: bool | None = None
     # NaFlex image towers (model=naflex_tiny, naflex_b16, any timm NaFlexVit): token-budget batches (docs/naflex.md)
     seq_lens: list[int] | None = (
@@ -322,29 +324,25 @@ class DataConfig:
     templates: list[str] = field(default_factory=list)
 
 
-@dataclass
-class DistillConfig:
-    """A teacher to distil from (open_clip's --distill-model / --distill-pretrained): its term is open_clip's
-    DistillClipLoss over the global batch, exact (clipdist.losses.distill)."""
-
-    RESUME: ClassVar[dict] = {"model": REFUSE, "pretrained": REFUSE, "weight": REFUSE}
-
-    model: str | None = (
-        None  # an open_clip name (with `pretrained`), hf-hub:, local-dir:, an export, a run, a checkpoint
-    )
-    pretrained: str | None = None  # the open_clip pretrained tag for `model` (e.g. openai)
-    weight: float = 1.0  # the term's weight (open_clip_train adds it with weight 1)
+def _with_terms(schema: type) -> type:
+    """The schema with a section `loss.<name>` per registered loss term (clipdist.objective.specs.TERMS)."""
+    for spec in TERMS.values():
+        schema.__annotations__[spec.name] = spec.options
+        setattr(schema, spec.name, field(default_factory=spec.options))
+        schema.RESUME[spec.name] = REFUSE  # type: ignore[attr-defined]  # (each key's own rule: the section's RESUME)
+    return schema
 
 
 @dataclass
+@_with_terms
 class LossConfig:
-    """Options common to every backend; a backend with options of its own extends this (below)."""
+    """Options common to every backend, and a section per loss term (`loss.distill`, ...: objective.specs); a backend
+    with options of its own extends this (below)."""
 
     RESUME: ClassVar[dict] = {
         "name": REFUSE,
         "contrastive_weight": REFUSE,
         "caption_weight": REFUSE,
-        "distill": REFUSE,
         "init_logit_scale": FREE,
         "init_logit_bias": FREE,
     }  # initial scalars: the checkpoint's
@@ -355,7 +353,14 @@ class LossConfig:
     contrastive_weight: float = 1.0  # the contrastive term's weight (open_clip: --coca-contrastive-loss-weight)
     # CoCa models: the captioning loss's weight (open_clip: --coca-caption-loss-weight); null: open_clip's 2.0
     caption_weight: float | None = None
-    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    if typing.TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any: ...  # the terms' sections, added by _with_terms
+
+    def term(self, name: str) -> TermOptions:
+        """Term `name`'s section (loss.<name>)."""
+        return getattr(self, name)
 
     def options(self) -> dict[str, Any]:
         """The backend's own keyword arguments: every field its schema adds to LossConfig."""
@@ -553,6 +558,12 @@ def validate(cfg: TrainConfig) -> None:
             f"grad_cache.chunks={cfg.grad_cache.chunks} is more than world.batch_per_device="
             f"{cfg.world.batch_per_device}: a chunk needs at least one sample"
         )
+    for name in TERMS:
+        if not 0 <= cfg.loss.term(name).start_at < 1:
+            raise ConfigError(
+                f"loss.{name}.start_at={cfg.loss.term(name).start_at}: must be at least 0 and below 1 (a fraction "
+                "of optim.max_steps; 0.8: from 80% of the run)"
+            )
     if not cfg.optim.ema.decay < 1:
         raise ConfigError(f"optim.ema.decay={cfg.optim.ema.decay}: must be below 1 (0.999 ... 0.9999; 0: no average)")
     if cfg.optim.max_logit_scale <= 1:
@@ -773,7 +784,8 @@ def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str
 
 def describe_keys() -> list[str]:
     """One line per key of the schema: `key = default  — what it is` (`python train.py --help`)."""
-    notes, described = {**field_notes(), **field_notes(specs.__file__)}, []
+    notes = {**field_notes(), **field_notes(specs.__file__), **field_notes(term_specs.__file__)}
+    described: list[str] = []
 
     def walk(schema, prefix: str) -> None:
         hints = typing.get_type_hints(schema)
@@ -789,7 +801,8 @@ def describe_keys() -> list[str]:
             )
             default = default.value if isinstance(default, Enum) else default
             shown = str(default) if not isinstance(default, str) else repr(default)
-            note = notes.get((schema.__name__, item.name), "")
+            owner = next((owner for owner in schema.__mro__ if (owner.__name__, item.name) in notes), None)
+            note = notes[owner.__name__, item.name] if owner else ""
             described.append(f"  {path} = {shown}" + (f"  — {note}" if note else ""))
 
     walk(TrainConfig, "")

@@ -5,8 +5,8 @@ so what comes after a batch's last end-of-text changes no caption's features: th
 non-pad token of any row are dropped. The same features up to float rounding, not bit for bit: the attention's sums
 run over fewer (masked, zero-weight) columns. On ViT-B-32's random-init text features (size ~3),
 `python scripts/trim_gap.py` measures 6.6e-7 relative in fp32, 8.8e-4 under fp16 autocast and 6.7e-3 under bf16 —
-so data.trim_text=null (the default) cuts in fp32 only, and false gives open_clip's inputs exactly. The tower's work falls
-with them (per layer ~24·L·d² + 4·L²·d for L positions): web captions of ~10–20 tokens against a context of 77.
+so data.trim_text=null (the default) cuts in fp32 only, and false gives open_clip's inputs exactly. The tower's work
+falls with them (per layer ~24·L·d² + 4·L²·d for L positions): web captions of ~10–20 tokens against a context of 77.
 
     if trims_exactly(model) is None:
         allow_short_text(model)            # its encode_text takes (B, L ≤ context) tokens

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from clipdist.defaults import DEFAULT_TILE
+
 
 @dataclass
 class Outputs:
@@ -15,6 +17,20 @@ class Outputs:
 
     features: tuple
     parts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TermContext:
+    """What a registered term's builder may need beyond its options (objective.specs): the student, where and in
+    what dtype it runs, where models are cached, the run's length (for start_at) and the loss's tile."""
+
+    model: torch.nn.Module
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype | None = None  # the weights' dtype where they are not fp32 (pure_bf16 / pure_fp16)
+    cache_dir: str | None = None
+    local_rank: int = 0
+    max_steps: int = 1
+    tile: int = DEFAULT_TILE
 
 
 def features_of(raw) -> tuple:

@@ -6,7 +6,15 @@ import torch
 
 from clipdist.defaults import DEFAULT_TILE
 from clipdist.losses.distill import DistillationLoss
-from clipdist.objective.base import Term, features_of
+from clipdist.model.targets import load_teacher
+from clipdist.objective.base import Term, TermContext, features_of
+from clipdist.objective.specs import DistillOptions
+
+
+def build(options: DistillOptions, context: TermContext) -> DistillationTerm | None:
+    """loss.distill's term: None where it names no teacher."""
+    teacher = load_teacher(options, context.cache_dir, context.device, context.dtype, context.local_rank)
+    return None if teacher is None else DistillationTerm(teacher, context.tile)
 
 
 class DistillationTerm(Term):

@@ -23,6 +23,7 @@ FRACTIONS = re.compile(r"(_r\d+|_top\d+)$")  # metrics in [0, 1]: recall@k, zero
 LOWER_IS_BETTER = re.compile(r"(loss|_rank)$")
 STAMP = re.compile(r"^\[([0-9-]+ [0-9:,]+)\] (.*)$")
 RESUMED = re.compile(r"resumed from .* at step (\d+)$")
+TERM_START = re.compile(r"step (\d+): (\S+) counts from this step on")  # a term's start_at (clipdist.train.trainer)
 BANNER = re.compile(r"loss \S+: .*; global batch \d+ \((\d+) rank\(s\)")  # one a start (clipdist.train.recipe)
 
 
@@ -34,6 +35,7 @@ class RunRecord:
     evals: list[dict]
     starts: list[tuple[int, int | None]] = field(default_factory=list)  # (step a start began at, its ranks)
     seconds: float | None = None  # from the first line of train.log to its last
+    term_starts: dict[str, int] = field(default_factory=dict)  # a loss term counted from a later step (start_at)
 
 
 def read_run(run_dir: str | Path) -> RunRecord:
@@ -52,6 +54,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
             continue
         times.append(datetime.strptime(stamped.group(1), "%Y-%m-%d %H:%M:%S,%f"))
         resumed, banner = RESUMED.match(stamped.group(2)), BANNER.match(stamped.group(2))
+        if started := TERM_START.match(stamped.group(2)):
+            record.term_starts[started.group(2)] = int(started.group(1))
         if resumed:  # said just before the start's banner
             resumed_at = int(resumed.group(1))
         elif banner:
@@ -86,6 +90,7 @@ def summary(record: RunRecord, name: str, running: str | None = None) -> str:
         f"skipped: {last.get('skipped_samples', 0)} sample(s), {last.get('skipped_shards', 0)} shard(s), "
         f"{last.get('skipped_steps', 0)} step(s); last loss {last.get('loss', float('nan')):.4f}",
     ]
+    lines += [f"{one_line(name)} counted from step {step} on" for name, step in record.term_starts.items()]
     for key in keys:
         points = [(row["step"], row[key]) for row in record.evals if isinstance(row.get(key), (int, float))]
         best = (min if LOWER_IS_BETTER.search(key) else max)(points, key=lambda point: point[1])
@@ -146,6 +151,11 @@ def plot(record: RunRecord, path: Path | BinaryIO, title: str) -> None:
     ):
         axes.set_title(panel)
         axes.grid(alpha=0.3)
+        for name, step in record.term_starts.items():
+            axes.axvline(step, color="tab:purple", ls="--", lw=1)
+            axes.annotate(
+                f"+{name}", (step, 0), xycoords=("data", "axes fraction"), fontsize=7, color="tab:purple", va="bottom"
+            )
         for step, ranks in record.starts[1:]:
             axes.axvline(step, color="grey", ls=":", lw=1)
             axes.annotate(

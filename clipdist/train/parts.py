@@ -18,14 +18,15 @@ import torch
 from clipdist.config import TrainConfig
 from clipdist.data.images import PixelNormalize
 from clipdist.data.transforms import image_transforms
+from clipdist.defaults import DEFAULT_TILE
 from clipdist.distributed import parallel
 from clipdist.losses import build as build_loss
-from clipdist.model import precision, targets
+from clipdist.model import precision
 from clipdist.model.factory import create_run_model
 from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.short_text import allow_short_text
 from clipdist.model.timm_towers import naflex_trunk
-from clipdist.objective import run_objective
+from clipdist.objective import TermContext, run_objective
 from clipdist.train.ema import WeightAverage
 from clipdist.train.optim import build_optimizer
 from clipdist.train.step import Step, build_step
@@ -85,11 +86,18 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     train_transform, val_transform = image_transforms(model, cfg.data)
     preprocess: dict = model.visual.preprocess_cfg  # type: ignore[union-attr,assignment]
     mean, std = preprocess["mean"], preprocess["std"]
-    teacher = targets.load_teacher(
-        cfg.loss.distill, cfg.model.cache_dir, device, precision.weights_dtype(cfg.precision), local_rank
+    context = TermContext(
+        model,
+        device,
+        precision.weights_dtype(cfg.precision),
+        cfg.model.cache_dir,
+        local_rank,
+        cfg.optim.max_steps,
+        getattr(cfg.loss, "tile", DEFAULT_TILE),
     )
-    objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, teacher)
-    trim_text = trims_text(cfg, device) and allow_short_text(model) and (teacher is None or allow_short_text(teacher))
+    objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, context)
+    text_towers = [model] + [term.teacher for term, _ in objective.terms if hasattr(term, "teacher")]
+    trim_text = trims_text(cfg, device) and all(allow_short_text(tower) for tower in text_towers)
     step = build_step(
         train_model,
         objective,

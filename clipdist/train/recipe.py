@@ -62,7 +62,11 @@ def recipe(
     settings += [f"betas {list(optim.betas)}"] if optim.betas is not None else []
     settings += [f"eps {optim.eps:g}"] if optim.eps is not None else []
     settings += [f"grad clip {optim.grad_clip:g}" if optim.grad_clip else "no grad clip"]
-    terms = " + ".join(f"{term.name} × {weight:g}" for term, weight in objective.terms)
+    terms = " + ".join(
+        f"{term.name} × {weight:g}"
+        + (f" from step {objective.starts[term.name]}" if objective.starts.get(term.name, 1) > 1 else "")
+        for term, weight in objective.terms
+    )
     caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
     evals, rows = ", ".join(evalset.name for evalset in shards.evals) or "none", table_rows(shards)
     batch = (

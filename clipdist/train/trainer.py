@@ -159,6 +159,8 @@ class Trainer:
                 with record_function("data"):
                     batch = self.next_batch()
                 waited = time.perf_counter() - started
+                for name in self.step.objective.at(state.step + 1):
+                    self.say(f"step {state.step + 1}: {name} counts from this step on (its start_at)")
                 agreed, grad_norm = self.step(batch, checkpointer.requests())
                 if agreed.saved:  # every rank has written the checkpoint begun earlier: it is published now
                     checkpointer.finish()

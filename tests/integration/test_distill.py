@@ -99,6 +99,8 @@ def test_distillation_with_gradient_caching_under_fsdp_is_exact():
 
 
 def test_a_distilled_run_trains_three_steps_on_two_ranks(tmp_path, cache_dir):
+    """The term counted from step 3 (loss.distill.start_at=0.5 of 3 steps), said in the banner, the log and the
+    report; from there the logged loss is the weighted sum of the logged terms."""
     teacher = tmp_path / "teacher"
     result = train(teacher, cache_dir, "optim.max_steps=2", "eval_every=1000")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -108,6 +110,7 @@ def test_a_distilled_run_trains_three_steps_on_two_ranks(tmp_path, cache_dir):
         cache_dir,
         f"loss.distill.model={teacher}",
         "loss.distill.weight=0.5",
+        "loss.distill.start_at=0.5",
         "world=cpu2",
         "grad_cache.chunks=2",
         "loss=tiled",
@@ -118,6 +121,11 @@ def test_a_distilled_run_trains_three_steps_on_two_ranks(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     log = read_jsonl(run / "train_log.jsonl")
     assert [row["step"] for row in log] == [1, 2, 3]
-    for row in log:
-        assert row["distill_loss"] > 0
-        assert row["loss"] == pytest.approx(row["contrastive_loss"] + 0.5 * row["distill_loss"], rel=1e-5)
+    assert all("distill_loss" not in row for row in log[:2])
+    assert log[2]["distill_loss"] > 0
+    assert log[2]["loss"] == pytest.approx(log[2]["contrastive_loss"] + 0.5 * log[2]["distill_loss"], rel=1e-5)
+    said = (run / "train.log").read_text()
+    assert "distill_loss × 0.5 from step 3" in said and "step 3: distill_loss counts from this step on" in said
+    from clipdist.tools.report import read_run, summary
+
+    assert "distill_loss counted from step 3 on" in summary(read_run(run), "run")

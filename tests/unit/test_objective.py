@@ -110,3 +110,26 @@ def test_a_teacher_that_cannot_see_the_students_inputs_is_refused_before_any_ran
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"loss.distill.model={teacher}")
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_term_with_a_start_counts_from_its_step_on():
+    """starts={name: s}: before step s the objective is the other terms alone (value and gradient), from s on the
+    term is added; `at` names it once, at s, and depends on the step alone (a resume lands on the same sum)."""
+    from clipdist.objective import Objective
+    from clipdist.objective.caption import CaptionTerm
+    from clipdist.objective.contrastive import ContrastiveTerm
+    from clipdist.objective.specs import TermOptions, start_step
+
+    raw = coca_outputs()
+    terms = [(ContrastiveTerm(build("naive")), 1.0), (CaptionTerm(0), 2.0)]
+    objective = Objective(terms, starts={"caption_loss": 3})
+    contrastive_only = build_objective(build("naive"))
+    full = build_objective(build("naive"), caption_weight=2.0)
+    said = [objective.at(step) for step in range(1, 6)]
+    assert said == [[], [], ["caption_loss"], [], []]
+    for step, reference in [(2, contrastive_only), (3, full), (5, full), (1, contrastive_only)]:
+        objective.at(step)
+        loss, _ = objective(objective.outputs(raw, {}))
+        expected, _ = reference(reference.outputs(raw, {}))
+        assert torch.equal(loss, expected), step
+    assert [start_step(TermOptions(start_at=fraction), 100) for fraction in (0.0, 0.8, 0.005, 0.999)] == [1, 81, 2, 101]

@@ -28,14 +28,15 @@ def test_every_key_of_the_state_sections_says_what_a_resume_may_do_with_it():
         LOSS_SCHEMAS,
         REFUSE,
         WARN,
-        DistillConfig,
         LossConfig,
         ModelConfig,
         OptimConfig,
         resume_rule,
     )
+    from clipdist.objective.specs import TERMS
 
-    for section in (ModelConfig, OptimConfig, LossConfig, DistillConfig, *LOSS_SCHEMAS.values()):
+    terms = [spec.options for spec in TERMS.values()]
+    for section in (ModelConfig, OptimConfig, LossConfig, *terms, *LOSS_SCHEMAS.values()):
         missing = [f.name for f in fields(section) if f.name not in section.RESUME]
         assert not missing, f"{section.__name__} fields without a resume rule: {missing}"
         assert set(section.RESUME.values()) <= {REFUSE, WARN, FREE}
