@@ -160,7 +160,6 @@ class Split(Choice):
 
 
 class WorkerPriority(Choice):
-    auto = "auto"  # low where a CPU rank's loader workers cannot each have a core of their own, else normal
     normal = "normal"  # the workers compete with the ranks for CPU time as equals
     low = "low"  # SCHED_IDLE: the workers run in the time the ranks wait (collectives, the data queue)
 
@@ -295,7 +294,8 @@ class DataConfig:
     readers: int | None = positive(
         None
     )  # the run's readers (the sample order's layout, fixed at its start); null: ranks × workers
-    worker_priority: WorkerPriority = WorkerPriority.auto  # CPU scheduling of the workers (docs/data.md#loader-workers)
+    # CPU scheduling of the loader workers (docs/data.md#loader-workers)
+    worker_priority: WorkerPriority = WorkerPriority.normal
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     source_dir: str | None = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"  # where built-in datasets are written on first use

@@ -52,21 +52,20 @@ def _first_tensor(value) -> torch.Tensor:
 class Batch(Mapping):
     """The model's inputs by name (a read-only mapping: `model(**batch)`), and beside them `counts` (this rank's
     [samples skipped, shards skipped while reading it, samples of each source]: the step's agreement sums them
-    over ranks), `load_s` (CPU seconds the loader spent on it) and `sample_keys` (each row's sample as
+    over ranks) and `sample_keys` (each row's sample as
     "shard#key", for logging.sample_keys)."""
 
     def __init__(
         self,
         inputs: Inputs,
         counts: list[int] | None = None,
-        load_s: float | None = None,
         sample_keys: list[str] | None = None,
     ):
         if not inputs:
             raise ValueError("a batch needs at least one input")
         self.inputs = dict(inputs)
         self.counts = list(counts) if counts is not None else []
-        self.load_s, self.sample_keys = load_s, sample_keys
+        self.sample_keys = sample_keys
 
     def __getitem__(self, name: str):
         return self.inputs[name]
@@ -94,21 +93,21 @@ class Batch(Mapping):
             name: apply(value, function) if names is None or name in names else value
             for name, value in self.inputs.items()
         }
-        return Batch(inputs, self.counts, self.load_s, self.sample_keys)
+        return Batch(inputs, self.counts, self.sample_keys)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
         return self.map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
     def split(self, chunks: int) -> list[Batch]:
         """`chunks` batches of consecutive rows (torch.tensor_split's sizes: the first ones one row larger), every
-        input split alike; `counts` and `load_s` stay with the whole batch."""
+        input split alike; `counts` stay with the whole batch."""
         if not 1 <= chunks <= self.rows:
             raise ValueError(f"grad_cache.chunks={chunks} is more than the local batch ({self.rows})")
         inputs = _split(self.inputs, chunks)
         ends = list(accumulate(_first_tensor(piece).shape[0] for piece in inputs))
         keys = self.sample_keys
         return [
-            Batch(piece, [], None, keys[end - _first_tensor(piece).shape[0] : end] if keys else None)
+            Batch(piece, [], keys[end - _first_tensor(piece).shape[0] : end] if keys else None)
             for piece, end in zip(inputs, ends)
         ]
 

@@ -1,5 +1,6 @@
 """A rank's loader processes: a torch DataLoader over the stream's dataset (data.stream.TrainingBatches), its workers
-started, reprioritised and stopped with what they started, and the items they give assembled into batches.
+started (at idle priority where asked) and stopped with what they started, and the items they give assembled into
+batches.
 
 This is the one place that knows the DataLoader's private parts (its worker list, its SIGCHLD registration): the
 stream (data.stream.TrainStream) keeps the order, the position and the state, and asks for the next batch.
@@ -79,7 +80,7 @@ def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch,
     are copied into the batch's host buffer (pinned where `pin_memory`) as they arrive; a batch that is one item is
     used as it is."""
     images = tokens = counts = keys = None
-    pending, load_s = {}, 0.0
+    pending = {}
     for _ in range(count):
         item = next(items)
         if isinstance(item, DataFailure):
@@ -88,7 +89,6 @@ def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch,
         pending.update({reader: position.state for reader, position in info["readers"].items()})
         piece_counts = [*info["skipped"], *info["sources"]]
         counts = piece_counts if counts is None else [total + part for total, part in zip(counts, piece_counts)]
-        load_s += info["load_s"]
         rows = info["rows"]
         keys = keys or [""] * info["batch_rows"]
         for row, key in zip(rows, info["keys"]):
@@ -112,7 +112,7 @@ def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch,
             apply_pair(images, piece_images, lambda buffer, piece: buffer.__setitem__(at, piece))
             tokens[at] = piece_tokens
         del piece_images
-    return Batch.of(images, tokens, counts, load_s=load_s, sample_keys=keys), pending
+    return Batch.of(images, tokens, counts, sample_keys=keys), pending
 
 
 def _in_row_order(images, tokens: torch.Tensor, rows: list[int], pin: bool):
@@ -135,7 +135,7 @@ def start_worker(_worker_id: int = 0, low_priority: bool = False) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if low_priority:
-        set_low_priority(0, True)
+        set_low_priority(0)
     sys.excepthook = _quiet_on_abandoned_transfer(sys.excepthook)
 
 

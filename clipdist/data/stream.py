@@ -12,7 +12,6 @@ import functools
 import hashlib
 import itertools
 import random
-import time
 
 import torch
 import webdataset as wds
@@ -26,7 +25,6 @@ from clipdist.data.naflex import TokenBudget, resolve_budget
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence, shard_samples
 from clipdist.data.samples import SampleKeys, training_pair, undecodable
-from clipdist.data.workers import LoaderPlan, LoaderTuning, set_low_priority
 from clipdist.files import is_remote
 
 RESHUFFLE_SEED_STRIDE = 7919  # a prime: a stream restarted at sample n is seeded seed + stride · n
@@ -155,13 +153,12 @@ class TrainStream:
     r holds rows ⌊rG_k/N⌋ … ⌊(r+1)G_k/N⌋. The batches consumed so far (`batches`) say which k comes next.
     `sizes`: the shards' sizes as preflight found them (data.epochs.epoch_sizes), so no rank counts them again.
 
-    The loader's workers (data.workers, any count; `set_workers` moves to another between batches) each
-    run some of the rank's readers. Where the layout lets them (a fresh run's cycle is (V/N)·G for this, and
-    data.pieces is 1), each worker makes whole batches in turn, which the rank uses as they come; otherwise
-    each gives its readers' rows of every batch as `data.pieces` items, copied into the batch's host buffer
-    (pinned where `pin_memory`) as they arrive (data.loader, which owns the DataLoader and its processes):
-    host memory is the batch plus the items read ahead, which with data.pieces lets a batch larger than the
-    device (gradient caching) be held at all. None of this changes a sample of the stream.
+    The loader's workers (data.workers, any count) each run some of the rank's readers. Where the layout lets them (a
+    fresh run's cycle is (V/N)·G for this, and data.pieces is 1), each worker makes whole batches in turn, which the
+    rank uses as they come; otherwise each gives its readers' rows of every batch as `data.pieces` items, copied
+    into the batch's host buffer (pinned where `pin_memory`) as they arrive (data.loader, which owns the DataLoader
+    and its processes): host memory is the batch plus the items read ahead, which with data.pieces lets a batch
+    larger than the device (gradient caching) be held at all. None of this changes a sample of the stream.
     """
 
     def __init__(
@@ -226,7 +223,6 @@ class TrainStream:
         self.continued = False  # set by load_state_dict when it continues sample for sample
         self._loader = None
         self._worker_readers: list[list[int]] | None = None  # whole batches per worker: each one's readers
-        self.tuning: LoaderTuning | None = None
         self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
 
     def _order(self, readers: int, cycle: int):
@@ -486,26 +482,6 @@ class TrainStream:
         if loader is not None:
             loader.close()
 
-    def tune(self, plan: LoaderPlan, priority_for, threads) -> str | None:
-        """Let the run decide the workers' count and priority (data.workers.LoaderTuning); the start's line."""
-        self.tuning = LoaderTuning(self, plan, priority_for, threads)
-        return self.tuning.started
-
-    def observe(self, waited: float, seconds: float, load_s: float | None) -> list[str]:
-        """After a step: what the tuning changed or found, as lines for the log (none without tuning)."""
-        return [] if self.tuning is None else self.tuning.observe(waited, seconds, load_s)
-
-    def set_workers(self, workers: int) -> None:
-        """Run the readers on `workers` processes from the next batch on: the DataLoader is restarted where the
-        consumed batches left it, so the stream is sample for sample the same; batches read ahead are read again."""
-        if workers != self.workers:
-            self.close()
-            self.workers = workers
-
-    def set_worker_priority(self, low: bool) -> bool:
-        """Every loader worker to idle priority (`low`) or back to normal; False where the OS refuses."""
-        return all([set_low_priority(pid, low) for pid in self.worker_pids()])
-
     def worker_pids(self) -> list[int]:
         return [] if self._loader is None else self._loader.worker_pids()
 
@@ -553,7 +529,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
     item: (images, tokens, info), info = {"rows": the rows of the rank's batch it fills, "batch_rows": the rows of
     the rank's batch, "readers": {reader:
     Position after the batch} (on a worker's last piece of a batch), "skipped": (samples, shards) skipped,
-    "sources": samples per source in it, "load_s": the CPU seconds this thread spent on it}.
+    "sources": samples per source in it}.
     """
 
     def __init__(
@@ -662,10 +638,10 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         share = sum(self.order.taken_before(index, high) - self.order.taken_before(index, low) for index in runs)
         cuts = [share * piece // self.pieces for piece in range(self.pieces + 1)]
         kept: list[tuple[int, object, str, int, str]] = []
-        skipped, piece, started = [0, 0], 0, time.thread_time()
+        skipped, piece = [0, 0], 0
 
         def item(last: bool):
-            nonlocal kept, skipped, started
+            nonlocal kept, skipped
             rows = [row for row, *_ in kept]  # a list, not a tensor: one shared-memory handle fewer per item
             counts = torch.bincount(
                 torch.tensor([source for *_, source, _ in kept], dtype=torch.long), minlength=len(self.sources)
@@ -687,9 +663,8 @@ class TrainingBatches(torch.utils.data.IterableDataset):
                 "readers": positions,
                 "skipped": tuple(skipped),
                 "sources": counts,
-                "load_s": time.thread_time() - started,
             }
-            kept, skipped, started = [], [0, 0], time.thread_time()
+            kept, skipped = [], [0, 0]
             return images, tokens, info
 
         for index, run in runs.items():

@@ -47,7 +47,7 @@ def configure_host(cfg: TrainConfig, plan: LoaderPlan, env: launch.DistEnv, devi
 
 
 def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., None]) -> TrainStream:
-    """The rank's training stream, its loader workers tuned by the stream from the run's measurements."""
+    """The rank's training stream, with the loader plan preflight decided."""
     cfg, device, env = trainer.cfg, trainer.device, trainer.env
     on_device, why = normalize_on_device(cfg.data.normalize_on)
     budget = None
@@ -58,6 +58,9 @@ def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., 
         on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
     where = f"on {device.type} after the copy" if on_device else "by the loader"
     say(f"images normalized {where} ({why})", detail=True)
+    priority, said = loader_priority(str(cfg.data.worker_priority), plan.workers)
+    if plan.workers:
+        say(f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({said})", detail=True)
     stream = TrainStream(
         trainer.shards.sources,
         cfg.data,
@@ -73,14 +76,8 @@ def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., 
         workers=plan.workers,
         budget=budget,
         sizes=trainer.shards.sizes,
+        low_priority_workers=priority == "low",
     )
-    started = stream.tune(
-        plan,
-        lambda workers: loader_priority(str(cfg.data.worker_priority), device.type, cfg.world.procs_per_node, workers),
-        lambda workers: host.intra_op_threads(cfg.world.threads, cfg.world.procs_per_node, workers)[0],
-    )
-    if started:
-        say(started, detail=True)
     return stream
 
 

@@ -158,7 +158,6 @@ class Trainer:
                 profiler.step()
                 with record_function("data"):
                     batch = self.next_batch()
-                waited = time.perf_counter() - started
                 for name in self.step.objective.at(state.step + 1):
                     self.say(f"step {state.step + 1}: {name} counts from this step on (its start_at)")
                 agreed, grad_norm = self.step(batch, checkpointer.requests())
@@ -193,8 +192,6 @@ class Trainer:
                     state.ema.update(state.step)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
                 self.log_step(agreed, grad_norm, seconds, skipped_steps)
-                for line in stream.observe(waited, seconds, batch.load_s):
-                    self.say(f"step {state.step}: {line}")
                 if checkpointer.due(state.step, agreed.timer_elapsed):  # before evaluating: never costs a step
                     checkpointer.save(state)
                 if state.step % cfg.eval_every == 0 or state.step == cfg.optim.max_steps:

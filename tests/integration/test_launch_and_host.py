@@ -60,7 +60,7 @@ def test_a_child_killed_while_it_writes_a_line_does_not_stop_the_parents_console
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.parametrize("low", [True, False])
-def test_low_priority_loader_workers_run_under_sched_idle_and_can_change(tmp_path, low):
+def test_low_priority_loader_workers_run_under_sched_idle(tmp_path, low):
     from fixtures import image_bytes, write_tar
     from helpers import train_stream
 
@@ -79,8 +79,5 @@ def test_low_priority_loader_workers_run_under_sched_idle_and_can_change(tmp_pat
         next(stream)
         (worker,) = stream.worker_pids()
         assert (os.sched_getscheduler(worker) == os.SCHED_IDLE) is low
-        assert stream.set_worker_priority(True) and os.sched_getscheduler(worker) == os.SCHED_IDLE
-        if os.geteuid() == 0:  # leaving SCHED_IDLE takes CAP_SYS_NICE (or RLIMIT_NICE >= 20)
-            assert stream.set_worker_priority(False) and os.sched_getscheduler(worker) == os.SCHED_OTHER
     finally:
         stream.close()

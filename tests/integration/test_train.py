@@ -3,8 +3,6 @@ determinism: test_resume.py, where a stopped run equals one never stopped; bad i
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from helpers import read_jsonl, run_log, train
 
@@ -133,62 +131,3 @@ def test_float_batches_normalized_by_the_loader_train_exactly_as_uint8_batches(t
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == expected
     assert "images normalized by the loader (data.normalize_on=loader)" in run_log(tmp_path / "run")  # a line
-
-
-@pytest.mark.parametrize("idle_below, decision", [(1.01, "to idle"), (0.0, "stay at normal")])
-def test_loader_workers_priority_follows_what_the_run_measures(tmp_path, cache_dir, monkeypatch, idle_below, decision):
-    """Where a CPU rank cannot spare its worker a core, the worker starts at normal priority and the run's own
-    wait for data decides at step 30 (warm-up 10 + a 20-step window), in the log: idle priority where the rank
-    waited less than `idle_below` of its time (made certain either way here: every share is below 1.01 and none
-    below 0)."""
-    from clipdist.data import workers
-    from clipdist.distributed import host
-
-    monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (1, "1 CPU (test)"))
-    monkeypatch.setattr(workers.MeasuredPriority.__init__, "__defaults__", (10, 20, idle_below, 1.01))
-    result = train(
-        tmp_path / "run", cache_dir, "data.workers=1", "optim.max_steps=31", "eval_every=1000", "checkpoint_every=1000"
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = "\n".join(run_log(tmp_path / "run"))
-    assert (
-        "loader workers at normal priority (data.worker_priority=auto: 1 CPU (test), fewer than the rank + 1 "
-        "worker(s); idle priority once the run shows the loader keeps up)"
-    ) in log
-    assert re.search(
-        rf"step 30: loader workers {decision} priority: over steps 11-30 the rank waited "
-        r"[0-9.]+% of its time for data",
-        log,
-    ), log
-
-
-def test_the_loader_worker_count_the_run_measures_changes_no_sample(tmp_path, cache_dir, monkeypatch):
-    """data.workers=auto on a CPU rank with 4 CPUs: 4 readers, 2 workers at the start; at step 30 the run moves to
-    the count its measurements favour (made to move here: no minimum gain; a digits step outweighs its loading,
-    so one worker keeps up), restarting the workers mid-run — and every loss equals a run on 4 fixed workers (4
-    readers)."""
-    from clipdist.data import workers
-    from clipdist.distributed import host
-
-    monkeypatch.setattr(host, "rank_cpus", lambda procs_per_node, environ=None: (4, "4 CPUs (test)"))
-    monkeypatch.setattr(workers.MeasuredWorkers.__init__, "__defaults__", (10, 20, 0.0))
-    common = [
-        "data.resampled=true",
-        "world.batch_per_device=16",
-        "optim.max_steps=36",
-        "eval_every=1000",
-        "checkpoint_every=1000",
-    ]
-    measured = train(tmp_path / "measured", cache_dir, "data.workers=null", *common)
-    assert measured.returncode == 0, measured.stderr[-3000:]
-    log = "\n".join(run_log(tmp_path / "measured"))
-    assert "2 loader worker(s) per rank (data.workers=auto: 4 CPUs (test), CPU ranks start with up to 4" in log, log
-    assert re.search(
-        r"step 30: 2 -> 1 loader worker\(s\): over steps 11-30 a batch took [0-9]+ ms of a loader "
-        r"worker's CPU and the step [0-9]+ ms",
-        log,
-    ), log
-    fixed = train(tmp_path / "fixed", cache_dir, "data.workers=4", *common)
-    assert fixed.returncode == 0, fixed.stderr[-3000:]
-    rows = [[row["loss"] for row in read_jsonl(tmp_path / name / "train_log.jsonl")] for name in ("measured", "fixed")]
-    assert len(rows[0]) == 36 and rows[0] == rows[1]
