@@ -180,7 +180,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     metrics = run_eval(
         args.target,
-        dict(args.sets),
+        dict(args.sets or []),
         pretrained=args.pretrained,
         model_name=args.model,
         classnames=args.classnames or [],
@@ -191,6 +191,7 @@ def _eval(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         retrieval_ties=args.retrieval_ties,
         ema=args.ema,
+        dense=args.dense,
     )
     if args.out:
         write_metrics(metrics, args.out)
@@ -976,9 +977,14 @@ def _add_eval(commands) -> None:
         dest="sets",
         action="append",
         type=_named_set,
-        required=True,
         metavar="NAME=SPEC",
         help="an evaluation set: shards, a folder, a clip_benchmark dataset folder (repeatable)",
+    )
+    evaluator.add_argument(
+        "--dense",
+        action="store_true",
+        help="also a linear probe on the image tower's patch tokens over generated scenes of shapes (a label per "
+        "pixel): dense/miou and dense/patch_accuracy (docs/evaluation.md)",
     )
     evaluator.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name")
     evaluator.add_argument("--model", default=None, help="the model a bare weights file fits (ViT-B-32)")

@@ -28,13 +28,16 @@ from clipdist.files import write_atomic
 from clipdist.model import precision as precisions
 from clipdist.model import targets
 from clipdist.model.factory import get_tokenizer
+from clipdist.tools.dense_probe import dense_probe
 from clipdist.train.evaluate import evaluate
 
 
-def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str]):
+def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str], dense: bool = False):
     """EvalSets from name -> spec; class names and templates beside a set's shards win over the given ones."""
-    if not sets:
-        raise ValueError("no evaluation set: give one or more, --set NAME=SPEC (shards, a folder, clip_benchmark's)")
+    if not sets and not dense:
+        raise ValueError(
+            "no evaluation set: give one or more, --set NAME=SPEC (shards, a folder, clip_benchmark's), or --dense"
+        )
     return [
         eval_set(name, spec, list(classnames), list(templates) or DEFAULT_TEMPLATES, key=f"--set {name}")
         for name, spec in sets.items()
@@ -42,7 +45,16 @@ def eval_sets(sets: dict[str, str], classnames: list[str], templates: list[str])
 
 
 def _evaluate_here(
-    target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties="pessimistic", ema=False
+    target,
+    pretrained,
+    model_name,
+    cache_dir,
+    evalsets,
+    batch_size,
+    precision,
+    retrieval_ties="pessimistic",
+    ema=False,
+    dense=False,
 ) -> dict:
     """Every set on this rank (every rank calls it under launch_local: each encodes its share)."""
     torch.set_num_threads(intra_op_threads(None, rank_and_world_size()[1])[0])  # the CPUs shared by the ranks
@@ -66,6 +78,8 @@ def _evaluate_here(
                 retrieval_ties=retrieval_ties,
             )
         )
+    if dense and rank_and_world_size()[0] == 0:
+        metrics.update(dense_probe(model, batch_size=min(batch_size, 64)))
     return metrics
 
 
@@ -84,11 +98,13 @@ def run_eval(
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     retrieval_ties: str = "pessimistic",
     ema: bool = False,
+    dense: bool = False,
 ) -> dict:
     """The metrics of TARGET on `sets` (the module docstring), on one process or `world_size` local ranks; `ema`:
-    a run's or checkpoint's weight average (optim.ema) in place of its weights."""
-    evalsets = eval_sets(sets, list(classnames), list(templates))
-    arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties, ema)
+    a run's or checkpoint's weight average (optim.ema) in place of its weights; `dense`: with the built-in dense
+    probe's (tools.dense_probe, on rank 0)."""
+    evalsets = eval_sets(sets, list(classnames), list(templates), dense)
+    arguments = (target, pretrained, model_name, cache_dir, evalsets, batch_size, precision, retrieval_ties, ema, dense)
     if world_size == 1:
         return _evaluate_here(*arguments)
     targets.check(targets.resolve(target, pretrained, model_name, ema))  # a bad target: one line, before the ranks

@@ -138,3 +138,20 @@ def test_every_rank_evaluates_its_share_and_gets_the_one_process_metrics(tmp_pat
         assert metrics.keys() == alone.keys()
         assert metrics.pop("val_clip_loss") == pytest.approx(alone["val_clip_loss"], rel=1e-5)
         assert metrics == {key: value for key, value in alone.items() if key != "val_clip_loss"}
+
+
+def test_clipdist_eval_dense_probes_a_runs_patch_tokens(tmp_path, trained_run):
+    """`clipdist eval RUN --dense` (no other set): the probe's two figures, the same on a second call, written to
+    --out; and a model without patch tokens refused in one line (exit 2)."""
+    import json
+
+    from clipdist.cli import main as cli
+
+    out = tmp_path / "dense.json"
+    assert cli(["eval", str(trained_run), "--dense", "--out", str(out)]) == 0
+    first = json.loads(out.read_text())
+    assert set(first) == {"dense/miou", "dense/patch_accuracy"}
+    assert 0 < first["dense/miou"] < 1 and 0 < first["dense/patch_accuracy"] < 1
+    assert cli(["eval", str(trained_run), "--dense", "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == first
+    assert cli(["eval", "clipdist-naflex-tiny", "--dense"]) == 2
