@@ -343,6 +343,25 @@ def open_clip_train(out: Path, *flags: str) -> subprocess.CompletedProcess:
     return result
 
 
+def run_clipdist(run: Path, cache_dir: Path, table: Path, model_folder: Path, batch: int, steps: int, *overrides):
+    """clipdist's train.py on `table` from the model folder both programs start from, in fp32, reading in the rank;
+    CLIPDIST_PARITY_SHIFT's overrides last (a deliberate difference: the tests fail)."""
+    result = train(
+        run,
+        cache_dir,
+        "data=webdataset",
+        f"data.train_shards={table}",
+        f"model.name=local-dir:{model_folder}",
+        f"world.batch_per_device={batch}",
+        f"optim.max_steps={steps}",
+        "precision=fp32",
+        "data.workers=0",
+        *overrides,
+        *os.environ.get("CLIPDIST_PARITY_SHIFT", "").split(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def scalars(tensorboard: Path, tag: str) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -470,24 +489,19 @@ def test_a_recipe_trains_as_open_clip_train_trains_it(tmp_path, cache_dir, start
     open_clip_train(theirs, "--train-data", str(train_table), "--val-data", str(val_table), *common)
     open_clip_train(reordered, "--train-data", str(root / "train_reversed.tsv"), *common)
     ours = tmp_path / "clipdist"
-    result = train(
+    run_clipdist(
         ours,
         cache_dir,
-        "data=webdataset",
-        f"data.train_shards={train_table}",
+        train_table,
+        model_folder,
+        ROWS,
+        steps,
         f"data.val_shards={val_table}",
-        f"model.name=local-dir:{model_folder}",
-        f"world.batch_per_device={ROWS}",
-        f"optim.max_steps={steps}",
-        "precision=fp32",
-        "data.workers=0",
         "eval_every=1",
         "checkpoint_every=1",
         f"keep_checkpoints={steps}",
         *overrides,
-        *os.environ.get("CLIPDIST_PARITY_SHIFT", "").split(),
-    )  # a deliberate difference: the test fails
-    assert result.returncode == 0, result.stderr[-3000:]
+    )
 
     logged = read_jsonl(ours / "train_log.jsonl")
     their_lr = scalars(theirs / "tensorboard", "train/lr")
@@ -598,21 +612,16 @@ def test_the_log_cadence_is_open_clip_trains(tmp_path, cache_dir, start):
         *("--batch-size", str(batch), "--epochs", str(epochs), "--log-every-n-steps", str(every)),
     )
     ours = tmp_path / "clipdist"
-    result = train(
+    run_clipdist(
         ours,
         cache_dir,
-        "data=webdataset",
-        f"data.train_shards={train_table}",
-        f"model.name=local-dir:{model_folder}",
-        f"world.batch_per_device={batch}",
-        f"optim.max_steps={epochs * 4}",
-        "precision=fp32",
-        "data.workers=0",
+        train_table,
+        model_folder,
+        batch,
+        epochs * 4,
         f"logging.log_every={every}",
         "logging.epoch_steps=4",
-        *os.environ.get("CLIPDIST_PARITY_SHIFT", "").split(),
-    )  # a deliberate difference (logging.epoch_steps=null): the test fails
-    assert result.returncode == 0, result.stderr[-3000:]
+    )  # with CLIPDIST_PARITY_SHIFT=logging.epoch_steps=null the test fails
     their_steps = logged_steps(theirs / "tensorboard", "train/loss")
     assert their_steps == [1, 4, 5, 8]
     assert [row["step"] for row in read_jsonl(ours / "train_log.jsonl")] == their_steps
