@@ -612,16 +612,9 @@ def test_the_log_cadence_is_open_clip_trains(tmp_path, cache_dir, start):
         *("--batch-size", str(batch), "--epochs", str(epochs), "--log-every-n-steps", str(every)),
     )
     ours = tmp_path / "clipdist"
-    run_clipdist(
-        ours,
-        cache_dir,
-        train_table,
-        model_folder,
-        batch,
-        epochs * 4,
-        f"logging.log_every={every}",
-        "logging.epoch_steps=4",
-    )  # with CLIPDIST_PARITY_SHIFT=logging.epoch_steps=null the test fails
+    cadence = [f"logging.log_every={every}", "logging.epoch_steps=4"]
+    run_clipdist(ours, cache_dir, train_table, model_folder, batch, epochs * 4, *cadence)
+    # (with CLIPDIST_PARITY_SHIFT=logging.epoch_steps=null the test fails)
     their_steps = logged_steps(theirs / "tensorboard", "train/loss")
     assert their_steps == [1, 4, 5, 8]
     assert [row["step"] for row in read_jsonl(ours / "train_log.jsonl")] == their_steps
