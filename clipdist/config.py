@@ -25,16 +25,18 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from clipdist.data import specs as data_specs
+from clipdist.data.specs import KIND_SPECS
 from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the checks
     COLLECTIVE_TIMEOUT_S,
     DEFAULT_MODEL,
     DEFAULT_TILE,
     FREE,
     REFUSE,
-    TABLE_CAPTION_KEY,
-    TABLE_IMAGE_KEY,
-    TABLE_SEPARATOR,
     WARN,
+    above_zero,
+    non_negative,
+    positive,
 )
 from clipdist.errors import ConfigError, printable
 from clipdist.files import read_bounded
@@ -42,28 +44,6 @@ from clipdist.losses import specs
 from clipdist.losses.specs import BACKENDS, LossSpec
 from clipdist.objective import specs as term_specs
 from clipdist.objective.specs import TERMS, TermOptions
-
-
-def _bounded(default, low: float, strict: bool, says: str):
-    """A field whose value validate holds to `low` (above it where `strict`); a field that defaults to None
-    (automatic, or off) may also be null, and its message says so."""
-    return field(default=default, metadata={"bound": (low, strict, says + (" (or null)" if default is None else ""))})
-
-
-def positive(default):
-    """A field that must be at least 1."""
-    return _bounded(default, 1, False, "at least 1")
-
-
-def non_negative(default):
-    """A field that must be 0 or more."""
-    return _bounded(default, 0, False, "0 or more")
-
-
-def above_zero(default):
-    """A field that must be above 0."""
-    return _bounded(default, 0, True, "above 0")
-
 
 # What a resume may change, per key (checkpoint.check_resume): REFUSE a change that makes another model, optimizer state
 # or objective; WARN one that resumes the same state differently (numerics, schedule, what an image is). A section
@@ -259,7 +239,22 @@ def model_config(settings: dict) -> ModelConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known))
 
 
+def _with_kind_options(schema: type) -> type:
+    """The schema with every data kind's options as flat `data.<field>` keys (clipdist.data.specs.KIND_SPECS)."""
+    for spec in KIND_SPECS:
+        if spec.options is None:
+            continue
+        hints = typing.get_type_hints(spec.options)
+        for item in fields(spec.options):
+            if item.name in schema.__annotations__:
+                raise TypeError(f"data kind {spec.name}: its option {item.name} is already a data key")
+            schema.__annotations__[item.name] = hints[item.name]
+            setattr(schema, item.name, field(default=item.default, metadata=item.metadata))
+    return schema
+
+
 @dataclass
+@_with_kind_options
 class DataConfig:
     # Built-in real datasets turned into shards on first use (digits, fashion_mnist, web_photos), or null
     # to read your own shards from train_shards / val_shards.
@@ -269,11 +264,6 @@ class DataConfig:
     train_shards: str | None = None
     val_shards: str | None = None  # the main evaluation set (a spec, or a clip_benchmark dataset folder)
     eval_sets: dict[str, str] = field(default_factory=dict)  # more evaluation sets: name -> spec, logged as name/...
-    csv_separator: str = TABLE_SEPARATOR  # CSV/TSV tables: the column separator (\t, ','); default a tab
-    csv_image_key: str = TABLE_IMAGE_KEY  # the column of image paths (relative to the table, or absolute)
-    csv_caption_key: str = TABLE_CAPTION_KEY  # the column of captions
-    # a table is read in parts of this many rows, each a shard (shuffled, dealt, resumed)
-    csv_rows_per_part: int = positive(1000)
     # Where a training sample's caption is: member extensions (txt) or JSON paths (json:caption, json:captions.0;
     # json:captions, a list: one drawn); the first the sample has, or one drawn by caption_probs (seeded per sample)
     caption_keys: list[str] = field(default_factory=lambda: ["txt"])
@@ -376,7 +366,9 @@ def _loss_schema(spec: LossSpec) -> type:
         (
             f.name,
             hints[f.name],
-            field(default=f.default) if f.default is not MISSING_FIELD else field(default_factory=f.default_factory),
+            field(default=f.default, metadata=f.metadata)
+            if f.default is not MISSING_FIELD
+            else field(default_factory=f.default_factory, metadata=f.metadata),
         )
         for f in fields(own)
     ]
@@ -784,7 +776,12 @@ def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str
 
 def describe_keys() -> list[str]:
     """One line per key of the schema: `key = default  — what it is` (`python train.py --help`)."""
-    notes = {**field_notes(), **field_notes(specs.__file__), **field_notes(term_specs.__file__)}
+    notes = {
+        **field_notes(),
+        **field_notes(specs.__file__),
+        **field_notes(term_specs.__file__),
+        **{(DataConfig.__name__, name): note for (_, name), note in field_notes(data_specs.__file__).items()},
+    }
     described: list[str] = []
 
     def walk(schema, prefix: str) -> None:

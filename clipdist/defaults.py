@@ -1,5 +1,8 @@
-"""Defaults that a config field and the code beneath it share, each stated once; imports nothing, so the config
-schema (clipdist.config) reads them without importing torch."""
+"""Defaults that a config field and the code beneath it share, each stated once, and the field helpers that carry a
+default with its bound; imports nothing but dataclasses, so the config schema (clipdist.config) and the registries'
+option dataclasses read them without importing torch."""
+
+from dataclasses import field
 
 DEFAULT_MODEL = (
     "clipdist-tiny"  # ~3.4M parameters, 32-px images: trains on a laptop CPU in minutes (conf/model/tiny.yaml)
@@ -11,3 +14,24 @@ COLLECTIVE_TIMEOUT_S = 600  # the default bound on one collective, for runs and 
 TABLE_SEPARATOR, TABLE_IMAGE_KEY, TABLE_CAPTION_KEY = "\t", "filepath", "title"
 # Resume rules: what a resume does when a key differs from the checkpoint's (clipdist.config.resume_rule)
 REFUSE, WARN, FREE = "refuse", "warn", "free"
+
+
+def _bounded(default, low: float, strict: bool, says: str):
+    """A field whose value validate holds to `low` (above it where `strict`); a field that defaults to None
+    (automatic, or off) may also be null, and its message says so."""
+    return field(default=default, metadata={"bound": (low, strict, says + (" (or null)" if default is None else ""))})
+
+
+def positive(default):
+    """A field that must be at least 1."""
+    return _bounded(default, 1, False, "at least 1")
+
+
+def non_negative(default):
+    """A field that must be 0 or more."""
+    return _bounded(default, 0, False, "0 or more")
+
+
+def above_zero(default):
+    """A field that must be above 0."""
+    return _bounded(default, 0, True, "above 0")

@@ -76,3 +76,17 @@ def folder_classnames(root: Path) -> tuple[list[str], list[str] | None]:
 
         return list(IMAGENET_CLASSNAMES), [template("{}") for template in OPENAI_IMAGENET_TEMPLATES]
     return [name.replace("_", " ") for name in names], None
+
+
+# The data-kind interface (clipdist.data.specs)
+size, members = class_size, class_members
+
+
+def names_it(item: str) -> bool:
+    """Whether `item` is an ImageFolder (class subfolders of images)."""
+    return bool(class_folders(Path(item).expanduser()))
+
+
+def expand(item: str, options: None, what: str) -> list[str]:
+    """An ImageFolder's parts: one per class subfolder."""
+    return folder_parts(Path(item).expanduser())

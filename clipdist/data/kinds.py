@@ -1,22 +1,21 @@
-"""The kinds of data a shard spec can name, in one registry: how an item of the spec expands into shard URLs, and how
-a URL of the kind yields its members (the (name, bytes) pairs a tar shard holds, so everything after reads them
-alike).
+"""The kinds of data a shard spec can name, read from their registry (clipdist.data.specs): how an item of the spec
+expands into shard URLs, and how a URL of the kind yields its members (the (name, bytes) pairs a tar shard holds, so
+everything after reads them alike).
 
     tar shards   files, URLs, `pipe:` commands, directories and globs of .tar (the default: webdataset opens them)
     tables       open_clip's CSV/TSV of image paths and captions, cut into `table:` parts (data/tables.py)
     folders      an ImageFolder, one `folder:` part per class subfolder (data/folders.py)
 
-A new kind is one module with its functions (expand, members, size; narrow where a part can be read in pieces
-cheaply) and one line in KINDS.
+Each kind gets its own options (`kind_options`: a table its data.csv_* keys; a folder none).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, fields
 
-from clipdist.data import folders, tables
+from clipdist.data.specs import KIND_SPECS, KindSpec
 
 
 @dataclass(frozen=True)
@@ -24,30 +23,32 @@ class DataKind:
     name: str
     scheme: str  # the prefix of its part URLs
     names_it: Callable[[str], bool]  # whether an item of a spec (a path, after brace expansion) is of this kind
-    expand: Callable[[str, tables.TableFormat, str], list[str]]  # (item, table format, config key) -> part URLs
+    expand: Callable[[str, object, str], list[str]]  # (item, its options, config key) -> part URLs
     members: Callable[[str], Iterator[tuple[str, bytes]]]  # a part URL -> (name, bytes) as a tar shard's members
     size: Callable[[str], int]  # a part URL -> its samples (known before reading)
     narrow: Callable[[str, int, int], str] | None = None  # (URL, first, count) -> a URL of those samples only
 
 
-def _table_parts(item: str, table: tables.TableFormat, what: str) -> list[str]:
-    if not Path(item).expanduser().is_file():
-        raise FileNotFoundError(f"{what}: no such table {item}")
-    return tables.table_parts(item, table, what)
+def _kind(spec: KindSpec) -> DataKind:
+    module = importlib.import_module(spec.module)
+    narrow = getattr(module, "narrow", None)
+    return DataKind(spec.name, module.SCHEME, module.names_it, module.expand, module.members, module.size, narrow)
 
 
-TABLES = DataKind(
-    "table", tables.SCHEME, tables.is_table, _table_parts, tables.part_members, tables.part_rows, tables.narrow
-)
-FOLDERS = DataKind(
-    "folder",
-    folders.SCHEME,
-    lambda item: bool(folders.class_folders(Path(item).expanduser())),
-    lambda item, table, what: folders.folder_parts(Path(item).expanduser()),
-    folders.class_members,
-    folders.class_size,
-)
-KINDS = (TABLES, FOLDERS)
+KINDS = tuple(_kind(spec) for spec in KIND_SPECS)
+
+
+def kind_named(name: str) -> DataKind:
+    return next(kind for kind in KINDS if kind.name == name)
+
+
+def kind_options(data=None) -> dict[str, object]:
+    """Each kind's options (kind name -> its options dataclass) from a DataConfig's keys; the defaults where None."""
+    return {
+        spec.name: spec.options(**({f.name: getattr(data, f.name) for f in fields(spec.options)} if data else {}))
+        for spec in KIND_SPECS
+        if spec.options is not None
+    }
 
 
 def kind_of_item(item: str) -> DataKind | None:

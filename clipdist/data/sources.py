@@ -23,8 +23,7 @@ import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
 from clipdist.data.folders import folder_classnames
-from clipdist.data.kinds import FOLDERS, kind_of_item, kind_of_url
-from clipdist.data.tables import TableFormat
+from clipdist.data.kinds import kind_of_item, kind_of_url, kind_options
 from clipdist.errors import printable
 from clipdist.files import UnboundedFileError, is_remote, read_bounded
 
@@ -119,7 +118,7 @@ def _benchmark_root(path: Path) -> bool:
     return (path / "test").is_dir() and any((path / name).exists() for name in (CLASSNAMES_FILE, "dataset_type.txt"))
 
 
-def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
+def _expand_item(item: str, what: str, options: dict[str, object]) -> list[str]:
     if _is_remote(item):
         return [item]
     path = Path(item).expanduser()
@@ -127,7 +126,7 @@ def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
         path = path / "test"
     kind = kind_of_item(str(path))  # a table, an ImageFolder (one subfolder per class: evaluation reads it)
     if kind is not None:
-        return kind.expand(str(path), table, what)
+        return kind.expand(str(path), options.get(kind.name), what)
     if path.is_dir():
         found = sorted((str(p) for p in path.glob("*.tar")), key=_natural)
         if not found:
@@ -144,16 +143,18 @@ def _expand_item(item: str, what: str, table: TableFormat) -> list[str]:
     return [str(path)]
 
 
-def expand_shards(spec: str, what: str = "data.train_shards", table: TableFormat = TableFormat()) -> list[str]:  # noqa: B008
+def expand_shards(spec: str, what: str = "data.train_shards", options: dict[str, object] | None = None) -> list[str]:
     """Every shard of a spec (see the module docstring), checked: local shards exist and are not empty; a CSV/TSV
-    table is cut into parts read as shards (data/tables.py, in `table`'s format)."""
+    table is cut into parts read as shards (data/tables.py). `options`: each data kind's (data.kinds.kind_options;
+    None: their defaults)."""
+    options = kind_options() if options is None else options
     if not spec:
         raise ValueError(f"{what} is empty: give a shard path, directory, glob, brace pattern or pipe: command")
     urls = [
         url
         for part in spec.split("::")
         for item in braceexpand.braceexpand(part)
-        for url in _expand_item(item, what, table)
+        for url in _expand_item(item, what, options)
     ]
     local = [url for url in urls if not _is_remote(url)]
     missing = [url for url in local if not Path(url).is_file()]
@@ -205,16 +206,16 @@ def eval_set(
     classnames: list[str],
     templates: list[str],
     key: str | None = None,
-    table: TableFormat = TableFormat(),  # noqa: B008
+    options: dict[str, object] | None = None,
 ) -> EvalSet:
     """An evaluation set from a spec. Class names: `classnames` if given, else classnames.txt beside the
     shards; prompts: zeroshot_classification_templates.txt beside the shards, else `templates`. `key`: how
     errors name the set (default: its config key)."""
-    urls = expand_shards(spec, key or eval_set_key(name), table)
+    urls = expand_shards(spec, key or eval_set_key(name), options)
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
     elif (
-        not classnames and urls and kind_of_url(urls[0]) is FOLDERS
+        not classnames and urls and (kind := kind_of_url(urls[0])) is not None and kind.name == "folder"
     ):  # an ImageFolder's own (ImageNet's from open_clip)
         classnames, folder_templates = folder_classnames(Path(spec).expanduser())
         if folder_templates and list(templates) == DEFAULT_TEMPLATES:
@@ -222,11 +223,6 @@ def eval_set(
     if found := _beside(spec, urls, TEMPLATES_FILE):
         templates = _lines(found)
     return EvalSet(name, urls, list(classnames), list(templates))
-
-
-def table_format(data) -> TableFormat:
-    """How data config reads CSV/TSV tables."""
-    return TableFormat(data.csv_separator, data.csv_image_key, data.csv_caption_key, data.csv_rows_per_part)
 
 
 def resolve_shards(data) -> Shards:
@@ -241,13 +237,13 @@ def resolve_shards(data) -> Shards:
     if data.source and data.val_shards:  # your own main evaluation set beside a built-in training set
         val_spec, classnames = data.val_shards, list(data.classnames)
         templates = list(data.templates) or DEFAULT_TEMPLATES
-    table = table_format(data)
-    evals = [eval_set("val", val_spec, classnames, templates, table=table)] if val_spec else []
+    options = kind_options(data)
+    evals = [eval_set("val", val_spec, classnames, templates, options=options)] if val_spec else []
     for name, spec in data.eval_sets.items():
         if name == "val":
             raise ValueError("data.eval_sets: the name 'val' is data.val_shards' own; choose another")
-        evals.append(eval_set(name, spec, [], list(data.templates) or DEFAULT_TEMPLATES, table=table))
-    sources = [expand_shards(part, "data.train_shards", table) for part in train_spec.split("::")]
+        evals.append(eval_set(name, spec, [], list(data.templates) or DEFAULT_TEMPLATES, options=options))
+    sources = [expand_shards(part, "data.train_shards", options) for part in train_spec.split("::")]
     if data.weights is not None and len(data.weights) != len(sources):
         raise ValueError(
             f"data.weights has {len(data.weights)} weight(s) for {len(sources)} source(s) in "

@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
 from clipdist.data.samples import IMAGE_EXTENSIONS, IMAGE_FILE_BYTES
+from clipdist.data.specs import TableOptions
 from clipdist.files import open_user, read_bounded
 
 SCHEME = "table:"
@@ -160,3 +161,17 @@ def total_rows(urls: list[str]) -> int | None:
     if not urls or not all(url.startswith(SCHEME) for url in urls):
         return None
     return sum(part_rows(url) for url in urls)
+
+
+# The data-kind interface (clipdist.data.specs)
+names_it, size, members = is_table, part_rows, part_members
+
+
+def expand(item: str, options: TableOptions, what: str) -> list[str]:
+    """A table file's parts, read as `options` say (data.csv_*)."""
+    if not Path(item).expanduser().is_file():
+        raise FileNotFoundError(f"{what}: no such table {item}")
+    table = TableFormat(
+        options.csv_separator, options.csv_image_key, options.csv_caption_key, options.csv_rows_per_part
+    )
+    return table_parts(item, table, what)
