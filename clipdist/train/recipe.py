@@ -65,6 +65,7 @@ def recipe(
     terms = " + ".join(
         f"{term.name} × {weight:g}"
         + (f" from step {objective.starts[term.name]}" if objective.starts.get(term.name, 1) > 1 else "")
+        + (" (after the last step: it never counts)" if objective.starts.get(term.name, 1) > optim.max_steps else "")
         for term, weight in objective.terms
     )
     caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
