@@ -5,6 +5,27 @@ import pytest
 # Spawned gloo ranks share two cores in CI: one thread each keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The longest files first (their summed test times in a fresh clone on the 2-core CI machine, longest first):
+# pytest-xdist's --dist loadfile hands files to its workers in collection order, so a long file collected last
+# (alphabetically test_slurm, test_runs) ran alone at the end while the other worker idled.
+LONGEST_FIRST = (
+    "integration/test_slurm.py",
+    "integration/test_parity.py",
+    "integration/test_container.py",
+    "integration/test_resume.py",
+    "integration/test_runs.py",
+    "integration/test_elastic.py",
+    "integration/test_grad_cache.py",
+    "integration/test_naflex.py",
+    "integration/test_coca.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Every file's tests kept together and in their order; the files in LONGEST_FIRST moved to the front."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(f"{item.path.parent.name}/{item.path.name}", len(rank)))
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):

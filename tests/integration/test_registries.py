@@ -134,6 +134,5 @@ def test_a_backend_and_a_data_kind_with_options_are_their_modules_and_their_entr
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")][-1] == 3
     said = (tmp_path / "run" / "train.log").read_text()
     assert "loss chunked" in said and "3 train shard(s)" in said, said  # 12 lines in parts of 5: 5 + 5 + 2
-    for bad in ("loss.chunk=0", "data.lines_per_part=0"):  # the options' bounds, checked before any rank starts
-        refused = run("loss=chunked", bad, *common, run_dir="bad")
-        assert refused.returncode != 0 and f"{bad}: must be at least 1" in refused.stderr, refused.stderr[-2000:]
+    refused = run("loss=chunked", "data.lines_per_part=0", *common, run_dir="bad")  # its bound, before any rank
+    assert refused.returncode != 0 and "data.lines_per_part=0: must be at least 1" in refused.stderr

@@ -345,3 +345,22 @@ def test_train_help_describes_every_key_and_lists_every_group_option(capsys):
     assert leaves <= set(described), sorted(leaves - set(described))
     assert all("  — " in described[key] for key in leaves), [key for key in leaves if "  — " not in described[key]]
     assert "loss=: disco (default), gather_layer, naive, siglip, tiled" in text
+
+
+def test_a_backends_option_keeps_its_bound_in_the_schema():
+    """An option declared with a bound (defaults.positive) is held to it like any key: the schema builder kept
+    only defaults before, so `loss.<option>=0` ran."""
+    from dataclasses import dataclass
+
+    from clipdist.config import ConfigError, TrainConfig, _loss_schema, validate
+    from clipdist.defaults import positive
+    from clipdist.losses.specs import LossSpec
+
+    @dataclass
+    class ChunkOptions:
+        chunk: int = positive(512)
+
+    cfg = TrainConfig()
+    cfg.loss = _loss_schema(LossSpec("chunked", "nowhere:Nothing", "a test backend", ChunkOptions))(chunk=0)
+    with pytest.raises(ConfigError, match="loss.chunk=0: must be at least 1"):
+        validate(cfg)
