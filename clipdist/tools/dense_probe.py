@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from clipdist.data.images import PixelNormalize
 from clipdist.model.timm_towers import naflex_trunk
 
 CLASSES = ("background", "circle", "square", "triangle")
@@ -91,12 +92,12 @@ def patch_tokens(model: torch.nn.Module, images: torch.Tensor, grid: int) -> tor
 
 
 def _features(model, images: np.ndarray, grid: int, batch_size: int) -> torch.Tensor:
-    mean, std = (torch.tensor(model.visual.preprocess_cfg[key]).view(1, 3, 1, 1) for key in ("mean", "std"))
+    normalize = PixelNormalize(model.visual.preprocess_cfg["mean"], model.visual.preprocess_cfg["std"])
     dtype = next(model.parameters()).dtype
     out = []
     for start in range(0, len(images), batch_size):
-        pixels = torch.from_numpy(images[start : start + batch_size]).permute(0, 3, 1, 2).float() / 255
-        out.append(patch_tokens(model, ((pixels - mean) / std).to(dtype), grid))
+        pixels = normalize(torch.from_numpy(images[start : start + batch_size]))
+        out.append(patch_tokens(model, pixels.to(dtype), grid))
     return torch.cat(out).flatten(0, 1)
 
 
