@@ -23,7 +23,7 @@ import braceexpand
 
 from clipdist.data.builtin import builtin_shards, classnames_of, templates_of
 from clipdist.data.folders import folder_classnames
-from clipdist.data.kinds import kind_of_item, kind_of_url, kind_options
+from clipdist.data.kinds import kind_named, kind_of_item, kind_of_url, kind_options
 from clipdist.errors import printable
 from clipdist.files import UnboundedFileError, is_remote, read_bounded
 
@@ -215,7 +215,7 @@ def eval_set(
     if not classnames and (found := _beside(spec, urls, CLASSNAMES_FILE)):
         classnames = _lines(found)
     elif (
-        not classnames and urls and (kind := kind_of_url(urls[0])) is not None and kind.name == "folder"
+        not classnames and urls and kind_of_url(urls[0]) is kind_named("folder")
     ):  # an ImageFolder's own (ImageNet's from open_clip)
         classnames, folder_templates = folder_classnames(Path(spec).expanduser())
         if folder_templates and list(templates) == DEFAULT_TEMPLATES:
