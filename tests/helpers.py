@@ -139,32 +139,53 @@ def logged_steps(run_dir: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
+# What a training process imports (~8 s in a fresh interpreter, most of a short run's start): a Run forks from a
+# server that has imported them once (multiprocessing's forkserver, started by the first Run of a test process).
+PRELOAD = ["helpers", "clipdist.cli", "clipdist.train.trainer"]
+
+
 class Run:
     """A training process in its own process group (as srun or a terminal starts one): wait for it, signal
-    it or its group, and on leaving the `with` block the whole group is killed if still running."""
+    it or its group, and on leaving the `with` block the whole group is killed if still running.
 
-    def __init__(self, command: list[str], run_dir: Path, env: dict | None = None):
+    `python X ...` and `python -m M ...` commands start as a process forked from a server that has imported
+    PRELOAD (a new session, this process's environment, the command's argv, stdout and stderr to files): the same
+    program without the fresh interpreter's imports. `env` or `fresh=True`: a fresh interpreter (subprocess), for
+    what only a process start shows (environment variables read at import, the command line in /proc)."""
+
+    def __init__(self, command: list[str], run_dir: Path, env: dict | None = None, fresh: bool = False):
+        import tempfile
+
         self.run_dir = Path(run_dir)
-        self.process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**own_environment(), **(env or {})},
-        )
+        self.output = Path(tempfile.mkdtemp(prefix="run-output-"))
+        out, err = self.output / "stdout", self.output / "stderr"
+        out.touch(), err.touch()
+        if fresh or env is not None or command[0] != sys.executable:
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                self.process = subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    start_new_session=True,
+                    stdout=stdout,
+                    stderr=stderr,
+                    env={**own_environment(), **(env or {})},
+                )
+        else:
+            self.process = _forked(command[1:], out, err)
         self.pid = self.process.pid
 
     @classmethod
-    def train(cls, run_dir: Path, cache_dir: Path, *overrides: str, env: dict | None = None) -> Run:
-        return cls(train_command(run_dir, cache_dir, *overrides), run_dir, env)
+    def train(cls, run_dir: Path, cache_dir: Path, *overrides: str, env: dict | None = None, fresh=False) -> Run:
+        return cls(train_command(run_dir, cache_dir, *overrides), run_dir, env, fresh)
+
+    def text(self) -> tuple[str, str]:
+        return (self.output / "stdout").read_text(), (self.output / "stderr").read_text()
 
     def wait_for(self, condition, seconds: float = 240, what: str = "the condition") -> None:
         deadline = time.time() + seconds
         while not condition():
             if self.process.poll() is not None:
-                raise AssertionError(f"exited early ({self.process.returncode}): {self.process.stderr.read()[-3000:]}")
+                raise AssertionError(f"exited early ({self.process.returncode}): {self.text()[1][-3000:]}")
             assert time.time() < deadline, f"timed out waiting for {what}"
             time.sleep(0.05)
 
@@ -176,19 +197,102 @@ class Run:
 
     def finish(self, timeout: float = 120) -> tuple[int, str, str]:
         """(exit code, stdout, stderr) once it exits by itself within `timeout`."""
-        stdout, stderr = self.process.communicate(timeout=timeout)
-        return self.process.returncode, stdout, stderr
+        code = self.process.wait(timeout=timeout)
+        return (code, *self.text())
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc) -> None:
+        import shutil
+
         if self.process.poll() is None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.process.communicate(timeout=60)
+            self.process.wait(timeout=60)
+        shutil.rmtree(self.output, ignore_errors=True)
+
+
+class _forked:
+    """A command run as `python argv...` would run it, in a process forked from the preloading server: the parts
+    of subprocess.Popen a Run uses (pid, poll, returncode, wait)."""
+
+    def __init__(self, argv: list[str], out: Path, err: Path, cwd: Path = REPO):
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        from clipdist.distributed.host import spin_briefly
+
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        saved = dict(os.environ)
+        try:  # the server loads libgomp as train.py would: after the CLI has set its spin count (host.spin_briefly)
+            spin_briefly()
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        context = multiprocessing.get_context("forkserver")
+        self.child = context.Process(target=_python, args=(argv, own_environment(), str(cwd), str(out), str(err)))
+        self.child.start()
+        self.pid = self.child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.exitcode
+
+    def poll(self) -> int | None:
+        return self.child.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.child.join(timeout)
+        if self.child.exitcode is None:
+            raise subprocess.TimeoutExpired(["python", "(forked)"], timeout or 0)
+        return self.child.exitcode
+
+
+def python(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python argv...` in `cwd` as a program (Run's forked process; killed after `timeout`): its exit code and
+    output as subprocess.run gives them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        process = _forked(argv, out, err, cwd)
+        try:
+            code = process.wait(timeout)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(60)
+        return subprocess.CompletedProcess(["python", *argv], code, out.read_text(), err.read_text())
+
+
+def _python(argv: list[str], environment: dict, cwd: str, out: str, err: str) -> None:
+    """In the forked process: what `python argv...` runs, as the leader of a new session (its exit code: the
+    program's; a signal that kills it: −signum, as subprocess reports it)."""
+    import multiprocessing
+    import runpy
+
+    multiprocessing.set_start_method(None, force=True)  # the interpreter's default again (not the server's)
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environment)
+    for fd, path in ((1, out), (2, err)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def identity_transform(image):

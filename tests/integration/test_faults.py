@@ -57,7 +57,7 @@ def children(pid: int) -> list[int]:
 def test_killed_rank_tears_the_job_down_and_resume_restarts(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     overrides = ["world=cpu2", "world.timeout_s=60", *STEPS[:-1], "checkpoint_every=5"]
-    with Run.train(run_dir, cache_dir, *overrides) as run:
+    with Run.train(run_dir, cache_dir, *overrides, fresh=True) as run:  # train.py's command line, for its ranks
         run.wait_for(lambda: (run_dir / "checkpoints" / "step_00000005.dcp").exists())
         # The ranks are forked from the launcher: its command line (not the resource tracker's).
         workers = [pid for pid in children(run.pid) if b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]

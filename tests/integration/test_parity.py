@@ -19,13 +19,12 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, read_jsonl, train
+from helpers import REPO, python, read_jsonl, train
 
 ROWS, VAL_ROWS = 16, 24
 # clipdist's weights may differ from open_clip_train's by NOISE_TIMES the gap between two runs of open_clip_train
@@ -315,9 +314,9 @@ def start(tmp_path_factory):
 
 
 def open_clip_train(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    """open_clip_train's own entry point, as a user runs it (a fresh interpreter, on the CPU)."""
+    """open_clip_train's own entry point, as `python -m open_clip_train.main` runs it, on the CPU (a process forked
+    from one that has imported torch and open_clip: helpers.python)."""
     command = [
-        sys.executable,
         "-m",
         "open_clip_train.main",
         "--logs",
@@ -338,7 +337,7 @@ def open_clip_train(out: Path, *flags: str) -> subprocess.CompletedProcess:
         "1",
         *flags,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=out.parent)
+    result = python(command, out.parent, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -7,7 +7,6 @@ afterwards. Jobs use world=slurm_cpu (gloo srun tasks) and the tiny model.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -334,24 +333,9 @@ def finished(job: dict) -> bool:
     return job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
-def test_sbatch_script_from_another_directory_trains_to_the_last_step(cluster, cache_dir, tmp_path):
-    job_id = cluster.sbatch(
-        tmp_path, *SBATCH_CPU, SCRIPT, *SMALL, f"data.cache_dir={cache_dir}", "optim.max_steps=12", "eval_every=12"
-    )
-    job = cluster.wait(job_id, finished, 300)
-    log = (tmp_path / f"slurm-{job_id}.out").read_text()
-    assert job["JobState"] == "COMPLETED", log[-3000:]
-    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
-    assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 13))
-    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 12
-    host = (run_dir / "train.log").read_text()  # the host's lines: train.log only, not the console
-    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK=1" in host  # 2 tasks never oversubscribe the node
-    assert "waiting: GOMP_SPINCOUNT=300)" in host  # set before torch loaded libgomp (host.spin_briefly)
-    assert "intra-op thread(s)" not in log
-    assert json.loads(json.dumps(read_jsonl(run_dir / "train_log.jsonl")[-1]))["samples_seen"] == 12 * 32
-
-
-def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, tmp_path):
+def test_sbatch_script_from_another_directory_checkpoints_on_usr1_requeues_and_resumes_into_one_log(
+    cluster, cache_dir, tmp_path
+):
     run_dir, log = cluster.stopped_and_requeued(
         tmp_path,
         8,
@@ -360,11 +344,17 @@ def test_usr1_checkpoints_requeues_and_resumes_into_one_log(cluster, cache_dir, 
         *SMALL,
         f"data.cache_dir={cache_dir}",
         "optim.max_steps=60",
-        "eval_every=1000",
+        "eval_every=60",
         "checkpoint_every=1000",
     )
     stopped = [int(step) for step in re.findall(r"stopped by a signal at step (\d+)", log)]
     assert len(stopped) == 1 and 8 <= stopped[0] < 60, log[-3000:]
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == 60
+    host = (run_dir / "train.log").read_text()  # the host's lines: train.log only, not the console
+    assert "1 intra-op thread(s) per rank (SLURM_CPUS_PER_TASK=1" in host  # 2 tasks never oversubscribe the node
+    assert "waiting: GOMP_SPINCOUNT=300)" in host  # set before torch loaded libgomp (host.spin_briefly)
+    assert "intra-op thread(s)" not in log
+    assert read_jsonl(run_dir / "train_log.jsonl")[-1]["samples_seen"] == 60 * 32
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.dcp"))
     assert f"step_{stopped[0]:08d}.dcp" in checkpoints and "step_00000060.dcp" in checkpoints
     # One log with both halves; the resumed run went on from the checkpoint, no step lost.
