@@ -5,20 +5,30 @@ import pytest
 # Spawned gloo ranks share two cores in CI: one thread each keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The longest files first (their summed test times in a fresh clone on the 2-core CI machine, longest first):
-# pytest-xdist's --dist loadfile hands files to its workers in collection order, so a long file collected last
-# (alphabetically test_slurm, test_runs) ran alone at the end while the other worker idled.
+# The longest files first (their summed test times on the 2-core CI machine; the container's with its image built
+# cold, as in a fresh CI): under `--dist loadfile` a long file handed out last runs alone at the end while the other
+# worker idles. Each worker is handed two files at the start (the 1st and 3rd to one, the 2nd and 4th to the other),
+# so the two that mostly wait on daemons (SLURM, podman) go to one worker and the CPU-bound runs to the other.
+# pytest-xdist would reorder the files by their number of tests (--loadscope-reorder, on by default: test_slurm's 5
+# long tests and the container's 2 went last), so the collection order is kept instead (pytest_configure).
 LONGEST_FIRST = (
     "integration/test_slurm.py",
-    "integration/test_parity.py",
+    "integration/test_runs.py",
     "integration/test_container.py",
     "integration/test_resume.py",
-    "integration/test_runs.py",
-    "integration/test_elastic.py",
-    "integration/test_grad_cache.py",
     "integration/test_naflex.py",
     "integration/test_coca.py",
+    "integration/test_fsdp.py",
+    "integration/test_elastic.py",
+    "integration/test_recipes.py",
+    "integration/test_config.py",
+    "integration/test_faults.py",
 )
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand files out in the order collected
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
