@@ -1,10 +1,12 @@
 """A new component is its module and its registry entry: a loss backend with an option and a data kind with an
 option, each written here as a user would write it (outside the package), entered in its torch-free registry
 (clipdist.losses.specs.BACKENDS, clipdist.data.specs.KIND_SPECS) and nowhere else — then `train.py` composes their
-keys, checks them, reads the kind's files and trains with the backend (docs/architecture.md#registries)."""
+keys, checks them, reads the kind's files and trains with the backend. A new model is one file of data: an open_clip
+model config, named by its path (docs/architecture.md#registries)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -127,12 +129,18 @@ def test_a_backend_and_a_data_kind_with_options_are_their_modules_and_their_entr
             [*command, *overrides], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environment
         )
 
+    model = tmp_path / "tiny-deeper.json"  # open_clip's format: towers of another shape, no code
+    tower = {"image_size": 32, "layers": 3, "width": 48, "head_width": 24, "patch_size": 8}
+    text = {"context_length": 16, "vocab_size": 49408, "width": 48, "heads": 2, "layers": 3}
+    model.write_text(json.dumps({"embed_dim": 32, "vision_cfg": tower, "text_cfg": text}))
     common = ["data=webdataset", f"data.train_shards={captions}", "data.val_shards=null", "data.workers=0"]
+    common += [f"model.name={model}"]
     common += ["world.batch_per_device=4", "optim.max_steps=3", "eval_every=1000", "logging.report=false"]
     result = run("loss=chunked", "loss.chunk=3", "data.lines_per_part=5", *common)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")][-1] == 3
     said = (tmp_path / "run" / "train.log").read_text()
     assert "loss chunked" in said and "3 train shard(s)" in said, said  # 12 lines in parts of 5: 5 + 5 + 2
+    assert "model tiny-deeper: 2.6M parameters" in said, said
     refused = run("loss=chunked", "data.lines_per_part=0", *common, run_dir="bad")  # its bound, before any rank
     assert refused.returncode != 0 and "data.lines_per_part=0: must be at least 1" in refused.stderr
