@@ -141,6 +141,6 @@ def test_a_backend_and_a_data_kind_with_options_are_their_modules_and_their_entr
     assert [row["step"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")][-1] == 3
     said = (tmp_path / "run" / "train.log").read_text()
     assert "loss chunked" in said and "3 train shard(s)" in said, said  # 12 lines in parts of 5: 5 + 5 + 2
-    assert "model tiny-deeper: 2.6M parameters" in said, said
+    assert f"model {model}: 2.6M parameters" in said, said  # clipdist-tiny has 3.4M
     refused = run("loss=chunked", "data.lines_per_part=0", *common, run_dir="bad")  # its bound, before any rank
     assert refused.returncode != 0 and "data.lines_per_part=0: must be at least 1" in refused.stderr
