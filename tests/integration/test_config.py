@@ -42,9 +42,9 @@ def test_subcommand_errors_are_one_line_naming_the_argument(argv, message, capsy
 
 
 def test_a_subcommand_error_is_one_line_and_exit_2_from_the_command_line():
-    result = subprocess.run(
-        [sys.executable, "-m", "clipdist", "plan", "--global-batch", "0"], capture_output=True, text=True, timeout=120
-    )
+    from helpers import REPO, python  # `python -m clipdist plan ...` as a program
+
+    result = python(["-m", "clipdist", "plan", "--global-batch", "0"], cwd=REPO, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["clipdist plan: error: --global-batch 0: must be at least 1"]
 

@@ -10,24 +10,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUIET, REPO, Run, logged_steps, read_jsonl, train, train_command
+from helpers import QUIET, REPO, Run, logged_steps, python, read_jsonl, train, train_command
 
 
 def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            f"data.cache_dir={cache_dir}",
-            *QUIET,
-            "optim.max_steps=2",
-            "eval_every=2",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [str(REPO / "train.py"), f"data.cache_dir={cache_dir}", *QUIET, "optim.max_steps=2", "eval_every=2"]
+    result = python(command, cwd=tmp_path, timeout=300)  # `python train.py ...` from another directory
     assert result.returncode == 0, result.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1, runs
@@ -41,23 +29,8 @@ def test_one_run_writes_one_directory_with_its_resolved_name(tmp_path, cache_dir
 
 
 def test_multirun_jobs_each_get_their_own_run(tmp_path, cache_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            "-m",
-            "name=sweep",
-            f"data.cache_dir={cache_dir}",
-            *QUIET,
-            "optim.max_steps=2",
-            "eval_every=2",
-            "optim.lr=0.001,0.002",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    command = [str(REPO / "train.py"), "-m", "name=sweep", f"data.cache_dir={cache_dir}", *QUIET]
+    result = python([*command, "optim.max_steps=2", "eval_every=2", "optim.lr=0.001,0.002"], cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     for job in ("0", "1"):
         run_dir = tmp_path / "runs" / "sweep" / job
