@@ -50,10 +50,10 @@ def crop_box(
 ) -> tuple[int, int, int, int]:
     """(top, left, h, w) as torchvision's RandomResizedCrop.get_params draws it, from `generator`."""
     area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))
+    low, high = torch.log(torch.tensor(ratio)).tolist()  # float32 logs, as torchvision takes them
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
+        aspect = torch.exp(torch.empty(1).uniform_(low, high, generator=generator)).item()
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:
