@@ -1,0 +1,96 @@
+"""Local views: K crops of every image of a batch, drawn on the device and seeded by the sample, not by the rank.
+
+    views = local_views(images, crops=4, size=(96, 96), scale=(0.05, 0.4), seed=0, step=17)   # (b, K, C, 96, 96)
+
+Self-distillation (SILC, and SigLIP 2 after it) has a student see local crops of an image whose whole the teacher
+sees. Here the crops are cut from the batch's images as the step holds them (on the device, after the loader's
+augmentation; SigLIP's own images are resized, not cropped, so a crop of them is a crop of the photograph), so the
+loader, its workers and what travels to the device are unchanged.
+
+Each crop's box is drawn as torchvision's `RandomResizedCrop.get_params` draws one — an area fraction uniform in
+`scale`, a log-uniform aspect ratio in `ratio`, ten tries, then the whole image clipped to the ratio's range — and
+is flipped left-right with probability 1/2, from a generator seeded by (seed, step, the sample's key). The key is
+an exact integer function of the image's pixels (`sample_keys`), so a sample gets the same crops at a step on any
+number of ranks, in any gradient-caching chunk, at any row of the batch, and after a resume on another world size;
+nothing is drawn from the rank's RNG. All crops of the batch are resampled in one call of torchvision's
+`roi_align` (bilinear, pixel-aligned, each output pixel the mean of ⌈box / output⌉² samples: a box the size of its
+output is copied exactly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torchvision.ops import roi_align
+
+_KEY_WEIGHT_SEED = 0x5EED  # the fixed weights of sample_keys
+
+
+def sample_keys(images: torch.Tensor) -> list[int]:
+    """An integer per image (b, C, H, W), from its pixels alone and exactly: Σ round(256·x)·w over its values with
+    fixed integer weights w < 2²⁰ (int64 arithmetic: no rounding, no dependence on the batch or the device's order
+    of summation). Images that differ in a pixel by 1/256 or more get different keys but for a 2⁻⁶⁴ chance."""
+    flat = images.detach().flatten(1)
+    generator = torch.Generator().manual_seed(_KEY_WEIGHT_SEED)
+    weights = torch.randint(1, 1 << 20, (flat.shape[1],), generator=generator, dtype=torch.int64)
+    quantized = (flat.float() * 256).round().to(torch.int64)
+    return (quantized * weights.to(flat.device)).sum(1).tolist()
+
+
+def view_seed(seed: int, step: int, key: int) -> int:
+    """The generator seed of one sample's views at one step (BLAKE2b of the three numbers: the same everywhere)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def crop_box(
+    generator: torch.Generator, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float]
+) -> tuple[int, int, int, int]:
+    """(top, left, h, w) as torchvision's RandomResizedCrop.get_params draws it, from `generator`."""
+    area = height * width
+    low, high = torch.log(torch.tensor(ratio)).tolist()  # float32 logs, as torchvision takes them
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(low, high, generator=generator)).item()
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+            return top, left, h, w
+    in_ratio = width / height  # the whole image, clipped to the ratio range
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def local_views(
+    images: torch.Tensor,
+    *,
+    crops: int,
+    size: tuple[int, int],
+    scale: tuple[float, float] = (0.05, 0.4),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    seed: int = 0,
+    step: int = 0,
+) -> torch.Tensor:
+    """`crops` local views of each of `images` (b, C, H, W), as (b, crops, C, *size) in the images' dtype."""
+    rows, channels, height, width = images.shape
+    boxes, flips = [], []
+    for row, key in enumerate(sample_keys(images)):
+        generator = torch.Generator().manual_seed(view_seed(seed, step, key))
+        for _ in range(crops):
+            top, left, h, w = crop_box(generator, height, width, scale, ratio)
+            boxes.append((row, left, top, left + w, top + h))
+            flips.append(bool(torch.rand(1, generator=generator).item() < 0.5))
+    box_tensor = torch.tensor(boxes, dtype=torch.float32, device=images.device)
+    views = roi_align(images.float(), box_tensor, output_size=size, sampling_ratio=-1, aligned=True)
+    flipped = torch.tensor(flips, device=images.device)
+    views = torch.where(flipped[:, None, None, None], views.flip(-1), views)
+    return views.to(images.dtype).reshape(rows, crops, channels, *size)

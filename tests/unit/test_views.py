@@ -1,0 +1,56 @@
+"""Local views (clipdist.data.views): torchvision's crop boxes, seeded by the sample alone, resampled in one call."""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms import RandomResizedCrop
+
+from clipdist.data.views import crop_box, local_views, sample_keys
+
+
+def _images(rows: int = 6, size: int = 16) -> torch.Tensor:
+    return torch.randn(rows, 3, size, size, generator=torch.Generator().manual_seed(rows))
+
+
+def test_a_box_is_drawn_as_torchvisions_random_resized_crop_draws_it():
+    for seed in range(200):
+        for height, width, scale in [(16, 16, (0.05, 0.4)), (24, 40, (0.3, 1.0)), (40, 24, (0.9, 1.0))]:
+            torch.manual_seed(seed)
+            theirs = RandomResizedCrop.get_params(torch.empty(3, height, width), list(scale), [3 / 4, 4 / 3])
+            ours = crop_box(torch.Generator().manual_seed(seed), height, width, scale, (3 / 4, 4 / 3))
+            assert ours == tuple(theirs), (seed, height, width)
+
+
+def test_a_samples_views_do_not_depend_on_its_row_its_companions_or_the_chunk():
+    images = _images()
+    views = local_views(images, crops=3, size=(8, 8), seed=1, step=5)
+    assert views.shape == (6, 3, 3, 8, 8)
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    assert torch.equal(local_views(images[order], crops=3, size=(8, 8), seed=1, step=5), views[order])
+    assert torch.equal(local_views(images[4:], crops=3, size=(8, 8), seed=1, step=5), views[4:])  # another rank
+
+
+def test_views_change_with_the_step_and_the_seed_and_with_the_sample():
+    images = _images()
+    views = local_views(images, crops=2, size=(8, 8), seed=0, step=1)
+    assert not torch.equal(views, local_views(images, crops=2, size=(8, 8), seed=0, step=2))
+    assert not torch.equal(views, local_views(images, crops=2, size=(8, 8), seed=1, step=1))
+    assert len(set(sample_keys(images))) == 6
+    nudged = images.clone()
+    nudged[0, 0, 0, 0] += 1 / 256
+    assert sample_keys(nudged)[0] != sample_keys(images)[0] and sample_keys(nudged)[1:] == sample_keys(images)[1:]
+
+
+def test_a_box_the_size_of_its_output_is_the_image_or_its_mirror_exactly():
+    images = _images(rows=16)
+    views = local_views(images, crops=2, size=(16, 16), scale=(1.0, 1.0), ratio=(1.0, 1.0), step=3)
+    flipped = [torch.equal(view, image.flip(-1)) for image, pair in zip(images, views) for view in pair]
+    kept = [torch.equal(view, image) for image, pair in zip(images, views) for view in pair]
+    assert all(a or b for a, b in zip(flipped, kept)) and any(flipped) and any(kept)
+
+
+def test_a_smaller_crop_is_resampled_from_inside_its_box():
+    image = torch.zeros(1, 1, 16, 16)
+    image[..., 4:12, 4:12] = 1.0  # a bright square in the middle
+    views = local_views(image, crops=32, size=(4, 4), scale=(0.05, 0.2), step=0)
+    assert views.min() >= 0 and views.max() <= 1 and 0 < views.mean() < 1  # some crops inside it, some outside
