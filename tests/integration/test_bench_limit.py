@@ -4,17 +4,14 @@ and a real run as a fraction of it (small sizes: that it runs and its figures ha
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import REPO, own_environment
+from helpers import REPO, python
 
 
 def test_the_limit_benchmark_measures_costs_a_bound_and_a_run_against_it(tmp_path, cache_dir):
-    result = subprocess.run(
+    result = python(  # `python -m clipdist bench ...` as a program (the runs it starts are fresh interpreters)
         [
-            sys.executable,
             "-m",
             "clipdist",
             "bench",
@@ -36,11 +33,8 @@ def test_the_limit_benchmark_measures_costs_a_bound_and_a_run_against_it(tmp_pat
             "--out",
             str(tmp_path / "limit.json"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
         cwd=REPO,
-        env=own_environment(),
+        timeout=300,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     [row] = json.loads((tmp_path / "limit.json").read_text())
