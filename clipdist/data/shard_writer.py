@@ -15,7 +15,7 @@ from PIL import Image
 
 from clipdist.data.epochs import stats_path
 from clipdist.data.samples import IMAGE_FILE_BYTES
-from clipdist.data.tables import TableFormat
+from clipdist.data.tables import delimiter
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 from clipdist.files import open_user, read_bounded, write_atomic
 
@@ -162,7 +162,7 @@ def pairs_from_csv(
     open_clip's TSV (tab, `filepath`, `title`)."""
     table = Path(table)
     with io.TextIOWrapper(open_user(table), newline="") as handle:
-        reader = csv.DictReader(handle, delimiter=TableFormat(separator).delimiter)
+        reader = csv.DictReader(handle, delimiter=delimiter(separator))
         missing = {path_column, caption_column} - set(reader.fieldnames or [])
         if missing:
             raise ValueError(f"{table}: missing column(s) {sorted(missing)}; found {reader.fieldnames}")

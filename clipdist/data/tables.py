@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
@@ -30,17 +29,9 @@ LINE_BYTES = 1 << 20  # a row: a path and a caption (open_clip's captions: a few
 SUFFIXES = (".csv", ".tsv")
 
 
-@dataclass(frozen=True)
-class TableFormat:
-    separator: str = "\t"
-    image_key: str = "filepath"
-    caption_key: str = "title"
-    rows_per_part: int = 1000
-
-    @property
-    def delimiter(self) -> str:
-        """The separator as one character: `\\t` (two characters, as a shell passes it) is a tab."""
-        return {"\\t": "\t", "tab": "\t", "comma": ","}.get(self.separator, self.separator)
+def delimiter(separator: str) -> str:
+    """data.csv_separator as one character: `\\t` (two characters, as a shell passes it) is a tab."""
+    return {"\\t": "\t", "tab": "\t", "comma": ","}.get(separator, separator)
 
 
 def is_table(path: str) -> bool:
@@ -65,21 +56,22 @@ def _line(handle, file: Path, number: int) -> bytes:
     return line
 
 
-def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
+def table_parts(path: str, table: TableOptions, what: str) -> list[str]:
     """The part URLs of the table at `path`; a ValueError naming the columns it has where a key is missing."""
     file = Path(path).expanduser().resolve()
-    if len(table.delimiter) != 1:
-        raise ValueError(f"data.csv_separator={table.separator!r}: one character (a tab is \\t)")
+    sep = delimiter(table.csv_separator)
+    if len(sep) != 1:
+        raise ValueError(f"data.csv_separator={table.csv_separator!r}: one character (a tab is \\t)")
     with open_user(file) as handle:
-        header = _row(_line(handle, file, 1), table.delimiter)
-        missing = [key for key in (table.image_key, table.caption_key) if key not in header]
+        header = _row(_line(handle, file, 1), sep)
+        missing = [key for key in (table.csv_image_key, table.csv_caption_key) if key not in header]
         if missing:
             raise ValueError(
                 f"{what}: {file} has no column {missing[0]!r} (its columns, split at "
-                f"{table.delimiter!r}: {header}); set data.csv_image_key / data.csv_caption_key / "
+                f"{sep!r}: {header}); set data.csv_image_key / data.csv_caption_key / "
                 "data.csv_separator"
             )
-        query = urlencode({"sep": table.delimiter, "image": table.image_key, "caption": table.caption_key})
+        query = urlencode({"sep": sep, "image": table.csv_image_key, "caption": table.csv_caption_key})
 
         def part(first: int, rows: int, at: int) -> str:
             return f"{SCHEME}{quote(str(file))}#rows={first}-{first + rows - 1}&at={at}&{query}"
@@ -87,7 +79,7 @@ def table_parts(path: str, table: TableFormat, what: str) -> list[str]:
         parts, start, rows, offset, first, number = [], handle.tell(), 0, handle.tell(), 0, 1
         while line := _line(handle, file, number + 1):
             number += 1
-            if rows == table.rows_per_part:
+            if rows == table.csv_rows_per_part:
                 parts.append(part(first, rows, start))
                 start, first, rows = offset, first + rows, 0
             offset += len(line)
@@ -171,7 +163,4 @@ def expand(item: str, options: TableOptions, what: str) -> list[str]:
     """A table file's parts, read as `options` say (data.csv_*)."""
     if not Path(item).expanduser().is_file():
         raise FileNotFoundError(f"{what}: no such table {item}")
-    table = TableFormat(
-        options.csv_separator, options.csv_image_key, options.csv_caption_key, options.csv_rows_per_part
-    )
-    return table_parts(item, table, what)
+    return table_parts(item, options, what)
