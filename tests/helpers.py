@@ -153,7 +153,9 @@ class Run:
     program without the fresh interpreter's imports. `env` or `fresh=True`: a fresh interpreter (subprocess), for
     what only a process start shows (environment variables read at import, the command line in /proc)."""
 
-    def __init__(self, command: list[str], run_dir: Path, env: dict | None = None, fresh: bool = False):
+    def __init__(
+        self, command: list[str], run_dir: Path, env: dict | None = None, fresh: bool = False, cwd: Path = REPO
+    ):
         import tempfile
 
         self.run_dir = Path(run_dir)
@@ -164,14 +166,14 @@ class Run:
             with open(out, "w") as stdout, open(err, "w") as stderr:
                 self.process = subprocess.Popen(
                     command,
-                    cwd=REPO,
+                    cwd=cwd,
                     start_new_session=True,
                     stdout=stdout,
                     stderr=stderr,
                     env={**own_environment(), **(env or {})},
                 )
         else:
-            self.process = _forked(command[1:], out, err)
+            self.process = _forked(command[1:], out, err, cwd)
         self.pid = self.process.pid
 
     @classmethod
@@ -219,7 +221,7 @@ class _forked:
     """A command run as `python argv...` would run it, in a process forked from the preloading server: the parts
     of subprocess.Popen a Run uses (pid, poll, returncode, wait)."""
 
-    def __init__(self, argv: list[str], out: Path, err: Path, cwd: Path = REPO):
+    def __init__(self, argv: list[str], out: Path, err: Path, cwd: Path):
         import multiprocessing
         from multiprocessing import forkserver
 
@@ -253,20 +255,11 @@ class _forked:
 
 
 def python(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python argv...` in `cwd` as a program (Run's forked process; killed after `timeout`): its exit code and
-    output as subprocess.run gives them."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        process = _forked(argv, out, err, cwd)
-        try:
-            code = process.wait(timeout)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(60)
-        return subprocess.CompletedProcess(["python", *argv], code, out.read_text(), err.read_text())
+    """`python argv...` in `cwd` as a program (a Run; its group killed after `timeout`): its exit code and output
+    as subprocess.run gives them."""
+    with Run([sys.executable, *argv], cwd, cwd=cwd) as run:
+        code, stdout, stderr = run.finish(timeout)
+    return subprocess.CompletedProcess(["python", *argv], code, stdout, stderr)
 
 
 def _python(argv: list[str], environment: dict, cwd: str, out: str, err: str) -> None:
