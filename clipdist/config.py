@@ -556,6 +556,7 @@ def validate(cfg: TrainConfig) -> None:
                 f"loss.{name}.start_at={cfg.loss.term(name).start_at}: must be at least 0 and below 1 (a fraction "
                 "of optim.max_steps; 0.8: from 80% of the run)"
             )
+        cfg.loss.term(name).check(name, cfg)
     if not cfg.optim.ema.decay < 1:
         raise ConfigError(f"optim.ema.decay={cfg.optim.ema.decay}: must be below 1 (0.999 ... 0.9999; 0: no average)")
     if cfg.optim.max_logit_scale <= 1:

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.errors import ClipdistError, printable
 from clipdist.files import UnboundedFileError, load_safetensors, load_torch, open_user, read_bounded, read_whole
+from clipdist.objective.specs import training_only
 
 PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
 LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
@@ -517,7 +518,8 @@ def verify(path: Path) -> dict:
 
 def read_run_checkpoint(path: Path, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone; with `ema`,
-    its weight average (optim.ema) in place of the parameters (the buffers are the model's). Every pickled part is
+    its weight average (optim.ema) in place of the parameters (the buffers are the model's); the modules only a loss
+    term trains (objective.specs.TRAINING_ONLY_PARTS: self-distillation's head) left out. Every pickled part is
     checked first, the parts the model does not need included: a checkpoint that carries code anywhere is refused,
     whatever is read of it."""
     progress = verify(path)
@@ -530,11 +532,13 @@ def read_run_checkpoint(path: Path, ema: bool = False) -> tuple[dict[str, torch.
         raise ValueError(f"{path} is not a clipdist checkpoint (no model in it)")
     else:
         weights, average = progress["model"], progress.get("ema")
+    weights = {name: tensor for name, tensor in weights.items() if not training_only(name)}  # a term's own head
     if not ema:
         return weights, progress["config"]
     if not average:
         raise ValueError(f"{path} holds no weight average: its run trained without optim.ema.decay; leave out --ema")
-    return {**weights, **{name: tensor.to(weights[name].dtype) for name, tensor in average.items()}}, progress["config"]
+    averaged = {name: tensor.to(weights[name].dtype) for name, tensor in average.items() if name in weights}
+    return {**weights, **averaged}, progress["config"]
 
 
 SAFETENSORS_HEADER_BYTES = 8 << 20  # a model's tensor index: ~100 bytes a tensor, a few thousand tensors (~1 MB)

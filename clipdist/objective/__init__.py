@@ -2,6 +2,7 @@
 unequal local batches and under gradient caching:
 
     L = Σ_k w_k · T_k       contrastive (any backend) · CoCa's caption (caption.py) · distillation (distillation.py)
+                            · self-distillation on local views (self_distill.py)
 
 Each term (base.Term) takes from a forward what it needs, merges the chunks of gradient caching, gives this rank's
 share ℓ_r (mean over ranks: T; DDP's average of its gradient: ∂T/∂θ), and its single-process reference, which
@@ -18,6 +19,7 @@ _LAZY = {  # name -> the module that defines it, imported on first use
     "build_objective": "clipdist.objective.weighted_sum",
     "run_objective": "clipdist.objective.weighted_sum",
     "as_objective": "clipdist.objective.weighted_sum",
+    "attach_parts": "clipdist.objective.weighted_sum",
     "Outputs": "clipdist.objective.base",
     "Term": "clipdist.objective.base",
     "TermContext": "clipdist.objective.base",

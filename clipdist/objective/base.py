@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,8 @@ class Outputs:
 @dataclass
 class TermContext:
     """What a registered term's builder may need beyond its options (objective.specs): the student, where and in
-    what dtype it runs, where models are cached, the run's length (for start_at) and the loss's tile."""
+    what dtype it runs, where models are cached, the run's length (for start_at), the loss's tile, the run's seed
+    and its weight average (`teacher()`: the average's tensors by parameter name; None without optim.ema)."""
 
     model: torch.nn.Module
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -31,6 +33,8 @@ class TermContext:
     local_rank: int = 0
     max_steps: int = 1
     tile: int = DEFAULT_TILE
+    seed: int = 0
+    teacher: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 def features_of(raw) -> tuple:
@@ -54,10 +58,20 @@ class Term:
       backpropagates itself (only for `per_chunk` terms); the others reach the model through the features, whose
       cached gradients every chunk's re-forward carries.
     - `reference(raw, inputs)`: T's definition on one process over the whole batch (open_clip's, where it has one).
+    - `commit()`: after an optimizer step, the term's own state moves on (a centre); not after a stopped step.
+    - `parameters()`: the modules only this term trains (a head): touched with weight 0 before its start, as DDP
+      wants a gradient for every parameter at every step.
     """
 
     name: str = "term"  # its key in the logs
     per_chunk: bool = False  # its gradient reaches the model outside the features (chunk_value)
+    step: int | None = None  # the step (1-based) the next forward is for: Objective.at sets it
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return []
+
+    def commit(self) -> None:
+        return None
 
     def take(self, raw, inputs: dict):
         return None

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from clipdist.defaults import REFUSE
+from clipdist.defaults import REFUSE, non_negative, positive
+from clipdist.errors import ConfigError
 
 
 @dataclass
@@ -30,6 +31,9 @@ class TermOptions:
 
     weight: float = 1.0  # the term's weight in the objective
     start_at: float = 0.0  # the fraction of optim.max_steps after which the term counts; 0: from the first step
+
+    def check(self, name: str, cfg: Any) -> None:
+        """The combinations of the run's config (a TrainConfig) this term cannot train with: a ConfigError."""
 
 
 @dataclass
@@ -44,15 +48,61 @@ class DistillOptions(TermOptions):
     pretrained: str | None = None  # the open_clip pretrained tag for `model` (e.g. openai)
 
 
+@dataclass
+class SelfDistillOptions(TermOptions):
+    """SILC's local-to-global self-distillation (clipdist.objective.self_distill): an EMA teacher (optim.ema) sees the
+    whole image, the student `crops` local views of it; the student's view of each crop, through a head of
+    `prototypes` outputs, is pulled to the teacher's centred, sharpened distribution over them. Off at crops=0."""
+
+    RESUME: ClassVar[dict] = {
+        **TermOptions.RESUME,
+        **dict.fromkeys(("crops", "crop_size", "scale", "hidden", "bottleneck", "prototypes"), REFUSE),
+        **dict.fromkeys(("student_temp", "teacher_temp", "centre_momentum"), REFUSE),
+    }
+
+    crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
+    crop_size: int = non_negative(0)  # their side in pixels; 0: the image tower's own size
+    scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
+    hidden: int = positive(256)  # the head: embedding → hidden → GELU → bottleneck, normalised → prototypes
+    bottleneck: int = positive(64)  # the head's normalised bottleneck width
+    prototypes: int = positive(1024)  # the head's outputs: the distributions' support (DINO: 65536)
+    student_temp: float = 0.1  # the student's softmax temperature (DINO's 0.1)
+    teacher_temp: float = 0.04  # the teacher's, lower: its targets sharper (DINO's 0.04)
+    centre_momentum: float = 0.9  # c ← m·c + (1 − m)·(the global batch's mean teacher output), after each step
+
+    def check(self, name: str, cfg: Any) -> None:
+        if not self.crops:
+            return
+        if cfg.optim.ema.decay <= 0:
+            raise ConfigError(
+                f"loss.{name}.crops={self.crops} needs a teacher: the weights' average, optim.ema.decay (e.g. 0.999)"
+            )
+        if str(cfg.world.parallel) == "fsdp":
+            raise ConfigError(
+                f"loss.{name} runs under world.parallel=ddp only for now (the teacher's forward takes the average's "
+                "tensors whole); use world.parallel=ddp"
+            )
+        if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ConfigError(f"loss.{name}.scale={list(self.scale)}: give [low, high] with 0 < low ≤ high ≤ 1")
+        if min(self.student_temp, self.teacher_temp) <= 0 or not 0 <= self.centre_momentum < 1:
+            raise ConfigError(
+                f"loss.{name}: the temperatures must be above 0 and centre_momentum in [0, 1) (DINO: 0.1, 0.04, 0.9)"
+            )
+
+
 @dataclass(frozen=True)
 class TermSpec:
     name: str  # its config section, loss.<name>
     target: str  # "module:function": build(options, context) -> the Term, or None where the options leave it off
     summary: str  # one line for menus and errors
     options: type = TermOptions  # a TermOptions dataclass: the section's keys
+    # where the term trains a module of its own (a head): "module:function" attach(options, model) -> whether it
+    # added one, called before the model is wrapped; `part` is its attribute, left out of exports and evaluation
+    attach: str | None = None
+    part: str | None = None
 
-    def load(self):
-        module, attribute = self.target.split(":")
+    def load(self, target: str | None = None):
+        module, attribute = (target or self.target).split(":")
         return getattr(importlib.import_module(module), attribute)
 
 
@@ -60,8 +110,24 @@ TERMS: dict[str, TermSpec] = {
     spec.name: spec
     for spec in (
         TermSpec("distill", "clipdist.objective.distillation:build", "logits pulled to a teacher's", DistillOptions),
+        TermSpec(
+            "self_distill",
+            "clipdist.objective.self_distill:build",
+            "local views pulled to the EMA teacher's whole image (SILC)",
+            SelfDistillOptions,
+            attach="clipdist.objective.self_distill:attach",
+            part="self_distill_head",
+        ),
     )
 }
+
+# the model's modules that only a term trains: a checkpoint holds them, an export or an evaluation leaves them out
+TRAINING_ONLY_PARTS = tuple(spec.part for spec in TERMS.values() if spec.part)
+
+
+def training_only(name: str) -> bool:
+    """Whether a state-dict key belongs to a term's own module (TRAINING_ONLY_PARTS)."""
+    return name.split(".", 1)[0] in TRAINING_ONLY_PARTS
 
 
 def start_step(options: TermOptions, max_steps: int) -> int:

@@ -25,6 +25,8 @@ class Objective:
     def at(self, step: int) -> list[str]:
         """The next forward is step `step`'s (1-based); the terms that count from exactly this step on."""
         self.step = step
+        for term, _ in self.terms:
+            term.step = step
         return [term.name for term, _ in self.terms if self.starts.get(term.name, 1) == step > 1]
 
     @property
@@ -57,7 +59,18 @@ class Objective:
             value = term.value(outputs.features, outputs.parts[term.name])
             losses.append(value if weight == 1 else value * weight)
             values[term.name] = value.detach()
-        return _total(losses), values if len(values) > 1 else {}
+        return _total(losses + self.idle()), values if len(values) > 1 else {}
+
+    def idle(self) -> list[torch.Tensor]:
+        """0 · Σ of the parameters of the terms that do not count yet: DDP wants a gradient for each, every step."""
+        counted = [term for term, _ in self.counted]
+        waiting = [p for term, _ in self.terms if term not in counted for p in term.parameters()]
+        return [0 * torch.stack([p.sum() for p in waiting]).sum()] if waiting else []
+
+    def commit(self) -> None:
+        """After an optimizer step: each counted term's own state moves on (Term.commit)."""
+        for term, _ in self.counted:
+            term.commit()
 
     def chunk_loss(self, chunk: Outputs, whole: Outputs) -> torch.Tensor | None:
         """Gradient caching: the share of the loss one chunk's re-forward backpropagates itself (None: all of it
@@ -67,6 +80,7 @@ class Objective:
             for term, weight in self.counted
             if term.per_chunk
         ]
+        shares += self.idle()
         return _total(shares) if shares else None
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
@@ -117,7 +131,7 @@ def run_objective(
     context = context or TermContext(model, tile=getattr(loss, "tile", DEFAULT_TILE))
     for name, spec in TERMS.items():
         options = loss.term(name)
-        term = spec.load()(options, context)
+        term = spec.load()(options, context)  # a term that trains a part of its own: attach_parts put it on
         if term is not None:
             objective.terms.append((term, options.weight))
             objective.starts[term.name] = start_step(options, context.max_steps)
@@ -127,3 +141,10 @@ def run_objective(
 def as_objective(loss_fn) -> Objective:
     """A contrastive backend as the objective it is alone (weight 1); an Objective as is."""
     return loss_fn if isinstance(loss_fn, Objective) else build_objective(loss_fn)
+
+
+def attach_parts(loss: LossConfig, model: torch.nn.Module) -> None:
+    """The modules the run's terms train themselves (a head), put on the model before it is wrapped."""
+    for name, spec in TERMS.items():
+        if spec.attach:
+            spec.load(spec.attach)(loss.term(name), model)

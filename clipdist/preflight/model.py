@@ -21,6 +21,7 @@ from clipdist.model.factory import (
     model_overrides,
     resolve_model_name,
 )
+from clipdist.objective import attach_parts
 from clipdist.train.optim import check_optim
 
 
@@ -31,6 +32,7 @@ def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
         check_model_options(cfg.model)
         check_loss_weights(cfg.loss, cfg.model.name)
         student = create_model(cfg.model.name, device="meta", overrides=model_overrides(cfg.model, fetch=False))
+        attach_parts(cfg.loss, student)  # a term's head: the checks it makes of the towers
         if cfg.loss.distill.model:
             teacher = targets.resolve(cfg.loss.distill.model, cfg.loss.distill.pretrained)
             check_teacher(targets.structure(teacher), student, cfg.loss.distill.model)

@@ -34,6 +34,8 @@ from clipdist.model.factory import (
 from clipdist.model.precision import gradient_scaler
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 from clipdist.objective import build_objective
+from clipdist.objective.self_distill import SelfDistillTerm, attach
+from clipdist.objective.specs import SelfDistillOptions
 from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
@@ -107,25 +109,50 @@ class Locks:
         )
 
 
+@dataclass(frozen=True)
+class Terms:
+    """The terms a check adds beside the contrastive one (and a CoCa model's caption term)."""
+
+    distill: bool = False  # loss.distill against a teacher: the same structure, other weights (seed + 1)
+    self_distill: bool = False  # loss.self_distill: its head on the model, a teacher of other weights (seed + 1)
+
+
+# the self-distillation check's term: two 16 px views of each 32 px image (the tower resamples its position table),
+# a small head, a centre drawn at random (as after some steps)
+SELF_DISTILL = SelfDistillOptions(crops=2, crop_size=16, hidden=32, bottleneck=16, prototypes=32)
+
+
 def _teacher(model_name: str, seed: int, dtype: torch.dtype):
     """The distillation check's teacher: the same structure, other weights (seed + 1), frozen, in eval mode."""
     torch.manual_seed(seed + 1)
     return create_model(model_name, init_logit_scale=math.log(30.0)).to(dtype).eval().requires_grad_(False)
 
 
-def _objective(loss_fn, model, teacher=None):
+def _objective(loss_fn, model, model_name: str, seed: int, dtype: torch.dtype, terms: Terms = Terms()):
     """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
-    caption weight (2) beside it; with a teacher, its distillation term (weight 1) too, in small tiles."""
+    caption weight (2) beside it; with `terms.distill`, the distillation term (weight 1) against a teacher, in small
+    tiles; with `terms.self_distill`, the self-distillation term (weight 1) against another model's weights."""
     weight = caption_weight(LossConfig(), has_caption_decoder(model), "")
-    return build_objective(loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3)
+    teacher = _teacher(model_name, seed, dtype) if terms.distill else None
+    objective = build_objective(
+        loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3
+    )
+    if terms.self_distill:
+        other = _model(model_name, seed + 1, dtype, loss_fn, terms=terms)
+        weights = {name: tensor.detach() for name, tensor in other.named_parameters()}
+        objective.terms.append((SelfDistillTerm(model, lambda: weights, SELF_DISTILL, seed), 1.0))
+    return objective
 
 
 SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a power of two: scaling is exact)
 
 
-def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks = Locks()):
+def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks = Locks(), terms: Terms = Terms()):
     torch.manual_seed(seed)
     model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
+    if terms.self_distill:
+        attach(SELF_DISTILL, model)
+        model.self_distill_head.centre.normal_()
     locks.apply(model)
     return model
 
@@ -140,7 +167,7 @@ def _rank_step(
     parallel: str = "ddp",
     locks: Locks = Locks(),
     scaler: bool = False,
-    distill: bool = False,
+    terms: Terms = Terms(),
 ):
     """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1;
     with `scaler`, the loss scaled by SCALE through precision=fp16's GradScaler and the gradients unscaled, as
@@ -155,11 +182,11 @@ def _rank_step(
     results = []
     for spec in loss_specs:
         loss_fn = resolve_loss(spec)
-        model = _model(model_name, seed, dtype, loss_fn, locks)
+        model = _model(model_name, seed, dtype, loss_fn, locks, terms)
         wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
-        teacher = _teacher(model_name, seed, dtype) if distill else None
-        step = build_step(wrapped, _objective(loss_fn, model, teacher), chunks=chunks, scaler=grad_scaler)
+        objective = _objective(loss_fn, model, model_name, seed, dtype, terms)
+        step = build_step(wrapped, objective, chunks=chunks, scaler=grad_scaler)
         loss = step.gradients(batch)
         if grad_scaler is not None:
             grad_scaler.unscale_(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
@@ -181,13 +208,13 @@ def _reference_step(
     model_name: str,
     loss_fn,
     locks: Locks = Locks(),
-    distill: bool = False,
+    terms: Terms = Terms(),
 ):
     """The loss's own definition (`reference`: clip_loss unless it says otherwise) on one process; a locked
-    parameter's gradient is None. With `distill`, plus open_clip's DistillClipLoss term against the teacher."""
-    model = _model(model_name, seed, dtype, loss_fn, locks)
+    parameter's gradient is None. With `terms`, plus each term's own definition (open_clip's DistillClipLoss)."""
+    model = _model(model_name, seed, dtype, loss_fn, locks, terms)
     batch = _random_batch(global_batch, model_name, seed, dtype)
-    objective = _objective(loss_fn, model, _teacher(model_name, seed, dtype) if distill else None)
+    objective = _objective(loss_fn, model, model_name, seed, dtype, terms)
     loss = objective.reference(model(**batch), batch)  # each term's definition
     loss.backward()
     return loss.item(), {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
@@ -220,6 +247,7 @@ class GradcheckReport:
     locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
     distill: bool = False  # with the distillation term against a teacher (loss.distill)
+    self_distill: bool = False  # with the self-distillation term on local views (loss.self_distill)
     locked_parameters: int = 0  # parameters that got no gradient, as in the reference
     float32_parameters: list[str] = field(default_factory=list)  # compared at FLOAT32_TOLERANCE: the tower's float32
 
@@ -304,6 +332,7 @@ def run_gradchecks(
     lock_text: int | None = None,
     scaler: bool = False,
     distill: bool = False,
+    self_distill: bool = False,
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
@@ -312,7 +341,8 @@ def run_gradchecks(
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
     trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
     distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,
-    checked against open_clip's DistillClipLoss on the whole batch.
+    checked against open_clip's DistillClipLoss on the whole batch; self_distill adds the self-distillation term
+    (loss.self_distill: its head on the model, two local views an image) against the weights of another model.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
@@ -326,7 +356,9 @@ def run_gradchecks(
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
-    locks = Locks(lock_image, lock_text)
+    if self_distill and parallel == "fsdp":
+        raise ValueError("--self-distill runs under DDP only for now (as loss.self_distill trains)")
+    locks, terms = Locks(lock_image, lock_text), Terms(distill, self_distill)
     rank_results = launch_local(
         _rank_step,
         world_size,
@@ -339,7 +371,7 @@ def run_gradchecks(
         parallel,
         locks,
         scaler,
-        distill,
+        terms,
         timeout_s=timeout_s,
     )[0]
     tolerance = TOLERANCE[dtype]
@@ -350,7 +382,7 @@ def run_gradchecks(
         definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))
         if definition not in references:
             references[definition] = _reference_step(
-                sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks, distill
+                sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks, terms
             )
         report = _report(
             spec,
@@ -366,7 +398,7 @@ def run_gradchecks(
             in_float32,
         )
         report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
-        report.scaler, report.distill = scaler, distill
+        report.scaler, report.distill, report.self_distill = scaler, distill, self_distill
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
         reports.append(report)
     return reports

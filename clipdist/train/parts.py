@@ -26,7 +26,7 @@ from clipdist.model.factory import create_run_model
 from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.short_text import allow_short_text
 from clipdist.model.timm_towers import naflex_trunk
-from clipdist.objective import TermContext, run_objective
+from clipdist.objective import TermContext, attach_parts, run_objective
 from clipdist.train.ema import WeightAverage
 from clipdist.train.optim import build_optimizer
 from clipdist.train.step import Step, build_step
@@ -67,6 +67,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     model, tokenizer = create_run_model(
         cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
     )
+    attach_parts(cfg.loss, model)  # a term's own head, seeded with the model, before DDP or FSDP sees the parameters
     # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
     # the autocast dtype on CUDA (gradients are reduced in fp32).
     gathered_dtype = (
@@ -86,6 +87,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     train_transform, val_transform = image_transforms(model, cfg.data)
     preprocess: dict = model.visual.preprocess_cfg  # type: ignore[union-attr,assignment]
     mean, std = preprocess["mean"], preprocess["std"]
+    ema = WeightAverage(model, cfg.optim.ema) if cfg.optim.ema.decay > 0 else None
     context = TermContext(
         model,
         device,
@@ -94,6 +96,8 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         local_rank,
         cfg.optim.max_steps,
         getattr(cfg.loss, "tile", DEFAULT_TILE),
+        cfg.seed,
+        ema.state_dict if ema is not None else None,  # self-distillation's teacher
     )
     objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, context)
     text_towers = [model] + [term.teacher for term, _ in objective.terms if hasattr(term, "teacher")]
@@ -125,5 +129,5 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         step,
         train_transform,
         val_transform,
-        WeightAverage(model, cfg.optim.ema) if cfg.optim.ema.decay > 0 else None,
+        ema,
     )

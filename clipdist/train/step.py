@@ -152,6 +152,7 @@ class Step:
             self.scheduler.step()
             with torch.no_grad():
                 self.module.logit_scale.clamp_(0, self.max_log_scale)
+            self.objective.commit()  # a term's own state (self-distillation's centre)
         return agreed, grad_norm
 
     def gradients(self, batch) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""loss.self_distill on one process: its checks before any rank starts, the head it puts on the model, the centre
+that moves only after an optimizer step, and the zero touch that keeps DDP's every-parameter rule before its start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clipdist.config import Parallel, TrainConfig, validate
+from clipdist.errors import ConfigError
+from clipdist.losses import build
+from clipdist.model.factory import create_model, create_model_for_loss
+from clipdist.objective import Objective
+from clipdist.objective.contrastive import ContrastiveTerm
+from clipdist.objective.self_distill import SelfDistillTerm, attach
+from clipdist.objective.specs import SelfDistillOptions, training_only
+
+OPTIONS = SelfDistillOptions(crops=2, crop_size=16, hidden=16, bottleneck=8, prototypes=12)
+
+
+def config() -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.data.source = "digits"
+    cfg.loss.self_distill.crops = 2
+    cfg.optim.ema.decay = 0.99
+    return cfg
+
+
+def no_average(cfg):
+    cfg.optim.ema.decay = 0.0
+
+
+def sharded(cfg):
+    cfg.world.parallel = Parallel.fsdp
+
+
+def upside_down(cfg):
+    cfg.loss.self_distill.scale = [0.5, 0.1]
+
+
+def frozen(cfg):
+    cfg.loss.self_distill.teacher_temp = 0.0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (no_average, "needs a teacher: the weights' average, optim.ema.decay"),
+        (sharded, "world.parallel=ddp only"),
+        (upside_down, "loss.self_distill.scale=[0.5, 0.1]"),
+        (frozen, "temperatures must be above 0"),
+    ],
+)
+def test_what_the_term_cannot_train_with_is_refused_by_the_config_checks(change, message):
+    validate(config())  # the term with an average: accepted
+    cfg = config()
+    change(cfg)
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    assert message in str(refused.value)
+
+
+def student(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = create_model_for_loss("clipdist-tiny", build("disco")).double()
+    assert attach(OPTIONS, model)
+    return model
+
+
+def test_the_head_is_a_module_of_the_model_and_a_training_only_part():
+    model = student()
+    names = [name for name, _ in model.named_parameters() if name.startswith("self_distill_head.")]
+    assert len(names) == 5 and all(training_only(name) for name in names)
+    assert "self_distill_head.centre" in model.state_dict() and not training_only("visual.proj")
+    assert not attach(SelfDistillOptions(), create_model("clipdist-tiny"))  # crops=0: off, nothing added
+    with pytest.raises(ConfigError, match="NaFlex"):
+        attach(OPTIONS, create_model("clipdist-naflex-tiny"))
+
+
+def batch_inputs(rows: int = 3) -> dict:
+    generator = torch.Generator().manual_seed(5)
+    return {"image": torch.randn(rows, 3, 32, 32, generator=generator, dtype=torch.float64)}
+
+
+def test_the_centre_moves_by_its_momentum_after_a_step_only():
+    model = student()
+    teacher = {name: tensor.detach() + 0.01 for name, tensor in student(1).named_parameters()}
+    term = SelfDistillTerm(model, lambda: teacher, OPTIONS)
+    inputs = batch_inputs()
+    part = term.merge([term.take(None, inputs)])
+    assert torch.equal(model.self_distill_head.centre, torch.zeros(12, dtype=torch.float64))  # not in the forward
+    mean = term.targets(inputs["image"]).mean(0)
+    term.commit()
+    torch.testing.assert_close(model.self_distill_head.centre, 0.1 * mean, rtol=1e-12, atol=1e-15)
+    term.commit()  # nothing pending: unchanged
+    torch.testing.assert_close(model.self_distill_head.centre, 0.1 * mean, rtol=1e-12, atol=1e-15)
+    assert float(part.per_row) == 1 / 3
+
+
+def test_before_its_start_the_head_gets_zero_gradients_and_the_loss_is_the_others():
+    model = student()
+    teacher = {name: tensor.detach() for name, tensor in model.named_parameters()}
+    term = SelfDistillTerm(model, lambda: teacher, OPTIONS)
+    objective = Objective([(ContrastiveTerm(build("naive")), 1.0), (term, 1.0)], starts={term.name: 3})
+    inputs = {**batch_inputs(), "text": torch.randint(1, 100, (3, 16))}
+    for step, counted in ((2, False), (3, True)):
+        model.zero_grad(set_to_none=True)
+        objective.at(step)
+        loss, terms = objective(objective.outputs(model(**inputs), inputs))
+        loss.backward()
+        head = [p.grad for p in model.self_distill_head.parameters()]
+        assert all(grad is not None for grad in head)
+        assert any(bool(grad.abs().sum() > 0) for grad in head) == counted
+        assert ("self_distill_loss" in terms) == counted
