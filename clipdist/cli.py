@@ -17,6 +17,7 @@ from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATO
 from clipdist.distributed import host
 from clipdist.errors import printable
 from clipdist.files import discard_stdout, read_bounded, write_atomic
+from clipdist.objective.specs import TERMS
 
 
 def _csv(cast):
@@ -56,6 +57,7 @@ def _gradcheck(args: argparse.Namespace) -> int:
         "lock_text",
         "scaler",
         "distill",
+        "terms",
     )
     if args.loss or hasattr(args, "backend"):
         options["loss"] = args.loss or args.backend
@@ -79,6 +81,7 @@ def _print_report(report, verbose: bool) -> None:
     cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
     cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
     cached += ", distilled from a teacher" if report.distill else ""
+    cached += "".join(f", {name} against the EMA teacher" for name in report.terms)
     table = Table(
         title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, {report.dtype}{cached}"
     )
@@ -711,6 +714,14 @@ def _add_gradcheck(commands) -> None:
         action="store_true",
         help="add loss.distill's term against a teacher (the same model, other weights), checked "
         "against open_clip's DistillClipLoss on the whole batch",
+    )
+    check.add_argument(
+        "--term",
+        dest="terms",
+        action="append",
+        choices=[name for name, spec in TERMS.items() if spec.part],
+        help="add a term that learns from the EMA teacher (loss.self_distill, loss.masked; repeat for both): its "
+        "head on the model, the teacher another model's weights, checked against the term's own definition",
     )
     check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
     check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")

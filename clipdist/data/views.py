@@ -1,6 +1,7 @@
 """Local views: K crops of every image of a batch, drawn on the device and seeded by the sample, not by the rank.
 
     views = local_views(images, crops=4, size=(96, 96), scale=(0.05, 0.4), seed=0, step=17)   # (b, K, C, 96, 96)
+    masks = patch_masks(images, patches=196, ratio=0.5, seed=0, step=17)                    # (b, 196) bool
 
 Self-distillation (SILC, and SigLIP 2 after it) has a student see local crops of an image whose whole the teacher
 sees. Here the crops are cut from the batch's images as the step holds them (on the device, after the loader's
@@ -39,9 +40,10 @@ def sample_keys(images: torch.Tensor) -> list[int]:
     return (quantized * weights.to(flat.device)).sum(1).tolist()
 
 
-def view_seed(seed: int, step: int, key: int) -> int:
-    """The generator seed of one sample's views at one step (BLAKE2b of the three numbers: the same everywhere)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{key}".encode(), digest_size=8).digest()
+def view_seed(seed: int, step: int, key: int, purpose: str = "") -> int:
+    """The generator seed of one sample's views (or, for another `purpose`, its patch mask) at one step: BLAKE2b of
+    the numbers, the same everywhere."""
+    digest = hashlib.blake2b(f"{purpose}{seed}:{step}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -94,3 +96,14 @@ def local_views(
     flipped = torch.tensor(flips, device=images.device)
     views = torch.where(flipped[:, None, None, None], views.flip(-1), views)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
+
+
+def patch_masks(images: torch.Tensor, patches: int, ratio: float, seed: int = 0, step: int = 0) -> torch.Tensor:
+    """Which of each image's `patches` patches are masked, (b, patches) bool: max(1, round(ratio · patches)) of them,
+    a uniform draw without replacement seeded as its views are (the same mask for a sample everywhere)."""
+    count = max(1, round(ratio * patches))
+    masks = torch.zeros(len(images), patches, dtype=torch.bool)
+    for row, key in enumerate(sample_keys(images)):
+        generator = torch.Generator().manual_seed(view_seed(seed, step, key, "mask:"))
+        masks[row, torch.randperm(patches, generator=generator)[:count]] = True
+    return masks.to(images.device)

@@ -49,45 +49,84 @@ class DistillOptions(TermOptions):
 
 
 @dataclass
-class SelfDistillOptions(TermOptions):
-    """SILC's local-to-global self-distillation (clipdist.objective.self_distill): an EMA teacher (optim.ema) sees the
-    whole image, the student `crops` local views of it; the student's view of each crop, through a head of
-    `prototypes` outputs, is pulled to the teacher's centred, sharpened distribution over them. Off at crops=0."""
+class TeacherOptions(TermOptions):
+    """What the terms that learn from the EMA teacher (optim.ema) share (clipdist.objective.teacher): a DINO head of
+    their own on the model (embedding → hidden → GELU → bottleneck, normalised → `prototypes` logits), whose
+    student outputs are pulled to the teacher's, centred and sharpened."""
 
     RESUME: ClassVar[dict] = {
         **TermOptions.RESUME,
-        **dict.fromkeys(("crops", "crop_size", "scale", "hidden", "bottleneck", "prototypes"), REFUSE),
-        **dict.fromkeys(("student_temp", "teacher_temp", "centre_momentum"), REFUSE),
+        **dict.fromkeys(
+            ("hidden", "bottleneck", "prototypes", "student_temp", "teacher_temp", "centre_momentum"), REFUSE
+        ),
     }
 
-    crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
-    crop_size: int = non_negative(0)  # their side in pixels; 0: the image tower's own size
-    scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
-    hidden: int = positive(256)  # the head: embedding → hidden → GELU → bottleneck, normalised → prototypes
+    hidden: int = positive(256)  # the head's hidden width
     bottleneck: int = positive(64)  # the head's normalised bottleneck width
     prototypes: int = positive(1024)  # the head's outputs: the distributions' support (DINO: 65536)
     student_temp: float = 0.1  # the student's softmax temperature (DINO's 0.1)
     teacher_temp: float = 0.04  # the teacher's, lower: its targets sharper (DINO's 0.04)
     centre_momentum: float = 0.9  # c ← m·c + (1 − m)·(the global batch's mean teacher output), after each step
 
+    @property
+    def on(self) -> bool:
+        return False
+
     def check(self, name: str, cfg: Any) -> None:
-        if not self.crops:
+        if not self.on:
             return
         if cfg.optim.ema.decay <= 0:
-            raise ConfigError(
-                f"loss.{name}.crops={self.crops} needs a teacher: the weights' average, optim.ema.decay (e.g. 0.999)"
-            )
+            raise ConfigError(f"loss.{name} needs a teacher: the weights' average, optim.ema.decay (e.g. 0.999)")
         if str(cfg.world.parallel) == "fsdp":
             raise ConfigError(
                 f"loss.{name} runs under world.parallel=ddp only for now (the teacher's forward takes the average's "
                 "tensors whole); use world.parallel=ddp"
             )
-        if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
-            raise ConfigError(f"loss.{name}.scale={list(self.scale)}: give [low, high] with 0 < low ≤ high ≤ 1")
         if min(self.student_temp, self.teacher_temp) <= 0 or not 0 <= self.centre_momentum < 1:
             raise ConfigError(
                 f"loss.{name}: the temperatures must be above 0 and centre_momentum in [0, 1) (DINO: 0.1, 0.04, 0.9)"
             )
+
+
+@dataclass
+class SelfDistillOptions(TeacherOptions):
+    """SILC's local-to-global self-distillation (clipdist.objective.self_distill): the teacher sees the whole image,
+    the student `crops` local views of it; each view's pooled embedding is pulled to the teacher's. Off at crops=0."""
+
+    RESUME: ClassVar[dict] = {**TeacherOptions.RESUME, **dict.fromkeys(("crops", "crop_size", "scale"), REFUSE)}
+
+    crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
+    crop_size: int = non_negative(0)  # their side in pixels; 0: the image tower's own size
+    scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
+
+    @property
+    def on(self) -> bool:
+        return self.crops > 0
+
+    def check(self, name: str, cfg: Any) -> None:
+        super().check(name, cfg)
+        if self.on and (len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1):
+            raise ConfigError(f"loss.{name}.scale={list(self.scale)}: give [low, high] with 0 < low ≤ high ≤ 1")
+
+
+@dataclass
+class MaskedOptions(TeacherOptions):
+    """TIPS's masked prediction (clipdist.objective.masked): the student sees the image with `ratio` of its patch
+    embeddings replaced by a learned mask token; its output at each masked patch is pulled to the teacher's output
+    at that patch of the whole image. Off at ratio=0."""
+
+    RESUME: ClassVar[dict] = {**TeacherOptions.RESUME, "ratio": REFUSE}
+
+    ratio: float = 0.0  # the fraction of each image's patches masked (TIPS, SigLIP 2: 0.5); 0: the term is off
+
+    @property
+    def on(self) -> bool:
+        return self.ratio > 0
+
+    def check(self, name: str, cfg: Any) -> None:
+        super().check(name, cfg)
+        if not 0 <= self.ratio < 1:
+            raise ConfigError(f"loss.{name}.ratio={self.ratio}: give a fraction of the patches in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -117,6 +156,14 @@ TERMS: dict[str, TermSpec] = {
             SelfDistillOptions,
             attach="clipdist.objective.self_distill:attach",
             part="self_distill_head",
+        ),
+        TermSpec(
+            "masked",
+            "clipdist.objective.masked:build",
+            "masked patches pulled to the EMA teacher's (TIPS)",
+            MaskedOptions,
+            attach="clipdist.objective.masked:attach",
+            part="masked_head",
         ),
     )
 }

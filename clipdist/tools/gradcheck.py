@@ -33,9 +33,8 @@ from clipdist.model.factory import (
 )
 from clipdist.model.precision import gradient_scaler
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
-from clipdist.objective import build_objective
-from clipdist.objective.self_distill import SelfDistillTerm, attach
-from clipdist.objective.specs import SelfDistillOptions
+from clipdist.objective import TermContext, build_objective
+from clipdist.objective.specs import TERMS, MaskedOptions, SelfDistillOptions
 from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
@@ -114,12 +113,18 @@ class Terms:
     """The terms a check adds beside the contrastive one (and a CoCa model's caption term)."""
 
     distill: bool = False  # loss.distill against a teacher: the same structure, other weights (seed + 1)
-    self_distill: bool = False  # loss.self_distill: its head on the model, a teacher of other weights (seed + 1)
+    # registered terms that train a head of their own against the EMA teacher (TEACHER_TERMS): the head on the model,
+    # the teacher another model's weights (seed + 1), each centre drawn at random (as after some steps)
+    own: tuple[str, ...] = ()
 
 
-# the self-distillation check's term: two 16 px views of each 32 px image (the tower resamples its position table),
-# a small head, a centre drawn at random (as after some steps)
-SELF_DISTILL = SelfDistillOptions(crops=2, crop_size=16, hidden=32, bottleneck=16, prototypes=32)
+# the checks' options of the terms with a head: small heads; two 16 px views of each 32 px image for
+# self-distillation (the tower resamples its position table), half the patches masked for masked prediction
+_HEAD = {"hidden": 32, "bottleneck": 16, "prototypes": 32}
+TEACHER_TERMS = {
+    "self_distill": SelfDistillOptions(crops=2, crop_size=16, **_HEAD),
+    "masked": MaskedOptions(ratio=0.5, **_HEAD),
+}
 
 
 def _teacher(model_name: str, seed: int, dtype: torch.dtype):
@@ -131,16 +136,17 @@ def _teacher(model_name: str, seed: int, dtype: torch.dtype):
 def _objective(loss_fn, model, model_name: str, seed: int, dtype: torch.dtype, terms: Terms = Terms()):
     """What training minimises with this model: the loss alone, or for a CoCa model with open_clip's default
     caption weight (2) beside it; with `terms.distill`, the distillation term (weight 1) against a teacher, in small
-    tiles; with `terms.self_distill`, the self-distillation term (weight 1) against another model's weights."""
+    tiles; each of `terms.own` (weight 1) against another model's weights, built by its registry entry."""
     weight = caption_weight(LossConfig(), has_caption_decoder(model), "")
     teacher = _teacher(model_name, seed, dtype) if terms.distill else None
     objective = build_objective(
         loss_fn, caption_weight=weight, pad_id=getattr(model, "pad_id", 0), teacher=teacher, tile=3
     )
-    if terms.self_distill:
+    if terms.own:
         other = _model(model_name, seed + 1, dtype, loss_fn, terms=terms)
         weights = {name: tensor.detach() for name, tensor in other.named_parameters()}
-        objective.terms.append((SelfDistillTerm(model, lambda: weights, SELF_DISTILL, seed), 1.0))
+        context = TermContext(model, seed=seed, teacher=lambda: weights)
+        objective.terms += [(TERMS[name].load()(TEACHER_TERMS[name], context), 1.0) for name in terms.own]
     return objective
 
 
@@ -150,9 +156,10 @@ SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a p
 def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks = Locks(), terms: Terms = Terms()):
     torch.manual_seed(seed)
     model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
-    if terms.self_distill:
-        attach(SELF_DISTILL, model)
-        model.self_distill_head.centre.normal_()
+    for name in terms.own:
+        spec = TERMS[name]
+        spec.load(spec.attach)(TEACHER_TERMS[name], model)
+        model.get_buffer(f"{spec.part}.centre").normal_()
     locks.apply(model)
     return model
 
@@ -247,7 +254,7 @@ class GradcheckReport:
     locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
     distill: bool = False  # with the distillation term against a teacher (loss.distill)
-    self_distill: bool = False  # with the self-distillation term on local views (loss.self_distill)
+    terms: list[str] = field(default_factory=list)  # with these terms against the EMA teacher (TEACHER_TERMS)
     locked_parameters: int = 0  # parameters that got no gradient, as in the reference
     float32_parameters: list[str] = field(default_factory=list)  # compared at FLOAT32_TOLERANCE: the tower's float32
 
@@ -332,7 +339,7 @@ def run_gradchecks(
     lock_text: int | None = None,
     scaler: bool = False,
     distill: bool = False,
-    self_distill: bool = False,
+    terms: Sequence[str] = (),
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
@@ -341,8 +348,9 @@ def run_gradchecks(
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
     trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
     distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,
-    checked against open_clip's DistillClipLoss on the whole batch; self_distill adds the self-distillation term
-    (loss.self_distill: its head on the model, two local views an image) against the weights of another model.
+    checked against open_clip's DistillClipLoss on the whole batch; `terms` adds those registered terms that learn
+    from the EMA teacher (TEACHER_TERMS: self_distill, masked), their heads on the model, against another model's
+    weights, each checked against its own one-process definition.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
@@ -356,9 +364,12 @@ def run_gradchecks(
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
-    if self_distill and parallel == "fsdp":
-        raise ValueError("--self-distill runs under DDP only for now (as loss.self_distill trains)")
-    locks, terms = Locks(lock_image, lock_text), Terms(distill, self_distill)
+    unknown = [name for name in terms if name not in TEACHER_TERMS]
+    if unknown:
+        raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(TEACHER_TERMS)}")
+    if terms and parallel == "fsdp":
+        raise ValueError("--term runs under DDP only for now (as loss.self_distill and loss.masked train)")
+    locks, chosen = Locks(lock_image, lock_text), Terms(distill, tuple(terms))
     rank_results = launch_local(
         _rank_step,
         world_size,
@@ -371,7 +382,7 @@ def run_gradchecks(
         parallel,
         locks,
         scaler,
-        terms,
+        chosen,
         timeout_s=timeout_s,
     )[0]
     tolerance = TOLERANCE[dtype]
@@ -382,7 +393,7 @@ def run_gradchecks(
         definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))
         if definition not in references:
             references[definition] = _reference_step(
-                sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks, terms
+                sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks, chosen
             )
         report = _report(
             spec,
@@ -398,7 +409,7 @@ def run_gradchecks(
             in_float32,
         )
         report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
-        report.scaler, report.distill, report.self_distill = scaler, distill, self_distill
+        report.scaler, report.distill, report.terms = scaler, distill, list(terms)
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
         reports.append(report)
     return reports

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import RandomResizedCrop
 
-from clipdist.data.views import crop_box, local_views, sample_keys
+from clipdist.data.views import crop_box, local_views, patch_masks, sample_keys
 
 
 def _images(rows: int = 6, size: int = 16) -> torch.Tensor:
@@ -54,3 +54,15 @@ def test_a_smaller_crop_is_resampled_from_inside_its_box():
     image[..., 4:12, 4:12] = 1.0  # a bright square in the middle
     views = local_views(image, crops=32, size=(4, 4), scale=(0.05, 0.2), step=0)
     assert views.min() >= 0 and views.max() <= 1 and 0 < views.mean() < 1  # some crops inside it, some outside
+
+
+def test_a_samples_patch_mask_is_its_own_wherever_it_is_and_masks_its_share():
+    images = _images()
+    masks = patch_masks(images, patches=16, ratio=0.5, seed=1, step=5)
+    assert masks.shape == (6, 16) and masks.dtype == torch.bool and masks.sum(1).tolist() == [8] * 6
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    assert torch.equal(patch_masks(images[order], 16, 0.5, seed=1, step=5), masks[order])
+    assert torch.equal(patch_masks(images[4:], 16, 0.5, seed=1, step=5), masks[4:])
+    assert not torch.equal(patch_masks(images, 16, 0.5, seed=1, step=6), masks)
+    assert len({tuple(row) for row in masks.tolist()}) == 6
+    assert patch_masks(images, 16, 0.01).sum(1).tolist() == [1] * 6  # at least one patch

@@ -1,6 +1,7 @@
-"""loss.self_distill (SILC's local-to-global self-distillation, clipdist.objective.self_distill): exact against its
-one-process definition at 1–4 ranks with and without gradient caching, started late in a run, resumed on another
-world size as the run never stopped (the head, its centre and the EMA teacher with it), and left out of exports."""
+"""The terms that learn from the EMA teacher — loss.self_distill (SILC's local-to-global self-distillation) and
+loss.masked (TIPS's masked prediction): exact against their one-process definitions at 1–4 ranks with and without
+gradient caching, started late in a run, resumed on another world size as the run never stopped (their heads,
+centres and mask token, and the EMA teacher with them), and left out of exports."""
 
 from __future__ import annotations
 
@@ -17,31 +18,36 @@ from integration.test_elastic import assert_same_run, resume, stop_at
 @pytest.mark.parametrize(
     ("sizes", "chunks"), [([5], 2), ([3, 2], 1), ([2, 2, 3], 2), ([2, 2, 1, 2], 1), ([2, 3, 2, 2], 2)]
 )
-def test_self_distillation_gives_ddp_the_single_process_loss_and_gradients(sizes, chunks):
-    """Unequal local batches; the teacher another model's weights, the centre drawn at random, two 16 px views an
-    image (the 32 px tower's position table resampled): the head, both towers and the scalars exact in fp64."""
-    for report in run_gradchecks(["disco", "siglip"], len(sizes), local_batch=sizes, chunks=chunks, self_distill=True):
+def test_the_teacher_terms_give_ddp_the_single_process_loss_and_gradients(sizes, chunks):
+    """Unequal local batches; the teacher another model's weights, the centres drawn at random, two 16 px views an
+    image (the 32 px tower's position table resampled), half the patches masked: the heads, the mask token, both
+    towers and the scalars exact in fp64."""
+    terms = ["self_distill", "masked"]
+    for report in run_gradchecks(["disco", "siglip"], len(sizes), local_batch=sizes, chunks=chunks, terms=terms):
         assert report.exact, (report.backend, report.max_rel_err, report.diagnosis)
-        head = [check for check in report.parameters if check.name.startswith("self_distill_head.")]
-        assert len(head) == 5 and all(check.verdict == "exact" for check in head)
+        heads = [check for check in report.parameters if check.name.startswith(("self_distill_head.", "masked_head."))]
+        assert len(heads) == 11 and all(check.verdict == "exact" for check in heads)
         assert report.loss_rel_err <= 1e-9
 
 
-def test_gradcheck_refuses_self_distillation_under_fsdp():
+def test_gradcheck_refuses_the_teacher_terms_under_fsdp():
     with pytest.raises(ValueError, match="DDP only"):
-        run_gradchecks(["disco"], 2, parallel="fsdp", self_distill=True)
+        run_gradchecks(["disco"], 2, parallel="fsdp", terms=["masked"])
 
 
 STEPS = 16
-# SigLIP with an EMA teacher and the term from step 9 (start_at 0.5 of 16 steps): a stop before it on 2 ranks,
-# resumed on 1 across it
+# SigLIP with an EMA teacher, masked prediction from step 8 and self-distillation from step 11 (start_at 0.4 and 0.6
+# of 16 steps): a stop before both on 2 ranks, resumed on 1 across both
 RECIPE = (
     "loss=siglip",
     "optim.ema.decay=0.9",
     "loss.self_distill.crops=2",
     "loss.self_distill.crop_size=16",
-    "loss.self_distill.start_at=0.5",
+    "loss.self_distill.start_at=0.6",
     "loss.self_distill.weight=0.5",
+    "loss.masked.ratio=0.5",
+    "loss.masked.start_at=0.4",
+    "loss.masked.weight=0.25",
     "checkpoint_every=1000",
 )
 
@@ -50,29 +56,33 @@ RECIPE = (
 def whole_run(tmp_path_factory, cache_dir):
     whole = tmp_path_factory.mktemp("self_distill") / "whole"
     result = resume(whole, cache_dir, "cpu2", *RECIPE, steps=STEPS)
-    assert "self_distill_loss × 0.5 from step 9" in result
+    assert "self_distill_loss × 0.5 from step 11" in result and "masked_loss × 0.25 from step 8" in result
     return whole
 
 
 def test_a_run_stopped_on_two_ranks_and_resumed_on_one_is_the_run_never_stopped(tmp_path, cache_dir, whole_run):
     run_dir = tmp_path / "run"
     step = stop_at(run_dir, cache_dir, "cpu2", 4, *RECIPE, steps=STEPS)
-    assert 4 <= step < 9
+    assert 4 <= step < 8
     resume(run_dir, cache_dir, "local", *RECIPE, steps=STEPS)
     worst = assert_same_run(run_dir, whole_run, step, steps=STEPS)
     print(f"cpu2 -> local across the term's start: worst relative loss difference {worst:.2e}")
     log = read_jsonl(run_dir / "train_log.jsonl")
-    assert all("self_distill_loss" not in row for row in log[:8])
-    assert all(row["self_distill_loss"] > 0 for row in log[8:])
-    assert any("step 9: self_distill_loss counts from this step on" in line for line in run_log(run_dir))
+    assert all("self_distill_loss" not in row for row in log[:10])
+    assert all(row["self_distill_loss"] > 0 for row in log[10:])
+    assert all("masked_loss" not in row for row in log[:7]) and all(row["masked_loss"] > 0 for row in log[7:])
+    said = run_log(run_dir)
+    assert any("step 11: self_distill_loss counts from this step on" in line for line in said)
+    assert any("step 8: masked_loss counts from this step on" in line for line in said)
     # the model (the head and its centre included) and its average: the uninterrupted run's
     ours, theirs = _final_state(run_dir), _final_state(whole_run)
     assert ours.keys() == theirs.keys() and "model.self_distill_head.centre" in ours
-    assert "ema.self_distill_head.prototypes.weight" in ours
+    assert "ema.self_distill_head.prototypes.weight" in ours and "ema.masked_head.mask_token" in ours
     worst_state = max(float((ours[key] - theirs[key]).abs().max()) for key in ours)
     print(f"weights, centre and average: worst absolute difference {worst_state:.1e}")
     assert worst_state <= 1e-5
-    assert float(ours["model.self_distill_head.centre"].abs().max()) > 0  # the centre moved from its zeros
+    for part in ("self_distill_head.centre", "masked_head.centre", "masked_head.mask_token"):
+        assert float(ours[f"model.{part}"].abs().max()) > 0  # moved from its zeros
 
 
 def _final_state(run_dir) -> dict[str, torch.Tensor]:
@@ -98,7 +108,7 @@ def test_exports_and_evaluation_leave_the_head_out(whole_run, tmp_path, cache_di
         out = tmp_path / f"export{len(ema)}"
         assert cli(["export", str(whole_run), *ema, "--out", str(out)]) == 0
         weights = read_weights(out)
-        assert not any(name.startswith("self_distill_head") for name in weights)
+        assert not any(name.startswith(("self_distill_head", "masked_head")) for name in weights)
         create_model_for_loss("clipdist-tiny", build("siglip")).load_state_dict(weights)  # strict: the model's keys
         capsys.readouterr()
         scores = []

@@ -1,5 +1,6 @@
-"""loss.self_distill on one process: its checks before any rank starts, the head it puts on the model, the centre
-that moves only after an optimizer step, and the zero touch that keeps DDP's every-parameter rule before its start."""
+"""The terms against the EMA teacher (loss.self_distill, loss.masked) on one process: their checks before any rank
+starts, the head put on the model, the centre that moves only after an optimizer step, the zero touch that keeps
+DDP's every-parameter rule before a term's start, and the masked student's mask token."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def frozen(cfg):
     cfg.loss.self_distill.teacher_temp = 0.0
 
 
+def masked_alone(cfg):
+    cfg.loss.self_distill.crops = 0
+    cfg.loss.masked.ratio = 0.5
+    cfg.optim.ema.decay = 0.0
+
+
+def all_masked(cfg):
+    cfg.loss.masked.ratio = 1.0
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -49,6 +60,8 @@ def frozen(cfg):
         (sharded, "world.parallel=ddp only"),
         (upside_down, "loss.self_distill.scale=[0.5, 0.1]"),
         (frozen, "temperatures must be above 0"),
+        (masked_alone, "loss.masked needs a teacher"),
+        (all_masked, "loss.masked.ratio=1.0"),
     ],
 )
 def test_what_the_term_cannot_train_with_is_refused_by_the_config_checks(change, message):
@@ -112,3 +125,25 @@ def test_before_its_start_the_head_gets_zero_gradients_and_the_loss_is_the_other
         assert all(grad is not None for grad in head)
         assert any(bool(grad.abs().sum() > 0) for grad in head) == counted
         assert ("self_distill_loss" in terms) == counted
+
+
+def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
+    """tokens_out: the tower gives its per-patch tokens inside, its own output after; a masked patch's embedding is
+    the token (so the image under it does not matter), an unmasked patch's is the image's."""
+    from clipdist.objective.masked import tokens_out
+
+    model = create_model("clipdist-tiny").double()
+    visual = model.visual
+    images = batch_inputs(2)["image"]
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, :8] = True  # the top half of the 4×4 grid
+    token = torch.randn(64, dtype=torch.float64)
+    changed = images.clone()
+    changed[..., :16, :] = 0.0  # other pixels under the masked patches only
+    with tokens_out(visual, mask, token):
+        first, second = visual(images)[1], visual(changed)[1]
+    assert torch.equal(first, second)
+    with tokens_out(visual):
+        whole, other = visual(images)[1], visual(changed)[1]
+    assert whole.shape == (2, 16, 64) and not torch.equal(whole, other)
+    assert not visual.output_tokens and not visual.conv1._forward_hooks and visual(images).shape == (2, 64)

@@ -1,0 +1,112 @@
+"""TIPS's masked prediction (Maninis et al. 2025, after iBOT; SigLIP 2 adds it for the last 20% of training).
+
+The student sees each image with M = round(ratio · L) of its L patch embeddings replaced by a learned mask token
+(clipdist.data.views.patch_masks: seeded by the sample); the EMA teacher sees it whole. The image tower's per-patch
+outputs (open_clip's tokens, after ln_post) go through the term's head (teacher.py), and at each masked patch j of
+image i the student's output is pulled to the teacher's output at that patch:
+
+    ℓ_i = 1/M Σ_{j masked} CE(h_S(z̃_ij), h_T(z_ij))        T = 1/B Σ_i ℓ_i over the global batch
+
+(every image has M masked patches, so T is also the mean over all masked patches of the global batch); the centre
+follows the teacher's mean output over every patch of the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from open_clip.transformer import VisionTransformer
+
+from clipdist.data.views import patch_masks
+from clipdist.errors import ConfigError
+from clipdist.objective.base import TermContext
+from clipdist.objective.specs import MaskedOptions
+from clipdist.objective.teacher import Head, TeacherTerm, put_on, tower
+
+PART = "masked_head"
+
+
+class MaskedHead(Head):
+    """The head, and the learned token that takes a masked patch's embedding (zeros at first, as iBOT's)."""
+
+    def __init__(self, width: int, options: MaskedOptions):
+        super().__init__(width, options)
+        self.mask_token = torch.nn.Parameter(torch.zeros(width))
+
+
+def attach(options: MaskedOptions, model: torch.nn.Module) -> bool:
+    """The head and mask token put on the model before it is wrapped; False where the term is off."""
+    if not options.on:
+        return False
+    visual = tower(model)
+    if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None:
+        raise ConfigError(
+            "loss.masked needs open_clip's ViT image tower with a token per patch (no attention pool): this "
+            f"model's is {type(visual).__name__}"
+        )
+    put_on(model, PART, MaskedHead(visual.conv1.out_channels, options))
+    return True
+
+
+def build(options: MaskedOptions, context: TermContext) -> MaskedTerm | None:
+    """loss.masked's term: None at ratio=0; its teacher the run's weight average (context.teacher)."""
+    if not options.on:
+        return None
+    if context.teacher is None:
+        raise ConfigError("loss.masked needs optim.ema.decay > 0: its teacher is the weights' average")
+    return MaskedTerm(context.model, context.teacher, options, seed=context.seed)
+
+
+@contextmanager
+def tokens_out(visual: Any, mask: torch.Tensor | None = None, token: torch.Tensor | None = None) -> Iterator:
+    """Inside, the tower returns (pooled, per-patch tokens); with `mask` (b, L), the patch embeddings at its True
+    positions are `token` (before the position table is added, as iBOT masks)."""
+    before, visual.output_tokens = visual.output_tokens, True
+    handle = None
+    if mask is not None and token is not None:
+
+        def swap(module, args, out: torch.Tensor) -> torch.Tensor:  # out: (b, width, grid_h, grid_w)
+            masked = mask.view(out.shape[0], 1, *out.shape[2:])
+            return torch.where(masked, token.to(out.dtype)[None, :, None, None], out)
+
+        handle = visual.conv1.register_forward_hook(swap)
+    try:
+        yield
+    finally:
+        visual.output_tokens = before
+        if handle is not None:
+            handle.remove()
+
+
+class MaskedTerm(TeacherTerm):
+    name = "masked_loss"
+    options: MaskedOptions
+    head: MaskedHead
+
+    def __init__(self, model, teacher, options: MaskedOptions, seed: int = 0):
+        super().__init__(model, teacher, options, PART, seed)
+
+    def outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the student's (b, M, P) logits at the masked patches, the teacher's (b, L, P) at every patch, the mask)."""
+        with tokens_out(self.visual):
+            teacher = self.as_teacher(self.head, self.as_teacher(self.visual, images)[1])
+        mask = patch_masks(images, teacher.shape[1], self.options.ratio, self.seed, self.step or 0)
+        with tokens_out(self.visual, mask, self.head.mask_token):
+            tokens = self.visual(images)[1]
+        rows = len(images)
+        return self.head(tokens[mask].view(rows, -1, tokens.shape[-1])), teacher, mask
+
+    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        student, teacher, mask = self.outputs(images)
+        at_masked = teacher[mask].view(student.shape)
+        return self.cross_entropy(student, at_masked).mean(1), teacher.flatten(0, 1)
+
+    def reference(self, raw, inputs: dict) -> torch.Tensor:
+        """T on one process over the whole batch: soft-target cross-entropy over every masked patch of the batch."""
+        student, teacher, mask = self.outputs(inputs["image"])
+        targets = self.soft_targets(teacher[mask])
+        return F.cross_entropy(student.flatten(0, 1) / self.options.student_temp, targets)

@@ -1,0 +1,144 @@
+"""What the terms that learn from the EMA teacher share (self_distill.py, masked.py): a DINO head of their own on the
+model, the teacher's forward with optim.ema's average of the weights, centred and sharpened targets, and the share
+of a mean over the global batch's rows.
+
+With the head h (an MLP to a normalised bottleneck, then P prototype logits), the centre c (a running mean of the
+teacher's outputs, a buffer of the head) and temperatures τ_t < τ_s, one (student, teacher) output pair costs
+
+    CE(s, t) = −⟨softmax((t − c) / τ_t), log_softmax(s / τ_s)⟩        (the target carries no gradient)
+
+A term's value is T = 1/B Σ_i ℓ_i over the B rows of the global batch (ℓ_i: the row's mean CE over its pairs). Rank
+r's share is N/B · Σ_{i∈r} ℓ_i, B summed over ranks (caption.py's argument: the mean over ranks of the shares is T,
+DDP's average of their gradients ∂T/∂θ, for any split of the rows, chunk by chunk under gradient caching). After an
+optimizer step, c ← m·c + (1 − m)·(the mean of the teacher's outputs over the global batch): the one all-reduce that
+counts B also sums them, so the centre is the same on every rank and for every world size. The head is a module of
+the model, so the average, checkpoints and resume hold it; exports and evaluation leave it out
+(objective.specs.TRAINING_ONLY_PARTS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from clipdist.distributed import parallel
+from clipdist.objective.base import Term
+from clipdist.objective.specs import TeacherOptions
+
+
+class Head(torch.nn.Module):
+    """DINO's projection head: embedding → hidden → GELU → bottleneck, L2-normalised → prototype logits; `centre`
+    (a buffer) is the running mean of the teacher's logits."""
+
+    centre: torch.Tensor
+
+    def __init__(self, dim: int, options: TeacherOptions):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(dim, options.hidden), torch.nn.GELU(), torch.nn.Linear(options.hidden, options.bottleneck)
+        )
+        self.prototypes = torch.nn.Linear(options.bottleneck, options.prototypes, bias=False)
+        self.register_buffer("centre", torch.zeros(options.prototypes))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.prototypes(F.normalize(self.mlp(features), dim=-1))
+
+
+def put_on(model: torch.nn.Module, part: str, head: torch.nn.Module) -> None:
+    """`head` as the model's module `part`, on the model's device and in its dtype."""
+    reference = next(model.parameters())
+    model.add_module(part, head.to(reference.device, reference.dtype))
+
+
+def tower(model: torch.nn.Module) -> Any:
+    """The model's image tower (open_clip's `visual`)."""
+    return model.visual
+
+
+class TeacherPart(NamedTuple):
+    total: torch.Tensor  # Σ over this rank's rows of ℓ_i (a chunk's, with its graph, under gradient caching)
+    per_row: torch.Tensor  # N / B: what turns a sum over this rank's rows into its share of the global mean
+
+
+class TeacherTerm(Term):
+    """The shared half of a term against the EMA teacher. `model` is the student unwrapped (its image tower and the
+    head are called directly: DDP reduces their gradients with the rest of the step's); `teacher()` gives the
+    teacher's tensors by parameter name. A subclass gives `rows(images)`: each row's ℓ_i and the teacher's outputs
+    that the centre averages."""
+
+    per_chunk = True  # the student's extra forward is the term's own: each chunk backpropagates its share
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        teacher: Callable[[], dict[str, torch.Tensor]],
+        options: TeacherOptions,
+        part: str,
+        seed: int = 0,
+    ):
+        self.model, self.teacher, self.options, self.seed = model, teacher, options, seed
+        self.head: Head = getattr(model, part)
+        self.visual: torch.nn.Module = tower(model)
+        self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
+
+    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ℓ_i for each row, (n, P) teacher outputs the centre averages)."""
+        raise NotImplementedError
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.head.parameters())
+
+    def as_teacher(self, module: torch.nn.Module, *args) -> Any:
+        """`module` (the tower, the head) called with the teacher's tensors in place of its parameters, no gradient."""
+        weights, names = self.teacher(), {id(p): name for name, p in self.model.named_parameters()}
+        own = {name: weights[names[id(p)]].to(p.dtype) for name, p in module.named_parameters()}
+        with torch.no_grad():
+            return functional_call(module, own, args)
+
+    def cross_entropy(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        """CE(s, t) over the last dimension, in float32 at least."""
+        dtype = torch.promote_types(student.dtype, torch.float32)
+        target = torch.softmax((teacher.to(dtype) - self.head.centre.to(dtype)) / self.options.teacher_temp, dim=-1)
+        return -(target * torch.log_softmax(student.to(dtype) / self.options.student_temp, dim=-1)).sum(-1)
+
+    def soft_targets(self, teacher: torch.Tensor) -> torch.Tensor:
+        """softmax((t − c)/τ_t): the probabilities a reference's cross-entropy takes."""
+        return torch.softmax((teacher - self.head.centre) / self.options.teacher_temp, dim=-1)
+
+    def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(Σ ℓ_i, Σ of the teacher's outputs, rows, outputs) of this forward."""
+        losses, outputs = self.rows(inputs["image"])
+        return losses.sum(), outputs.double().sum(0), len(losses), len(outputs)
+
+    def merge(self, parts: list) -> TeacherPart:
+        """The chunks as one; one all-reduce gives B / N and the teacher's global mean (the centre's next step)."""
+        total = sum(part[0] for part in parts)
+        rows, outputs = sum(part[2] for part in parts), sum(part[3] for part in parts)
+        counts = torch.tensor([rows, outputs], dtype=torch.float64, device=total.device)
+        sums = torch.cat([counts, sum(part[1] for part in parts).to(total.device)])
+        mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, Σ t / N)
+        self.pending = mean[2:] / mean[1]
+        return TeacherPart(total, 1 / mean[0].to(total.dtype))
+
+    def value(self, features: tuple, part: TeacherPart) -> torch.Tensor:
+        return part.per_row * part.total
+
+    def chunk_value(self, chunk_part, part: TeacherPart) -> torch.Tensor:
+        return part.per_row * chunk_part[0]
+
+    def commit(self) -> None:
+        """After an optimizer step: the centre moves toward the step's global mean teacher output."""
+        if self.pending is not None:
+            with torch.no_grad():
+                centre = self.head.centre
+                centre.lerp_(self.pending.to(centre.device, centre.dtype), 1 - self.options.centre_momentum)
+            self.pending = None
+
+
+def pooled(output) -> torch.Tensor:
+    """An image tower's pooled embedding (open_clip's ViT returns (pooled, tokens) when it outputs tokens)."""
+    return output[0] if isinstance(output, tuple) else output
