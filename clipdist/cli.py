@@ -81,7 +81,7 @@ def _print_report(report, verbose: bool) -> None:
     cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
     cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
     cached += ", distilled from a teacher" if report.distill else ""
-    cached += "".join(f", {name} against the EMA teacher" for name in report.terms)
+    cached += "".join(f", with loss.{name}" for name in report.terms)
     table = Table(
         title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, {report.dtype}{cached}"
     )
@@ -720,8 +720,9 @@ def _add_gradcheck(commands) -> None:
         dest="terms",
         action="append",
         choices=[name for name, spec in TERMS.items() if spec.part],
-        help="add a term that learns from the EMA teacher (loss.self_distill, loss.masked; repeat for both): its "
-        "head on the model, the teacher another model's weights, checked against the term's own definition",
+        help="add a term that trains a module of its own (loss.self_distill, loss.masked, loss.decoder; repeat for "
+        "more): the module on the model, the EMA teacher another model's weights, checked against the term's own "
+        "definition",
     )
     check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
     check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")

@@ -129,6 +129,28 @@ class MaskedOptions(TeacherOptions):
             raise ConfigError(f"loss.{name}.ratio={self.ratio}: give a fraction of the patches in [0, 1)")
 
 
+@dataclass
+class DecoderOptions(TermOptions):
+    """LocCa's captioning decoder (clipdist.objective.decoder): a small transformer decoder cross-attending to the
+    image tower's patch tokens predicts each caption — autoregressively, or for a `parallel` fraction of the samples
+    all tokens at once from mask tokens. Off at layers=0."""
+
+    RESUME: ClassVar[dict] = {**TermOptions.RESUME, **dict.fromkeys(("layers", "width", "heads", "parallel"), REFUSE)}
+
+    layers: int = non_negative(0)  # decoder blocks (self-attention, cross-attention to the patches, MLP); 0: off
+    width: int = non_negative(0)  # its width; 0: the image tower's
+    heads: int = positive(4)  # its attention heads (a divisor of the width)
+    parallel: float = 0.5  # the fraction of samples predicted in parallel (LocCa, SigLIP 2: half)
+
+    @property
+    def on(self) -> bool:
+        return self.layers > 0
+
+    def check(self, name: str, cfg: Any) -> None:
+        if self.on and not 0 <= self.parallel <= 1:
+            raise ConfigError(f"loss.{name}.parallel={self.parallel}: give a fraction of the samples in [0, 1]")
+
+
 @dataclass(frozen=True)
 class TermSpec:
     name: str  # its config section, loss.<name>
@@ -164,6 +186,14 @@ TERMS: dict[str, TermSpec] = {
             MaskedOptions,
             attach="clipdist.objective.masked:attach",
             part="masked_head",
+        ),
+        TermSpec(
+            "decoder",
+            "clipdist.objective.decoder:build",
+            "captions predicted from the patch tokens (LocCa)",
+            DecoderOptions,
+            attach="clipdist.objective.decoder:attach",
+            part="caption_decoder",
         ),
     )
 }

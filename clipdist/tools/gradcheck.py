@@ -34,7 +34,7 @@ from clipdist.model.factory import (
 from clipdist.model.precision import gradient_scaler
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 from clipdist.objective import TermContext, build_objective
-from clipdist.objective.specs import TERMS, MaskedOptions, SelfDistillOptions
+from clipdist.objective.specs import TERMS, DecoderOptions, MaskedOptions, SelfDistillOptions
 from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
@@ -113,17 +113,19 @@ class Terms:
     """The terms a check adds beside the contrastive one (and a CoCa model's caption term)."""
 
     distill: bool = False  # loss.distill against a teacher: the same structure, other weights (seed + 1)
-    # registered terms that train a head of their own against the EMA teacher (TEACHER_TERMS): the head on the model,
-    # the teacher another model's weights (seed + 1), each centre drawn at random (as after some steps)
+    # registered terms that train a module of their own (OWN_TERMS): the module on the model; the EMA teacher of
+    # those that learn from it another model's weights (seed + 1), each centre drawn at random (as after some steps)
     own: tuple[str, ...] = ()
 
 
-# the checks' options of the terms with a head: small heads; two 16 px views of each 32 px image for
-# self-distillation (the tower resamples its position table), half the patches masked for masked prediction
+# the checks' options of the terms with a module of their own: small heads; two 16 px views of each 32 px image for
+# self-distillation (the tower resamples its position table), half the patches masked for masked prediction, a
+# one-block decoder predicting half the captions in parallel
 _HEAD = {"hidden": 32, "bottleneck": 16, "prototypes": 32}
-TEACHER_TERMS = {
+OWN_TERMS = {
     "self_distill": SelfDistillOptions(crops=2, crop_size=16, **_HEAD),
     "masked": MaskedOptions(ratio=0.5, **_HEAD),
+    "decoder": DecoderOptions(layers=1, width=32, heads=2, parallel=0.5),
 }
 
 
@@ -146,7 +148,7 @@ def _objective(loss_fn, model, model_name: str, seed: int, dtype: torch.dtype, t
         other = _model(model_name, seed + 1, dtype, loss_fn, terms=terms)
         weights = {name: tensor.detach() for name, tensor in other.named_parameters()}
         context = TermContext(model, seed=seed, teacher=lambda: weights)
-        objective.terms += [(TERMS[name].load()(TEACHER_TERMS[name], context), 1.0) for name in terms.own]
+        objective.terms += [(TERMS[name].load()(OWN_TERMS[name], context), 1.0) for name in terms.own]
     return objective
 
 
@@ -158,8 +160,9 @@ def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks
     model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
     for name in terms.own:
         spec = TERMS[name]
-        spec.load(spec.attach)(TEACHER_TERMS[name], model)
-        model.get_buffer(f"{spec.part}.centre").normal_()
+        spec.load(spec.attach)(OWN_TERMS[name], model)
+        for buffer in model.get_submodule(str(spec.part)).buffers():  # a centre
+            buffer.normal_()
     locks.apply(model)
     return model
 
@@ -254,7 +257,7 @@ class GradcheckReport:
     locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
     distill: bool = False  # with the distillation term against a teacher (loss.distill)
-    terms: list[str] = field(default_factory=list)  # with these terms against the EMA teacher (TEACHER_TERMS)
+    terms: list[str] = field(default_factory=list)  # with these terms that train a module of their own (OWN_TERMS)
     locked_parameters: int = 0  # parameters that got no gradient, as in the reference
     float32_parameters: list[str] = field(default_factory=list)  # compared at FLOAT32_TOLERANCE: the tower's float32
 
@@ -348,9 +351,9 @@ def run_gradchecks(
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
     trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
     distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,
-    checked against open_clip's DistillClipLoss on the whole batch; `terms` adds those registered terms that learn
-    from the EMA teacher (TEACHER_TERMS: self_distill, masked), their heads on the model, against another model's
-    weights, each checked against its own one-process definition.
+    checked against open_clip's DistillClipLoss on the whole batch; `terms` adds those registered terms that train a
+    module of their own (OWN_TERMS: self_distill, masked, decoder), the modules on the model, the EMA teacher
+    another model's weights, each checked against its own one-process definition.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
@@ -364,11 +367,11 @@ def run_gradchecks(
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
-    unknown = [name for name in terms if name not in TEACHER_TERMS]
+    unknown = [name for name in terms if name not in OWN_TERMS]
     if unknown:
-        raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(TEACHER_TERMS)}")
+        raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(OWN_TERMS)}")
     if terms and parallel == "fsdp":
-        raise ValueError("--term runs under DDP only for now (as loss.self_distill and loss.masked train)")
+        raise ValueError("--term runs under DDP only for now (as the terms with a module of their own train)")
     locks, chosen = Locks(lock_image, lock_text), Terms(distill, tuple(terms))
     rank_results = launch_local(
         _rank_step,

@@ -1,7 +1,8 @@
-"""The terms that learn from the EMA teacher — loss.self_distill (SILC's local-to-global self-distillation) and
-loss.masked (TIPS's masked prediction): exact against their one-process definitions at 1–4 ranks with and without
-gradient caching, started late in a run, resumed on another world size as the run never stopped (their heads,
-centres and mask token, and the EMA teacher with them), and left out of exports."""
+"""The terms that train a module of their own — loss.self_distill (SILC's local-to-global self-distillation) and
+loss.masked (TIPS's masked prediction) against the EMA teacher, loss.decoder (LocCa's captioning decoder): exact
+against their one-process definitions at 1–4 ranks with and without gradient caching, started late in a run, resumed
+on another world size as the run never stopped (their heads, centres, mask tokens and decoder, and the EMA teacher
+with them), and left out of exports."""
 
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ from integration.test_elastic import assert_same_run, resume, stop_at
 @pytest.mark.parametrize(
     ("sizes", "chunks"), [([5], 2), ([3, 2], 1), ([2, 2, 3], 2), ([2, 2, 1, 2], 1), ([2, 3, 2, 2], 2)]
 )
-def test_the_teacher_terms_give_ddp_the_single_process_loss_and_gradients(sizes, chunks):
+def test_the_terms_with_their_own_modules_give_ddp_the_single_process_loss_and_gradients(sizes, chunks):
     """Unequal local batches; the teacher another model's weights, the centres drawn at random, two 16 px views an
-    image (the 32 px tower's position table resampled), half the patches masked: the heads, the mask token, both
-    towers and the scalars exact in fp64."""
-    terms = ["self_distill", "masked"]
+    image (the 32 px tower's position table resampled), half the patches masked, half the captions predicted in
+    parallel: the heads, the mask tokens, the decoder, both towers and the scalars exact in fp64."""
+    terms = ["self_distill", "masked", "decoder"]
     for report in run_gradchecks(["disco", "siglip"], len(sizes), local_batch=sizes, chunks=chunks, terms=terms):
         assert report.exact, (report.backend, report.max_rel_err, report.diagnosis)
-        heads = [check for check in report.parameters if check.name.startswith(("self_distill_head.", "masked_head."))]
-        assert len(heads) == 11 and all(check.verdict == "exact" for check in heads)
+        own = [c for c in report.parameters if c.name.startswith(("self_distill_head.", "masked_head.", "caption_"))]
+        assert len(own) == 11 + 27 and all(check.verdict == "exact" for check in own)
         assert report.loss_rel_err <= 1e-9
 
 
@@ -48,6 +49,9 @@ RECIPE = (
     "loss.masked.ratio=0.5",
     "loss.masked.start_at=0.4",
     "loss.masked.weight=0.25",
+    "loss.decoder.layers=1",
+    "loss.decoder.width=32",
+    "loss.decoder.heads=2",
     "checkpoint_every=1000",
 )
 
@@ -78,10 +82,17 @@ def test_a_run_stopped_on_two_ranks_and_resumed_on_one_is_the_run_never_stopped(
     ours, theirs = _final_state(run_dir), _final_state(whole_run)
     assert ours.keys() == theirs.keys() and "model.self_distill_head.centre" in ours
     assert "ema.self_distill_head.prototypes.weight" in ours and "ema.masked_head.mask_token" in ours
+    assert "model.caption_decoder.mask_token" in ours
+    assert all(row["decoder_loss"] > 0 for row in log)
     worst_state = max(float((ours[key] - theirs[key]).abs().max()) for key in ours)
     print(f"weights, centre and average: worst absolute difference {worst_state:.1e}")
     assert worst_state <= 1e-5
-    for part in ("self_distill_head.centre", "masked_head.centre", "masked_head.mask_token"):
+    for part in (
+        "self_distill_head.centre",
+        "masked_head.centre",
+        "masked_head.mask_token",
+        "caption_decoder.mask_token",
+    ):
         assert float(ours[f"model.{part}"].abs().max()) > 0  # moved from its zeros
 
 
@@ -108,7 +119,7 @@ def test_exports_and_evaluation_leave_the_head_out(whole_run, tmp_path, cache_di
         out = tmp_path / f"export{len(ema)}"
         assert cli(["export", str(whole_run), *ema, "--out", str(out)]) == 0
         weights = read_weights(out)
-        assert not any(name.startswith(("self_distill_head", "masked_head")) for name in weights)
+        assert not any(name.startswith(("self_distill_head", "masked_head", "caption_decoder")) for name in weights)
         create_model_for_loss("clipdist-tiny", build("siglip")).load_state_dict(weights)  # strict: the model's keys
         capsys.readouterr()
         scores = []

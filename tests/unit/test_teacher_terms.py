@@ -13,6 +13,7 @@ from clipdist.losses import build
 from clipdist.model.factory import create_model, create_model_for_loss
 from clipdist.objective import Objective
 from clipdist.objective.contrastive import ContrastiveTerm
+from clipdist.objective.decoder import attach as attach_decoder
 from clipdist.objective.self_distill import SelfDistillTerm, attach
 from clipdist.objective.specs import SelfDistillOptions, training_only
 
@@ -147,3 +148,51 @@ def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
         whole, other = visual(images)[1], visual(changed)[1]
     assert whole.shape == (2, 16, 64) and not torch.equal(whole, other)
     assert not visual.output_tokens and not visual.conv1._forward_hooks and visual(images).shape == (2, 64)
+
+
+def decoded_model():
+    from clipdist.objective.specs import DecoderOptions
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny").double()
+    options = DecoderOptions(layers=2, width=32, heads=2, parallel=0.5)
+    assert attach_decoder(options, model)
+    return model, options
+
+
+def test_the_decoder_reads_the_forwards_own_patch_tokens_and_ignores_padding():
+    """The hook keeps the contrastive forward's patch tokens (not a later tower call's); a caption's logits do not
+    change when the batch's padding is cut (data.trim_text), either way of predicting."""
+    from clipdist.objective.masked import tokens_out
+
+    model, _ = decoded_model()
+    images = batch_inputs(2)["image"]
+    text = torch.zeros(2, 16, dtype=torch.long)
+    text[0, :6], text[1, :4] = torch.arange(1, 7), torch.arange(9, 13)
+    model(image=images, text=text)
+    model.visual(images[:1])  # another call of the tower: not the forward's
+    with tokens_out(model.visual):
+        expected = model.visual(images)[1]
+    patches = model.patch_tokens.take()
+    assert torch.equal(patches, expected)
+    for parallel in (True, False):
+        whole = model.caption_decoder(patches, text, parallel)
+        cut = model.caption_decoder(patches, text[:, :7], parallel)
+        torch.testing.assert_close(cut[0, :5], whole[0, :5], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cut[1, :3], whole[1, :3], rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="no patch tokens"):
+        model.patch_tokens.take()
+
+
+def test_each_sample_is_predicted_one_way_drawn_by_its_pixels_and_the_step():
+    from clipdist.objective.decoder import DecoderTerm
+
+    model, options = decoded_model()
+    term = DecoderTerm(model, options)
+    images = batch_inputs(40)["image"]
+    term.step = 7
+    chosen = term.in_parallel(images)
+    assert 8 < int(chosen.sum()) < 32  # about half
+    assert torch.equal(term.in_parallel(images[10:]), chosen[10:])  # another rank's rows
+    term.step = 8
+    assert not torch.equal(term.in_parallel(images), chosen)

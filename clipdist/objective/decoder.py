@@ -1,0 +1,171 @@
+"""LocCa's captioning decoder (Wan et al. 2024; SigLIP 2 trains its image tower with one from the start).
+
+A small transformer decoder (the model's module `caption_decoder`) cross-attends to the image tower's patch tokens —
+the tokens of the contrastive forward itself, taken by a hook on the tower's last norm, so the image is encoded
+once — and predicts the caption. Each sample is predicted one of two ways, drawn per sample (seeded by its pixels
+and the step, clipdist.data.views, so the same sample is predicted the same way on any world size):
+
+- autoregressively: the decoder reads the caption's tokens 0..L−2 under a causal mask and predicts 1..L−1;
+- in parallel (a fraction `parallel` of the samples): it reads L−1 mask tokens, each attending to every other
+  position of the caption (not to padding), and predicts all of 1..L−1 at once.
+
+The term is the global token mean of the cross-entropy, as CoCa's caption term (caption.py has the per-rank
+share): T = Σ_{tokens t of the global batch, label ≠ pad} CE_t / T_count. The decoder is a training-only part:
+checkpoints hold it, exports and evaluation leave it out. Referring-expression and grounded-captioning targets, which
+LocCa also trains on, need boxes the data does not have: only captioning is here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from open_clip.transformer import VisionTransformer
+
+from clipdist.data.views import sample_keys, view_seed
+from clipdist.errors import ConfigError
+from clipdist.objective.base import TermContext
+from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
+from clipdist.objective.specs import DecoderOptions
+from clipdist.objective.teacher import put_on, tower
+
+PART = "caption_decoder"
+
+
+class CaptionDecoder(torch.nn.Module):
+    """Token and position embeddings, a mask token, pre-norm decoder blocks over the projected patch tokens, and a
+    projection to the vocabulary; `forward(patches, text, parallel)` gives (b, L−1, vocab) logits for text[:, 1:]."""
+
+    def __init__(self, patch_width: int, vocab: int, context: int, options: DecoderOptions):
+        super().__init__()
+        width = options.width or patch_width
+        self.token_embedding = torch.nn.Embedding(vocab, width)
+        self.positional_embedding = torch.nn.Parameter(torch.randn(context, width) * 0.01)
+        self.mask_token = torch.nn.Parameter(torch.zeros(width))
+        self.patches = torch.nn.Linear(patch_width, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerDecoderLayer(
+                width, options.heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(options.layers)
+        )
+        self.norm = torch.nn.LayerNorm(width)
+        self.logits = torch.nn.Linear(width, vocab)
+
+    def forward(self, patches: torch.Tensor, text: torch.Tensor, parallel: bool, pad_id: int = 0) -> torch.Tensor:
+        rows, length = text.shape[0], text.shape[1] - 1
+        position = self.positional_embedding[:length]
+        if parallel:  # mask tokens, every position seeing the caption's others (not its padding)
+            x = self.mask_token.expand(rows, length, -1) + position
+            mask, padding = None, text[:, 1:] == pad_id
+        else:  # teacher forcing under a causal mask (padding comes last: no earlier position sees it)
+            x = self.token_embedding(text[:, :-1]) + position
+            mask, padding = torch.nn.Transformer.generate_square_subsequent_mask(length, device=x.device), None
+        memory = self.patches(patches)
+        for block in self.blocks:
+            x = block(x, memory, tgt_mask=mask, tgt_key_padding_mask=padding, tgt_is_causal=mask is not None)
+        return self.logits(self.norm(x))
+
+
+def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
+    """The decoder put on the model, and the hook that keeps the forward's patch tokens; False where it is off."""
+    if not options.on:
+        return False
+    visual = tower(model)
+    if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None or visual.final_ln_after_pool:
+        raise ConfigError(
+            "loss.decoder needs open_clip's ViT image tower whose last norm sees every token (no attention pool, "
+            f"no final_ln_after_pool): this model's is {type(visual).__name__}"
+        )
+    vocab, context = getattr(model, "vocab_size", None), getattr(model, "context_length", None)
+    if not vocab or not context:
+        raise ConfigError("loss.decoder needs the model's vocabulary size and context length (open_clip's CLIP)")
+    width = options.width or visual.conv1.out_channels
+    if width % options.heads:
+        raise ConfigError(f"loss.decoder.heads={options.heads} does not divide the decoder's width {width}")
+    put_on(model, PART, CaptionDecoder(visual.conv1.out_channels, vocab, context, options))
+    PatchTokens.watch(model)
+    return True
+
+
+class PatchTokens:
+    """The patch tokens of the model's own forward: armed by a pre-hook on the model, taken by a hook on the image
+    tower's last norm at its first call after (the other terms' tower calls, and the teacher's, come later)."""
+
+    def __init__(self):
+        self.armed, self.tokens = False, None
+
+    @classmethod
+    def watch(cls, model: torch.nn.Module) -> PatchTokens:
+        watcher = cls()
+        model.register_forward_pre_hook(watcher.arm)
+        tower(model).ln_post.register_forward_hook(watcher.keep)
+        model.patch_tokens = watcher  # type: ignore[assignment]
+        return watcher
+
+    def arm(self, module, args) -> None:
+        self.armed, self.tokens = True, None
+
+    def keep(self, module, args, out: torch.Tensor) -> None:
+        if self.armed:
+            self.armed, self.tokens = False, out[:, 1:]  # the class token is not a patch
+
+    def take(self) -> torch.Tensor:
+        tokens, self.tokens = self.tokens, None
+        if tokens is None:
+            raise RuntimeError("loss.decoder: no patch tokens from the model's forward")
+        return tokens
+
+
+def build(options: DecoderOptions, context: TermContext) -> DecoderTerm | None:
+    """loss.decoder's term: None at layers=0."""
+    return DecoderTerm(context.model, options, context.seed) if options.on else None
+
+
+class DecoderTerm(CaptionTerm):
+    """CaptionTerm's global token mean over the decoder's logits (its merge, value and chunk_value)."""
+
+    name = "decoder_loss"
+
+    def __init__(self, model: torch.nn.Module, options: DecoderOptions, seed: int = 0):
+        super().__init__(getattr(model, "pad_id", 0))
+        self.decoder: Any = getattr(model, PART)
+        self.patch_tokens: PatchTokens = model.patch_tokens  # type: ignore[assignment]
+        self.options, self.seed = options, seed
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.decoder.parameters())
+
+    def in_parallel(self, images: torch.Tensor) -> torch.Tensor:
+        """Which samples are predicted in parallel: (b,) bool, a draw per sample and step."""
+        draws = [
+            torch.rand(1, generator=torch.Generator().manual_seed(view_seed(self.seed, self.step or 0, key, "par:")))
+            for key in sample_keys(images)
+        ]
+        return (torch.cat(draws) < self.options.parallel).to(images.device)
+
+    def logits_and_labels(self, inputs: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(logits, labels) of the samples predicted each way (the parallel ones first)."""
+        patches, text = self.patch_tokens.take(), inputs["text"]
+        chosen = self.in_parallel(inputs["image"])
+        groups = []
+        for parallel in (True, False):
+            rows = chosen if parallel else ~chosen
+            if rows.any():
+                logits = self.decoder(patches[rows], text[rows], parallel, self.pad_id)
+                groups.append((logits, text[rows][:, 1:]))
+        return groups
+
+    def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ CE, token count) of this forward's captions; the decoder's parameters a way leaves unused touched with
+        weight 0 (DDP wants a gradient for each)."""
+        totals, counts = zip(*(caption_cross_entropy(*pair, self.pad_id) for pair in self.logits_and_labels(inputs)))
+        untouched = 0 * (self.decoder.mask_token.sum() + self.decoder.token_embedding.weight.sum())
+        return sum(totals) + untouched, sum(counts)
+
+    def reference(self, raw, inputs: dict) -> torch.Tensor:
+        """T on one process: the mean cross-entropy over every caption token of the batch that is not padding."""
+        pairs = self.logits_and_labels(inputs)
+        logits = torch.cat([logits.flatten(0, 1) for logits, _ in pairs])
+        labels = torch.cat([labels.flatten() for _, labels in pairs])
+        return torch.nn.functional.cross_entropy(logits, labels, ignore_index=self.pad_id)
