@@ -254,8 +254,9 @@ def _plan(args: argparse.Namespace) -> int:
         progress=lambda text: console.print(f"[dim]{text}[/dim]"),
         teacher=args.distill,
         seq_len=args.seq_len,
+        recipe=args.recipe,
     )
-    measured.ema = args.ema
+    measured.ema = measured.ema or args.ema
     rows = plan.plan(
         measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel, host
     )
@@ -802,6 +803,11 @@ def _add_plan(commands) -> None:
     )
     planner.add_argument(
         "--ema", action="store_true", help="count optim.ema's weight average (an fp32 copy of the weights per rank)"
+    )
+    planner.add_argument(
+        "--recipe",
+        help="count a conf/recipe entry (siglip2): its terms' heads and decoder, their forwards' activations "
+        "(local views, the masked image, the decoder's logits) and its weight average",
     )
     planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     planner.set_defaults(run=_plan)

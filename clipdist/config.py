@@ -724,6 +724,9 @@ def schema_keys() -> tuple[set[str], set[str]]:
     return keys, free
 
 
+GROUPS_WITHOUT_KEYS = ("recipe",)  # config groups with no section of their own (clipdist/conf/recipe/: _global_)
+
+
 def unknown_override(arguments: list[str]) -> str | None:
     """One line for the first `key=value` override whose key the schema does not have, with the nearest keys it
     does have ("did you mean"), said before Hydra composes anything; None where every key exists. Group choices
@@ -734,6 +737,8 @@ def unknown_override(arguments: list[str]) -> str | None:
             continue
         key = argument.split("=", 1)[0].lstrip("+")
         if "/" in key or key.split(".")[0] == "hydra" or key in keys or any(key.startswith(f"{f}.") for f in free):
+            continue
+        if key in GROUPS_WITHOUT_KEYS:  # a group that sets others' keys (recipe=siglip2)
             continue
         siblings = sorted(k for k in keys if k.count(".") == key.count("."))
         near = difflib.get_close_matches(key, siblings, n=2, cutoff=0.8)

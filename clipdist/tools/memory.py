@@ -85,16 +85,17 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
-def model_outputs(model, batch: int, context_length: int, seq_len: int | None = None):
+def model_outputs(model, batch: int, context_length: int, seq_len: int | None = None, terms=()):
     """Forward `batch` random images (a NaFlex tower: grids of up to `seq_len` patches, every one valid) and token
-    rows through an open_clip model."""
+    rows through an open_clip model; with `terms` (objective Terms), (the forward, each term's part of it)."""
     images = (
         torch.randn(batch, 3, *image_size(model))
         if naflex_trunk(model) is None
         else full_patches(batch, naflex_patch_size(model), seq_len)
     )
-    tokens = random_tokens(batch, context_length)
-    return model(images, tokens)
+    inputs = {"image": images, "text": random_tokens(batch, context_length)}
+    raw = model(**inputs)
+    return (raw, [term.take(raw, inputs) for term in terms]) if terms else raw
 
 
 @dataclass(frozen=True)
@@ -111,17 +112,18 @@ class ActivationFit:
 
 
 def measure_activations(
-    model, context_length: int, autocast=None, batches=(1, 2), seq_len: int | None = None
+    model, context_length: int, autocast=None, batches=(1, 2), seq_len: int | None = None, terms=()
 ) -> ActivationFit:
     """Run the real towers at two small batches (CPU) and fit the straight line through them (a NaFlex tower at
-    `seq_len` patches an image)."""
+    `seq_len` patches an image); with `terms`, what their own forwards keep too (local views, a masked image, a
+    decoder's logits: objective Terms that take a part of the step)."""
     model.train()
     kept = []
     for batch in batches:
         with SavedTensorMeter(exclude=list(model.parameters())) as meter, autocast or nullcontext():
-            outputs = model_outputs(model, batch, context_length, seq_len)
+            outputs = model_outputs(model, batch, context_length, seq_len, terms)
             kept.append(meter.live)
-        feature_dim = outputs[0].shape[-1]
+        feature_dim = (outputs[0] if terms else outputs)[0].shape[-1]
         del outputs
     per_sample = (kept[1] - kept[0]) / (batches[1] - batches[0])
     return ActivationFit(

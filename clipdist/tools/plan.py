@@ -23,6 +23,10 @@ Figures per device:
                            gradients before the reduce-scatter
   teacher                  with --distill: the teacher's fp32 weights, its features of the local batch
                            and the distillation term's ring buffers (Measurements.teacher_bytes)
+  --recipe siglip2         the recipe's terms' own modules (heads, a decoder) in parameters + optimizer,
+                           the weight average it keeps (4 bytes a parameter), and what their forwards keep
+                           for backward (local views, the masked image, the decoder's logits) measured
+                           with the towers' activations; the EMA teacher's forwards keep nothing (no_grad)
 Peak = parameters + optimizer + buffers + inputs + teacher + (activations + loss, or with chunks cached
 features + max(loss, one chunk's activations), since the loss's graph is freed before the chunks
 are re-run).
@@ -47,6 +51,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 import torch
+from omegaconf import OmegaConf
 
 from clipdist.config import CONF
 from clipdist.config import preset as menu_entry
@@ -56,6 +61,8 @@ from clipdist.losses import build
 from clipdist.model import targets
 from clipdist.model.factory import create_model, get_tokenizer, image_size
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
+from clipdist.objective import TermContext
+from clipdist.objective.specs import TERMS
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
@@ -193,6 +200,28 @@ class Measurements:
         return (2 * largest + root) * self.feature_bytes + (largest + root) * 4
 
 
+def recipe_terms(recipe: str, model: torch.nn.Module) -> tuple[list, bool]:
+    """conf/recipe/<recipe>.yaml's terms with a module of their own, put on `model` and built as a run builds them
+    (the teacher: the model's own tensors, as an average is at its start), and whether the recipe keeps an average."""
+    cfg = menu_entry("recipe", recipe)
+    if cfg is None:
+        raise ValueError(f"--recipe {recipe}: no conf/recipe/{recipe}.yaml; choose one of {recipes()}")
+    sections, chosen = cfg.get("loss", {}), []
+    for name, spec in TERMS.items():
+        if spec.attach and name in sections:
+            options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.options), sections[name]))
+            if spec.load(spec.attach)(options, model):
+                chosen.append((spec, options))
+    weights = {name: parameter.detach() for name, parameter in model.named_parameters()}
+    context = TermContext(model, teacher=lambda: weights)
+    terms = [spec.load()(options, context) for spec, options in chosen]
+    return terms, float(OmegaConf.select(cfg, "optim.ema.decay", default=0.0) or 0.0) > 0
+
+
+def recipes() -> list[str]:
+    return sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
+
+
 def measure(
     model_name: str,
     backends: list[str],
@@ -201,10 +230,13 @@ def measure(
     progress=print,
     teacher: str | None = None,
     seq_len: int | None = None,
+    recipe: str | None = None,
 ) -> Measurements:
     """Run the real towers and loss backends small, on CPU, and fit how their memory scales; `teacher`: a
     distillation teacher (loss.distill.model), counted from its structure; `seq_len`: a NaFlex tower's images at
-    that many patches (default: its image_size grid)."""
+    that many patches (default: its image_size grid); `recipe`: a conf/recipe entry whose terms train modules of
+    their own (their parameters, and what their forwards keep: local views, a masked image, a decoder's logits)
+    and keep a weight average."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision={precision!r}; choose bf16 or fp32")
     # The loss ranks first: they are forked from this process, and a fork of a process whose OpenMP
@@ -224,10 +256,12 @@ def measure(
         input_bytes = seq_len * (4 * 3 * naflex_patch_size(model) ** 2 + 2 * 8 + 1) + 8 * context
     elif seq_len is not None:
         raise ValueError(f"--seq-len is for NaFlex image towers; {model_name}'s takes {height}×{width} images")
-    activations = measure_activations(model, context, autocast, seq_len=seq_len)
+    terms, ema = recipe_terms(recipe, model) if recipe else ([], False)
+    activations = measure_activations(model, context, autocast, seq_len=seq_len, terms=terms)
     measured = Measurements(
         activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model), input_bytes=input_bytes
     )
+    measured.ema = ema
     if teacher:
         structure = targets.structure(targets.resolve(teacher))
         measured.teacher_parameters = sum(p.numel() for p in structure.parameters())
