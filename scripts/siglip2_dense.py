@@ -5,7 +5,7 @@
 Per seed, three runs of the default tiny model, interleaved: `loss=siglip` for --steps steps; `recipe=siglip2` for
 the same steps (so the same samples), its EMA decay lowered to --ema-decay for a run this short; and `loss=siglip`
 again for as long as the recipe's steps took (the same compute, counted in seconds of training steps on this
-machine). Each is
+machine; measured on the first seed and kept for the others). A run already finished in --out is not run again. Each is
 scored by `clipdist eval <run> --dense` (the last checkpoint; the linear probe on its patch tokens) and its
 zero-shot top-1 on the digits' validation set (the run's last evaluation). Prints a Markdown table.
 """
@@ -24,11 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def train(run_dir: Path, overrides: list[str], timeout: float) -> float:
     """The seconds its training steps took (every step logged: Σ samples / samples_per_s; start-up, evaluation and
-    checkpoints left out), after the run succeeded."""
-    command = [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", "logging.progress=false", *overrides]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    checkpoints left out), after the run succeeded; a run that already finished in `run_dir` is not run again."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        command = [sys.executable, str(REPO / "train.py"), f"run_dir={run_dir}", "logging.progress=false", *overrides]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        if result.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     seen = [0] + [row["samples_seen"] for row in log]
     return sum((seen[k + 1] - seen[k]) / row["samples_per_s"] for k, row in enumerate(log))
@@ -56,6 +57,7 @@ def main() -> None:
     common = [f"optim.max_steps={args.steps}", f"eval_every={args.steps}", f"checkpoint_every={args.steps}"]
     common.append("logging.log_every=1")
     rows: dict[str, list[dict]] = {"siglip": [], "siglip2": [], "siglip, same time": []}
+    steps = None  # the same-time run's steps: from the first seed's two runs, kept for the others
     for seed in args.seeds:
         base = args.out / f"seed{seed}"
         plain = train(base / "siglip", ["loss=siglip", f"seed={seed}", *common], args.timeout)
@@ -64,7 +66,7 @@ def main() -> None:
             ["recipe=siglip2", f"optim.ema.decay={args.ema_decay}", f"seed={seed}", *common],
             args.timeout,
         )
-        steps = round(args.steps * recipe / plain)
+        steps = steps or round(args.steps * recipe / plain)
         same = [f"optim.max_steps={steps}", f"eval_every={steps}", f"checkpoint_every={steps}", "logging.log_every=1"]
         longer = train(base / "siglip_same_time", ["loss=siglip", f"seed={seed}", *same], args.timeout)
         for name, run, seconds, run_steps in (

@@ -25,7 +25,7 @@ from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
 from clipdist.objective.base import TermContext
 from clipdist.objective.specs import MaskedOptions
-from clipdist.objective.teacher import Head, TeacherTerm, put_on, tower
+from clipdist.objective.teacher import Head, TeacherTerm, put_on, teacher_term, tower
 
 PART = "masked_head"
 
@@ -52,13 +52,9 @@ def attach(options: MaskedOptions, model: torch.nn.Module) -> bool:
     return True
 
 
-def build(options: MaskedOptions, context: TermContext) -> MaskedTerm | None:
+def build(options: MaskedOptions, context: TermContext) -> TeacherTerm | None:
     """loss.masked's term: None at ratio=0; its teacher the run's weight average (context.teacher)."""
-    if not options.on:
-        return None
-    if context.teacher is None:
-        raise ConfigError("loss.masked needs optim.ema.decay > 0: its teacher is the weights' average")
-    return MaskedTerm(context.model, context.teacher, options, seed=context.seed)
+    return teacher_term(MaskedTerm, "masked", options, context)
 
 
 @contextmanager

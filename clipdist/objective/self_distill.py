@@ -20,7 +20,7 @@ from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import TermContext
 from clipdist.objective.specs import SelfDistillOptions
-from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, tower
+from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, teacher_term, tower
 
 PART = "self_distill_head"
 
@@ -54,13 +54,9 @@ def tower_size(model: torch.nn.Module) -> int:
     return int(size[0] if isinstance(size, (tuple, list)) else size)
 
 
-def build(options: SelfDistillOptions, context: TermContext) -> SelfDistillTerm | None:
+def build(options: SelfDistillOptions, context: TermContext) -> TeacherTerm | None:
     """loss.self_distill's term: None at crops=0; its teacher the run's weight average (context.teacher)."""
-    if not options.on:
-        return None
-    if context.teacher is None:
-        raise ConfigError("loss.self_distill needs optim.ema.decay > 0: its teacher is the weights' average")
-    return SelfDistillTerm(context.model, context.teacher, options, seed=context.seed)
+    return teacher_term(SelfDistillTerm, "self_distill", options, context)
 
 
 class SelfDistillTerm(TeacherTerm):

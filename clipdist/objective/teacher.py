@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from clipdist.distributed import parallel
-from clipdist.objective.base import Term
+from clipdist.errors import ConfigError
+from clipdist.objective.base import Term, TermContext
 from clipdist.objective.specs import TeacherOptions
 
 
@@ -57,6 +58,15 @@ def put_on(model: torch.nn.Module, part: str, head: torch.nn.Module) -> None:
 def tower(model: torch.nn.Module) -> Any:
     """The model's image tower (open_clip's `visual`)."""
     return model.visual
+
+
+def teacher_term(term: type[TeacherTerm], name: str, options: TeacherOptions, context: TermContext):
+    """loss.<name>'s term built from its options: None where they leave it off; refused without a weight average."""
+    if not options.on:
+        return None
+    if context.teacher is None:
+        raise ConfigError(f"loss.{name} needs optim.ema.decay > 0: its teacher is the weights' average")
+    return term(context.model, context.teacher, options, seed=context.seed)  # type: ignore[call-arg]
 
 
 class TeacherPart(NamedTuple):

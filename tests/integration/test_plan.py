@@ -170,3 +170,27 @@ def test_automatic_chunks_reach_nearly_the_largest_batch_with_the_largest_chunk(
     assert batch >= plan.AUTO_CHUNK_SHARE * best
     bigger, _ = plan.largest_local_batch(measured, "tiled", 4, None, device, host=host, micro_batch=2 * micro)
     assert bigger < plan.AUTO_CHUNK_SHARE * best  # a larger chunk would give up more than 5%
+
+
+def test_a_recipes_terms_add_their_modules_the_activations_of_their_forwards_and_an_average():
+    """--recipe siglip2: the heads and decoder are parameters the plan counts, the fit of what the towers and the
+    terms' own forwards keep (local views, a masked image, the decoder's logits) predicts a batch of 4 within 20%."""
+    import torch
+
+    from clipdist.model.factory import create_model
+    from clipdist.tools.memory import SavedTensorMeter, measure_activations, model_outputs
+
+    torch.manual_seed(0)
+    plain, model = create_model("clipdist-tiny"), create_model("clipdist-tiny")
+    terms, ema = plan.recipe_terms("siglip2", model)
+    assert ema and [term.name for term in terms] == ["self_distill_loss", "masked_loss", "decoder_loss"]
+    assert sum(p.numel() for p in model.parameters()) > sum(p.numel() for p in plain.parameters())
+    alone, fit = measure_activations(plain, 16), measure_activations(model, 16, terms=terms)
+    assert fit.per_sample > 5 * alone.per_sample
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        outputs = model_outputs(model, 4, 16, terms=terms)
+        real = meter.live
+    del outputs
+    assert abs(fit.bytes(4) - real) / real < 0.2, (fit.bytes(4), real)
+    with pytest.raises(ValueError, match="siglip2"):
+        plan.recipe_terms("nope", create_model("clipdist-tiny"))

@@ -35,46 +35,6 @@ def test_a_run_checkpoint_an_export_and_an_open_clip_file_give_the_same_weights(
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected), source
 
 
-def test_a_pretrained_tag_starts_from_its_cached_weights_and_offline_without_them_is_one_line(
-    tmp_path, cache_dir, capsys, monkeypatch
-):
-    """open_clip's ViT-B-32 `openai` weights, placed in a Hugging Face cache as a download leaves them, with the
-    hub offline: the model starts from them, with the tag's preprocessing; another tag, not cached, is refused."""
-    import huggingface_hub.constants
-    import open_clip
-    from helpers import refusal
-    from safetensors.torch import save_file
-
-    from clipdist.model.factory import create_model
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    hub, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
-    repo = hub / "models--timm--vit_base_patch32_clip_224.openai"  # open_clip's pretrained entry for the tag
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    torch.manual_seed(1)
-    weights = {key: value.half() for key, value in create_model("ViT-B-32").state_dict().items()}
-    save_file(weights, repo / "snapshots" / commit / "open_clip_model.safetensors")
-
-    model = create_model("ViT-B-32", pretrained="openai", cache_dir=str(hub))
-    assert all(torch.equal(value, weights[key].float()) for key, value in model.state_dict().items())
-    assert model.visual.preprocess_cfg["mean"] == open_clip.OPENAI_DATASET_MEAN
-
-    code, lines = refusal(
-        capsys,
-        monkeypatch,
-        f"run_dir={tmp_path / 'run'}",
-        f"data.cache_dir={cache_dir}",
-        "model.name=ViT-B-32",
-        "model.pretrained=laion2b_s34b_b79k",
-        f"model.cache_dir={hub}",
-    )
-    assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith(f"error: model.pretrained=laion2b_s34b_b79k: the weights are not in the cache ({hub})")
-    assert not (tmp_path / "run").exists()
-
-
 def test_an_hf_hub_model_comes_from_the_cache_offline(trained_run, tmp_path, monkeypatch):
     """model.name=hf-hub:ORG/REPO: an export published as a hub repo (config + weights), read from the cache."""
     import shutil
