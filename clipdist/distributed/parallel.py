@@ -11,6 +11,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from clipdist.objective.specs import TRAINING_ONLY_PARTS
+
 
 def wrap_model(
     model: torch.nn.Module,
@@ -78,6 +80,9 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
         if compile:
             block.compile()
         fully_shard(block, mp_policy=policy)
+    for part in TRAINING_ONLY_PARTS:  # a loss term's own module (a decoder) is called outside the model's forward
+        if hasattr(model, part):
+            fully_shard(getattr(model, part), mp_policy=policy)
     # fully_shard cannot shard 0-dim parameters (the logit scale and bias): they stay whole on every rank,
     # outside FSDP, and their gradients are averaged by finish_gradient_sync after backward.
     scalars = [param for param in model.parameters() if param.ndim == 0]

@@ -34,11 +34,11 @@ PART = "caption_decoder"
 
 class CaptionDecoder(torch.nn.Module):
     """Token and position embeddings, a mask token, pre-norm decoder blocks over the projected patch tokens, and a
-    projection to the vocabulary; `forward(patches, text, parallel)` gives (b, L−1, vocab) logits for text[:, 1:]."""
+    projection to the vocabulary."""
 
     def __init__(self, patch_width: int, vocab: int, context: int, options: DecoderOptions):
         super().__init__()
-        width = options.width or patch_width
+        width, self.heads = options.width or patch_width, options.heads
         self.token_embedding = torch.nn.Embedding(vocab, width)
         self.positional_embedding = torch.nn.Parameter(torch.randn(context, width) * 0.01)
         self.mask_token = torch.nn.Parameter(torch.zeros(width))
@@ -52,19 +52,24 @@ class CaptionDecoder(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(width)
         self.logits = torch.nn.Linear(width, vocab)
 
-    def forward(self, patches: torch.Tensor, text: torch.Tensor, parallel: bool, pad_id: int = 0) -> torch.Tensor:
+    def forward(self, patches: torch.Tensor, text: torch.Tensor, parallel: torch.Tensor, pad_id: int = 0):
+        """(b, L−1, vocab) logits; `parallel` (b,) says which rows are predicted at once. One call for every row (under
+        FSDP every rank then gathers the decoder as often), each row with its own attention mask."""
         rows, length = text.shape[0], text.shape[1] - 1
-        position = self.positional_embedding[:length]
-        if parallel:  # mask tokens, every position seeing the caption's others (not its padding)
-            x = self.mask_token.expand(rows, length, -1) + position
-            mask, padding = None, text[:, 1:] == pad_id
-        else:  # teacher forcing under a causal mask (padding comes last: no earlier position sees it)
-            x = self.token_embedding(text[:, :-1]) + position
-            mask, padding = torch.nn.Transformer.generate_square_subsequent_mask(length, device=x.device), None
+        tokens = self.token_embedding(text[:, :-1])
+        mask_tokens = self.mask_token.to(tokens.dtype).expand_as(tokens)
+        x = torch.where(parallel[:, None, None], mask_tokens, tokens) + self.positional_embedding[:length]
+        # True: not attended. Autoregressive rows: the later positions (padding comes last: no earlier position sees
+        # it); parallel rows: the caption's padding
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1).expand(rows, -1, -1)
+        padding = (text[:, 1:] == pad_id)[:, None, :].expand(rows, length, length)
+        blocked = torch.where(parallel[:, None, None], padding, causal)
+        mask = blocked.repeat_interleave(self.heads, dim=0)  # (b·heads, L−1, L−1), as attention takes it
         memory = self.patches(patches)
         for block in self.blocks:
-            x = block(x, memory, tgt_mask=mask, tgt_key_padding_mask=padding, tgt_is_causal=mask is not None)
-        return self.logits(self.norm(x))
+            x = block(x, memory, tgt_mask=mask)
+        # the projection's sum a new tensor, not a view of a matmul's (FSDP2 warns of a module that returns a view)
+        return self.norm(x) @ self.logits.weight.T + self.logits.bias
 
 
 def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
@@ -144,28 +149,16 @@ class DecoderTerm(CaptionTerm):
         ]
         return (torch.cat(draws) < self.options.parallel).to(images.device)
 
-    def logits_and_labels(self, inputs: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(logits, labels) of the samples predicted each way (the parallel ones first)."""
+    def logits_and_labels(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's (b, L−1, vocab) logits of this forward's captions, and their labels (text[:, 1:])."""
         patches, text = self.patch_tokens.take(), inputs["text"]
-        chosen = self.in_parallel(inputs["image"])
-        groups = []
-        for parallel in (True, False):
-            rows = chosen if parallel else ~chosen
-            if rows.any():
-                logits = self.decoder(patches[rows], text[rows], parallel, self.pad_id)
-                groups.append((logits, text[rows][:, 1:]))
-        return groups
+        return self.decoder(patches, text, self.in_parallel(inputs["image"]), self.pad_id), text[:, 1:]
 
     def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ CE, token count) of this forward's captions; the decoder's parameters a way leaves unused touched with
-        weight 0 (DDP wants a gradient for each)."""
-        totals, counts = zip(*(caption_cross_entropy(*pair, self.pad_id) for pair in self.logits_and_labels(inputs)))
-        untouched = 0 * (self.decoder.mask_token.sum() + self.decoder.token_embedding.weight.sum())
-        return sum(totals) + untouched, sum(counts)
+        """(Σ CE, token count) of this forward's captions."""
+        return caption_cross_entropy(*self.logits_and_labels(inputs), self.pad_id)
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         """T on one process: the mean cross-entropy over every caption token of the batch that is not padding."""
-        pairs = self.logits_and_labels(inputs)
-        logits = torch.cat([logits.flatten(0, 1) for logits, _ in pairs])
-        labels = torch.cat([labels.flatten() for _, labels in pairs])
-        return torch.nn.functional.cross_entropy(logits, labels, ignore_index=self.pad_id)
+        logits, labels = self.logits_and_labels(inputs)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=self.pad_id)

@@ -31,9 +31,17 @@ def test_the_terms_with_their_own_modules_give_ddp_the_single_process_loss_and_g
         assert report.loss_rel_err <= 1e-9
 
 
-def test_gradcheck_refuses_the_teacher_terms_under_fsdp():
+@pytest.mark.parametrize(("sizes", "chunks"), [([3, 2], 2), ([2, 2, 3, 2], 1)])
+def test_the_decoder_is_exact_under_fsdp_and_the_teacher_terms_are_refused(sizes, chunks):
+    """The decoder is an FSDP unit of its own (called outside the model's forward, once per step on every rank);
+    the teacher terms run under DDP only, and say so."""
+    for report in run_gradchecks(
+        ["siglip"], len(sizes), local_batch=sizes, chunks=chunks, parallel="fsdp", terms=["decoder"]
+    ):
+        assert report.exact, (report.max_rel_err, report.diagnosis)
+        assert sum(check.name.startswith("caption_decoder.") for check in report.parameters) == 27
     with pytest.raises(ValueError, match="DDP only"):
-        run_gradchecks(["disco"], 2, parallel="fsdp", terms=["masked"])
+        run_gradchecks(["disco"], 2, parallel="fsdp", terms=["decoder", "masked"])
 
 
 STEPS = 16

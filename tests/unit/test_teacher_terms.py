@@ -175,11 +175,16 @@ def test_the_decoder_reads_the_forwards_own_patch_tokens_and_ignores_padding():
         expected = model.visual(images)[1]
     patches = model.patch_tokens.take()
     assert torch.equal(patches, expected)
-    for parallel in (True, False):
-        whole = model.caption_decoder(patches, text, parallel)
-        cut = model.caption_decoder(patches, text[:, :7], parallel)
+    for parallel in ([True, True], [False, False], [True, False]):
+        ways = torch.tensor(parallel)
+        whole = model.caption_decoder(patches, text, ways)
+        cut = model.caption_decoder(patches, text[:, :7], ways)
         torch.testing.assert_close(cut[0, :5], whole[0, :5], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(cut[1, :3], whole[1, :3], rtol=1e-12, atol=1e-12)
+        for row in range(2):  # each row as it would be alone: its own way, its own mask
+            alone = model.caption_decoder(patches[row : row + 1], text[row : row + 1], ways[row : row + 1])
+            torch.testing.assert_close(alone[0], whole[row], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(whole[0], model.caption_decoder(patches, text, ~ways)[0])  # the ways differ
     with pytest.raises(RuntimeError, match="no patch tokens"):
         model.patch_tokens.take()
 
