@@ -76,9 +76,9 @@ class TeacherPart(NamedTuple):
 
 class TeacherTerm(Term):
     """The shared half of a term against the EMA teacher. `model` is the student unwrapped (its image tower and the
-    head are called directly: DDP reduces their gradients with the rest of the step's); `teacher()` gives the
-    teacher's tensors by parameter name. A subclass gives `rows(images)`: each row's ℓ_i and the teacher's outputs
-    that the centre averages."""
+    head are called directly: DDP reduces their gradients with the rest of the step's); `teacher()` (kept as
+    `average`: this term holds no teacher model) gives the teacher's tensors by parameter name. A subclass gives
+    `rows(images)`: each row's ℓ_i and the teacher's outputs that the centre averages."""
 
     per_chunk = True  # the student's extra forward is the term's own: each chunk backpropagates its share
 
@@ -90,7 +90,7 @@ class TeacherTerm(Term):
         part: str,
         seed: int = 0,
     ):
-        self.model, self.teacher, self.options, self.seed = model, teacher, options, seed
+        self.model, self.average, self.options, self.seed = model, teacher, options, seed
         self.head: Head = getattr(model, part)
         self.visual: torch.nn.Module = tower(model)
         self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
@@ -104,7 +104,7 @@ class TeacherTerm(Term):
 
     def as_teacher(self, module: torch.nn.Module, *args) -> Any:
         """`module` (the tower, the head) called with the teacher's tensors in place of its parameters, no gradient."""
-        weights, names = self.teacher(), {id(p): name for name, p in self.model.named_parameters()}
+        weights, names = self.average(), {id(p): name for name, p in self.model.named_parameters()}
         own = {name: weights[names[id(p)]].to(p.dtype) for name, p in module.named_parameters()}
         with torch.no_grad():
             return functional_call(module, own, args)

@@ -201,3 +201,18 @@ def test_each_sample_is_predicted_one_way_drawn_by_its_pixels_and_the_step():
     assert torch.equal(term.in_parallel(images[10:]), chosen[10:])  # another rank's rows
     term.step = 8
     assert not torch.equal(term.in_parallel(images), chosen)
+
+
+def test_a_run_with_every_term_builds_them_in_order_and_still_cuts_its_captions():
+    """build_parts as a rank does: the three terms after the contrastive one, their modules on the model, the average
+    kept; captions still cut to the batch's longest in fp32 (no term holds a teacher model whose text tower would
+    have to take short text)."""
+    from clipdist.train.parts import build_parts
+
+    cfg = config()
+    cfg.loss.masked.ratio, cfg.loss.decoder.layers = 0.5, 1
+    parts = build_parts(cfg, torch.device("cpu"))
+    names = [term.name for term, _ in parts.step.objective.terms]
+    assert names == ["contrastive_loss", "self_distill_loss", "masked_loss", "decoder_loss"]
+    assert parts.ema is not None and parts.step.trim_text
+    assert all(hasattr(parts.model, part) for part in ("self_distill_head", "masked_head", "caption_decoder"))
