@@ -20,6 +20,7 @@ LONGEST_FIRST = (
     "integration/test_coca.py",
     "integration/test_fsdp.py",
     "integration/test_elastic.py",
+    "integration/test_teacher_terms.py",
     "integration/test_recipes.py",
     "integration/test_config.py",
     "integration/test_faults.py",
