@@ -56,6 +56,10 @@ STEPS = 16
 # SigLIP with an EMA teacher, masked prediction from step 8 and self-distillation from step 11 (start_at 0.4 and 0.6
 # of 16 steps): a stop before both on 2 ranks, resumed on 1 across both
 RECIPE = (
+    "data.workers=2",  # fixed, as test_elastic's runs: the batches' order follows the loader's workers
+    # captions padded: with them cut (data.trim_text's automatic choice in fp32) the uninterrupted and the stopped run
+    # logged other batches from step 1 on (found 2026-11-27, not yet understood; open in the closing note)
+    "data.trim_text=false",
     "loss=siglip",
     "optim.ema.decay=0.9",
     "loss.self_distill.crops=2",
