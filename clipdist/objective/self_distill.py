@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from clipdist.data.views import local_views
 from clipdist.errors import ConfigError
+from clipdist.model.factory import image_size
 from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import TermContext
@@ -32,7 +33,7 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
         return False
     if naflex_trunk(model) is not None:
         raise ConfigError("loss.self_distill takes fixed-size image towers for now: this model's is NaFlex")
-    size = tower_size(model)
+    size = image_size(model)[0]
     if options.crop_size and options.crop_size != size:
         if not allow_other_sizes(model):
             raise ConfigError(
@@ -49,11 +50,6 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
     return True
 
 
-def tower_size(model: torch.nn.Module) -> int:
-    size = tower(model).image_size
-    return int(size[0] if isinstance(size, (tuple, list)) else size)
-
-
 def build(options: SelfDistillOptions, context: TermContext) -> TeacherTerm | None:
     """loss.self_distill's term: None at crops=0; its teacher the run's weight average (context.teacher)."""
     return teacher_term(SelfDistillTerm, "self_distill", options, context)
@@ -65,7 +61,7 @@ class SelfDistillTerm(TeacherTerm):
 
     def __init__(self, model, teacher, options: SelfDistillOptions, seed: int = 0):
         super().__init__(model, teacher, options, PART, seed)
-        self.size = options.crop_size or tower_size(model)
+        self.size = options.crop_size or image_size(model)[0]
 
     def targets(self, images: torch.Tensor) -> torch.Tensor:
         """h_T of the whole images: (b, P) logits."""
