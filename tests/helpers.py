@@ -254,6 +254,19 @@ class _forked:
         return self.child.exitcode
 
 
+def train_until(run_dir: Path, cache_dir: Path, overrides, step: int, signum: int = signal.SIGTERM) -> int:
+    """Train until `step` steps are logged, then send `signum` to the run's process group: SIGTERM or SIGINT must
+    end it cleanly (exit 0, a checkpoint at the step it stopped at), SIGKILL leaves what it leaves. Returns the last
+    logged step (a crash on any rank during the stop fails here, not as a resume that starts over)."""
+    with Run.train(run_dir, cache_dir, *overrides) as run:
+        run.wait_for_steps(step)
+        run.signal_group(signum)
+        code, _, stderr = run.finish()
+    if signum != signal.SIGKILL:
+        assert code == 0, stderr[-3000:]
+    return read_jsonl(Path(run_dir) / "train_log.jsonl")[-1]["step"]
+
+
 def python(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python argv...` in `cwd` as a program (a Run; its group killed after `timeout`): its exit code and output
     as subprocess.run gives them."""

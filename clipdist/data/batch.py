@@ -117,11 +117,12 @@ class Batch(Mapping):
         return cls({"image": images, "text": tokens}, counts, **options)
 
     @classmethod
-    def dummy(cls, images, context_length: int, sources: int) -> Batch:
-        """A batch of `images` (blank ones) that read nothing: what a rank steps on when a stop signal arrives while
-        it waits for data (the step's collectives still match on every rank, and its agreement stops them)."""
-        rows = _first_tensor(images).shape[0]
-        return cls.of(images, torch.zeros(rows, context_length, dtype=torch.long), zero_counts(sources))
+    def dummy(cls, images, tokens: torch.Tensor, sources: int) -> Batch:
+        """A batch of `images` (blank ones) and `tokens` (empty captions, as the run's tokenizer writes them: start
+        and end of text, then padding, so every term gets a caption it can read) that read nothing: what a rank steps
+        on when a stop signal arrives while it waits for data (the step's collectives still match on every rank, and
+        its agreement stops them)."""
+        return cls.of(images, tokens, zero_counts(sources))
 
 
 def stack_rows(items: list):

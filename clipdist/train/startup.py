@@ -130,7 +130,10 @@ def start_lines(trainer) -> list[tuple[str, int]]:
 
 
 def stand_in_batch(trainer) -> Batch:
-    """Zeros of the shape of this rank's batch: what a step gets when a stop signal came while it waited for data
-    (its collectives still match on every rank, and its agreement stops them)."""
+    """Blank images and empty captions in the shape of this rank's batch: what a step gets when a stop signal came
+    while it waited for data (its collectives still match on every rank, and its agreement stops them). The captions
+    are the tokenizer's empty caption, not zeros: a batch of padding alone, cut to its longest caption
+    (data.trim_text), would leave a caption decoder no token to predict."""
     rows = max(trainer.stream.global_batch // trainer.env.world_size, 1)
-    return Batch.dummy(blank_images(trainer.model, rows), trainer.tokenizer.context_length, len(trainer.shards.sources))
+    empty = trainer.tokenizer([""] * rows)
+    return Batch.dummy(blank_images(trainer.model, rows), empty, len(trainer.shards.sources))

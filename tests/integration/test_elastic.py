@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import collections
 import shutil
-import signal
 
 import numpy as np
 import pytest
 from fixtures import caption_shards
-from helpers import Run, read_jsonl, train
+from helpers import read_jsonl, train, train_until
 
 STEPS = 30  # the digits' epoch is 22 global batches of 64: the stops fall in the first, the runs end in the second
 # progressive resolution (a fixed-size tower's data.resolution_schedule): 16 px, then the tower's 32 px from the 25th
@@ -45,11 +44,7 @@ def overrides(world: str, *more: str, steps: int = STEPS) -> list[str]:
 
 def stop_at(run_dir, cache_dir, world: str, step: int, *more: str, steps: int = STEPS) -> int:
     """Train on `world` until `step` steps are logged, then SIGTERM (a checkpoint at the step it stopped)."""
-    with Run.train(run_dir, cache_dir, *overrides(world, *more, steps=steps)) as run:
-        run.wait_for_steps(step)
-        run.signal_group(signal.SIGTERM)
-        run.finish()
-    return read_jsonl(run_dir / "train_log.jsonl")[-1]["step"]
+    return train_until(run_dir, cache_dir, overrides(world, *more, steps=steps), step)
 
 
 def resume(run_dir, cache_dir, world: str, *more: str, steps: int = STEPS) -> str:

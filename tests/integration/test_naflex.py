@@ -6,14 +6,13 @@ from __future__ import annotations
 import collections
 import json
 import shutil
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import Run, read_jsonl, train
+from helpers import read_jsonl, train, train_until
 
 from clipdist.cli import main as cli
 from clipdist.data.batch import Batch
@@ -105,11 +104,9 @@ def test_token_budget_batches_resume_on_other_world_sizes_sample_for_sample(whol
     whole_losses = np.array([row["loss"] for row in read_jsonl(whole / "train_log.jsonl")])
 
     stopped = tmp_path / "stopped"
-    with Run.train(stopped, cache_dir, *naflex_overrides("cpu2")) as run:
-        run.wait_for_steps(3)
-        run.signal_group(signal.SIGTERM)
-        run.finish()
-    assert 3 <= read_jsonl(stopped / "train_log.jsonl")[-1]["step"] <= 6  # before the switch: the resumes cross it
+    assert (
+        3 <= train_until(stopped, cache_dir, naflex_overrides("cpu2"), 3) <= 6
+    )  # before the switch: the resumes cross it
     for world in ("local", "cpu4"):
         run_dir = tmp_path / world
         shutil.copytree(stopped, run_dir)

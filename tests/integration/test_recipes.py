@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 
 import numpy as np
 import pytest
 import torch
-from helpers import Run, read_jsonl, train
+from helpers import read_jsonl, train, train_until
 
 from clipdist.data.batch import Batch
 from clipdist.distributed.launch import launch_local
@@ -98,10 +97,7 @@ def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_unint
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
-    with Run.train(run_dir, cache_dir, *overrides) as run:
-        run.wait_for_steps(6)
-        run.signal_group(signal.SIGTERM)
-        run.finish()
+    train_until(run_dir, cache_dir, overrides, 6)
     resumed = train(run_dir, cache_dir, *overrides)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resumed from") == 1

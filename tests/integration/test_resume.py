@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 from fixtures import flat, two_sources, weighted_stream
-from helpers import Run, read_jsonl, train, train_stream
+from helpers import read_jsonl, train, train_stream, train_until
 
 STEPS = 16
 
@@ -42,14 +42,6 @@ def board_losses(run_dir):
     return [(event.step, event.value) for event in events.Scalars("train/loss")]
 
 
-def run_until(run_dir, cache_dir, overrides, step, signum):
-    """Start the run, and send `signum` to its process group once `step` steps are logged."""
-    with Run.train(run_dir, cache_dir, *overrides) as run:
-        run.wait_for_steps(step)
-        run.signal_group(signum)
-        run.finish()
-
-
 # Loader workers 2 (resampled) and 1 (epoch mode, 2 ranks); 0 workers resume in
 # test_the_stream_resumes_from_any_batch_exactly.
 @pytest.mark.parametrize("launch, workers, resampled", [("local", 2, True), ("cpu2", 1, False)])
@@ -69,8 +61,8 @@ def test_stopped_twice_and_resumed_equals_uninterrupted(tmp_path, cache_dir, lau
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
-    run_until(run_dir, cache_dir, overrides, 5, signal.SIGTERM)  # a checkpoint at the step it stopped
-    run_until(run_dir, cache_dir, overrides, 11, signal.SIGKILL)  # no checkpoint: back to step 8's
+    train_until(run_dir, cache_dir, overrides, 5, signal.SIGTERM)  # a checkpoint at the step it stopped
+    train_until(run_dir, cache_dir, overrides, 11, signal.SIGKILL)  # no checkpoint: back to step 8's
     resumed = train(run_dir, cache_dir, *overrides)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resumed from") == 1 and "cannot continue sample for sample" not in resumed.stderr
@@ -281,7 +273,7 @@ def test_wandb_holds_every_step_once_after_a_kill_that_lost_its_buffer(tmp_path,
         "logging.wandb=offline",
     ]
     run_dir = tmp_path / "run"
-    run_until(run_dir, cache_dir, overrides, 10, signal.SIGKILL)  # the checkpoint at step 8 survives
+    train_until(run_dir, cache_dir, overrides, 10, signal.SIGKILL)  # the checkpoint at step 8 survives
     killed = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(killed) == 1
     killed[0].write_bytes(killed[0].read_bytes()[:7])

@@ -216,3 +216,31 @@ def test_a_run_with_every_term_builds_them_in_order_and_still_cuts_its_captions(
     assert names == ["contrastive_loss", "self_distill_loss", "masked_loss", "decoder_loss"]
     assert parts.ema is not None and parts.step.trim_text
     assert all(hasattr(parts.model, part) for part in ("self_distill_head", "masked_head", "caption_decoder"))
+
+
+def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_term():
+    """A stop signal while a rank waits for data has it step on a stand-in batch (its agreement then stops every
+    rank). Its captions are the tokenizer's empty caption, so a step that cuts captions to the batch's longest still
+    leaves the decoder a token to predict (zeros, cut to one column, made the decoder fail on that rank)."""
+    from types import SimpleNamespace
+
+    from clipdist.train.parts import build_parts
+    from clipdist.train.startup import stand_in_batch
+
+    cfg = config()
+    cfg.loss.masked.ratio, cfg.loss.decoder.layers = 0.5, 1
+    parts = build_parts(cfg, torch.device("cpu"))
+    trainer = SimpleNamespace(
+        stream=SimpleNamespace(global_batch=6),
+        env=SimpleNamespace(world_size=2),
+        model=parts.model,
+        tokenizer=parts.tokenizer,
+        shards=SimpleNamespace(sources=[None]),
+    )
+    batch = stand_in_batch(trainer)
+    assert batch["text"].shape == (3, parts.tokenizer.context_length) and not any(batch.counts)
+    assert parts.step.trim_text and parts.step.inputs(batch)["text"].shape[1] == 2  # start and end of text
+    for step in (1, 1000):  # the decoder alone, then every term
+        parts.step.objective.at(step)
+        loss = parts.step.gradients(batch)
+        assert torch.isfinite(loss)
