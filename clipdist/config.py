@@ -602,15 +602,26 @@ def _check_bounds(node, prefix: str = "") -> None:
                 raise ConfigError(f"{key}={value}: must be {says}")
 
 
+_REGISTERED: set[tuple[str, type]] = set()  # what this process has stored already (each store costs ~50 ms)
+
+
 def register() -> None:
-    """Make the schemas known to Hydra: `train_schema` (config.yaml's first default) and `<name>_loss_schema`."""
+    """Make the schemas known to Hydra: `train_schema` (config.yaml's first default) and `<name>_loss_schema` —
+    once a process, and again for a backend or schema added to the registries since."""
     store = ConfigStore.instance()
-    store.store(name="train_schema", node=TrainConfig)
+    _store_once(store, "train_schema", TrainConfig)
     for name, schema in LOSS_SCHEMAS.items():
-        store.store(name=f"{name}_loss_schema", node=schema)  # top level: not offered in the loss= menu
+        _store_once(store, f"{name}_loss_schema", schema)  # top level: not offered in the loss= menu
     for name in BACKENDS:  # a backend without a conf/loss/<name>.yaml is still on the menu: its schema, as is
         if not (CONF / "loss" / f"{name}.yaml").is_file():
-            store.store(group="loss", name=name, node=LOSS_SCHEMAS.get(name, LossConfig)(name=name))
+            _store_once(store, name, LOSS_SCHEMAS.get(name, LossConfig), group="loss")
+
+
+def _store_once(store: ConfigStore, name: str, schema: type, group: str | None = None) -> None:
+    key = (f"{group}/{name}" if group else name, schema)
+    if key not in _REGISTERED:
+        store.store(name=name, node=schema(name=name) if group else schema, group=group)
+        _REGISTERED.add(key)
 
 
 def as_dict(cfg: TrainConfig) -> dict:
