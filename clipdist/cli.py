@@ -154,6 +154,7 @@ def _export(args: argparse.Namespace) -> int:
         pretrained=args.pretrained,
         model_name=args.model,
         ema=args.ema,
+        parts=args.parts,
     )
     if args.format == "transformers":
         print(
@@ -968,6 +969,12 @@ def _add_export(commands) -> None:
     exporter.add_argument("--model", default=None, help="the model a bare weights file fits (transformers)")
     exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     exporter.add_argument("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights")
+    exporter.add_argument(
+        "--parts",
+        action="store_true",
+        help="also the modules only a loss term trains (loss.decoder's caption decoder, the teacher terms' heads), "
+        "in training_parts.safetensors beside the model (open_clip's layout; left out by default)",
+    )
     exporter.set_defaults(run=_export)
 
 

@@ -516,12 +516,14 @@ def verify(path: Path) -> dict:
     return progress
 
 
-def read_run_checkpoint(path: Path, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+def read_run_checkpoint(
+    path: Path, ema: bool = False, training_parts: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone; with `ema`,
     its weight average (optim.ema) in place of the parameters (the buffers are the model's); the modules only a loss
-    term trains (objective.specs.TRAINING_ONLY_PARTS: self-distillation's head) left out. Every pickled part is
-    checked first, the parts the model does not need included: a checkpoint that carries code anywhere is refused,
-    whatever is read of it."""
+    term trains (objective.specs.TRAINING_ONLY_PARTS: a head, the caption decoder) left out unless `training_parts`.
+    Every pickled part is checked first, the parts the model does not need included: a checkpoint that carries code
+    anywhere is refused, whatever is read of it."""
     progress = verify(path)
     if "config" not in progress:
         raise ValueError(f"{path} is not a clipdist checkpoint (no config in it)")
@@ -532,7 +534,7 @@ def read_run_checkpoint(path: Path, ema: bool = False) -> tuple[dict[str, torch.
         raise ValueError(f"{path} is not a clipdist checkpoint (no model in it)")
     else:
         weights, average = progress["model"], progress.get("ema")
-    weights = {name: tensor for name, tensor in weights.items() if not training_only(name)}  # a term's own head
+    weights = {name: tensor for name, tensor in weights.items() if training_parts or not training_only(name)}
     if not ema:
         return weights, progress["config"]
     if not average:

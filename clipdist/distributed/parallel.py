@@ -3,6 +3,8 @@ us, and the few collectives the loop uses (the loss backends' own are in clipdis
 
 from __future__ import annotations
 
+import copy
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -76,13 +78,21 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
     if not dist.is_initialized():
         raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    _STRUCTURES[model] = meta_copy(model)  # before sharding: what a teacher's forward runs on (plain_structure)
     for block in transformer_blocks(model):  # preflight (trainer.check_shardable) made sure there are some
         if compile:
             block.compile()
         fully_shard(block, mp_policy=policy)
-    for part in TRAINING_ONLY_PARTS:  # a loss term's own module (a decoder) is called outside the model's forward
-        if hasattr(model, part):
-            fully_shard(getattr(model, part), mp_policy=policy)
+    parts = [getattr(model, part) for part in TRAINING_ONLY_PARTS if hasattr(model, part)]
+    for module in parts:  # a loss term's own module (a decoder) is called outside the model's forward
+        fully_shard(module, mp_policy=policy)
+        for method in getattr(module, "fsdp_methods", ()):  # its methods the term calls besides forward
+            register_fsdp_forward_method(module, method)
+    if any(getattr(module, "calls_image_tower", False) for module in parts):
+        # a term runs the image tower outside the model's forward (the teacher terms' student views): its own unit,
+        # so the parameters outside its blocks are gathered for each call too (kept for backward, as the root's)
+        model.visual.register_forward_hook(_without_views)  # runs before FSDP2's own (registered after it)
+        fully_shard(model.visual, mp_policy=policy, reshard_after_forward=False)
     # fully_shard cannot shard 0-dim parameters (the logit scale and bias): they stay whole on every rank,
     # outside FSDP, and their gradients are averaged by finish_gradient_sync after backward.
     scalars = [param for param in model.parameters() if param.ndim == 0]
@@ -93,6 +103,42 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
     return model
+
+
+def _without_views(module, args, output):
+    """A unit's outputs that are views of another tensor (open_clip's per-patch tokens), copied: FSDP2 hooks its
+    backward onto what a unit returns, and an in-place op on a view would drop that hook."""
+    if isinstance(output, tuple):
+        return tuple(_without_views(module, args, item) for item in output)
+    return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
+
+
+_STRUCTURES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """`module`'s structure with every parameter and buffer on the meta device (no storage), no forward hooks and
+    nothing compiled (a compiled call would run the original's modules): torch.func.functional_call runs it with
+    whole tensors of one's choice."""
+    memo: dict = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        parameter = isinstance(tensor, torch.nn.Parameter)
+        memo[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) if parameter else empty
+    plain = copy.deepcopy(module, memo)
+    for inner in plain.modules():
+        inner._forward_hooks.clear()
+        inner._forward_pre_hooks.clear()
+        inner._compiled_call_impl = None
+    return plain
+
+
+def plain_structure(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as it was before FSDP2 sharded it, on the meta device (meta_copy; kept by wrap_model, since a
+    sharded module's own forward gathers its shards and puts its own parameters back): an unsharded model's copy is
+    made now."""
+    kept = _STRUCTURES.get(model)
+    return kept if kept is not None else meta_copy(model)
 
 
 def finish_gradient_sync(model: torch.nn.Module) -> None:

@@ -20,6 +20,21 @@ class Outputs:
     parts: dict[str, Any] = field(default_factory=dict)
 
 
+class OwnModule(torch.nn.Module):
+    """A term's own module on the model (a head, a decoder), called outside the model's forward. `fsdp_methods`: its
+    methods a term calls, which FSDP2 registers as forwards (parallel.wrap_model), so its shards are gathered for
+    them as for forward."""
+
+    fsdp_methods: tuple[str, ...] = ("touch",)
+    calls_image_tower = False  # whether its term runs the image tower outside the model's forward (FSDP2: a unit)
+
+    def touch(self) -> torch.Tensor:
+        """0 · Σ of its parameters, in the graph: what a term that does not count yet adds to the loss, so each of
+        its parameters gets a (zero) gradient every step — DDP's rule, and under FSDP2 the same update (AdamW's
+        weight decay moves a parameter with a zero gradient, not one without)."""
+        return 0 * torch.stack([parameter.sum() for parameter in self.parameters()]).sum()
+
+
 @dataclass
 class TermContext:
     """What a registered term's builder may need beyond its options (objective.specs): the student, where and in
@@ -67,7 +82,8 @@ class Term:
     per_chunk: bool = False  # its gradient reaches the model outside the features (chunk_value)
     step: int | None = None  # the step (1-based) the next forward is for: Objective.at sets it
 
-    def parameters(self) -> list[torch.nn.Parameter]:
+    def modules(self) -> list[OwnModule]:
+        """The term's own modules on the model (a head, a decoder): what it trains besides the towers."""
         return []
 
     def commit(self) -> None:

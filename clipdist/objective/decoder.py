@@ -24,7 +24,7 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import sample_keys, view_seed
 from clipdist.errors import ConfigError
-from clipdist.objective.base import TermContext
+from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
 from clipdist.objective.specs import DecoderOptions
 from clipdist.objective.teacher import put_on, tower
@@ -32,7 +32,7 @@ from clipdist.objective.teacher import put_on, tower
 PART = "caption_decoder"
 
 
-class CaptionDecoder(torch.nn.Module):
+class CaptionDecoder(OwnModule):
     """Token and position embeddings, a mask token, pre-norm decoder blocks over the projected patch tokens, and a
     projection to the vocabulary."""
 
@@ -138,8 +138,8 @@ class DecoderTerm(CaptionTerm):
         self.patch_tokens: PatchTokens = model.patch_tokens  # type: ignore[assignment]
         self.options, self.seed = options, seed
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.decoder.parameters())
+    def modules(self) -> list[OwnModule]:
+        return [self.decoder]
 
     def in_parallel(self, images: torch.Tensor) -> torch.Tensor:
         """Which samples are predicted in parallel: (b,) bool, a draw per sample and step."""

@@ -33,9 +33,16 @@ PART = "masked_head"
 class MaskedHead(Head):
     """The head, and the learned token that takes a masked patch's embedding (zeros at first, as iBOT's)."""
 
+    fsdp_methods = (*Head.fsdp_methods, "fill")
+
     def __init__(self, width: int, options: MaskedOptions):
         super().__init__(width, options)
         self.mask_token = torch.nn.Parameter(torch.zeros(width))
+
+    def fill(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(b, width, grid_h, grid_w) patch embeddings with the mask token where `mask` (b, L) is True."""
+        masked = mask.view(embeddings.shape[0], 1, *embeddings.shape[2:])
+        return torch.where(masked, self.mask_token.to(embeddings.dtype)[None, :, None, None], embeddings)
 
 
 def attach(options: MaskedOptions, model: torch.nn.Module) -> bool:
@@ -58,18 +65,13 @@ def build(options: MaskedOptions, context: TermContext) -> TeacherTerm | None:
 
 
 @contextmanager
-def tokens_out(visual: Any, mask: torch.Tensor | None = None, token: torch.Tensor | None = None) -> Iterator:
+def tokens_out(visual: Any, mask: torch.Tensor | None = None, head: MaskedHead | None = None) -> Iterator:
     """Inside, the tower returns (pooled, per-patch tokens); with `mask` (b, L), the patch embeddings at its True
-    positions are `token` (before the position table is added, as iBOT masks)."""
+    positions are the head's mask token (before the position table is added, as iBOT masks)."""
     before, visual.output_tokens = visual.output_tokens, True
     handle = None
-    if mask is not None and token is not None:
-
-        def swap(module, args, out: torch.Tensor) -> torch.Tensor:  # out: (b, width, grid_h, grid_w)
-            masked = mask.view(out.shape[0], 1, *out.shape[2:])
-            return torch.where(masked, token.to(out.dtype)[None, :, None, None], out)
-
-        handle = visual.conv1.register_forward_hook(swap)
+    if mask is not None and head is not None:
+        handle = visual.conv1.register_forward_hook(lambda module, args, out: head.fill(out, mask))
     try:
         yield
     finally:
@@ -88,10 +90,9 @@ class MaskedTerm(TeacherTerm):
 
     def outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the student's (b, M, P) logits at the masked patches, the teacher's (b, L, P) at every patch, the mask)."""
-        with tokens_out(self.visual):
-            teacher = self.as_teacher(self.head, self.as_teacher(self.visual, images)[1])
+        teacher = self.as_teacher(self.head, self.as_teacher(self.visual, images, within=tokens_out)[1])
         mask = patch_masks(images, teacher.shape[1], self.options.ratio, self.seed, self.step or 0)
-        with tokens_out(self.visual, mask, self.head.mask_token):
+        with tokens_out(self.visual, mask, self.head):
             tokens = self.visual(images)[1]
         rows = len(images)
         return self.head(tokens[mask].view(rows, -1, tokens.shape[-1])), teacher, mask

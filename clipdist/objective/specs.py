@@ -77,11 +77,6 @@ class TeacherOptions(TermOptions):
             return
         if cfg.optim.ema.decay <= 0:
             raise ConfigError(f"loss.{name} needs a teacher: the weights' average, optim.ema.decay (e.g. 0.999)")
-        if str(cfg.world.parallel) == "fsdp":
-            raise ConfigError(
-                f"loss.{name} runs under world.parallel=ddp only for now (the teacher's forward takes the average's "
-                "tensors whole); use world.parallel=ddp"
-            )
         if min(self.student_temp, self.teacher_temp) <= 0 or not 0 <= self.centre_momentum < 1:
             raise ConfigError(
                 f"loss.{name}: the temperatures must be above 0 and centre_momentum in [0, 1) (DINO: 0.1, 0.04, 0.9)"

@@ -19,6 +19,7 @@ the model, so the average, checkpoints and resume hold it; exports and evaluatio
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -27,15 +28,16 @@ from torch.func import functional_call
 
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
-from clipdist.objective.base import Term, TermContext
+from clipdist.objective.base import OwnModule, Term, TermContext
 from clipdist.objective.specs import TeacherOptions
 
 
-class Head(torch.nn.Module):
+class Head(OwnModule):
     """DINO's projection head: embedding → hidden → GELU → bottleneck, L2-normalised → prototype logits; `centre`
     (a buffer) is the running mean of the teacher's logits."""
 
     centre: torch.Tensor
+    calls_image_tower = True  # the term runs the student's image tower outside the model's forward
 
     def __init__(self, dim: int, options: TeacherOptions):
         super().__init__()
@@ -76,9 +78,11 @@ class TeacherPart(NamedTuple):
 
 class TeacherTerm(Term):
     """The shared half of a term against the EMA teacher. `model` is the student unwrapped (its image tower and the
-    head are called directly: DDP reduces their gradients with the rest of the step's); `teacher()` (kept as
-    `average`: this term holds no teacher model) gives the teacher's tensors by parameter name. A subclass gives
-    `rows(images)`: each row's ℓ_i and the teacher's outputs that the centre averages."""
+    head are called directly: DDP or FSDP2 reduces their gradients with the rest of the step's); `teacher()` (kept
+    as `average`: this term holds no teacher model) gives the teacher's tensors by parameter name — under FSDP2 each
+    rank's shards, gathered whole for the teacher's forward, which runs on the model's structure as it was before
+    sharding (parallel.plain_structure), not on the sharded modules (their hooks would put the student's weights
+    back). A subclass gives `rows(images)`: each row's ℓ_i and the teacher's outputs that the centre averages."""
 
     per_chunk = True  # the student's extra forward is the term's own: each chunk backpropagates its share
 
@@ -94,20 +98,30 @@ class TeacherTerm(Term):
         self.head: Head = getattr(model, part)
         self.visual: torch.nn.Module = tower(model)
         self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
+        self.plain = parallel.plain_structure(model)
+        self.names = {id(module): name for name, module in model.named_modules()}
 
     def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ℓ_i for each row, (n, P) teacher outputs the centre averages)."""
         raise NotImplementedError
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.head.parameters())
+    def modules(self) -> list[OwnModule]:
+        return [self.head]
 
-    def as_teacher(self, module: torch.nn.Module, *args) -> Any:
-        """`module` (the tower, the head) called with the teacher's tensors in place of its parameters, no gradient."""
-        weights, names = self.average(), {id(p): name for name, p in self.model.named_parameters()}
-        own = {name: weights[names[id(p)]].to(p.dtype) for name, p in module.named_parameters()}
-        with torch.no_grad():
-            return functional_call(module, own, args)
+    def as_teacher(
+        self, module: torch.nn.Module, *args, within: Callable[[Any], AbstractContextManager] = nullcontext
+    ) -> Any:
+        """`module` (the tower, the head) called with the teacher's tensors in place of its parameters (its buffers:
+        the student's, which every rank holds whole), no gradient; `within(module)` around the call."""
+        name = self.names[id(module)]
+        plain, weights = self.plain.get_submodule(name), self.average()
+        tensors = {
+            key: parallel.full_tensor(weights[f"{name}.{key}"]).to(tensor.dtype)
+            for key, tensor in plain.named_parameters()
+        }
+        tensors.update(module.named_buffers())
+        with torch.no_grad(), within(plain):
+            return functional_call(plain, tensors, args)
 
     def cross_entropy(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         """CE(s, t) over the last dimension, in float32 at least."""

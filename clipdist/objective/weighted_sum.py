@@ -62,10 +62,9 @@ class Objective:
         return _total(losses + self.idle()), values if len(values) > 1 else {}
 
     def idle(self) -> list[torch.Tensor]:
-        """0 · Σ of the parameters of the terms that do not count yet: DDP wants a gradient for each, every step."""
+        """The zero touch (OwnModule.touch) of each module of the terms that do not count yet."""
         counted = [term for term, _ in self.counted]
-        waiting = [p for term, _ in self.terms if term not in counted for p in term.parameters()]
-        return [0 * torch.stack([p.sum() for p in waiting]).sum()] if waiting else []
+        return [module.touch() for term, _ in self.terms if term not in counted for module in term.modules()]
 
     def commit(self) -> None:
         """After an optimizer step: each counted term's own state moves on (Term.commit)."""

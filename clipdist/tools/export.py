@@ -5,7 +5,9 @@ The output is a folder in open_clip's hub layout — `open_clip_config.json` ({"
 beside `open_clip_model.safetensors` (the weights alone) — which open_clip 3.x opens as
 `create_model_and_transforms("local-dir:PATH")`, clip_benchmark as `--model local-dir:PATH`, and which can be
 uploaded to a hub as it is. The source is a run directory (its newest checkpoint), a `.dcp` checkpoint folder,
-or a `.pt` checkpoint of the days before the one format; all read without running anything in them.
+or a `.pt` checkpoint of the days before the one format; all read without running anything in them. The modules
+only a loss term trains (the caption decoder, the teacher terms' heads) are left out; `--parts` writes them beside the
+model, keys as on the training model, in `training_parts.safetensors`.
 
 A NaFlex image tower's config carries `vision_cfg.timm_model_kwargs` (open_clip main reads it; open_clip 3.3 does
 not, clipdist does), and the tower is written a second time as timm's own folder, `image_tower/` (timm.save_for_hf:
@@ -37,6 +39,7 @@ from clipdist.model.factory import (
     resolve_model_name,
 )
 from clipdist.model.timm_towers import KWARGS_KEY, naflex_trunk
+from clipdist.objective.specs import training_only
 from clipdist.tools import to_transformers
 
 
@@ -58,8 +61,17 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
     }
 
 
-def _write_open_clip(checkpoint: Path, folder: Path, ema: bool = False) -> None:
-    weights, config = read_run_checkpoint(checkpoint, ema=ema)
+TRAINING_PARTS = "training_parts.safetensors"  # --parts: the modules only a loss term trains, beside the model
+
+
+def _write_open_clip(checkpoint: Path, folder: Path, ema: bool = False, parts: bool = False) -> None:
+    weights, config = read_run_checkpoint(checkpoint, ema=ema, training_parts=parts)
+    own = {name: weights.pop(name) for name in [name for name in weights if training_only(name)]}
+    if parts and not own:
+        raise ValueError(
+            f"{checkpoint} holds no module of a loss term's own (loss.decoder, loss.self_distill, loss.masked): "
+            "leave out --parts"
+        )
     model_name = config.get("model", {}).get("name")
     if not model_name:
         raise ValueError(f"{checkpoint} does not say which model it holds (no model.name in its config)")
@@ -73,6 +85,12 @@ def _write_open_clip(checkpoint: Path, folder: Path, ema: bool = False) -> None:
         folder / EXPORT_WEIGHTS,
         metadata={"format": "pt", "source": str(checkpoint)},
     )
+    if own:  # keys as on the training model (caption_decoder.*, self_distill_head.*, ...)
+        save_safetensors(
+            {key: value.detach().contiguous() for key, value in own.items()},
+            folder / TRAINING_PARTS,
+            metadata={"format": "pt", "source": str(checkpoint)},
+        )
     if KWARGS_KEY in config_json["model_cfg"]["vision_cfg"] or "naflexvit" in str(
         config_json["model_cfg"]["vision_cfg"].get("timm_model_name")
     ):
@@ -103,15 +121,19 @@ def export(
     model_name: str | None = None,
     cache_dir: str | None = None,
     ema: bool = False,
+    parts: bool = False,
 ) -> str:
     """Write `source`'s model to the folder `out` in `format` ("open_clip": the module docstring; "transformers":
     clipdist.tools.to_transformers); what it came from, said for the console. The folder appears whole or not at
     all (written beside it, then renamed). open_clip's layout copies a run's checkpoint as it is; transformers'
-    converts any model clipdist eval takes (a run, a checkpoint, an export, an open_clip name)."""
+    converts any model clipdist eval takes (a run, a checkpoint, an export, an open_clip name). `parts`: also the
+    modules only a loss term trains, in TRAINING_PARTS beside the model (open_clip's layout only)."""
     if format == "open_clip":
         checkpoint = find_checkpoint(source)
-        publish(out, lambda folder: _write_open_clip(checkpoint, folder, ema), overwrite=overwrite)
+        publish(out, lambda folder: _write_open_clip(checkpoint, folder, ema, parts), overwrite=overwrite)
         return f"{checkpoint}'s weight average" if ema else str(checkpoint)
+    if parts:
+        raise ValueError("--parts writes open_clip's layout only (transformers' CLIPModel has no place for them)")
     if format != to_transformers.FORMAT:
         raise ValueError(f"unknown export format {format!r}; choose open_clip or transformers")
     if importlib.util.find_spec("transformers") is None:

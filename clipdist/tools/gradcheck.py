@@ -34,7 +34,7 @@ from clipdist.model.factory import (
 from clipdist.model.precision import gradient_scaler
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 from clipdist.objective import TermContext, build_objective
-from clipdist.objective.specs import TERMS, DecoderOptions, MaskedOptions, SelfDistillOptions, TeacherOptions
+from clipdist.objective.specs import TERMS, DecoderOptions, MaskedOptions, SelfDistillOptions
 from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
@@ -370,9 +370,6 @@ def run_gradchecks(
     unknown = [name for name in terms if name not in OWN_TERMS]
     if unknown:
         raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(OWN_TERMS)}")
-    taught = [name for name in terms if isinstance(OWN_TERMS[name], TeacherOptions)]
-    if taught and parallel == "fsdp":
-        raise ValueError(f"--term {', '.join(taught)} runs under DDP only for now (as loss.{taught[0]} trains)")
     locks, chosen = Locks(lock_image, lock_text), Terms(distill, tuple(terms))
     rank_results = launch_local(
         _rank_step,

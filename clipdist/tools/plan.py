@@ -63,6 +63,7 @@ from clipdist.model.factory import create_model, get_tokenizer, image_size
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.objective import TermContext
 from clipdist.objective.specs import TERMS
+from clipdist.objective.teacher import TeacherTerm
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
@@ -174,6 +175,9 @@ class Measurements:
     teacher_parameters: int = 0  # distillation: the teacher's parameter count (fp32 weights, no gradient)
     teacher_dim: int = 0  # and its feature dim
     ema: bool = False  # optim.ema: a weight average beside the weights (--ema)
+    # an EMA teacher term's image tower and head (parameters, the largest term's): under FSDP2 the average's shards
+    # are gathered whole (fp32) for each teacher forward
+    gathered_teacher: int = 0
 
     def teacher_bytes(self, local_batch: int) -> float:
         """A distillation teacher on one rank: fp32 weights; its image and text features of the local batch (kept
@@ -262,6 +266,14 @@ def measure(
         activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model), input_bytes=input_bytes
     )
     measured.ema = ema
+    measured.gathered_teacher = max(  # one forward's gathered tensors at a time
+        (
+            sum(p.numel() for module in (term.visual, term.head) for p in module.parameters())
+            for term in terms
+            if isinstance(term, TeacherTerm)
+        ),
+        default=0,
+    )
     if teacher:
         structure = targets.structure(targets.resolve(teacher))
         measured.teacher_parameters = sum(p.numel() for p in structure.parameters())
@@ -310,7 +322,7 @@ def breakdown(
         held, kept = activations + loss, activations + loss_kept
     read_ahead = READ_AHEAD_PER_WORKER * max(host.loader_workers, 1) * micro_batch  # loader batches: chunks
     host_bytes = host.ranks_per_node * (local_batch + read_ahead) * m.input_bytes
-    teacher = m.teacher_bytes(local_batch)
+    teacher = m.teacher_bytes(local_batch) + (4 * m.gathered_teacher if parallel == "fsdp" else 0)
     terms = {"activations": activations, "loss": loss, "cached features": cached, "inputs": inputs}
     return {
         "parameters_optimizer": params,

@@ -39,17 +39,16 @@ def test_the_terms_with_their_own_modules_give_ddp_the_single_process_loss_and_g
         assert report.loss_rel_err <= 1e-9
 
 
-@pytest.mark.parametrize(("sizes", "chunks"), [([2, 3, 2, 2], 2)])
-def test_the_decoder_is_exact_under_fsdp_and_the_teacher_terms_are_refused(sizes, chunks):
-    """The decoder is an FSDP unit of its own (called outside the model's forward, once per step on every rank);
-    the teacher terms run under DDP only, and say so."""
-    for report in run_gradchecks(
-        ["siglip"], len(sizes), local_batch=sizes, chunks=chunks, parallel="fsdp", terms=["decoder"]
-    ):
+@pytest.mark.parametrize(("sizes", "chunks", "loss"), [([3, 2], 1, "disco"), ([2, 3, 2, 2], 2, "siglip")])
+def test_the_terms_are_exact_under_fsdp(sizes, chunks, loss):
+    """Under FSDP2 each term's module is a unit of its own (called outside the model's forward), the image tower too
+    where a teacher term runs it on views or masked patches; the teacher's forward runs on the model's structure as it
+    was before sharding (parallel.plain_structure), not on the sharded modules."""
+    terms = ["self_distill", "masked", "decoder"]
+    for report in run_gradchecks([loss], len(sizes), local_batch=sizes, chunks=chunks, parallel="fsdp", terms=terms):
         assert report.exact, (report.max_rel_err, report.diagnosis)
-        assert sum(check.name.startswith("caption_decoder.") for check in report.parameters) == 27
-    with pytest.raises(ValueError, match="DDP only"):
-        run_gradchecks(["disco"], 2, parallel="fsdp", terms=["decoder", "masked"])
+        own = [c for c in report.parameters if c.name.startswith(("self_distill_head.", "masked_head.", "caption_"))]
+        assert len(own) == 11 + 27 and all(check.verdict == "exact" for check in own)
 
 
 STEPS = 16
@@ -114,6 +113,20 @@ def test_a_run_stopped_on_two_ranks_and_resumed_on_one_is_the_run_never_stopped(
         assert float(ours[f"model.{part}"].abs().max()) > 0  # moved from its zeros
 
 
+def test_under_fsdp_the_run_is_the_ddp_run(tmp_path, cache_dir, whole_run):
+    """The same run with the model sharded (world.parallel=fsdp): the teacher's forward gathers the average's shards,
+    the heads before their terms' starts get FSDP's zero gradients as DDP's (their weight decay moves them alike), so
+    every step's loss and the final weights, centres and average are the DDP run's (fp32: to rounding)."""
+    run_dir = tmp_path / "fsdp"
+    resume(run_dir, cache_dir, "cpu2", *RECIPE, "world.parallel=fsdp", steps=STEPS)
+    worst = assert_same_run(run_dir, whole_run, 0, steps=STEPS)
+    ours, theirs = _final_state(run_dir), _final_state(whole_run)
+    assert ours.keys() == theirs.keys()
+    worst_state = max(float((ours[key] - theirs[key]).abs().max()) for key in ours)
+    print(f"fsdp against ddp: worst relative loss difference {worst:.2e}, state {worst_state:.1e}")
+    assert worst_state <= 1e-5
+
+
 def _final_state(run_dir) -> dict[str, torch.Tensor]:
     """The newest checkpoint's model and weight average, every tensor by "model.<name>" / "ema.<name>"."""
     from clipdist.checkpoint.weights import find_checkpoint, read_dcp
@@ -145,3 +158,17 @@ def test_exports_and_evaluation_leave_the_head_out(whole_run, tmp_path, cache_di
             assert cli(["eval", str(target), *(ema if target == whole_run else []), "--set", evalset, "--json"]) == 0
             scores.append(json.loads(capsys.readouterr().out))
         assert scores[0] == scores[1]
+    # asked for (--parts): the modules beside the model, as the run's checkpoint holds them; the model file unchanged
+    out = tmp_path / "with_parts"
+    assert cli(["export", str(whole_run), "--ema", "--parts", "--out", str(out)]) == 0
+    assert read_weights(out).keys() == read_weights(tmp_path / "export1").keys()
+    from safetensors.torch import load_file
+
+    parts, state = load_file(out / "training_parts.safetensors"), _final_state(whole_run)
+    assert {name.split(".")[0] for name in parts} == {"self_distill_head", "masked_head", "caption_decoder"}
+    for name, tensor in parts.items():
+        source = f"ema.{name}" if f"ema.{name}" in state else f"model.{name}"  # the average, its buffers the model's
+        assert torch.equal(tensor, state[source]), name
+    capsys.readouterr()
+    assert cli(["export", str(whole_run), "--parts", "--format", "transformers", "--out", str(tmp_path / "hf")]) == 2
+    assert "--parts writes open_clip's layout only" in capsys.readouterr().err

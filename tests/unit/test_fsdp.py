@@ -58,3 +58,30 @@ def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
     monkeypatch.setattr(parallel, "transformer_blocks", lambda model: [])
     with pytest.raises(ConfigError, match="no transformer blocks.*world.parallel=ddp"):
         preflight.check_shardable(model, "clipdist-tiny")
+
+
+def test_the_plain_structure_of_a_sharded_model_runs_with_whole_tensors(single_rank_group):
+    """What a teacher's forward runs on under FSDP2: the model as it was before sharding, on the meta device, without
+    the hooks sharding put on it (which would gather the model's own shards in place of the tensors given)."""
+    from torch.func import functional_call
+
+    from clipdist.distributed.parallel import plain_structure, wrap_model
+    from clipdist.model.factory import create_model
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny")
+    images = torch.randn(2, 3, 32, 32)
+    whole = {name: tensor.detach().clone() for name, tensor in model.visual.named_parameters()}
+    with torch.no_grad():
+        expected = model.visual(images)
+        other = {name: tensor * 1.5 for name, tensor in whole.items()}
+        expected_other = functional_call(model.visual, other, (images,))
+    wrap_model(model, parallel="fsdp")
+    plain = plain_structure(model)
+    assert plain is plain_structure(model)  # kept by wrap_model, not copied again
+    visual = plain.get_submodule("visual")
+    assert all(tensor.is_meta for tensor in visual.parameters()) and not visual.transformer.resblocks[0]._forward_hooks
+    with torch.no_grad():
+        torch.testing.assert_close(functional_call(visual, whole, (images,)), expected)
+        torch.testing.assert_close(functional_call(visual, other, (images,)), expected_other)
+    assert not torch.allclose(expected, expected_other)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clipdist.config import Parallel, TrainConfig, validate
+from clipdist.config import TrainConfig, validate
 from clipdist.errors import ConfigError
 from clipdist.losses import build
 from clipdist.model.factory import create_model, create_model_for_loss
@@ -32,10 +32,6 @@ def no_average(cfg):
     cfg.optim.ema.decay = 0.0
 
 
-def sharded(cfg):
-    cfg.world.parallel = Parallel.fsdp
-
-
 def upside_down(cfg):
     cfg.loss.self_distill.scale = [0.5, 0.1]
 
@@ -58,7 +54,6 @@ def all_masked(cfg):
     ("change", "message"),
     [
         (no_average, "needs a teacher: the weights' average, optim.ema.decay"),
-        (sharded, "world.parallel=ddp only"),
         (upside_down, "loss.self_distill.scale=[0.5, 0.1]"),
         (frozen, "temperatures must be above 0"),
         (masked_alone, "loss.masked needs a teacher"),
@@ -131,17 +126,19 @@ def test_before_its_start_the_head_gets_zero_gradients_and_the_loss_is_the_other
 def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
     """tokens_out: the tower gives its per-patch tokens inside, its own output after; a masked patch's embedding is
     the token (so the image under it does not matter), an unmasked patch's is the image's."""
-    from clipdist.objective.masked import tokens_out
+    from clipdist.objective.masked import MaskedHead, tokens_out
+    from clipdist.objective.specs import MaskedOptions
 
     model = create_model("clipdist-tiny").double()
     visual = model.visual
     images = batch_inputs(2)["image"]
     mask = torch.zeros(2, 16, dtype=torch.bool)
     mask[:, :8] = True  # the top half of the 4×4 grid
-    token = torch.randn(64, dtype=torch.float64)
+    head = MaskedHead(64, MaskedOptions(ratio=0.5)).double()
+    torch.nn.init.normal_(head.mask_token)
     changed = images.clone()
     changed[..., :16, :] = 0.0  # other pixels under the masked patches only
-    with tokens_out(visual, mask, token):
+    with tokens_out(visual, mask, head):
         first, second = visual(images)[1], visual(changed)[1]
     assert torch.equal(first, second)
     with tokens_out(visual):
