@@ -50,6 +50,7 @@ class TermContext:
     tile: int = DEFAULT_TILE
     seed: int = 0
     teacher: Callable[[], dict[str, torch.Tensor]] | None = None
+    shared: dict[str, Any] = field(default_factory=dict)  # what the terms built from this context share
 
 
 def features_of(raw) -> tuple:

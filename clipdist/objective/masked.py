@@ -25,7 +25,7 @@ from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
 from clipdist.objective.base import TermContext
 from clipdist.objective.specs import MaskedOptions
-from clipdist.objective.teacher import Head, TeacherTerm, put_on, teacher_term, tower
+from clipdist.objective.teacher import Head, TeacherTerm, put_on, teacher_term, tokens_out, tower
 
 PART = "masked_head"
 
@@ -65,19 +65,15 @@ def build(options: MaskedOptions, context: TermContext) -> TeacherTerm | None:
 
 
 @contextmanager
-def tokens_out(visual: Any, mask: torch.Tensor | None = None, head: MaskedHead | None = None) -> Iterator:
-    """Inside, the tower returns (pooled, per-patch tokens); with `mask` (b, L), the patch embeddings at its True
-    positions are the head's mask token (before the position table is added, as iBOT masks)."""
-    before, visual.output_tokens = visual.output_tokens, True
-    handle = None
-    if mask is not None and head is not None:
-        handle = visual.conv1.register_forward_hook(lambda module, args, out: head.fill(out, mask))
+def masked_tokens(visual: Any, mask: torch.Tensor, head: MaskedHead) -> Iterator:
+    """Inside, the tower returns (pooled, per-patch tokens), the patch embeddings at `mask`'s (b, L) True positions
+    the head's mask token (before the position table is added, as iBOT masks)."""
+    handle = visual.conv1.register_forward_hook(lambda module, args, out: head.fill(out, mask))
     try:
-        yield
+        with tokens_out(visual):
+            yield
     finally:
-        visual.output_tokens = before
-        if handle is not None:
-            handle.remove()
+        handle.remove()
 
 
 class MaskedTerm(TeacherTerm):
@@ -90,9 +86,9 @@ class MaskedTerm(TeacherTerm):
 
     def outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the student's (b, M, P) logits at the masked patches, the teacher's (b, L, P) at every patch, the mask)."""
-        teacher = self.as_teacher(self.head, self.as_teacher(self.visual, images, within=tokens_out)[1])
+        teacher = self.teacher_head(self.teacher_image(images)[1])
         mask = patch_masks(images, teacher.shape[1], self.options.ratio, self.seed, self.step or 0)
-        with tokens_out(self.visual, mask, self.head):
+        with masked_tokens(self.visual, mask, self.head):
             tokens = self.visual(images)[1]
         rows = len(images)
         return self.head(tokens[mask].view(rows, -1, tokens.shape[-1])), teacher, mask

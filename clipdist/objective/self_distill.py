@@ -65,7 +65,7 @@ class SelfDistillTerm(TeacherTerm):
 
     def targets(self, images: torch.Tensor) -> torch.Tensor:
         """h_T of the whole images: (b, P) logits."""
-        return self.as_teacher(self.head, pooled(self.as_teacher(self.visual, images)))
+        return self.teacher_head(self.teacher_image(images)[0])
 
     def student(self, images: torch.Tensor) -> torch.Tensor:
         """h_S of each image's K local views: (b, K, P) logits."""

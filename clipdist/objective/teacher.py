@@ -18,8 +18,8 @@ the model, so the average, checkpoints and resume hold it; exports and evaluatio
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -63,55 +63,43 @@ def tower(model: torch.nn.Module) -> Any:
 
 
 def teacher_term(term: type[TeacherTerm], name: str, options: TeacherOptions, context: TermContext):
-    """loss.<name>'s term built from its options: None where they leave it off; refused without a weight average."""
+    """loss.<name>'s term built from its options: None where they leave it off; refused without a weight average.
+    The terms built from one context share one EmaTeacher (its image forward runs once a step for all of them)."""
     if not options.on:
         return None
     if context.teacher is None:
         raise ConfigError(f"loss.{name} needs optim.ema.decay > 0: its teacher is the weights' average")
-    return term(context.model, context.teacher, options, seed=context.seed)  # type: ignore[call-arg]
+    if "ema_teacher" not in context.shared:
+        context.shared["ema_teacher"] = EmaTeacher(context.model, context.teacher)
+    return term(context.model, context.shared["ema_teacher"], options, seed=context.seed)  # type: ignore[call-arg]
 
 
-class TeacherPart(NamedTuple):
-    total: torch.Tensor  # Σ over this rank's rows of ℓ_i (a chunk's, with its graph, under gradient caching)
-    per_row: torch.Tensor  # N / B: what turns a sum over this rank's rows into its share of the global mean
+@contextmanager
+def tokens_out(visual: Any) -> Iterator:
+    """Inside, open_clip's ViT returns (pooled, per-patch tokens after ln_post)."""
+    before, visual.output_tokens = visual.output_tokens, True
+    try:
+        yield
+    finally:
+        visual.output_tokens = before
 
 
-class TeacherTerm(Term):
-    """The shared half of a term against the EMA teacher. `model` is the student unwrapped (its image tower and the
-    head are called directly: DDP or FSDP2 reduces their gradients with the rest of the step's); `teacher()` (kept
-    as `average`: this term holds no teacher model) gives the teacher's tensors by parameter name — under FSDP2 each
-    rank's shards, gathered whole for the teacher's forward, which runs on the model's structure as it was before
-    sharding (parallel.plain_structure), not on the sharded modules (their hooks would put the student's weights
-    back). A subclass gives `rows(images)`: each row's ℓ_i and the teacher's outputs that the centre averages."""
+class EmaTeacher:
+    """The EMA teacher the terms share: the model's modules called with `average()`'s tensors (the average of each
+    parameter by name) — under FSDP2 each rank's shards, gathered whole for the call, which runs on the model's
+    structure as it was before sharding (parallel.plain_structure), not on the sharded modules (their hooks would put
+    the student's weights back) — and the image tower's outputs, computed once for each batch (or chunk) and step."""
 
-    per_chunk = True  # the student's extra forward is the term's own: each chunk backpropagates its share
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        teacher: Callable[[], dict[str, torch.Tensor]],
-        options: TeacherOptions,
-        part: str,
-        seed: int = 0,
-    ):
-        self.model, self.average, self.options, self.seed = model, teacher, options, seed
-        self.head: Head = getattr(model, part)
-        self.visual: torch.nn.Module = tower(model)
-        self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
+    def __init__(self, model: torch.nn.Module, average: Callable[[], dict[str, torch.Tensor]]):
+        self.average = average
         self.plain = parallel.plain_structure(model)
         self.names = {id(module): name for name, module in model.named_modules()}
+        self.last: tuple[torch.Tensor, int | None, Any] | None = None  # (images, step, the tower's outputs)
 
-    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ℓ_i for each row, (n, P) teacher outputs the centre averages)."""
-        raise NotImplementedError
-
-    def modules(self) -> list[OwnModule]:
-        return [self.head]
-
-    def as_teacher(
+    def __call__(
         self, module: torch.nn.Module, *args, within: Callable[[Any], AbstractContextManager] = nullcontext
     ) -> Any:
-        """`module` (the tower, the head) called with the teacher's tensors in place of its parameters (its buffers:
+        """`module` (the tower, a head) called with the teacher's tensors in place of its parameters (its buffers:
         the student's, which every rank holds whole), no gradient; `within(module)` around the call."""
         name = self.names[id(module)]
         plain, weights = self.plain.get_submodule(name), self.average()
@@ -122,6 +110,55 @@ class TeacherTerm(Term):
         tensors.update(module.named_buffers())
         with torch.no_grad(), within(plain):
             return functional_call(plain, tensors, args)
+
+    def image(self, visual: torch.nn.Module, images: torch.Tensor, step: int | None) -> tuple[torch.Tensor, Any]:
+        """(pooled embeddings, per-patch tokens) of the teacher's image tower: one forward for every term that asks
+        for the same images at the same step (the average moves only between steps)."""
+        if self.last is None or self.last[0] is not images or self.last[1] != step:
+            self.last = (images, step, self(visual, images, within=tokens_out))
+        return self.last[2]
+
+
+class TeacherPart(NamedTuple):
+    total: torch.Tensor  # Σ over this rank's rows of ℓ_i (a chunk's, with its graph, under gradient caching)
+    per_row: torch.Tensor  # N / B: what turns a sum over this rank's rows into its share of the global mean
+
+
+class TeacherTerm(Term):
+    """The shared half of a term against the EMA teacher. `model` is the student unwrapped (its image tower and the
+    head are called directly: DDP or FSDP2 reduces their gradients with the rest of the step's); `ema_teacher` (not
+    `teacher`: this term holds no teacher model) runs the teacher. A subclass gives `rows(images)`: each row's ℓ_i
+    and the teacher's outputs that the centre averages."""
+
+    per_chunk = True  # the student's extra forward is the term's own: each chunk backpropagates its share
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ema_teacher: EmaTeacher,
+        options: TeacherOptions,
+        part: str,
+        seed: int = 0,
+    ):
+        self.model, self.ema_teacher, self.options, self.seed = model, ema_teacher, options, seed
+        self.head: Head = getattr(model, part)
+        self.visual: torch.nn.Module = tower(model)
+        self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
+
+    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ℓ_i for each row, (n, P) teacher outputs the centre averages)."""
+        raise NotImplementedError
+
+    def modules(self) -> list[OwnModule]:
+        return [self.head]
+
+    def teacher_image(self, images: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(pooled, per-patch tokens) of the teacher's image tower (EmaTeacher.image: shared by the terms)."""
+        return self.ema_teacher.image(self.visual, images, self.step)
+
+    def teacher_head(self, outputs: torch.Tensor) -> torch.Tensor:
+        """h_T: the head with the average's weights."""
+        return self.ema_teacher(self.head, outputs)
 
     def cross_entropy(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         """CE(s, t) over the last dimension, in float32 at least."""

@@ -16,6 +16,7 @@ from clipdist.objective.contrastive import ContrastiveTerm
 from clipdist.objective.decoder import attach as attach_decoder
 from clipdist.objective.self_distill import SelfDistillTerm, attach
 from clipdist.objective.specs import SelfDistillOptions, training_only
+from clipdist.objective.teacher import EmaTeacher
 
 OPTIONS = SelfDistillOptions(crops=2, crop_size=16, hidden=16, bottleneck=8, prototypes=12)
 
@@ -94,7 +95,7 @@ def batch_inputs(rows: int = 3) -> dict:
 def test_the_centre_moves_by_its_momentum_after_a_step_only():
     model = student()
     teacher = {name: tensor.detach() + 0.01 for name, tensor in student(1).named_parameters()}
-    term = SelfDistillTerm(model, lambda: teacher, OPTIONS)
+    term = SelfDistillTerm(model, EmaTeacher(model, lambda: teacher), OPTIONS)
     inputs = batch_inputs()
     part = term.merge([term.take(None, inputs)])
     assert torch.equal(model.self_distill_head.centre, torch.zeros(12, dtype=torch.float64))  # not in the forward
@@ -109,7 +110,7 @@ def test_the_centre_moves_by_its_momentum_after_a_step_only():
 def test_before_its_start_the_head_gets_zero_gradients_and_the_loss_is_the_others():
     model = student()
     teacher = {name: tensor.detach() for name, tensor in model.named_parameters()}
-    term = SelfDistillTerm(model, lambda: teacher, OPTIONS)
+    term = SelfDistillTerm(model, EmaTeacher(model, lambda: teacher), OPTIONS)
     objective = Objective([(ContrastiveTerm(build("naive")), 1.0), (term, 1.0)], starts={term.name: 3})
     inputs = {**batch_inputs(), "text": torch.randint(1, 100, (3, 16))}
     for step, counted in ((2, False), (3, True)):
@@ -126,8 +127,9 @@ def test_before_its_start_the_head_gets_zero_gradients_and_the_loss_is_the_other
 def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
     """tokens_out: the tower gives its per-patch tokens inside, its own output after; a masked patch's embedding is
     the token (so the image under it does not matter), an unmasked patch's is the image's."""
-    from clipdist.objective.masked import MaskedHead, tokens_out
+    from clipdist.objective.masked import MaskedHead, masked_tokens
     from clipdist.objective.specs import MaskedOptions
+    from clipdist.objective.teacher import tokens_out
 
     model = create_model("clipdist-tiny").double()
     visual = model.visual
@@ -138,7 +140,7 @@ def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
     torch.nn.init.normal_(head.mask_token)
     changed = images.clone()
     changed[..., :16, :] = 0.0  # other pixels under the masked patches only
-    with tokens_out(visual, mask, head):
+    with masked_tokens(visual, mask, head):
         first, second = visual(images)[1], visual(changed)[1]
     assert torch.equal(first, second)
     with tokens_out(visual):
@@ -160,7 +162,7 @@ def decoded_model():
 def test_the_decoder_reads_the_forwards_own_patch_tokens_and_ignores_padding():
     """The hook keeps the contrastive forward's patch tokens (not a later tower call's); a caption's logits do not
     change when the batch's padding is cut (data.trim_text), either way of predicting."""
-    from clipdist.objective.masked import tokens_out
+    from clipdist.objective.teacher import tokens_out
 
     model, _ = decoded_model()
     images = batch_inputs(2)["image"]
@@ -237,7 +239,13 @@ def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_
     batch = stand_in_batch(trainer)
     assert batch["text"].shape == (3, parts.tokenizer.context_length) and not any(batch.counts)
     assert parts.step.trim_text and parts.step.inputs(batch)["text"].shape[1] == 2  # start and end of text
-    for step in (1, 1000):  # the decoder alone, then every term
+    terms = [term for term, _ in parts.step.objective.terms if hasattr(term, "ema_teacher")]
+    teacher = terms[0].ema_teacher
+    assert len(terms) == 2 and terms[1].ema_teacher is teacher  # one teacher for both terms
+    calls = []
+    teacher.plain.visual.register_forward_hook(lambda *_: calls.append(1))
+    for step, forwards in ((1, 1), (2, 2)):
         parts.step.objective.at(step)
         loss = parts.step.gradients(batch)
         assert torch.isfinite(loss)
+        assert len(calls) == forwards  # the teacher's image forward once a step for both terms
