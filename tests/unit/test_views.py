@@ -39,6 +39,10 @@ def test_views_change_with_the_step_and_the_seed_and_with_the_sample():
     nudged = images.clone()
     nudged[0, 0, 0, 0] += 1 / 256
     assert sample_keys(nudged)[0] != sample_keys(images)[0] and sample_keys(nudged)[1:] == sample_keys(images)[1:]
+    before = sample_keys(images)  # kept for this tensor (the step's terms ask in turn) — until it changes in place
+    images[1] += 1 / 256
+    after = sample_keys(images)
+    assert after[1] != before[1] and after[0] == before[0] and after[2:] == before[2:]
 
 
 def test_a_box_the_size_of_its_output_is_the_image_or_its_mirror_exactly():
