@@ -1009,7 +1009,7 @@ def _add_eval(commands) -> None:
         "--dense",
         action="store_true",
         help="also a linear probe on the image tower's patch tokens over generated scenes of shapes (a label per "
-        "pixel): dense/miou and dense/patch_accuracy (docs/evaluation.md)",
+        "pixel): dense/miou and dense/patch_accuracy (docs/training.md)",
     )
     evaluator.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name")
     evaluator.add_argument("--model", default=None, help="the model a bare weights file fits (ViT-B-32)")

@@ -48,6 +48,23 @@ def test_every_test_file_named_in_the_docs_exists():
     assert not missing, f"the docs name test files that do not exist: {missing}"
 
 
+def test_every_doc_page_the_repository_cites_exists():
+    """A `docs/<page>.md` named in the code, the configs, the scripts or another page is a page of docs/."""
+    sources = [
+        path
+        for folder in ("clipdist", "scripts", "slurm", "tests", "docs")
+        for path in (REPO / folder).rglob("*")
+        if path.suffix in (".py", ".yaml", ".sh", ".md") and path.is_file()
+    ]
+    cites: dict[str, list[str]] = {}
+    for path in [REPO / "README.md", *sources]:
+        for page in re.findall(r"\bdocs/([\w-]+\.md)\b", path.read_text(errors="replace")):
+            cites.setdefault(page, []).append(str(path.relative_to(REPO)))
+    assert "siglip2.md" in cites, "no page cited: the pattern is wrong"
+    missing = {page: where for page, where in cites.items() if not (REPO / "docs" / page).is_file()}
+    assert not missing, f"pages cited that docs/ does not have: {missing}"
+
+
 PACKAGE = REPO / "clipdist"
 MODULES = {
     ".".join(
