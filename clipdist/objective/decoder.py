@@ -13,6 +13,10 @@ The term is the global token mean of the cross-entropy, as CoCa's caption term (
 share): T = Σ_{tokens t of the global batch, label ≠ pad} CE_t / T_count. The decoder is a training-only part:
 checkpoints hold it, exports and evaluation leave it out. Referring-expression and grounded-captioning targets, which
 LocCa also trains on, need boxes the data does not have: only captioning is here.
+
+Image towers: open_clip's ViT (the tokens after `ln_post`, the class token dropped) and timm's NaFlexVit (the tokens
+after the trunk's last `norm`, its prefix tokens dropped; a batch's padding patches are masked out of the
+cross-attention, so a sample's logits do not depend on the padding its batch gave it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import sample_keys, view_seed
 from clipdist.errors import ConfigError
+from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
 from clipdist.objective.specs import DecoderOptions
@@ -52,9 +57,17 @@ class CaptionDecoder(OwnModule):
         self.norm = torch.nn.LayerNorm(width)
         self.logits = torch.nn.Linear(width, vocab)
 
-    def forward(self, patches: torch.Tensor, text: torch.Tensor, parallel: torch.Tensor, pad_id: int = 0):
-        """(b, L−1, vocab) logits; `parallel` (b,) says which rows are predicted at once. One call for every row (under
-        FSDP every rank then gathers the decoder as often), each row with its own attention mask."""
+    def forward(
+        self,
+        patches: torch.Tensor,
+        text: torch.Tensor,
+        parallel: torch.Tensor,
+        pad_id: int = 0,
+        unseen: torch.Tensor | None = None,
+    ):
+        """(b, L−1, vocab) logits; `parallel` (b,) says which rows are predicted at once; `unseen` (b, P) marks patches
+        no caption attends to (a NaFlex batch's padding). One call for every row (under FSDP every rank then gathers the
+        decoder as often), each row with its own attention mask."""
         rows, length = text.shape[0], text.shape[1] - 1
         tokens = self.token_embedding(text[:, :-1])
         mask_tokens = self.mask_token.to(tokens.dtype).expand_as(tokens)
@@ -67,7 +80,7 @@ class CaptionDecoder(OwnModule):
         mask = blocked.repeat_interleave(self.heads, dim=0)  # (b·heads, L−1, L−1), as attention takes it
         memory = self.patches(patches)
         for block in self.blocks:
-            x = block(x, memory, tgt_mask=mask)
+            x = block(x, memory, tgt_mask=mask, memory_key_padding_mask=unseen)
         # the projection's sum a new tensor, not a view of a matmul's (FSDP2 warns of a module that returns a view)
         return self.norm(x) @ self.logits.weight.T + self.logits.bias
 
@@ -76,35 +89,46 @@ def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
     """The decoder put on the model, and the hook that keeps the forward's patch tokens; False where it is off."""
     if not options.on:
         return False
+    norm, prefix, patch_width = _token_source(model)
+    vocab, context = getattr(model, "vocab_size", None), getattr(model, "context_length", None)
+    if not vocab or not context:
+        raise ConfigError("loss.decoder needs the model's vocabulary size and context length (open_clip's CLIP)")
+    width = options.width or patch_width
+    if width % options.heads:
+        raise ConfigError(f"loss.decoder.heads={options.heads} does not divide the decoder's width {width}")
+    put_on(model, PART, CaptionDecoder(patch_width, vocab, context, options))
+    PatchTokens.watch(model, norm, prefix)
+    return True
+
+
+def _token_source(model: torch.nn.Module) -> tuple[torch.nn.Module, int, int]:
+    """(the image tower's module whose output holds every token, the leading tokens that are not patches, the tokens'
+    width)."""
+    trunk = naflex_trunk(model)
+    if trunk is not None:
+        return trunk.norm, trunk.num_prefix_tokens, trunk.embed_dim
     visual = tower(model)
     if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None or visual.final_ln_after_pool:
         raise ConfigError(
             "loss.decoder needs open_clip's ViT image tower whose last norm sees every token (no attention pool, "
-            f"no final_ln_after_pool): this model's is {type(visual).__name__}"
+            f"no final_ln_after_pool) or a NaFlex tower: this model's is {type(visual).__name__}"
         )
-    vocab, context = getattr(model, "vocab_size", None), getattr(model, "context_length", None)
-    if not vocab or not context:
-        raise ConfigError("loss.decoder needs the model's vocabulary size and context length (open_clip's CLIP)")
-    width = options.width or visual.conv1.out_channels
-    if width % options.heads:
-        raise ConfigError(f"loss.decoder.heads={options.heads} does not divide the decoder's width {width}")
-    put_on(model, PART, CaptionDecoder(visual.conv1.out_channels, vocab, context, options))
-    PatchTokens.watch(model)
-    return True
+    return visual.ln_post, 1, visual.conv1.out_channels
 
 
 class PatchTokens:
     """The patch tokens of the model's own forward: armed by a pre-hook on the model, taken by a hook on the image
     tower's last norm at its first call after (the other terms' tower calls, and the teacher's, come later)."""
 
-    def __init__(self):
-        self.armed, self.tokens = False, None
+    def __init__(self, prefix: int = 1):
+        self.armed, self.prefix = False, prefix
+        self.tokens: torch.Tensor | None = None
 
     @classmethod
-    def watch(cls, model: torch.nn.Module) -> PatchTokens:
-        watcher = cls()
+    def watch(cls, model: torch.nn.Module, norm: torch.nn.Module, prefix: int) -> PatchTokens:
+        watcher = cls(prefix)
         model.register_forward_pre_hook(watcher.arm)
-        tower(model).ln_post.register_forward_hook(watcher.keep)
+        norm.register_forward_hook(watcher.keep)
         model.patch_tokens = watcher  # type: ignore[assignment]
         return watcher
 
@@ -112,8 +136,8 @@ class PatchTokens:
         self.armed, self.tokens = True, None
 
     def keep(self, module, args, out: torch.Tensor) -> None:
-        if self.armed:
-            self.armed, self.tokens = False, out[:, 1:]  # the class token is not a patch
+        if self.armed:  # the class (and register) tokens are not patches
+            self.armed, self.tokens = False, out[:, self.prefix :]
 
     def take(self) -> torch.Tensor:
         tokens, self.tokens = self.tokens, None
@@ -141,18 +165,21 @@ class DecoderTerm(CaptionTerm):
     def modules(self) -> list[OwnModule]:
         return [self.decoder]
 
-    def in_parallel(self, images: torch.Tensor) -> torch.Tensor:
-        """Which samples are predicted in parallel: (b,) bool, a draw per sample and step."""
+    def in_parallel(self, images: torch.Tensor | dict) -> torch.Tensor:
+        """Which samples are predicted in parallel: (b,) bool, a draw per sample and step (a NaFlex batch's: keyed by
+        its patches, whose padding adds nothing to a key)."""
+        pixels = images["patches"] if isinstance(images, dict) else images
         draws = [
             torch.rand(1, generator=torch.Generator().manual_seed(view_seed(self.seed, self.step or 0, key, "par:")))
-            for key in sample_keys(images)
+            for key in sample_keys(pixels)
         ]
-        return (torch.cat(draws) < self.options.parallel).to(images.device)
+        return (torch.cat(draws) < self.options.parallel).to(pixels.device)
 
     def logits_and_labels(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's (b, L−1, vocab) logits of this forward's captions, and their labels (text[:, 1:])."""
-        patches, text = self.patch_tokens.take(), inputs["text"]
-        return self.decoder(patches, text, self.in_parallel(inputs["image"]), self.pad_id), text[:, 1:]
+        patches, text, images = self.patch_tokens.take(), inputs["text"], inputs["image"]
+        unseen = ~images["patch_valid"] if isinstance(images, dict) else None
+        return self.decoder(patches, text, self.in_parallel(images), self.pad_id, unseen), text[:, 1:]
 
     def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ CE, token count) of this forward's captions."""

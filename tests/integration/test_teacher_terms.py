@@ -51,6 +51,23 @@ def test_the_terms_are_exact_under_fsdp(sizes, chunks, loss):
         assert len(own) == 11 + 27 and all(check.verdict == "exact" for check in own)
 
 
+@pytest.mark.parametrize(("parallel", "sizes", "chunks"), [("ddp", [3, 2, 2], 2), ("fsdp", [2, 3], 1)])
+def test_the_decoder_on_a_naflex_tower_is_exact(parallel, sizes, chunks):
+    """On a NaFlex tower the decoder reads the trunk's patch tokens, each row's padding masked: rows of other grids
+    and lengths, unequal batches, DDP with gradient caching and FSDP2."""
+    for report in run_gradchecks(
+        ["siglip"],
+        len(sizes),
+        local_batch=sizes,
+        chunks=chunks,
+        model="clipdist-naflex-tiny",
+        parallel=parallel,
+        terms=["decoder"],
+    ):
+        assert report.exact, (report.max_rel_err, report.diagnosis)
+        assert sum(check.name.startswith("caption_decoder.") for check in report.parameters) == 27
+
+
 STEPS = 16
 # SigLIP with an EMA teacher, masked prediction from step 8 and self-distillation from step 11 (start_at 0.4 and 0.6
 # of 16 steps): a stop before both on 2 ranks, resumed on 1 across both

@@ -249,3 +249,37 @@ def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_
         loss = parts.step.gradients(batch)
         assert torch.isfinite(loss)
         assert len(calls) == forwards  # the teacher's image forward once a step for both terms
+
+
+def test_on_a_naflex_tower_a_captions_logits_do_not_depend_on_its_batchs_padding():
+    """loss.decoder on a NaFlex tower: the trunk's patch tokens (its prefix tokens dropped), the batch's padding
+    patches masked out of the cross-attention; the same sample padded further gets the same logits and the same way
+    of being predicted (its key: the padding adds nothing)."""
+    from clipdist.model.timm_towers import random_patches
+    from clipdist.objective.decoder import DecoderTerm
+    from clipdist.objective.specs import DecoderOptions
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-naflex-tiny").double().eval()
+    options = DecoderOptions(layers=1, width=32, heads=2, parallel=0.5)
+    assert attach_decoder(options, model)
+    term = DecoderTerm(model, options)
+    term.step = 3
+    generator = torch.Generator().manual_seed(1)
+    images = random_patches(4, 16, 12, generator, torch.float64)
+    text = torch.zeros(4, model.context_length, dtype=torch.long)
+    text[:, :10] = torch.randint(1, 100, (4, 10), generator=generator)
+
+    def logits(images):
+        model(image=images, text=text)
+        return term.logits_and_labels({"image": images, "text": text})[0]
+
+    extra = 5
+    padded = {
+        "patches": torch.cat([images["patches"], torch.zeros(4, extra, images["patches"].shape[2])], 1),
+        "patch_coord": torch.cat([images["patch_coord"], torch.zeros(4, extra, 2, dtype=torch.long)], 1),
+        "patch_valid": torch.cat([images["patch_valid"], torch.zeros(4, extra, dtype=torch.bool)], 1),
+    }
+    assert not images["patch_valid"].all()  # rows of other lengths: padded already
+    assert torch.equal(term.in_parallel(padded), term.in_parallel(images))
+    torch.testing.assert_close(logits(padded), logits(images), rtol=1e-10, atol=1e-10)
