@@ -112,12 +112,23 @@ def local_views(
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
 
 
-def patch_masks(images: torch.Tensor, patches: int, ratio: float, seed: int = 0, step: int = 0) -> torch.Tensor:
-    """Which of each image's `patches` patches are masked, (b, patches) bool: max(1, round(ratio · patches)) of them,
-    a uniform draw without replacement seeded as its views are (the same mask for a sample everywhere)."""
-    count = max(1, round(ratio * patches))
+def patch_masks(
+    images: torch.Tensor,
+    patches: int,
+    ratio: float,
+    seed: int = 0,
+    step: int = 0,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which of each image's `patches` patches are masked, (b, patches) bool: max(1, round(ratio · n)) of its n
+    patches (`valid` (b, patches): a NaFlex row's own, its padding never masked; else all), a uniform draw without
+    replacement seeded as its views are (the same mask for a sample everywhere: `images` are the pixels keyed,
+    a NaFlex batch's patches, whose padding adds nothing to a key)."""
     masks = torch.zeros(len(images), patches, dtype=torch.bool)
+    counts = valid.sum(1).tolist() if valid is not None else [patches] * len(images)
     for row, key in enumerate(sample_keys(images)):
         generator = torch.Generator().manual_seed(view_seed(seed, step, key, "mask:"))
-        masks[row, torch.randperm(patches, generator=generator)[:count]] = True
+        count, chosen = max(1, round(ratio * counts[row])), torch.randperm(counts[row], generator=generator)
+        positions = chosen if valid is None else valid[row].nonzero()[:, 0].cpu()[chosen]
+        masks[row, positions[:count]] = True
     return masks.to(images.device)

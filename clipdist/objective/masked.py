@@ -23,9 +23,10 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
+from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import TermContext
 from clipdist.objective.specs import MaskedOptions
-from clipdist.objective.teacher import Head, TeacherTerm, put_on, teacher_term, tokens_out, tower
+from clipdist.objective.teacher import Head, TeacherTerm, images_in, put_on, teacher_term, tokens_out, tower
 
 PART = "masked_head"
 
@@ -40,20 +41,27 @@ class MaskedHead(Head):
         self.mask_token = torch.nn.Parameter(torch.zeros(width))
 
     def fill(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(b, width, grid_h, grid_w) patch embeddings with the mask token where `mask` (b, L) is True."""
+        """Patch embeddings — (b, width, grid_h, grid_w) from a ViT's conv, (b, L, width) from a NaFlex tower's
+        projection — with the mask token where `mask` (b, L) is True."""
+        token = self.mask_token.to(embeddings.dtype)
+        if embeddings.dim() == 3:
+            return torch.where(mask[..., None], token, embeddings)
         masked = mask.view(embeddings.shape[0], 1, *embeddings.shape[2:])
-        return torch.where(masked, self.mask_token.to(embeddings.dtype)[None, :, None, None], embeddings)
+        return torch.where(masked, token[None, :, None, None], embeddings)
 
 
 def attach(options: MaskedOptions, model: torch.nn.Module) -> bool:
     """The head and mask token put on the model before it is wrapped; False where the term is off."""
     if not options.on:
         return False
-    visual = tower(model)
+    visual, trunk = tower(model), naflex_trunk(model)
+    if trunk is not None:
+        put_on(model, PART, MaskedHead(trunk.embed_dim, options))
+        return True
     if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None:
         raise ConfigError(
-            "loss.masked needs open_clip's ViT image tower with a token per patch (no attention pool): this "
-            f"model's is {type(visual).__name__}"
+            "loss.masked needs open_clip's ViT image tower with a token per patch (no attention pool) or a NaFlex "
+            f"tower: this model's is {type(visual).__name__}"
         )
     put_on(model, PART, MaskedHead(visual.conv1.out_channels, options))
     return True
@@ -68,7 +76,9 @@ def build(options: MaskedOptions, context: TermContext) -> TeacherTerm | None:
 def masked_tokens(visual: Any, mask: torch.Tensor, head: MaskedHead) -> Iterator:
     """Inside, the tower returns (pooled, per-patch tokens), the patch embeddings at `mask`'s (b, L) True positions
     the head's mask token (before the position table is added, as iBOT masks)."""
-    handle = visual.conv1.register_forward_hook(lambda module, args, out: head.fill(out, mask))
+    trunk: Any = getattr(visual, "trunk", None)
+    embedding = trunk.embeds.proj if type(trunk).__name__ == "NaFlexVit" else visual.conv1
+    handle = embedding.register_forward_hook(lambda module, args, out: head.fill(out, mask))
     try:
         with tokens_out(visual):
             yield
@@ -84,22 +94,31 @@ class MaskedTerm(TeacherTerm):
     def __init__(self, model, teacher, options: MaskedOptions, seed: int = 0):
         super().__init__(model, teacher, options, PART, seed)
 
-    def outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the student's (b, M, P) logits at the masked patches, the teacher's (b, L, P) at every patch, the mask)."""
+    def outputs(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the student's (m, P) logits at the batch's m masked patches, the teacher's (b, L, P) at every position, the
+        (b, L) mask, the (b, L) patches that are the images' own: all but a NaFlex batch's padding)."""
+        pixels, valid = images_in(images)
         teacher = self.teacher_head(self.teacher_image(images)[1])
-        mask = patch_masks(images, teacher.shape[1], self.options.ratio, self.seed, self.step or 0)
+        mask = patch_masks(pixels, teacher.shape[1], self.options.ratio, self.seed, self.step or 0, valid)
         with masked_tokens(self.visual, mask, self.head):
             tokens = self.visual(images)[1]
-        rows = len(images)
-        return self.head(tokens[mask].view(rows, -1, tokens.shape[-1])), teacher, mask
+        own = valid if valid is not None else torch.ones_like(mask)
+        return self.head(tokens[mask]), teacher, mask, own
 
-    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        student, teacher, mask = self.outputs(images)
-        at_masked = teacher[mask].view(student.shape)
-        return self.cross_entropy(student, at_masked).mean(1), teacher.flatten(0, 1)
+    def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """ℓ_i: the mean cross-entropy over row i's masked patches; the teacher's outputs at every patch."""
+        student, teacher, mask, own = self.outputs(images)
+        losses = self.cross_entropy(student, teacher[mask])
+        rows = mask.nonzero()[:, 0]
+        per_row = losses.new_zeros(len(mask)).index_add(0, rows, losses) / mask.sum(1).to(losses.dtype)
+        return per_row, teacher[own]
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
-        """T on one process over the whole batch: soft-target cross-entropy over every masked patch of the batch."""
-        student, teacher, mask = self.outputs(inputs["image"])
-        targets = self.soft_targets(teacher[mask])
-        return F.cross_entropy(student.flatten(0, 1) / self.options.student_temp, targets)
+        """T on one process over the whole batch: each image's soft-target cross-entropy averaged over its masked
+        patches, averaged over the images (every ViT image has as many: the mean over all masked patches)."""
+        student, teacher, mask, _ = self.outputs(inputs["image"])
+        losses = F.cross_entropy(
+            student / self.options.student_temp, self.soft_targets(teacher[mask]), reduction="none"
+        )
+        counts = mask.sum(1)
+        return torch.stack([part.mean() for part in losses.split(counts.tolist())]).mean()

@@ -76,12 +76,34 @@ def teacher_term(term: type[TeacherTerm], name: str, options: TeacherOptions, co
 
 @contextmanager
 def tokens_out(visual: Any) -> Iterator:
-    """Inside, open_clip's ViT returns (pooled, per-patch tokens after ln_post)."""
-    before, visual.output_tokens = visual.output_tokens, True
+    """Inside, the image tower returns (pooled, per-patch tokens): open_clip's ViT its tokens after ln_post, a NaFlex
+    tower (timm's NaFlexVit trunk) its trunk's tokens after the last norm, the prefix tokens dropped."""
+    trunk: Any = getattr(visual, "trunk", None)
+    if type(trunk).__name__ != "NaFlexVit":
+        before, visual.output_tokens = visual.output_tokens, True
+        try:
+            yield
+        finally:
+            visual.output_tokens = before
+        return
+    kept: list[torch.Tensor] = []
+    handles = [
+        trunk.norm.register_forward_hook(lambda module, args, out: kept.append(out[:, trunk.num_prefix_tokens :])),
+        visual.register_forward_hook(lambda module, args, out: (out, kept.pop())),
+    ]
     try:
         yield
     finally:
-        visual.output_tokens = before
+        for handle in handles:
+            handle.remove()
+
+
+def images_in(images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the pixels a sample is keyed by, the valid patches or None) of an image tower's input: images, or a NaFlex
+    batch's patches and patch_valid."""
+    if isinstance(images, dict):
+        return images["patches"], images["patch_valid"]
+    return images, None
 
 
 class EmaTeacher:
@@ -94,7 +116,7 @@ class EmaTeacher:
         self.average = average
         self.plain = parallel.plain_structure(model)
         self.names = {id(module): name for name, module in model.named_modules()}
-        self.last: tuple[torch.Tensor, int | None, Any] | None = None  # (images, step, the tower's outputs)
+        self.last: tuple[Any, int | None, Any] | None = None  # (images, step, the tower's outputs)
 
     def __call__(
         self, module: torch.nn.Module, *args, within: Callable[[Any], AbstractContextManager] = nullcontext
@@ -111,7 +133,7 @@ class EmaTeacher:
         with torch.no_grad(), within(plain):
             return functional_call(plain, tensors, args)
 
-    def image(self, visual: torch.nn.Module, images: torch.Tensor, step: int | None) -> tuple[torch.Tensor, Any]:
+    def image(self, visual: torch.nn.Module, images: torch.Tensor | dict, step: int | None) -> tuple[torch.Tensor, Any]:
         """(pooled embeddings, per-patch tokens) of the teacher's image tower: one forward for every term that asks
         for the same images at the same step (the average moves only between steps)."""
         if self.last is None or self.last[0] is not images or self.last[1] != step:
@@ -152,7 +174,7 @@ class TeacherTerm(Term):
     def modules(self) -> list[OwnModule]:
         return [self.head]
 
-    def teacher_image(self, images: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def teacher_image(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, Any]:
         """(pooled, per-patch tokens) of the teacher's image tower (EmaTeacher.image: shared by the terms)."""
         return self.ema_teacher.image(self.visual, images, self.step)
 

@@ -51,10 +51,11 @@ def test_the_terms_are_exact_under_fsdp(sizes, chunks, loss):
         assert len(own) == 11 + 27 and all(check.verdict == "exact" for check in own)
 
 
-@pytest.mark.parametrize(("parallel", "sizes", "chunks"), [("ddp", [3, 2, 2], 2), ("fsdp", [2, 3], 1)])
-def test_the_decoder_on_a_naflex_tower_is_exact(parallel, sizes, chunks):
-    """On a NaFlex tower the decoder reads the trunk's patch tokens, each row's padding masked: rows of other grids
-    and lengths, unequal batches, DDP with gradient caching and FSDP2."""
+@pytest.mark.parametrize(("parallel", "sizes", "chunks"), [("ddp", [3, 2, 2], 2), ("fsdp", [2, 3], 2)])
+def test_masked_prediction_and_the_decoder_on_a_naflex_tower_are_exact(parallel, sizes, chunks):
+    """On a NaFlex tower masked prediction masks each row's own patches (its padding never) and the decoder reads the
+    trunk's patch tokens, each row's padding masked: rows of other grids and lengths, unequal batches, gradient
+    caching, DDP and FSDP2."""
     for report in run_gradchecks(
         ["siglip"],
         len(sizes),
@@ -62,10 +63,11 @@ def test_the_decoder_on_a_naflex_tower_is_exact(parallel, sizes, chunks):
         chunks=chunks,
         model="clipdist-naflex-tiny",
         parallel=parallel,
-        terms=["decoder"],
+        terms=["masked", "decoder"],
     ):
         assert report.exact, (report.max_rel_err, report.diagnosis)
-        assert sum(check.name.startswith("caption_decoder.") for check in report.parameters) == 27
+        own = [c for c in report.parameters if c.name.startswith(("masked_head.", "caption_decoder."))]
+        assert len(own) == 6 + 27 and all(check.verdict == "exact" for check in own)
 
 
 STEPS = 16

@@ -251,6 +251,47 @@ def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_
         assert len(calls) == forwards  # the teacher's image forward once a step for both terms
 
 
+def naflex_padded(images: dict, extra: int) -> dict:
+    """The same NaFlex batch with `extra` more padding patches a row."""
+    rows = len(images["patches"])
+    return {
+        "patches": torch.cat(
+            [images["patches"], images["patches"].new_zeros(rows, extra, images["patches"].shape[2])], 1
+        ),
+        "patch_coord": torch.cat([images["patch_coord"], torch.zeros(rows, extra, 2, dtype=torch.long)], 1),
+        "patch_valid": torch.cat([images["patch_valid"], torch.zeros(rows, extra, dtype=torch.bool)], 1),
+    }
+
+
+def test_on_a_naflex_tower_masked_prediction_masks_each_rows_own_patches_whatever_the_padding():
+    """loss.masked on a NaFlex tower: round(ratio · n) of a row's n patches masked (never its padding), the mask token
+    put in after the patch projection; a row's loss and the teacher's outputs the centre averages do not depend on the
+    padding its batch gave it."""
+    from clipdist.model.timm_towers import random_patches
+    from clipdist.objective.masked import MaskedTerm
+    from clipdist.objective.masked import attach as attach_masked
+    from clipdist.objective.specs import MaskedOptions
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-naflex-tiny").double().eval()
+    options = MaskedOptions(ratio=0.5, hidden=16, bottleneck=8, prototypes=12)
+    assert attach_masked(options, model)
+    torch.nn.init.normal_(model.masked_head.mask_token)
+    weights = {name: tensor.detach() + 0.01 for name, tensor in model.named_parameters()}
+    term = MaskedTerm(model, EmaTeacher(model, lambda: weights), options)
+    term.step = 4
+    images = random_patches(5, 16, 12, torch.Generator().manual_seed(2), torch.float64)
+    _, _, mask, own = term.outputs(images)
+    counts = images["patch_valid"].sum(1)
+    assert torch.equal(own, images["patch_valid"]) and not (mask & ~own).any()
+    assert mask.sum(1).tolist() == [max(1, round(0.5 * int(n))) for n in counts]
+    losses, teacher = term.rows(images)
+    padded_losses, padded_teacher = term.rows(naflex_padded(images, 4))
+    assert len(teacher) == int(counts.sum())
+    torch.testing.assert_close(padded_losses, losses, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(padded_teacher, teacher, rtol=1e-10, atol=1e-12)
+
+
 def test_on_a_naflex_tower_a_captions_logits_do_not_depend_on_its_batchs_padding():
     """loss.decoder on a NaFlex tower: the trunk's patch tokens (its prefix tokens dropped), the batch's padding
     patches masked out of the cross-attention; the same sample padded further gets the same logits and the same way
@@ -274,12 +315,7 @@ def test_on_a_naflex_tower_a_captions_logits_do_not_depend_on_its_batchs_padding
         model(image=images, text=text)
         return term.logits_and_labels({"image": images, "text": text})[0]
 
-    extra = 5
-    padded = {
-        "patches": torch.cat([images["patches"], torch.zeros(4, extra, images["patches"].shape[2])], 1),
-        "patch_coord": torch.cat([images["patch_coord"], torch.zeros(4, extra, 2, dtype=torch.long)], 1),
-        "patch_valid": torch.cat([images["patch_valid"], torch.zeros(4, extra, dtype=torch.bool)], 1),
-    }
+    padded = naflex_padded(images, 5)
     assert not images["patch_valid"].all()  # rows of other lengths: padded already
     assert torch.equal(term.in_parallel(padded), term.in_parallel(images))
     torch.testing.assert_close(logits(padded), logits(images), rtol=1e-10, atol=1e-10)
