@@ -15,7 +15,9 @@ an exact integer function of the image's pixels (`sample_keys`), so a sample get
 number of ranks, in any gradient-caching chunk, at any row of the batch, and after a resume on another world size;
 nothing is drawn from the rank's RNG. All crops of the batch are resampled in one call of torchvision's
 `roi_align` (bilinear, pixel-aligned, each output pixel the mean of ⌈box / output⌉² samples: a box the size of its
-output is copied exactly).
+output is copied exactly). A NaFlex batch's views (`local_patch_views`) are boxes of each image's patch grid drawn the
+same way in patch units, at the patches' own resolution, keyed by the patches (a batch's padding adds nothing to a
+key), so they too are the sample's own on any world size.
 """
 
 from __future__ import annotations
@@ -110,6 +112,56 @@ def local_views(
     flipped = torch.tensor(flips, device=images.device)
     views = torch.where(flipped[:, None, None, None], views.flip(-1), views)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
+
+
+def local_patch_views(
+    images: dict[str, torch.Tensor],
+    *,
+    crops: int,
+    patch_size: int,
+    scale: tuple[float, float] = (0.05, 0.4),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    seed: int = 0,
+    step: int = 0,
+) -> dict[str, torch.Tensor]:
+    """`crops` local views of each image of a NaFlex batch ({patches (b, L, P·P·C), patch_coord (b, L, 2) as (y, x),
+    patch_valid (b, L)}), as a NaFlex batch of b·crops rows (image i's views at rows i·crops …): each view the patches
+    of a box of the image's grid, drawn (and flipped) as local_views draws its boxes but in patch units, at the
+    patches' own resolution (nothing resampled), its coordinates from (0, 0). Padded to the longest view."""
+    patches, coord, valid = images["patches"], images["patch_coord"].cpu(), images["patch_valid"].cpu()
+    rows, length, dim = patches.shape
+    views: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (flat source index, coordinates, flipped) a view
+    for row, key in enumerate(sample_keys(patches)):
+        generator = torch.Generator().manual_seed(view_seed(seed, step, key))
+        own = valid[row].nonzero()[:, 0]
+        yx = coord[row, own]
+        height, width = int(yx[:, 0].max()) + 1, int(yx[:, 1].max()) + 1
+        for _ in range(crops):
+            top, left, h, w = crop_box(generator, height, width, scale, ratio)
+            flipped = bool(torch.rand(1, generator=generator).item() < 0.5)
+            inside = (yx[:, 0] >= top) & (yx[:, 0] < top + h) & (yx[:, 1] >= left) & (yx[:, 1] < left + w)
+            at = yx[inside] - torch.tensor([top, left])
+            if flipped:
+                at[:, 1] = w - 1 - at[:, 1]
+            order = (at[:, 0] * w + at[:, 1]).argsort()  # raster order of the view
+            views.append((row * length + own[inside][order], at[order], flipped))
+    longest = max(len(source) for source, _, _ in views)
+    index = torch.zeros(len(views), longest, dtype=torch.long)
+    view_coord = torch.zeros(len(views), longest, 2, dtype=torch.long)
+    view_valid = torch.zeros(len(views), longest, dtype=torch.bool)
+    for view, (source, at, _) in enumerate(views):
+        index[view, : len(source)], view_coord[view, : len(source)], view_valid[view, : len(source)] = source, at, True
+    device = patches.device
+    cut = patches.reshape(rows * length, dim)[index.to(device)]  # (views, longest, P·P·C)
+    mirrored = cut.view(len(views), longest, patch_size, patch_size, -1).flip(3).reshape(cut.shape)
+    flips = torch.tensor([flipped for _, _, flipped in views], device=device)
+    cut = torch.where(flips[:, None, None], mirrored, cut)
+    valid_on_device = view_valid.to(device)
+    return {
+        "patches": torch.where(valid_on_device[..., None], cut, torch.zeros((), dtype=cut.dtype, device=device)),
+        "patch_coord": view_coord.to(device),
+        "patch_valid": valid_on_device,
+    }
 
 
 def patch_masks(

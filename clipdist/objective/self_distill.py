@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from clipdist.data.views import local_views
+from clipdist.data.views import local_patch_views, local_views
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_size
 from clipdist.model.flexible_grid import allow_other_sizes
-from clipdist.model.timm_towers import naflex_trunk
+from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.objective.base import TermContext
 from clipdist.objective.specs import SelfDistillOptions
 from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, teacher_term, tower
@@ -32,7 +32,16 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
     if not options.on:
         return False
     if naflex_trunk(model) is not None:
-        raise ConfigError("loss.self_distill takes fixed-size image towers for now: this model's is NaFlex")
+        if options.crop_size:
+            raise ConfigError(
+                f"loss.self_distill.crop_size={options.crop_size}: a NaFlex tower's local views are boxes of its "
+                "patch grid at their own resolution (nothing resampled); leave crop_size=0"
+            )
+        projection = getattr(getattr(tower(model), "head", None), "proj", None)
+        if not isinstance(projection, torch.nn.Linear):
+            raise ConfigError("loss.self_distill needs a NaFlex tower whose head is a linear projection (open_clip's)")
+        put_on(model, PART, Head(projection.out_features, options))
+        return True
     size = image_size(model)[0]
     if options.crop_size and options.crop_size != size:
         if not allow_other_sizes(model):
@@ -61,20 +70,29 @@ class SelfDistillTerm(TeacherTerm):
 
     def __init__(self, model, teacher, options: SelfDistillOptions, seed: int = 0):
         super().__init__(model, teacher, options, PART, seed)
-        self.size = options.crop_size or image_size(model)[0]
+        self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
+        self.size = options.crop_size or (0 if self.patch_size else image_size(model)[0])
 
-    def targets(self, images: torch.Tensor) -> torch.Tensor:
+    def targets(self, images: torch.Tensor | dict) -> torch.Tensor:
         """h_T of the whole images: (b, P) logits."""
         return self.teacher_head(self.teacher_image(images)[0])
 
-    def student(self, images: torch.Tensor) -> torch.Tensor:
-        """h_S of each image's K local views: (b, K, P) logits."""
-        options = self.options
-        size, scale = (self.size, self.size), (options.scale[0], options.scale[1])
-        views = local_views(images, crops=options.crops, size=size, scale=scale, seed=self.seed, step=self.step or 0)
-        return self.head(pooled(self.visual(views.flatten(0, 1)))).view(len(images), options.crops, -1)
+    def student(self, images: torch.Tensor | dict) -> torch.Tensor:
+        """h_S of each image's K local views: (b, K, P) logits (a NaFlex batch's views: boxes of its patch grid)."""
+        options, step = self.options, self.step or 0
+        scale = (options.scale[0], options.scale[1])
+        if isinstance(images, dict):
+            rows = len(images["patches"])
+            views: torch.Tensor | dict = local_patch_views(
+                images, crops=options.crops, patch_size=self.patch_size, scale=scale, seed=self.seed, step=step
+            )
+        else:
+            rows, size = len(images), (self.size, self.size)
+            views = local_views(images, crops=options.crops, size=size, scale=scale, seed=self.seed, step=step)
+            views = views.flatten(0, 1)
+        return self.head(pooled(self.visual(views))).view(rows, options.crops, -1)
 
-    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor]:
         teacher = self.targets(images)
         return self.cross_entropy(self.student(images), teacher[:, None]).mean(1), teacher
 

@@ -6,6 +6,7 @@ exact, 1/N, N×, another pure rescaling, missing, or wrong (not a rescaling: ter
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -129,6 +130,14 @@ OWN_TERMS = {
 }
 
 
+def _term_options(name: str, model: torch.nn.Module):
+    """OWN_TERMS[name], a NaFlex tower's views at their own resolution (crop_size 0: boxes of the patch grid)."""
+    options = OWN_TERMS[name]
+    if isinstance(options, SelfDistillOptions) and naflex_trunk(model) is not None:
+        return dataclasses.replace(options, crop_size=0)
+    return options
+
+
 def _teacher(model_name: str, seed: int, dtype: torch.dtype):
     """The distillation check's teacher: the same structure, other weights (seed + 1), frozen, in eval mode."""
     torch.manual_seed(seed + 1)
@@ -148,7 +157,7 @@ def _objective(loss_fn, model, model_name: str, seed: int, dtype: torch.dtype, t
         other = _model(model_name, seed + 1, dtype, loss_fn, terms=terms)
         weights = {name: tensor.detach() for name, tensor in other.named_parameters()}
         context = TermContext(model, seed=seed, teacher=lambda: weights)
-        objective.terms += [(TERMS[name].load()(OWN_TERMS[name], context), 1.0) for name in terms.own]
+        objective.terms += [(TERMS[name].load()(_term_options(name, model), context), 1.0) for name in terms.own]
     return objective
 
 
@@ -160,7 +169,7 @@ def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks
     model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
     for name in terms.own:
         spec = TERMS[name]
-        spec.load(spec.attach)(OWN_TERMS[name], model)
+        spec.load(spec.attach)(_term_options(name, model), model)
         for buffer in model.get_submodule(str(spec.part)).buffers():  # a centre
             buffer.normal_()
     locks.apply(model)

@@ -14,6 +14,8 @@ from helpers import read_jsonl, run_log
 
 from clipdist.tools.gradcheck import run_gradchecks
 from integration.test_elastic import assert_same_run, resume, stop_at
+from integration.test_naflex import STEPS as NAFLEX_STEPS
+from integration.test_naflex import naflex_batches, naflex_overrides
 
 
 # worlds 1-4, chunks 1 and 2 at each of 2 and 4 ranks, both kinds of contrastive loss (softmax, sigmoid)
@@ -52,10 +54,10 @@ def test_the_terms_are_exact_under_fsdp(sizes, chunks, loss):
 
 
 @pytest.mark.parametrize(("parallel", "sizes", "chunks"), [("ddp", [3, 2, 2], 2), ("fsdp", [2, 3], 2)])
-def test_masked_prediction_and_the_decoder_on_a_naflex_tower_are_exact(parallel, sizes, chunks):
-    """On a NaFlex tower masked prediction masks each row's own patches (its padding never) and the decoder reads the
-    trunk's patch tokens, each row's padding masked: rows of other grids and lengths, unequal batches, gradient
-    caching, DDP and FSDP2."""
+def test_the_terms_on_a_naflex_tower_are_exact(parallel, sizes, chunks):
+    """On a NaFlex tower self-distillation's views are boxes of each image's patch grid, masked prediction masks each
+    row's own patches (its padding never), the decoder reads the trunk's patch tokens with each row's padding masked:
+    rows of other grids and lengths, unequal batches, gradient caching, DDP and FSDP2."""
     for report in run_gradchecks(
         ["siglip"],
         len(sizes),
@@ -63,11 +65,11 @@ def test_masked_prediction_and_the_decoder_on_a_naflex_tower_are_exact(parallel,
         chunks=chunks,
         model="clipdist-naflex-tiny",
         parallel=parallel,
-        terms=["masked", "decoder"],
+        terms=["self_distill", "masked", "decoder"],
     ):
         assert report.exact, (report.max_rel_err, report.diagnosis)
-        own = [c for c in report.parameters if c.name.startswith(("masked_head.", "caption_decoder."))]
-        assert len(own) == 6 + 27 and all(check.verdict == "exact" for check in own)
+        own = [c for c in report.parameters if c.name.startswith(("self_distill_head.", "masked_head.", "caption_"))]
+        assert len(own) == 11 + 27 and all(check.verdict == "exact" for check in own)
 
 
 STEPS = 16
@@ -144,6 +146,35 @@ def test_under_fsdp_the_run_is_the_ddp_run(tmp_path, cache_dir, whole_run):
     worst_state = max(float((ours[key] - theirs[key]).abs().max()) for key in ours)
     print(f"fsdp against ddp: worst relative loss difference {worst:.2e}, state {worst_state:.1e}")
     assert worst_state <= 1e-5
+
+
+def test_on_a_naflex_tower_a_run_stopped_on_two_ranks_and_resumed_on_one_is_the_run_never_stopped(tmp_path, cache_dir):
+    """The three terms on a NaFlex tower with token-budget batches of two lengths (a rank's rows, so its padding,
+    differ with the world size): the views, masks and draws are each sample's own, so a run stopped on 2 ranks and
+    resumed on 1 logs the uninterrupted run's batches and losses."""
+    from helpers import train, train_until
+
+    terms = (
+        "loss=siglip",
+        "optim.ema.decay=0.9",
+        "loss.self_distill.crops=2",
+        "loss.masked.ratio=0.5",
+        "loss.decoder.layers=1",
+        "loss.decoder.width=32",
+        "loss.decoder.heads=2",
+    )
+    whole = tmp_path / "whole"
+    assert train(whole, cache_dir, *naflex_overrides("cpu2", *terms)).returncode == 0
+    stopped = tmp_path / "stopped"
+    assert 3 <= train_until(stopped, cache_dir, naflex_overrides("cpu2", *terms), 3) < NAFLEX_STEPS
+    resumed = train(stopped, cache_dir, *naflex_overrides("local", *terms))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert naflex_batches(stopped) == naflex_batches(whole)
+    rows = [read_jsonl(run / "train_log.jsonl") for run in (stopped, whole)]
+    assert len(rows[0]) == len(rows[1]) == NAFLEX_STEPS and all("self_distill_loss" in row for row in rows[0])
+    worst = max(abs(ours["loss"] - theirs["loss"]) / abs(theirs["loss"]) for ours, theirs in zip(*rows))
+    print(f"NaFlex, the three terms, cpu2 -> local: worst relative loss difference {worst:.2e}")
+    assert worst <= 1e-5
 
 
 def _final_state(run_dir) -> dict[str, torch.Tensor]:

@@ -83,8 +83,11 @@ def test_the_head_is_a_module_of_the_model_and_a_training_only_part():
     assert len(names) == 5 and all(training_only(name) for name in names)
     assert "self_distill_head.centre" in model.state_dict() and not training_only("visual.proj")
     assert not attach(SelfDistillOptions(), create_model("clipdist-tiny"))  # crops=0: off, nothing added
-    with pytest.raises(ConfigError, match="NaFlex"):
-        attach(OPTIONS, create_model("clipdist-naflex-tiny"))
+    with pytest.raises(ConfigError, match="NaFlex tower's local views are boxes of its patch grid"):
+        attach(OPTIONS, create_model("clipdist-naflex-tiny"))  # crop_size=16: nothing is resampled on NaFlex
+    naflex = create_model("clipdist-naflex-tiny")
+    assert attach(SelfDistillOptions(crops=2, hidden=16, bottleneck=8, prototypes=12), naflex)
+    assert naflex.self_distill_head.mlp[0].in_features == 64
 
 
 def batch_inputs(rows: int = 3) -> dict:

@@ -70,3 +70,50 @@ def test_a_samples_patch_mask_is_its_own_wherever_it_is_and_masks_its_share():
     assert not torch.equal(patch_masks(images, 16, 0.5, seed=1, step=6), masks)
     assert len({tuple(row) for row in masks.tolist()}) == 6
     assert patch_masks(images, 16, 0.01).sum(1).tolist() == [1] * 6  # at least one patch
+
+
+def _naflex_rows(rows: int, patch: int = 4, max_patches: int = 64) -> dict:
+    from clipdist.model.timm_towers import random_patches
+
+    return random_patches(rows, patch, max_patches, torch.Generator().manual_seed(rows))
+
+
+def test_a_naflex_images_views_are_boxes_of_its_patch_grid_whatever_its_row_or_padding():
+    """local_patch_views: each view a whole h' × w' grid from (0, 0), its patches the image's own (or, flipped, their
+    mirror images in the mirrored order), never padding; the same views for a sample at another row of another
+    batch with more padding."""
+    from clipdist.data.views import local_patch_views
+
+    patch, crops = 4, 3
+    images = _naflex_rows(5, patch)
+    views = local_patch_views(images, crops=crops, patch_size=patch, scale=(0.2, 0.6), seed=1, step=9)
+    assert views["patches"].shape[0] == 5 * crops
+    for view in range(5 * crops):
+        row, valid = view // crops, views["patch_valid"][view]
+        at = views["patch_coord"][view][valid]
+        height, width = int(at[:, 0].max()) + 1, int(at[:, 1].max()) + 1
+        assert len(at) == height * width and {tuple(c) for c in at.tolist()} == {
+            (y, x) for y in range(height) for x in range(width)
+        }
+        assert not views["patches"][view][~valid].any()
+        source = images["patches"][row][images["patch_valid"][row]]
+        mine = views["patches"][view][valid]
+        mirrored = mine.view(-1, patch, patch, 3).flip(2).reshape(mine.shape)
+        as_is = all(any(torch.equal(p, s) for s in source) for p in mine)
+        flipped = all(any(torch.equal(p, s) for s in source) for p in mirrored)
+        assert as_is or flipped
+    # rows 1..4 alone, after two more padding patches each: the same views as there
+    moved = {
+        "patches": torch.cat([images["patches"][1:], torch.zeros(4, 2, images["patches"].shape[2])], 1),
+        "patch_coord": torch.cat([images["patch_coord"][1:], torch.zeros(4, 2, 2, dtype=torch.long)], 1),
+        "patch_valid": torch.cat([images["patch_valid"][1:], torch.zeros(4, 2, dtype=torch.bool)], 1),
+    }
+    again = local_patch_views(moved, crops=crops, patch_size=patch, scale=(0.2, 0.6), seed=1, step=9)
+    for view in range(4 * crops):
+        ours, theirs = again["patch_valid"][view], views["patch_valid"][view + crops]
+        assert torch.equal(again["patches"][view][ours], views["patches"][view + crops][theirs])
+        assert torch.equal(again["patch_coord"][view][ours], views["patch_coord"][view + crops][theirs])
+    other = local_patch_views(images, crops=crops, patch_size=patch, scale=(0.2, 0.6), seed=1, step=10)
+    assert not torch.equal(other["patch_coord"], views["patch_coord"]) or not torch.equal(
+        other["patches"], views["patches"]
+    )
