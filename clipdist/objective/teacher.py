@@ -140,6 +140,11 @@ class EmaTeacher:
             self.last = (images, step, self(visual, images, within=tokens_out))
         return self.last[2]
 
+    def forget(self) -> None:
+        """Let the last images and the tower's outputs go (once the step's forwards have taken them: not held through
+        backward)."""
+        self.last = None
+
 
 class TeacherPart(NamedTuple):
     total: torch.Tensor  # Σ over this rank's rows of ℓ_i (a chunk's, with its graph, under gradient caching)
@@ -203,6 +208,7 @@ class TeacherTerm(Term):
         rows, outputs = sum(part[2] for part in parts), sum(part[3] for part in parts)
         counts = torch.tensor([rows, outputs], dtype=torch.float64, device=total.device)
         sums = torch.cat([counts, sum(part[1] for part in parts).to(total.device)])
+        self.ema_teacher.forget()  # every chunk's forward has taken what it needs of the teacher
         mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, Σ t / N)
         self.pending = mean[2:] / mean[1]
         return TeacherPart(total, 1 / mean[0].to(total.dtype))

@@ -252,6 +252,7 @@ def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_
         loss = parts.step.gradients(batch)
         assert torch.isfinite(loss)
         assert len(calls) == forwards  # the teacher's image forward once a step for both terms
+        assert teacher.last is None  # not held through backward
 
 
 def naflex_padded(images: dict, extra: int) -> dict:
