@@ -172,23 +172,27 @@ def test_automatic_chunks_reach_nearly_the_largest_batch_with_the_largest_chunk(
     assert bigger < plan.AUTO_CHUNK_SHARE * best  # a larger chunk would give up more than 5%
 
 
-def test_a_recipes_terms_add_their_modules_the_activations_of_their_forwards_and_an_average():
+@pytest.mark.parametrize(("name", "seq_len"), [("clipdist-tiny", None), ("clipdist-naflex-tiny", 36)])
+def test_a_recipes_terms_add_their_modules_the_activations_of_their_forwards_and_an_average(name, seq_len):
     """--recipe siglip2: the heads and decoder are parameters the plan counts, the fit of what the towers and the
-    terms' own forwards keep (local views, a masked image, the decoder's logits) predicts a batch of 4 within 20%."""
+    terms' own forwards keep (local views, a masked image, the decoder's logits) predicts a batch of 4 within 20% —
+    on a fixed-size tower and on a NaFlex one (its views: boxes of the patch grid)."""
     import torch
 
     from clipdist.model.factory import create_model
     from clipdist.tools.memory import SavedTensorMeter, measure_activations, model_outputs
 
     torch.manual_seed(0)
-    plain, model = create_model("clipdist-tiny"), create_model("clipdist-tiny")
+    plain, model = create_model(name), create_model(name)
     terms, ema = plan.recipe_terms("siglip2", model)
     assert ema and [term.name for term in terms] == ["self_distill_loss", "masked_loss", "decoder_loss"]
     assert sum(p.numel() for p in model.parameters()) > sum(p.numel() for p in plain.parameters())
-    alone, fit = measure_activations(plain, 16), measure_activations(model, 16, terms=terms)
+    context = model.context_length
+    alone = measure_activations(plain, context, seq_len=seq_len)
+    fit = measure_activations(model, context, seq_len=seq_len, terms=terms)
     assert fit.per_sample > 5 * alone.per_sample
     with SavedTensorMeter(exclude=list(model.parameters())) as meter:
-        outputs = model_outputs(model, 4, 16, terms=terms)
+        outputs = model_outputs(model, 4, context, seq_len=seq_len, terms=terms)
         real = meter.live
     del outputs
     assert abs(fit.bytes(4) - real) / real < 0.2, (fit.bytes(4), real)
