@@ -14,6 +14,9 @@ figures are the step's, not the loader's:
   naflex      NaFlex ViT-B/16 bf16 at 256, 576 and 784 patches an image under one token budget (100,352 patches:
               392, 174, 128 images), tokens/s; ViT-B/16 at fixed 224 px on the same budget (512 images)
               (--tiny: naflex_tiny at 16 and 64 patches, 1,024 patches a batch)
+  recipe      NaFlex ViT-B/16 bf16 at 256 patches × 128 images: plain SigLIP, then with recipe=siglip2's decoder,
+              self-distillation and masked prediction all counting (samples/s and peak memory side by side)
+              (--tiny: naflex_tiny at 16 patches)
   fsdp        the B/32 bf16 step under FSDP2 at world 1 (a process group of one)
   checkpoint  how long a save in the background holds the loop (checkpoint.async_save), and its write
   data        a real run, `train.py world=1gpu data=web_photos` (--tiny: `world=local data=digits`): pinned
@@ -117,20 +120,30 @@ def config(
     chunks: int = 1,
     compile: bool = False,
     parallel: str = "ddp",
+    terms: dict | None = None,
 ):
-
+    """A run's config for one row; `terms`: loss term sections (RECIPE_TERMS) beside the loss, with a weight average
+    for the teacher terms."""
     return to_train_config(
         {
             "name": "battery",
             "run_dir": str(work),
             "precision": precision,
             "model": {"name": model, "compile": compile},
-            "loss": {"name": loss},
+            "loss": {"name": loss, **(terms or {})},
             "world": {"batch_per_device": rows, "parallel": parallel},
             "grad_cache": {"chunks": chunks},
-            "optim": {"warmup_steps": 1, "max_steps": 10**6},
+            "optim": {"warmup_steps": 1, "max_steps": 10**6, "ema": {"decay": 0.999 if terms else 0.0}},
         }
     )
+
+
+# recipe=siglip2's terms, every one counting from the first step (conf/recipe/siglip2.yaml starts two at 80%)
+RECIPE_TERMS = {
+    "decoder": {"layers": 2, "heads": 8, "parallel": 0.5},
+    "self_distill": {"crops": 8, "start_at": 0.0},
+    "masked": {"ratio": 0.5, "start_at": 0.0, "weight": 0.25},
+}
 
 
 def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None = None):
@@ -307,6 +320,25 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
                     config(work, naflex, precision, budget // length), device, steps, seq_len=length
                 ),
                 step_estimate(naflex, budget // 196, steps, peak[0]),
+                peak,
+            )
+        )
+    recipe_length = 16 if tiny else 256  # SigLIP 2's NaFlex B/16 at 256 patches
+    recipe_rows = budget // (4 * recipe_length) if tiny else 128
+    for label, terms in (("siglip", None), ("recipe=siglip2 terms", RECIPE_TERMS)):
+        rows.append(
+            Planned(
+                "recipe",
+                f"{naflex} {precision} {label} × {recipe_rows} at {recipe_length} patches",
+                lambda work, terms=terms: time_steps(
+                    config(work, naflex, precision, recipe_rows, loss="siglip", terms=terms),
+                    device,
+                    steps,
+                    seq_len=recipe_length,
+                ),
+                step_estimate(
+                    naflex, recipe_rows * recipe_length // 196, steps, peak[0], passes=12.0 if terms else 3.0
+                ),
                 peak,
             )
         )

@@ -30,11 +30,22 @@ def test_the_battery_runs_every_section_on_the_cpu(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert not [row for row in rows if "error" in row], rows
-    assert {row["section"] for row in rows} == {"step", "large batch", "naflex", "fsdp", "checkpoint", "data", "peak"}
+    assert {row["section"] for row in rows} == {
+        "step",
+        "large batch",
+        "naflex",
+        "recipe",
+        "fsdp",
+        "checkpoint",
+        "data",
+        "peak",
+    }
     naflex = [row for row in rows if row["section"] == "naflex"]
     assert [row["tokens_per_s"] / row["samples_per_s"] for row in naflex] == pytest.approx([16, 64])
     steps = [row for row in rows if "flops" in row]
-    assert len(steps) == 7 and all(row["samples_per_s"] > 0 and 0 < row["mfu"] < 1 for row in steps), steps
+    assert len(steps) == 9 and all(row["samples_per_s"] > 0 and 0 < row["mfu"] < 1 for row in steps), steps
+    plain, recipe = [row for row in rows if row["section"] == "recipe"]
+    assert "recipe=siglip2 terms" in recipe["what"] and recipe["flops"] > 2 * plain["flops"]  # the terms' forwards
     assert [row["what"].split()[2] for row in rows if row["section"] == "large batch"] == ["disco", "tiled", "siglip"]
     assert all(row["took_s"] > 0 and row["estimate_s"] > 0 for row in rows if row["section"] != "peak")
     checkpoint = next(row for row in rows if row["section"] == "checkpoint")
