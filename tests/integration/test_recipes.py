@@ -13,6 +13,7 @@ from helpers import read_jsonl, train, train_until
 
 from clipdist.data.batch import Batch
 from clipdist.distributed.launch import launch_local
+from integration.test_elastic import global_batches
 
 STEPS = 12
 
@@ -93,14 +94,17 @@ def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_unint
         "data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]",
         "data.augmentation.color_jitter_prob=0.5",
         "model.force_patch_dropout=0.25",
+        "logging.sample_keys=true",  # a difference is then told apart: other data, or other state
     ]
     whole = train(tmp_path / "whole", cache_dir, *overrides)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run_dir = tmp_path / "stopped"
-    train_until(run_dir, cache_dir, overrides, 6)
+    stopped_at = train_until(run_dir, cache_dir, overrides, 6)
     resumed = train(run_dir, cache_dir, *overrides)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resumed from") == 1
+    batches = global_batches(run_dir)
+    assert batches == global_batches(tmp_path / "whole"), f"other batches after the stop at {stopped_at}"
     whole_losses, whole_rows = losses(tmp_path / "whole")
     resumed_losses, resumed_rows = losses(run_dir)
     np.testing.assert_array_equal(resumed_losses, whole_losses)
