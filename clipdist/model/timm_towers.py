@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import open_clip.timm_model
 import timm
@@ -107,7 +108,12 @@ def timm_tower(name: str, image_tower: str | None = None):
 
 def naflex_trunk(model: torch.nn.Module):
     """The timm NaFlexVit of a model's image tower, or None where the tower is another kind."""
-    trunk = getattr(getattr(model, "visual", None), "trunk", None)
+    return naflex_trunk_of(getattr(model, "visual", None))
+
+
+def naflex_trunk_of(visual: Any):
+    """The timm NaFlexVit of an image tower, or None where the tower is another kind."""
+    trunk = getattr(visual, "trunk", None)
     return trunk if type(trunk).__name__ == "NaFlexVit" else None
 
 

@@ -32,7 +32,7 @@ from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
 from clipdist.objective.specs import DecoderOptions
-from clipdist.objective.teacher import put_on, tower
+from clipdist.objective.teacher import images_in, put_on, tower
 
 PART = "caption_decoder"
 
@@ -168,7 +168,7 @@ class DecoderTerm(CaptionTerm):
     def in_parallel(self, images: torch.Tensor | dict) -> torch.Tensor:
         """Which samples are predicted in parallel: (b,) bool, a draw per sample and step (a NaFlex batch's: keyed by
         its patches, whose padding adds nothing to a key)."""
-        pixels = images["patches"] if isinstance(images, dict) else images
+        pixels, _ = images_in(images)
         draws = [
             torch.rand(1, generator=torch.Generator().manual_seed(view_seed(self.seed, self.step or 0, key, "par:")))
             for key in sample_keys(pixels)
@@ -178,7 +178,8 @@ class DecoderTerm(CaptionTerm):
     def logits_and_labels(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's (b, L−1, vocab) logits of this forward's captions, and their labels (text[:, 1:])."""
         patches, text, images = self.patch_tokens.take(), inputs["text"], inputs["image"]
-        unseen = ~images["patch_valid"] if isinstance(images, dict) else None
+        valid = images_in(images)[1]
+        unseen = None if valid is None else ~valid
         return self.decoder(patches, text, self.in_parallel(images), self.pad_id, unseen), text[:, 1:]
 
     def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:

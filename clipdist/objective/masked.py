@@ -23,7 +23,7 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
-from clipdist.model.timm_towers import naflex_trunk
+from clipdist.model.timm_towers import naflex_trunk, naflex_trunk_of
 from clipdist.objective.base import TermContext
 from clipdist.objective.specs import MaskedOptions
 from clipdist.objective.teacher import Head, TeacherTerm, images_in, put_on, teacher_term, tokens_out, tower
@@ -76,8 +76,8 @@ def build(options: MaskedOptions, context: TermContext) -> TeacherTerm | None:
 def masked_tokens(visual: Any, mask: torch.Tensor, head: MaskedHead) -> Iterator:
     """Inside, the tower returns (pooled, per-patch tokens), the patch embeddings at `mask`'s (b, L) True positions
     the head's mask token (before the position table is added, as iBOT masks)."""
-    trunk: Any = getattr(visual, "trunk", None)
-    embedding = trunk.embeds.proj if type(trunk).__name__ == "NaFlexVit" else visual.conv1
+    trunk = naflex_trunk_of(visual)
+    embedding = trunk.embeds.proj if trunk is not None else visual.conv1
     handle = embedding.register_forward_hook(lambda module, args, out: head.fill(out, mask))
     try:
         with tokens_out(visual):

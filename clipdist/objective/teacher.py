@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
+from clipdist.model.timm_towers import naflex_trunk_of
 from clipdist.objective.base import OwnModule, Term, TermContext
 from clipdist.objective.specs import TeacherOptions
 
@@ -78,8 +79,8 @@ def teacher_term(term: type[TeacherTerm], name: str, options: TeacherOptions, co
 def tokens_out(visual: Any) -> Iterator:
     """Inside, the image tower returns (pooled, per-patch tokens): open_clip's ViT its tokens after ln_post, a NaFlex
     tower (timm's NaFlexVit trunk) its trunk's tokens after the last norm, the prefix tokens dropped."""
-    trunk: Any = getattr(visual, "trunk", None)
-    if type(trunk).__name__ != "NaFlexVit":
+    trunk = naflex_trunk_of(visual)
+    if trunk is None:
         before, visual.output_tokens = visual.output_tokens, True
         try:
             yield
