@@ -102,6 +102,7 @@ def image(tmp_path_factory):
     conf, mounts = pip_mounts()
     (folder / "pip.conf").write_text(conf)
     pins = " ".join(f"{module.__name__}=={module.__version__.split('+')[0]}" for module in (torch, torchvision))
+    replaced = podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False).stdout.strip()
     started = time.time()
     podman(
         "build",
@@ -120,6 +121,9 @@ def image(tmp_path_factory):
         timeout=1500,
     )
     print(f"image built in {time.time() - started:.0f} s")
+    built = podman("image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()
+    if replaced and replaced != built:  # the last run's image, now untagged: 6 GB of layers left until pruned
+        podman("rmi", replaced, check=False)
     return IMAGE
 
 
