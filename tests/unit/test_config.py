@@ -268,7 +268,7 @@ def test_open_clips_precision_names_are_read_as_ours():
 def test_an_unwritable_run_directory_is_one_line_before_hydra_makes_it(tmp_path, monkeypatch):
     import os
 
-    from clipdist.cli import unwritable_run_dir
+    from clipdist.cli.train import unwritable_run_dir
 
     assert unwritable_run_dir([f"run_dir={tmp_path / 'a' / 'b'}"]) is None
     (tmp_path / "file").write_text("")
@@ -311,7 +311,7 @@ def test_a_misspelt_key_is_one_line_before_hydra_composes(tmp_path, capsys, monk
 def test_hydras_doors_that_run_or_leak_are_closed_before_hydra_opens_them(tmp_path, monkeypatch, capsys):
     """--experimental-rerun (unpickles), a --config-dir whose YAML names a callback or a foreign _target_, an
     override reading the environment: one line each, nothing run, the secret printed nowhere."""
-    from clipdist.cli import closed_door
+    from clipdist.cli.train import closed_door
 
     assert "unpickles" in closed_door(["--experimental-rerun", str(tmp_path / "x.pickle")])
     folder = tmp_path / "conf" / "model"
@@ -335,7 +335,7 @@ def test_hydras_doors_that_run_or_leak_are_closed_before_hydra_opens_them(tmp_pa
 
 def test_train_help_describes_every_key_and_lists_every_group_option(capsys):
     """`python train.py --help`: every key of the schema with its default and a description, at once."""
-    from clipdist.cli import train_help
+    from clipdist.cli.train import train_help
     from clipdist.config import schema_keys
 
     text = train_help()

@@ -1,0 +1,61 @@
+"""`clipdist` command line: train, torchrun, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval,
+trust, report — a module a subcommand, each with its parser (`add`) and its call (`run`); what a command does
+lives in clipdist.tools (or the package it names), imported only when it runs, so `clipdist --help` stays quick."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from clipdist.cli import bench, evaluate, export, gradcheck, make_shards, plan, report, trust
+from clipdist.cli.train import train_main
+from clipdist.compat import floor_problem
+from clipdist.distributed import host
+from clipdist.errors import printable
+
+__all__ = ["build_parser", "main", "train_main"]
+COMMANDS = (gradcheck, plan, bench, make_shards, export, evaluate, trust, report)  # each: add(commands), run(args)
+DESCRIPTION = (
+    "CLIP pretraining with exact distributed contrastive losses: train, torchrun, gradcheck, plan, bench (loss, gpu, "
+    "limit), make-shards, export, eval, trust, report"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clipdist", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser(
+        "train",
+        add_help=False,
+        help="train: Hydra overrides follow (clipdist train loss=disco world=cpu2; --help lists groups)",
+    )
+    commands.add_parser(
+        "torchrun",
+        add_help=False,
+        help="torchrun's launch (its options, then train.py and overrides), a failed rank ending it in one line",
+    )
+    for command in COMMANDS:
+        command.add(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    host.spin_briefly()  # before torch loads libgomp
+    argv = sys.argv[1:] if argv is None else argv
+    problem = floor_problem()
+    if problem:
+        print(f"clipdist: error: {problem}", file=sys.stderr)
+        return 2
+    if argv[:1] == ["train"]:
+        train_main(argv[1:])
+        return 0
+    if argv[:1] == ["torchrun"]:
+        from clipdist.distributed import torchrun
+
+        return torchrun.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as error:
+        print(printable(f"clipdist {args.command}: error: {error}"), file=sys.stderr)
+        return 2

@@ -1,0 +1,109 @@
+"""`clipdist eval`: a run, checkpoint, export or open_clip model on evaluation sets, without training
+(clipdist.tools.evaluation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from clipdist.cli.arguments import csv
+
+
+def add(commands) -> None:
+    evaluator = commands.add_parser(
+        "eval",
+        help="evaluate a run, checkpoint, export or open_clip model on evaluation sets, without training",
+        description="Zero-shot top-1/top-5, retrieval recall@k, mean/median rank and the CLIP validation loss of a "
+        "model on one or more evaluation sets; on one process or split over N local ranks (the same metrics).",
+    )
+    evaluator.add_argument(
+        "target",
+        help="a run directory, a .dcp/.pt checkpoint, an export folder, or an open_clip "
+        "model name (with --pretrained) or hf-hub:ORG/REPO",
+    )
+    evaluator.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        type=_named_set,
+        metavar="NAME=SPEC",
+        help="an evaluation set: shards, a folder, a clip_benchmark dataset folder (repeatable)",
+    )
+    evaluator.add_argument(
+        "--dense",
+        action="store_true",
+        help="also a linear probe on the image tower's patch tokens over generated scenes of shapes (a label per "
+        "pixel): dense/miou and dense/patch_accuracy (docs/training.md)",
+    )
+    evaluator.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name")
+    evaluator.add_argument("--model", default=None, help="the model a bare weights file fits (ViT-B-32)")
+    evaluator.add_argument(
+        "--classnames",
+        type=csv(str),
+        default=None,
+        help="comma-separated class names, where no classnames.txt is beside the set",
+    )
+    evaluator.add_argument(
+        "--templates",
+        action="append",
+        default=None,
+        help="a zero-shot prompt with {} (repeatable; default 'a photo of {}.')",
+    )
+    evaluator.add_argument("--world", type=int, default=1, help="local gloo ranks to split the sets over")
+    evaluator.add_argument("--batch", type=int, default=256, help="images per forward")
+    evaluator.add_argument("--precision", choices=["fp32", "bf16", "fp16", "pure_bf16", "pure_fp16"], default="fp32")
+    evaluator.add_argument("--cache-dir", default=None, help="where downloaded weights go (Hugging Face's cache)")
+    evaluator.add_argument(
+        "--retrieval-ties",
+        choices=["pessimistic", "open_clip"],
+        default="pessimistic",
+        help="repeated captions: a tie counts against the image (default), or open_clip_train's argsort order",
+    )
+    evaluator.add_argument("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights")
+    evaluator.add_argument("--out", default=None, help="write the metrics to this JSON file")
+    evaluator.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    evaluator.set_defaults(run=run)
+
+
+def _named_set(text: str) -> tuple[str, str]:
+    name, separator, spec = text.partition("=")
+    if not separator or not name or not spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=SPEC, e.g. --set val=/data/val")
+    return name, spec
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from clipdist.tools.evaluation import run_eval, write_metrics
+
+    metrics = run_eval(
+        args.target,
+        dict(args.sets or []),
+        pretrained=args.pretrained,
+        model_name=args.model,
+        classnames=args.classnames or [],
+        templates=args.templates or [],
+        world_size=args.world,
+        batch_size=args.batch,
+        precision=args.precision,
+        cache_dir=args.cache_dir,
+        retrieval_ties=args.retrieval_ties,
+        ema=args.ema,
+        dense=args.dense,
+    )
+    if args.out:
+        write_metrics(metrics, args.out)
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+        return 0
+    table = Table(title=f"clipdist eval: {args.target}" + (f" ({args.world} ranks)" if args.world > 1 else ""))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console().print(table)
+    if args.out:
+        print(f"written to {args.out}")
+    return 0

@@ -1,0 +1,159 @@
+"""`clipdist gradcheck`: prove a distributed loss exact against one process on the global batch
+(clipdist.tools.gradcheck)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from clipdist.cli.arguments import batch_sizes, given
+from clipdist.objective.specs import TERMS
+
+
+def add(commands) -> None:
+    check = commands.add_parser(
+        "gradcheck",
+        help="prove a distributed loss exact against one process on the global batch",
+        description="Spawn N local gloo ranks, run one DDP (or FSDP) step of a tiny two-tower model with the loss, and "
+        "compare the loss and every parameter's gradient with one process on the whole batch.",
+    )
+    # Defaults: run_gradcheck's (argparse.SUPPRESS: an option not given is not passed).
+    check.argument_default = argparse.SUPPRESS
+    check.add_argument(
+        "--backend", help="registered backend (naive, gather_layer, disco, tiled, siglip; default disco)"
+    )
+    check.add_argument("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature")
+    check.add_argument("--world", dest="world_size", type=int, help="number of local ranks (default 2)")
+    check.add_argument(
+        "--batch",
+        dest="local_batch",
+        type=batch_sizes,
+        help="local batch per rank, or one per rank: 4,3,5 (default 4)",
+    )
+    check.add_argument("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks")
+    check.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)",
+    )
+    check.add_argument(
+        "--lock-image",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="UNLOCKED_GROUPS",
+        help="lock the image tower (open_clip's lock_image_tower), its last N groups left trainable",
+    )
+    check.add_argument(
+        "--lock-text",
+        type=int,
+        nargs="?",
+        const=0,
+        metavar="UNLOCKED_LAYERS",
+        help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable",
+    )
+    check.add_argument(
+        "--scaler",
+        action="store_true",
+        help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)",
+    )
+    check.add_argument(
+        "--distill",
+        action="store_true",
+        help="add loss.distill's term against a teacher (the same model, other weights), checked "
+        "against open_clip's DistillClipLoss on the whole batch",
+    )
+    check.add_argument(
+        "--term",
+        dest="terms",
+        action="append",
+        choices=[name for name, spec in TERMS.items() if spec.part],
+        help="add a term that trains a module of its own (loss.self_distill, loss.masked, loss.decoder; repeat for "
+        "more): the module on the model, the EMA teacher another model's weights, checked against the term's own "
+        "definition",
+    )
+    check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
+    check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
+    check.add_argument("--seed", type=int)
+    check.add_argument("--timeout", dest="timeout_s", type=float, help="seconds before a stuck collective fails")
+    check.add_argument("--json", action="store_true", default=False, help="print a JSON object instead of the table")
+    check.add_argument("--verbose", action="store_true", default=False, help="list every parameter")
+    check.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clipdist.tools.gradcheck import run_gradcheck
+
+    options = given(
+        args,
+        "world_size",
+        "local_batch",
+        "dtype",
+        "model",
+        "seed",
+        "timeout_s",
+        "chunks",
+        "parallel",
+        "lock_image",
+        "lock_text",
+        "scaler",
+        "distill",
+        "terms",
+    )
+    if args.loss or hasattr(args, "backend"):
+        options["loss"] = args.loss or args.backend
+    report = run_gradcheck(**options)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        _print_report(report, verbose=args.verbose)
+    return 0 if report.exact else 1
+
+
+def _print_report(report, verbose: bool) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from clipdist.tools.gradcheck import SCALAR_PARAMETERS, SCALE
+
+    console = Console()
+    cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
+    cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
+    cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
+    cached += ", distilled from a teacher" if report.distill else ""
+    cached += "".join(f", with loss.{name}" for name in report.terms)
+    table = Table(
+        title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, {report.dtype}{cached}"
+    )
+    table.add_column("parameter")
+    table.add_column("rel. error", justify="right")
+    table.add_column("verdict")
+    table.add_row(
+        "loss value", f"{report.loss_rel_err:.2e}", "exact" if report.loss_rel_err <= report.tolerance else "wrong"
+    )
+    failing = [c for c in report.parameters if c.verdict != "exact"]
+    always = [c for c in report.parameters if c.name in SCALAR_PARAMETERS]
+    shown = report.parameters if verbose else (failing[:40] + [c for c in always if c not in failing])
+    for check in shown:
+        style = "green" if check.verdict == "exact" else "red"
+        table.add_row(check.name, f"{check.rel_err:.2e}", f"[{style}]{check.verdict}[/{style}]")
+    rest = [c for c in report.parameters if c not in shown]
+    if rest:
+        worst = max(c.rel_err for c in rest)
+        verdicts = ", ".join(sorted({c.verdict for c in rest}))
+        table.add_row(f"{len(rest)} more parameters (--verbose lists them)", f"≤ {worst:.2e}", verdicts)
+    console.print(table)
+    for note in report.diagnosis:
+        console.print(f"[yellow]•[/yellow] {escape(note)}")
+    verdict = "[green]EXACT[/green]" if report.exact else "[red]NOT EXACT[/red]"
+    console.print(
+        f"{verdict}: {report.backend} on {report.world_size} ranks, max relative error "
+        f"{report.max_rel_err:.2e} (tolerance {report.tolerance:.0e}), "
+        f"{len(report.parameters) - len(failing)}/{len(report.parameters)} parameters exact"
+        + (
+            f" ({report.locked_parameters} locked: no gradient, as in the reference)"
+            if report.locked_parameters
+            else ""
+        )
+    )

@@ -1,0 +1,24 @@
+"""`clipdist report`: a run at a glance, report.png and report.txt (clipdist.tools.report)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add(commands) -> None:
+    reporting = commands.add_parser(
+        "report",
+        help="a run at a glance: report.png (loss, lr, samples/s, evaluations) and report.txt in its directory",
+        description="Read a run directory's own logs (train_log.jsonl, metrics.jsonl, train.log) — a finished, stopped "
+        "or running run — and write report.png and report.txt into it; print the summary.",
+    )
+    reporting.add_argument("run_dir", metavar="RUN", help="the run directory (runs/<name>)")
+    reporting.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clipdist.tools.report import write_report
+
+    picture, text = write_report(args.run_dir)
+    print(f"{text}wrote {picture} and {picture.with_name('report.txt').name}", end="\n")
+    return 0

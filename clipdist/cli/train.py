@@ -1,0 +1,246 @@
+"""`python train.py` / `clipdist train`: the doors closed before Hydra opens them, Hydra's composition, the checks
+that need torch alone, then clipdist.train.trainer.run in the run directory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from clipdist.compat import floor_problem
+from clipdist.distributed import host
+from clipdist.errors import printable
+from clipdist.files import discard_stdout, read_bounded
+
+
+def train_main(overrides: list[str] | None = None) -> None:
+    """`python train.py [overrides]`, `clipdist train [overrides]`: Hydra composes clipdist/conf and trains."""
+    host.spin_briefly()  # before torch loads libgomp
+    problem = floor_problem()
+    if problem:
+        sys.exit(f"clipdist: error: {problem}")
+    import hydra
+
+    from clipdist.config import register
+
+    register()
+    if overrides is not None:
+        sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
+    from clipdist.config import unknown_override
+
+    if (
+        "--help" in sys.argv[1:] or "-h" in sys.argv[1:]
+    ):  # every key with its default and meaning; Hydra's own: --hydra-help
+        try:
+            print(train_help())
+        except BrokenPipeError:  # `| head`
+            discard_stdout()
+        return
+    problem = closed_door(sys.argv[1:]) or unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
+    if problem:  # before Hydra makes the directory (its traceback otherwise)
+        print(f"error: {printable(problem)}", file=sys.stderr)
+        sys.exit(2)
+    hydra.main(version_base=None, config_path="pkg://clipdist.conf", config_name="config")(_run_composed)()
+
+
+def train_help() -> str:
+    """`python train.py --help`: the config groups and their options, then every key with its default and what it
+    is (from the schema's own comments: clipdist.config.describe_keys)."""
+    from clipdist.config import CONF, describe_keys
+
+    chosen = dict(
+        re.findall(r"(?m)^\s*-\s*(\w+):\s*(\w+)\s*$", read_bounded(CONF / "config.yaml", 1 << 20).decode())
+    )  # the defaults list: group -> option
+    groups = []
+    for folder in sorted(
+        path for path in CONF.iterdir() if path.is_dir() and path.name not in ("hydra", "__pycache__")
+    ):
+        options = sorted(path.stem for path in folder.glob("*.yaml"))
+        shown = [f"{name} (default)" if name == chosen.get(folder.name) else name for name in options]
+        groups.append(f"  {folder.name}=: {', '.join(shown)}")
+    return "\n".join(
+        [
+            "python train.py [group=option ...] [key=value ...]    e.g. python train.py loss=disco world=cpu2",
+            "",
+            "Config groups (clipdist/conf/<group>/<option>.yaml):",
+            *groups,
+            "",
+            "Keys (key = default  — what it is); a misspelt key is refused with the nearest ones:",
+            *describe_keys(),
+            "",
+            "The composed config: python train.py --cfg job [overrides]; Hydra's help: python train.py --hydra-help.",
+        ]
+    )
+
+
+def closed_door(arguments: list[str]) -> str | None:
+    """One line for a Hydra door that would run or leak something, before Hydra opens it; None if all closed:
+    `--experimental-rerun` (unpickles its file), a `--config-dir` / `--config-path` folder whose YAML names callbacks
+    or a `_target_` outside clipdist's own (Hydra would instantiate it), an override that reads the environment
+    (`${oc.env:...}`: a secret resolved into errors, logs and the saved config) or sets a `_target_` / callback."""
+    for index, argument in enumerate(arguments):
+        flag, _, attached = argument.partition("=")
+        if flag == "--experimental-rerun":
+            return (
+                "--experimental-rerun unpickles its file (a pickle can run code): refused. Re-run a run with the "
+                "overrides it saved in <run_dir>/hydra/overrides.yaml (python train.py name=<its name> resumes it)"
+            )
+        if flag in ("--config-dir", "-cd", "--config-path", "-cp"):
+            folder = attached or (arguments[index + 1] if index + 1 < len(arguments) else "")
+            problem = _config_folder_runs_code(Path(folder))
+            if problem:
+                return f"{flag} {printable(folder)}: {problem}; clipdist reads config folders as data only"
+        if flag.startswith("-") or "=" not in argument:
+            continue
+        key, value = argument.split("=", 1)
+        if any(resolver in value for resolver in ENVIRONMENT_RESOLVERS):
+            return (
+                f"{printable(key.lstrip('+~'))}: an override may not read the environment (${{oc.env:...}}): its value "
+                "would be resolved into errors, logs and the saved config; write the value itself"
+            )
+        if "_target_" in key or "callbacks" in key.split("."):
+            return f"{printable(key.lstrip('+~'))}: an override may not name code to run (_target_, callbacks)"
+    return None
+
+
+ENVIRONMENT_RESOLVERS = ("${oc.env:", "${env:", "${oc.decode:")  # read the environment, or parse text as YAML
+
+
+TARGET_PREFIXES = ("clipdist.", "hydra_plugins.hydra_submitit_launcher.")  # the only _target_s a config may name
+
+
+def _config_folder_runs_code(folder: Path) -> str | None:
+    """Why a user's config folder would run code (a Hydra callback, a `_target_` outside clipdist's own), or None."""
+    if not folder.is_dir():
+        return None  # Hydra says it is missing
+    for path in sorted(folder.rglob("*.y*ml"))[:10_000]:
+        try:
+            text = read_bounded(path, 1 << 20).decode("utf-8", "replace")
+        except (OSError, ValueError) as error:
+            return f"{path.name} cannot be read ({error})"
+        if re.search(r"(?m)^\s*callbacks\s*:", text):
+            return f"{path.relative_to(folder)} names Hydra callbacks (code Hydra runs at the start of a job)"
+        for target in re.findall(r"_target_\s*:\s*['\"]?([^\s'\"#]+)", text):
+            if not target.startswith(TARGET_PREFIXES):
+                return f"{path.relative_to(folder)} names _target_ {printable(target)[:80]} (code Hydra would build)"
+    return None
+
+
+def unwritable_run_dir(arguments: list[str]) -> str | None:
+    """One line where the run directory the overrides name (runs/<name> under the working directory by default)
+    cannot be made or written — a read-only file system, no permission — else None. Checked on the nearest folder
+    that exists; a value with an interpolation is checked up to it."""
+    given = [a.split("=", 1)[1] for a in arguments if a.lstrip("+").startswith("run_dir=")]
+    value = given[-1].strip("'\"") if given else "runs/x"
+    literal = value.split("${", 1)[0]
+    folder = Path(literal if literal.endswith("/") or not literal else os.path.dirname(literal) or ".")
+    if given and "${" not in value:
+        folder = Path(value)
+    folder = folder.expanduser().absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return None
+    what = "is not a folder" if not folder.is_dir() else "cannot be written (a read-only file system or no permission)"
+    return (
+        f"run_dir={value}: {folder} {what}; choose a run directory on a writable file system "
+        "(run_dir=/path/to/runs/<name>)"
+    )
+
+
+def _run_composed(cfg) -> None:
+    """Hydra's task: the composed config → clipdist.train.trainer.run in Hydra's output directory, which is
+    the run directory; a ClipdistError is one `error:` line (HYDRA_FULL_ERROR=1 for the traceback), any
+    other failure its traceback, both on stderr and, once the run has started, at the end of train.log."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from clipdist import console
+    from clipdist.distributed.launch import detect_env
+    from clipdist.errors import ClipdistError, ConfigError
+
+    hydra = HydraConfig.get()
+    run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
+    created = _created_by_hydra(run_dir)
+    console.configure(main=detect_env().is_main)
+    with open_dict(cfg):
+        if OmegaConf.is_interpolation(cfg, "name"):
+            multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
+            cfg.name = (
+                f"{os.path.basename(os.path.dirname(run_dir))}-{hydra.job.num}"
+                if multirun
+                else os.path.basename(run_dir)
+            )
+        cfg.run_dir = run_dir
+    try:
+        complete = _quick_checks(cfg)  # the schema, the world against the launch: before the towers' libraries load
+        if complete:
+            logging.getLogger("clipdist").info("%s", complete)
+            return
+        from clipdist.train.trainer import run
+
+        typed = OmegaConf.to_container(hydra.overrides.task, resolve=False)  # as typed: ${...} kept
+        run(cfg, overrides=list(typed) if isinstance(typed, list) else [])
+        if cfg.logging.report:
+            _write_report(run_dir)
+    except ClipdistError as error:
+        if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if not isinstance(error, ConfigError) or detect_env().is_main:  # a config refusal: every rank's is the same
+            logging.getLogger("clipdist").error("%s", error)
+        sys.exit(2 if isinstance(error, ValueError) else 1)
+    except Exception as error:  # noqa: BLE001 -- logged where the run's reader looks, then raised as ever
+        logging.getLogger("clipdist").exception("%s: %s", type(error).__name__, error)
+        raise SystemExit(1) from None
+
+
+def _quick_checks(cfg) -> str | None:
+    """What can be said with torch alone loaded (a few seconds, not the ~10 s open_clip, timm and transformers take
+    and the minute a run's start takes): the schema's values, the world preset against the launch, a checkpoint
+    that cannot be read, and a run that is already complete (returned: the line to say; nothing else runs).
+    preflight repeats the checks with the rest."""
+    from clipdist.checkpoint.manager import Checkpointer
+    from clipdist.checkpoint.run_dir import check_run_dir
+    from clipdist.config import to_train_config, validate
+    from clipdist.distributed.launch import check_launch, detect_env
+
+    checked = to_train_config(cfg)
+    validate(checked)
+    check_launch(checked.world, detect_env())
+    check_run_dir(checked.run_dir)  # a record that is a link or a FIFO: said before anything in it is read
+    found = Checkpointer.resume_point(checked)
+    step = found[1].get("step") if found else None
+    if isinstance(step, int) and step >= checked.optim.max_steps:
+        return (
+            f"run {checked.run_dir} is already complete at step {step} (optim.max_steps={checked.optim.max_steps}); "
+            "raise optim.max_steps to train on, or set name= for a new run"
+        )
+    return None
+
+
+def _created_by_hydra(run_dir: str) -> bool:
+    """Whether the run directory holds nothing yet (Hydra made it as it started; the run log opens at its first
+    line)."""
+    return not os.path.isdir(run_dir) or not any(os.scandir(run_dir))
+
+
+def _write_report(run_dir: str) -> None:
+    """report.png / report.txt at the end of a run or a stop, from the main rank; a failure is a warning only."""
+    from clipdist.distributed.launch import detect_env
+    from clipdist.tools.report import write_report
+
+    if not detect_env().is_main or not os.path.isfile(os.path.join(run_dir, "train_log.jsonl")):
+        return
+    try:
+        picture, _ = write_report(run_dir)
+    except Exception as error:  # noqa: BLE001 -- the run is done either way
+        logging.getLogger("clipdist").warning(
+            "the run's report could not be written (%s: %s)", type(error).__name__, error
+        )
+    else:
+        logging.getLogger("clipdist").info("report: %s", picture)
