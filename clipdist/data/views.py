@@ -177,10 +177,11 @@ def patch_masks(
     replacement seeded as its views are (the same mask for a sample everywhere: `images` are the pixels keyed,
     a NaFlex batch's patches, whose padding adds nothing to a key)."""
     masks = torch.zeros(len(images), patches, dtype=torch.bool)
+    valid = valid.cpu() if valid is not None else None  # one copy from the device, not one a row
     counts = valid.sum(1).tolist() if valid is not None else [patches] * len(images)
     for row, key in enumerate(sample_keys(images)):
         generator = torch.Generator().manual_seed(view_seed(seed, step, key, "mask:"))
         count, chosen = max(1, round(ratio * counts[row])), torch.randperm(counts[row], generator=generator)
-        positions = chosen if valid is None else valid[row].nonzero()[:, 0].cpu()[chosen]
+        positions = chosen if valid is None else valid[row].nonzero()[:, 0][chosen]
         masks[row, positions[:count]] = True
     return masks.to(images.device)
