@@ -64,8 +64,7 @@ class TiledLoss(DistributedContrastiveLoss):
     def transient_bytes(self, local_batch: int, global_batch: int, dim: int, element_size: int) -> float:
         """Backward of one direction (fp32): the rows' gradient, the block held and the one arriving, this
         rank's column term, the accumulator being sent and the one arriving, the scaled rows (7·b·d), and two tile²
-        logit
-        blocks (probs and their product). No term grows with B."""
+        logit blocks (probs and their product). No term grows with B."""
         tile = min(self.tile, global_batch)
         return 7 * local_batch * dim * 4 + 2 * tile * tile * 4
 
