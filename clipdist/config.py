@@ -738,15 +738,39 @@ def schema_keys() -> tuple[set[str], set[str]]:
 GROUPS_WITHOUT_KEYS = ("recipe",)  # config groups with no section of their own (clipdist/conf/recipe/: _global_)
 
 
+CONFIG_SEARCH_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")  # more options than ours
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (`loss=`, `world=`): its conf/<group>/*.yaml, and for loss= every registered
+    backend; [] where `group` is no group."""
+    folder = CONF / group
+    if group in ("hydra", "__pycache__") or "." in group or not folder.is_dir():
+        return []
+    options = {path.stem for path in folder.glob("*.yaml")} | (set(BACKENDS) if group == "loss" else set())
+    return sorted(options)
+
+
 def unknown_override(arguments: list[str]) -> str | None:
     """One line for the first `key=value` override whose key the schema does not have, with the nearest keys it
-    does have ("did you mean"), said before Hydra composes anything; None where every key exists. Group choices
-    (`loss=disco`), Hydra's own keys and deletions (`~key`) are left to Hydra."""
+    does have ("did you mean"), or a group choice that names no option (`loss=foo`: the options listed), said before
+    Hydra composes anything; None where all exist. Choices where a user's config folder may add options, Hydra's
+    own keys and deletions (`~key`) are left to Hydra."""
     keys, free = schema_keys()
+    searched = any(argument.split("=", 1)[0].lstrip("+") in CONFIG_SEARCH_FLAGS for argument in arguments)
     for argument in arguments:
         if argument.startswith(("-", "~")) or "=" not in argument:
             continue
-        key = argument.split("=", 1)[0].lstrip("+")
+        key, value = argument.split("=", 1)
+        key, value = key.lstrip("+"), value.strip("'\"")
+        options = [] if searched else group_options(key)
+        if options and value not in options and value != "null":
+            near = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
+            hint = f"did you mean {key}={near[0]}? " if near else ""
+            named = "; an open_clip model name or config file goes in model.name=" if key == "model" else ""
+            return (
+                f"{printable(key)}={printable(value)}: no such option; {hint}choose one of {', '.join(options)}{named}"
+            )
         if "/" in key or key.split(".")[0] == "hydra" or key in keys or any(key.startswith(f"{f}.") for f in free):
             continue
         if key in GROUPS_WITHOUT_KEYS:  # a group that sets others' keys (recipe=siglip2)

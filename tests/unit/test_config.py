@@ -251,6 +251,13 @@ def test_wandb_online_without_a_key_or_a_server_is_one_line_before_the_ranks(
 
 def test_the_loss_menu_offers_backends_only(tmp_path, capsys, monkeypatch):
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "loss=nope")
+    assert code == 2 and lines == [
+        "error: loss=nope: no such option; choose one of disco, gather_layer, naive, siglip, tiled"
+    ]
+    (tmp_path / "mine").mkdir()  # a user's config folder may add options: then Hydra's own menu says them
+    code, lines = refusal(
+        capsys, monkeypatch, "--config-dir", str(tmp_path / "mine"), f"run_dir={tmp_path / 'run'}", "loss=nope"
+    )
     offered = lines[lines.index("Available options in 'loss':") + 1 :][:5]
     assert code == 1 and [line.strip() for line in offered] == ["disco", "gather_layer", "naive", "siglip", "tiled"], (
         lines
@@ -295,10 +302,29 @@ def test_a_misspelt_key_is_refused_at_once_with_the_nearest_key():
     assert "no such key" in unknown_override(["nonsense=1"])
 
 
+def test_a_group_choice_that_names_no_option_is_refused_with_the_options():
+    from clipdist.config import BACKENDS, group_options, unknown_override
+
+    assert unknown_override(["loss=dsico"]) == (
+        f"loss=dsico: no such option; did you mean loss=disco? choose one of {', '.join(sorted(BACKENDS))}"
+    )
+    assert "choose one of" in unknown_override(["world=cpu3"]) and "cpu2" in unknown_override(["world=cpu3"])
+    assert "goes in model.name=" in unknown_override(["model=ViT-B-32"])
+    assert "choose one of siglip2" in unknown_override(["+recipe=nope"])
+    assert set(BACKENDS) <= set(group_options("loss")) and group_options("optim.lr") == group_options("hydra") == []
+    for fine in (
+        ["loss=siglip", "world=cpu2", "model=naflex_tiny", "recipe=siglip2", "logging=null"],
+        ["--config-dir", "/somewhere", "world=mycluster"],  # a user's config folder may add options: Hydra says
+        ["hydra.searchpath=[file:///x]", "model=mine"],
+    ):
+        assert unknown_override(fine) is None, fine
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["optim.lrr=0.1"], "optim.lrr: no such key; did you mean optim.lr?"),
+        (["loss=disko"], "loss=disko: no such option; did you mean loss=disco?"),
         (["loss=tiled", "loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile"),
     ],
 )
