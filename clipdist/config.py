@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 from clipdist.data import specs as data_specs
 from clipdist.data.specs import KIND_SPECS
@@ -782,6 +783,32 @@ def unknown_override(arguments: list[str]) -> str | None:
             f"{printable(key)}: no such key; {hint}(python train.py --cfg job lists every key; a loss backend's "
             "options exist with its loss=)"
         )
+    return None
+
+
+def invalid_value(arguments: list[str]) -> str | None:
+    """One line for the first `key=value` override whose value its key's type refuses (`optim.lr=abc`,
+    `world.parallel=fsdp2`), said before Hydra composes (Hydra's own says it in six lines); None where all fit.
+    Values are read by Hydra's override grammar; sweeps, group choices and a loss backend's own options (typed once
+    its schema is chosen) are left to Hydra."""
+    keys, _ = schema_keys()
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in arguments if "=" in a and a[0] != "-"])
+    except Exception:  # noqa: BLE001 -- the grammar's error is Hydra's to say
+        return None
+    schema = OmegaConf.structured(TrainConfig)
+    for override in overrides:
+        key = override.key_or_group
+        if key not in keys or override.is_sweep_override() or override.is_delete() or override.package is not None:
+            continue
+        try:
+            if OmegaConf.is_config(OmegaConf.select(schema, key, throw_on_resolution_failure=False)):
+                continue  # a section or a group choice
+            OmegaConf.update(schema, key, override.value(), merge=True)
+        except ValidationError as error:
+            return f"{printable(key)}={printable(override.get_value_element_as_str())}: {str(error).splitlines()[0]}"
+        except Exception:  # noqa: BLE001 -- a key only a chosen schema has (loss.tile): Hydra checks it there
+            continue
     return None
 
 

@@ -29,7 +29,7 @@ def train_main(overrides: list[str] | None = None) -> None:
     register()
     if overrides is not None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
-    from clipdist.config import unknown_override
+    from clipdist.config import invalid_value, unknown_override
 
     if (
         "--help" in sys.argv[1:] or "-h" in sys.argv[1:]
@@ -39,7 +39,13 @@ def train_main(overrides: list[str] | None = None) -> None:
         except BrokenPipeError:  # `| head`
             discard_stdout()
         return
-    problem = closed_door(sys.argv[1:]) or unknown_override(sys.argv[1:]) or unwritable_run_dir(sys.argv[1:])
+    arguments = sys.argv[1:]
+    problem = (
+        closed_door(arguments)
+        or unknown_override(arguments)
+        or invalid_value(arguments)
+        or unwritable_run_dir(arguments)
+    )
     if problem:  # before Hydra makes the directory (its traceback otherwise)
         print(f"error: {printable(problem)}", file=sys.stderr)
         sys.exit(2)
