@@ -35,9 +35,10 @@ def name_rank(rank: int, world_size: int) -> None:
 
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        record.prefix = PREFIX.get(record.levelno, "")
+        prefix = PREFIX.get(record.levelno, "")
         if record.name.startswith("clipdist.data") and record.levelno >= logging.WARNING:
-            record.prefix += _RANK
+            prefix += _RANK
+        record.__dict__["prefix"] = prefix  # %(prefix)s, as logging's own `extra=` sets a record's fields
         return printable(super().format(record).rstrip())  # a file's text cannot drive the terminal
 
 

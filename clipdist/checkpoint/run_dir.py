@@ -150,7 +150,8 @@ def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
     norm). Read line by line, without following a link,
     at most 1 GiB (files.read_lines): a log that is a link, a FIFO or a device is a one-line UnboundedFileError."""
     path = Path(path)
-    rows, damaged = [], 0
+    rows: list[dict] = []
+    damaged = 0
     if not path.exists() and not path.is_symlink():
         return rows, damaged
     for line in read_lines(path, LOG_LINE_BYTES, LOG_TOTAL_BYTES):
@@ -201,7 +202,7 @@ def rewind_logs(run_dir: str | Path, step: int) -> list[str]:
     run_dir, warnings = Path(run_dir), []
     for log_file in (
         *STEP_LOGS,
-        *sorted(path.relative_to(run_dir) for path in (run_dir / SAMPLES).glob("rank_*.jsonl")),
+        *sorted(str(path.relative_to(run_dir)) for path in (run_dir / SAMPLES).glob("rank_*.jsonl")),
     ):
         damaged = rewind_jsonl(run_dir / log_file, step)
         if damaged:

@@ -25,7 +25,7 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     state = {
         "python": torch.tensor([version, *internal], dtype=torch.int64),
         "python_gauss": torch.tensor([0.0 if gauss is None else gauss, float(gauss is not None)], dtype=torch.float64),
-        "numpy": torch.tensor([*keys.tolist(), position, has_gauss], dtype=torch.int64),
+        "numpy": torch.tensor([*np.asarray(keys).tolist(), position, has_gauss], dtype=torch.int64),
         "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
         "torch": torch.get_rng_state(),
     }

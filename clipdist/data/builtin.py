@@ -122,7 +122,7 @@ def _web_photos(_source_dir, samples: int = WEB_SAMPLES):
         crop = photo.crop((left, top, left + width, top + height))
         short = rng.randint(256, 512)
         scale = short / min(crop.size)
-        crop = crop.resize((round(crop.width * scale), round(crop.height * scale)), Image.BICUBIC)
+        crop = crop.resize((round(crop.width * scale), round(crop.height * scale)), Image.Resampling.BICUBIC)
         buffer = io.BytesIO()
         crop.save(buffer, format="JPEG", quality=rng.randint(80, 95))
         images.append(buffer.getvalue())

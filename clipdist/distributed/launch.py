@@ -117,13 +117,13 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             os.environ.setdefault("MASTER_ADDR", _expand_first_host(env.get("SLURM_JOB_NODELIST", "localhost")))
             job = int(env.get("SLURM_JOB_ID", "0"))
             os.environ.setdefault("MASTER_PORT", str(SRUN_PORTS.start + job % len(SRUN_PORTS)))
-        nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
+        slurm_nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
         return DistEnv(
             int(env["SLURM_PROCID"]),
             int(env["SLURM_NTASKS"]),
             int(env.get("SLURM_LOCALID", 0)),
             "slurm",
-            int(nodes) if nodes else None,
+            int(slurm_nodes) if slurm_nodes else None,
         )
     return DistEnv(0, 1, 0, "single")
 

@@ -30,7 +30,7 @@ class FlexibleGridViT(VisionTransformer):
 
     def _embeds(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv1(x)  # [*, width, g_h, g_w]
-        grid = tuple(x.shape[-2:])
+        grid = (x.shape[-2], x.shape[-1])
         x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
         x = torch.cat([_expand_token(self.class_embedding, x.shape[0]).to(x.dtype), x], dim=1)
         x = x + self.table(grid).to(x.dtype)

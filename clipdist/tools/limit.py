@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,11 +52,13 @@ def workload_config(data: str, batch: int, work: Path, cache_dir: str):
 
     from clipdist.config import preset, to_train_config
 
-    settings = {
+    preset_data = OmegaConf.to_container(preset("data", data))
+    assert isinstance(preset_data, dict)
+    settings: dict[str, Any] = {
         "name": "limit",
         "run_dir": str(work),
         "world": {"batch_per_device": batch},
-        "data": {**OmegaConf.to_container(preset("data", data)), "cache_dir": cache_dir},
+        "data": {**preset_data, "cache_dir": cache_dir},
     }
     for override in WORKLOADS[data]:
         key, value = override.split("=", 1)
