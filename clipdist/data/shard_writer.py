@@ -70,7 +70,7 @@ def write_shards(
         with wds.ShardWriter(pattern, maxcount=samples_per_shard, verbose=0) as sink:
             index = 0
             for image, caption, extra in pairs:
-                sample = {"__key__": f"{index:09d}", "txt": caption, "json": json.dumps(extra)}
+                sample: dict[str, str | bytes] = {"__key__": f"{index:09d}", "txt": caption, "json": json.dumps(extra)}
                 if isinstance(image, bytes):
                     try:
                         extension, data = checked_image(image, extra.get("source", f"sample {index}"))

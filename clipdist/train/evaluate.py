@@ -151,7 +151,7 @@ def _encode_share(
     by_shard = split_by_shard(evalset.urls, world_size)
     waiting = None  # a record read past the end of the last batch (the next shard's first)
     while True:
-        batch = [waiting] if waiting is not None else []
+        batch: list = [waiting] if waiting is not None else []
         waiting = None
         try:
             for record in records:
@@ -353,7 +353,10 @@ def retrieval_metrics(
     image_rank = _ranked(kept, texts, lambda block, start: image_ranks(block, owner, start))
     caption_rank = _ranked(texts, kept, lambda block, start: caption_ranks(block, owner[start : start + len(block)]))
     # captions that repeat (class-name prompts) make image→text recall degenerate: ties count against the image
-    metrics = {"distinct_captions": len(torch.unique(torch.round(texts.float() * 1e4), dim=0)), "images": len(kept)}
+    metrics: dict[str, float] = {
+        "distinct_captions": len(torch.unique(torch.round(texts.float() * 1e4), dim=0)),
+        "images": len(kept),
+    }
     for name, ranks in (("i2t", image_rank), ("t2i", caption_rank)):
         metrics.update({f"{name}_r{k}": (ranks < k).double().mean().item() for k in ks})  # the fraction, as float64
         metrics[f"{name}_mean_rank"] = ranks.double().mean().item() + 1  # exact: float32 would round the sum

@@ -32,7 +32,7 @@ def _tower(parameters) -> tuple[int, int]:
 def model_line(cfg: TrainConfig, model: torch.nn.Module) -> str:
     """Parameters trained of the total, and how much of each locked tower still trains."""
     trained, total = _tower(model.parameters())
-    image = _tower(model.visual.parameters())
+    image = _tower(model.get_submodule("visual").parameters())
     text = _tower(p for name, p in model.named_parameters() if not name.startswith("visual.") and name not in SCALARS)
     locks = [
         f"{name} tower locked: {_millions(part[0])} of {_millions(part[1])} trained"
