@@ -152,13 +152,15 @@ def local_patch_views(
     for view, (source, at, _) in enumerate(views):
         index[view, : len(source)], view_coord[view, : len(source)], view_valid[view, : len(source)] = source, at, True
     device = patches.device
-    cut = patches.reshape(rows * length, dim)[index.to(device)]  # (views, longest, P·P·C)
-    mirrored = cut.view(len(views), longest, patch_size, patch_size, -1).flip(3).reshape(cut.shape)
-    flips = torch.tensor([flipped for _, _, flipped in views], device=device)
-    cut = torch.where(flips[:, None, None], mirrored, cut)
+    cut = patches.reshape(rows * length, dim)[index.to(device)]  # (views, longest, P·P·C), a copy: changed in place
+    flipped = torch.tensor([view for view, (_, _, flip) in enumerate(views) if flip], dtype=torch.long, device=device)
+    if len(flipped):  # each patch's pixels mirrored too (its columns), in the flipped views only
+        cut[flipped] = (
+            cut[flipped].view(len(flipped), longest, patch_size, patch_size, -1).flip(3).reshape(-1, longest, dim)
+        )
     valid_on_device = view_valid.to(device)
     return {
-        "patches": torch.where(valid_on_device[..., None], cut, torch.zeros((), dtype=cut.dtype, device=device)),
+        "patches": cut.masked_fill_(~valid_on_device[..., None], 0),  # padding zero, as a NaFlex batch's
         "patch_coord": view_coord.to(device),
         "patch_valid": valid_on_device,
     }
