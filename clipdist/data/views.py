@@ -109,8 +109,9 @@ def local_views(
             flips.append(bool(torch.rand(1, generator=generator).item() < 0.5))
     box_tensor = torch.tensor(boxes, dtype=torch.float32, device=images.device)
     views = roi_align(images.float(), box_tensor, output_size=size, sampling_ratio=-1, aligned=True)
-    flipped = torch.tensor(flips, device=images.device)
-    views = torch.where(flipped[:, None, None, None], views.flip(-1), views)
+    flipped = torch.tensor([view for view, flip in enumerate(flips) if flip], dtype=torch.long, device=images.device)
+    if len(flipped):
+        views[flipped] = views[flipped].flip(-1)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
 
 
