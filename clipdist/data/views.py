@@ -154,10 +154,10 @@ def local_patch_views(
         index[view, : len(source)], view_coord[view, : len(source)], view_valid[view, : len(source)] = source, at, True
     device = patches.device
     cut = patches.reshape(rows * length, dim)[index.to(device)]  # (views, longest, P·P·C), a copy: changed in place
-    flipped = torch.tensor([view for view, (_, _, flip) in enumerate(views) if flip], dtype=torch.long, device=device)
-    if len(flipped):  # each patch's pixels mirrored too (its columns), in the flipped views only
-        cut[flipped] = (
-            cut[flipped].view(len(flipped), longest, patch_size, patch_size, -1).flip(3).reshape(-1, longest, dim)
+    mirrored = torch.tensor([view for view, (_, _, flip) in enumerate(views) if flip], dtype=torch.long, device=device)
+    if len(mirrored):  # each patch's pixels mirrored too (its columns), in the mirrored views only
+        cut[mirrored] = (
+            cut[mirrored].view(len(mirrored), longest, patch_size, patch_size, -1).flip(3).reshape(-1, longest, dim)
         )
     valid_on_device = view_valid.to(device)
     return {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,7 +31,7 @@ class DistributedContrastiveLoss(nn.Module):
     """
 
     uses_logit_bias = False
-    reference = staticmethod(clip_loss)
+    reference: Callable[..., torch.Tensor] = staticmethod(clip_loss)  # the definition on one process
     # The model's initial scalars for this loss: log of the logit scale (None: open_clip's
     # log(1/0.07)) and the logit bias (None: the model has none).
     init_logit_scale: float | None = None
