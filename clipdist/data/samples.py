@@ -112,18 +112,15 @@ class SampleKeys(NamedTuple):
                 f"no caption at {', '.join(self.caption_keys)}; it has {_extensions(sample)}"
                 + (f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""),
             )
-        chooser = (
-            self.draw(sample)
-            if self.caption_probs is not None or any(isinstance(value, list) for _, value in found)
-            else None
-        )
+        chooser = None  # the sample's generator, drawn from in order: which key, then which of a key's captions
         if self.caption_probs is not None and len(found) > 1:
             weights = [self.caption_probs[self.caption_keys.index(key)] for key, _ in found]
+            chooser = self.draw(sample)
             _, value = chooser.choices(found, weights=weights)[0]
         else:
             _, value = found[0]
         if isinstance(value, list):
-            value = chooser.choice(value)
+            value = (chooser or self.draw(sample)).choice(value)
         caption = " ".join(line.strip() for line in value.splitlines() if line.strip())
         if not caption:
             raise SampleError(sample, "empty caption")
