@@ -25,6 +25,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -91,9 +92,7 @@ class CheckpointFiles:
                 )
                 pending.future = self._agree(pending, write, run=True)
                 if is_main:  # a failed write gives its space back at once (a full disk fails the logs beside it too)
-                    pending.future.add_done_callback(
-                        lambda future: future.exception() and shutil.rmtree(pending.partial, ignore_errors=True)
-                    )
+                    pending.future.add_done_callback(partial(_remove_if_failed, pending.partial))
             else:
                 self._agree(pending, lambda: dcp.save(shards, checkpoint_id=str(pending.partial)), run=True)
         return pending
@@ -187,7 +186,13 @@ class PendingSave:
         return self.future is None or self.future.done()
 
 
-def _reason(error: Exception, directory: Path) -> str:
+def _remove_if_failed(folder: Path, future: Future) -> None:
+    """A failed write gives its space back at once (a full disk fails the logs beside it too)."""
+    if future.exception() is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _reason(error: BaseException, directory: Path) -> str:
     """The OS-level cause of a failed save in a few words (torch wraps it in a long RuntimeError)."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
@@ -390,7 +395,8 @@ class Checkpointer:
             return None
         files = CheckpointFiles(cfg.run_dir)
         local = files.checkpoints()
-        newest_local = int(weights.CHECKPOINT.search(local[0].name).group(1)) if local else -1
+        named = weights.CHECKPOINT.search(local[0].name) if local else None
+        newest_local = int(named.group(1)) if named else -1
         remote = RemoteCopies(cfg.checkpoint.remote)
         try:
             found = remote.checkpoints()

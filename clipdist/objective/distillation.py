@@ -24,7 +24,7 @@ class DistillationTerm(Term):
 
     name = "distill_loss"
 
-    def __init__(self, teacher: torch.nn.Module, tile: int = DEFAULT_TILE):
+    def __init__(self, teacher, tile: int = DEFAULT_TILE):  # an open_clip model: encode_image, encode_text
         self.teacher, self.loss = teacher, DistillationLoss(tile)
 
     @torch.no_grad()

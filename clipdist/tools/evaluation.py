@@ -13,6 +13,7 @@ ranks (clipdist.train.evaluate): the metrics are the one-process metrics.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -89,8 +90,8 @@ def run_eval(
     *,
     pretrained: str | None = None,
     model_name: str | None = None,
-    classnames: list[str] = (),
-    templates: list[str] = (),
+    classnames: Sequence[str] = (),
+    templates: Sequence[str] = (),
     world_size: int = 1,
     batch_size: int = 256,
     precision: str = "fp32",
@@ -108,7 +109,9 @@ def run_eval(
     if world_size == 1:
         return _evaluate_here(*arguments)
     targets.check(targets.resolve(target, pretrained, model_name, ema))  # a bad target: one line, before the ranks
-    return launch_local(_evaluate_here, world_size, *arguments, timeout_s=timeout_s)[0]
+    metrics = launch_local(_evaluate_here, world_size, *arguments, timeout_s=timeout_s)[0]
+    assert isinstance(metrics, dict)
+    return metrics
 
 
 def write_metrics(metrics: dict, out: str | Path) -> None:
