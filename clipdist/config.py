@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import io
 import tokenize
 import types
@@ -21,7 +22,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hydra._internal.config_repository import ConfigRepository
+from hydra._internal.utils import create_config_search_path
 from hydra.core.config_store import ConfigStore
+from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
@@ -743,13 +747,18 @@ CONFIG_SEARCH_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "hydra.sea
 
 
 def group_options(group: str) -> list[str]:
-    """The options of a config group (`loss=`, `world=`): its conf/<group>/*.yaml, and for loss= every registered
-    backend; [] where `group` is no group."""
-    folder = CONF / group
-    if group in ("hydra", "__pycache__") or "." in group or not folder.is_dir():
+    """The options Hydra's own menu offers for a config group (`loss=`, `world=`, `hydra/launcher=`): clipdist/conf's
+    files, the registered loss backends, a search-path plugin's; [] for a key that is no group."""
+    register()
+    repository = _config_repository()
+    if "." in group or not repository.group_exists(group):
         return []
-    options = {path.stem for path in folder.glob("*.yaml")} | (set(BACKENDS) if group == "loss" else set())
-    return sorted(options)
+    return repository.get_group_options(group, results_filter=ObjectType.CONFIG)
+
+
+@functools.cache
+def _config_repository() -> ConfigRepository:
+    return ConfigRepository(config_search_path=create_config_search_path("pkg://clipdist.conf"))
 
 
 def unknown_override(arguments: list[str]) -> str | None:
