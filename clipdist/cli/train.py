@@ -55,7 +55,7 @@ def train_main(overrides: list[str] | None = None) -> None:
 def train_help() -> str:
     """`python train.py --help`: the config groups and their options, then every key with its default and what it
     is (from the schema's own comments: clipdist.config.describe_keys)."""
-    from clipdist.config import CONF, describe_keys
+    from clipdist.config import CONF, describe_keys, group_options
 
     chosen = dict(
         re.findall(r"(?m)^\s*-\s*(\w+):\s*(\w+)\s*$", read_bounded(CONF / "config.yaml", 1 << 20).decode())
@@ -64,8 +64,9 @@ def train_help() -> str:
     for folder in sorted(
         path for path in CONF.iterdir() if path.is_dir() and path.name not in ("hydra", "__pycache__")
     ):
-        options = sorted(path.stem for path in folder.glob("*.yaml"))
-        shown = [f"{name} (default)" if name == chosen.get(folder.name) else name for name in options]
+        shown = [
+            f"{name} (default)" if name == chosen.get(folder.name) else name for name in group_options(folder.name)
+        ]
         groups.append(f"  {folder.name}=: {', '.join(shown)}")
     return "\n".join(
         [
