@@ -81,6 +81,13 @@ def add(commands) -> None:
         "skipped and says so (default 420 on a GPU, none on the CPU)",
     )
     gpu.add_argument(
+        "--resume",
+        default=None,
+        metavar="JSON",
+        help="an earlier run's --out: keep its measured rows on this device and run only the rest (a second device "
+        "call finishes what the first did not reach)",
+    )
+    gpu.add_argument(
         "--estimate-for",
         type=float,
         default=None,
@@ -153,6 +160,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         out=args.out,
         doc=args.doc,
         budget_s=args.budget,
+        resume=args.resume,
     )
     if args.doc:
         print(f"wrote {args.doc}")

@@ -9,8 +9,8 @@ with its device normalisation) — on a synthetic batch of uint8 pixels and toke
 figures are the step's, not the loader's:
 
   step        ViT-B/32, B/16, L/14 × bf16, fp16 × compile off / on (--tiny: clipdist-tiny)
-  large batch tiled and siglip at global batches of 32k and 64k on one device, gradient caching in chunks of
-              1,024 (--large-batches for 128k, 256k; --tiny: 512 in chunks of 64)
+  large batch disco, tiled and siglip at global batches of 16k, 32k and 64k on one device, gradient caching in
+              chunks of 1,024 (--large-batches for 128k, 256k; --tiny: 512 in chunks of 64)
   naflex      NaFlex ViT-B/16 bf16 at 256, 576 and 784 patches an image under one token budget (100,352 patches:
               392, 174, 128 images), tokens/s; ViT-B/16 at fixed 224 px on the same budget (512 images)
               (--tiny: naflex_tiny at 16 and 64 patches, 1,024 patches a batch)
@@ -31,6 +31,7 @@ in its own line and the others go on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -163,14 +164,16 @@ def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: 
     """One row: the run's step on a synthetic batch — samples/s (and image tokens/s at a NaFlex `seq_len`), FLOPs
     per step, peak memory."""
 
+    if cfg.model.compile:
+        torch._dynamo.reset()  # a row of its own: no graphs, guards or recompile count left by an earlier row
     parts = build_parts(cfg, device)
     rows = cfg.world.batch_per_device
     batch = synthetic_batch(parts.model, rows, device, seq_len)
+    counter = FlopCounterMode(display=False)
     with memory_peak(device) as memory:
-        for _ in range(warmup):
-            parts.step(batch)
-        with FlopCounterMode(display=False) as counter:
-            parts.step(batch)
+        for index in range(warmup):  # FLOPs counted on the last warm-up step
+            with counter if index == warmup - 1 else contextlib.nullcontext():
+                parts.step(batch)
         times = []
         for _ in range(steps):
             synchronize(device)
@@ -227,15 +230,16 @@ def data_run(tiny: bool, steps: int) -> dict:
     return {"samples_per_s": real_run(overrides, steps, timeout_s=600)}
 
 
-FORWARD_GFLOPS = {  # one sample's forward, image + text towers (224 px, 77 tokens): the plan's time estimates
-    "ViT-B-32": 7.4,
-    "ViT-B-16": 20.6,
-    "ViT-L-14": 87.6,
-    "clipdist-tiny": 0.02,
-    "clipdist-naflex-tiny": 0.02,
-    "clipdist-naflex-b16": 20.6,
+FORWARD_GFLOPS = {  # one sample's forward, image + text towers (224 px, 77 tokens), FlopCounterMode's count (two
+    # a multiply-add; open_clip's tables give multiply-adds: half these): the plan's time estimates
+    "ViT-B-32": 14.8,
+    "ViT-B-16": 41.3,
+    "ViT-L-14": 175.2,
+    "clipdist-tiny": 0.04,
+    "clipdist-naflex-tiny": 0.04,
+    "clipdist-naflex-b16": 41.3,
 }
-ASSUMED_MFU = 0.3  # for estimates only: what a row is assumed to reach before it is measured
+ASSUMED_MFU = 0.18  # for estimates only: the bf16 rows measured 15-20% on an H200 (docs/bench/gpu_battery.md)
 SETUP_S, COMPILE_S = 8.0, 60.0  # building the parts; torch.compile's first steps
 DEFAULT_BUDGET_S = 420.0  # 7 minutes: fits one 10-minute device call with the machine's start and the kit's install
 
@@ -251,22 +255,25 @@ class Planned:
     peak: tuple[float, str] | None = None
 
 
-def step_estimate(model: str, rows: int, steps: int, peak_tflops: float, compiled: bool = False, passes=3.0) -> float:
-    """Seconds for `steps` (+2 warm-up) training steps of `rows` samples: 3 forwards' FLOPs a sample (forward and
-    backward; gradient caching's re-forward: 4) at ASSUMED_MFU of the peak, plus building (and compiling)."""
-    flops = FORWARD_GFLOPS.get(model, 20.0) * 1e9 * passes * rows * (steps + 2)
+def step_estimate(
+    model: str, rows: int, steps: int, peak_tflops: float, compiled: bool = False, passes=3.0, warmup: int = 2
+) -> float:
+    """Seconds for a row of `time_steps`: `warmup` steps (FLOPs counted on the last), then `steps` timed ones, of
+    `rows` samples; 3 forwards' FLOPs a sample (forward and backward; gradient caching's re-forward: 4) at
+    ASSUMED_MFU of the peak, plus building (and compiling)."""
+    flops = FORWARD_GFLOPS.get(model, 40.0) * 1e9 * passes * rows * (warmup + steps)
     return SETUP_S + (COMPILE_S if compiled else 0.0) + flops / (peak_tflops * 1e12 * ASSUMED_MFU)
 
 
 def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dict) -> list[Planned]:
-    """Every row, most valuable first: the B/16 and B/32 bf16 step (compile off, then on), the loss backends at large
-    global batches on one device with gradient caching, a real run's loader feeding the device, NaFlex at one token
-    budget, a background save's stall; then fp16, L/14 and FSDP2."""
+    """Every row, most valuable first (estimates from an H200's measured rows): the B/16 and B/32 bf16 step, a real
+    run's loader feeding the device, the loss backends at the smallest and largest global batch on one device with
+    gradient caching, NaFlex at one token budget, the recipe's terms, a background save's stall; then compile, the
+    middle of the batch curve, fp16, L/14 and FSDP2."""
     precision = "fp32" if device.type == "cpu" else "bf16"
     peak = peaks[precision]
     models = ("clipdist-tiny",) if tiny else ("ViT-B-16", "ViT-B-32")
-    compiles = (False,) if tiny else (False, True)
-    rows: list[Planned] = []
+    base = "clipdist-tiny" if tiny else "ViT-B-32"
 
     def step_row(model: str, prec: str, compiled: bool) -> Planned:
         size = BATCH[model]
@@ -278,36 +285,69 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
             peaks[prec],
         )
 
-    rows += [step_row(model, precision, compiled) for compiled in compiles for model in models]
-    base = "clipdist-tiny" if tiny else "ViT-B-32"
-    sizes, micro = ((512,), 64) if tiny else (tuple(large_batches), 1024)
-    for size in sizes:
-        for loss in ("disco", "tiled", "siglip"):
-            rows.append(
-                Planned(
-                    "large batch",
-                    f"{base} {precision} {loss} × {size:,} in chunks of {micro}",
-                    lambda work, loss=loss, size=size: time_steps(
-                        config(work, base, precision, size, loss=loss, chunks=size // micro),
-                        device,
-                        steps=1,
-                        warmup=1,
-                    ),
-                    step_estimate(base, size, 0, peak[0], passes=4.0) / 1.0,
-                    peak,
-                )
+    def large_rows(size: int, micro: int) -> list[Planned]:
+        return [
+            Planned(
+                "large batch",
+                f"{base} {precision} {loss} × {size:,} in chunks of {micro}",
+                lambda work, loss=loss: time_steps(
+                    config(work, base, precision, size, loss=loss, chunks=size // micro), device, steps=1, warmup=1
+                ),
+                step_estimate(base, size, 1, peak[0], passes=4.0, warmup=1),
+                peak,
             )
-    data_steps = 8 if tiny else 200
-    rows.append(
+            for loss in ("disco", "tiled", "siglip")
+        ]
+
+    sizes, micro = ((512,), 64) if tiny else (sorted(large_batches), 1024)
+    ends = sorted({sizes[0], sizes[-1]})
+    first = [step_row(model, precision, False) for model in models]
+    first += [data_row(tiny, peak[0])]
+    first += [row for size in ends for row in large_rows(size, micro)]
+    first += naflex_rows(tiny, steps, precision, peak, device)
+    first.append(
         Planned(
-            "data",
-            "train.py "
-            + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16")
-            + f", {data_steps} steps",
-            lambda work: data_run(tiny, data_steps),
-            30.0 if tiny else 45.0 + step_estimate("ViT-B-32", 256, data_steps, peak[0]),
+            "checkpoint",
+            f"{base} background save",
+            lambda work: checkpoint_stall(config(work, base, precision, BATCH[base]), device),
+            SETUP_S + 10.0,
         )
     )
+    later = [] if tiny else [step_row(model, precision, True) for model in models]
+    later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
+    if not tiny:
+        later += [step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")]
+        later += [step_row("ViT-L-14", "bf16", compiled) for compiled in (False, True)]
+    later.append(
+        Planned(
+            "fsdp",
+            f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
+            lambda work: with_one_rank_group(
+                device, lambda: time_steps(config(work, base, precision, BATCH[base], parallel="fsdp"), device, steps)
+            ),
+            step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
+            peak,
+        )
+    )
+    return first + later
+
+
+def data_row(tiny: bool, peak_tflops: float) -> Planned:
+    """A real run's loader feeding the device (the paths the CPU suite cannot reach)."""
+    data_steps = 8 if tiny else 200
+    return Planned(
+        "data",
+        "train.py "
+        + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16")
+        + f", {data_steps} steps",
+        lambda work: data_run(tiny, data_steps),
+        30.0 if tiny else 45.0 + step_estimate("ViT-B-32", 256, data_steps, peak_tflops),
+    )
+
+
+def naflex_rows(tiny: bool, steps: int, precision: str, peak, device: torch.device) -> list[Planned]:
+    """NaFlex at one token budget, then the recipe's terms against plain SigLIP on the same NaFlex batch."""
+    rows: list[Planned] = []
     naflex, lengths, budget = (
         ("clipdist-naflex-tiny", (16, 64), 1024) if tiny else ("clipdist-naflex-b16", (576,), 128 * 784)
     )
@@ -337,33 +377,15 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
                     seq_len=recipe_length,
                 ),
                 step_estimate(
-                    naflex, recipe_rows * recipe_length // 196, steps, peak[0], passes=12.0 if terms else 3.0
+                    naflex,
+                    recipe_rows * recipe_length // 196,
+                    steps,
+                    peak[0],
+                    passes=24.0 if terms else 3.0,  # the terms: 7.8× the plain step on an H200
                 ),
                 peak,
             )
         )
-    rows.append(
-        Planned(
-            "checkpoint",
-            f"{base} background save",
-            lambda work: checkpoint_stall(config(work, base, precision, BATCH[base]), device),
-            SETUP_S + 10.0,
-        )
-    )
-    if not tiny:
-        rows += [step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")]
-        rows += [step_row("ViT-L-14", "bf16", compiled) for compiled in (False, True)]
-    rows.append(
-        Planned(
-            "fsdp",
-            f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
-            lambda work: with_one_rank_group(
-                device, lambda: time_steps(config(work, base, precision, BATCH[base], parallel="fsdp"), device, steps)
-            ),
-            step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
-            peak,
-        )
-    )
     return rows
 
 
@@ -379,10 +401,12 @@ def battery(
     out=None,
     doc=None,
     budget_s: float | None = None,
+    resume=None,
 ) -> list[dict]:
     """Run the plan within `budget_s` (default: DEFAULT_BUDGET_S on a GPU, none on the CPU): a row whose estimate
     does not fit what is left is skipped and says so; every finished row is written to `out` (JSON) and `doc`
-    (Markdown) at once, so a battery stopped midway leaves every row it finished."""
+    (Markdown) at once, so a battery stopped midway leaves every row it finished. `resume`: an earlier run's JSON —
+    its measured rows (same section and label on the same device) are kept as they are, the rest run."""
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
     peaks = {
@@ -392,7 +416,7 @@ def battery(
     }
     if budget_s is None:
         budget_s = DEFAULT_BUDGET_S if device.type == "cuda" else float("inf")
-    started, rows = time.perf_counter(), []
+    started, rows, kept = time.perf_counter(), [], finished_rows(resume, device_name(device))
     for name, (tflops, source) in peaks.items():
         rows.append(
             {
@@ -405,7 +429,9 @@ def battery(
         )
     for item in plan(tiny, steps, large_batches, device, peaks):
         left = budget_s - (time.perf_counter() - started)
-        if item.estimate_s > left:
+        if (item.section, item.what) in kept:
+            row = kept[item.section, item.what]
+        elif item.estimate_s > left:
             row = {
                 "section": item.section,
                 "what": item.what,
@@ -418,6 +444,18 @@ def battery(
         print(format_row(row), flush=True)
         publish(rows, out, doc)
     return rows
+
+
+def finished_rows(path, device: str) -> dict[tuple[str, str], dict]:
+    """The measured rows of an earlier run's JSON on this device, by (section, label): none skipped or failed."""
+    if path is None:
+        return {}
+    rows = json.loads(Path(path).read_text())
+    return {
+        (row["section"], row["what"]): row
+        for row in rows
+        if row["section"] != "peak" and row.get("device") == device and not {"skipped", "error"} & row.keys()
+    }
 
 
 def run_row(item: Planned, device: torch.device) -> dict:

@@ -66,6 +66,29 @@ def test_a_budget_skips_what_does_not_fit_and_every_row_is_written_as_it_goes(tm
     assert (tmp_path / "page.md").read_text().count("skipped: needs") == len(skipped)
 
 
+def test_resume_keeps_the_measured_rows_of_this_device_and_runs_the_rest(tmp_path):
+    """--resume: a second device call keeps the first call's measured rows (not its skipped or failed ones, nor
+    another device's) and spends its budget on the rest."""
+    from clipdist.tools import gpu_battery
+
+    first = gpu_battery.battery(tiny=True, steps=1, budget_s=0)
+    step, fsdp, data = (
+        {key: value for key, value in next(row for row in first if row["section"] == name).items() if key != "skipped"}
+        for name in ("step", "fsdp", "data")
+    )
+    earlier = [
+        {**step, "samples_per_s": 123.0, "took_s": 1.0},
+        {**fsdp, "samples_per_s": 7.0, "device": "another GPU"},
+        {**data, "error": "RuntimeError: it failed"},
+    ]
+    (tmp_path / "first.json").write_text(json.dumps(earlier))
+    rows = gpu_battery.battery(tiny=True, steps=1, budget_s=0, resume=tmp_path / "first.json", out=tmp_path / "r.json")
+    assert [row["what"] for row in rows] == [row["what"] for row in first]
+    assert next(row for row in rows if row["section"] == "step") == earlier[0]
+    assert all("skipped" in row for row in rows if row["section"] in ("fsdp", "data"))
+    assert sum("skipped" in row for row in rows) == len(rows) - 2  # all but the peak and the kept row
+
+
 def test_the_default_plan_fits_seven_minutes_on_an_h100_by_its_estimates():
     """The plan's rows, in order of value, with FLOP-based estimates (989 TFLOPS: H100 SXM bf16): the default budget
     of 420 s runs every row up to the first that does not fit; the estimate table says which."""
