@@ -17,7 +17,7 @@ LAYERS = (
     # what combines components: the loss terms, one step, evaluation, the checks before any rank starts
     ("objective", "train.step", "train.parts", "train.evaluate", "train.recipe", "preflight"),
     # the loop
-    ("train", "train.trainer", "train.startup"),
+    ("train", "train.entry", "train.trainer", "train.startup"),
     # the commands
     ("tools", "cli", "__main__", "conf"),
 )

@@ -356,7 +356,7 @@ def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
     import clipdist
     from clipdist.cli import train_main
     from clipdist.distributed import launch
-    from clipdist.train import trainer
+    from clipdist.train import entry
 
     def started(*_args, **_kwargs):
         raise AssertionError(f"the start with {overrides} was not refused: it began to train")
@@ -367,7 +367,7 @@ def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
     for module in pkgutil.walk_packages(clipdist.__path__, "clipdist."):
         if not module.name.endswith("__main__"):  # which would run the command line
             importlib.import_module(module.name)
-    monkeypatch.setattr(trainer, "train", started)
+    monkeypatch.setattr(entry, "train", started)
     monkeypatch.setattr(launch, "launch_local", started)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")

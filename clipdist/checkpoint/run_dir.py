@@ -187,7 +187,9 @@ COPIED_LOGS = (
 )  # go off the node with the checkpoints (checkpoint.remote: clipdist.checkpoint.remote)
 
 
-def log_sample_keys(run_dir: str | Path, rank: int, step: int, keys: list[str], seq_len: int | None = None) -> None:
+def log_sample_keys(
+    run_dir: str | Path, rank: int, step: int, keys: list[str] | None, seq_len: int | None = None
+) -> None:
     """logging.sample_keys: this rank's rows of a step's batch, one line (a step skipped as non-finite too); a NaFlex
     batch's sequence length with them."""
     path = Path(run_dir) / SAMPLES / f"rank_{rank}.jsonl"

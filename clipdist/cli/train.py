@@ -1,5 +1,5 @@
 """`python train.py` / `clipdist train`: the doors closed before Hydra opens them, Hydra's composition, the checks
-that need torch alone, then clipdist.train.trainer.run in the run directory."""
+that need torch alone, then clipdist.train.entry.run in the run directory."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def unwritable_run_dir(arguments: list[str]) -> str | None:
 
 
 def _run_composed(cfg) -> None:
-    """Hydra's task: the composed config → clipdist.train.trainer.run in Hydra's output directory, which is
+    """Hydra's task: the composed config → clipdist.train.entry.run in Hydra's output directory, which is
     the run directory; a ClipdistError is one `error:` line (HYDRA_FULL_ERROR=1 for the traceback), any
     other failure its traceback, both on stderr and, once the run has started, at the end of train.log."""
     from hydra.core.hydra_config import HydraConfig
@@ -187,7 +187,7 @@ def _run_composed(cfg) -> None:
         if complete:
             logging.getLogger("clipdist").info("%s", complete)
             return
-        from clipdist.train.trainer import run
+        from clipdist.train.entry import run
 
         typed = OmegaConf.to_container(hydra.overrides.task, resolve=False)  # as typed: ${...} kept
         run(cfg, overrides=list(typed) if isinstance(typed, list) else [])

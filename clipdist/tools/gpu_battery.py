@@ -51,7 +51,7 @@ from clipdist.checkpoint.state import TrainState
 from clipdist.config import to_train_config
 from clipdist.data.batch import Batch, apply, zero_counts
 from clipdist.distributed.launch import detect_env, free_port
-from clipdist.files import write_atomic
+from clipdist.files import read_bounded, write_atomic
 from clipdist.model.factory import image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 from clipdist.tools.limit import real_run
@@ -450,7 +450,7 @@ def finished_rows(path, device: str) -> dict[tuple[str, str], dict]:
     """The measured rows of an earlier run's JSON on this device, by (section, label): none skipped or failed."""
     if path is None:
         return {}
-    rows = json.loads(Path(path).read_text())
+    rows = json.loads(read_bounded(path, 64 << 20))
     return {
         (row["section"], row["what"]): row
         for row in rows

@@ -1,4 +1,4 @@
-"""What one rank sets up around the loop (train/trainer.py): its host (intra-op threads, the malloc policy), its data
+"""What one rank sets up around the loop (train.trainer): its host (intra-op threads, the malloc policy), its data
 stream with the loader plan preflight decided, the lines the run opens with, and the stand-in batch a stop signal
 gets."""
 

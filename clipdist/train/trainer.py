@@ -1,7 +1,5 @@
-"""Training: config → checks → world → components → the loop (step, log, evaluate, checkpoint).
+"""One rank's training: components → the loop (step, log, evaluate, checkpoint); train.entry starts it.
 
-run(cfg)                 checks the whole config before any rank starts, then starts the ranks
-train(cfg, shards)       on every rank: process group, Trainer(...).fit()
 Trainer.__init__         every component built from config, in one place
 Trainer.fit              the loop, top to bottom
 """
@@ -19,17 +17,15 @@ from tqdm import tqdm
 
 from clipdist import console
 from clipdist.checkpoint.manager import Checkpointer
-from clipdist.checkpoint.run_dir import RunLock, log_sample_keys, rewind_logs, write_record
+from clipdist.checkpoint.run_dir import log_sample_keys, rewind_logs
 from clipdist.checkpoint.state import TrainState, seed_everything
-from clipdist.config import TrainConfig, as_dict, to_train_config
+from clipdist.config import TrainConfig, as_dict
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.distributed import launch, parallel
 from clipdist.errors import TrainingDiverged
-from clipdist.preflight import preflight
 from clipdist.train import startup
 from clipdist.train.evaluate import evaluate
 from clipdist.train.parts import build_parts
-from clipdist.train.recipe import traps
 from clipdist.train.tracking import RunTracker, StepProfiler, logs_step
 
 if TYPE_CHECKING:  # annotations only
@@ -37,54 +33,6 @@ if TYPE_CHECKING:  # annotations only
     from clipdist.data.workers import LoaderPlan
 
 log = logging.getLogger("clipdist")
-
-
-def run(cfg, overrides: list[str] = ()) -> dict | None:
-    """Entry point: check everything the config alone can tell, claim the run directory, then train
-    here or on spawned local ranks. `overrides` (the command line) go into the run's record."""
-    cfg = to_train_config(cfg)
-    env = launch.detect_env()
-    shards, plan = preflight(cfg, env)
-    if not env.is_main:
-        console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
-        return train(cfg, shards, plan)
-    with RunLock(cfg.run_dir):
-        fetched = Checkpointer.fetch_remote(cfg)
-        warnings = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
-        write_record(cfg.run_dir, as_dict(cfg), list(overrides))
-        console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
-        if fetched:
-            log.log(*fetched)
-        for warning in [*warnings, *traps(cfg, shards)]:  # the resume's, and settings that do not do what they seem
-            log.warning("%s", warning)
-        if env.launcher == "single" and cfg.world.world_size > 1:
-            return launch.launch_local(train, cfg.world.world_size, cfg, shards, plan, timeout_s=cfg.world.timeout_s)[0]
-        return train(cfg, shards, plan)
-
-
-def train(cfg: TrainConfig, shards: Shards, plan: LoaderPlan) -> dict | None:
-    """Train on this rank (every rank calls it), with the loader plan preflight decided. Returns the last evaluation
-    on rank 0."""
-    env = launch.detect_env()
-    device = parallel.select_device(cfg.world.device, env.local_rank)
-    startup.configure_host(cfg, plan, env, device)
-    backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
-    launch.init_process_group(
-        env,
-        backend=backend,
-        timeout_s=cfg.world.timeout_s,
-        rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
-        single=cfg.world.parallel == "fsdp",
-    )
-    console.name_rank(env.rank, env.world_size)
-    try:
-        if env.world_size > 1:
-            where = launch.placement(env)
-            if env.is_main:
-                log.info("%s", where)
-        return Trainer(cfg, shards, env, device, plan).fit()
-    finally:
-        launch.destroy_process_group()
 
 
 class Trainer:
@@ -230,9 +178,9 @@ class Trainer:
         self.progress.update(1)
         cadence = self.cfg.logging
         if logs_step(state.step, cadence.log_every, self.cfg.optim.max_steps, cadence.epoch_steps):
-            stats["logit_scale"] = model.logit_scale.exp().item()
+            stats["logit_scale"] = model.get_parameter("logit_scale").exp().item()
             if self.loss_fn.uses_logit_bias:
-                stats["logit_bias"] = model.logit_bias.item()
+                stats["logit_bias"] = model.get_parameter("logit_bias").item()
             if self.scaler is not None:
                 stats.update(loss_scale=self.scaler.get_scale(), overflow_steps=self.overflow_steps)
             stream = self.stream

@@ -1,0 +1,77 @@
+"""Training's entry: config → checks → world → Trainer(...).fit() on every rank.
+
+run(cfg)                 checks the whole config before any rank starts, claims the run directory, starts the ranks
+train(cfg, shards, plan) on every rank: device, host, process group, then the loop (train.trainer)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from clipdist import console
+from clipdist.checkpoint.manager import Checkpointer
+from clipdist.checkpoint.run_dir import RunLock, write_record
+from clipdist.config import TrainConfig, as_dict, to_train_config
+from clipdist.distributed import launch, parallel
+from clipdist.preflight import preflight
+from clipdist.train import startup
+from clipdist.train.recipe import traps
+from clipdist.train.trainer import Trainer
+
+if TYPE_CHECKING:  # annotations only
+    from clipdist.data.sources import Shards
+    from clipdist.data.workers import LoaderPlan
+
+log = logging.getLogger("clipdist")
+
+
+def run(cfg, overrides: Sequence[str] = ()) -> dict | None:
+    """Entry point: check everything the config alone can tell, claim the run directory, then train
+    here or on spawned local ranks. `overrides` (the command line) go into the run's record."""
+    cfg = to_train_config(cfg)
+    env = launch.detect_env()
+    shards, plan = preflight(cfg, env)
+    if not env.is_main:
+        console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
+        return train(cfg, shards, plan)
+    with RunLock(cfg.run_dir):
+        fetched = Checkpointer.fetch_remote(cfg)
+        warnings = Checkpointer.check_resume(cfg, cfg.world.world_size)  # again, now that no one else can write
+        write_record(cfg.run_dir, as_dict(cfg), list(overrides))
+        console.open_run_log(Path(cfg.run_dir) / console.LOG_FILE)
+        if fetched:
+            log.log(*fetched)
+        for warning in [*warnings, *traps(cfg, shards)]:  # the resume's, and settings that do not do what they seem
+            log.warning("%s", warning)
+        if env.launcher == "single" and cfg.world.world_size > 1:
+            results = launch.launch_local(train, cfg.world.world_size, cfg, shards, plan, timeout_s=cfg.world.timeout_s)
+            return cast("dict | None", results[0])  # rank 0's train(...)
+        return train(cfg, shards, plan)
+
+
+def train(cfg: TrainConfig, shards: Shards, plan: LoaderPlan) -> dict | None:
+    """Train on this rank (every rank calls it), with the loader plan preflight decided. Returns the last evaluation
+    on rank 0."""
+    env = launch.detect_env()
+    device = parallel.select_device(cfg.world.device, env.local_rank)
+    startup.configure_host(cfg, plan, env, device)
+    backend = None if cfg.world.backend == "auto" else str(cfg.world.backend)
+    launch.init_process_group(
+        env,
+        backend=backend,
+        timeout_s=cfg.world.timeout_s,
+        rendezvous_timeout_s=cfg.world.rendezvous_timeout_s,
+        single=cfg.world.parallel == "fsdp",
+    )
+    console.name_rank(env.rank, env.world_size)
+    try:
+        if env.world_size > 1:
+            where = launch.placement(env)
+            if env.is_main:
+                log.info("%s", where)
+        return Trainer(cfg, shards, env, device, plan).fit()
+    finally:
+        launch.destroy_process_group()
