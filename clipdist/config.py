@@ -20,7 +20,7 @@ from dataclasses import MISSING as MISSING_FIELD
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from hydra._internal.config_repository import ConfigRepository
 from hydra._internal.utils import create_config_search_path
@@ -241,7 +241,7 @@ def model_config(settings: dict) -> ModelConfig:
     """A ModelConfig from a saved run's `model` section (as_dict): keys it predates take their defaults, keys this
     version no longer has are left out."""
     known = {key: value for key, value in settings.items() if key in ModelConfig.__dataclass_fields__}
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known))
+    return cast(ModelConfig, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known)))
 
 
 def _with_kind_options(schema: type) -> type:
@@ -365,7 +365,7 @@ class LossConfig:
 
 def _loss_schema(spec: LossSpec) -> type:
     """LossConfig with a backend's own options (`loss=tiled` → `loss.tile`), named for it (TiledLossConfig)."""
-    own = spec.options
+    own: Any = spec.options  # a dataclass
     hints = typing.get_type_hints(own)
     extra = [
         (
@@ -631,7 +631,7 @@ def _store_once(store: ConfigStore, name: str, schema: type, group: str | None =
 
 def as_dict(cfg: TrainConfig) -> dict:
     """Plain nested dict of a TrainConfig (choices as strings): for checkpoints, W&B and comparisons."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
 
 
 def _unknown_keys(given: dict, schema, prefix: str = "") -> tuple[str, str] | None:
@@ -670,7 +670,7 @@ def to_train_config(cfg) -> TrainConfig:
     loss_name = OmegaConf.select(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg, "loss.name")
     if loss_name in LOSS_SCHEMAS:
         schema.loss = OmegaConf.structured(LOSS_SCHEMAS[loss_name])
-    given = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=False)
+    given = cfg if isinstance(cfg, dict) else cast(dict, OmegaConf.to_container(cfg, resolve=False))
     unknown = _unknown_keys(given, schema)
     if unknown:  # `+optim.lrr=1` adds a key Hydra lets through and the schema would drop without a word
         path, owner = unknown
@@ -695,7 +695,7 @@ def to_train_config(cfg) -> TrainConfig:
         raise ConfigError(
             f"{key}: {printable(str(error)).splitlines()[0]}; set what it names or write the value itself"
         ) from None
-    return OmegaConf.to_object(merged)
+    return cast(TrainConfig, OmegaConf.to_object(merged))
 
 
 def _interpolations(node, prefix: str = ""):
@@ -841,7 +841,8 @@ def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str
                     for line in range(item.lineno, (item.end_lineno or item.lineno) + 1)
                     if line in comments
                 ]
-                above, line = [], item.lineno - 1
+                above: list[str] = []
+                line = item.lineno - 1
                 while line in comments and lines[line - 1].lstrip().startswith("#"):
                     above.insert(0, comments[line])
                     line -= 1
@@ -888,7 +889,8 @@ def describe_keys() -> list[str]:
                 options[f"{spec.options.__name__}.{item.name}"].append(name)
     for key, backends in options.items():
         owner, name = key.split(".")
-        item = next(f for f in fields(BACKENDS[backends[0]].options) if f.name == name)
+        options_schema: Any = BACKENDS[backends[0]].options  # a dataclass: the backend has options
+        item = next(f for f in fields(options_schema) if f.name == name)
         note = notes.get((owner, name), "")
         described.append(f"  loss.{name} = {item.default}  — (loss={' | '.join(backends)}) {note}".rstrip())
     return described

@@ -147,7 +147,8 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
     tensor = torch.empty(0, dtype=dtype)
-    return tensor.set_(tensor._typed_storage()._new_shared(math.prod(shape), device="cpu"), 0, shape)
+    storage = tensor._typed_storage()._new_shared(math.prod(shape), device="cpu")
+    return tensor.set_(storage, 0, shape)  # type: ignore[call-overload]  # a TypedStorage: torch types only the untyped
 
 
 class CaptionTokens:
@@ -157,7 +158,8 @@ class CaptionTokens:
     captions, duplicates in web data) cost a lookup instead of ~100 us of text cleaning and BPE."""
 
     def __init__(self, tokenizer, capacity: int = 1 << 14):
-        self.tokenizer, self.capacity, self.known = tokenizer, capacity, OrderedDict()
+        self.tokenizer, self.capacity = tokenizer, capacity
+        self.known: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def __call__(self, captions: list[str]) -> torch.Tensor:
         new = list(dict.fromkeys(caption for caption in captions if caption not in self.known))

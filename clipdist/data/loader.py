@@ -12,6 +12,7 @@ import functools
 import signal
 import sys
 import traceback
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class Loader:
         if workers and getattr(items, "_worker_pids_set", False):
             # Unregister them first, or the DataLoader's SIGCHLD handler reports the kill as a worker crash.
             torch.utils.data._utils.signal_handling._remove_worker_pids(id(items))
-            items._worker_pids_set = False
+            setattr(items, "_worker_pids_set", False)  # noqa: B010 -- a private attribute torch does not type
         for worker in workers:
             if worker.is_alive():
                 kill_tree(worker.pid)
@@ -79,7 +80,9 @@ def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch,
     mapping of them —, tokens, and what was read), and the positions its readers reach once it is consumed. Items
     are copied into the batch's host buffer (pinned where `pin_memory`) as they arrive; a batch that is one item is
     used as it is."""
-    images = tokens = counts = keys = None
+    images: Any = None
+    tokens: Any = None
+    counts = keys = None
     pending = {}
     for _ in range(count):
         item = next(items)

@@ -49,8 +49,8 @@ def _lengths(lengths, where: str) -> list[int]:
     return [int(length) for length in lengths]
 
 
-def _cumulative(weights: list[float], count: int) -> np.ndarray:
-    weights = np.asarray(weights, dtype=np.float64)
+def _cumulative(given: list[float], count: int) -> np.ndarray:
+    weights = np.asarray(given, dtype=np.float64)
     if len(weights) != count or weights.min() < 0 or weights.sum() <= 0:
         raise ValueError(
             f"data.seq_len_probs={weights.tolist()}: one weight of 0 or more per data.seq_lens entry "
@@ -192,7 +192,10 @@ class PatchImages:
     ):
         self.patch_size, self.mean, self.std, self.square = int(patch_size), tuple(mean), tuple(std), bool(square)
         self.seq_lens = list(seq_lens or [])  # the run's sequence lengths (data.seq_lens, resolved)
-        self.resample = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}.get(str(interpolation), Image.BICUBIC)
+        resampling = Image.Resampling
+        self.resample = {"bicubic": resampling.BICUBIC, "bilinear": resampling.BILINEAR}.get(
+            str(interpolation), resampling.BICUBIC
+        )
 
     @functools.cache  # noqa: B019
     def batcher(self, seq_len: int) -> PatchBatcher:

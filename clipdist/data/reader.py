@@ -49,7 +49,7 @@ class ShardList:
         self.sources = sources
         self.urls = [url for urls in sources for url in urls]
         self.ends = list(itertools.accumulate(len(urls) for urls in sources))
-        self._shuffled: tuple[int, np.ndarray | None] = (-1, None)
+        self._shuffled: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -96,7 +96,7 @@ class ShardSequence:
         """(url, source, first, count) of each piece of pass `number` (epoch mode)."""
         if self._dealt[0] != number:
             if self.deal is None:
-                pieces = [
+                pieces: list[tuple[str, int, int, int | None]] = [
                     (url, source, 0, None)
                     for url, source in self.shards.dealt(self.seed + number, self.reader, self.readers)
                 ]
@@ -108,6 +108,7 @@ class ShardSequence:
     def _piece(self, shard: int, first: int, count: int) -> tuple[str, int, int, int | None]:
         url, source = self.shards[shard]
         kind = kind_of_url(url)
+        assert self.deal is not None  # pieces come from a deal
         if first == 0 and count == self.deal.sizes[shard]:
             return url, source, 0, None
         if kind is not None and kind.narrow is not None:
@@ -189,7 +190,8 @@ class Reader:
         self.sequence, self.handler, self.health, self.name = sequence, handler, health, name
         self.size, self.initial = shuffle_size, min(initial, shuffle_size)
         self.rng = random.Random(shuffle_seed)
-        self.entry, self.taken, self.received, self.buffer = 0, 0, 0, []
+        self.entry, self.taken, self.received = 0, 0, 0
+        self.buffer: list[dict] = []
 
     def state_dict(self) -> dict:
         return {
@@ -204,7 +206,7 @@ class Reader:
         """Back to a saved position: the buffered samples re-read from their shards, in buffer order."""
         self.entry, self.taken, self.received = state["entry"], state["taken"], state["received"]
         self.rng.setstate(_as_state(state["rng"]))
-        wanted = {}
+        wanted: dict[int, set[int]] = {}
         for entry, index in state["buffer"]:
             wanted.setdefault(entry, set()).add(index)
         found = {}

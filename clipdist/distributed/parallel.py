@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import weakref
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,8 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and name.rsplit(".", 1)[-1] in BLOCK_LISTS
     ]
     outer = [name for name in lists if not any(name.startswith(other + ".") for other in lists)]
-    return [block for name in outer for block in model.get_submodule(name) if any(True for _ in block.parameters())]
+    blocks = [block for name in outer for block in cast(torch.nn.ModuleList, model.get_submodule(name))]
+    return [block for block in blocks if any(True for _ in block.parameters())]
 
 
 def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dtype | None) -> torch.nn.Module:
@@ -91,14 +93,15 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
     if any(getattr(module, "calls_image_tower", False) for module in parts):
         # a term runs the image tower outside the model's forward (the teacher terms' student views): its own unit,
         # so the parameters outside its blocks are gathered for each call too (kept for backward, as the root's)
-        model.visual.register_forward_hook(_without_views)  # runs before FSDP2's own (registered after it)
-        fully_shard(model.visual, mp_policy=policy, reshard_after_forward=False)
+        visual = cast(torch.nn.Module, model.visual)
+        visual.register_forward_hook(_without_views)  # runs before FSDP2's own (registered after it)
+        fully_shard(visual, mp_policy=policy, reshard_after_forward=False)
     # fully_shard cannot shard 0-dim parameters (the logit scale and bias): they stay whole on every rank,
     # outside FSDP, and their gradients are averaged by finish_gradient_sync after backward.
     scalars = [param for param in model.parameters() if param.ndim == 0]
     # The root's parameters are needed again at once by backward: keep them gathered after forward.
     fully_shard(model, mp_policy=policy, reshard_after_forward=False, ignored_params=set(scalars))
-    model.replicated_parameters = scalars
+    vars(model)["replicated_parameters"] = scalars  # a plain list: nn.Module.__setattr__ would put it here too
     for method in ("encode_image", "encode_text"):  # evaluation calls these, not forward
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)
@@ -171,7 +174,7 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
     elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
-    elif is_sharded(model):
+    elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         try:
             yield

@@ -301,13 +301,13 @@ def plot(rows, path: Path, scaling_rows=()) -> None:
     if scaling_rows:
         axis, first = axes[0][-1], scaling_rows[0]
         for index, name in enumerate(names):
-            points = sorted(
+            predicted: list[tuple[int, int, int]] = sorted(
                 (r["global_batch"], r["predicted_kept_bytes"], r["predicted_peak_bytes"])
                 for r in scaling_rows
                 if r["backend"] == name
             )
-            if points:
-                batches, kept, peak = zip(*points)
+            if predicted:
+                batches, kept, peak = zip(*predicted)
                 (line,) = axis.loglog(
                     batches, peak, marker=markers[index % len(markers)], label=f"{name} (+ in flight)"
                 )

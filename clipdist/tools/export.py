@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from timm.models import save_for_hf
@@ -52,7 +53,8 @@ def open_clip_config(model_name: str, weights: dict[str, torch.Tensor], model_se
     model_cfg = built_model_config(name, overrides)
     if "logit_bias" in weights:
         model_cfg["init_logit_bias"] = float(weights["logit_bias"])
-    preprocess = create_model(name, device="meta", overrides=overrides).visual.preprocess_cfg
+    model: Any = create_model(name, device="meta", overrides=overrides)  # open_clip's CLIP: its visual tower's config
+    preprocess: dict = model.visual.preprocess_cfg
     return {
         "model_cfg": model_cfg,
         "preprocess_cfg": {

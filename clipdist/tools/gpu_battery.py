@@ -153,11 +153,20 @@ def synthetic_batch(model, rows: int, device: torch.device, seq_len: int | None 
 
     height, width = image_size(model)
     if naflex_trunk(model) is not None:
+        if seq_len is None:
+            raise ValueError(f"{model}: a NaFlex tower's synthetic batch needs its seq_len")
         pixels = apply(full_patches(rows, naflex_patch_size(model), seq_len), lambda tensor: tensor.to(device))
     else:
         pixels = torch.randint(0, 256, (rows, height, width, 3), dtype=torch.uint8, device=device)
     tokens = random_tokens(rows, model.context_length).to(device)
     return Batch.of(pixels, tokens, zero_counts(1))
+
+
+def measured(
+    device: torch.device, steps: int, model: str, precision: str, rows: int, warmup: int = 2, seq_len=None, **options
+) -> Callable[[Path], dict]:
+    """A row's action: `time_steps` on the config of `model` × `rows` (config's `options`), in the row's folder."""
+    return lambda work: time_steps(config(work, model, precision, rows, **options), device, steps, warmup, seq_len)
 
 
 def time_steps(cfg, device: torch.device, steps: int, warmup: int = 2, seq_len: int | None = None) -> dict:
@@ -280,7 +289,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
         return Planned(
             "step",
             f"{model} {prec}{' compiled' if compiled else ''} × {size}",
-            lambda work: time_steps(config(work, model, prec, size, compile=compiled), device, steps),
+            measured(device, steps, model, prec, size, compile=compiled),
             step_estimate(model, size, steps, peaks[prec][0], compiled),
             peaks[prec],
         )
@@ -290,9 +299,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
             Planned(
                 "large batch",
                 f"{base} {precision} {loss} × {size:,} in chunks of {micro}",
-                lambda work, loss=loss: time_steps(
-                    config(work, base, precision, size, loss=loss, chunks=size // micro), device, steps=1, warmup=1
-                ),
+                measured(device, 1, base, precision, size, warmup=1, loss=loss, chunks=size // micro),
                 step_estimate(base, size, 1, peak[0], passes=4.0, warmup=1),
                 peak,
             )
@@ -323,7 +330,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
             "fsdp",
             f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
             lambda work: with_one_rank_group(
-                device, lambda: time_steps(config(work, base, precision, BATCH[base], parallel="fsdp"), device, steps)
+                device, lambda: measured(device, steps, base, precision, BATCH[base], parallel="fsdp")(work)
             ),
             step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
             peak,
@@ -356,9 +363,7 @@ def naflex_rows(tiny: bool, steps: int, precision: str, peak, device: torch.devi
             Planned(
                 "naflex",
                 f"{naflex} {precision} × {budget // length} at {length} patches ({budget:,} a batch)",
-                lambda work, length=length: time_steps(
-                    config(work, naflex, precision, budget // length), device, steps, seq_len=length
-                ),
+                measured(device, steps, naflex, precision, budget // length, seq_len=length),
                 step_estimate(naflex, budget // 196, steps, peak[0]),
                 peak,
             )
@@ -370,11 +375,8 @@ def naflex_rows(tiny: bool, steps: int, precision: str, peak, device: torch.devi
             Planned(
                 "recipe",
                 f"{naflex} {precision} {label} × {recipe_rows} at {recipe_length} patches",
-                lambda work, terms=terms: time_steps(
-                    config(work, naflex, precision, recipe_rows, loss="siglip", terms=terms),
-                    device,
-                    steps,
-                    seq_len=recipe_length,
+                measured(
+                    device, steps, naflex, precision, recipe_rows, seq_len=recipe_length, loss="siglip", terms=terms
                 ),
                 step_estimate(
                     naflex,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -88,11 +89,13 @@ class SavedTensorMeter:
 def model_outputs(model, batch: int, context_length: int, seq_len: int | None = None, terms=()):
     """Forward `batch` random images (a NaFlex tower: grids of up to `seq_len` patches, every one valid) and token
     rows through an open_clip model; with `terms` (objective Terms), (the forward, each term's part of it)."""
-    images = (
-        torch.randn(batch, 3, *image_size(model))
-        if naflex_trunk(model) is None
-        else full_patches(batch, naflex_patch_size(model), seq_len)
-    )
+    images: torch.Tensor | dict[str, torch.Tensor]
+    if naflex_trunk(model) is None:
+        images = torch.randn(batch, 3, *image_size(model))
+    elif seq_len is None:
+        raise ValueError("a NaFlex tower's outputs need seq_len, the patches an image")
+    else:
+        images = full_patches(batch, naflex_patch_size(model), seq_len)
     inputs = {"image": images, "text": random_tokens(batch, context_length)}
     raw = model(**inputs)
     return (raw, [term.take(raw, inputs) for term in terms]) if terms else raw
@@ -186,14 +189,14 @@ def loss_kept_bytes(loss_fn, local_batch: int, dim: int, dtype=torch.float32, de
 
 def _measure_loss_points(backends: list[str], dtype_name: str):
     rank = dist.get_rank()
-    points = {name: [] for name in backends}
+    points: dict[str, list[tuple[int, int, int, int]]] = {name: [] for name in backends}
     for name in backends:
         loss_fn = build(name)
         for sizes in FIT_LAYOUTS:
             for dim in FIT_DIMS:
                 kept = loss_kept_bytes(loss_fn, sizes[rank], dim, getattr(torch, dtype_name))
                 points[name].append((sizes[rank], sum(sizes), dim, kept))
-    gathered = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, points)
     return (
         {name: [p for rank_points in gathered for p in rank_points[name]] for name in backends} if rank == 0 else None
@@ -204,9 +207,10 @@ def fit_loss_memory(
     backends: list[str], feature_dtype: str = "float32", timeout_s: float = COLLECTIVE_TIMEOUT_S
 ) -> dict[str, LossFit]:
     """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
-    points = launch_local(
-        _measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype, timeout_s=timeout_s
-    )[0]
+    points = cast(
+        dict,
+        launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype, timeout_s=timeout_s)[0],
+    )
     fits = {}
     for name, rows in points.items():
         design = np.stack([_monomials(b, B, d) for b, B, d, _ in rows])
@@ -254,4 +258,4 @@ def measure_state_bytes(
 ) -> list[dict[str, int]]:
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
     results = launch_local(state_bytes_after_a_step, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
-    return [results[rank] for rank in range(world_size)]
+    return [cast(dict[str, int], results[rank]) for rank in range(world_size)]

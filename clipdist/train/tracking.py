@@ -8,6 +8,7 @@ import netrc
 import os
 import uuid
 from pathlib import Path
+from typing import Literal, cast
 from urllib.parse import urlparse
 
 from clipdist.checkpoint.run_dir import jsonl_rows
@@ -85,7 +86,7 @@ def wandb_records(path: Path):
         position += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated protobuf
             record.ParseFromString(pending)
             yield record
 
@@ -149,7 +150,7 @@ class RunTracker:
             write_atomic(id_file, run_id)
             recorded = wandb_steps(run_dir, run_id)
             self.run = wandb.init(
-                mode=str(mode),
+                mode=cast(Literal["online", "offline", "disabled"], str(mode)),
                 project=project,
                 name=name,
                 id=run_id,
@@ -179,6 +180,7 @@ class RunTracker:
                 if self.wandb_after < step <= start_step:
                     rows.setdefault(step, {}).update({f"{section}/{key}": value for key, value in row.items()})
         for step in sorted(rows):
+            assert self.run is not None  # called once W&B has started
             self.run.log(rows[step], step=step)
         self.wandb_after = max(self.wandb_after, start_step)
 
