@@ -30,6 +30,7 @@ import warnings
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -48,7 +49,12 @@ PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's 
 LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
 
 # NumPy arrays: what np.random.get_state() put into checkpoints before the one format (reading only).
-SAFE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+SAFE_GLOBALS = [
+    np._core.multiarray._reconstruct,  # type: ignore[attr-defined]  # NumPy 2's, private
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
 
 
 class UnsafeFileError(ClipdistError, ValueError):
@@ -124,7 +130,7 @@ def _asks_for(source) -> str | None:
                 elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
                     named.append(".".join(strings[-2:]))
                 elif opcode.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT") and strings:
-                    memo[len(memo) if opcode.name == "MEMOIZE" else argument] = strings[-1]
+                    memo[len(memo) if opcode.name == "MEMOIZE" else cast(int, argument)] = strings[-1]
                 elif opcode.name in ("GET", "BINGET", "LONG_BINGET") and argument in memo:
                     strings.append(memo[argument])
                 elif isinstance(argument, str):
@@ -210,8 +216,8 @@ def load_pickle(source, map_location="cpu", mmap: bool = False, path=None):
             if wanted is None and _is_whole_pickle(source):  # a weights-only refusal of a valid pickle: never damage
                 wanted = "an object torch's weights-only reader refuses"
             if wanted is None:  # damaged, not dangerous: the caller's "unreadable"
-                reason = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(error))
-                reason = reason.group(1) if reason else str(error).splitlines()[0]
+                said = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(error))
+                reason = said.group(1) if said else str(error).splitlines()[0]
                 raise ValueError(f"{path} cannot be read: not a whole pickle ({printable(reason[:200])})") from None
             raise refusal(path, wanted) from None
 
@@ -331,6 +337,10 @@ class _SafeBytes:
     """load_bytes for a DCP planner: non-tensor items with weights_only."""
 
     checkpoint: Path
+    flatten_state_dict: bool  # DCP's planner holds these: the state it loads into
+    original_state_dict: dict
+    mappings: dict
+    state_dict: dict
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = load_pickle(value, path=self.checkpoint)
@@ -417,8 +427,8 @@ def checkpoints_in(directory: Path) -> list[Path]:
     """Complete checkpoints in a run's checkpoints/ folder, newest first."""
     if not directory.is_dir():
         return []
-    found = [path for path in directory.iterdir() if CHECKPOINT.search(path.name)]
-    return sorted(found, key=lambda path: int(CHECKPOINT.search(path.name).group(1)), reverse=True)
+    found = [(int(match.group(1)), path) for path in directory.iterdir() if (match := CHECKPOINT.search(path.name))]
+    return [path for _, path in sorted(found, key=lambda pair: pair[0], reverse=True)]
 
 
 def is_checkpoint(path: Path) -> bool:

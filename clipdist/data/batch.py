@@ -112,8 +112,15 @@ class Batch(Mapping):
         ]
 
     @classmethod
-    def of(cls, images: torch.Tensor, tokens: torch.Tensor, counts: list[int] | None = None, **options) -> Batch:
-        """The batch of a two-tower CLIP model: images (or uint8 pixels) and their captions' tokens."""
+    def of(
+        cls,
+        images: torch.Tensor | dict[str, torch.Tensor],
+        tokens: torch.Tensor,
+        counts: list[int] | None = None,
+        **options,
+    ) -> Batch:
+        """The batch of a two-tower CLIP model: images (or uint8 pixels; a NaFlex tower's patches, a dict) and their
+        captions' tokens."""
         return cls({"image": images, "text": tokens}, counts, **options)
 
     @classmethod

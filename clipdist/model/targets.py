@@ -46,6 +46,20 @@ class Target:
     pretrained: str | None = None
     ema: bool = False  # a checkpoint's weight average (optim.ema) in place of its weights
 
+    @property
+    def model(self) -> str:
+        """The open_clip name to build (an export, a weights file, a name; a checkpoint's is in its config)."""
+        if self.name is None:
+            raise ValueError(f"{self.spec}: a {self.kind} names no model of its own")
+        return self.name
+
+    @property
+    def file(self) -> Path:
+        """The export folder, the checkpoint or the weights file."""
+        if self.path is None:
+            raise ValueError(f"{self.spec}: a {self.kind} is no file")
+        return self.path
+
 
 def resolve(spec: str, pretrained: str | None = None, model_name: str | None = None, ema: bool = False) -> Target:
     """What `spec` names (the module docstring); a ValueError where a weights file names no model, or where `ema`
@@ -70,12 +84,12 @@ def check(target: Target) -> None:
     """What `load` would refuse, found without reading any tensor (so no parallel op runs in this process before
     it forks ranks: libgomp is not fork-safe)."""
     if target.kind == "checkpoint":
-        config = verify(find_checkpoint(target.path)).get("config", {})
+        config = verify(find_checkpoint(target.file)).get("config", {})
         saved_name(model_config(config.get("model", {})).name, target.spec)  # a file it names is checked too
     elif target.kind in ("export", "weights"):
-        resolve_model_name(target.name)
+        resolve_model_name(target.model)
     elif target.kind == "name":
-        pretrained_cfg(resolve_model_name(target.name), target.pretrained)
+        pretrained_cfg(resolve_model_name(target.model), target.pretrained)
 
 
 def saved_name(name: str, where: str) -> str:
@@ -106,19 +120,19 @@ def structure(target: Target) -> torch.nn.Module:
     """The model `target` names on the meta device: its structure, no tensor read (a checkpoint is verified once
     and its saved config read)."""
     if target.kind == "checkpoint":
-        return _saved_model(verify(find_checkpoint(target.path)).get("config", {}), target.spec, device="meta")[1]
+        return _saved_model(verify(find_checkpoint(target.file)).get("config", {}), target.spec, device="meta")[1]
     if target.kind == "name":
         check(target)  # its pretrained tag; create_model resolves (and checks) every kind's name itself
-    return create_model(target.name, device="meta")
+    return create_model(target.model, device="meta")
 
 
 def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> tuple[torch.nn.Module, str]:
     """(the model with its weights, the model name its tokenizer goes by); a ValueError in one line where it
     cannot. device="meta": the structure alone, the weights only checked to fit."""
     if target.kind == "export":
-        return create_model(target.name, cache_dir=cache_dir, device=device), target.name
+        return create_model(target.model, cache_dir=cache_dir, device=device), target.model
     if target.kind == "checkpoint":
-        checkpoint = find_checkpoint(target.path)
+        checkpoint = find_checkpoint(target.file)
         weights, config = read_run_checkpoint(checkpoint, ema=target.ema)
         bias = 0.0 if "logit_bias" in weights else None
         model_cfg, model = _saved_model(config, target.spec, init_logit_bias=bias, device=device)
@@ -127,8 +141,8 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
             model.load_state_dict(fitting)
         return model, model_cfg.name
     if target.kind == "weights":
-        return create_model(target.name, checkpoint=str(target.path), cache_dir=cache_dir, device=device), target.name
-    return create_model(target.name, pretrained=target.pretrained, cache_dir=cache_dir, device=device), target.name
+        return create_model(target.model, checkpoint=str(target.file), cache_dir=cache_dir, device=device), target.model
+    return create_model(target.model, pretrained=target.pretrained, cache_dir=cache_dir, device=device), target.model
 
 
 def load_teacher(

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ def _random_batch(global_batch: int, model_name: str, seed: int, dtype: torch.dt
     aspect and length, padded) and random captions."""
     generator = torch.Generator().manual_seed(seed + 1)
     structure = create_model(model_name, device="meta")
+    images: torch.Tensor | dict[str, torch.Tensor]
     if naflex_trunk(structure) is not None:
         images = random_patches(global_batch, naflex_patch_size(structure), NAFLEX_PATCHES, generator, dtype)
     else:
@@ -122,7 +124,7 @@ class Terms:
 # the checks' options of the terms with a module of their own: small heads; two 16 px views of each 32 px image for
 # self-distillation (the tower resamples its position table), half the patches masked for masked prediction, a
 # one-block decoder predicting half the captions in parallel
-_HEAD = {"hidden": 32, "bottleneck": 16, "prototypes": 32}
+_HEAD: dict[str, Any] = {"hidden": 32, "bottleneck": 16, "prototypes": 32}
 OWN_TERMS = {
     "self_distill": SelfDistillOptions(crops=2, crop_size=16, **_HEAD),
     "masked": MaskedOptions(ratio=0.5, **_HEAD),
@@ -380,24 +382,27 @@ def run_gradchecks(
     if unknown:
         raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(OWN_TERMS)}")
     locks, chosen = Locks(lock_image, lock_text), Terms(distill, tuple(terms))
-    rank_results = launch_local(
-        _rank_step,
-        world_size,
-        list(losses),
-        sizes,
-        seed,
-        dtype,
-        model,
-        chunks,
-        parallel,
-        locks,
-        scaler,
-        chosen,
-        timeout_s=timeout_s,
-    )[0]
+    rank_results = cast(
+        list,
+        launch_local(
+            _rank_step,
+            world_size,
+            list(losses),
+            sizes,
+            seed,
+            dtype,
+            model,
+            chunks,
+            parallel,
+            locks,
+            scaler,
+            chosen,
+            timeout_s=timeout_s,
+        )[0],
+    )  # rank 0's (loss, grads) per backend
     tolerance = TOLERANCE[dtype]
     in_float32 = sorted(float32_parameters(create_model(model, device="meta"))) if dtype == "float64" else []
-    references = {}  # one single-process step per loss definition, shared by the backends that use it
+    references: dict[tuple, tuple[Any, Any]] = {}  # one single-process step per loss definition, shared by the backends
     reports = []
     for spec, loss_fn, (loss, grads) in zip(losses, loss_fns, rank_results):
         definition = (getattr(loss_fn, "reference", clip_loss), getattr(loss_fn, "uses_logit_bias", False))

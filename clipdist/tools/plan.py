@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -275,7 +276,7 @@ def measure(
         default=0,
     )
     if teacher:
-        structure = targets.structure(targets.resolve(teacher))
+        structure: Any = targets.structure(targets.resolve(teacher))  # an open_clip model
         measured.teacher_parameters = sum(p.numel() for p in structure.parameters())
         with torch.no_grad():  # the feature dim: a forward on the meta device computes nothing
             measured.teacher_dim = structure.encode_text(
@@ -334,7 +335,7 @@ def breakdown(
         "teacher": teacher,
         "peak": params + buffers + inputs + cached + held + teacher,
         "host_per_node": host_bytes,
-        "growing": max(terms, key=terms.get),  # the largest term that grows with the batch
+        "growing": max(terms, key=lambda name: terms[name]),  # the largest term that grows with the batch
         "kept_for_backward": kept,
     }  # what autograd holds at most: what SavedTensorMeter measures
 
@@ -363,15 +364,18 @@ def largest_local_batch(
     """(the largest b that fits on the device and the host, what stops a larger one; 0 if none fits) with
     `chunks` chunks per batch, or chunks of `micro_batch` samples."""
     host = host or Host()
+    if micro_batch is None and chunks is None:
+        raise ValueError("largest_local_batch: give chunks or micro_batch")
+    step = 1 if micro_batch is not None else cast(int, chunks)
 
     def parts(b):
-        size = micro_batch if micro_batch is not None else -(-b // chunks)
+        size = micro_batch if micro_batch is not None else -(-b // step)
         return breakdown(m, backend, world_size, b, size, parallel, host)
 
     def fits(b):
         return _fits(parts(b), device_bytes, host)
 
-    low = chunks if micro_batch is None else 1
+    low = step
     if not fits(low):
         return 0, limit_of(parts(low), device_bytes, host)
     high = low * 2
