@@ -9,6 +9,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import open_clip
@@ -331,7 +332,7 @@ def built_model_config(name: str, overrides: dict | None = None) -> dict:
     return model_cfg
 
 
-def lock_towers(model: torch.nn.Module, model_cfg) -> None:
+def lock_towers(model: Any, model_cfg) -> None:  # an open_clip model: its towers' methods are untyped
     """model.lock_image / model.lock_text with open_clip's own lock functions: the locked parameters stop
     requiring gradients (so they get no gradient, no optimizer state, and a fully locked tower no backward)."""
     if model_cfg.lock_image:
@@ -385,7 +386,7 @@ def check_loss_weights(loss_cfg, model_name: str) -> None:
         raise ValueError("loss.contrastive_weight=0 and no caption term: nothing to train")
 
 
-def check_teacher(teacher: torch.nn.Module, student: torch.nn.Module, name: str) -> None:
+def check_teacher(teacher: Any, student: Any, name: str) -> None:  # open_clip models
     """A distillation teacher sees the student's images and tokens: the same image size, context length and
     vocabulary."""
     for what, mine, theirs in (
@@ -526,7 +527,7 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
         reason = unreachable(constants.ENDPOINT)
         if reason:
             raise OSError(f"{constants.ENDPOINT} cannot be reached: {reason}")
-    error = None
+    error: Exception = FileNotFoundError(f"{repo}: none of {', '.join(names)}")
     for candidate in names:
         try:
             return hf_hub_download(repo, candidate, cache_dir=cache_dir)
@@ -535,7 +536,7 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
     raise error
 
 
-def _init_caption_decoder(decoder: torch.nn.Module) -> None:
+def _init_caption_decoder(decoder: Any) -> None:  # open_clip's MultimodalTransformer
     """What open_clip's MultimodalTransformer.init_parameters means to do. open_clip 3.3 never calls it, and it
     could not run (it reads `self.transformer`, which the decoder is): a CoCa model built from scratch keeps
     `text_projection` as torch.empty left it — other values on every rank, at times 1e30 (found by gradcheck)."""
@@ -580,7 +581,8 @@ def create_model(
             f"model.name={name}",
         )
     tag = pretrained_cfg(name, pretrained)
-    kwargs = {"device": device, "cache_dir": cache_dir}  # "meta": the structure alone, no memory (for checks)
+    # device "meta": the structure alone, no memory (for checks)
+    kwargs: dict[str, Any] = {"device": device, "cache_dir": cache_dir}
     if init_logit_scale is not None:
         kwargs["init_logit_scale"] = init_logit_scale
     if init_logit_bias is not None:
@@ -781,7 +783,7 @@ class BoundedTokenizer:
         return getattr(self.tokenizer, name)
 
 
-def image_size(model: torch.nn.Module) -> tuple[int, int]:
+def image_size(model: Any) -> tuple[int, int]:  # an open_clip model
     """(height, width) of the images the model's image tower takes (open_clip gives an int for a square)."""
     size = model.visual.image_size
     return (size, size) if isinstance(size, int) else tuple(size)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import open_clip
 import torch
@@ -38,14 +39,18 @@ from clipdist.model.factory import base_tokenizer
 FORMAT = "transformers"
 CHECK_TOLERANCE = 1e-5  # relative difference of the features, fp32, before the export is written
 SPECIAL = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}  # open_clip's -> transformers'
-INTERPOLATION = {"bicubic": 3, "bilinear": 2, "nearest": 0}  # PIL's resample codes, as CLIPImageProcessor takes
+INTERPOLATION: dict[str, Any] = {
+    "bicubic": 3,
+    "bilinear": 2,
+    "nearest": 0,
+}  # PIL's resample codes, as CLIPImageProcessor takes
 
 
 class NoCounterpart(ValueError):
     """A part of the model transformers' CLIPModel cannot represent."""
 
 
-def _activation(block: nn.Module, where: str) -> str:
+def _activation(block: Any, where: str) -> str:
     act = block.mlp.gelu
     if isinstance(act, open_clip.transformer.QuickGELU):
         return "quick_gelu"
@@ -54,7 +59,7 @@ def _activation(block: nn.Module, where: str) -> str:
     raise NoCounterpart(f"{where}'s activation {act!r} has no CLIPModel counterpart (gelu or quick_gelu)")
 
 
-def _tower(transformer: nn.Module, where: str) -> dict:
+def _tower(transformer: Any, where: str) -> dict:
     """Per-tower settings the weights do not carry: activation, norm eps, heads; refuses block variants."""
     blocks = list(transformer.resblocks)
     first = blocks[0]
@@ -82,7 +87,7 @@ def _tower(transformer: nn.Module, where: str) -> dict:
     }
 
 
-def _text_of(model: nn.Module) -> nn.Module:
+def _text_of(model: Any) -> Any:
     """The module holding the text tower's parameters: the CLIP itself, or CustomTextCLIP's `text`."""
     if isinstance(model, open_clip.CoCa):
         raise NoCounterpart("CoCa's text decoder has no transformers counterpart: export it with --format open_clip")
@@ -95,7 +100,7 @@ def _text_of(model: nn.Module) -> nn.Module:
     return text
 
 
-def clip_config(model: nn.Module, tokenizer) -> dict:
+def clip_config(model: Any, tokenizer) -> dict:
     """transformers' CLIPConfig (as keyword arguments) for `model`; NoCounterpart naming what does not map."""
     text = _text_of(model)  # CoCa first: its decoder, not its pooling, is what has no counterpart
     visual = model.visual
@@ -175,7 +180,7 @@ def _check_tokenizer(tokenizer, vocab_size: int) -> None:
         )
 
 
-def clip_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+def clip_weights(model: Any) -> dict[str, torch.Tensor]:
     """open_clip's state dict under CLIPModel's names (the module docstring); every tensor used once."""
     source = dict(model.state_dict())
     text_prefix = "text." if hasattr(model, "text") else ""
@@ -236,7 +241,7 @@ def write_tokenizer(tokenizer, folder: Path) -> tuple[Path, Path]:
     return folder / "vocab.json", folder / "merges.txt"
 
 
-def processor(model: nn.Module, tokenizer, context_length: int, folder: Path):
+def processor(model: Any, tokenizer, context_length: int, folder: Path):
     """CLIPProcessor: the image processor from the model's preprocess config, CLIPTokenizerFast from its BPE."""
     from transformers import CLIPImageProcessor, CLIPProcessor, CLIPTokenizerFast
 
@@ -244,6 +249,7 @@ def processor(model: nn.Module, tokenizer, context_length: int, folder: Path):
     size = preprocess["size"]
     height, width = (size, size) if isinstance(size, int) else size
     mode = preprocess.get("resize_mode", "shortest")
+    sizes: dict[str, Any]
     if mode == "shortest" and height == width:
         sizes = {
             "size": {"shortest_edge": height},
@@ -286,7 +292,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def check_same(model: nn.Module, theirs, tokenizer, size: int) -> float:
+def check_same(model: Any, theirs, tokenizer, size: int) -> float:
     """The largest relative difference of image and text features between `model` and its conversion;
     NoCounterpart where it exceeds CHECK_TOLERANCE."""
     generator = torch.Generator().manual_seed(0)
@@ -310,7 +316,7 @@ def check_same(model: nn.Module, theirs, tokenizer, size: int) -> float:
     return max(differences)
 
 
-def write_transformers(model: nn.Module, tokenizer, folder: Path) -> float:
+def write_transformers(model: Any, tokenizer, folder: Path) -> float:
     """CLIPModel's folder for `model` (weights, config, tokenizer, image processor) written into `folder`; the
     relative feature difference the check measured."""
     from transformers import CLIPConfig, CLIPModel

@@ -40,6 +40,46 @@ def test_every_stop_signal_asks_for_a_stop(signum):
         stop.restore()
 
 
+def test_a_stop_inside_the_data_path_leaves_the_generators_as_before_the_wait(monkeypatch):
+    """A stop signal lands anywhere in `next(stream)` — in a loader read in this process, inside an augmentation
+    that had seeded torch's and Python's generators from a sample's key (data.stream's _augment). The stand-in step
+    and the checkpoint must see the generators as they were before the wait, as the uninterrupted run has them
+    (else the resumed run draws other dropout masks: seen as a flaky fp16 / Lion resume test)."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from clipdist.distributed.launch import StopSignal
+    from clipdist.train import startup
+    from clipdist.train.trainer import Trainer
+
+    stop = StopSignal()
+
+    def interrupted_augmentation():
+        torch.default_generator.manual_seed(1234)  # what _augment does first, for a sample's key
+        random.seed(1234)
+        np.random.seed(1234)
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop lands here, before the augmentation puts them back
+        raise AssertionError("the stop signal did not interrupt the read")
+
+    monkeypatch.setattr(startup, "stand_in_batch", lambda trainer: "stand-in")
+    stream = type("Stream", (), {"__next__": lambda self: interrupted_augmentation()})()
+    trainer = SimpleNamespace(checkpointer=SimpleNamespace(stop=stop), stream=stream)
+    for seed in (torch.manual_seed, random.seed, np.random.seed):
+        seed(7)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    for seed in (torch.manual_seed, random.seed, np.random.seed):
+        seed(7)
+    try:
+        assert Trainer.next_batch(trainer) == "stand-in"
+    finally:
+        stop.restore()
+    drawn = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]
+
+
 def test_a_file_system_without_flock_is_one_line_saying_where_to_run(tmp_path, monkeypatch):
     import errno
     import fcntl
