@@ -34,6 +34,7 @@ from clipdist.data import specs as data_specs
 from clipdist.data.specs import KIND_SPECS
 from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the checks
     COLLECTIVE_TIMEOUT_S,
+    CONFIG_FOLDER_FLAGS,
     DEFAULT_MODEL,
     DEFAULT_TILE,
     FREE,
@@ -716,10 +717,12 @@ def _resolves(cfg, key: str) -> bool:
     return True
 
 
-def schema_keys() -> tuple[set[str], set[str]]:
+@functools.cache
+def schema_keys() -> tuple[frozenset[str], frozenset[str]]:
     """(every dotted key of the schema, the keys of free-form fields whose own keys are the user's): `loss.*` holds
-    the options of every loss backend (its schema is chosen by loss.name)."""
-    keys, free = set(), set()
+    the options of every loss backend (its schema is chosen by loss.name). Read once a process."""
+    keys: set[str] = set()
+    free: set[str] = set()
 
     def walk(schema, prefix: str) -> None:
         hints = typing.get_type_hints(schema)
@@ -737,13 +740,13 @@ def schema_keys() -> tuple[set[str], set[str]]:
     walk(TrainConfig, "")
     for schema in LOSS_SCHEMAS.values():
         walk(schema, "loss.")
-    return keys, free
+    return frozenset(keys), frozenset(free)
 
 
 GROUPS_WITHOUT_KEYS = ("recipe",)  # config groups with no section of their own (clipdist/conf/recipe/: _global_)
 
 
-CONFIG_SEARCH_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")  # more options than ours
+CONFIG_SEARCH_FLAGS = (*CONFIG_FOLDER_FLAGS, "hydra.searchpath")  # where a user's folder may add options to ours
 
 
 def group_options(group: str) -> list[str]:
@@ -763,23 +766,28 @@ def _config_repository() -> ConfigRepository:
 
 def unknown_override(arguments: list[str]) -> str | None:
     """One line for the first `key=value` override whose key the schema does not have, with the nearest keys it
-    does have ("did you mean"), or a group choice that names no option (`loss=foo`: the options listed), said before
-    Hydra composes anything; None where all exist. Choices where a user's config folder may add options, Hydra's
-    own keys and deletions (`~key`) are left to Hydra."""
+    does have ("did you mean"), or a group choice that names no option (`loss=foo`, or one of a sweep's
+    `loss=disco,foo`: the options listed), said before Hydra composes anything; None where all exist. Read by
+    Hydra's override grammar (a line it cannot read is Hydra's to say). Choices where a user's config folder may add
+    options, Hydra's own keys and deletions (`~key`) are left to Hydra."""
     keys, free = schema_keys()
     searched = any(argument.split("=", 1)[0].lstrip("+") in CONFIG_SEARCH_FLAGS for argument in arguments)
-    for argument in arguments:
-        if argument.startswith(("-", "~")) or "=" not in argument:
+    for override in parsed_overrides(arguments) or ():
+        if override.is_delete():
             continue
-        key, value = argument.split("=", 1)
-        key, value = key.lstrip("+"), value.strip("'\"")
+        key = override.key_or_group
         options = [] if searched else group_options(key)
-        if options and value not in options and value != "null":
-            near = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
+        if options:
+            chosen = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+            unknown = next((str(value) for value in chosen if value is not None and value not in options), None)
+            if unknown is None:
+                continue
+            near = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6)
             hint = f"did you mean {key}={near[0]}? " if near else ""
             named = "; an open_clip model name or config file goes in model.name=" if key == "model" else ""
             return (
-                f"{printable(key)}={printable(value)}: no such option; {hint}choose one of {', '.join(options)}{named}"
+                f"{printable(key)}={printable(unknown)}: no such option; {hint}choose one of {', '.join(options)}"
+                + named
             )
         if "/" in key or key.split(".")[0] == "hydra" or key in keys or any(key.startswith(f"{f}.") for f in free):
             continue
@@ -795,18 +803,23 @@ def unknown_override(arguments: list[str]) -> str | None:
     return None
 
 
+def parsed_overrides(arguments: list[str]) -> list | None:
+    """The command line's overrides (`key=value`, `+key=...`, `~key`, sweeps) as Hydra's grammar reads them; None
+    where it cannot read one (Hydra then says why)."""
+    try:
+        return OverridesParser.create().parse_overrides([a for a in arguments if "=" in a and a[0] != "-"])
+    except Exception:  # noqa: BLE001 -- the grammar's error is Hydra's to say
+        return None
+
+
 def invalid_value(arguments: list[str]) -> str | None:
     """One line for the first `key=value` override whose value its key's type refuses (`optim.lr=abc`,
     `world.parallel=fsdp2`), said before Hydra composes (Hydra's own says it in six lines); None where all fit.
     Values are read by Hydra's override grammar; sweeps, group choices and a loss backend's own options (typed once
     its schema is chosen) are left to Hydra."""
     keys, _ = schema_keys()
-    try:
-        overrides = OverridesParser.create().parse_overrides([a for a in arguments if "=" in a and a[0] != "-"])
-    except Exception:  # noqa: BLE001 -- the grammar's error is Hydra's to say
-        return None
     schema = OmegaConf.structured(TrainConfig)
-    for override in overrides:
+    for override in parsed_overrides(arguments) or ():
         key = override.key_or_group
         if key not in keys or override.is_sweep_override() or override.is_delete() or override.package is not None:
             continue

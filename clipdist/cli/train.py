@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from clipdist.compat import floor_problem
+from clipdist.defaults import CONFIG_FOLDER_FLAGS
 from clipdist.distributed import host
 from clipdist.errors import printable
 from clipdist.files import discard_stdout, read_bounded
@@ -95,7 +96,7 @@ def closed_door(arguments: list[str]) -> str | None:
                 "--experimental-rerun unpickles its file (a pickle can run code): refused. Re-run a run with the "
                 "overrides it saved in <run_dir>/hydra/overrides.yaml (python train.py name=<its name> resumes it)"
             )
-        if flag in ("--config-dir", "-cd", "--config-path", "-cp"):
+        if flag in CONFIG_FOLDER_FLAGS:
             folder = attached or (arguments[index + 1] if index + 1 < len(arguments) else "")
             problem = _config_folder_runs_code(Path(folder))
             if problem:

@@ -329,12 +329,14 @@ def test_a_group_choice_that_names_no_option_is_refused_with_the_options():
     assert "goes in model.name=" in unknown_override(["model=ViT-B-32"])
     assert "choose one of siglip2" in unknown_override(["+recipe=nope"])
     assert "did you mean hydra/launcher=submitit_slurm?" in unknown_override(["hydra/launcher=submitit_slrum"])
+    assert unknown_override(["--multirun", "loss=disco,tild"]).startswith("loss=tild: no such option; did you mean")
     assert set(BACKENDS) <= set(group_options("loss")) and group_options("optim.lr") == group_options("nope") == []
     for fine in (
         ["loss=siglip", "world=cpu2", "model=naflex_tiny", "recipe=siglip2", "logging=null"],
         ["--config-dir", "/somewhere", "world=mycluster"],  # a user's config folder may add options: Hydra says
         ["hydra/launcher=submitit_slurm", "hydra/job_logging=none"],  # Hydra's and its plugins' groups: theirs
         ["hydra.searchpath=[file:///x]", "model=mine"],
+        ["--multirun", "loss=disco,tiled,siglip", "world=choice(cpu2,cpu4)", "loss='naive'"],  # sweeps, quotes
     ):
         assert unknown_override(fine) is None, fine
 
