@@ -165,7 +165,8 @@ def destroy_process_group() -> None:
 
 
 class StopRequested(BaseException):
-    """Raised by StopSignal.interruptible(): a stop signal came while the trainer waited for data."""
+    """Raised by StopSignal.interruptible(): a stop signal came while the trainer waited for data, and the read did
+    not finish within the grace."""
 
 
 class StopSignal:
@@ -175,15 +176,18 @@ class StopSignal:
     ranks, which get it from the terminal too."""
 
     SAME_INTERRUPT_S = 1.0
+    GRACE_S = 2.0  # a read under way when a stop comes may finish for this long; one still going is stuck
 
-    def __init__(self):
+    def __init__(self, grace_s: float = GRACE_S):
         self.received: int | None = None
-        self._waiting = False
+        self.grace_s = grace_s
+        self._waiting = self._armed = False
         self._first_interrupt: float | None = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._overdue)
 
     def _handle(self, signum, _frame) -> None:
         if signum == signal.SIGINT:
@@ -193,15 +197,25 @@ class StopSignal:
                 os._exit(130)
             self._first_interrupt = self._first_interrupt or now
         self.received = signum
+        if self._waiting and not self._armed:
+            self._armed = True
+            signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    def _overdue(self, _signum, _frame) -> None:
+        self._armed = False
         if self._waiting:
             self._waiting = False
             raise StopRequested()
 
     @contextmanager
     def interruptible(self):
-        """Inside, a stop signal (or one already received) raises StopRequested at once: a loader stuck on
-        a hung source (a stalled network read, a pipe: command that never writes) cannot hold a stop up.
-        A BaseException, so no `except Exception` on the way (webdataset's handlers) swallows it."""
+        """A read that a stop signal may cut short. A stop already received raises StopRequested here, before the
+        read begins. One that comes during the read lets it finish (the step then stops on its agreement) unless it
+        is still going `grace_s` later: a loader stuck on a hung source (a stalled network read, a pipe: command
+        that never writes) is interrupted then, so it cannot hold a stop up. Not at once: an exception raised at an
+        arbitrary point of a read in this process can land between a lock's acquire and its `try`, or between an
+        augmentation's seeding of the generators and its `finally`. A BaseException, so no `except Exception` on the
+        way (webdataset's handlers) swallows it."""
         if self.received is not None:
             raise StopRequested()
         self._waiting = True
@@ -209,6 +223,9 @@ class StopSignal:
             yield
         finally:
             self._waiting = False
+            if self._armed:
+                self._armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

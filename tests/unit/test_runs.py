@@ -46,6 +46,7 @@ def test_a_stop_inside_the_data_path_leaves_the_generators_as_before_the_wait(mo
     and the checkpoint must see the generators as they were before the wait, as the uninterrupted run has them
     (else the resumed run draws other dropout masks: seen as a flaky fp16 / Lion resume test)."""
     import random
+    import time
     from types import SimpleNamespace
 
     import numpy as np
@@ -55,13 +56,14 @@ def test_a_stop_inside_the_data_path_leaves_the_generators_as_before_the_wait(mo
     from clipdist.train import startup
     from clipdist.train.trainer import Trainer
 
-    stop = StopSignal()
+    stop = StopSignal(grace_s=0.2)
 
     def interrupted_augmentation():
         torch.default_generator.manual_seed(1234)  # what _augment does first, for a sample's key
         random.seed(1234)
         np.random.seed(1234)
-        os.kill(os.getpid(), signal.SIGTERM)  # the stop lands here, before the augmentation puts them back
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop comes here, before the augmentation puts them back,
+        time.sleep(30)  # and the read is stuck: interrupted after the grace
         raise AssertionError("the stop signal did not interrupt the read")
 
     monkeypatch.setattr(startup, "stand_in_batch", lambda trainer: "stand-in")
@@ -78,6 +80,32 @@ def test_a_stop_inside_the_data_path_leaves_the_generators_as_before_the_wait(mo
         stop.restore()
     drawn = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]
+
+
+def test_a_read_under_way_when_a_stop_comes_may_finish_and_a_stuck_one_is_cut_after_the_grace():
+    """A stop during a read does not raise at an arbitrary point of it: a read that finishes within the grace gives
+    its batch (the step then stops on its agreement); one still going then is interrupted."""
+    import time
+
+    from clipdist.distributed.launch import StopRequested, StopSignal
+
+    stop = StopSignal(grace_s=0.3)
+    try:
+        with stop.interruptible():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the rest of a read that finishes
+            finished = True
+        assert finished and stop.received == signal.SIGTERM
+        time.sleep(0.4)  # no alarm left behind to fire later
+        stop.received = None
+        started = time.monotonic()
+        with pytest.raises(StopRequested):
+            with stop.interruptible():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)  # stuck
+        assert 0.25 < time.monotonic() - started < 5
+    finally:
+        stop.restore()
 
 
 def test_a_file_system_without_flock_is_one_line_saying_where_to_run(tmp_path, monkeypatch):
