@@ -410,6 +410,7 @@ def battery(
     (Markdown) at once, so a battery stopped midway leaves every row it finished. `resume`: an earlier run's JSON —
     its measured rows (same section and label on the same device) are kept as they are, the rest run."""
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    kept = finished_rows(resume, device_name(device))  # a bad file: one line before anything runs
     precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
     peaks = {
         name: peak_tflops(device, dtype)
@@ -418,7 +419,7 @@ def battery(
     }
     if budget_s is None:
         budget_s = DEFAULT_BUDGET_S if device.type == "cuda" else float("inf")
-    started, rows, kept = time.perf_counter(), [], finished_rows(resume, device_name(device))
+    started, rows = time.perf_counter(), []
     for name, (tflops, source) in peaks.items():
         rows.append(
             {
@@ -452,7 +453,10 @@ def finished_rows(path, device: str) -> dict[tuple[str, str], dict]:
     """The measured rows of an earlier run's JSON on this device, by (section, label): none skipped or failed."""
     if path is None:
         return {}
-    rows = json.loads(read_bounded(path, 64 << 20))
+    rows = json.loads(read_bounded(path, 64 << 20))  # a JSON error is a ValueError: one line
+    named = lambda row: isinstance(row, dict) and all(isinstance(row.get(key), str) for key in ("section", "what"))
+    if not isinstance(rows, list) or not all(map(named, rows)):
+        raise ValueError(f"--resume {path}: not a battery's rows (a JSON list of rows with their section and what)")
     return {
         (row["section"], row["what"]): row
         for row in rows

@@ -4,6 +4,7 @@ before a GPU is lent (the same code runs there with ViT-B/32, B/16, L/14)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers import REPO, python
@@ -87,6 +88,24 @@ def test_resume_keeps_the_measured_rows_of_this_device_and_runs_the_rest(tmp_pat
     assert next(row for row in rows if row["section"] == "step") == earlier[0]
     assert all("skipped" in row for row in rows if row["section"] in ("fsdp", "data"))
     assert sum("skipped" in row for row in rows) == len(rows) - 2  # all but the peak and the kept row
+
+
+def test_a_resume_file_that_is_not_a_batterys_rows_is_one_line(tmp_path, capsys):
+    """--resume names a file the user hands over: not JSON, JSON of another shape, a FIFO, a folder, a missing
+    file — each one line on stderr, exit 2, before any row runs."""
+    from clipdist.cli import main as cli
+
+    hostile = {name: tmp_path / name for name in ("text", "object", "numbers", "rows_without_labels", "missing")}
+    hostile["text"].write_text("not json")
+    hostile["object"].write_text('{"section": "step"}')
+    hostile["numbers"].write_text("[1, 2]")
+    hostile["rows_without_labels"].write_text('[{"section": 1, "what": "x"}]')
+    os.mkfifo(tmp_path / "fifo")
+    for path in [*hostile.values(), tmp_path / "fifo", tmp_path]:
+        capsys.readouterr()
+        assert cli(["bench", "gpu", "--tiny", "--budget", "0", "--resume", str(path)]) == 2, path
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("clipdist bench: error:"), (path, lines)
 
 
 def test_the_default_plan_fits_seven_minutes_on_an_h100_by_its_estimates():
