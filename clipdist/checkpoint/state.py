@@ -58,17 +58,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def host_rng_state() -> tuple:
-    """Python's, NumPy's and torch's CPU generators, as set_host_rng_state takes them (not CUDA's: the data path
-    never draws from it, and reading it is a device call)."""
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-
-def set_host_rng_state(state: tuple) -> None:
-    python, numpy, cpu = state
-    random.setstate(python)
-    np.random.set_state(numpy)
-    torch.set_rng_state(cpu)
+def host_rng_state() -> dict:
+    """Python's, NumPy's and torch's CPU generators, as set_rng_state takes them (not CUDA's: the data path never
+    draws from it, and reading it is a device call)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
 def seed_everything(seed: int) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import hostlist
@@ -39,6 +40,7 @@ from clipdist.files import save_torch
 # Signals that ask a run to checkpoint and stop (preemption, SLURM's --signal, Ctrl-C): the trainer
 # handles them (StopSignal), loader workers ignore them, the local launcher passes them on.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+Result = TypeVar("Result")  # what a rank's function returns (launch_local)
 # Under srun, rank 0's store listens on a port of this range picked by the job id: two jobs sharing a first
 # node get different ports, and no ephemeral port (32768 and up on Linux) is taken.
 SRUN_PORTS = range(20000, 32768)
@@ -325,7 +327,9 @@ def release_openmp_threads() -> None:
         runtime.omp_pause_resource_all(OMP_PAUSE_HARD)
 
 
-def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict[int, object]:
+def launch_local(
+    fn: Callable[..., Result], world_size: int, *args, timeout_s: float = COLLECTIVE_TIMEOUT_S
+) -> dict[int, Result]:
     """Run `fn(*args)` on `world_size` local gloo ranks (child processes, torch's env:// rendezvous).
 
     The ranks are forked from this process, which has imported torch and the towers' libraries already
@@ -364,7 +368,7 @@ def launch_local(fn: Callable, world_size: int, *args, timeout_s: float = COLLEC
         if threading.current_thread() is threading.main_thread()
         else {}
     )
-    collected: dict[int, object] = {}
+    collected: dict[int, Any] = {}  # each rank's return value, or its _UserError (raised below)
     try:
         while True:
             done = context.join(timeout=0.2, grace_period=5)

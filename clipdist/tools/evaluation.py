@@ -109,9 +109,7 @@ def run_eval(
     if world_size == 1:
         return _evaluate_here(*arguments)
     targets.check(targets.resolve(target, pretrained, model_name, ema))  # a bad target: one line, before the ranks
-    metrics = launch_local(_evaluate_here, world_size, *arguments, timeout_s=timeout_s)[0]
-    assert isinstance(metrics, dict)
-    return metrics
+    return launch_local(_evaluate_here, world_size, *arguments, timeout_s=timeout_s)[0]
 
 
 def write_metrics(metrics: dict, out: str | Path) -> None:

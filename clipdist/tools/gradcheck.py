@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -382,24 +382,21 @@ def run_gradchecks(
     if unknown:
         raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(OWN_TERMS)}")
     locks, chosen = Locks(lock_image, lock_text), Terms(distill, tuple(terms))
-    rank_results = cast(
-        list,
-        launch_local(
-            _rank_step,
-            world_size,
-            list(losses),
-            sizes,
-            seed,
-            dtype,
-            model,
-            chunks,
-            parallel,
-            locks,
-            scaler,
-            chosen,
-            timeout_s=timeout_s,
-        )[0],
-    )  # rank 0's (loss, grads) per backend
+    rank_results = launch_local(
+        _rank_step,
+        world_size,
+        list(losses),
+        sizes,
+        seed,
+        dtype,
+        model,
+        chunks,
+        parallel,
+        locks,
+        scaler,
+        chosen,
+        timeout_s=timeout_s,
+    )[0]  # rank 0's (loss, grads) per backend
     tolerance = TOLERANCE[dtype]
     in_float32 = sorted(float32_parameters(create_model(model, device="meta"))) if dtype == "float64" else []
     references: dict[tuple, tuple[Any, Any]] = {}  # one single-process step per loss definition, shared by the backends

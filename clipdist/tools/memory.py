@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -207,10 +207,8 @@ def fit_loss_memory(
     backends: list[str], feature_dtype: str = "float32", timeout_s: float = COLLECTIVE_TIMEOUT_S
 ) -> dict[str, LossFit]:
     """Run each backend on 3 gloo ranks at FIT_LAYOUTS × FIT_DIMS, fit bytes kept per rank."""
-    points = cast(
-        dict,
-        launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype, timeout_s=timeout_s)[0],
-    )
+    ranks = launch_local(_measure_loss_points, len(FIT_LAYOUTS[0]), list(backends), feature_dtype, timeout_s=timeout_s)
+    points = ranks[0]  # rank 0's: every rank's points
     fits = {}
     for name, rows in points.items():
         design = np.stack([_monomials(b, B, d) for b, B, d, _ in rows])
@@ -258,4 +256,4 @@ def measure_state_bytes(
 ) -> list[dict[str, int]]:
     """Parameters, gradients and optimizer bytes on each of `world_size` gloo ranks after one step."""
     results = launch_local(state_bytes_after_a_step, world_size, model_name, parallel, local_batch, timeout_s=timeout_s)
-    return [cast(dict[str, int], results[rank]) for rank in range(world_size)]
+    return [results[rank] for rank in range(world_size)]

@@ -39,11 +39,8 @@ from clipdist.model.factory import base_tokenizer
 FORMAT = "transformers"
 CHECK_TOLERANCE = 1e-5  # relative difference of the features, fp32, before the export is written
 SPECIAL = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}  # open_clip's -> transformers'
-INTERPOLATION: dict[str, Any] = {
-    "bicubic": 3,
-    "bilinear": 2,
-    "nearest": 0,
-}  # PIL's resample codes, as CLIPImageProcessor takes
+# PIL's resample codes, as CLIPImageProcessor takes them
+INTERPOLATION: dict[str, Any] = {"bicubic": 3, "bilinear": 2, "nearest": 0}
 
 
 class NoCounterpart(ValueError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from clipdist import console
 from clipdist.checkpoint.manager import Checkpointer
@@ -47,8 +47,7 @@ def run(cfg, overrides: Sequence[str] = ()) -> dict | None:
         for warning in [*warnings, *traps(cfg, shards)]:  # the resume's, and settings that do not do what they seem
             log.warning("%s", warning)
         if env.launcher == "single" and cfg.world.world_size > 1:
-            results = launch.launch_local(train, cfg.world.world_size, cfg, shards, plan, timeout_s=cfg.world.timeout_s)
-            return cast("dict | None", results[0])  # rank 0's train(...)
+            return launch.launch_local(train, cfg.world.world_size, cfg, shards, plan, timeout_s=cfg.world.timeout_s)[0]
         return train(cfg, shards, plan)
 
 

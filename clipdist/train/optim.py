@@ -46,8 +46,11 @@ def hands_to_timm(name: str) -> bool:
 
 def check_optimizer(name: str) -> None:
     """A ValueError naming the choices when `name` is neither adamw nor one of timm's optimizers."""
-    if optimizer_name(name) != ADAMW and optimizer_name(name) not in map(str, list_optimizers()):
-        known = ", ".join(n for n in map(str, list_optimizers()) if not n.startswith(("bnb", "c")))
+    if optimizer_name(name) == ADAMW:
+        return
+    timm_names = [str(known) for known in list_optimizers()]
+    if optimizer_name(name) not in timm_names:
+        known = ", ".join(n for n in timm_names if not n.startswith(("bnb", "c")))
         raise ValueError(f"optim.name={name}: no such optimizer; adamw (torch's) or one of timm's: {known}")
 
 

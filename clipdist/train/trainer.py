@@ -18,7 +18,7 @@ from tqdm import tqdm
 from clipdist import console
 from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.run_dir import log_sample_keys, rewind_logs
-from clipdist.checkpoint.state import TrainState, host_rng_state, seed_everything, set_host_rng_state
+from clipdist.checkpoint.state import TrainState, host_rng_state, seed_everything, set_rng_state
 from clipdist.config import TrainConfig, as_dict
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.distributed import launch, parallel
@@ -156,16 +156,16 @@ class Trainer:
 
     def next_batch(self) -> Batch:
         """This rank's next batch. A stop signal while waiting gives a stand-in of the batch's shape instead: the
-        step's collectives still match on every rank, and its agreement stops them. The signal lands anywhere in
-        the data path (a loader read in this process: inside an augmentation that seeded torch's and Python's
-        generators from a sample's key), so the generators are put back as they were before the wait: the stopped
-        step and the checkpoint see the state the uninterrupted run has."""
+        step's collectives still match on every rank, and its agreement stops them. A read cut short (stuck past the
+        stop's grace, StopSignal.interruptible) may stop anywhere in the data path — inside an augmentation that
+        seeded torch's and Python's generators from a sample's key —, so the generators are put back as they were
+        before the read: the stopped step and the checkpoint see the state the uninterrupted run has."""
         generators = host_rng_state()
         try:
             with self.checkpointer.stop.interruptible():
                 return next(self.stream)
         except launch.StopRequested:
-            set_host_rng_state(generators)
+            set_rng_state(generators)
             return startup.stand_in_batch(self)
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:

@@ -41,10 +41,11 @@ def test_every_stop_signal_asks_for_a_stop(signum):
 
 
 def test_a_stop_inside_the_data_path_leaves_the_generators_as_before_the_wait(monkeypatch):
-    """A stop signal lands anywhere in `next(stream)` — in a loader read in this process, inside an augmentation
-    that had seeded torch's and Python's generators from a sample's key (data.stream's _augment). The stand-in step
-    and the checkpoint must see the generators as they were before the wait, as the uninterrupted run has them
-    (else the resumed run draws other dropout masks: seen as a flaky fp16 / Lion resume test)."""
+    """A read cut short by a stop (stuck past the grace) may stop anywhere in `next(stream)` — in a loader read in
+    this process, inside an augmentation that had seeded torch's and Python's generators from a sample's key
+    (data.stream's _augment). The stand-in step and the checkpoint must see the generators as they were before the
+    read, as the uninterrupted run has them (else the resumed run draws other dropout masks: seen as a flaky fp16 /
+    Lion resume test)."""
     import random
     import time
     from types import SimpleNamespace
@@ -96,7 +97,7 @@ def test_a_read_under_way_when_a_stop_comes_may_finish_and_a_stuck_one_is_cut_af
             time.sleep(0.1)  # the rest of a read that finishes
             finished = True
         assert finished and stop.received == signal.SIGTERM
-        time.sleep(0.4)  # no alarm left behind to fire later
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left behind to fire later
         stop.received = None
         started = time.monotonic()
         with pytest.raises(StopRequested):
