@@ -52,7 +52,11 @@ def test_every_wheel_has_the_version_ci_tests():
 
 
 def test_the_install_step_takes_nothing_from_a_registry_and_keeps_torch():
-    script = (REPO / "scripts" / "gpu" / "run.sh").read_text()
+    script = (REPO / "scripts" / "gpu" / "install.sh").read_text()
     installs = [line for line in script.splitlines() if re.search(r"pip install", line)]
     assert installs and all("--no-deps" in line and "--no-index" in line for line in installs), installs
-    assert "torch changed" in script and "--budget" in script
+    assert "torch changed" in script
+    for device_script in ("run.sh", "profile.sh"):  # every device script installs through install.sh alone
+        text = (REPO / "scripts" / "gpu" / device_script).read_text()
+        assert ". scripts/gpu/install.sh" in text and "pip install" not in text, device_script
+    assert "--budget" in (REPO / "scripts" / "gpu" / "run.sh").read_text()
