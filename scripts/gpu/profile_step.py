@@ -6,9 +6,10 @@ time (the rest is the GPU waiting for the host), the kernels that take the most 
 ranges (forward_and_loss, backward, optimizer). Variants in the same call answer one question each:
 
   b16 / b16_pure   ViT-B/16 × 128: bf16 autocast, then pure_bf16 (no autocast casts, LayerNorms in bf16)
+  b16_compiled     the same with model.compile=true (and `_battery`: as the battery times it, FLOPs counted)
   b16_model        the open_clip model's own forward and backward under autocast, a plain CLIP loss, no optimizer:
                    what clipdist's step adds
-  b32 / b32_fsdp   ViT-B/32 × 256: DDP-less plain step, then FSDP2 at world 1 (0.40x in the battery)
+  b32 / b32_fsdp   ViT-B/32 × 256: DDP-less plain step, then FSDP2 at world 1 (0.40x in the battery; cProfile'd)
   recipe_*         NaFlex B/16 × 128 at 256 patches: plain SigLIP, then each of recipe=siglip2's terms alone
 
 Usage: python scripts/gpu/profile_step.py [case ...] --out DIR   (default: every case)
@@ -18,8 +19,13 @@ DIR gets a JSON of the timings, the kernel tables and, for b16, a chrome trace.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gzip
+import io
 import json
+import math
+import pstats
 import shutil
 import statistics
 import sys
@@ -30,17 +36,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from clipdist.tools.gpu_battery import RECIPE_TERMS, config, one_rank_group, synthetic_batch
+from clipdist.tools.gpu_battery import RECIPE_TERMS, config, one_rank_group, synthetic_batch, time_steps
 from clipdist.train.parts import build_parts
 
 CASES: dict[str, dict] = {
-    "b16": {"model": "ViT-B-16", "precision": "bf16", "rows": 128},
+    "b16": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "trace": True},
     "b16_pure": {"model": "ViT-B-16", "precision": "pure_bf16", "rows": 128},
+    "b16_compiled": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "compile": True, "trace": True},
+    "b16_compiled_battery": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "compile": True, "battery": True},
     "b16_model": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "raw": True},
     "b32": {"model": "ViT-B-32", "precision": "bf16", "rows": 256},
-    "b32_fsdp": {"model": "ViT-B-32", "precision": "bf16", "rows": 256, "parallel": "fsdp"},
+    "b32_fsdp": {"model": "ViT-B-32", "precision": "bf16", "rows": 256, "parallel": "fsdp", "cprofile": True},
     "recipe_siglip": {
         "model": "clipdist-naflex-b16",
         "precision": "bf16",
@@ -70,6 +79,21 @@ CASES: dict[str, dict] = {
 }
 
 
+def kernel_busy_us(trace: dict) -> float:
+    """The time the device ran anything (the union of its kernels' and copies' intervals), in µs."""
+    spans = sorted(
+        (event["ts"], event["ts"] + event["dur"])
+        for event in trace["traceEvents"]
+        if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -95,9 +119,14 @@ def raw_step(parts, batch, device):
 
 
 def measure(name: str, case: dict, device: torch.device, out: Path, steps: int, profiled: int) -> dict:
-    options = {k: v for k, v in case.items() if k not in ("model", "precision", "rows", "raw", "seq_len")}
+    own = ("model", "precision", "rows", "raw", "seq_len", "trace", "battery", "cprofile")
+    options = {k: v for k, v in case.items() if k not in own}
     with tempfile.TemporaryDirectory() as work:
         cfg = config(Path(work), case["model"], case["precision"], case["rows"], **options)
+        if case.get("battery"):  # the battery's own timing (FLOPs counted on its last warm-up step)
+            row = {"case": name, **time_steps(cfg, device, 10)}
+            print(json.dumps(row), flush=True)
+            return row
         parts = build_parts(cfg, device)
         batch = synthetic_batch(parts.model, case["rows"], device, case.get("seq_len"))
         step = raw_step(parts, batch, device) if case.get("raw") else (lambda: parts.step(batch))
@@ -106,13 +135,20 @@ def measure(name: str, case: dict, device: torch.device, out: Path, steps: int, 
         for _ in range(3):
             step()
         sync(device)
-        times = []
+        times, profiler = [], cProfile.Profile() if case.get("cprofile") else None
         for _ in range(steps):
             started = time.perf_counter()
-            step()
-            sync(device)
+            with profiler or contextlib.nullcontext():
+                step()
+                sync(device)
             times.append(time.perf_counter() - started)
         median = statistics.median(times)
+        if profiler is not None:  # the host's side: where the step's Python time goes
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+            with open(out / "tables.txt", "a") as tables:
+                tables.write(f"== {name}: cProfile over {steps} steps\n{text.getvalue()}\n")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
             started = time.perf_counter()
             for _ in range(profiled):
@@ -133,12 +169,13 @@ def measure(name: str, case: dict, device: torch.device, out: Path, steps: int, 
             for event in events
             if event.key in ("forward_and_loss", "backward", "optimizer")
         }
-        if name == "b16":
-            trace = out / f"trace_{name}.json"
-            prof.export_chrome_trace(str(trace))
+        trace = out / f"trace_{name}.json"
+        prof.export_chrome_trace(str(trace))
+        busy_us = kernel_busy_us(json.loads(trace.read_text()))
+        if case.get("trace"):
             with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
                 shutil.copyfileobj(raw, packed)
-            trace.unlink()
+        trace.unlink()
     row = {
         "case": name,
         **{k: v for k, v in case.items() if k != "terms"},
@@ -147,7 +184,9 @@ def measure(name: str, case: dict, device: torch.device, out: Path, steps: int, 
         "step_ms": median * 1e3,
         "spread_ms": [min(times) * 1e3, max(times) * 1e3],
         "profiled_wall_ms": wall * 1e3 / profiled,
-        "device_busy_ms": device_us / 1e3 / profiled,
+        "device_busy_ms": busy_us / 1e3 / profiled,  # the union of the kernels' and copies' intervals
+        "device_kernel_sum_ms": device_us / 1e3 / profiled,
+        "dynamo": {key: dict(counters[key]) for key in ("stats", "graph_break", "recompiles") if counters[key]},
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
         "ranges": ranges,
     }
@@ -183,6 +222,9 @@ def main() -> None:
             print(f"{name}: skipped, budget spent", flush=True)
             continue
         began = time.perf_counter()
+        counters.clear()
+        if CASES[name].get("compile"):
+            torch._dynamo.reset()
         try:
             if CASES[name].get("parallel") == "fsdp":
                 with one_rank_group(device):
@@ -201,10 +243,9 @@ def main() -> None:
         if "error" in row:
             print(f"{row['case']:<17} error")
             continue
-        print(
-            f"{row['case']:<17} {row['samples_per_s']:9.0f} {row['step_ms']:8.1f} {row['device_busy_ms']:8.1f}"
-            f" {row['profiled_wall_ms']:8.1f} {row['peak_gib']:9.2f}"
-        )
+        step_ms = row.get("step_ms", row.get("step_s", math.nan) * 1e3)
+        busy, wall, peak = (row.get(key, math.nan) for key in ("device_busy_ms", "profiled_wall_ms", "peak_gib"))
+        print(f"{row['case']:<17} {row['samples_per_s']:9.0f} {step_ms:8.1f} {busy:8.1f} {wall:8.1f} {peak:9.2f}")
 
 
 if __name__ == "__main__":
