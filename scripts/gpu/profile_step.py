@@ -6,7 +6,7 @@ time (the rest is the GPU waiting for the host), the kernels that take the most 
 ranges (forward_and_loss, backward, optimizer). Variants in the same call answer one question each:
 
   b16 / b16_pure   ViT-B/16 × 128: bf16 autocast, then pure_bf16 (no autocast casts, LayerNorms in bf16)
-  b16_compiled     the same with model.compile=true (and `_battery`: as the battery times it, FLOPs counted)
+  b16_compiled     the same with model.compile=true (`_battery`: as the battery times them)
   b16_model        the open_clip model's own forward and backward under autocast, a plain CLIP loss, no optimizer:
                    what clipdist's step adds
   b32 / b32_fsdp   ViT-B/32 × 256: DDP-less plain step, then FSDP2 at world 1 (0.40x in the battery; cProfile'd)
@@ -46,6 +46,7 @@ CASES: dict[str, dict] = {
     "b16": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "trace": True},
     "b16_pure": {"model": "ViT-B-16", "precision": "pure_bf16", "rows": 128},
     "b16_compiled": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "compile": True, "trace": True},
+    "b16_battery": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "battery": True},
     "b16_compiled_battery": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "compile": True, "battery": True},
     "b16_model": {"model": "ViT-B-16", "precision": "bf16", "rows": 128, "raw": True},
     "b32": {"model": "ViT-B-32", "precision": "bf16", "rows": 256},
