@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from clipdist.data.views import local_patch_views, local_views
+from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_size
 from clipdist.model.flexible_grid import allow_other_sizes
@@ -24,6 +25,7 @@ from clipdist.objective.specs import SelfDistillOptions
 from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, teacher_term, tower
 
 PART = "self_distill_head"
+VIEW_GROUPS = 4  # a NaFlex batch's views are run in this many groups of like length (by_length; one under FSDP2)
 
 
 def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
@@ -64,6 +66,21 @@ def build(options: SelfDistillOptions, context: TermContext) -> TeacherTerm | No
     return teacher_term(SelfDistillTerm, "self_distill", options, context)
 
 
+def by_length(run, views: dict[str, torch.Tensor], groups: int = VIEW_GROUPS) -> torch.Tensor:
+    """run(views) for a NaFlex batch of views of unequal lengths, in `groups` groups of like length, each cut to its
+    own longest, the rows put back in the views' order: each row's output depends on its own valid patches alone, so
+    the rows are one call's, with the padding no group needs never computed: 8 views (5-40% of the image each) of 128
+    images of 256 patches padded to their longest are 52% patches, in 4 groups 82% (a third fewer computed)."""
+    lengths = views["patch_valid"].sum(1).cpu()
+    order = lengths.argsort(stable=True)
+    parts = [
+        run({key: value[part.to(value.device), : int(lengths[part].max())] for key, value in views.items()})
+        for part in order.tensor_split(groups)
+        if len(part)
+    ]
+    return torch.cat(parts)[order.argsort().to(parts[0].device)]
+
+
 class SelfDistillTerm(TeacherTerm):
     name = "self_distill_loss"
     options: SelfDistillOptions
@@ -83,14 +100,18 @@ class SelfDistillTerm(TeacherTerm):
         scale = (options.scale[0], options.scale[1])
         if isinstance(images, dict):
             rows = len(images["patches"])
-            views: torch.Tensor | dict = local_patch_views(
+            views = local_patch_views(
                 images, crops=options.crops, patch_size=self.patch_size, scale=scale, seed=self.seed, step=step
             )
+            # FSDP2 gathers a block's weights at each call, so every rank must call the tower as often as the others
+            # (a rank with fewer views than VIEW_GROUPS would call it less): there the views run in one call
+            groups = 1 if any(map(parallel.is_sharded, self.visual.modules())) else VIEW_GROUPS
+            embedded = by_length(lambda group: pooled(self.visual(group)), views, groups)
         else:
             rows, size = len(images), (self.size, self.size)
-            views = local_views(images, crops=options.crops, size=size, scale=scale, seed=self.seed, step=step)
-            views = views.flatten(0, 1)
-        return self.head(pooled(self.visual(views))).view(rows, options.crops, -1)
+            crops = local_views(images, crops=options.crops, size=size, scale=scale, seed=self.seed, step=step)
+            embedded = pooled(self.visual(crops.flatten(0, 1)))
+        return self.head(embedded).view(rows, options.crops, -1)
 
     def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor]:
         teacher = self.targets(images)

@@ -323,3 +323,34 @@ def test_on_a_naflex_tower_a_captions_logits_do_not_depend_on_its_batchs_padding
     assert not images["patch_valid"].all()  # rows of other lengths: padded already
     assert torch.equal(term.in_parallel(padded), term.in_parallel(images))
     torch.testing.assert_close(logits(padded), logits(images), rtol=1e-10, atol=1e-10)
+
+
+def test_on_a_naflex_tower_the_views_run_in_groups_of_like_length_give_one_calls_rows():
+    """A NaFlex batch's local views run in groups of like length, each cut to its own longest (self_distill.by_length):
+    every view's embedding is the one a single call over the views padded to their longest gives, in the views'
+    order, and fewer patches are computed."""
+    from clipdist.data.views import local_patch_views
+    from clipdist.model.timm_towers import full_patches
+    from clipdist.objective.self_distill import by_length
+    from clipdist.objective.teacher import pooled
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-naflex-tiny").double().eval()
+    images = full_patches(6, 16, 64, torch.float64)
+    images["patches"] = torch.randn(
+        images["patches"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    views = local_patch_views(images, crops=4, patch_size=16, scale=(0.05, 0.6), seed=0, step=2)
+    lengths = views["patch_valid"].sum(1)
+    assert len(set(lengths.tolist())) > 4  # views of many lengths: the groups differ
+    computed: list[int] = []
+
+    def run(group):
+        computed.append(group["patch_valid"].numel())
+        return pooled(model.visual(group))
+
+    with torch.no_grad():
+        whole = pooled(model.visual(views))
+        grouped = by_length(run, views, groups=3)
+    torch.testing.assert_close(grouped, whole, rtol=1e-10, atol=1e-12)
+    assert len(computed) == 3 and sum(computed) < views["patch_valid"].numel()
