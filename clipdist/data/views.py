@@ -28,6 +28,7 @@ import math
 import weakref
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from torchvision.ops import roi_align
 
 _KEY_WEIGHT_SEED = 0x5EED  # the fixed weights of sample_keys
@@ -137,21 +138,20 @@ def local_patch_views(
         own = valid[row].nonzero()[:, 0]
         yx = coord[row, own]
         height, width = int(yx[:, 0].max()) + 1, int(yx[:, 1].max()) + 1
+        where = torch.full((height, width), -1, dtype=torch.long)  # each grid cell's flat source index (-1: none)
+        where[yx[:, 0], yx[:, 1]] = row * length + own
         for _ in range(crops):
             top, left, h, w = crop_box(generator, height, width, scale, ratio)
             flipped = bool(torch.rand(1, generator=generator).item() < 0.5)
-            inside = (yx[:, 0] >= top) & (yx[:, 0] < top + h) & (yx[:, 1] >= left) & (yx[:, 1] < left + w)
-            at = yx[inside] - torch.tensor([top, left])
-            if flipped:
-                at[:, 1] = w - 1 - at[:, 1]
-            order = (at[:, 0] * w + at[:, 1]).argsort()  # raster order of the view
-            views.append((row * length + own[inside][order], at[order], flipped))
-    longest = max(len(source) for source, _, _ in views)
-    index = torch.zeros(len(views), longest, dtype=torch.long)
-    view_coord = torch.zeros(len(views), longest, 2, dtype=torch.long)
-    view_valid = torch.zeros(len(views), longest, dtype=torch.bool)
-    for view, (source, at, _) in enumerate(views):
-        index[view, : len(source)], view_coord[view, : len(source)], view_valid[view, : len(source)] = source, at, True
+            box = where[top : top + h, left : left + w]
+            box = box.flip(1) if flipped else box
+            present = box >= 0
+            views.append((box[present], present.nonzero(), flipped))  # the view's raster order, from (0, 0)
+    sizes = torch.tensor([len(source) for source, _, _ in views])
+    longest = int(sizes.max())
+    index = pad_sequence([source for source, _, _ in views], batch_first=True)
+    view_coord = pad_sequence([at for _, at, _ in views], batch_first=True)
+    view_valid = torch.arange(longest) < sizes[:, None]
     device = patches.device
     cut = patches.reshape(rows * length, dim)[index.to(device)]  # (views, longest, P·P·C), a copy: changed in place
     mirrored = torch.tensor([view for view, (_, _, flip) in enumerate(views) if flip], dtype=torch.long, device=device)
