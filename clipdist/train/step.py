@@ -82,10 +82,9 @@ class StepAgreement:
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Scale all gradients so their global norm is at most `max_norm` (0: no clipping); the norm before.
     Under FSDP each rank holds a shard of every gradient (DTensors): the norm is reduced over ranks."""
-    grads = [param.grad for param in model.parameters() if param.grad is not None]
-    norm = parallel.full_tensor(torch.nn.utils.get_total_norm(grads, foreach=True))
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm, foreach=True)
+    norm, grads = parallel.total_norm([param.grad for param in model.parameters() if param.grad is not None])
+    if max_norm and grads:  # torch.nn.utils.clip_grads_with_norm_'s coefficient, on the grads (or their shards)
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
 
