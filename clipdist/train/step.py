@@ -21,7 +21,8 @@ encoder activations are kept for one chunk at a time. The batch stays where the 
 host memory on CUDA) and each chunk is put on the device as it runs: the device holds one chunk's inputs.
 
 The step's agreement (global loss, stop signal, checkpoint timer, the stream's counts) is one all-reduce,
-issued after the loss and read after backward: the step's one host sync, where the optimizer needs it.
+issued after the loss and read once backward is enqueued: the step's one host sync, where the optimizer needs it. On
+CUDA it waits for the all-reduce and its copy to the host alone (`Pending`), not for the backward behind them.
 
 With a gradient scaler (precision=fp16, clipdist.model.precision) the loss is scaled before its backward (the
 cached feature gradients carry the scale into every chunk's backward) and the gradients unscaled once,
@@ -46,6 +47,31 @@ from clipdist.objective import Outputs, as_objective
 
 
 @dataclass(frozen=True)
+class Pending:
+    """A device tensor on its way to the host: on CUDA a copy into pinned memory and an event recorded after it on
+    the stream, so that reading it waits for the copy alone — not for what the stream was given since (the backward):
+    the host goes on enqueueing the optimizer and the next step while backward runs. On the CPU the tensor itself."""
+
+    values: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Pending:
+        if tensor.device.type != "cuda":
+            return cls(tensor)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))  # the stream the copy was put on
+        return cls(host, ready)
+
+    def wait(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.values.tolist()
+
+
+@dataclass(frozen=True)
 class StepAgreement:
     """What every rank learns from the step's one all-reduce, so that all skip, stop, save or step together."""
 
@@ -57,16 +83,18 @@ class StepAgreement:
     terms: dict  # the objective's terms beside the total (CoCa: contrastive_loss, caption_loss), means over ranks
 
     @staticmethod
-    def start(loss: torch.Tensor, requests: tuple[bool, bool, bool], counts: list[int], terms=()) -> torch.Tensor:
-        """Collective, not read yet: the mean over ranks of (loss, *terms, stop, timer, written, *counts), on the
-        loss's device; `requests` from Checkpointer.requests."""
+    def start(loss: torch.Tensor, requests: tuple[bool, bool, bool], counts: list[int], terms=()) -> Pending:
+        """Collective, not read yet: the mean over ranks of (loss, *terms, stop, timer, written, *counts), on its
+        way to the host; `requests` from Checkpointer.requests."""
         flags = torch.tensor([*map(float, requests), *counts], dtype=torch.float64)
         values = [loss.detach().reshape(1).double(), *(term.reshape(1).double() for term in terms)]
-        return parallel.all_reduce_mean(torch.cat([*values, flags.to(loss.device, non_blocking=True)]))
+        if loss.device.type == "cuda":
+            flags = flags.pin_memory()  # a copy from pageable memory would wait for the forward to finish
+        return Pending.of(parallel.all_reduce_mean(torch.cat([*values, flags.to(loss.device, non_blocking=True)])))
 
     @classmethod
-    def read(cls, mean: torch.Tensor, term_names=()) -> StepAgreement:
-        values, world_size = mean.tolist(), parallel.rank_and_world_size()[1]
+    def read(cls, pending: Pending, term_names=()) -> StepAgreement:
+        values, world_size = pending.wait(), parallel.rank_and_world_size()[1]
         loss, terms = values[0], dict(zip(term_names, values[1 : 1 + len(term_names)]))
         values = values[1 + len(term_names) :]
         return cls(
