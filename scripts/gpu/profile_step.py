@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
-from clipdist.tools.gpu_battery import RECIPE_TERMS, config, one_rank_group, synthetic_batch, time_steps
+from clipdist.tools.gpu_battery import RECIPE_TERMS, config, one_rank_group, synchronize, synthetic_batch, time_steps
 from clipdist.train.parts import build_parts
 
 CASES: dict[str, dict] = {
@@ -95,11 +95,6 @@ def kernel_busy_us(trace: dict) -> float:
     return busy
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def raw_step(parts, batch, device):
     """open_clip's forward and backward alone: normalised pixels, autocast, a plain CLIP loss."""
     model = parts.model
@@ -135,13 +130,13 @@ def measure(name: str, case: dict, device: torch.device, out: Path, steps: int, 
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(3):
             step()
-        sync(device)
+        synchronize(device)
         times, profiler = [], cProfile.Profile() if case.get("cprofile") else None
         for _ in range(steps):
             started = time.perf_counter()
             with profiler or contextlib.nullcontext():
                 step()
-                sync(device)
+                synchronize(device)
             times.append(time.perf_counter() - started)
         median = statistics.median(times)
         if profiler is not None:  # the host's side: where the step's Python time goes
@@ -154,7 +149,7 @@ def measure(name: str, case: dict, device: torch.device, out: Path, steps: int, 
             started = time.perf_counter()
             for _ in range(profiled):
                 step()
-            sync(device)
+            synchronize(device)
             wall = time.perf_counter() - started
         events = prof.key_averages()
         device_us = sum(
