@@ -3,6 +3,7 @@ shards and streams, and check refusals in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -78,7 +79,11 @@ def _train_here(command: list[str]) -> subprocess.CompletedProcess:
     threads, argv, full_error = torch.get_num_threads(), list(sys.argv), os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "0"
     code = 0
-    with tempfile.TemporaryDirectory() as folder, console_into(Path(folder) / "out", Path(folder) / "err"):
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        console_into(Path(folder) / "out", Path(folder) / "err"),
+        hydra_composes_once(),
+    ):
         try:
             train_main(command[2:])
         except SystemExit as exit:
@@ -89,6 +94,25 @@ def _train_here(command: list[str]) -> subprocess.CompletedProcess:
             os.environ.pop("HYDRA_FULL_ERROR") if full_error is None else os.environ.update(HYDRA_FULL_ERROR=full_error)
             close_run_log()
     return subprocess.CompletedProcess(command, code, console_into.text[0], console_into.text[1])
+
+
+@contextlib.contextmanager
+def hydra_composes_once():
+    """Hydra's entry point composes the config twice: once to read `hydra.mode` from it (Hydra.get_mode), then for
+    the run. clipdist's config never sets hydra.mode, so that first answer is always None (the mode then comes from
+    -m / --multirun): within the block it is None without composing — ~0.1-0.4 s a start, hundreds of starts."""
+    from hydra._internal.hydra import Hydra
+
+    def get_mode(self, config_name, overrides):
+        assert not any(override.lstrip("+~").startswith("hydra.mode=") for override in overrides), overrides
+        return None
+
+    saved = Hydra.get_mode
+    Hydra.get_mode = get_mode
+    try:
+        yield
+    finally:
+        Hydra.get_mode = saved
 
 
 class console_into:
@@ -371,6 +395,6 @@ def refusal(capsys, monkeypatch, *overrides: str) -> tuple[int, list[str]]:
     monkeypatch.setattr(launch, "launch_local", started)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(SystemExit) as stopped, hydra_composes_once():
         train_main([*overrides])
     return stopped.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
