@@ -4,7 +4,7 @@
 #   docker run --gpus all --rm -v $PWD/runs:/app/runs clipdist loss=disco world=1gpu
 # Any base with Python >= 3.10 works; one without torch names the torch to install:
 #   podman build --build-arg BASE=localhost/debian-python --build-arg TORCH="torch==2.14.1 torchvision==0.29.1" .
-# (tests/container_image.py builds it that way on a Debian base made with mmdebstrap.)
+# (tests/integration/test_container.py builds it that way on a Debian base made with mmdebstrap.)
 ARG BASE=pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime
 FROM ${BASE}
 

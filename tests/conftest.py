@@ -5,16 +5,17 @@ import pytest
 # Spawned gloo ranks share two cores in CI: one thread each keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The longest files first (their summed test times on the 2-core CI machine): under `--dist loadfile` a long file
-# handed out last runs alone at the end while the other worker idles. Each worker is handed two files at the start
-# (the 1st and 3rd to one, the 2nd and 4th to the other), so the SLURM file, which mostly waits on its daemons, shares
-# a worker with a CPU-bound one. The container file is not among them: its image is built in the background from the
-# session's start (tests/container_image.py), and the later its tests come, the less they wait for it.
-# pytest-xdist would reorder the files by their number of tests (--loadscope-reorder, on by default: test_slurm's 5
-# long tests and the container's 2 went last), so the collection order is kept instead (pytest_configure).
+# The longest files first (their summed test times on the 2-core CI machine; the container's with its image built
+# cold, as in a fresh CI): under `--dist loadfile` a long file handed out last runs alone at the end while the other
+# worker idles. Each worker is handed two files at the start (the 1st and 3rd to one, the 2nd and 4th to the other),
+# so the two that mostly wait on daemons and disks (SLURM; podman building the image) go to one worker and the
+# CPU-bound runs to the other. pytest-xdist would reorder the files by their number of tests (--loadscope-reorder, on
+# by default: test_slurm's 5 long tests and the container's 2 went last), so the collection order is kept instead
+# (pytest_configure).
 LONGEST_FIRST = (  # by their summed times in a full run, 2026-11-27
     "integration/test_slurm.py",
     "integration/test_teacher_terms.py",
+    "integration/test_container.py",
     "integration/test_resume.py",
     "integration/test_runs.py",
     "integration/test_naflex.py",
@@ -33,17 +34,6 @@ LONGEST_FIRST = (  # by their summed times in a full run, 2026-11-27
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: hand files out in the order collected
         config.option.loadscopereorder = False
-    if not hasattr(config, "workerinput"):  # the session's first process, before xdist starts its workers
-        from container_image import start_early
-
-        start_early(config)  # the container tests' image built while the other tests run (minutes from nothing)
-
-
-def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):
-        from container_image import stop_early
-
-        stop_early(config)
 
 
 def pytest_collection_modifyitems(session, config, items):
