@@ -3,7 +3,6 @@ shards and streams, and check refusals in this process."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -96,23 +95,19 @@ def _train_here(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, code, console_into.text[0], console_into.text[1])
 
 
-@contextlib.contextmanager
 def hydra_composes_once():
     """Hydra's entry point composes the config twice: once to read `hydra.mode` from it (Hydra.get_mode), then for
     the run. clipdist's config never sets hydra.mode, so that first answer is always None (the mode then comes from
     -m / --multirun): within the block it is None without composing — ~0.1-0.4 s a start, hundreds of starts."""
+    from unittest import mock
+
     from hydra._internal.hydra import Hydra
 
     def get_mode(self, config_name, overrides):
         assert not any(override.lstrip("+~").startswith("hydra.mode=") for override in overrides), overrides
         return None
 
-    saved = Hydra.get_mode
-    Hydra.get_mode = get_mode
-    try:
-        yield
-    finally:
-        Hydra.get_mode = saved
+    return mock.patch.object(Hydra, "get_mode", get_mode)
 
 
 class console_into:

@@ -417,24 +417,16 @@ def test_hydras_mode_is_left_to_the_command_line():
     """tests/helpers.hydra_composes_once answers Hydra's get_mode with None instead of composing the config a first
     time: true only while no config file of clipdist's sets hydra.mode. Hydra's own answer, composed as it does."""
     from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
-
-    from clipdist.config import register
-
-    register()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module("clipdist.conf", version_base=None):
-            for overrides in ([], ["world=cpu2", "loss=siglip", "data=web_photos"]):
-                assert compose("config", overrides, return_hydra_config=True).hydra.mode is None
-            assert compose("config", ["hydra.mode=MULTIRUN"], return_hydra_config=True).hydra.mode == RunMode.MULTIRUN
-    finally:
-        GlobalHydra.instance().clear()
     from omegaconf import OmegaConf
 
-    from clipdist.config import CONF
+    from clipdist.config import CONF, register
 
+    register()
+    with initialize_config_module("clipdist.conf", version_base=None):
+        for overrides in ([], ["world=cpu2", "loss=siglip", "data=web_photos"]):
+            assert compose("config", overrides, return_hydra_config=True).hydra.mode is None
+        assert compose("config", ["hydra.mode=MULTIRUN"], return_hydra_config=True).hydra.mode == RunMode.MULTIRUN
     for path in CONF.rglob("*.yaml"):  # no option of any group sets it either (hydra/ files are the hydra node)
         loaded = OmegaConf.to_container(OmegaConf.load(path))
         node = loaded if "hydra" in path.relative_to(CONF).parts else (loaded or {}).get("hydra", {})
