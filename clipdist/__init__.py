@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 LAYERS = (
     # foundations: the schema and its errors, the console, bounded files, who runs where
     (
-        *("errors", "defaults", "compat", "losses.specs", "objective.specs", "data.specs", "config", "console"),
-        *("files", "distributed", "model.precision"),
+        *("errors", "defaults", "compat", "losses.specs", "objective.specs", "data.specs", "hydra_policy", "config"),
+        *("console", "files", "distributed", "model.precision"),
     ),
     # components built from config: losses, towers, data, checkpoints, optimizer, trackers
     ("losses", "model", "data", "checkpoint", "train.optim", "train.ema", "train.tracking"),

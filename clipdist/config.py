@@ -30,11 +30,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
+from clipdist import hydra_policy
 from clipdist.data import specs as data_specs
 from clipdist.data.specs import KIND_SPECS
 from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the checks
     COLLECTIVE_TIMEOUT_S,
-    CONFIG_FOLDER_FLAGS,
     DEFAULT_MODEL,
     DEFAULT_TILE,
     FREE,
@@ -680,6 +680,7 @@ def to_train_config(cfg) -> TrainConfig:
             "(python train.py --cfg job lists every key)"
         )
     merged = OmegaConf.merge(schema, cfg)
+    hydra_policy.refuse_outside_resolvers()  # a saved config read back resolves nothing from the environment
     if str(merged.precision) in PRECISION_ALIASES:
         merged.precision = PRECISION_ALIASES[str(merged.precision)]
     try:
@@ -746,9 +747,6 @@ def schema_keys() -> tuple[frozenset[str], frozenset[str]]:
 GROUPS_WITHOUT_KEYS = ("recipe",)  # config groups with no section of their own (clipdist/conf/recipe/: _global_)
 
 
-CONFIG_SEARCH_FLAGS = (*CONFIG_FOLDER_FLAGS, "hydra.searchpath")  # where a user's folder may add options to ours
-
-
 def group_options(group: str) -> list[str]:
     """The options Hydra's own menu offers for a config group (`loss=`, `world=`, `hydra/launcher=`): clipdist/conf's
     files, the registered loss backends, a search-path plugin's; [] for a key that is no group."""
@@ -771,8 +769,9 @@ def unknown_override(arguments: list[str]) -> str | None:
     Hydra's override grammar (a line it cannot read is Hydra's to say). Choices where a user's config folder may add
     options, Hydra's own keys and deletions (`~key`) are left to Hydra."""
     keys, free = schema_keys()
-    searched = any(argument.split("=", 1)[0].lstrip("+") in CONFIG_SEARCH_FLAGS for argument in arguments)
-    for override in parsed_overrides(arguments) or ():
+    overrides = parsed_overrides(arguments) or []
+    searched = hydra_policy.searches_user_folders(arguments, overrides)
+    for override in overrides:
         if override.is_delete():
             continue
         key = override.key_or_group

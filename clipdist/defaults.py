@@ -14,9 +14,6 @@ COLLECTIVE_TIMEOUT_S = 600  # the default bound on one collective, for runs and 
 TABLE_SEPARATOR, TABLE_IMAGE_KEY, TABLE_CAPTION_KEY = "\t", "filepath", "title"
 # Resume rules: what a resume does when a key differs from the checkpoint's (clipdist.config.resume_rule)
 REFUSE, WARN, FREE = "refuse", "warn", "free"
-# Hydra's flags that name a user's config folder: train.py reads the folder as data before Hydra opens it
-# (cli.train.closed_door), and a folder may add group options beyond clipdist's (config.unknown_override)
-CONFIG_FOLDER_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
 
 
 def _bounded(default, low: float, strict: bool, says: str):

@@ -1,5 +1,9 @@
 """Failures a user can act on: shown as one line (`error: ...`), no traceback unless HYDRA_FULL_ERROR=1."""
 
+import os
+import tempfile
+import time
+import traceback
 from contextlib import contextmanager
 
 
@@ -46,3 +50,25 @@ def as_config_error(*errors: type[Exception]):
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error)) from None
+
+
+def report_bug(error: BaseException, folder=None) -> str:
+    """One line for an exception clipdist did not foresee: that it is a bug, and where its full traceback went —
+    `clipdist-bug-<time>-<pid>.txt` in `folder` (a run directory), else the working directory, else the temporary
+    folder."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    name = f"clipdist-bug-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    for place in (folder, os.getcwd(), tempfile.gettempdir()):
+        if place is None:
+            continue
+        path = os.path.join(place, name)
+        try:
+            with open(path, "x", encoding="utf-8") as file:
+                file.write(text)
+        except OSError:
+            continue
+        return (
+            f"internal error (a bug in clipdist, not in your input): {one_line(type(error).__name__)}: "
+            f"{one_line(str(error))[:300]}; the traceback is in {path} — please report it with that file"
+        )
+    return f"internal error (a bug in clipdist): {one_line(type(error).__name__)}: {one_line(str(error))[:300]}"

@@ -11,7 +11,7 @@ from clipdist.cli import bench, evaluate, export, gradcheck, make_shards, plan, 
 from clipdist.cli.train import train_main
 from clipdist.compat import floor_problem
 from clipdist.distributed import host
-from clipdist.errors import printable
+from clipdist.errors import ClipdistError, printable, report_bug
 
 __all__ = ["build_parser", "main", "train_main"]
 COMMANDS = (gradcheck, plan, bench, make_shards, export, evaluate, trust, report)  # each: add(commands), run(args)
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, OSError) as error:
+    except (ClipdistError, ValueError, OSError) as error:
         print(printable(f"clipdist {args.command}: error: {error}"), file=sys.stderr)
         return 2
+    except Exception as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file
+        print(f"clipdist {args.command}: {report_bug(error)}", file=sys.stderr)
+        return 1

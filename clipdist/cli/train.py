@@ -1,5 +1,5 @@
-"""`python train.py` / `clipdist train`: the doors closed before Hydra opens them, Hydra's composition, the checks
-that need torch alone, then clipdist.train.entry.run in the run directory."""
+"""`python train.py` / `clipdist train`: Hydra's composition under clipdist's policy (clipdist.hydra_policy), the
+checks that need torch alone, then clipdist.train.entry.run in the run directory."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from clipdist import hydra_policy
 from clipdist.compat import floor_problem
-from clipdist.defaults import CONFIG_FOLDER_FLAGS
 from clipdist.distributed import host
-from clipdist.errors import printable
+from clipdist.errors import printable, report_bug
 from clipdist.files import discard_stdout, read_bounded
 
 
@@ -28,6 +28,7 @@ def train_main(overrides: list[str] | None = None) -> None:
     from clipdist.config import register
 
     register()
+    hydra_policy.install()  # every composition checked, the resolvers that read outside refused
     if overrides is not None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
     from clipdist.config import invalid_value, unknown_override
@@ -42,7 +43,7 @@ def train_main(overrides: list[str] | None = None) -> None:
         return
     arguments = sys.argv[1:]
     problem = (
-        closed_door(arguments)
+        hydra_policy.argument_problem(arguments)
         or unknown_override(arguments)
         or invalid_value(arguments)
         or unwritable_run_dir(arguments)
@@ -84,59 +85,6 @@ def train_help() -> str:
     )
 
 
-def closed_door(arguments: list[str]) -> str | None:
-    """One line for a Hydra door that would run or leak something, before Hydra opens it; None if all closed:
-    `--experimental-rerun` (unpickles its file), a `--config-dir` / `--config-path` folder whose YAML names callbacks
-    or a `_target_` outside clipdist's own (Hydra would instantiate it), an override that reads the environment
-    (`${oc.env:...}`: a secret resolved into errors, logs and the saved config) or sets a `_target_` / callback."""
-    for index, argument in enumerate(arguments):
-        flag, _, attached = argument.partition("=")
-        if flag == "--experimental-rerun":
-            return (
-                "--experimental-rerun unpickles its file (a pickle can run code): refused. Re-run a run with the "
-                "overrides it saved in <run_dir>/hydra/overrides.yaml (python train.py name=<its name> resumes it)"
-            )
-        if flag in CONFIG_FOLDER_FLAGS:
-            folder = attached or (arguments[index + 1] if index + 1 < len(arguments) else "")
-            problem = _config_folder_runs_code(Path(folder))
-            if problem:
-                return f"{flag} {printable(folder)}: {problem}; clipdist reads config folders as data only"
-        if flag.startswith("-") or "=" not in argument:
-            continue
-        key, value = argument.split("=", 1)
-        if any(resolver in value for resolver in ENVIRONMENT_RESOLVERS):
-            return (
-                f"{printable(key.lstrip('+~'))}: an override may not read the environment (${{oc.env:...}}): its value "
-                "would be resolved into errors, logs and the saved config; write the value itself"
-            )
-        if "_target_" in key or "callbacks" in key.split("."):
-            return f"{printable(key.lstrip('+~'))}: an override may not name code to run (_target_, callbacks)"
-    return None
-
-
-ENVIRONMENT_RESOLVERS = ("${oc.env:", "${env:", "${oc.decode:")  # read the environment, or parse text as YAML
-
-
-TARGET_PREFIXES = ("clipdist.", "hydra_plugins.hydra_submitit_launcher.")  # the only _target_s a config may name
-
-
-def _config_folder_runs_code(folder: Path) -> str | None:
-    """Why a user's config folder would run code (a Hydra callback, a `_target_` outside clipdist's own), or None."""
-    if not folder.is_dir():
-        return None  # Hydra says it is missing
-    for path in sorted(folder.rglob("*.y*ml"))[:10_000]:
-        try:
-            text = read_bounded(path, 1 << 20).decode("utf-8", "replace")
-        except (OSError, ValueError) as error:
-            return f"{path.name} cannot be read ({error})"
-        if re.search(r"(?m)^\s*callbacks\s*:", text):
-            return f"{path.relative_to(folder)} names Hydra callbacks (code Hydra runs at the start of a job)"
-        for target in re.findall(r"_target_\s*:\s*['\"]?([^\s'\"#]+)", text):
-            if not target.startswith(TARGET_PREFIXES):
-                return f"{path.relative_to(folder)} names _target_ {printable(target)[:80]} (code Hydra would build)"
-    return None
-
-
 def unwritable_run_dir(arguments: list[str]) -> str | None:
     """One line where the run directory the overrides name (runs/<name> under the working directory by default)
     cannot be made or written — a read-only file system, no permission — else None. Checked on the nearest folder
@@ -162,7 +110,8 @@ def unwritable_run_dir(arguments: list[str]) -> str | None:
 def _run_composed(cfg) -> None:
     """Hydra's task: the composed config → clipdist.train.entry.run in Hydra's output directory, which is
     the run directory; a ClipdistError is one `error:` line (HYDRA_FULL_ERROR=1 for the traceback), any
-    other failure its traceback, both on stderr and, once the run has started, at the end of train.log."""
+    other failure one line saying it is a bug, with its traceback in a file of the run directory (errors.report_bug),
+    both on stderr and, once the run has started, at the end of train.log."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
@@ -202,8 +151,10 @@ def _run_composed(cfg) -> None:
         if not isinstance(error, ConfigError) or detect_env().is_main:  # a config refusal: every rank's is the same
             logging.getLogger("clipdist").error("%s", error)
         sys.exit(2 if isinstance(error, ValueError) else 1)
-    except Exception as error:  # noqa: BLE001 -- logged where the run's reader looks, then raised as ever
-        logging.getLogger("clipdist").exception("%s: %s", type(error).__name__, error)
+    except Exception as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file of the run directory
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        logging.getLogger("clipdist").error("%s", report_bug(error, run_dir if os.path.isdir(run_dir) else None))
         raise SystemExit(1) from None
 
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 from helpers import refusal, train
+from omegaconf import OmegaConf, open_dict
 
 from clipdist.config import LOSS_SCHEMAS, ConfigError, TrainConfig, to_train_config, validate
 from clipdist.preflight import check_config
@@ -70,7 +71,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
         (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile?"),
-        (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "model.name: an override may not read the environment"),
+        (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "${oc.env:...}: clipdist configs do not read"),
         (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
     ],
 )
@@ -257,10 +258,8 @@ def test_the_loss_menu_offers_backends_only(tmp_path, capsys, monkeypatch):
     code, lines = refusal(
         capsys, monkeypatch, "--config-dir", str(tmp_path / "mine"), f"run_dir={tmp_path / 'run'}", "loss=nope"
     )
-    offered = lines[lines.index("Available options in 'loss':") + 1 :][:5]
-    assert code == 1 and [line.strip() for line in offered] == ["disco", "gather_layer", "naive", "siglip", "tiled"], (
-        lines
-    )
+    assert code == 2 and len(lines) == 1, lines
+    assert "Available options in 'loss': disco, gather_layer, naive, siglip, tiled" in lines[0], lines
 
 
 def test_open_clips_precision_names_are_read_as_ours():
@@ -355,29 +354,48 @@ def test_a_misspelt_key_is_one_line_before_hydra_composes(tmp_path, capsys, monk
     assert not (tmp_path / "run").exists()
 
 
-def test_hydras_doors_that_run_or_leak_are_closed_before_hydra_opens_them(tmp_path, monkeypatch, capsys):
-    """--experimental-rerun (unpickles), a --config-dir whose YAML names a callback or a foreign _target_, an
-    override reading the environment: one line each, nothing run, the secret printed nowhere."""
-    from clipdist.cli.train import closed_door
+def test_hydras_node_is_held_to_clipdists_allowlist():
+    """clipdist.hydra_policy reads the composed hydra node (unresolved): what Hydra would build, the environment a
+    job gets and where it writes; and Hydra's own parser reads the flags, so an abbreviation is the flag. The corpus
+    of routes to these is tests/integration/test_hydra_policy.py."""
+    from hydra import compose, initialize_config_module
 
-    assert "unpickles" in closed_door(["--experimental-rerun", str(tmp_path / "x.pickle")])
-    folder = tmp_path / "conf" / "model"
-    folder.mkdir(parents=True)
-    (folder / "mine.yaml").write_text("name: ViT-B-32\n")
-    assert closed_door(["--config-dir", str(tmp_path / "conf"), "model=mine"]) is None  # data only: fine
-    (folder / "evil.yaml").write_text("hydra:\n  callbacks:\n    x:\n      _target_: os.system\n")
-    assert "names Hydra callbacks" in closed_door([f"--config-dir={tmp_path / 'conf'}", "model=evil"])
-    (folder / "evil.yaml").write_text("thing:\n  _target_: builtins.eval\n")
-    assert "names _target_ builtins.eval" in closed_door(["-cd", str(tmp_path / "conf")])
-    monkeypatch.setenv("CLIPDIST_TEST_SECRET", "sekrit-value")
-    for override in (
-        "model.name=${oc.env:CLIPDIST_TEST_SECRET}",
-        "+loss.distill.model=x${oc.env:CLIPDIST_TEST_SECRET}",
-    ):
-        said = closed_door([override])
-        assert "may not read the environment" in said and "sekrit" not in said
-    assert "may not name code" in closed_door(["+hydra.callbacks.x._target_=os.system"])
-    assert closed_door(["loss=disco", "optim.lr=1e-3", "run_dir=/tmp/${name}"]) is None
+    from clipdist import hydra_policy
+    from clipdist.config import register
+
+    register()
+    with initialize_config_module("clipdist.conf", version_base=None):
+        cfg = compose("config", return_hydra_config=True)
+    assert hydra_policy.hydra_problem(cfg) is None
+    for dotted, value, said in [
+        ("hydra.callbacks", {"x": {"_target_": "subprocess.call"}}, "callbacks"),
+        ("hydra.launcher._target_", "os.system", "hydra.launcher._target_"),
+        ("hydra.job_logging", {"handlers": {"h": {"()": "os.getcwd"}}}, "logging may build only"),
+        ("hydra.hydra_logging", {"handlers": {"h": {"class": "logging.handlers.HTTPHandler"}}}, "logging may build"),
+        ("hydra.job.env_set", {"LD_PRELOAD": "x.so"}, "env_set.LD_PRELOAD"),
+        ("hydra.run.dir", "/elsewhere", "hydra.run.dir"),
+        ("hydra.job.name", "../x", "hydra.job.name"),
+    ]:
+        changed = cfg.copy()
+        with open_dict(changed):
+            OmegaConf.update(changed, dotted, value, merge=False, force_add=True)
+        assert said in (hydra_policy.hydra_problem(changed) or ""), dotted
+    for flag in (["--experimental-rerun", "x"], ["--exp", "x"], ["--experimental-r=x"]):
+        assert "unpickles" in (hydra_policy.argument_problem(flag) or ""), flag
+    assert hydra_policy.argument_problem(["--config-d", "x", "loss=disco"]) is None
+    assert hydra_policy.searches_user_folders(["--config-d", "x"], [])
+
+
+def test_no_resolver_that_reads_outside_the_config_survives():
+    """Every resolver but those that read the config itself refuses, with one line that says nothing it read."""
+    from clipdist import hydra_policy
+
+    OmegaConf.register_new_resolver("clipdist_test_reads", lambda: "outside", replace=True)
+    hydra_policy.refuse_outside_resolvers()
+    for text in ("${oc.env:HOME}", "${ oc.env:HOME}", "${oc.decode:'1'}", "${clipdist_test_reads:}"):
+        with pytest.raises(SystemExit):
+            OmegaConf.to_container(OmegaConf.create({"a": text}), resolve=True)
+    assert OmegaConf.to_container(OmegaConf.create({"a": 1, "b": "${oc.select:a}"}), resolve=True)["b"] == 1
 
 
 def test_train_help_describes_every_key_and_lists_every_group_option(capsys):

@@ -1,0 +1,263 @@
+"""What Hydra may run in a clipdist process, enforced where Hydra acts rather than on what a user typed.
+
+Hydra can run code from a config: callbacks, a launcher or sweeper `_target_`, the `()` and `class` entries of the
+logging configs it hands to `logging.config.dictConfig`, the environment `hydra.job.env_set` gives the job, and
+`--experimental-rerun`, which unpickles a file. OmegaConf's resolvers read outside the config (`oc.env` reads the
+environment). A check of the command line or of a config folder's text only sees one spelling of each; so:
+
+- `install()` wraps Hydra's one composition function (`ConfigLoaderImpl.load_configuration`, which the run, a
+  sweep's master and each sweep job, `--cfg` and `--info` all go through). Every composed config's `hydra` node is
+  checked against the allowlist below before Hydra reads it (`hydra_problem`), whatever file, folder, search path
+  or override put it there. A refusal is one `error:` line and exit 2.
+- `install()` also replaces every resolver outside `KEPT_RESOLVERS` (`oc.env`, `oc.decode`, `oc.create`, and any a
+  library registers) for the whole process with one that refuses, so no spelling the grammar accepts reads them.
+- `hydra_arguments(argv)` reads the command line with Hydra's own parser: an abbreviation (`--exp`) is the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
+from typing import Any
+
+import yaml
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.utils import get_args_parser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.basecontainer import BaseContainer
+from omegaconf.errors import OmegaConfBaseException
+
+from clipdist.errors import one_line
+
+# Launchers and sweepers Hydra may instantiate: its own and submitit's (conf/hydra/launcher/slurm.yaml)
+LAUNCHERS = (
+    "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+)
+SWEEPERS = ("hydra._internal.core_plugins.basic_sweeper.BasicSweeper",)
+# What a logging config may have dictConfig build (its `()` and `class` entries) and the streams it may name
+LOGGING_CALLABLES = (
+    "clipdist.console.ConsoleHandler",
+    "logging.StreamHandler",
+    "logging.FileHandler",
+    "logging.NullHandler",
+    "logging.Formatter",
+)
+LOGGING_STREAMS = ("ext://sys.stdout", "ext://sys.stderr")
+# The only place a FileHandler may write: the run directory, under a plain file name
+LOG_FILE = re.compile(r"\$\{hydra\.runtime\.output_dir\}/(\$\{hydra\.job\.name\}|[\w-]+)\.log")
+# hydra.job.env_set: tuning variables of the collectives and thread pools; none that names a library to load
+ENV_SET = re.compile(r"(NCCL|GLOO|TORCH_NCCL)_\w+|OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES")
+# Where a run writes: clipdist's values, so the run directory is run_dir (set run_dir=, not these)
+OUTPUT = {
+    "run.dir": "${run_dir}",
+    "sweep.dir": "${run_dir}",
+    "sweep.subdir": "${hydra.job.num}",
+    "output_subdir": None,
+    "job.chdir": False,
+}
+# Resolvers that read nothing outside the config (Hydra's own: now, hydra; OmegaConf's selection helpers)
+KEPT_RESOLVERS = frozenset({"now", "hydra", "oc.select", "oc.dict.keys", "oc.dict.values", "oc.deprecated"})
+
+_installed: list[bool] = []
+
+
+def install() -> None:
+    """Wrap Hydra's composition with `hydra_problem` and replace the resolvers that read outside the config; once a
+    process (repeated calls re-check the resolvers only: a library imported since may have added one)."""
+    refuse_outside_resolvers()
+    if _installed:
+        return
+    compose = ConfigLoaderImpl.load_configuration
+
+    def load_configuration(self, *args, **kwargs):
+        refuse_outside_resolvers()
+        try:
+            cfg = compose(self, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 -- Hydra's multi-line report, or a traceback, made one line
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" or not _composition_error(error):
+                raise
+            refuse(_composition_error(error))
+        problem = hydra_problem(cfg)
+        if problem:
+            refuse(problem)
+        _resolve_job(cfg)  # a refused resolver says so now, before Hydra makes the run directory
+        return cfg
+
+    ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]
+    _installed.append(True)
+
+
+def _composition_error(error: BaseException) -> str | None:
+    """Hydra's or the YAML reader's message for a config it could not compose, on one line (its indented details
+    and the HYDRA_FULL_ERROR hint left out); None for any other exception."""
+    if not isinstance(error, (HydraException, OmegaConfBaseException, yaml.YAMLError)):
+        return None
+    said = [str(error)] + ([str(error.__cause__)] if error.__cause__ is not None else [])
+    if isinstance(error, yaml.YAMLError):
+        said.insert(0, "a config file is not plain YAML data (tags that build Python objects are not read)")
+    kept: list[str] = []
+    menu = False  # within a menu's indented items: they go on the header's line
+    for raw in (line for text in said for line in text.splitlines()):
+        line = raw.strip()
+        if not line or line.startswith(("Set the environment", "full_key", "object_", "reference_type")):
+            continue
+        if menu and raw[:1].isspace():
+            kept[-1] += (" " if kept[-1].endswith(":") else ", ") + line
+            continue
+        menu = line.endswith(":")
+        if line not in kept:
+            kept.append(line)
+    return "; ".join(kept) or type(error).__name__
+
+
+def _resolve_job(cfg) -> None:
+    """Resolve every value outside the hydra node once, so a refusing resolver refuses before the job starts; any
+    other failure (a `${hydra:...}` Hydra sets only at the job's start, a missing key) is left to the run's checks."""
+    for key in cfg:
+        if key != "hydra":
+            try:
+                OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key]), resolve=True)
+            except Exception:  # noqa: BLE001, S112 -- said by the run's own checks
+                continue
+
+
+def refuse(problem: str):
+    """One `error:` line on stderr and exit 2: raised as SystemExit, which Hydra's error reporting passes through
+    (it reports Exceptions with their stack) and OmegaConf's resolver calls do not wrap."""
+    print(f"error: {one_line(problem)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def refuse_outside_resolvers() -> None:
+    """Every registered resolver outside KEPT_RESOLVERS replaced by one that refuses: `${oc.env:X}`, `${ oc.env:X}`,
+    a nested `${oc.decode:...}`: each is a call of the registered function, however it is spelled."""
+    for name in list(_resolvers()):
+        if name not in KEPT_RESOLVERS and not getattr(_resolvers()[name], "_clipdist_refuses", False):
+            OmegaConf.register_new_resolver(name, _refusing(name), replace=True)
+
+
+def _resolvers() -> dict:
+    return BaseContainer._resolvers
+
+
+def _refusing(name: str):
+    def refused(*_args, **_kwargs):
+        refuse(
+            f"${{{name}:...}}: clipdist configs do not read the environment or parse text as config (the value would "
+            "be resolved into errors, logs and the saved config); write the value itself"
+        )
+
+    refused._clipdist_refuses = True  # type: ignore[attr-defined]
+    return refused
+
+
+def hydra_arguments(argv: list[str]) -> argparse.Namespace | None:
+    """The command line as Hydra's own parser reads it (any unambiguous prefix of a flag is that flag), or None
+    where it cannot read it (Hydra then says why)."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return get_args_parser().parse_args(argv)
+    except SystemExit:
+        return None
+
+
+def argument_problem(argv: list[str]) -> str | None:
+    """A flag clipdist refuses: `--experimental-rerun` in any spelling (Hydra unpickles its file before composing)."""
+    arguments = hydra_arguments(argv)
+    if arguments is not None and arguments.experimental_rerun is not None:
+        return (
+            "--experimental-rerun unpickles its file (a pickle can run code): refused. Re-run a run with the "
+            "overrides it saved in <run_dir>/hydra/overrides.yaml (python train.py name=<its name> resumes it)"
+        )
+    return None
+
+
+def searches_user_folders(argv: list[str], overrides: list) -> bool:
+    """Whether a user's config folder may add group options: --config-dir / --config-path in any spelling, or an
+    override of hydra.searchpath."""
+    arguments = hydra_arguments(argv)
+    if arguments is None:
+        return True  # Hydra will say what it cannot read
+    named = arguments.config_dir is not None or arguments.config_path is not None
+    return named or any(str(o.key_or_group).lstrip("+~").startswith("hydra.searchpath") for o in overrides)
+
+
+def hydra_problem(cfg) -> str | None:
+    """Why Hydra must not act on this composed config (one line), or None: read unresolved, so nothing in it runs
+    while it is checked."""
+    node = cfg.get("hydra") if hasattr(cfg, "get") else None
+    if node is None:
+        return None
+    hydra: Any = OmegaConf.to_container(node, resolve=False)
+    callbacks = hydra.get("callbacks") or {}
+    if callbacks:
+        return (
+            f"hydra.callbacks.{one_line(str(next(iter(callbacks))))}: clipdist runs no Hydra callbacks (a callback "
+            "is code Hydra runs around the job); remove it from the config folder or the overrides"
+        )
+    for section, allowed in (("launcher", LAUNCHERS), ("sweeper", SWEEPERS)):
+        target = (hydra.get(section) or {}).get("_target_")
+        if target not in allowed:
+            return (
+                f"hydra.{section}._target_={one_line(str(target))[:120]}: not a {section} clipdist runs with "
+                f"(one of {', '.join(allowed)}); hydra/launcher=slurm is the cluster's"
+            )
+    launcher = hydra.get("launcher") or {}
+    for key in ("setup", "srun_args"):
+        if launcher.get(key):
+            return (
+                f"hydra.launcher.{key}: lines the job's shell or srun would run; clipdist's launcher takes none "
+                "(set up the environment in your own sbatch script: slurm/)"
+            )
+    for section in ("hydra_logging", "job_logging"):
+        problem = _logging_problem(hydra.get(section) or {}, f"hydra.{section}")
+        if problem:
+            return problem
+    job = hydra.get("job") or {}
+    for name in job.get("env_set") or {}:
+        if not ENV_SET.fullmatch(str(name)) or "PLUGIN" in str(name):
+            return (
+                f"hydra.job.env_set.{one_line(str(name))}: a variable clipdist does not set for a job (it may make "
+                "a program load code); set it in the job's own environment"
+            )
+    if not re.fullmatch(r"[\w-]+", str(job.get("name", "train"))):
+        return f"hydra.job.name={one_line(str(job.get('name')))[:80]}: a plain name (letters, digits, - and _)"
+    for dotted, wanted in OUTPUT.items():
+        value: Any = hydra
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value != wanted:
+            return (
+                f"hydra.{dotted}={one_line(str(value))[:120]}: clipdist writes a run only into its run directory; "
+                "set run_dir=<path> (a sweep's jobs go into <run_dir>/<job number>)"
+            )
+    return None
+
+
+def _logging_problem(config, where: str) -> str | None:
+    """The first entry of a dictConfig mapping that would build or reach something outside LOGGING_CALLABLES,
+    LOGGING_STREAMS and the run directory."""
+    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()
+    for key, value in items:
+        path = f"{where}.{one_line(str(key))}"
+        if isinstance(value, (dict, list)):
+            problem = _logging_problem(value, path)
+            if problem:
+                return problem
+        elif key in ("()", "class") and value not in LOGGING_CALLABLES:
+            return f"{path}={one_line(str(value))[:120]}: logging may build only {', '.join(LOGGING_CALLABLES)}"
+        elif isinstance(value, str) and value.startswith("ext://") and value not in LOGGING_STREAMS:
+            return f"{path}={one_line(value)[:120]}: logging may name only the streams {', '.join(LOGGING_STREAMS)}"
+        elif key == "filename" and not (isinstance(value, str) and LOG_FILE.fullmatch(value)):
+            return (
+                f"{path}={one_line(str(value))[:120]}: a log file goes into the run directory "
+                "(${hydra.runtime.output_dir}/<name>.log)"
+            )
+    return None
