@@ -69,6 +69,6 @@ def report_bug(error: BaseException, folder=None) -> str:
             continue
         return (
             f"internal error (a bug in clipdist, not in your input): {one_line(type(error).__name__)}: "
-            f"{one_line(str(error))[:300]}; the traceback is in {path} — please report it with that file"
+            f"{one_line((str(error).splitlines() or [''])[0])[:300]}; the traceback is in {path} — please report it with that file"
         )
     return f"internal error (a bug in clipdist): {one_line(type(error).__name__)}: {one_line(str(error))[:300]}"

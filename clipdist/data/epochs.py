@@ -33,6 +33,7 @@ from clipdist.files import UnboundedFileError, is_remote, read_bounded
 MAX_COUNTED = 2_000  # local tar shards counted file by file at the start, at most (beyond: write _stats.json)
 STATS_SUFFIX = "_stats.json"
 STATS_BYTES = 1 << 20
+SAMPLE_BYTES = 1024  # the least a sample takes in a tar: two members' 512-byte headers
 
 
 def stats_path(shard: str) -> Path:
@@ -41,29 +42,44 @@ def stats_path(shard: str) -> Path:
     return path.with_name(path.name.split(".", 1)[0] + STATS_SUFFIX)
 
 
-def _from_stats(url: str) -> int | None:
+def _from_stats(url: str) -> tuple[int | None, str]:
+    """(the samples a shard's stats file states, or None; why None where a file was there). A statement is a hint:
+    an int (not a bool) from 1 to the most the shard's bytes can hold — every sample is at least two tar members, 1 kB
+    of headers — else it is not used and the shard is counted. The readers check it again against what they find
+    (reader.piece_samples)."""
     path = stats_path(url)
+    if not path.exists():
+        return None, ""
     try:
         count = json.loads(read_bounded(path, STATS_BYTES)).get("successes")
-    except (OSError, ValueError, UnboundedFileError, AttributeError):
-        return None
-    return count if isinstance(count, int) and count >= 0 else None
+        most = Path(url.removeprefix("file:")).stat().st_size // SAMPLE_BYTES
+    except (OSError, ValueError, UnboundedFileError, AttributeError, RecursionError):
+        return None, f"{path.name} cannot be read as img2dataset's statistics"
+    if type(count) is not int or not 1 <= count <= most:
+        return None, f"{path.name} states {str(count)[:40]} samples; a shard of its bytes holds 1 to {most}"
+    return count, ""
 
 
 def shard_sizes(urls: list[str]) -> tuple[list[int] | None, str]:
     """(the samples of every shard, or None where one is unknown; how they were found, for the log)."""
     sizes: list[int | None] = []
+    refused: list[str] = []
     for url in urls:
         kind = kind_of_url(url)
-        sizes.append(kind.size(url) if kind is not None else _from_stats(url) if not is_remote(url) else None)
+        if kind is not None or is_remote(url):
+            sizes.append(kind.size(url) if kind is not None else None)
+            continue
+        size, why = _from_stats(url)
+        sizes.append(size)
+        refused += [why] if why else []
     missing = [index for index, size in enumerate(sizes) if size is None]
     remote = next((urls[index] for index in missing if is_remote(urls[index])), None)
     if remote is not None:
         return None, f"{remote} is remote (a remote shard's size is not read before training)"
     if len(missing) > MAX_COUNTED:
         return None, (
-            f"{len(missing)} tar shards have no {STATS_SUFFIX} (img2dataset's, or `clipdist make-shards`'): more than "
-            f"the {MAX_COUNTED} counted at the start"
+            f"{len(missing)} tar shards have no usable {STATS_SUFFIX} (img2dataset's, or `clipdist make-shards`'): "
+            f"more than the {MAX_COUNTED} counted at the start" + (f"; {refused[0]}" if refused else "")
         )
     for index in missing:
         try:
@@ -71,6 +87,8 @@ def shard_sizes(urls: list[str]) -> tuple[list[int] | None, str]:
         except (OSError, tarfile.ReadError) as error:
             return None, f"{urls[index]} cannot be counted ({error})"
     how = f"{len(missing)} tar shard(s) counted by their member names" if missing else "their sizes known"
+    if refused:
+        how += f" ({len(refused)} statistics file(s) not used: {refused[0]})"
     return [int(size or 0) for size in sizes], how
 
 

@@ -121,10 +121,12 @@ class ShardHealth:
 
     def __init__(self):
         self.failed: dict[str, str] = {}  # url -> reason, this pass
+        self.cut: set[str] = set()  # shards cut short by damage this pass (their samples before it kept)
         self.read_any = False  # some shard gave a file in this pass
 
     def new_pass(self) -> None:
         self.failed.clear()
+        self.cut.clear()
         self.read_any = False
 
     def shard_read(self) -> None:
@@ -132,6 +134,9 @@ class ShardHealth:
 
     def shard_failed(self, url: str, reason: str) -> None:
         self.failed[url] = reason
+
+    def shard_cut(self, url: str) -> None:
+        self.cut.add(url)
 
     def check(self, urls: list[str], who: str) -> None:
         """DataError if every one of `urls` failed in this pass."""

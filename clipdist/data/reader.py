@@ -34,7 +34,7 @@ import numpy as np
 import webdataset as wds
 
 from clipdist.data.epochs import RowDeal
-from clipdist.data.faults import ShardHealth
+from clipdist.data.faults import DataError, ShardHealth
 from clipdist.data.kinds import kind_of_url
 from clipdist.data.tar_samples import tar_samples
 
@@ -91,6 +91,7 @@ class ShardSequence:
         self.sources, self.weights, self.seed = self.shards.sources, weights, seed
         self.reader, self.readers, self.resampled, self.deal = reader, readers, resampled, deal
         self._dealt: tuple[int, list] = (-1, [])
+        self._sizes: dict[str, int] = {}
 
     def _pass(self, number: int) -> list[tuple[str, int, int, int | None]]:
         """(url, source, first, count) of each piece of pass `number` (epoch mode)."""
@@ -109,11 +110,18 @@ class ShardSequence:
         url, source = self.shards[shard]
         kind = kind_of_url(url)
         assert self.deal is not None  # pieces come from a deal
-        if first == 0 and count == self.deal.sizes[shard]:
-            return url, source, 0, None
         if kind is not None and kind.narrow is not None:
-            return kind.narrow(url, first, count), source, 0, None
-        return url, source, first, count
+            whole = first == 0 and count == self.deal.sizes[shard]
+            return (url if whole else kind.narrow(url, first, count)), source, 0, None
+        return url, source, first, count  # a tar shard: its piece's count checked against what it holds
+
+    def size(self, url: str) -> int | None:
+        """The samples the run was told or counted a shard holds (None: not known, or not a tar shard)."""
+        if self.deal is None or kind_of_url(url) is not None:
+            return None
+        if not self._sizes:
+            self._sizes = dict(zip(self.shards.urls, (int(size) for size in self.deal.sizes)))
+        return self._sizes.get(url)
 
     def pass_length(self) -> int:
         """Entries a pass may hold: this reader's shards in an epoch, every shard where a RowDeal cuts them into
@@ -156,18 +164,39 @@ def shard_samples(url: str, handler, health: ShardHealth | None = None) -> Itera
 
 
 def piece_samples(
-    url: str, first: int, count: int | None, handler, health: ShardHealth | None = None
+    url: str, first: int, count: int | None, handler, health: ShardHealth | None = None, size: int | None = None
 ) -> Iterator[dict]:
     """Samples `first` … `first + count − 1` of a shard (all of them where count is None); those before read and
-    dropped undecoded."""
+    dropped undecoded. `size`: the samples the run's deal says the shard holds (a stats file's hint, or a count),
+    checked against what it holds — fewer than the piece needs, or a sample past the end — DataError, since every
+    reader's deal of every epoch is cut from those sizes: read on, the epoch would read a row twice or drop one."""
     samples = shard_samples(url, handler, health)
     if count is None:
         yield from samples
         return
+    taken = 0
     try:
-        yield from itertools.islice(samples, first, first + count)
+        for sample in itertools.islice(samples, first, first + count):
+            taken += 1
+            yield sample
+        if size is None:
+            return
+        damaged = health is not None and url in health.cut
+        if taken < count and not damaged:
+            _wrong_size(url, size, f"fewer than the {first + count}")
+        if first + count == size and not damaged and next(samples, None) is not None:
+            _wrong_size(url, size, f"more than {size}")
     finally:
         samples.close()  # type: ignore[attr-defined]
+
+
+def _wrong_size(url: str, size: int, holds: str):
+    raise DataError(
+        f"{url} holds {holds} samples where the run's start was told {size} (its _stats.json, or a count of a shard "
+        "that has changed since): every epoch's deal is cut from those sizes, so the run stops rather than read a "
+        "row twice or drop one. Correct or delete the stats file (a shard without one is counted at the start) and "
+        "resume"
+    )
 
 
 class Reader:
@@ -236,7 +265,8 @@ class Reader:
             )  # skipped samples count as taken: a state saved mid-drain keeps them
             if self.sequence.resampled and url in self.health.failed:
                 continue  # gave nothing earlier in this pass
-            for index, sample in enumerate(piece_samples(url, first, count, self.handler, self.health)):
+            pieces = piece_samples(url, first, count, self.handler, self.health, self.sequence.size(url))
+            for index, sample in enumerate(pieces):
                 if index < resume_at:
                     continue
                 self.taken = index + 1

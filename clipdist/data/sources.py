@@ -119,7 +119,12 @@ def _benchmark_root(path: Path) -> bool:
 
 
 def _expand_item(item: str, what: str, options: dict[str, object]) -> list[str]:
-    if _is_remote(item):
+    if kind_of_url(item) is not None:  # a part's URL is made by its kind's expand (its bounds checked there), only
+        raise ValueError(
+            f"{what}: {item[:120]!r} is an internal part of a data kind, not a shard spec; name the table, folder or "
+            "shards themselves"
+        )
+    if is_remote(item):
         return [item]
     path = Path(item).expanduser()
     if path.is_dir() and _benchmark_root(path):  # its shards are in test/

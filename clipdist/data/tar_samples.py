@@ -197,6 +197,8 @@ def _tar_members(sources, handler, health: ShardHealth | None):
                 stream.close()  # a `pipe:` shard's failing command is reported here
         except Exception as exn:  # noqa: BLE001 -- handed to the pipeline's handler, which decides
             error = _shard_error(url, exn, files)
+            if health is not None:
+                health.shard_cut(url)
             if files == 0 and health is not None:
                 health.shard_failed(url, error.reason)
             if not handler(error):

@@ -35,6 +35,11 @@ def check_data(
         readers = stream_readers(cfg, plan, resuming)
         shards = dataclasses.replace(shards, sizes=epoch_sizes(shards.train, cfg.data.resampled))
         sized = shards.sizes is not None and shards.sizes[0] is not None
+        if sized and not sum(shards.sizes[0] or ()):
+            raise ValueError(
+                f"data.train_shards: the {len(shards.train)} shard(s) hold no samples ({shards.sizes[1]}); check them "
+                "with `tar tf SHARD | head`"
+            )
         check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, sized=sized)
         check_caption_keys(shards.train, SampleKeys(tuple(cfg.data.caption_keys), None, tuple(cfg.data.image_keys)))
     with as_config_error():

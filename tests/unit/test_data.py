@@ -784,3 +784,31 @@ def test_a_caption_key_that_matches_nothing_is_refused_before_any_rank_starts(tm
         check_caption_keys(shards, SampleKeys(("json:recaption",)))
     check_caption_keys(shards, SampleKeys(("json:recaption", "txt")))  # the second key matches
     check_caption_keys(["pipe:curl -s https://example.invalid/x.tar"], SampleKeys(("nothing",)))  # not read here
+
+
+@pytest.mark.parametrize(
+    "item",
+    ["table:/tmp/x.csv#rows=0-9&at=999999999&sep=%09", "table:/tmp/x.csv#rows=0-9&at=0&skip=-1", "folder:/tmp/x#y"],
+)
+def test_a_kinds_internal_part_is_not_a_shard_spec(item):
+    """A part URL is made by its kind's expand, which checks its bounds; typed by a user it is refused (an `at=` past
+    the end or `skip=-1` read from the command line hung the run)."""
+    with pytest.raises(ValueError, match="is an internal part of a data kind"):
+        expand_shards(item)
+
+
+def test_an_empty_tar_said_to_hold_samples_is_counted_and_refused(tmp_path):
+    """Two valid but empty tar shards whose stats files each say 360: the hints exceed what their bytes can hold,
+    so both are counted (0 samples) and the run is refused before it starts instead of reading nothing forever."""
+    from clipdist.data.epochs import RowDeal, shard_sizes, stats_path
+
+    urls = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.tar"
+        tarfile.open(path, "w").close()
+        stats_path(str(path)).write_text('{"successes": 360}')
+        urls.append(str(path))
+    sizes, how = shard_sizes(urls)
+    assert sizes == [0, 0] and "2 statistics file(s) not used" in how, how
+    with pytest.raises(ValueError, match="hold no samples"):
+        RowDeal(sizes, 0, None, None)

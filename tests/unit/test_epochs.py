@@ -64,7 +64,7 @@ def read_stream(case: dict, monkeypatch, epochs: int = 3) -> list[int]:
     rows = rows_of(case["sizes"])
     urls = [f"shard-{index}" for index in range(len(rows))]
 
-    def piece_samples(url, first, count, handler, health=None):
+    def piece_samples(url, first, count, handler, health=None, size=None):
         shard = rows[urls.index(url)]
         for row in shard[first : len(shard) if count is None else first + count]:
             yield {"__key__": str(row), "__url__": url, "row": row}
@@ -120,7 +120,7 @@ def test_a_layout_whose_shards_are_dealt_whole_reads_rows_twice_where_sizes_diff
     rows = rows_of([10, 2])
     urls = ["shard-0", "shard-1"]
 
-    def piece_samples(url, first, count, handler, health=None):
+    def piece_samples(url, first, count, handler, health=None, size=None):
         yield from ({"__key__": str(row), "row": row} for row in rows[urls.index(url)])
 
     monkeypatch.setattr(reader_module, "piece_samples", piece_samples)
@@ -198,9 +198,44 @@ def test_tar_shard_sizes_come_from_stats_files_or_are_counted(tmp_path):
     urls = sorted(str(path) for path in folder.glob("*.tar"))
     assert shard_sizes(urls) == ([5, 5], "2 tar shard(s) counted by their member names")
     stats_path(urls[0]).write_text('{"successes": 7}')
-    assert shard_sizes(urls)[0] == [7, 5]
+    assert shard_sizes(urls)[0] == [7, 5]  # a hint, taken: the readers check it (below)
     sizes, why = shard_sizes([*urls, "pipe:cat x.tar"])
     assert sizes is None and "pipe:cat x.tar is remote" in why
+
+
+@pytest.mark.parametrize(
+    "stated", ["0", "-1", "true", "7.0", '"7"', "1000000000000", str(2**62), "1e30", "[" * 5000 + "]" * 5000, "{"]
+)
+def test_a_stats_file_is_a_bounded_typed_hint_else_the_shard_is_counted(tmp_path, stated):
+    """A count that is not an int from 1 to what the shard's bytes can hold (a bool, a float, 0, 10^12, nested
+    JSON past the parser's depth) is not used: the shard is counted instead, and the log says why."""
+    from fixtures import caption_shards
+
+    folder = caption_shards(tmp_path / "tars", shards=2, per_shard=5)
+    urls = sorted(str(path) for path in folder.glob("*.tar"))
+    body = stated if stated.startswith(("[", "{")) else f'{{"successes": {stated}}}'
+    stats_path(urls[0]).write_text(body)
+    sizes, how = shard_sizes(urls)
+    assert sizes == [5, 5] and "1 statistics file(s) not used" in how, how
+
+
+@pytest.mark.parametrize("stated, said", [(7, "holds fewer than the 7 samples"), (4, "holds more than 4 samples")])
+def test_a_stated_size_the_shard_does_not_hold_stops_the_epoch_in_one_line(tmp_path, stated, said):
+    """Read on, a wrong size would read a row twice in an epoch (too many stated) or never read the rows past it
+    (too few): each reader checks its piece against the shard, and the run stops with the shard named."""
+    from fixtures import caption_shards
+
+    from clipdist.data.faults import DataError
+
+    urls = [str(caption_shards(tmp_path / name, shards=1, per_shard=5) / "0.tar") for name in "ab"]
+    stats_path(urls[0]).write_text(f'{{"successes": {stated}}}')
+    stream = train_stream(urls, 2, identity_transform, readers=1, shuffle_buffer=1)
+    try:
+        with pytest.raises(DataError, match=said) as raised:
+            epoch_keys([stream], 6)
+    finally:
+        stream.close()
+    assert urls[0] in str(raised.value) and "Correct or delete the stats file" in str(raised.value)
 
 
 def test_tar_shards_of_unequal_sizes_read_every_sample_once_an_epoch(tmp_path):
