@@ -6,6 +6,8 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from clipdist.files import write_durable
+
 
 class ClipdistError(Exception):
     """Base of the errors whose message says what is wrong and what to do."""
@@ -57,18 +59,16 @@ def report_bug(error: BaseException, folder=None) -> str:
     `clipdist-bug-<time>-<pid>.txt` in `folder` (a run directory), else the working directory, else the temporary
     folder."""
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    first = one_line((str(error).splitlines() or [""])[0])[:300]
+    said = f"internal error (a bug in clipdist, not in your input): {one_line(type(error).__name__)}: {first}"
     name = f"clipdist-bug-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
     for place in (folder, os.getcwd(), tempfile.gettempdir()):
         if place is None:
             continue
         path = os.path.join(place, name)
         try:
-            with open(path, "x", encoding="utf-8") as file:
-                file.write(text)
+            write_durable(path, text.encode("utf-8", "replace"))
         except OSError:
             continue
-        return (
-            f"internal error (a bug in clipdist, not in your input): {one_line(type(error).__name__)}: "
-            f"{one_line((str(error).splitlines() or [''])[0])[:300]}; the traceback is in {path} — please report it with that file"
-        )
-    return f"internal error (a bug in clipdist): {one_line(type(error).__name__)}: {one_line(str(error))[:300]}"
+        return f"{said}; the traceback is in {path} — please report it with that file"
+    return said

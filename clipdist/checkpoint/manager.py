@@ -40,7 +40,7 @@ from clipdist.checkpoint.state import TrainState
 from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dict, resume_rule
 from clipdist.distributed.launch import DistEnv, StopSignal
 from clipdist.distributed.parallel import all_ranks
-from clipdist.errors import CheckpointError, ConfigError
+from clipdist.errors import CheckpointError, ConfigError, printable
 from clipdist.files import save_torch, write_durable
 
 log = logging.getLogger(__name__)
@@ -339,6 +339,12 @@ class Checkpointer:
             if path.is_dir():  # every rank reads its part of each tensor, whatever world size and parallelism wrote
                 shards = state.sharded_state_dict_to_load(weights.dcp_sizes(path))
                 weights.load_dcp(shards, path)
+                bad = [found for found in all_ranks(weights.first_non_finite(shards)) if found]  # every rank says
+                if bad:
+                    raise ConfigError(
+                        f"{path} is damaged: its {printable(bad[0])[:80]} holds NaN or Inf; resume=<an older "
+                        "checkpoint> goes on from one before it"
+                    )
                 state.load_sharded_state_dict(shards)
             else:
                 state.load_legacy_state_dict(progress)

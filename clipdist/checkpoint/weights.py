@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import io
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -311,6 +312,72 @@ def check_storage(folder: Path, metadata) -> None:
             )
 
 
+def first_non_finite(tensors, where: str = "") -> str | None:
+    """The dotted name of the first floating tensor in a nested mapping that holds NaN or Inf (a DTensor: this
+    rank's shard), or None."""
+    items = tensors.items() if isinstance(tensors, dict) else ()
+    for key, value in items:
+        name = f"{where}.{key}" if where else str(key)
+        if isinstance(value, dict):
+            found = first_non_finite(value, name)
+            if found is not None:
+                return found
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                return name
+    return None
+
+
+def check_shapes(state_dict: dict, metadata, path: Path) -> None:
+    """Every tensor a load fills has the shape the checkpoint declares for it (a DTensor: its global shape), before
+    any is read: a wrong-shaped average or decoder is damage (ValueError, one line naming the file and the key)."""
+    declared = metadata.state_dict_metadata
+    flat = {}
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, dict):
+                walk(value, name)
+            else:
+                flat[name] = value
+
+    walk(state_dict, "")
+    for name, value in flat.items():
+        saved = getattr(declared.get(name), "size", None)
+        if isinstance(value, torch.Tensor) and saved is not None and tuple(saved) != tuple(value.shape):
+            raise ValueError(
+                f"{path} is damaged: it declares {printable(name)[:80]} as {list(saved)[:8]}, the run's is "
+                f"{list(value.shape)[:8]} (another model, or an edited file)"
+            )
+
+
+def check_declared_sizes(folder: Path, metadata) -> None:
+    """Every tensor's declared size and dtype (DCP's .metadata) fit the bytes the folder holds, before anything is
+    allocated for them: a declared 2^51 elements is damage (ValueError, one line), not an allocation."""
+    stored = sum(info.length for info in (getattr(metadata, "storage_data", None) or {}).values())
+    for key, item in (getattr(metadata, "state_dict_metadata", None) or {}).items():
+        size = getattr(item, "size", None)
+        if size is None:
+            continue
+        dtype = getattr(getattr(item, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not all(type(dim) is int and dim >= 0 for dim in size):
+            raise ValueError(f"{folder} is damaged: its .metadata declares {printable(key)[:80]} as {_shown(size)}")
+        declared = math.prod(size) * dtype.itemsize
+        chunks = getattr(item, "chunks", None) or []
+        inside = all(
+            len(chunk.offsets) == len(size) == len(chunk.sizes)
+            and all(0 <= at and at + n <= dim for at, n, dim in zip(chunk.offsets, chunk.sizes, size))
+            for chunk in chunks
+        )
+        if declared > stored or not inside:
+            raise ValueError(
+                f"{folder} is damaged: its .metadata declares {printable(key)[:80]} of {list(size)[:8]} {dtype} "
+                f"({declared} bytes), more than its {stored} bytes of data hold"
+            )
+
+
 class SafeReader(FileSystemReader):
     """FileSystemReader whose metadata read builds DCP's own classes only, and whose items are regular files
     inside the checkpoint folder (check_storage)."""
@@ -325,6 +392,7 @@ class SafeReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = _MetadataUnpickler(metadata_file, Path(self.path)).load()
         check_storage(Path(self.path), metadata)
+        check_declared_sizes(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -395,7 +463,8 @@ def _refusals_unwrapped():
 def load_dcp(state_dict: dict, path: Path) -> None:
     """Collective where a process group exists: `state_dict`'s tensors (and items) read from the folder `path`
     in place, resharded to whatever this state dict's layout is (any world size, DDP or FSDP)."""
-    SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an AssertionError's text)
+    metadata = SafeReader(str(path)).read_metadata()  # a refusal as itself (DCP would fold it into an assertion)
+    check_shapes(state_dict, metadata, path)
     with single_process_quietly(), _refusals_unwrapped():
         dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
 
@@ -494,19 +563,62 @@ def check_saved_config(config, path) -> None:
 
 
 MAX_WORLD_SIZE = 1 << 20
+MAX_STEP = 1 << 40  # 10^12 steps: beyond any run
+MAX_GLOBAL_BATCH = 1 << 24  # samples a step, at most: samples_seen ≤ step × this
+POSITION_SLACK = 1 << 24  # the stream's position runs ahead of samples_seen by the samples it skipped, no more
 
 
 def check_counters(progress: dict, path) -> None:
-    """The counters a resume continues from are what clipdist writes — `step` and `samples_seen` whole numbers ≥ 0,
-    `world_size` 1 to 2^20 — or the checkpoint is damaged (ValueError, one line): an edited `step=-5` would rewind
-    the logs past the run's start, a step stored as text fail deep in the loop."""
-    for key, low, high in (("step", 0, None), ("samples_seen", 0, None), ("world_size", 1, MAX_WORLD_SIZE)):
-        if key not in progress:
-            continue
-        value = progress[key]
-        if type(value) is not int or value < low or (high is not None and value > high):
-            shown = printable(repr(value))[:40] if isinstance(value, (int, str, float)) else type(value).__name__
-            raise ValueError(f"{path}: its {key} is {shown}, not a count clipdist writes (damaged or edited)")
+    """What a resume continues from is what clipdist writes, or the checkpoint is damaged (ValueError, one line
+    naming the file and the field): `step` 0 to 2^40, `samples_seen` 0 to step × 2^24, `world_size` 1 to 2^20, the
+    saved config a mapping, the schedule's state a mapping with a `last_epoch` within the steps and finite rates,
+    the stream's position within the samples seen (plus those it skipped) and its batches within the steps. An
+    edited `step=-5` would rewind the logs past the run's start, a string or a position of 10^15 fail deep in the
+    loop."""
+    step = progress.get("step", 0)
+    bounds = {
+        "step": (0, MAX_STEP),
+        "samples_seen": (0, (step if type(step) is int else 0) * MAX_GLOBAL_BATCH),
+        "world_size": (1, MAX_WORLD_SIZE),
+    }
+    for key, (low, high) in bounds.items():
+        if key in progress:
+            _check_count(progress[key], low, high, path, key)
+    if "config" in progress and not isinstance(progress["config"], dict):
+        raise ValueError(f"{path}: its config is {_shown(progress['config'])}, not a mapping (damaged or edited)")
+    if "scheduler" in progress or Path(path).is_dir():  # a .dcp's progress always has one (a .pt's of old: maybe)
+        scheduler = progress.get("scheduler")
+        if not isinstance(scheduler, dict):
+            raise ValueError(f"{path}: its scheduler state is {_shown(scheduler)}, not a mapping (damaged or edited)")
+        _check_count(scheduler.get("last_epoch"), -1, MAX_STEP, path, "scheduler.last_epoch")
+        for key in ("base_lrs", "_last_lr"):
+            rates = scheduler.get(key, [])
+            if not isinstance(rates, list) or not all(_finite_number(rate) for rate in rates):
+                raise ValueError(f"{path}: its scheduler.{key} is {_shown(rates)}, not a list of finite learning rates")
+    stream = progress.get("stream")
+    if stream is None:
+        return
+    if not isinstance(stream, dict):
+        raise ValueError(f"{path}: its stream position is {_shown(stream)}, not a mapping (damaged or edited)")
+    skipped = stream.get("skipped_samples", 0)
+    _check_count(skipped, 0, MAX_STEP * MAX_GLOBAL_BATCH, path, "stream.skipped_samples")
+    _check_count(stream.get("skipped_shards", 0), 0, MAX_STEP * MAX_GLOBAL_BATCH, path, "stream.skipped_shards")
+    seen = progress.get("samples_seen", 0)
+    _check_count(stream.get("position", 0), 0, seen + skipped + POSITION_SLACK, path, "stream.position")
+    _check_count(stream.get("batches", 0), 0, (step or 0) + POSITION_SLACK, path, "stream.batches")
+
+
+def _check_count(value, low: int, high: int, path, key: str) -> None:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{path}: its {key} is {_shown(value)}, not a count clipdist writes (damaged or edited)")
+
+
+def _finite_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _shown(value) -> str:
+    return printable(repr(value))[:40] if isinstance(value, (int, str, float, type(None))) else type(value).__name__
 
 
 def verify(path: Path) -> dict:
@@ -545,10 +657,20 @@ def read_run_checkpoint(
     else:
         weights, average = progress["model"], progress.get("ema")
     weights = {name: tensor for name, tensor in weights.items() if training_parts or not training_only(name)}
+    bad = first_non_finite({"model": weights, **({"ema": average} if ema and average else {})})
+    if bad is not None:
+        raise ValueError(f"{path} is damaged: its {printable(bad)[:80]} holds NaN or Inf (nothing is read from it)")
     if not ema:
         return weights, progress["config"]
     if not average:
         raise ValueError(f"{path} holds no weight average: its run trained without optim.ema.decay; leave out --ema")
+    shaped = (name for name, tensor in average.items() if name in weights and tensor.shape != weights[name].shape)
+    wrong = next(shaped, None)
+    if wrong is not None:
+        raise ValueError(
+            f"{path} is damaged: its weight average's {printable(wrong)[:80]} is {list(average[wrong].shape)}, "
+            f"the model's {list(weights[wrong].shape)}"
+        )
     averaged = {name: tensor.to(weights[name].dtype) for name, tensor in average.items() if name in weights}
     return {**weights, **averaged}, progress["config"]
 

@@ -35,9 +35,10 @@ def check_data(
         readers = stream_readers(cfg, plan, resuming)
         shards = dataclasses.replace(shards, sizes=epoch_sizes(shards.train, cfg.data.resampled))
         sized = shards.sizes is not None and shards.sizes[0] is not None
-        if sized and not sum(shards.sizes[0] or ()):
+        sizes, how = shards.sizes or (None, "")
+        if sized and not sum(sizes or ()):
             raise ValueError(
-                f"data.train_shards: the {len(shards.train)} shard(s) hold no samples ({shards.sizes[1]}); check them "
+                f"data.train_shards: the {len(shards.train)} shard(s) hold no samples ({how}); check them "
                 "with `tar tf SHARD | head`"
             )
         check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, sized=sized)

@@ -359,3 +359,41 @@ def test_a_damaged_log_in_a_resumed_run_is_repaired_not_a_traceback(trained_run,
     assert "train_log.jsonl: 4 line(s) that are not a step's JSON row dropped" in result.stderr
     steps = [row["step"] for row in read_jsonl(run / "train_log.jsonl")]
     assert steps == sorted(steps) and steps[-1] == 31 and len(steps) == len(set(steps))
+
+
+@pytest.mark.parametrize("route", ["export", "eval", "resume"])
+def test_non_finite_weights_are_refused_by_export_eval_and_resume(
+    trained_run, tmp_path, cache_dir, capsys, monkeypatch, route
+):
+    """A checkpoint whose weights were edited to NaN (the tensors rewritten through DCP, everything else intact):
+    exported, evaluated or resumed, it is refused in one line — never written out as NaN weights, never trained on."""
+    import torch.distributed.checkpoint as dcp
+
+    from clipdist.checkpoint import weights
+
+    source = trained_run / "checkpoints" / "step_00000030.dcp"
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    target = run_dir / "checkpoints" / source.name
+    target.parent.mkdir()
+    metadata = weights.SafeReader(str(source)).read_metadata()
+    tops = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    state = weights.read_dcp(source, tops)
+    name = next(key for key, value in state["model"].items() if value.is_floating_point() and value.numel() > 1)
+    state["model"][name].view(-1)[0] = float("nan")
+    with weights.single_process_quietly():
+        dcp.save(state, checkpoint_id=str(target))
+    shutil.copy(source / "progress.pt", target / "progress.pt")
+    if route == "resume":  # read on every rank, in the ranks: a real start
+        result = train(run_dir, cache_dir, "optim.max_steps=31")
+        code, said = result.returncode, result.stderr
+    else:
+        evalset = f"val={cache_dir / 'digits' / 'val-000000.tar'}"
+        arguments = (
+            ["export", str(run_dir), "--out", str(tmp_path / "out")]
+            if route == "export"
+            else ["eval", str(run_dir), "--set", evalset]
+        )
+        code, said = cli(arguments), capsys.readouterr().err
+    assert code in (1, 2) and "holds NaN or Inf" in said and "Traceback" not in said, said
+    assert not (tmp_path / "out").exists()

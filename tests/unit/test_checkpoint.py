@@ -209,3 +209,61 @@ def test_edited_counters_in_progress_are_a_damaged_checkpoint(tmp_path):
         with pytest.raises(ValueError, match=f"its {key} is .*not a count clipdist writes") as raised:
             weights.verify(path)
         assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda p: {**p, "config": [1, 2]}, "its config is list, not a mapping"),
+        (lambda p: {k: v for k, v in p.items() if k != "scheduler"}, "its scheduler state is None, not a mapping"),
+        (lambda p: {**p, "scheduler": "cosine"}, "its scheduler state is 'cosine', not a mapping"),
+        (lambda p: {**p, "scheduler": {**p["scheduler"], "last_epoch": "x"}}, "its scheduler.last_epoch is 'x'"),
+        (lambda p: {**p, "scheduler": {**p["scheduler"], "base_lrs": [float("nan")]}}, "scheduler.base_lrs"),
+        (lambda p: {**p, "samples_seen": 10**15}, "its samples_seen is 1000000000000000"),
+        (lambda p: {**p, "stream": {"position": 10**15}}, "its stream.position is 1000000000000000"),
+        (lambda p: {**p, "stream": "x"}, "its stream position is 'x', not a mapping"),
+    ],
+)
+def test_every_field_a_resume_reads_is_typed_and_bounded(tmp_path, edit, said):
+    """A saved config that is a list, a scheduler state missing or a string, a data position of 10^15: each was a
+    traceback deep in the resume; now one line naming the file and the field."""
+    from clipdist.checkpoint import weights
+
+    path = save(CheckpointFiles(tmp_path, keep=3), tiny_state(1.0), 10)
+    torch.save(edit(weights.verify(path)), path / "progress.pt")
+    with pytest.raises(ValueError, match=said) as raised:
+        weights.verify(path)
+    assert str(path) in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_declared_sizes_and_shapes_are_checked_before_anything_is_allocated(tmp_path):
+    """A .metadata declaring 2^51 elements is damage before any allocation; a tensor of another shape than the run's
+    (an edited average or decoder) is refused before it is read."""
+    import pickle
+
+    from clipdist.checkpoint import weights
+
+    path = save(CheckpointFiles(tmp_path, keep=3), tiny_state(1.0), 10)
+    state = tiny_state(0.0)
+    wrong = {"model": {"weight": torch.zeros(3, 2), "bias": torch.zeros(2)}}
+    with pytest.raises(ValueError, match="declares model.weight as \\[2, 2\\], the run's is \\[3, 2\\]"):
+        weights.load_dcp(wrong, path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # the test's own file: trusted
+    metadata.state_dict_metadata["model.weight"].size = torch.Size([2**51])
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match="declares model.weight of \\[2251799813685248\\].*more than its"):
+        weights.load_dcp(state.sharded_state_dict(), path)
+
+
+def test_non_finite_weights_in_a_checkpoint_are_refused_on_resume(tmp_path):
+    """NaN in the model (or its average, a decoder: every tensor a resume loads) is damage: refused, not trained on."""
+    from clipdist.checkpoint import weights
+
+    state = tiny_state(1.0)
+    with torch.no_grad():
+        state.model.weight[0, 0] = float("nan")
+    save(CheckpointFiles(tmp_path, keep=3), state, 10)
+    with pytest.raises(ConfigError, match="model.weight holds NaN or Inf"):
+        restore(tmp_path)
+    assert weights.first_non_finite({"a": {"b": torch.tensor([1.0, float("inf")])}}) == "a.b"
+    assert weights.first_non_finite({"a": torch.ones(2), "n": torch.tensor([1, 2])}) is None
