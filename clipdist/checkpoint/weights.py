@@ -515,7 +515,10 @@ def find_checkpoint(source: str | Path) -> Path:
         found = checkpoints_in(path / "checkpoints")
         if found:
             return found[0]
-        raise FileNotFoundError(f"{path} holds no checkpoint (looked for {path / 'checkpoints'}/step_*.dcp or .pt)")
+        raise FileNotFoundError(
+            f"{path} holds no checkpoint (looked for {path / 'checkpoints'}/step_*.dcp or .pt); a model folder is "
+            "named local-dir:PATH (open_clip's layout, as `clipdist export` writes it)"
+        )
     raise FileNotFoundError(f"{path}: no such run directory, checkpoint folder or file")
 
 

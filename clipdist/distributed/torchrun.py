@@ -29,6 +29,9 @@ def main(argv: list[str]) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
+    except ValueError as error:  # torchrun's own check of its options (--nproc-per-node=abc): before any rank
+        print(f"clipdist torchrun: error: {' '.join(str(error).split())[:300]}", file=sys.stderr)
+        return 2
     except ChildFailedError as failed:
         rank, first = failed.get_first_failure()
         others = len(failed.failures) - 1

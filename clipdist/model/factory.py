@@ -3,6 +3,7 @@ open_clip pretrained tag, an `hf-hub:` or a `local-dir:` model."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -491,24 +492,11 @@ def pretrained_weights(name: str, pretrained: str | None = None, cache_dir: str 
         if not tag:
             return None
         repo, filename = os.path.split(tag["hf_hub"])  # open_clip's 'org/repo/' or 'org/repo/file.bin'
-    try:
-        return _hub_weights(repo, filename or None, cache_dir)
-    except Exception as error:  # noqa: BLE001 -- offline, not cached, no such repo: the reason is the message
-        reason = " ".join(str(error).split())[:300]
-        raise ValueError(
-            f"{what}: the weights are not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and cannot "
-            f"be fetched from here ({reason}); fetch them once where there is network (the same command, or "
-            f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache "
-            "this machine reads (HF_HOME, model.cache_dir), or point "
-            "model.checkpoint at the file"
-        ) from None
+    return _hub_file(repo, _weights_names(filename or "open_clip_pytorch_model.bin"), cache_dir, what)
 
 
-def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
-    """A weights file of Hugging Face repo `repo`, as open_clip names them (its safetensors twin first): from the
-    cache without touching the network where it is there, else downloaded — after a quick check that the hub can
-    be reached at all, since the hub's client retries an unreachable one for about a minute."""
-    filename = filename or "open_clip_pytorch_model.bin"
+def _weights_names(filename: str) -> list[str]:
+    """The names a weights file of a hub repo may have, as open_clip names them (its safetensors twin first)."""
     names = (
         [EXPORT_WEIGHTS]
         if filename == "open_clip_pytorch_model.bin"
@@ -516,24 +504,40 @@ def _hub_weights(repo: str, filename: str | None, cache_dir: str | None) -> str:
         if filename.endswith((".bin", ".pth"))
         else []
     )
-    names.append(filename)
+    return [*names, filename]
+
+
+def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str) -> str:
+    """The first of `names` in Hugging Face repo `repo`: from the cache without touching the network where it is
+    there, else downloaded — after a quick check that the hub can be reached at all, since the hub's client retries
+    an unreachable one for about a minute. A ValueError in one line (`what`: the key that named it) where it can be
+    neither found nor fetched."""
     for candidate in names:
         found = try_to_load_from_cache(repo, candidate, cache_dir=cache_dir)
         if isinstance(found, str):
             return found
-    if not constants.HF_HUB_OFFLINE:
-        from clipdist.distributed.launch import unreachable
+    try:
+        if not constants.HF_HUB_OFFLINE:
+            from clipdist.distributed.launch import unreachable
 
-        reason = unreachable(constants.ENDPOINT)
-        if reason:
-            raise OSError(f"{constants.ENDPOINT} cannot be reached: {reason}")
-    error: Exception = FileNotFoundError(f"{repo}: none of {', '.join(names)}")
-    for candidate in names:
-        try:
-            return hf_hub_download(repo, candidate, cache_dir=cache_dir)
-        except Exception as failure:  # noqa: BLE001 -- the next name may exist; the last reason is reported
-            error = failure
-    raise error
+            reason = unreachable(constants.ENDPOINT)
+            if reason:
+                raise OSError(f"{constants.ENDPOINT} cannot be reached: {reason}")
+        error: Exception = FileNotFoundError(f"{repo}: none of {', '.join(names)}")
+        for candidate in names:
+            try:
+                return hf_hub_download(repo, candidate, cache_dir=cache_dir)
+            except Exception as failure:  # noqa: BLE001 -- the next name may exist; the last reason is reported
+                error = failure
+        raise error
+    except Exception as error:  # noqa: BLE001 -- offline, not cached, no such repo: the reason is the message
+        reason = " ".join(str(error).split())[:300]
+        raise ValueError(
+            f"{what}: {names[-1]} of {repo} is not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and "
+            f"cannot be fetched from here ({reason}); fetch it once where there is network (the same command, or "
+            f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache "
+            "this machine reads (HF_HOME, model.cache_dir), or point model.checkpoint at the file"
+        ) from None
 
 
 def _init_caption_decoder(decoder: Any) -> None:  # open_clip's MultimodalTransformer
@@ -575,11 +579,12 @@ def create_model(
     force_* / pretrained_image arguments and the image preprocessing ("preprocess"), as model_overrides makes them.
     """
     name = resolve_model_name(name)
-    if name.startswith("hf-hub:"):  # the repo's config, fetched as open_clip would, checked before open_clip builds it
-        check_config_is_data(
-            factory._get_hf_config(name.removeprefix("hf-hub:"), cache_dir=cache_dir).get("model_cfg", {}),
-            f"model.name={name}",
-        )
+    hub = name.startswith("hf-hub:")
+    if hub:  # the repo's config, fetched once (then open_clip reads it from the cache), checked before it builds
+        repo = name.removeprefix("hf-hub:")
+        _hub_file(repo, [EXPORT_CONFIG], cache_dir, f"model.name={name}")
+        with hub_offline():
+            check_config_is_data(factory._get_hf_config(repo, cache_dir=cache_dir).get("model_cfg", {}), name)
     tag = pretrained_cfg(name, pretrained)
     # device "meta": the structure alone, no memory (for checks)
     kwargs: dict[str, Any] = {"device": device, "cache_dir": cache_dir}
@@ -594,7 +599,8 @@ def create_model(
     if preprocess:
         kwargs["force_preprocess_cfg"] = preprocess
     overrides.setdefault("pretrained_image", False)
-    with _random_init_is_intended(), timm_tower(build, overrides.pop("image_tower", None)):
+    offline = hub_offline() if hub else contextlib.nullcontext()
+    with _random_init_is_intended(), timm_tower(build, overrides.pop("image_tower", None)), offline:
         model = open_clip.create_model(
             build, pretrained=None, load_weights=False, pretrained_text=False, **kwargs, **overrides
         )

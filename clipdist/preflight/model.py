@@ -27,7 +27,7 @@ from clipdist.train.optim import check_optim
 
 def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
     """The student on the meta device, checked (the module docstring); rank 0 (`is_main`) fetches its weights."""
-    with as_config_error():
+    with as_config_error(FileNotFoundError):  # a path the config names that is not there: the user's to fix
         resolve_model_name(cfg.model.name)
         check_model_options(cfg.model)
         check_loss_weights(cfg.loss, cfg.model.name)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -460,14 +461,27 @@ def finished_rows(path, device: str) -> dict[tuple[str, str], dict]:
     if path is None:
         return {}
     rows = json.loads(read_bounded(path, 64 << 20))  # a JSON error is a ValueError: one line
-    named = lambda row: isinstance(row, dict) and all(isinstance(row.get(key), str) for key in ("section", "what"))
-    if not isinstance(rows, list) or not all(map(named, rows)):
-        raise ValueError(f"--resume {path}: not a battery's rows (a JSON list of rows with their section and what)")
+    if not isinstance(rows, list) or not all(map(_is_row, rows)):
+        raise ValueError(
+            f"--resume {path}: not a battery's rows (a JSON list of rows, each with its section and what as text and "
+            f"its figures as numbers: {', '.join(FIGURES)})"
+        )
     return {
         (row["section"], row["what"]): row
         for row in rows
         if row["section"] != "peak" and row.get("device") == device and not {"skipped", "error"} & row.keys()
     }
+
+
+FIGURES = ("samples_per_s", "mfu", "memory_bytes", "stall_s", "written_s", "tflops", "tokens_per_s", "flops", "step_s")
+
+
+def _is_row(row) -> bool:
+    """A row as run_row writes it: section, what (and device, source, error, skipped) text, its figures numbers."""
+    if not isinstance(row, dict) or not all(isinstance(row.get(key), str) for key in ("section", "what")):
+        return False
+    texts = all(isinstance(row.get(key, ""), str) for key in ("device", "source", "error", "skipped"))
+    return texts and all(type(row[key]) in (int, float) and math.isfinite(row[key]) for key in FIGURES if key in row)
 
 
 def run_row(item: Planned, device: torch.device) -> dict:

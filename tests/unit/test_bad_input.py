@@ -1,0 +1,65 @@
+"""Bad input is one line naming it and what to do; an exception clipdist did not foresee is one line saying it is a
+bug, its traceback in a file. Each case here was a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clipdist.cli import main as cli
+
+
+def test_torchruns_own_option_check_is_one_line(capsys):
+    assert cli(["torchrun", "--nproc-per-node=abc", "train.py"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["clipdist torchrun: error: Unsupported nproc_per_node value: abc"], lines
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"section": "step", "what": "B/16", "samples_per_s": "fast"},
+        {"section": "step", "what": "B/16", "mfu": [0.3]},
+        {"section": "step", "what": "B/16", "memory_bytes": float("inf")},
+        {"section": "step", "what": "B/16", "device": 3},
+        {"section": 1, "what": "B/16"},
+    ],
+)
+def test_a_battery_row_of_the_wrong_type_is_refused_before_anything_runs(tmp_path, row):
+    from clipdist.tools.gpu_battery import finished_rows
+
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([row]))
+    with pytest.raises(ValueError, match="not a battery's rows"):
+        finished_rows(path, "cpu")
+    good = {"section": "step", "what": "B/16", "device": "cpu", "samples_per_s": 10.5, "mfu": 0.2}
+    path.write_text(json.dumps([good]))
+    assert finished_rows(path, "cpu") == {("step", "B/16"): good}
+
+
+def test_an_hf_hub_model_that_cannot_be_fetched_is_one_line(monkeypatch, tmp_path):
+    """Offline (or no such repo): the config's fetch is the one clipdist's own helper makes, so its failure is the
+    same line as the weights' — said before open_clip would try again."""
+    from huggingface_hub import constants
+
+    from clipdist.model.factory import create_model
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="open_clip_config.json of org/nothing-here is not in the cache") as raised:
+        create_model("hf-hub:org/nothing-here", device="meta", cache_dir=str(tmp_path))
+    assert "\n" not in str(raised.value)
+
+
+def test_an_unforeseen_exception_is_one_line_with_its_traceback_in_a_file(tmp_path, monkeypatch):
+    from clipdist.errors import report_bug
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        raise KeyError("deep\ninside")
+    except KeyError as error:
+        said = report_bug(error, tmp_path / "missing-folder")  # not there: the working directory instead
+    assert said.startswith("internal error (a bug in clipdist, not in your input): KeyError: ") and "\n" not in said
+    written = list(tmp_path.glob("clipdist-bug-*.txt"))
+    assert len(written) == 1 and str(written[0]) in said
+    assert "Traceback" in written[0].read_text() and "test_an_unforeseen_exception" in written[0].read_text()
