@@ -26,6 +26,10 @@ for name, old, new in sorted(moved):
     print(f"  {name}: {old} -> {new}")
 print(f"  ({len(moved)} moved)")
 PY
+newest=$(python -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p')
+tested=$(sed -n 's/^transformers==//p' requirements/transformers-newest.txt)
+echo "== transformers, the top of the transformers extra: newest ${newest:-unknown}, tested ${tested}"
+[ -n "$newest" ] && [ "$newest" != "$tested" ] && echo "   bump requirements/transformers-newest.txt (and its deps) and rerun tests/integration/test_transformers_export.py"
 status=0
 python -m pytest -q -n 2 --dist loadfile "$@" || status=$?
 if [ "$status" -eq 0 ]; then

@@ -116,7 +116,7 @@ def _run_composed(cfg) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from clipdist import console
-    from clipdist.distributed.launch import detect_env
+    from clipdist.distributed.world import detect_env
     from clipdist.errors import ClipdistError, ConfigError
 
     hydra = HydraConfig.get()
@@ -159,19 +159,15 @@ def _run_composed(cfg) -> None:
 
 
 def _quick_checks(cfg) -> str | None:
-    """What can be said with torch alone loaded (a few seconds, not the ~10 s open_clip, timm and transformers take
-    and the minute a run's start takes): the schema's values, the world preset against the launch, a checkpoint
-    that cannot be read, and a run that is already complete (returned: the line to say; nothing else runs).
-    preflight repeats the checks with the rest."""
+    """What can be said before the towers' libraries load (the ~10 s open_clip, timm and transformers take, and the
+    minute a run's start takes): first what needs no torch at all (`_checks_without_torch`: a second), then a CUDA
+    device asked for, a checkpoint that cannot be read, and a run that is already complete (returned: the line to
+    say; nothing else runs). preflight repeats the checks with the rest."""
+    checked = _checks_without_torch(cfg)
     from clipdist.checkpoint.manager import Checkpointer
-    from clipdist.checkpoint.run_dir import check_run_dir
-    from clipdist.config import to_train_config, validate
     from clipdist.distributed.launch import check_launch, detect_env
 
-    checked = to_train_config(cfg)
-    validate(checked)
     check_launch(checked.world, detect_env())
-    check_run_dir(checked.run_dir)  # a record that is a link or a FIFO: said before anything in it is read
     found = Checkpointer.resume_point(checked)
     step = found[1].get("step") if found else None
     if isinstance(step, int) and step >= checked.optim.max_steps:
@@ -182,6 +178,34 @@ def _quick_checks(cfg) -> str | None:
     return None
 
 
+def _checks_without_torch(cfg):
+    """The checks a comparison answers, before torch is imported: the schema's values, the world preset against the
+    launch, the run directory (its records, and a run in progress holding its lock), a package a logger needs, and
+    training shards that are not there. Returns the typed config."""
+    from clipdist.checkpoint.run_dir import check_run_dir, running_holder
+    from clipdist.config import to_train_config, validate
+    from clipdist.data.sources import resolve_shards
+    from clipdist.distributed.world import check_world, detect_env
+    from clipdist.errors import ConfigError, as_config_error
+    from clipdist.train.tracking import check_tensorboard
+
+    checked = to_train_config(cfg)
+    validate(checked)
+    env = detect_env()
+    check_world(checked.world, env)
+    check_run_dir(checked.run_dir)  # a record that is a link or a FIFO: said before anything in it is read
+    holder = running_holder(checked.run_dir) if env.is_main else None
+    if holder:
+        raise ConfigError(
+            f"{checked.run_dir} is in use by {holder}; wait for that run to end, or start another with name=<new name>"
+        )
+    with as_config_error(FileNotFoundError):
+        if checked.logging.tensorboard:
+            check_tensorboard()
+        resolve_shards(checked.data)
+    return checked
+
+
 def _created_by_hydra(run_dir: str) -> bool:
     """Whether the run directory holds nothing yet (Hydra made it as it started; the run log opens at its first
     line)."""
@@ -190,7 +214,7 @@ def _created_by_hydra(run_dir: str) -> bool:
 
 def _write_report(run_dir: str) -> None:
     """report.png / report.txt at the end of a run or a stop, from the main rank; a failure is a warning only."""
-    from clipdist.distributed.launch import detect_env
+    from clipdist.distributed.world import detect_env
     from clipdist.tools.report import write_report
 
     if not detect_env().is_main or not os.path.isfile(os.path.join(run_dir, "train_log.jsonl")):

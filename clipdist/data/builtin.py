@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from clipdist.data.shard_writer import publish_dir, write_shards
 from clipdist.files import read_bounded, write_atomic
 
 PACKAGED_BYTES = 256 << 20  # a dataset file a Debian package or scikit-image ships (fashion-mnist: 26 MB)
@@ -175,6 +174,8 @@ def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: concurrent ranks never collide
     n_train = len(order) - n_val
+    from clipdist.data.shard_writer import publish_dir, write_shards  # webdataset, torch: only when writing
+
     write_shards(pairs(order[n_val:]), tmp, "train", samples_per_shard=-(-n_train // shards))
     write_shards(pairs(order[:n_val]), tmp, "val", samples_per_shard=n_val)
     write_atomic(tmp / "done", f"{n_train} train, {n_val} val\n")

@@ -289,6 +289,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def features(output) -> torch.Tensor:
+    """CLIPModel.get_image_features / get_text_features as a tensor: transformers 4.x returns the projected features,
+    5.x an output whose pooler_output holds them."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
 def check_same(model: Any, theirs, tokenizer, size: int) -> float:
     """The largest relative difference of image and text features between `model` and its conversion;
     NoCounterpart where it exceeds CHECK_TOLERANCE."""
@@ -301,8 +307,8 @@ def check_same(model: Any, theirs, tokenizer, size: int) -> float:
     model = model.float().eval()
     with torch.no_grad():
         differences = (
-            _relative(theirs.get_image_features(pixel_values=images), model.encode_image(images)),
-            _relative(theirs.get_text_features(input_ids=tokens), model.encode_text(tokens)),
+            _relative(features(theirs.get_image_features(pixel_values=images)), model.encode_image(images)),
+            _relative(features(theirs.get_text_features(input_ids=tokens)), model.encode_text(tokens)),
         )
     if max(differences) > CHECK_TOLERANCE:
         raise NoCounterpart(

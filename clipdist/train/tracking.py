@@ -12,7 +12,7 @@ from typing import Literal, cast
 from urllib.parse import urlparse
 
 from clipdist.checkpoint.run_dir import jsonl_rows
-from clipdist.distributed.launch import unreachable
+from clipdist.distributed.network import unreachable
 from clipdist.errors import RunDirError
 from clipdist.files import UnboundedFileError, append_own, read_own, write_atomic
 

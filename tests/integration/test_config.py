@@ -56,13 +56,26 @@ def test_a_subcommand_error_is_one_line_and_exit_2_from_the_command_line():
         (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
         (["optim.lrr=1"], "did you mean optim.lr?"),
         (["--experimental-rerun", "x.pickle"], "unpickles"),
+        (["optim.lr=-1"], "optim.lr=-1.0: must be 0 or more"),
+        (["data=webdataset", "data.train_shards=/nope/x.tar"], "1 of 1 shards not found"),
+        (["LOCKED"], "is in use by pid"),
     ],
 )
-def test_a_refusal_comes_before_the_towers_libraries_load(tmp_path, overrides, said):
-    """The common refusals answer in seconds: said before open_clip, timm and transformers are imported (~8 s of
-    the 11 s they took), as `python -X importtime` shows; the run directory is never made."""
+def test_a_refusal_comes_before_torch_loads(tmp_path, overrides, said):
+    """The refusals a comparison answers — a value, the world, a missing shard, a run in progress holding the run
+    directory's lock — are said before torch is imported (open_clip, timm and transformers the ~8 s of 11 s they
+    took, torch the next 3-4 s), as `python -X importtime` shows; the run directory is never made."""
+    import fcntl
+
     from helpers import REPO, own_environment
 
+    holder = None
+    if overrides == ["LOCKED"]:  # a run in progress: its lock held by another process
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / ".lock").write_text("pid 4242 on elsewhere since today\n")
+        holder = open(tmp_path / "run" / ".lock")  # noqa: SIM115 -- held for the test
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        overrides = []
     result = subprocess.run(
         [sys.executable, "-X", "importtime", str(REPO / "train.py"), f"run_dir={tmp_path / 'run'}", *overrides],
         capture_output=True,
@@ -71,13 +84,14 @@ def test_a_refusal_comes_before_the_towers_libraries_load(tmp_path, overrides, s
         cwd=REPO,
         env=own_environment(),
     )
+    if holder is not None:
+        holder.close()
     lines = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert result.returncode == 2 and len(lines) == 1 and said in lines[0], lines
-    assert not imported & {"open_clip", "timm", "transformers"}, sorted(
-        imported & {"open_clip", "timm", "transformers"}
-    )
-    assert not (tmp_path / "run").exists()
+    heavy = {"torch", "open_clip", "timm", "transformers"}
+    assert not imported & heavy, sorted(imported & heavy)
+    assert holder is not None or not (tmp_path / "run").exists()
 
 
 def test_a_complete_run_says_so_in_seconds(tmp_path, cache_dir):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -33,9 +34,10 @@ inputs = torch.load(inputs)
 model, processor = CLIPModel.from_pretrained(folder).eval(), CLIPProcessor.from_pretrained(folder)
 ids = [processor.tokenizer(caption, truncation=True)["input_ids"] for caption in inputs["captions"]]
 tokens = processor.tokenizer(inputs["captions"], padding=True, truncation=True, return_tensors="pt")
+features = lambda output: output if isinstance(output, torch.Tensor) else output.pooler_output  # 4.x / 5.x
 with torch.no_grad():
-    result = {"image": model.get_image_features(pixel_values=inputs["images"]),
-              "text": model.get_text_features(**tokens), "ids": ids}
+    result = {"image": features(model.get_image_features(pixel_values=inputs["images"])),
+              "text": features(model.get_text_features(**tokens)), "ids": ids}
 if inputs["labels"]:
     classify = pipeline("zero-shot-image-classification", model=folder, device="cpu")
     images = [Image.open(io.BytesIO(data)) for data in inputs["pngs"]]
@@ -87,7 +89,7 @@ def test_a_mapping_that_drops_a_tensor_is_caught_by_the_feature_check(monkeypatc
         converted(model)
 
 
-def transformers_alone(folder, work, images, captions, labels=(), template="", pngs=()) -> dict:
+def transformers_alone(folder, work, images, captions, labels=(), template="", pngs=(), env=None) -> dict:
     torch.save(
         {"images": images, "captions": captions, "labels": list(labels), "template": template, "pngs": list(pngs)},
         work / "inputs.pt",
@@ -97,6 +99,7 @@ def transformers_alone(folder, work, images, captions, labels=(), template="", p
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(work / "out.pt")
@@ -176,3 +179,49 @@ def test_the_zero_shot_pipeline_scores_the_export_as_clipdist_eval_does(trained_
     top1 = sum(guess == classnames[label] for guess, label in zip(theirs["top1"], labels)) / len(labels)
     assert len(labels) == 359 and 0.2 < ours < 1.0  # a model that learned something, so agreement means something
     assert top1 == pytest.approx(ours, abs=0.5 / len(labels)), (top1, ours)
+
+
+def test_the_export_works_with_the_newest_transformers_release(trained_run, tmp_path):
+    """The transformers extra at the top of its range (requirements/transformers-newest.txt, installed into a folder
+    of its own in front of the venv's 4.56): `clipdist export --format transformers` converts, checks the features
+    through transformers' own CLIPModel (5.x returns them in an output object), and transformers alone reads the
+    result with the same features."""
+    from helpers import REPO
+
+    target = tmp_path / "newest"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
+        + ["-r", str(REPO / "requirements" / "transformers-newest.txt")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    if install.returncode != 0 and "Could not find" in install.stderr + install.stdout:
+        pytest.skip(f"the package index cannot be reached: {install.stderr[-300:]}")
+    assert install.returncode == 0, install.stderr[-2000:]
+    pinned = (REPO / "requirements" / "transformers-newest.txt").read_text().split("transformers==")[1].split()[0]
+    environment = {**os.environ, "PYTHONPATH": str(target)}
+    version = subprocess.run(
+        [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+    )
+    assert version.stdout.strip() == pinned, (version.stdout, version.stderr[-1000:])
+    out = tmp_path / "hf"
+    export = subprocess.run(
+        [sys.executable, "-m", "clipdist", "export", str(trained_run), "--out", str(out), "--format", "transformers"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=environment,
+    )
+    assert export.returncode == 0 and "features within" in export.stdout, (export.stdout, export.stderr[-2000:])
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    theirs = transformers_alone(out, tmp_path, images, CAPTIONS[:2], env=environment)
+    from clipdist.model import targets
+
+    model, _ = targets.load(targets.resolve(str(trained_run)))
+    with torch.no_grad():
+        assert relative(theirs["image"], model.eval().encode_image(images)) <= 1e-5

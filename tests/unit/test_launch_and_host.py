@@ -5,7 +5,7 @@ import pytest
 from clipdist.data import workers as loader
 from clipdist.distributed import host
 from clipdist.distributed.host import intra_op_threads
-from clipdist.distributed.launch import _expand_first_host, detect_env
+from clipdist.distributed.world import _expand_first_host, detect_env
 
 
 def test_torchrun_variables_win():

@@ -1,0 +1,119 @@
+"""Who this process is in the launch (torchrun's or srun's variables) and whether that is the world the config asks
+for: torch-free, so a refusal needs no torch (distributed.launch starts the ranks)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import hostlist
+
+from clipdist.errors import ConfigError
+
+# Under srun, rank 0's store listens on a port of this range picked by the job id: two jobs sharing a first
+# node get different ports, and no ephemeral port (32768 and up on Linux) is taken.
+SRUN_PORTS = range(20000, 32768)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Rank, world size and local rank as the launcher set them."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+    nodes: int | None = None  # the launch's node count, where the launcher says it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _expand_first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[003-005,9],cpu1' -> 'gpu003', 'r[2-3]-ib' -> 'r2-ib' (python-hostlist,
+    SLURM's own syntax)."""
+    try:
+        return hostlist.expand_hostlist(nodelist)[0]
+    except (hostlist.BadHostlist, IndexError):
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}") from None
+
+
+def loopback_rendezvous(env: DistEnv) -> str | None:
+    """MASTER_ADDR when an srun job over several nodes meets at an address only one node reaches (an inherited
+    `localhost`, 127.x, ::1): the other nodes' ranks would wait out the rendezvous timeout. Else None."""
+    address = os.environ.get("MASTER_ADDR", "")
+    if env.launcher != "slurm" or (env.nodes or 1) < 2 or not address:
+        return None
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost")
+    return address if loopback else None
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank/world from torchrun's variables, else from srun's, else one process.
+
+    Under srun (one task per device, no torchrun) MASTER_ADDR defaults to the first node
+    of the job and MASTER_PORT to a port derived from the job id, written back into
+    `os.environ` so that `init_process_group("env://")` finds them.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size, local_size = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 0))
+        nodes = world_size // local_size if local_size and world_size % local_size == 0 else None
+        return DistEnv(int(env["RANK"]), world_size, int(env.get("LOCAL_RANK", 0)), "torchrun", nodes)
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        if environ is None:
+            os.environ.setdefault("MASTER_ADDR", _expand_first_host(env.get("SLURM_JOB_NODELIST", "localhost")))
+            job = int(env.get("SLURM_JOB_ID", "0"))
+            os.environ.setdefault("MASTER_PORT", str(SRUN_PORTS.start + job % len(SRUN_PORTS)))
+        slurm_nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
+        return DistEnv(
+            int(env["SLURM_PROCID"]),
+            int(env["SLURM_NTASKS"]),
+            int(env.get("SLURM_LOCALID", 0)),
+            "slurm",
+            int(slurm_nodes) if slurm_nodes else None,
+        )
+    return DistEnv(0, 1, 0, "single")
+
+
+def check_world(world, env: DistEnv) -> None:
+    """The world preset against how this process was launched: process count, node layout, rendezvous."""
+    launched_alone = env.launcher == "single" and world.world_size > 1
+    if launched_alone and not world.spawn:
+        torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
+        if world.nodes > 1:
+            torchrun = (
+                f"torchrun --nnodes {world.nodes} --nproc-per-node {world.procs_per_node} --rdzv-backend c10d "
+                "--rdzv-endpoint <first node>:29500"
+            )
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}) but this process was started alone. Launch it with "
+            f"`{torchrun} train.py world={world.name}`{' on every node' if world.nodes > 1 else ''} or srun "
+            "(see slurm/), or pick world=local / cpu2 / cpu4"
+        )
+    if not launched_alone and env.world_size != world.world_size:
+        raise ConfigError(
+            f"world={world.name} expects {world.world_size} processes ({world.nodes} node(s) × "
+            f"{world.procs_per_node}), but {env.launcher} started {env.world_size}. Pick the preset that "
+            f"matches the launch, or override world.nodes / world.procs_per_node"
+        )
+    if not launched_alone and env.nodes is not None and env.nodes != world.nodes:
+        raise ConfigError(
+            f"world={world.name} expects {world.nodes} node(s) × {world.procs_per_node}, but {env.launcher} started "
+            f"{env.nodes} node(s) × {env.world_size // env.nodes}. Pick the preset that matches the launch, or "
+            f"override world.nodes={env.nodes} world.procs_per_node={env.world_size // env.nodes}"
+        )
+    address = loopback_rendezvous(env)
+    if address:
+        raise ConfigError(
+            f"MASTER_ADDR={address} is set in the job's environment, but it reaches only one node and the job "
+            f"spans {env.nodes}: unset MASTER_ADDR and MASTER_PORT before sbatch/srun (clipdist then meets at the "
+            "job's first node) or set MASTER_ADDR to an address every node reaches"
+        )
