@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prove clipdist beside a site's own torch: a fresh venv gets TORCH and TORCHVISION first (a cluster image's, or the
-# floor pyproject.toml declares), then clipdist installed the way docs/install.md says (constraints that hold the
+# floor pyproject.toml declares), then clipdist installed the way README.md says (constraints that hold the
 # installed torch and torchvision), then: the two left in place, the unit tests, and the default run.
 # Usage: scripts/check_floor.sh [torch version] [torchvision version]   (default: the floor, 2.6.0 / 0.21.0)
 # Downloads torch from the package index (several GB with its CUDA libraries): not part of CI; run it on purpose.
@@ -15,9 +15,8 @@ python3 -m venv "$venv"
 python -m pip install -q --upgrade pip
 echo "== the site's torch: torch==$torch_version torchvision==$vision_version"
 python -m pip install -q "torch==$torch_version" "torchvision==$vision_version"
-# docs/install.md's install beside the site's torch: the installed torch and torchvision as constraints
-python -m pip freeze | grep -iE '^(torch|torchvision)==' > "$work/site-torch.txt"
-python -m pip install -q -e ".[test]" -c "$work/site-torch.txt"
+# README's install beside the site's torch: the installed torch and torchvision as constraints
+python -m pip install -q -e ".[test]" -c <(python -c 'import torch, torchvision; print(f"torch=={torch.__version__}\ntorchvision=={torchvision.__version__}")')
 echo "== after installing clipdist:"
 python - "$torch_version" "$vision_version" <<'PY'
 import sys

@@ -41,13 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     host.spin_briefly()  # before torch loads libgomp
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     problem = floor_problem()
     if problem:
         print(f"clipdist: error: {problem}", file=sys.stderr)
         return 2
     if argv[:1] == ["train"]:
-        train_main(argv[1:])
+        train_main(argv[1:], program=program)  # `clipdist train ...` as the program: the process ends with it
         return 0
     if argv[:1] == ["torchrun"]:
         from clipdist.distributed import torchrun

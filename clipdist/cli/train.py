@@ -3,6 +3,7 @@ checks that need torch alone, then clipdist.train.entry.run in the run directory
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -17,7 +18,7 @@ from clipdist.errors import printable, report_bug
 from clipdist.files import discard_stdout, read_bounded
 
 
-def train_main(overrides: list[str] | None = None) -> None:
+def train_main(overrides: list[str] | None = None, program: bool = False) -> None:
     """`python train.py [overrides]`, `clipdist train [overrides]`: Hydra composes clipdist/conf and trains."""
     host.spin_briefly()  # before torch loads libgomp
     problem = floor_problem()
@@ -29,6 +30,7 @@ def train_main(overrides: list[str] | None = None) -> None:
 
     register()
     hydra_policy.install()  # every composition checked, the resolvers that read outside refused
+    program = program or overrides is None  # the process ends with this call
     if overrides is not None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
     from clipdist.config import invalid_value, unknown_override
@@ -51,7 +53,12 @@ def train_main(overrides: list[str] | None = None) -> None:
     if problem:  # before Hydra makes the directory (its traceback otherwise)
         print(f"error: {printable(problem)}", file=sys.stderr)
         sys.exit(2)
-    hydra.main(version_base=None, config_path="pkg://clipdist.conf", config_name="config")(_run_composed)()
+    try:
+        hydra.main(version_base=None, config_path="pkg://clipdist.conf", config_name="config")(_run_composed)()
+    finally:
+        if program:  # the interpreter's last collection skipped: the exit frees everything (3.7 s of a 5.8 s stop)
+            gc.disable()
+            gc.freeze()
 
 
 def train_help() -> str:
@@ -141,7 +148,11 @@ def _run_composed(cfg) -> None:
 
         typed = OmegaConf.to_container(hydra.overrides.task, resolve=False)  # as typed: ${...} kept
         run(cfg, overrides=list(typed) if isinstance(typed, list) else [])
-        if cfg.logging.report:
+        from clipdist.distributed.launch import StopSignal
+
+        if StopSignal.in_this_process and cfg.logging.report:  # a scheduler's grace is for the checkpoint
+            logging.getLogger("clipdist").info("report: left to `clipdist report %s` (the run was stopped)", run_dir)
+        elif cfg.logging.report:
             _write_report(run_dir)
     except ClipdistError as error:
         if created and _created_by_hydra(run_dir):  # refused before the run began: leave nothing behind

@@ -109,6 +109,7 @@ class StopSignal:
 
     SAME_INTERRUPT_S = 1.0
     GRACE_S = 2.0  # a read under way when a stop comes may finish for this long; one still going is stuck
+    in_this_process: bool = False  # a stop was asked for in this process (the run's end then skips the report)
 
     def __init__(self, grace_s: float = GRACE_S):
         self.received: int | None = None
@@ -129,6 +130,7 @@ class StopSignal:
                 os._exit(130)
             self._first_interrupt = self._first_interrupt or now
         self.received = signum
+        StopSignal.in_this_process = True
         if self._waiting and not self._armed:
             self._armed = True
             signal.setitimer(signal.ITIMER_REAL, self.grace_s)

@@ -507,7 +507,7 @@ def _weights_names(filename: str) -> list[str]:
     return [*names, filename]
 
 
-def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str) -> str:
+def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str, thing: str = "the weights are") -> str:
     """The first of `names` in Hugging Face repo `repo`: from the cache without touching the network where it is
     there, else downloaded — after a quick check that the hub can be reached at all, since the hub's client retries
     an unreachable one for about a minute. A ValueError in one line (`what`: the key that named it) where it can be
@@ -533,8 +533,8 @@ def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str) -> 
     except Exception as error:  # noqa: BLE001 -- offline, not cached, no such repo: the reason is the message
         reason = " ".join(str(error).split())[:300]
         raise ValueError(
-            f"{what}: {names[-1]} of {repo} is not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and "
-            f"cannot be fetched from here ({reason}); fetch it once where there is network (the same command, or "
+            f"{what}: {thing} not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and "
+            f"cannot be fetched from here ({reason}); fetch them once where there is network (the same command, or "
             f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache "
             "this machine reads (HF_HOME, model.cache_dir), or point model.checkpoint at the file"
         ) from None
@@ -582,7 +582,7 @@ def create_model(
     hub = name.startswith("hf-hub:")
     if hub:  # the repo's config, fetched once (then open_clip reads it from the cache), checked before it builds
         repo = name.removeprefix("hf-hub:")
-        _hub_file(repo, [EXPORT_CONFIG], cache_dir, f"model.name={name}")
+        _hub_file(repo, [EXPORT_CONFIG], cache_dir, f"model.name={name}", f"its {EXPORT_CONFIG} is")
         with hub_offline():
             check_config_is_data(factory._get_hf_config(repo, cache_dir=cache_dir).get("model_cfg", {}), name)
     tag = pretrained_cfg(name, pretrained)
