@@ -14,6 +14,7 @@ import torch
 from clipdist.config import TrainConfig
 from clipdist.data import tables
 from clipdist.data.sources import Shards
+from clipdist.distributed.parallel import uses_cuda
 from clipdist.model.short_text import trims_exactly
 
 SCALARS = ("logit_scale", "logit_bias")
@@ -113,12 +114,19 @@ def table_rows(shards: Shards) -> int | None:
 
 def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
     """Warnings for settings that run but do not do what they seem to: a warmup as long as the run (the lr never
-    reaches optim.lr), a global batch larger than the data (every batch holds pairs twice: false negatives)."""
+    reaches optim.lr), half precision on a CPU (slower than fp32), a global batch larger than the data (every batch
+    holds pairs twice: false negatives)."""
     found, optim = [], cfg.optim
     if optim.warmup_steps >= optim.max_steps:
         found.append(
             f"optim.warmup_steps={optim.warmup_steps} is not below optim.max_steps={optim.max_steps}: the lr "
             f"never reaches optim.lr={optim.lr:g}; lower the warmup or raise max_steps"
+        )
+    if str(cfg.precision) not in ("fp32", "auto") and not uses_cuda(str(cfg.world.device)):  # auto: fp32 on a CPU
+        found.append(
+            f"precision={cfg.precision} on a CPU rank: CPUs without bfloat16/float16 units run it far slower than "
+            "fp32 (a 64-px ViT-B/32 took 37-52 s a step in bf16 on this project's 2-core machine); "
+            "use precision=fp32 on a CPU"
         )
     rows, batch = table_rows(shards), cfg.world.batch_per_device * cfg.world.world_size
     if rows is not None and batch > rows:

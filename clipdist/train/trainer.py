@@ -7,6 +7,7 @@ Trainer.fit              the loop, top to bottom
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -76,12 +77,13 @@ class Trainer:
             self.state.step,
             notes=cfg.logging.wandb_notes,
         )
+        self.on_terminal = sys.stderr.isatty()  # the bar; a redirected console gets a plain line a log step
         self.progress = tqdm(
             total=cfg.optim.max_steps,
             initial=self.state.step,
             dynamic_ncols=True,
             mininterval=1.0,
-            disable=not (env.is_main and cfg.logging.progress),
+            disable=not (env.is_main and cfg.logging.progress and self.on_terminal),
             desc=f"train {cfg.loss.name} ×{env.world_size}",
         )
 
@@ -203,6 +205,11 @@ class Trainer:
                 state.step,
             )
             self.shown_scale = f"{stats['logit_scale']:.1f}"
+            if self.cfg.logging.progress and not self.on_terminal:
+                self.say(
+                    f"step {state.step}/{self.cfg.optim.max_steps}: loss {global_loss:.3f}, lr {stats['lr']:.2e}, "
+                    f"{stats['samples_per_s']:.0f} samples/s, scale {self.shown_scale}"
+                )
         self.progress.set_postfix(
             loss=f"{global_loss:.3f}",
             samples_s=f"{stats['samples_per_s']:.0f}",

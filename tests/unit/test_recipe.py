@@ -29,3 +29,15 @@ def test_a_global_batch_larger_than_the_table_is_warned(tmp_path):
     assert warning.startswith("the global batch 256 is larger than the 216 rows of data.train_shards")
     assert traps(config(world={"batch_per_device": 216}), shards) == []
     assert table_rows(Shards([["a.tar"]])) is None  # a tar shard's size is not known before reading it
+
+
+def test_half_precision_on_a_cpu_rank_is_warned(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    shards = Shards([["a.tar"]])
+    for precision in ("bf16", "fp16", "pure_bf16"):
+        (warning,) = traps(config(precision=precision), shards)
+        assert warning.startswith(f"precision={precision} on a CPU rank:") and "use precision=fp32" in warning
+    assert traps(config(precision="fp32"), shards) == []
+    assert traps(config(precision="bf16", world={"device": "cuda"}), shards) == []  # a GPU rank: what it is for
