@@ -90,7 +90,6 @@ def add(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from clipdist.tools import plan
     from clipdist.tools.memory import human_bytes
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     device_bytes = plan.parse_bytes(args.memory)
     host = plan.Host(args.ranks_per_node or ranks_per_node, args.loader_workers, plan.parse_bytes(args.host_memory))
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
-    console = Console(stderr=args.json, width=max(Console().width, 200))
+    console = Console(stderr=args.json, width=max(Console().width, 100))  # the tables fit 100 columns
     measured = plan.measure(
         model_name,
         args.backend,
@@ -146,31 +145,17 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    table = Table(
-        title=f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, "
-        f"global batch {args.global_batch:,} ({rows[0].local_batch:,}/device), {args.precision}, "
-        f"device {human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node "
-        f"({host.ranks_per_node} ranks × {host.loader_workers} loader workers)"
+    console.print(
+        f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, global batch "
+        f"{args.global_batch:,} ({rows[0].local_batch:,}/device), {args.precision}, device "
+        f"{human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node ({host.ranks_per_node} ranks × "
+        f"{host.loader_workers} loader workers)"
     )
     teacher = ("teacher",) if args.distill else ()
-    for column in (
-        "backend",
-        "chunks",
-        "params+optim",
-        "activations",
-        "cached feat.",
-        "loss",
-        "inputs",
-        "comm buf.",
-        *teacher,
-        "peak",
-        "fits",
-        "host/node",
-        "sent/step",
-        "max global batch",
-        "limited by",
-    ):
-        table.add_column(column, justify="left" if column in ("backend", "limited by") else "right", no_wrap=True)
+    memory = _table("memory per device", ("backend", "chunks", "params\n+optim", "activ-\nations", "cached\nfeat."))
+    for column in ("loss", "inputs", "comm\nbuf.", *teacher, "peak", "fits"):
+        memory.add_column(column, justify="right", no_wrap=True)
+    run = _table("the run", ("backend", "chunks", "host/\nnode", "sent/\nstep", "max global\nbatch", "limited by"))
     for row in rows:
         name = row.backend + (f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
         chunks = f"{row.chunks:,}×{row.micro_batch:,}" if row.chunks > 1 else "1"
@@ -179,30 +164,23 @@ def run(args: argparse.Namespace) -> int:
             chunks = f"auto: {row.chunks:,}×{min(row.chunk_size, row.local_batch):,}"
             per_rank = row.max_global_batch // max(row.global_batch // row.local_batch, 1)
             largest += f" ({-(-per_rank // row.chunk_size):,}×{row.chunk_size:,})"
-        fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
-        table.add_row(
-            name,
-            chunks,
-            *(
-                human_bytes(x)
-                for x in (
-                    row.parameters_optimizer,
-                    row.activations,
-                    row.cached_features,
-                    row.loss_buffers,
-                    row.inputs,
-                    row.communication_buffers,
-                    *((row.teacher,) if teacher else ()),
-                    row.peak,
-                )
-            ),
-            fits,
-            human_bytes(row.host_per_node),
-            human_bytes(row.sent_bytes_per_step),
-            largest,
-            row.limit,
+        sizes = (
+            row.parameters_optimizer,
+            row.activations,
+            row.cached_features,
+            row.loss_buffers,
+            row.inputs,
+            row.communication_buffers,
+            *((row.teacher,) if teacher else ()),
+            row.peak,
         )
-    console.print(table)
+        fits = "[green]yes[/green]" if row.fits else "[red]no[/red]"
+        memory.add_row(name, chunks, *(human_bytes(x) for x in sizes), fits)
+        run.add_row(
+            name, chunks, human_bytes(row.host_per_node), human_bytes(row.sent_bytes_per_step), largest, row.limit
+        )
+    console.print(memory)
+    console.print(run)
     inputs = "NaFlex float32 patches at --seq-len" if args.seq_len else "uint8 pixels"
     console.print(
         f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
@@ -213,3 +191,14 @@ def run(args: argparse.Namespace) -> int:
         "in chunks into host memory).[/dim]"
     )
     return 0
+
+
+def _table(title: str, columns: tuple[str, ...]):
+    """A plan table (two-line headers: it fits 100 columns), its first columns named; left-aligned names."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("backend", "limited by") else "right", no_wrap=True)
+    return table
