@@ -131,3 +131,14 @@ def test_float_batches_normalized_by_the_loader_train_exactly_as_uint8_batches(t
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["loss"] for row in read_jsonl(tmp_path / "run" / "train_log.jsonl")] == expected
     assert "images normalized by the loader (data.normalize_on=loader)" in run_log(tmp_path / "run")  # a line
+
+
+def test_a_redirected_console_gets_a_plain_line_a_log_step_and_no_bar(tmp_path, cache_dir):
+    """Redirected to a file (not a terminal), the console has no progress bar — no copy of it before each line —
+    and a plain line for each logged step."""
+    result = train(tmp_path / "run", cache_dir, "optim.max_steps=3", "logging.progress=true", "eval_every=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = result.stdout + result.stderr
+    assert "it/s" not in console and "\r" not in console and "%|" not in console, console[-2000:]
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ") and "/3: loss " in line]
+    assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"], result.stdout[-2000:]

@@ -46,7 +46,8 @@ def test_an_hf_hub_model_that_cannot_be_fetched_is_one_line(monkeypatch, tmp_pat
     from clipdist.model.factory import create_model
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match="hf-hub:org/nothing-here: its open_clip_config.json is not in the cache") as raised:
+    said = "hf-hub:org/nothing-here: its open_clip_config.json is not in the cache"
+    with pytest.raises(ValueError, match=said) as raised:
         create_model("hf-hub:org/nothing-here", device="meta", cache_dir=str(tmp_path))
     assert "\n" not in str(raised.value)
 
