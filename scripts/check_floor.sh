@@ -16,7 +16,7 @@ python -m pip install -q --upgrade pip
 echo "== the site's torch: torch==$torch_version torchvision==$vision_version"
 python -m pip install -q "torch==$torch_version" "torchvision==$vision_version"
 # README's install beside the site's torch: the installed torch and torchvision as constraints
-python -m pip install -q -e ".[test]" -c <(python -c 'import torch, torchvision; print(f"torch=={torch.__version__}\ntorchvision=={torchvision.__version__}")')
+python -m pip install -q -e ".[test]" -c <(python -c 'import torch; v = torch.__version__.split("+")[0]; m = int(v.split(".")[1]) + 15; print(f"torch=={v}\ntorchvision==0.{m}.*")')
 echo "== after installing clipdist:"
 python - "$torch_version" "$vision_version" <<'PY'
 import sys
