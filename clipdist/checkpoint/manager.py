@@ -339,14 +339,10 @@ class Checkpointer:
             if path.is_dir():  # every rank reads its part of each tensor, whatever world size and parallelism wrote
                 shards = state.sharded_state_dict_to_load(weights.dcp_sizes(path))
                 weights.load_dcp(shards, path)
-                bad = [found for found in all_ranks(weights.first_non_finite(shards)) if found]  # every rank says
-                if bad:
-                    raise ConfigError(
-                        f"{path} is damaged: its {printable(bad[0])[:80]} holds NaN or Inf; resume=<an older "
-                        "checkpoint> goes on from one before it"
-                    )
+                _refuse_non_finite(shards, path)
                 state.load_sharded_state_dict(shards)
             else:
+                _refuse_non_finite({key: progress.get(key) for key in ("model", "optimizer", "ema")}, path)
                 state.load_legacy_state_dict(progress)
             return path
         return None
@@ -495,3 +491,14 @@ def unreadable(path: Path, older: list[Path], error: BaseException) -> str:
         f"resume=auto: the run's newest checkpoint {path} cannot be read ({_one_line(error)}); nothing was "
         f"overwritten. Use {way}name=<new name> (with resume=never) to start a new run"
     )
+
+
+def _refuse_non_finite(tensors: dict, path: Path) -> None:
+    """Collective: a NaN or Inf in what a resume loads (the model, its average, a decoder, the optimizer's moments)
+    is damage, said on every rank alike (each checks its own shards)."""
+    bad = [found for found in all_ranks(weights.first_non_finite(tensors)) if found]
+    if bad:
+        raise ConfigError(
+            f"{path} is damaged: its {printable(bad[0])[:80]} holds NaN or Inf; resume=<an older checkpoint> goes on "
+            "from one before it"
+        )

@@ -124,6 +124,11 @@ def test_a_checkpoint_of_the_pt_days_still_resumes(tmp_path):
     state, path = restore(tmp_path)
     assert path.name == "step_00000007.pt" and (state.step, state.samples_seen) == (7, 70)
     assert torch.equal(state.model.weight.detach(), old.model.weight.detach())
+    saved = torch.load(folder / "step_00000007.pt", weights_only=False)  # the test's own file
+    saved["model"]["weight"][0, 0] = float("inf")
+    torch.save(saved, folder / "step_00000007.pt")
+    with pytest.raises(ConfigError, match="its model.weight holds NaN or Inf"):
+        restore(tmp_path)
 
 
 def test_a_save_in_the_background_holds_the_state_of_its_step(tmp_path, monkeypatch):
