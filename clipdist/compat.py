@@ -13,8 +13,10 @@ TORCH_FLOOR = (2, 6)
 TORCHVISION_FLOOR = (0, 21)
 
 # torch APIs newer than TORCH_FLOOR, by the release that made them public: a module that uses one calls
-# `require(name)` first (tests/unit/test_compat.py fails on a use without it). Empty today: the code needs 2.6 only.
+# `require(name)` first (tests/unit/test_compat.py fails on a use without it). A keyword an API gained later is named
+# as `api(keyword)`. scripts/check_floor.sh runs the unit tests and the default run on the floor.
 NEWER_APIS: dict[str, tuple[int, int]] = {
+    "torch.distributed.fsdp.fully_shard(ignored_params)": (2, 7),  # FSDP2 with the 0-dim scalars left whole
     "torch.distributed.checkpoint.staging.DefaultStager": (2, 8),
     "torch.distributed.checkpoint.HuggingFaceStorageReader": (2, 8),
     "torch.distributed.checkpoint.HuggingFaceStorageWriter": (2, 8),

@@ -17,6 +17,7 @@ one format) still resume, read as safely.
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -27,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -84,11 +86,11 @@ class CheckpointFiles:
         self._agree(pending, prepare, run=is_main)
         with weights.single_process_quietly():
             if background:
-                write = lambda: dcp.async_save(
-                    shards,
-                    checkpoint_id=str(pending.partial),
-                    process_group=group,  # noqa: E731
-                    async_stager=_HostCopy() if _HostCopy.fits(shards) else None,
+                stager: dict[str, Any] = (
+                    {"async_stager": _HostCopy()} if _HostCopy.fits(shards) and _TAKES_STAGER else {}
+                )
+                write = lambda: dcp.async_save(  # noqa: E731
+                    shards, checkpoint_id=str(pending.partial), process_group=group, **stager
                 )
                 pending.future = self._agree(pending, write, run=True)
                 if is_main:  # a failed write gives its space back at once (a full disk fails the logs beside it too)
@@ -145,6 +147,10 @@ class CheckpointFiles:
     def _retain(self) -> None:
         for old in self.checkpoints()[self.keep :]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+# torch 2.6 and 2.7's async_save stages the state itself (to CPU memory, before it returns) and takes no stager
+_TAKES_STAGER = "async_stager" in inspect.signature(dcp.async_save).parameters
 
 
 class _HostCopy:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from clipdist.compat import require
 from clipdist.config import TrainConfig
 from clipdist.data.transforms import augmentation_cfg
 from clipdist.distributed import parallel
@@ -49,7 +50,9 @@ def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
 
 def check_shardable(model: torch.nn.Module, model_name: str) -> None:
     """world.parallel=fsdp shards the towers block by block: the model (on the meta device) must have transformer
-    blocks."""
+    blocks, and the torch must take FSDP2's ignored parameters (the logit scale and bias stay whole)."""
+    with as_config_error(RuntimeError):
+        require("torch.distributed.fsdp.fully_shard(ignored_params)")
     if not parallel.transformer_blocks(model):
         raise ConfigError(
             f"world.parallel=fsdp: model {model_name} has no transformer blocks (module lists named "

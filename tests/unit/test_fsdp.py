@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
+from clipdist.compat import NEWER_APIS, release
 from clipdist.config import TrainConfig, as_dict
 from clipdist.errors import CheckpointError, ConfigError
 
@@ -60,6 +61,13 @@ def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
         preflight.check_shardable(model, "clipdist-tiny")
 
 
+FSDP2_SCALARS = pytest.mark.skipif(
+    (release("torch") or (0, 0)) < NEWER_APIS["torch.distributed.fsdp.fully_shard(ignored_params)"],
+    reason="FSDP2's ignored_params (the scalars left whole) is torch 2.7's; preflight refuses fsdp before it",
+)
+
+
+@FSDP2_SCALARS
 def test_the_plain_structure_of_a_sharded_model_runs_with_whole_tensors(single_rank_group):
     """What a teacher's forward runs on under FSDP2: the model as it was before sharding, on the meta device, without
     the hooks sharding put on it (which would gather the model's own shards in place of the tensors given)."""
@@ -85,3 +93,12 @@ def test_the_plain_structure_of_a_sharded_model_runs_with_whole_tensors(single_r
         torch.testing.assert_close(functional_call(visual, whole, (images,)), expected)
         torch.testing.assert_close(functional_call(visual, other, (images,)), expected_other)
     assert not torch.allclose(expected, expected_other)
+
+
+def test_fsdp_on_a_torch_without_ignored_params_is_refused_in_one_line(monkeypatch):
+    from clipdist import compat, preflight
+    from clipdist.model.factory import create_model
+
+    monkeypatch.setattr(compat, "release", lambda package: (2, 6))
+    with pytest.raises(ConfigError, match=r"fully_shard\(ignored_params\) needs torch >= 2.7 \(installed"):
+        preflight.check_shardable(create_model("clipdist-tiny", device="meta"), "clipdist-tiny")
