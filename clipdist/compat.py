@@ -2,8 +2,9 @@
 torch is imported, and the APIs newer than the floor that the code uses, each behind `require`.
 
 The floor is torch 2.6: FSDP2's `fully_shard` / `register_fsdp_forward_method` and `torch.nn.utils.get_total_norm`
-/ `clip_grads_with_norm_` are public from there. CI tests torch 2.14.1 (requirements/ci.txt); cluster images
-bring their own torch (NGC, site containers: 2.6 and newer), which `pip install clipdist` leaves in place."""
+/ `clip_grads_with_norm_` are public from there; FSDP2 with the scalars left whole needs 2.7. CI tests torch 2.14.1
+(requirements/ci.txt); scripts/check_floor.sh runs the unit tests and the default run on 2.6. Cluster images bring
+their own torch (NGC, site containers: 2.6 and newer): README's install keeps it."""
 
 from __future__ import annotations
 

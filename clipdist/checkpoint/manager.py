@@ -89,6 +89,8 @@ class CheckpointFiles:
                 stager: dict[str, Any] = (
                     {"async_stager": _HostCopy()} if _HostCopy.fits(shards) and _TAKES_STAGER else {}
                 )
+                if not _TAKES_STAGER and _HostCopy.fits(shards):  # torch 2.6-2.7: the copy made here, before it returns
+                    shards = _HostCopy().stage(shards)
                 write = lambda: dcp.async_save(  # noqa: E731
                     shards, checkpoint_id=str(pending.partial), process_group=group, **stager
                 )
@@ -149,7 +151,7 @@ class CheckpointFiles:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-# torch 2.6 and 2.7's async_save stages the state itself (to CPU memory, before it returns) and takes no stager
+# torch 2.6 and 2.7's async_save takes no stager (and on 2.6 its writer may read the live tensors: copied first)
 _TAKES_STAGER = "async_stager" in inspect.signature(dcp.async_save).parameters
 
 

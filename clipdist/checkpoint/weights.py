@@ -385,7 +385,7 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         named = getattr(self, "_get_metadata_path", None)  # torch 2.6-2.7: the folder's .metadata, one for all ranks
-        path = named(rank) if named is not None else os.path.join(str(self.path), ".metadata")
+        path = named(rank) if named is not None else self.fs.concat_path(self.path, ".metadata")
         try:
             regular_file(Path(path), "")
         except FileNotFoundError:

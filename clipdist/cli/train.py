@@ -144,12 +144,13 @@ def _run_composed(cfg) -> None:
         if complete:
             logging.getLogger("clipdist").info("%s", complete)
             return
+        from clipdist.distributed.launch import StopSignal
         from clipdist.train.entry import run
+
+        StopSignal.in_this_process = False  # this run's own stop, not an earlier one's in the same process
 
         typed = OmegaConf.to_container(hydra.overrides.task, resolve=False)  # as typed: ${...} kept
         run(cfg, overrides=list(typed) if isinstance(typed, list) else [])
-        from clipdist.distributed.launch import StopSignal
-
         if StopSignal.in_this_process and cfg.logging.report:  # a scheduler's grace is for the checkpoint
             logging.getLogger("clipdist").info("report: left to `clipdist report %s` (the run was stopped)", run_dir)
         elif cfg.logging.report:

@@ -222,7 +222,7 @@ OMP_PAUSE_HARD = 2  # OpenMP 5's omp_pause_hard: the runtime frees its threads; 
 @functools.cache
 def _openmp_runtime():
     """torch's own OpenMP runtime (libgomp, shipped in torch/lib), or None where there is none to find."""
-    package = os.path.dirname(torch.__file__)  # torch/lib (2.8 on), or the wheel's torch.libs beside it (before)
+    package = os.path.dirname(torch.__file__)  # torch/lib, or a wheel's torch.libs beside it
     folders = (os.path.join(package, "lib"), package + ".libs")
     found = [glob.glob(os.path.join(folder, "libgomp*.so*")) for folder in folders]
     for path in sorted(path for paths in found for path in paths):

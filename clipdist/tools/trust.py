@@ -15,6 +15,7 @@ dicts of them; NumPy arrays become lists) stops the conversion with its place in
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def _convert_folder(source: Path, staging: Path) -> None:
         _load_state_dict(
             state, storage_reader=dcp.FileSystemReader(str(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
         )
-        dcp.save(plain_copy(state, where=str(source)), checkpoint_id=str(staging), no_dist=True)
+        alone = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}  # 2.6: no group: alone
+        dcp.save(plain_copy(state, where=str(source)), checkpoint_id=str(staging), **alone)
     progress = load_torch(source / PROGRESS, map_location="cpu", weights_only=False)
     save_torch(plain_copy(progress, where=str(source / PROGRESS)), staging / PROGRESS)

@@ -49,6 +49,13 @@ def test_a_checkpoint_of_the_pt_days_is_resumed_under_ddp_only(tmp_path):
         Checkpointer.check_resume(cfg, 1)
 
 
+FSDP2_SCALARS = pytest.mark.skipif(
+    (release("torch") or (0, 0)) < NEWER_APIS["torch.distributed.fsdp.fully_shard(ignored_params)"],
+    reason="FSDP2's ignored_params (the scalars left whole) is torch 2.7's; preflight refuses fsdp before it",
+)
+
+
+@FSDP2_SCALARS
 def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
     from clipdist import preflight
     from clipdist.distributed import parallel
@@ -59,12 +66,6 @@ def test_a_model_without_transformer_blocks_is_refused_for_fsdp(monkeypatch):
     monkeypatch.setattr(parallel, "transformer_blocks", lambda model: [])
     with pytest.raises(ConfigError, match="no transformer blocks.*world.parallel=ddp"):
         preflight.check_shardable(model, "clipdist-tiny")
-
-
-FSDP2_SCALARS = pytest.mark.skipif(
-    (release("torch") or (0, 0)) < NEWER_APIS["torch.distributed.fsdp.fully_shard(ignored_params)"],
-    reason="FSDP2's ignored_params (the scalars left whole) is torch 2.7's; preflight refuses fsdp before it",
-)
 
 
 @FSDP2_SCALARS
