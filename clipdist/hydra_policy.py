@@ -12,6 +12,7 @@ environment). A check of the command line or of a config folder's text only sees
 - `install()` also replaces every resolver outside `KEPT_RESOLVERS` (`oc.env`, `oc.decode`, `oc.create`, and any a
   library registers) for the whole process with one that refuses, so no spelling the grammar accepts reads them.
 - `hydra_arguments(argv)` reads the command line with Hydra's own parser: an abbreviation (`--exp`) is the flag.
+- `run_and_report` takes Hydra's place where Hydra reports a failure: one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 from typing import Any
 
 import yaml
+from hydra._internal import utils as hydra_utils
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.utils import get_args_parser
 from hydra.errors import HydraException
@@ -32,7 +34,7 @@ from omegaconf import OmegaConf
 from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import OmegaConfBaseException
 
-from clipdist.errors import one_line
+from clipdist.errors import one_line, report_bug
 
 # Launchers and sweepers Hydra may instantiate: its own and submitit's (conf/hydra/launcher/slurm.yaml)
 LAUNCHERS = (
@@ -91,7 +93,23 @@ def install() -> None:
         return cfg
 
     ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]
+    hydra_utils.run_and_report = run_and_report  # Hydra's own phases (its start, --cfg, --info, the job) report here
     _installed.append(True)
+
+
+def run_and_report(func):
+    """Hydra's `run_and_report` as clipdist says it: what Hydra could not compose is one `error:` line (exit 2), any
+    other exception one line saying it is a bug with its traceback in a file (exit 1); HYDRA_FULL_ERROR=1 raises."""
+    try:
+        return func()
+    except Exception as error:  # noqa: BLE001 -- said in one line below
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        said = _composition_error(error)
+        if said:
+            refuse(said)
+        print(f"error: {report_bug(error)}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _composition_error(error: BaseException) -> str | None:

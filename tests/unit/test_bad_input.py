@@ -64,3 +64,27 @@ def test_an_unforeseen_exception_is_one_line_with_its_traceback_in_a_file(tmp_pa
     written = list(tmp_path.glob("clipdist-bug-*.txt"))
     assert len(written) == 1 and str(written[0]) in said
     assert "Traceback" in written[0].read_text() and "test_an_unforeseen_exception" in written[0].read_text()
+
+
+def test_hydras_own_failures_are_one_line(capsys, monkeypatch, tmp_path):
+    """Where Hydra reports a failure itself (its start, --cfg, --info): a config it cannot compose is one `error:`
+    line and exit 2; anything else one line saying it is a bug (exit 1) — never its stack trace."""
+    from hydra.errors import MissingConfigException
+
+    from clipdist import hydra_policy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def missing():
+        raise MissingConfigException("Cannot find primary config 'nope'.\n  details", missing_cfg_file="nope")
+
+    def broken():
+        raise RuntimeError("deep inside\nHydra")
+
+    for action, code, said in ((missing, 2, "error: Cannot find primary config 'nope'."), (broken, 1, "a bug")):
+        with pytest.raises(SystemExit) as stopped:
+            hydra_policy.run_and_report(action)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == code and len(lines) == 1 and said in lines[0], lines
+    assert hydra_policy.run_and_report(lambda: 7) == 7
