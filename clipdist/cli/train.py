@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from clipdist import hydra_policy
@@ -162,12 +163,17 @@ def _run_composed(cfg) -> None:
             raise
         if not isinstance(error, ConfigError) or detect_env().is_main:  # a config refusal: every rank's is the same
             logging.getLogger("clipdist").error("%s", error)
+        elif detect_env().world_size > 1:  # rank 0 says it: a launcher ends the launch at the first rank's exit
+            time.sleep(RANK_REFUSAL_WAIT_S)
         sys.exit(2 if isinstance(error, ValueError) else 1)
     except Exception as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file of the run directory
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         logging.getLogger("clipdist").error("%s", report_bug(error, run_dir if os.path.isdir(run_dir) else None))
         raise SystemExit(1) from None
+
+
+RANK_REFUSAL_WAIT_S = 5.0  # how long the other ranks wait for rank 0 to reach the same refusal and say it
 
 
 def _quick_checks(cfg) -> str | None:
