@@ -200,7 +200,9 @@ class ModelConfig:
     checkpoint: str | None = None  # weights to start from: an open_clip file, an export folder, a clipdist checkpoint
     cache_dir: str | None = None  # where downloaded weights go (default: Hugging Face's cache, HF_HOME)
     grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~30% more compute)
-    compile: bool = False  # torch.compile the towers (before DDP wraps them)
+    # torch.compile the towers (before DDP wraps them); null: on a CUDA device for a run of 300 steps or more on a
+    # fixed-size tower, off on a CPU (train.parts.compile_decision); its caches in <run_dir>/compile_cache
+    compile: bool | None = None
     # Locked towers (LiT, fine-tuning): open_clip's own lock functions; a locked parameter gets no gradient.
     lock_image: bool = False  # freeze the image tower
     lock_image_unlocked_groups: int = 0  # ... but its last N layer groups (open_clip's groups) still train

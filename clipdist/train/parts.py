@@ -8,6 +8,7 @@ the optimizer and schedule, precision, the objective and the step — what the t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -58,6 +59,38 @@ def trims_text(cfg: TrainConfig, device: torch.device) -> bool:
     return precision.compute_dtype(cfg.precision, device) == torch.float32
 
 
+COMPILE_PAYS_STEPS = 300  # a compile costs ~60 s on a GPU (once: cached beside the run) and gains ~25% a step
+
+
+def compile_decision(cfg: TrainConfig, device: torch.device, model: torch.nn.Module) -> tuple[bool, str]:
+    """(whether the towers are compiled, why, for the banner): model.compile where it is set; automatic (null) on a
+    CUDA device for a run of COMPILE_PAYS_STEPS steps or more on a fixed-size tower (a NaFlex tower's sequence
+    lengths vary, and each would compile anew), off on a CPU (there the compile costs more than the run gains)."""
+    if cfg.model.compile is not None:
+        return bool(cfg.model.compile), f"model.compile={str(cfg.model.compile).lower()}"
+    if device.type != "cuda":
+        return False, "model.compile=auto: off on a CPU"
+    if naflex_trunk(model) is not None:
+        return False, "model.compile=auto: off for a NaFlex tower (its sequence lengths vary)"
+    if cfg.optim.max_steps < COMPILE_PAYS_STEPS:
+        return False, f"model.compile=auto: off for a run under {COMPILE_PAYS_STEPS} steps"
+    return True, f"model.compile=auto: on (CUDA, {cfg.optim.max_steps} steps, a fixed-size tower)"
+
+
+def compile_cache(run_dir: str) -> str:
+    """torch.compile's caches (inductor's FX graphs and kernels, AOTAutograd's, Triton's) beside the run, so a resume
+    or a requeued job on another node of the cluster reuses them; a cache the user set is kept (torch writes its own
+    default, /tmp/torchinductor_<user>, back into the environment once it has looked: that one is not the user's)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    ours = os.path.join(os.path.abspath(run_dir), "compile_cache")
+    folder = given if given and given != os.path.abspath(default_cache_dir()) and "compile_cache" not in given else ours
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    return folder
+
+
 def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
     """Model, its wrapping, optimizer, schedule, precision, objective and step from config, as a run builds them
     (the trainer, and `clipdist bench gpu` timing the run's own step); the same initial weights on every rank."""
@@ -73,10 +106,13 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     gathered_dtype = (
         precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
     )
+    compiled, _ = compile_decision(cfg, device, model)
+    if compiled:
+        compile_cache(cfg.run_dir)
     train_model = parallel.wrap_model(
         model,
         parallel=str(cfg.world.parallel),
-        compile=cfg.model.compile,
+        compile=compiled,
         param_dtype=gathered_dtype,
         sync_batchnorm=cfg.world.sync_batchnorm,
     )

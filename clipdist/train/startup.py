@@ -5,6 +5,7 @@ gets."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from clipdist.data.workers import LoaderPlan, loader_priority
 from clipdist.distributed import host, launch
 from clipdist.model import precision
 from clipdist.model.factory import blank_images
+from clipdist.train.parts import compile_decision
 from clipdist.train.recipe import recipe
 
 log = logging.getLogger("clipdist")
@@ -101,6 +103,10 @@ def start_lines(trainer) -> list[tuple[str, int]]:
         trainer.step.trim_text,
     )
     lines += [(line, logging.INFO) for line in said]
+    compiled, why = compile_decision(cfg, trainer.device, trainer.model)
+    if compiled or cfg.model.compile is None and trainer.device.type == "cuda":
+        where = f"; its caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}" if compiled else ""
+        lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}){where}", logging.INFO))
     if stream.continued:
         lines.append(
             (
