@@ -80,12 +80,7 @@ def install() -> None:
 
     def load_configuration(self, *args, **kwargs):
         refuse_outside_resolvers()
-        try:
-            cfg = compose(self, *args, **kwargs)
-        except Exception as error:  # noqa: BLE001 -- Hydra's multi-line report, or a traceback, made one line
-            if os.environ.get("HYDRA_FULL_ERROR") == "1" or not _composition_error(error):
-                raise
-            refuse(_composition_error(error))
+        cfg = compose(self, *args, **kwargs)  # what it cannot compose, run_and_report below says in one line
         problem = hydra_problem(cfg)
         if problem:
             refuse(problem)

@@ -37,6 +37,13 @@ def running_holder(run_dir: str | Path) -> str | None:
     return None
 
 
+def in_use(run_dir: str | Path, holder: str) -> ConfigError:
+    """The refusal of a run directory whose lock another run holds (`holder`: its pid, node and start)."""
+    return ConfigError(
+        f"{run_dir} is in use by {holder}; wait for that run to end, or start another with name=<new name>"
+    )
+
+
 class RunLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".lock"
@@ -51,10 +58,7 @@ class RunLock:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise ConfigError(
-                f"{self.path.parent} is in use by {holder}; wait for that run to end, or start "
-                "another with name=<new name>"
-            ) from None
+            raise in_use(self.path.parent, holder) from None
         except OSError as error:  # ENOSYS (Lustre without -o flock), ENOLCK (NFS without a lock manager), ...
             handle.close()
             raise ConfigError(

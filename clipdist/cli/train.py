@@ -183,9 +183,9 @@ def _quick_checks(cfg) -> str | None:
     say; nothing else runs). preflight repeats the checks with the rest."""
     checked = _checks_without_torch(cfg)
     from clipdist.checkpoint.manager import Checkpointer
-    from clipdist.distributed.launch import check_launch, detect_env
+    from clipdist.distributed.launch import check_cuda
 
-    check_launch(checked.world, detect_env())
+    check_cuda(checked.world)
     found = Checkpointer.resume_point(checked)
     step = found[1].get("step") if found else None
     if isinstance(step, int) and step >= checked.optim.max_steps:
@@ -200,11 +200,11 @@ def _checks_without_torch(cfg):
     """The checks a comparison answers, before torch is imported: the schema's values, the world preset against the
     launch, the run directory (its records, and a run in progress holding its lock), a package a logger needs, and
     training shards that are not there. Returns the typed config."""
-    from clipdist.checkpoint.run_dir import check_run_dir, running_holder
+    from clipdist.checkpoint.run_dir import check_run_dir, in_use, running_holder
     from clipdist.config import to_train_config, validate
     from clipdist.data.sources import resolve_shards
     from clipdist.distributed.world import check_world, detect_env
-    from clipdist.errors import ConfigError, as_config_error
+    from clipdist.errors import as_config_error
     from clipdist.train.tracking import check_tensorboard
 
     checked = to_train_config(cfg)
@@ -214,9 +214,7 @@ def _checks_without_torch(cfg):
     check_run_dir(checked.run_dir)  # a record that is a link or a FIFO: said before anything in it is read
     holder = running_holder(checked.run_dir) if env.is_main else None
     if holder:
-        raise ConfigError(
-            f"{checked.run_dir} is in use by {holder}; wait for that run to end, or start another with name=<new name>"
-        )
+        raise in_use(checked.run_dir, holder)
     with as_config_error(FileNotFoundError):
         if checked.logging.tensorboard:
             check_tensorboard()

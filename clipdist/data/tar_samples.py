@@ -199,8 +199,8 @@ def _tar_members(sources, handler, health: ShardHealth | None):
             error = _shard_error(url, exn, files)
             if health is not None:
                 health.shard_cut(url)
-            if files == 0 and health is not None:
-                health.shard_failed(url, error.reason)
+                if files == 0:
+                    health.shard_failed(url, error.reason)
             if not handler(error):
                 raise error from exn
         except BaseException:  # a signal or the generator closed mid-shard

@@ -312,8 +312,13 @@ def launch_local(
 
 def check_launch(world, env: DistEnv) -> None:
     """The world preset against how this process was launched (world.check_world), and a CUDA device where it asks
-    for one."""
+    for one (check_cuda)."""
     check_world(world, env)
+    check_cuda(world)
+
+
+def check_cuda(world) -> None:
+    """A CUDA device where world.device asks for one."""
     if str(world.device) == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"world.device=cuda (world={world.name}) but no CUDA device is visible; "

@@ -24,6 +24,7 @@ from open_clip.transform import merge_preprocess_dict
 
 from clipdist.checkpoint.weights import UnsafeFileError, own_file, read_small_json, read_weights
 from clipdist.defaults import DEFAULT_MODEL
+from clipdist.distributed.network import unreachable
 from clipdist.distributed.parallel import node_leaders_first
 from clipdist.errors import printable
 from clipdist.model.timm_towers import (
@@ -518,8 +519,6 @@ def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str, thi
             return found
     try:
         if not constants.HF_HUB_OFFLINE:
-            from clipdist.distributed.launch import unreachable
-
             reason = unreachable(constants.ENDPOINT)
             if reason:
                 raise OSError(f"{constants.ENDPOINT} cannot be reached: {reason}")

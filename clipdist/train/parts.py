@@ -49,6 +49,7 @@ class Parts:
     train_transform: Callable[[Any], Any]  # a decoded image -> the tower's input
     val_transform: Callable[[Any], Any]
     ema: WeightAverage | None = None  # optim.ema's average of the weights (None: optim.ema.decay=0)
+    compiled: tuple[bool, str] = (False, "")  # whether the towers are compiled, and why (compile_decision)
 
 
 def trims_text(cfg: TrainConfig, device: torch.device) -> bool:
@@ -87,7 +88,9 @@ def compile_cache(run_dir: str) -> str:
     ours = os.path.join(os.path.abspath(run_dir), "compile_cache")
     folder = given if given and given != os.path.abspath(default_cache_dir()) and "compile_cache" not in given else ours
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    if not triton or "compile_cache" in triton:  # Triton's own default is under ~/.triton: not the user's either
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
     return folder
 
 
@@ -106,13 +109,13 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     gathered_dtype = (
         precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
     )
-    compiled, _ = compile_decision(cfg, device, model)
-    if compiled:
+    compiled = compile_decision(cfg, device, model)
+    if compiled[0]:
         compile_cache(cfg.run_dir)
     train_model = parallel.wrap_model(
         model,
         parallel=str(cfg.world.parallel),
-        compile=compiled,
+        compile=compiled[0],
         param_dtype=gathered_dtype,
         sync_batchnorm=cfg.world.sync_batchnorm,
     )
@@ -166,4 +169,5 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         train_transform,
         val_transform,
         ema,
+        compiled,
     )

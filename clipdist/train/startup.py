@@ -20,7 +20,6 @@ from clipdist.data.workers import LoaderPlan, loader_priority
 from clipdist.distributed import host, launch
 from clipdist.model import precision
 from clipdist.model.factory import blank_images
-from clipdist.train.parts import compile_decision
 from clipdist.train.recipe import recipe
 
 log = logging.getLogger("clipdist")
@@ -103,7 +102,7 @@ def start_lines(trainer) -> list[tuple[str, int]]:
         trainer.step.trim_text,
     )
     lines += [(line, logging.INFO) for line in said]
-    compiled, why = compile_decision(cfg, trainer.device, trainer.model)
+    compiled, why = trainer.compiled
     if compiled or cfg.model.compile is None and trainer.device.type == "cuda":
         where = f"; its caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}" if compiled else ""
         lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}){where}", logging.INFO))

@@ -26,7 +26,7 @@ from clipdist.distributed import launch, parallel
 from clipdist.errors import TrainingDiverged
 from clipdist.train import startup
 from clipdist.train.evaluate import evaluate
-from clipdist.train.parts import build_parts, compile_decision
+from clipdist.train.parts import build_parts
 from clipdist.train.tracking import RunTracker, StepProfiler, logs_step
 
 if TYPE_CHECKING:  # annotations only
@@ -54,7 +54,7 @@ class Trainer:
             parts.tokenizer,
         )
         self.train_model, self.scaler, self.step = parts.train_model, parts.scaler, parts.step
-        self.compiled, self.first_step_said = compile_decision(cfg, device, parts.model)[0], False
+        self.compiled, self.first_step_said = parts.compiled, False
         self.val_transform = parts.val_transform
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler, train_transform = parts.optimizer, parts.scheduler, parts.train_transform
@@ -142,7 +142,7 @@ class Trainer:
                 if state.ema is not None:
                     state.ema.update(state.step)
                 seconds = time.perf_counter() - started  # the step alone: evaluation and checkpoints excluded
-                if self.compiled and not self.first_step_said:  # the compile's time (or its cache's): in the log
+                if self.compiled[0] and not self.first_step_said:  # the compile's time (or its cache's): in the log
                     self.first_step_said = True
                     self.say(f"step {state.step}: {seconds:.1f} s with torch.compile's first compile (or its cache)")
                 self.log_step(agreed, grad_norm, seconds, skipped_steps)

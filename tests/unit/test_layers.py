@@ -13,9 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "clipdist"
 
 LAYERS = [set(names) for names in clipdist.LAYERS]  # lowest first, declared in clipdist/__init__.py
 
-# function-level imports left: optional dependencies and lazy starts (the 32nd: torch._inductor, 1.6 s to import,
-# read only when a run compiles)
-LOCAL_IMPORTS_OUTSIDE_CLI = 32
+LOCAL_IMPORTS_OUTSIDE_CLI = 31  # function-level imports left: optional dependencies and lazy starts
 
 
 def _module(path: Path) -> str:
