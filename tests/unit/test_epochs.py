@@ -285,3 +285,19 @@ def test_sizes_found_before_the_ranks_start_are_not_found_again(tmp_path, monkey
     finally:
         stream.close()
     assert sorted(int(key.rsplit("row", 1)[1]) for key in keys) == list(range(12))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder"])
+def test_a_stats_file_that_is_not_a_regular_file_is_not_read(tmp_path, kind):
+    """A FIFO (which would block a read), a link to /dev/zero (which never ends), a folder: not a hint, never read;
+    the shard is counted instead."""
+    import os
+
+    from fixtures import caption_shards
+
+    folder = caption_shards(tmp_path / "tars", shards=2, per_shard=5)
+    urls = sorted(str(path) for path in folder.glob("*.tar"))
+    stats = stats_path(urls[0])
+    {"fifo": lambda: os.mkfifo(stats), "dev_zero": lambda: stats.symlink_to("/dev/zero"), "folder": stats.mkdir}[kind]()
+    sizes, how = shard_sizes(urls)
+    assert sizes == [5, 5] and "1 statistics file(s) not used" in how, how
