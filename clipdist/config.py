@@ -13,6 +13,7 @@ import ast
 import difflib
 import functools
 import io
+import sys
 import tokenize
 import types
 import typing
@@ -31,8 +32,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 from clipdist import hydra_policy
-from clipdist.data import specs as data_specs
-from clipdist.data.specs import KIND_SPECS
 from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the checks
     COLLECTIVE_TIMEOUT_S,
     DEFAULT_MODEL,
@@ -46,10 +45,11 @@ from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the check
 )
 from clipdist.errors import ConfigError, printable
 from clipdist.files import read_bounded
-from clipdist.losses import specs
-from clipdist.losses.specs import BACKENDS, LossSpec
-from clipdist.objective import specs as term_specs
-from clipdist.objective.specs import TERMS, TermOptions
+from clipdist.registry import left_out
+from clipdist.registry.kinds import KINDS
+from clipdist.registry.losses import BACKENDS, LossSpec
+from clipdist.registry.schedules import SCHEDULES
+from clipdist.registry.terms import TERMS, TermOptions
 
 # What a resume may change, per key (checkpoint.check_resume): REFUSE a change that makes another model, optimizer state
 # or objective; WARN one that resumes the same state differently (numerics, schedule, what an image is). A section
@@ -98,12 +98,6 @@ class Precision(Choice):
 # open_clip_train's --precision names that mean one of ours; its bf16 / fp16 (weights in that dtype) are nearest our
 # pure_bf16 / pure_fp16, since our bf16 / fp16 are autocast (docs/migrating.md)
 PRECISION_ALIASES = {"amp": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16"}
-
-
-class Schedule(Choice):
-    cosine = "cosine"  # linear warmup, then cosine decay to 0 at optim.max_steps
-    const = "const"  # linear warmup, then optim.lr
-    const_cooldown = "const_cooldown"  # warmup, optim.lr, then the last optim.cooldown_steps decay to cooldown_end_lr
 
 
 class Interpolation(Choice):
@@ -248,16 +242,11 @@ def model_config(settings: dict) -> ModelConfig:
 
 
 def _with_kind_options(schema: type) -> type:
-    """The schema with every data kind's options as flat `data.<field>` keys (clipdist.data.specs.KIND_SPECS)."""
-    for spec in KIND_SPECS:
-        if spec.options is None:
-            continue
-        hints = typing.get_type_hints(spec.options)
-        for item in fields(spec.options):
-            if item.name in schema.__annotations__:
-                raise TypeError(f"data kind {spec.name}: its option {item.name} is already a data key")
-            schema.__annotations__[item.name] = hints[item.name]
-            setattr(schema, item.name, field(default=item.default, metadata=item.metadata))
+    """The schema with a section `data.<kind>` per data kind that takes options (clipdist.registry.kinds.KINDS)."""
+    for spec in KINDS.values():
+        if spec.options is not None:
+            schema.__annotations__[spec.name] = spec.options
+            setattr(schema, spec.name, field(default_factory=spec.options))
     return schema
 
 
@@ -323,7 +312,7 @@ class DataConfig:
 
 
 def _with_terms(schema: type) -> type:
-    """The schema with a section `loss.<name>` per registered loss term (clipdist.objective.specs.TERMS)."""
+    """The schema with a section `loss.<name>` per registered loss term (clipdist.registry.terms.TERMS)."""
     for spec in TERMS.values():
         schema.__annotations__[spec.name] = spec.options
         setattr(schema, spec.name, field(default_factory=spec.options))
@@ -334,7 +323,7 @@ def _with_terms(schema: type) -> type:
 @dataclass
 @_with_terms
 class LossConfig:
-    """Options common to every backend, and a section per loss term (`loss.distill`, ...: objective.specs); a backend
+    """Options common to every backend, and a section per loss term (`loss.distill`, ...: registry.terms); a backend
     with options of its own extends this (below)."""
 
     RESUME: ClassVar[dict] = {
@@ -389,7 +378,7 @@ def _loss_schema(spec: LossSpec) -> type:
     return schema
 
 
-# the schema of each backend with options (clipdist.losses.specs): `loss=<name>` composes against it
+# the schema of each backend with options (clipdist.registry.losses): `loss=<name>` composes against it
 LOSS_SCHEMAS = {name: _loss_schema(spec) for name, spec in BACKENDS.items() if spec.options is not None}
 
 
@@ -428,7 +417,7 @@ class EmaConfig:
     """An exponential moving average of the weights (open_clip main's --model-ema, MobileCLIP trains with one): after
     optimizer step t, every `every` steps from `start_step` on, ema ← decay·ema + (1 − decay)·θ; until then the
     average is the weights themselves. Kept in every checkpoint (resharded to any world size, FSDP2 too);
-    `clipdist eval --ema` and `clipdist export --ema` take it (clipdist.train.ema)."""
+    `clipdist eval --ema` and `clipdist export --ema` take it (clipdist.optim.ema)."""
 
     RESUME: ClassVar[dict] = {"decay": WARN, "start_step": WARN, "every": WARN}
 
@@ -437,15 +426,23 @@ class EmaConfig:
     every: int = positive(1)  # average every this many steps
 
 
+def _with_schedules(schema: type) -> type:
+    """The schema with a section `optim.<name>` per lr schedule that takes options (clipdist.registry.schedules)."""
+    for spec in SCHEDULES.values():
+        if spec.options is not None:
+            schema.__annotations__[spec.name] = spec.options
+            setattr(schema, spec.name, field(default_factory=spec.options))
+            schema.RESUME[spec.name] = WARN  # type: ignore[attr-defined]  # (each key's own rule: the section's RESUME)
+    return schema
+
+
 @dataclass
+@_with_schedules
 class OptimConfig:
     RESUME: ClassVar[dict] = {
         "ema": WARN,  # the average goes on from the checkpoint's (or starts at the weights, where it had none)
         "name": REFUSE,  # another optimizer state
         "schedule": WARN,
-        "cooldown_steps": WARN,
-        "cooldown_end_lr": WARN,
-        "cooldown_power": WARN,
         "max_steps": WARN,  # the cosine schedule reshapes mid-run
         "lr": FREE,
         "weight_decay": FREE,
@@ -473,12 +470,9 @@ class OptimConfig:
     no_decay: list[str] = field(default_factory=lambda: ["bn", "ln", "bias", "logit_scale"])
     image_layer_decay: float | None = None  # layer-wise lr decay in the image tower: layer l of L gets lr·d^(L−l)
     text_layer_decay: float | None = None  # the same in the text tower
-    schedule: Schedule = Schedule.cosine  # cosine | const | const_cooldown, after warmup
+    schedule: str = "cosine"  # after the warmup: a schedule of clipdist.registry.schedules (cosine, const, ...)
     warmup_steps: int = non_negative(50)  # linear warmup steps
     max_steps: int = positive(600)  # optimizer steps the run trains
-    cooldown_steps: int | None = None  # const_cooldown: the last this many steps decay
-    cooldown_end_lr: float = 0.0  # const_cooldown: the lr at the last step
-    cooldown_power: float = 1.0  # const_cooldown: 1 linear, else polynomial decay
     grad_clip: float = non_negative(1.0)  # max global grad norm; 0 disables
     ema: EmaConfig = field(default_factory=EmaConfig)  # optim.ema.decay=0.9999: an average of the weights
     max_logit_scale: float = 100.0  # the learnt logit scale is clamped at this (CLIP's 100)
@@ -565,6 +559,7 @@ def validate(cfg: TrainConfig) -> None:
                 "of optim.max_steps; 0.8: from 80% of the run)"
             )
         cfg.loss.term(name).check(name, cfg)
+    check_schedule(cfg.optim)
     if not cfg.optim.ema.decay < 1:
         raise ConfigError(f"optim.ema.decay={cfg.optim.ema.decay}: must be below 1 (0.999 ... 0.9999; 0: no average)")
     if cfg.optim.max_logit_scale <= 1:
@@ -595,6 +590,29 @@ def validate(cfg: TrainConfig) -> None:
             "data.train_shards is not set: give your shards, e.g. "
             "data.train_shards='/data/{000..099}.tar' (or data.source=digits)"
         )
+
+
+def check_schedule(optim: OptimConfig) -> None:
+    """The schedule is registered, its options can run, and no other schedule's section is set."""
+    if optim.schedule not in SCHEDULES:
+        raise ConfigError(
+            f"optim.schedule={optim.schedule}{left_out('clipdist.schedules', optim.schedule)}: no such schedule; "
+            f"choose one of {', '.join(SCHEDULES)}"
+        )
+    for name, spec in SCHEDULES.items():
+        if spec.options is None:
+            continue
+        section = getattr(optim, name)
+        if name == optim.schedule:
+            getattr(section, "check", lambda optim: None)(optim)
+        elif section != spec.options():
+            changed = next(
+                f.name for f in fields(section) if getattr(section, f.name) != getattr(spec.options(), f.name)
+            )
+            raise ConfigError(
+                f"optim.{name}.{changed} is for optim.schedule={name}, not {optim.schedule}: set the schedule, or "
+                "drop the key"
+            )
 
 
 def _check_bounds(node, prefix: str = "") -> None:
@@ -764,6 +782,18 @@ def _config_repository() -> ConfigRepository:
     return ConfigRepository(config_search_path=create_config_search_path("pkg://clipdist.conf"))
 
 
+# keys an earlier clipdist had, where they are now: a component's options in its own section
+MOVED = {
+    "data.csv_separator": "data.table.separator",
+    "data.csv_image_key": "data.table.image_key",
+    "data.csv_caption_key": "data.table.caption_key",
+    "data.csv_rows_per_part": "data.table.rows_per_part",
+    "optim.cooldown_steps": "optim.const_cooldown.steps",
+    "optim.cooldown_end_lr": "optim.const_cooldown.end_lr",
+    "optim.cooldown_power": "optim.const_cooldown.power",
+}
+
+
 def unknown_override(arguments: list[str]) -> str | None:
     """One line for the first `key=value` override whose key the schema does not have, with the nearest keys it
     does have ("did you mean"), or a group choice that names no option (`loss=foo`, or one of a sweep's
@@ -795,7 +825,7 @@ def unknown_override(arguments: list[str]) -> str | None:
         if key in GROUPS_WITHOUT_KEYS:  # a group that sets others' keys (recipe=siglip2)
             continue
         siblings = sorted(k for k in keys if k.count(".") == key.count("."))
-        near = difflib.get_close_matches(key, siblings, n=2, cutoff=0.8)
+        near = [MOVED[key]] if key in MOVED else difflib.get_close_matches(key, siblings, n=2, cutoff=0.8)
         hint = f"did you mean {' or '.join(near)}? " if near else ""
         return (
             f"{printable(key)}: no such key; {hint}(python train.py --cfg job lists every key; a loss backend's "
@@ -868,12 +898,13 @@ def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str
 
 def describe_keys() -> list[str]:
     """One line per key of the schema: `key = default  — what it is` (`python train.py --help`)."""
-    notes = {
-        **field_notes(),
-        **field_notes(specs.__file__),
-        **field_notes(term_specs.__file__),
-        **{(DataConfig.__name__, name): note for (_, name), note in field_notes(data_specs.__file__).items()},
+    sources = {
+        sys.modules[spec.options.__module__].__file__
+        for spec in (*BACKENDS.values(), *TERMS.values(), *KINDS.values(), *SCHEDULES.values())
+        if spec.options is not None
     }
+    notes = {key: note for source in sources for key, note in field_notes(source).items()}
+    notes.update(field_notes())
     described: list[str] = []
 
     def walk(schema, prefix: str) -> None:

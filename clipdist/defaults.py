@@ -9,7 +9,7 @@ DEFAULT_MODEL = (
 )
 DEFAULT_TILE = 1024  # rows and columns per tile of the ring's pass (loss.tile): the largest transient block is tile²
 COLLECTIVE_TIMEOUT_S = 600  # the default bound on one collective, for runs and tools alike (world.timeout_s)
-# open_clip's CSV/TSV table (open_clip_train's --csv-separator, --csv-img-key, --csv-caption-key): data.csv_* and
+# open_clip's CSV/TSV table (open_clip_train's --csv-separator, --csv-img-key, --csv-caption-key): data.table.* and
 # `clipdist make-shards --csv` read the same tables the same way
 TABLE_SEPARATOR, TABLE_IMAGE_KEY, TABLE_CAPTION_KEY = "\t", "filepath", "title"
 # Resume rules: what a resume does when a key differs from the checkpoint's (clipdist.config.resume_rule)

@@ -29,7 +29,7 @@ def state_for(model_name: str):
     from clipdist.config import OptimConfig
     from clipdist.losses import build
     from clipdist.model.factory import create_model_for_loss
-    from clipdist.train.optim import build_optimizer
+    from clipdist.optim.optimizer import build_optimizer
 
     torch.manual_seed(0)
     model = create_model_for_loss(model_name, build("disco"))

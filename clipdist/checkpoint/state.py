@@ -83,7 +83,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stream: Any = None  # a TrainStream (state_dict / load_state_dict), or None where there is no data
     scaler: Any = None  # precision=fp16's gradient scaler (its scale and growth count), or None
-    ema: Any = None  # optim.ema's weight average (train.ema.WeightAverage: state_dict, reset), or None
+    ema: Any = None  # optim.ema's weight average (optim.ema.WeightAverage: state_dict, reset), or None
     step: int = 0
     samples_seen: int = 0
     saved_world_size: int | None = None  # the loaded checkpoint's (load_progress)

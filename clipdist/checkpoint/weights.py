@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.errors import ClipdistError, printable
 from clipdist.files import UnboundedFileError, load_safetensors, load_torch, open_user, read_bounded, read_whole
-from clipdist.objective.specs import training_only
+from clipdist.registry.terms import training_only
 
 PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
 LEGACY_PROGRESS = PROGRESS  # the name was the same before the one format; its RNG state held NumPy arrays
@@ -647,7 +647,7 @@ def read_run_checkpoint(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone; with `ema`,
     its weight average (optim.ema) in place of the parameters (the buffers are the model's); the modules only a loss
-    term trains (objective.specs.TRAINING_ONLY_PARTS: a head, the caption decoder) left out unless `training_parts`.
+    term trains (registry.terms.TRAINING_ONLY_PARTS: a head, the caption decoder) left out unless `training_parts`.
     Every pickled part is checked first, the parts the model does not need included: a checkpoint that carries code
     anywhere is refused, whatever is read of it."""
     progress = verify(path)

@@ -7,7 +7,7 @@ import argparse
 import json
 
 from clipdist.cli.arguments import batch_sizes, given
-from clipdist.objective.specs import TERMS
+from clipdist.registry.terms import TERMS
 
 
 def add(commands) -> None:

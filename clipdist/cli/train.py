@@ -205,7 +205,7 @@ def _checks_without_torch(cfg):
     from clipdist.data.sources import resolve_shards
     from clipdist.distributed.world import check_world, detect_env
     from clipdist.errors import as_config_error
-    from clipdist.train.tracking import check_tensorboard
+    from clipdist.tracking import check_tensorboard
 
     checked = to_train_config(cfg)
     validate(checked)

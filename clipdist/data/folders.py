@@ -78,7 +78,7 @@ def folder_classnames(root: Path) -> tuple[list[str], list[str] | None]:
     return [name.replace("_", " ") for name in names], None
 
 
-# The data-kind interface (clipdist.data.specs)
+# The data-kind interface (clipdist.registry.kinds)
 size, members = class_size, class_members
 
 

@@ -1,4 +1,4 @@
-"""The kinds of data a shard spec can name, read from their registry (clipdist.data.specs): how an item of the spec
+"""The kinds of data a shard spec can name, read from their registry (clipdist.registry.kinds): how an item of the spec
 expands into shard URLs, and how a URL of the kind yields its members (the (name, bytes) pairs a tar shard holds, so
 everything after reads them alike).
 
@@ -6,16 +6,17 @@ everything after reads them alike).
     tables       open_clip's CSV/TSV of image paths and captions, cut into `table:` parts (data/tables.py)
     folders      an ImageFolder, one `folder:` part per class subfolder (data/folders.py)
 
-Each kind gets its own options (`kind_options`: a table its data.csv_* keys; a folder none).
+Each kind gets its own options (`kind_options`: a table its data.table.* section; a folder none).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from clipdist.data.specs import KIND_SPECS, KindSpec
+from clipdist.registry.kinds import KINDS as SPECS
+from clipdist.registry.kinds import KindSpec
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def _kind(spec: KindSpec) -> DataKind:
     return DataKind(spec.name, module.SCHEME, module.names_it, module.expand, module.members, module.size, narrow)
 
 
-KINDS = tuple(_kind(spec) for spec in KIND_SPECS)
+KINDS = tuple(_kind(spec) for spec in SPECS.values())
 
 
 def kind_named(name: str) -> DataKind:
@@ -43,10 +44,11 @@ def kind_named(name: str) -> DataKind:
 
 
 def kind_options(data=None) -> dict[str, object]:
-    """Each kind's options (kind name -> its options dataclass) from a DataConfig's keys; the defaults where None."""
+    """Each kind's options (kind name -> its options dataclass): a DataConfig's `data.<kind>` sections; the
+    defaults where `data` is None."""
     return {
-        spec.name: spec.options(**({f.name: getattr(data, f.name) for f in fields(spec.options)} if data else {}))
-        for spec in KIND_SPECS
+        spec.name: getattr(data, spec.name) if data is not None else spec.options()
+        for spec in SPECS.values()
         if spec.options is not None
     }
 

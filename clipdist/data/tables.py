@@ -1,7 +1,7 @@
 """CSV / TSV tables of (image path, caption) read as shards — open_clip's `--dataset-type csv`.
 
 A table given where shards go (`data.train_shards=/data/train.tsv`, an eval set) is cut into parts of
-`data.csv_rows_per_part` rows, each part a shard URL `table:<path>#rows=<first>-<last>&at=<byte offset>&...`. A part
+`data.table.rows_per_part` rows, each part a shard URL `table:<path>#rows=<first>-<last>&at=<byte offset>&...`. A part
 yields its rows
 as a tar shard yields its members — `<row>.<image extension>` (the image file's bytes, its path relative to the
 table unless absolute) and `<row>.txt` (the caption) — so everything a shard has, a table has too: parts shuffled
@@ -9,8 +9,8 @@ and dealt over ranks and loader workers, the position saved and resumed exactly,
 undecodable skipped and counted, evaluation split over ranks.
 
 One row per line (a caption may not span lines); the first line names the columns. Separator and column names
-are open_clip's defaults: tab, `filepath`, `title` (`data.csv_separator`, `data.csv_image_key`,
-`data.csv_caption_key`).
+are open_clip's defaults: tab, `filepath`, `title` (`data.table.separator`, `data.table.image_key`,
+`data.table.caption_key`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
 from clipdist.data.samples import IMAGE_EXTENSIONS, IMAGE_FILE_BYTES
-from clipdist.data.specs import TableOptions
 from clipdist.files import open_user, read_bounded
+from clipdist.registry.kinds import TableOptions
 
 SCHEME = "table:"
 LINE_BYTES = 1 << 20  # a row: a path and a caption (open_clip's captions: a few hundred bytes)
@@ -30,7 +30,7 @@ SUFFIXES = (".csv", ".tsv")
 
 
 def delimiter(separator: str) -> str:
-    """data.csv_separator as one character: `\\t` (two characters, as a shell passes it) is a tab."""
+    """data.table.separator as one character: `\\t` (two characters, as a shell passes it) is a tab."""
     return {"\\t": "\t", "tab": "\t", "comma": ","}.get(separator, separator)
 
 
@@ -59,19 +59,19 @@ def _line(handle, file: Path, number: int) -> bytes:
 def table_parts(path: str, table: TableOptions, what: str) -> list[str]:
     """The part URLs of the table at `path`; a ValueError naming the columns it has where a key is missing."""
     file = Path(path).expanduser().resolve()
-    sep = delimiter(table.csv_separator)
+    sep = delimiter(table.separator)
     if len(sep) != 1:
-        raise ValueError(f"data.csv_separator={table.csv_separator!r}: one character (a tab is \\t)")
+        raise ValueError(f"data.table.separator={table.separator!r}: one character (a tab is \\t)")
     with open_user(file) as handle:
         header = _row(_line(handle, file, 1), sep)
-        missing = [key for key in (table.csv_image_key, table.csv_caption_key) if key not in header]
+        missing = [key for key in (table.image_key, table.caption_key) if key not in header]
         if missing:
             raise ValueError(
                 f"{what}: {file} has no column {missing[0]!r} (its columns, split at "
-                f"{sep!r}: {header}); set data.csv_image_key / data.csv_caption_key / "
-                "data.csv_separator"
+                f"{sep!r}: {header}); set data.table.image_key / data.table.caption_key / "
+                "data.table.separator"
             )
-        query = urlencode({"sep": sep, "image": table.csv_image_key, "caption": table.csv_caption_key})
+        query = urlencode({"sep": sep, "image": table.image_key, "caption": table.caption_key})
 
         def part(first: int, rows: int, at: int) -> str:
             return f"{SCHEME}{quote(str(file))}#rows={first}-{first + rows - 1}&at={at}&{query}"
@@ -79,7 +79,7 @@ def table_parts(path: str, table: TableOptions, what: str) -> list[str]:
         parts, start, rows, offset, first, number = [], handle.tell(), 0, handle.tell(), 0, 1
         while line := _line(handle, file, number + 1):
             number += 1
-            if rows == table.csv_rows_per_part:
+            if rows == table.rows_per_part:
                 parts.append(part(first, rows, start))
                 start, first, rows = offset, first + rows, 0
             offset += len(line)
@@ -155,12 +155,12 @@ def total_rows(urls: list[str]) -> int | None:
     return sum(part_rows(url) for url in urls)
 
 
-# The data-kind interface (clipdist.data.specs)
+# The data-kind interface (clipdist.registry.kinds)
 names_it, size, members = is_table, part_rows, part_members
 
 
 def expand(item: str, options: TableOptions, what: str) -> list[str]:
-    """A table file's parts, read as `options` say (data.csv_*)."""
+    """A table file's parts, read as `options` say (data.table.*)."""
     if not Path(item).expanduser().is_file():
         raise FileNotFoundError(f"{what}: no such table {item}")
     return table_parts(item, options, what)

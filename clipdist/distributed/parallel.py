@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from clipdist.objective.specs import TRAINING_ONLY_PARTS
+from clipdist.registry.terms import TRAINING_ONLY_PARTS
 
 
 def wrap_model(

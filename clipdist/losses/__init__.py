@@ -1,4 +1,4 @@
-"""Exact distributed contrastive-loss backends, built by name from their registry (clipdist.losses.specs).
+"""Exact distributed contrastive-loss backends, built by name from their registry (clipdist.registry.losses).
 
     loss_fn = build("disco")
     loss = loss_fn(image_features, text_features, logit_scale)               # softmax backends
@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from clipdist.losses.specs import BACKENDS
+from clipdist.registry import left_out, load
+from clipdist.registry.losses import BACKENDS
 
 _LAZY = {  # name -> the module that defines it, imported on first use
     "DistributedContrastiveLoss": "clipdist.losses.base",
@@ -24,15 +25,18 @@ _LAZY = {  # name -> the module that defines it, imported on first use
 
 def build(name: str, **options):
     """Instantiate the backend registered as `name` with its options (an nn.Module)."""
+    if name not in BACKENDS:
+        choices = ", ".join(BACKENDS)
+        raise ValueError(f"unknown loss backend {name!r}{left_out('clipdist.losses', name)}; choose one of: {choices}")
+    spec = BACKENDS[name]
+    backend = spec.load()
     try:
-        backend = BACKENDS[name].load()
-    except KeyError:
-        raise ValueError(f"unknown loss backend {name!r}; choose one of: {', '.join(BACKENDS)}") from None
-    try:
-        return backend(**options)
+        instance = backend(**options)
     except TypeError as error:
         accepted = [p for p in inspect.signature(backend).parameters if p != "group"]
         raise ValueError(f"loss.options for {name!r}: {error}; it accepts {accepted or 'no options'}") from None
+    instance.reference = load(spec.reference)  # the one place a backend's definition is named: its entry
+    return instance
 
 
 def __getattr__(name: str):

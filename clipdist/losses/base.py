@@ -31,7 +31,8 @@ class DistributedContrastiveLoss(nn.Module):
     """
 
     uses_logit_bias = False
-    reference: Callable[..., torch.Tensor] = staticmethod(clip_loss)  # the definition on one process
+    # the definition on one process: the registry entry's `reference`, set by clipdist.losses.build
+    reference: Callable[..., torch.Tensor] = staticmethod(clip_loss)
     # The model's initial scalars for this loss: log of the logit scale (None: open_clip's
     # log(1/0.07)) and the logit bias (None: the model has none).
     init_logit_scale: float | None = None

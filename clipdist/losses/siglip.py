@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from clipdist.defaults import DEFAULT_TILE
 from clipdist.losses.base import DistributedContrastiveLoss
-from clipdist.losses.reference import siglip_loss
 from clipdist.losses.ring import TileSum, check_tile, logits, ring_sum
 
 
@@ -45,7 +44,6 @@ class SigLipLoss(DistributedContrastiveLoss):
 
     uses_logit_bias = True
     exchanged_modalities = 1  # texts travel, images stay
-    reference = staticmethod(siglip_loss)
 
     def __init__(self, tile: int = DEFAULT_TILE, group=None):
         super().__init__(group)

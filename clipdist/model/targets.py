@@ -148,7 +148,7 @@ def load(target: Target, cache_dir: str | None = None, device: str = "cpu") -> t
 def load_teacher(
     distill, cache_dir: str | None, device: torch.device, dtype: torch.dtype | None, local_rank: int = 0
 ) -> torch.nn.Module | None:
-    """loss.distill's teacher (objective.specs.DistillOptions; None where it names none): frozen, in eval mode, in
+    """loss.distill's teacher (registry.terms.DistillOptions; None where it names none): frozen, in eval mode, in
     `dtype`, on `device`, whole on every rank, fetched by one rank a node first. That it can take the student's
     inputs was checked before the ranks started (preflight)."""
     if not distill.model:

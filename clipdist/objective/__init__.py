@@ -7,7 +7,7 @@ unequal local batches and under gradient caching:
 Each term (base.Term) takes from a forward what it needs, merges the chunks of gradient caching, gives this rank's
 share ℓ_r (mean over ranks: T; DDP's average of its gradient: ∂T/∂θ), and its single-process reference, which
 `clipdist gradcheck` compares against. A term with options is a config section `loss.<name>`: one file here and its
-entry in `specs.TERMS`. Importing this package imports no torch (the config schema reads the registry).
+entry in `registry.terms.TERMS`. Importing this package imports no torch (the config schema reads the registry).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class OwnModule(torch.nn.Module):
 
 @dataclass
 class TermContext:
-    """What a registered term's builder may need beyond its options (objective.specs): the student, where and in
+    """What a registered term's builder may need beyond its options (registry.terms): the student, where and in
     what dtype it runs, where models are cached, the run's length (for start_at), the loss's tile, the run's seed
     and its weight average (`teacher()`: the average's tensors by parameter name; None without optim.ema)."""
 

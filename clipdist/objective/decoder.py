@@ -31,8 +31,8 @@ from clipdist.errors import ConfigError
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
-from clipdist.objective.specs import DecoderOptions
 from clipdist.objective.teacher import images_in, put_on, tower
+from clipdist.registry.terms import DecoderOptions
 
 PART = "caption_decoder"
 

@@ -8,7 +8,7 @@ from clipdist.defaults import DEFAULT_TILE
 from clipdist.losses.distill import DistillationLoss
 from clipdist.model.targets import load_teacher
 from clipdist.objective.base import Term, TermContext, features_of
-from clipdist.objective.specs import DistillOptions
+from clipdist.registry.terms import DistillOptions
 
 
 def build(options: DistillOptions, context: TermContext) -> DistillationTerm | None:

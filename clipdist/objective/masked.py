@@ -25,8 +25,8 @@ from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
 from clipdist.model.timm_towers import naflex_trunk, naflex_trunk_of
 from clipdist.objective.base import TermContext
-from clipdist.objective.specs import MaskedOptions
 from clipdist.objective.teacher import Head, TeacherTerm, images_in, put_on, teacher_term, tokens_out, tower
+from clipdist.registry.terms import MaskedOptions
 
 PART = "masked_head"
 

@@ -21,8 +21,8 @@ from clipdist.model.factory import image_size
 from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.objective.base import TermContext
-from clipdist.objective.specs import SelfDistillOptions
 from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, teacher_term, tower
+from clipdist.registry.terms import SelfDistillOptions
 
 PART = "self_distill_head"
 VIEW_GROUPS = 4  # a NaFlex batch's views are run in this many groups of like length (by_length; one under FSDP2)

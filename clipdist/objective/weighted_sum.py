@@ -11,7 +11,7 @@ from clipdist.objective.base import Outputs, Term, TermContext, features_of
 from clipdist.objective.caption import CaptionTerm
 from clipdist.objective.contrastive import ContrastiveTerm
 from clipdist.objective.distillation import DistillationTerm
-from clipdist.objective.specs import TERMS, start_step
+from clipdist.registry.terms import TERMS, start_step
 
 
 class Objective:
@@ -120,7 +120,7 @@ def run_objective(
 ) -> Objective:
     """A run's objective from its loss section: the backend with `loss.contrastive_weight`; a CoCa model's caption
     term with `loss.caption_weight` (open_clip's 2 where unset); then every registered term its options turn on
-    (objective.specs.TERMS: `loss.<name>.weight`, counted from `loss.<name>.start_at` of the run)."""
+    (registry.terms.TERMS: `loss.<name>.weight`, counted from `loss.<name>.start_at` of the run)."""
     objective = build_objective(
         backend,
         contrastive_weight=loss.contrastive_weight,

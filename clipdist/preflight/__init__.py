@@ -21,7 +21,7 @@ from clipdist.errors import as_config_error
 from clipdist.losses import build as build_loss
 from clipdist.preflight.data import check_data, check_naflex
 from clipdist.preflight.model import check_model, check_shardable
-from clipdist.train.tracking import check_tensorboard, check_wandb_online
+from clipdist.tracking import check_tensorboard, check_wandb_online
 
 __all__ = ["check_config", "check_naflex", "check_shardable", "preflight"]
 

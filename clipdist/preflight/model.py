@@ -23,7 +23,7 @@ from clipdist.model.factory import (
     resolve_model_name,
 )
 from clipdist.objective import attach_parts
-from clipdist.train.optim import check_optim
+from clipdist.optim.optimizer import check_optim
 
 
 def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:

@@ -40,7 +40,7 @@ from clipdist.model.factory import (
     resolve_model_name,
 )
 from clipdist.model.timm_towers import KWARGS_KEY, naflex_trunk
-from clipdist.objective.specs import training_only
+from clipdist.registry.terms import training_only
 from clipdist.tools import to_transformers
 
 

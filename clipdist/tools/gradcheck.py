@@ -36,7 +36,7 @@ from clipdist.model.factory import (
 from clipdist.model.precision import gradient_scaler
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 from clipdist.objective import TermContext, build_objective
-from clipdist.objective.specs import TERMS, DecoderOptions, MaskedOptions, SelfDistillOptions
+from clipdist.registry.terms import TERMS, DecoderOptions, MaskedOptions, SelfDistillOptions
 from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")

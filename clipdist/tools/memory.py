@@ -26,7 +26,7 @@ from clipdist.distributed.parallel import wrap_model
 from clipdist.losses import build
 from clipdist.model.factory import create_model_for_loss, get_tokenizer, image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
-from clipdist.train.optim import build_optimizer
+from clipdist.optim.optimizer import build_optimizer
 from clipdist.train.step import build_step
 
 

@@ -63,8 +63,8 @@ from clipdist.model import targets
 from clipdist.model.factory import create_model, get_tokenizer, image_size
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 from clipdist.objective import TermContext
-from clipdist.objective.specs import TERMS
 from clipdist.objective.teacher import TeacherTerm
+from clipdist.registry.terms import TERMS
 from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measure_activations
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq

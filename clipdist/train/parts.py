@@ -28,8 +28,8 @@ from clipdist.model.flexible_grid import allow_other_sizes
 from clipdist.model.short_text import allow_short_text
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective import TermContext, attach_parts, run_objective
-from clipdist.train.ema import WeightAverage
-from clipdist.train.optim import build_optimizer
+from clipdist.optim.ema import WeightAverage
+from clipdist.optim.optimizer import build_optimizer
 from clipdist.train.step import Step, build_step
 
 

@@ -24,10 +24,10 @@ from clipdist.config import TrainConfig, as_dict
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.distributed import launch, parallel
 from clipdist.errors import TrainingDiverged
+from clipdist.tracking import RunTracker, StepProfiler, logs_step
 from clipdist.train import startup
 from clipdist.train.evaluate import evaluate
 from clipdist.train.parts import build_parts
-from clipdist.train.tracking import RunTracker, StepProfiler, logs_step
 
 if TYPE_CHECKING:  # annotations only
     from clipdist.data.sources import Shards

@@ -104,7 +104,7 @@ def _save_then_load(directory: str) -> tuple[list[str], int]:
     from clipdist.distributed.parallel import full_tensor, wrap_model
     from clipdist.losses import build
     from clipdist.model.factory import create_model_for_loss
-    from clipdist.train.optim import build_optimizer
+    from clipdist.optim.optimizer import build_optimizer
     from clipdist.train.step import build_step
 
     def fresh(seed):

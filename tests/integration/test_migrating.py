@@ -15,7 +15,7 @@ def test_every_override_in_the_migration_table_passes_the_checks_before_the_rank
     from clipdist.data.transforms import augmentation_cfg
     from clipdist.model.factory import check_model_options, resolve_model_name
     from clipdist.preflight import check_config
-    from clipdist.train.optim import check_optim
+    from clipdist.optim.optimizer import check_optim
 
     register()
     failures, checked = {}, 0

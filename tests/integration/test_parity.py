@@ -130,9 +130,9 @@ RECIPES = {
         ],
         [
             "optim.schedule=const_cooldown",
-            "optim.cooldown_steps=2",
-            "optim.cooldown_end_lr=1e-5",
-            "optim.cooldown_power=2",
+            "optim.const_cooldown.steps=2",
+            "optim.const_cooldown.end_lr=1e-5",
+            "optim.const_cooldown.power=2",
             "optim.warmup_steps=1",
             "optim.lr=2e-3",
             "optim.weight_decay=0.5",

@@ -28,7 +28,7 @@ def _overflow_on_rank_1(parallel: str):
     from clipdist.losses import build
     from clipdist.model.factory import create_model_for_loss, random_tokens
     from clipdist.model.precision import autocast, gradient_scaler
-    from clipdist.train.optim import build_optimizer
+    from clipdist.optim.optimizer import build_optimizer
     from clipdist.train.step import Step
     from tests.unit.test_recipes import _optim
 
@@ -90,7 +90,7 @@ def test_an_fp16_locked_tower_lion_cooldown_run_stopped_and_resumed_equals_unint
         "optim.lr=1e-4",
         "optim.warmup_steps=2",
         "optim.schedule=const_cooldown",
-        "optim.cooldown_steps=6",
+        "optim.const_cooldown.steps=6",
         "data.augmentation.color_jitter=[0.4,0.4,0.4,0.1]",
         "data.augmentation.color_jitter_prob=0.5",
         "model.force_patch_dropout=0.25",

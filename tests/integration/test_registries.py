@@ -1,6 +1,6 @@
 """A new component is its module and its registry entry: a loss backend with an option and a data kind with an
 option, each written here as a user would write it (outside the package), entered in its torch-free registry
-(clipdist.losses.specs.BACKENDS, clipdist.data.specs.KIND_SPECS) and nowhere else — then `train.py` composes their
+(clipdist.registry.losses.BACKENDS, clipdist.registry.kinds.KIND_SPECS) and nowhere else — then `train.py` composes their
 keys, checks them, reads the kind's files and trains with the backend. A new model is one file of data: an open_clip
 model config, named by its path (docs/architecture.md#registries)."""
 
@@ -72,9 +72,9 @@ SPECS_MODULE = """
 from dataclasses import dataclass
 from typing import ClassVar
 
-from clipdist.data.specs import KindSpec
+from clipdist.registry.kinds import KindSpec
 from clipdist.defaults import FREE, positive
-from clipdist.losses.specs import LossSpec
+from clipdist.registry.losses import LossSpec
 
 
 @dataclass
@@ -95,8 +95,8 @@ LINES = KindSpec("lines", "lines_kind", "a caption per line, its image a flat co
 RUN = """
 import sys
 
-import clipdist.data.specs as data_specs
-import clipdist.losses.specs as loss_specs
+import clipdist.registry.kinds as data_specs
+import clipdist.registry.losses as loss_specs
 from plugin_specs import CHUNKED, LINES
 
 loss_specs.BACKENDS[CHUNKED.name] = CHUNKED  # the one line each registry gets

@@ -22,7 +22,7 @@ def losses(run_dir):
 
 def wandb_losses(run_dir):
     """train/loss as the run's local W&B files hold it, over every segment (one per start): (step, value)."""
-    from clipdist.train.tracking import wandb_records
+    from clipdist.tracking import wandb_records
 
     rows = []
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):

@@ -419,7 +419,7 @@ def test_a_backends_option_keeps_its_bound_in_the_schema():
 
     from clipdist.config import ConfigError, TrainConfig, _loss_schema, validate
     from clipdist.defaults import positive
-    from clipdist.losses.specs import LossSpec
+    from clipdist.registry.losses import LossSpec
 
     @dataclass
     class ChunkOptions:

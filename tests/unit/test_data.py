@@ -642,11 +642,11 @@ def _open_clip_table(folder, rows=21, missing=(), separator="\t"):
 
 def test_a_table_is_read_in_parts_row_for_row_as_open_clip_reads_it(tmp_path):
     from clipdist.data.sources import expand_shards
-    from clipdist.data.specs import TableOptions
+    from clipdist.registry.kinds import TableOptions
     from clipdist.data.tar_samples import tar_samples
 
     table = _open_clip_table(tmp_path, rows=21, missing=(4,))
-    parts = expand_shards(str(table), "data.train_shards", {"table": TableOptions(csv_rows_per_part=8)})
+    parts = expand_shards(str(table), "data.train_shards", {"table": TableOptions(rows_per_part=8)})
     assert len(parts) == 3  # 8 + 8 + 5 rows
     samples = list(tar_samples(handler=lambda exn: True)([{"url": url} for url in parts]))
     samples = [sample for sample in samples if sample]

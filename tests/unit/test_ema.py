@@ -1,4 +1,4 @@
-"""optim.ema (clipdist/train/ema.py): the weights themselves until start_step, then ema ← d·ema + (1 − d)·θ every
+"""optim.ema (clipdist/optim/ema.py): the weights themselves until start_step, then ema ← d·ema + (1 − d)·θ every
 `every` steps, in fp32 whatever the weights' precision."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from clipdist.config import EmaConfig
-from clipdist.train.ema import WeightAverage
+from clipdist.optim.ema import WeightAverage
 
 
 def test_the_average_follows_its_rule_step_by_step():

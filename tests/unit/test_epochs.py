@@ -19,7 +19,7 @@ from clipdist.data.faults import ShardHealth
 from clipdist.data.naflex import TokenBudget
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
-from clipdist.data.specs import TableOptions
+from clipdist.registry.kinds import TableOptions
 from clipdist.data.tables import table_parts
 
 LAYOUTS = 240
@@ -154,9 +154,9 @@ def epoch_keys(streams, batches: int) -> list[str]:
 
 @pytest.mark.parametrize("ranks, workers", [(1, 0), (2, 0), (1, 2)])
 def test_a_table_in_unequal_parts_reads_every_row_once_an_epoch(tmp_path, ranks, workers):
-    """The issue's case: parts of 40 + 20 rows (data.csv_rows_per_part=40), two readers a rank; on 1 or 2 ranks, with
+    """The issue's case: parts of 40 + 20 rows (data.table.rows_per_part=40), two readers a rank; on 1 or 2 ranks, with
     or without loader workers, each epoch of 60 samples is the 60 rows — twice over, reshuffled."""
-    parts = table_parts(str(write_table(tmp_path, 60)), TableOptions(csv_rows_per_part=40), "data.train_shards")
+    parts = table_parts(str(write_table(tmp_path, 60)), TableOptions(rows_per_part=40), "data.train_shards")
     streams = [
         train_stream(parts, 10 // ranks, identity_transform, rank=rank, world_size=ranks, readers=2, workers=workers)
         for rank in range(ranks)
@@ -173,9 +173,9 @@ def test_a_table_in_unequal_parts_reads_every_row_once_an_epoch(tmp_path, ranks,
 
 
 def test_a_table_of_one_part_runs_on_two_ranks_and_resumes_on_one(tmp_path):
-    """A table no larger than data.csv_rows_per_part on 2 ranks (refused before: one shard for two readers), stopped
+    """A table no larger than data.table.rows_per_part on 2 ranks (refused before: one shard for two readers), stopped
     after 2 of its 3 batches an epoch and resumed on 1 rank: the epoch is still every row once."""
-    parts = table_parts(str(write_table(tmp_path, 30)), TableOptions(csv_rows_per_part=1000), "data.train_shards")
+    parts = table_parts(str(write_table(tmp_path, 30)), TableOptions(rows_per_part=1000), "data.train_shards")
     assert len(parts) == 1
     two = [train_stream(parts, 5, identity_transform, rank=rank, world_size=2) for rank in range(2)]
     keys = epoch_keys(two, 2)
@@ -258,7 +258,7 @@ def test_tar_shards_of_unequal_sizes_read_every_sample_once_an_epoch(tmp_path):
 def test_a_checkpoint_from_before_exact_epochs_restarts_the_order_and_says_why(tmp_path):
     """A stream position saved when whole shards were dealt (its layout has no "epochs") cannot go on sample for
     sample under the row deal: reshuffled, with the reason in the log's words."""
-    parts = table_parts(str(write_table(tmp_path, 20)), TableOptions(csv_rows_per_part=10), "data.train_shards")
+    parts = table_parts(str(write_table(tmp_path, 20)), TableOptions(rows_per_part=10), "data.train_shards")
     before = train_stream(parts, 4, identity_transform)
     saved = before.state_dict()
     saved["layout"] = {key: value for key, value in saved["layout"].items() if key != "epochs"}
@@ -272,7 +272,7 @@ def test_sizes_found_before_the_ranks_start_are_not_found_again(tmp_path, monkey
     """preflight finds the shards' sizes once (Shards.sizes) and each rank's stream takes them as they are."""
     from clipdist.data import stream as stream_module
 
-    parts = table_parts(str(write_table(tmp_path, 12)), TableOptions(csv_rows_per_part=5), "data.train_shards")
+    parts = table_parts(str(write_table(tmp_path, 12)), TableOptions(rows_per_part=5), "data.train_shards")
 
     def counted_again(*args):
         raise AssertionError("the sizes were found again")

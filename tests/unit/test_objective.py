@@ -118,7 +118,7 @@ def test_a_term_with_a_start_counts_from_its_step_on():
     from clipdist.objective import Objective
     from clipdist.objective.caption import CaptionTerm
     from clipdist.objective.contrastive import ContrastiveTerm
-    from clipdist.objective.specs import TermOptions, start_step
+    from clipdist.registry.terms import TermOptions, start_step
 
     raw = coca_outputs()
     terms = [(ContrastiveTerm(build("naive")), 1.0), (CaptionTerm(0), 2.0)]

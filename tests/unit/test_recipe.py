@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from clipdist.config import to_train_config
 from clipdist.data.sources import Shards
-from clipdist.data.specs import TableOptions
+from clipdist.registry.kinds import TableOptions
 from clipdist.data.tables import table_parts
 from clipdist.train.recipe import table_rows, traps
 
@@ -23,7 +23,7 @@ def test_a_warmup_as_long_as_the_run_is_warned():
 def test_a_global_batch_larger_than_the_table_is_warned(tmp_path):
     table = tmp_path / "pairs.tsv"
     table.write_text("filepath\ttitle\n" + "".join(f"{index}.png\tcaption {index}\n" for index in range(216)))
-    shards = Shards([table_parts(str(table), TableOptions(csv_rows_per_part=100), "data.train_shards")])
+    shards = Shards([table_parts(str(table), TableOptions(rows_per_part=100), "data.train_shards")])
     assert table_rows(shards) == 216 and len(shards.train) == 3
     (warning,) = traps(config(world={"batch_per_device": 256}), shards)
     assert warning.startswith("the global batch 256 is larger than the 216 rows of data.train_shards")

@@ -13,12 +13,13 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from clipdist.config import DataConfig, ModelConfig, OptimConfig, model_config, to_train_config
+from clipdist.config import DataConfig, ModelConfig, OptimConfig, check_schedule, model_config, to_train_config
 from clipdist.data.batch import Batch
+from clipdist.errors import ConfigError
 from clipdist.data.transforms import augmentation_cfg, image_transforms
 from clipdist.model.factory import built_model_config, create_model, lock_towers, model_overrides
 from clipdist.model.precision import gradient_scaler
-from clipdist.train.optim import build_optimizer, check_optim, layer_scales
+from clipdist.optim.optimizer import build_optimizer, check_optim, layer_scales
 from clipdist.train.step import build_step
 
 
@@ -37,12 +38,12 @@ def _model_cfg(**values) -> ModelConfig:
         ("const", {}, lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr(o, lr, w, s)),
         (
             "const_cooldown",
-            {"cooldown_steps": 30},
+            {"const_cooldown": {"steps": 30}},
             lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr_cooldown(o, lr, w, s, 30),
         ),
         (
             "const_cooldown",
-            {"cooldown_steps": 25, "cooldown_power": 2.0, "cooldown_end_lr": 1e-5},
+            {"const_cooldown": {"steps": 25, "power": 2.0, "end_lr": 1e-5}},
             lambda o, lr, w, s: __import__("open_clip_train.scheduler").scheduler.const_lr_cooldown(
                 o, lr, w, s, 25, cooldown_power=2.0, cooldown_end_lr=1e-5
             ),
@@ -129,14 +130,27 @@ def test_optimizer_names_go_to_timms_factory_with_the_options_they_take():
     [
         ({"name": "adamq"}, "optim.name=adamq: no such optimizer; adamw (torch's) or one of timm's: "),
         ({"name": "lion", "kwargs": {"bogus": 1}}, "optim.name=lion with {'bogus': 1}:"),
-        ({"schedule": "const_cooldown"}, "optim.schedule=const_cooldown needs optim.cooldown_steps"),
-        ({"schedule": "cosine", "cooldown_steps": 5}, "optim.cooldown_steps=5 is for optim.schedule=const_cooldown"),
         ({"image_layer_decay": 1.5}, "optim.image_layer_decay=1.5: must be in (0, 1]"),
     ],
 )
 def test_optimizer_settings_that_cannot_run_are_refused_before_any_rank(values, message):
     with pytest.raises(ValueError) as raised:
         check_optim(_optim(**values))
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"schedule": "const_cooldown"}, "optim.schedule=const_cooldown needs optim.const_cooldown.steps"),
+        ({"schedule": "const_cooldown", "const_cooldown": {"steps": 580}}, "is more than the steps after warmup"),
+        ({"schedule": "cosine", "const_cooldown": {"power": 2.0}}, "optim.const_cooldown.power is for optim.sch"),
+        ({"schedule": "cosin"}, "optim.schedule=cosin: no such schedule; choose one of cosine, const, const_cooldown"),
+    ],
+)
+def test_a_schedule_that_cannot_run_or_an_option_of_another_schedule_is_refused(values, message):
+    with pytest.raises(ConfigError) as raised:
+        check_schedule(_optim(**values))
     assert message in str(raised.value)
 
 
@@ -376,7 +390,7 @@ def test_fp16_steps_follow_fp32_steps():
         ),
         (["model.force_patch_dropout=1.5"], "model.force_patch_dropout=1.5: must be in [0, 1)"),
         (["optim.name=adamq"], "optim.name=adamq: no such optimizer"),
-        (["optim.schedule=const_cooldown"], "optim.schedule=const_cooldown needs optim.cooldown_steps"),
+        (["optim.schedule=const_cooldown"], "optim.schedule=const_cooldown needs optim.const_cooldown.steps"),
         (["data.augmentation.re_prob=0.5"], "data.augmentation.re_prob: open_clip's own pipeline does not use it"),
     ],
 )

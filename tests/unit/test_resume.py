@@ -33,7 +33,7 @@ def test_every_key_of_the_state_sections_says_what_a_resume_may_do_with_it():
         OptimConfig,
         resume_rule,
     )
-    from clipdist.objective.specs import TERMS
+    from clipdist.registry.terms import TERMS
 
     terms = [spec.options for spec in TERMS.values()]
     for section in (ModelConfig, OptimConfig, LossConfig, *terms, *LOSS_SCHEMAS.values()):

@@ -15,7 +15,7 @@ from clipdist.objective import Objective
 from clipdist.objective.contrastive import ContrastiveTerm
 from clipdist.objective.decoder import attach as attach_decoder
 from clipdist.objective.self_distill import SelfDistillTerm, attach
-from clipdist.objective.specs import SelfDistillOptions, training_only
+from clipdist.registry.terms import SelfDistillOptions, training_only
 from clipdist.objective.teacher import EmaTeacher
 
 OPTIONS = SelfDistillOptions(crops=2, crop_size=16, hidden=16, bottleneck=8, prototypes=12)
@@ -131,7 +131,7 @@ def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
     """tokens_out: the tower gives its per-patch tokens inside, its own output after; a masked patch's embedding is
     the token (so the image under it does not matter), an unmasked patch's is the image's."""
     from clipdist.objective.masked import MaskedHead, masked_tokens
-    from clipdist.objective.specs import MaskedOptions
+    from clipdist.registry.terms import MaskedOptions
     from clipdist.objective.teacher import tokens_out
 
     model = create_model("clipdist-tiny").double()
@@ -153,7 +153,7 @@ def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
 
 
 def decoded_model():
-    from clipdist.objective.specs import DecoderOptions
+    from clipdist.registry.terms import DecoderOptions
 
     torch.manual_seed(0)
     model = create_model("clipdist-tiny").double()
@@ -274,7 +274,7 @@ def test_on_a_naflex_tower_masked_prediction_masks_each_rows_own_patches_whateve
     from clipdist.model.timm_towers import random_patches
     from clipdist.objective.masked import MaskedTerm
     from clipdist.objective.masked import attach as attach_masked
-    from clipdist.objective.specs import MaskedOptions
+    from clipdist.registry.terms import MaskedOptions
 
     torch.manual_seed(0)
     model = create_model("clipdist-naflex-tiny").double().eval()
@@ -302,7 +302,7 @@ def test_on_a_naflex_tower_a_captions_logits_do_not_depend_on_its_batchs_padding
     of being predicted (its key: the padding adds nothing)."""
     from clipdist.model.timm_towers import random_patches
     from clipdist.objective.decoder import DecoderTerm
-    from clipdist.objective.specs import DecoderOptions
+    from clipdist.registry.terms import DecoderOptions
 
     torch.manual_seed(0)
     model = create_model("clipdist-naflex-tiny").double().eval()

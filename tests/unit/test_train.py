@@ -55,7 +55,7 @@ def test_three_steps_of_the_default_run_then_a_resume_in_process(tmp_path, cache
 
 def test_the_log_cadence_is_open_clip_trains():
     """--log-every-n-steps 3 over 10 steps logs 1, 4, 7, 10 there; every step at 1; the last step always."""
-    from clipdist.train.tracking import logs_step
+    from clipdist.tracking import logs_step
 
     assert [step for step in range(1, 11) if logs_step(step, 3, 10)] == [1, 4, 7, 10]
     assert [step for step in range(1, 12) if logs_step(step, 5, 11)] == [1, 6, 11]

@@ -12,21 +12,18 @@
   Layer-wise lr decay per tower (`optim.image_layer_decay`, `optim.text_layer_decay`): with L blocks, the
   stem (patch / token / position embeddings, the pre-norm) is layer 0, block i is layer i + 1, the rest
   (final norm, projection, pooling) is layer L + 1, and layer l's lr is lr · decay^(L + 1 − l).
-- Schedule: open_clip_train's scheduler functions as a LambdaLR factor, so the lr at optimizer step s
-  (0-based) is open_clip_train's lr at step s: warmup (s + 1)/W · lr, then `cosine`
-  ½(1 + cos(π (s − W)/(S − W))) · lr, `const` lr, or `const_cooldown` lr until S − C, then
-  (1 − e/C)^p · (lr − end) + end with e = s − (S − C).
+- Schedule: the registered schedule `optim.schedule` (clipdist.optim.schedules) as a LambdaLR factor.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
-from collections.abc import Callable
 
 import torch
 from timm.optim import create_optimizer_v2, get_optimizer_info, list_optimizers
+
+from clipdist.optim.schedules import lr_factor
 
 ADAMW = "adamw"
 _BLOCK = re.compile(r"\.(?:resblocks|blocks|layers?)\.(\d+)\.")  # open_clip, timm and HF transformer blocks
@@ -117,50 +114,6 @@ def parameter_groups(
     ]
 
 
-def lr_factor(optim) -> Callable[[int], float]:
-    """The lr at optimizer step `step` (0-based) as a multiple of optim.lr: open_clip_train's schedule."""
-    warmup, steps, base = optim.warmup_steps, optim.max_steps, optim.lr
-    schedule = str(optim.schedule)
-    cooldown = optim.cooldown_steps or 0
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "const":
-            return 1.0
-        if schedule == "const_cooldown":
-            start = steps - cooldown
-            if step < start:
-                return 1.0
-            decay = max(0.0, 1 - (step - start) / cooldown) ** optim.cooldown_power
-            end = optim.cooldown_end_lr / base if base else 0.0
-            return decay * (1 - end) + end
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def check_schedule(optim) -> None:
-    """A ValueError for a schedule that cannot run: const_cooldown without cooldown_steps, a cooldown longer
-    than the steps after warmup."""
-    if str(optim.schedule) == "const_cooldown":
-        if not optim.cooldown_steps or optim.cooldown_steps < 1:
-            raise ValueError(
-                "optim.schedule=const_cooldown needs optim.cooldown_steps (the last N steps decay), e.g. "
-                f"optim.cooldown_steps={max(1, optim.max_steps // 10)}"
-            )
-        if optim.cooldown_steps > optim.max_steps - optim.warmup_steps:
-            raise ValueError(
-                f"optim.cooldown_steps={optim.cooldown_steps} is more than the steps after warmup "
-                f"({optim.max_steps} - {optim.warmup_steps})"
-            )
-    elif optim.cooldown_steps is not None:
-        raise ValueError(
-            f"optim.cooldown_steps={optim.cooldown_steps} is for optim.schedule=const_cooldown, not {optim.schedule}"
-        )
-
-
 def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
     """The optimizer `optim.name` over `groups` (each with its own lr and weight decay)."""
     name = optimizer_name(optim.name)
@@ -203,7 +156,6 @@ def check_optim(optim) -> None:
     """Before any rank starts: the optimizer can be built with these options (on a stand-in parameter), and the
     schedule can run. A ValueError says what to change."""
     check_optimizer(optim.name)
-    check_schedule(optim)
     for key in ("image_layer_decay", "text_layer_decay"):
         value = getattr(optim, key)
         if value is not None and not 0 < value <= 1:

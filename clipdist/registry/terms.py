@@ -1,8 +1,8 @@
-"""The loss terms' one registry, torch-free: each term a config section `loss.<name>` (its options dataclass, with
+"""The loss terms: each term a config section `loss.<name>` (its options dataclass, with
 the weight and start every term has, and resume rules), a one-line summary, and where its builder lives, imported
 only when a run builds its objective.
 
-    from clipdist.objective.specs import TERMS
+    from clipdist.registry.terms import TERMS
     TERMS["distill"].options      # DistillOptions: loss.distill.model, .pretrained, .weight, .start_at
     TERMS["distill"].load()       # clipdist.objective.distillation.build (imports torch)
 
@@ -13,13 +13,13 @@ backend, `loss=<name>`) and CoCa's caption term (a model with a text decoder; `l
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from clipdist.defaults import REFUSE, non_negative, positive
 from clipdist.errors import ConfigError
+from clipdist.registry import load, plugged
 
 
 @dataclass
@@ -158,13 +158,13 @@ class TermSpec:
     part: str | None = None
 
     def load(self, target: str | None = None):
-        module, attribute = (target or self.target).split(":")
-        return getattr(importlib.import_module(module), attribute)
+        return load(target or self.target)
 
 
-TERMS: dict[str, TermSpec] = {
-    spec.name: spec
-    for spec in (
+TERMS: dict[str, TermSpec] = plugged(
+    "clipdist.terms",
+    TermSpec,
+    (
         TermSpec("distill", "clipdist.objective.distillation:build", "logits pulled to a teacher's", DistillOptions),
         TermSpec(
             "self_distill",
@@ -190,8 +190,8 @@ TERMS: dict[str, TermSpec] = {
             attach="clipdist.objective.decoder:attach",
             part="caption_decoder",
         ),
-    )
-}
+    ),
+)
 
 # the model's modules that only a term trains: a checkpoint holds them, an export or an evaluation leaves them out
 TRAINING_ONLY_PARTS = tuple(spec.part for spec in TERMS.values() if spec.part)
