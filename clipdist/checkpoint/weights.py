@@ -647,7 +647,7 @@ def read_run_checkpoint(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's weights, the run's resolved config) of a clipdist checkpoint, on this process alone; with `ema`,
     its weight average (optim.ema) in place of the parameters (the buffers are the model's); the modules only a loss
-    term trains (registry.terms.TRAINING_ONLY_PARTS: a head, the caption decoder) left out unless `training_parts`.
+    term trains (registry.terms.training_only_parts: a head, the caption decoder) left out unless `training_parts`.
     Every pickled part is checked first, the parts the model does not need included: a checkpoint that carries code
     anywhere is refused, whatever is read of it."""
     progress = verify(path)

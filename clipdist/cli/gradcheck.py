@@ -6,8 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 
+import yaml
+
 from clipdist.cli.arguments import batch_sizes, given
+from clipdist.registry.losses import BACKENDS
 from clipdist.registry.terms import TERMS
+
+
+def option(text: str) -> tuple[str, object]:
+    """--option KEY=VALUE: the value read as YAML reads it (3, 0.5, true, [0.1, 0.4], text)."""
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY=VALUE (tile=3, self_distill.crops=3)")
+    return key.removeprefix("loss."), yaml.safe_load(value)
 
 
 def add(commands) -> None:
@@ -19,9 +30,7 @@ def add(commands) -> None:
     )
     # Defaults: run_gradcheck's (argparse.SUPPRESS: an option not given is not passed).
     check.argument_default = argparse.SUPPRESS
-    check.add_argument(
-        "--backend", help="registered backend (naive, gather_layer, disco, tiled, siglip; default disco)"
-    )
+    check.add_argument("--backend", help=f"a registered backend ({', '.join(BACKENDS)}; default disco)")
     check.add_argument("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature")
     check.add_argument("--world", dest="world_size", type=int, help="number of local ranks (default 2)")
     check.add_argument(
@@ -67,10 +76,19 @@ def add(commands) -> None:
         "--term",
         dest="terms",
         action="append",
-        choices=[name for name, spec in TERMS.items() if spec.part],
-        help="add a term that trains a module of its own (loss.self_distill, loss.masked, loss.decoder; repeat for "
-        "more): the module on the model, the EMA teacher another model's weights, checked against the term's own "
-        "definition",
+        choices=list(TERMS),
+        help="add a registered loss term (repeat for more), on with small options (its registry entry's probe): any "
+        "module of its own on the model, the EMA teacher another model's weights, checked against the term's own "
+        "definition (distill: --distill)",
+    )
+    check.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        type=option,
+        metavar="KEY=VALUE",
+        help="an option of the backend (tile=3) or of a --term (self_distill.crops=3), as its config key after "
+        "loss.; repeat for more",
     )
     check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
     check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
@@ -100,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         "distill",
         "terms",
     )
+    options["options"] = dict(getattr(args, "options", []))
     if args.loss or hasattr(args, "backend"):
         options["loss"] = args.loss or args.backend
     report = run_gradcheck(**options)
@@ -123,6 +142,7 @@ def _print_report(report, verbose: bool) -> None:
     cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
     cached += ", distilled from a teacher" if report.distill else ""
     cached += "".join(f", with loss.{name}" for name in report.terms)
+    cached += "".join(f", {key}={value}" for key, value in report.options.items())
     table = Table(
         title=f"gradcheck: {report.backend}, world size {report.world_size}, {report.parallel}, {report.dtype}{cached}"
     )

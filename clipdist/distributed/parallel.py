@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from clipdist.registry.terms import TRAINING_ONLY_PARTS
+from clipdist.registry.terms import training_only_parts
 
 
 def wrap_model(
@@ -85,7 +85,7 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
         if compile:
             block.compile()
         fully_shard(block, mp_policy=policy)
-    parts = [getattr(model, part) for part in TRAINING_ONLY_PARTS if hasattr(model, part)]
+    parts = [getattr(model, part) for part in training_only_parts() if hasattr(model, part)]
     for module in parts:  # a loss term's own module (a decoder) is called outside the model's forward
         fully_shard(module, mp_policy=policy)
         for method in getattr(module, "fsdp_methods", ()):  # its methods the term calls besides forward

@@ -10,6 +10,7 @@ imports no torch: a backend's module is imported when it is built.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -35,8 +36,16 @@ def build(name: str, **options):
     except TypeError as error:
         accepted = [p for p in inspect.signature(backend).parameters if p != "group"]
         raise ValueError(f"loss.options for {name!r}: {error}; it accepts {accepted or 'no options'}") from None
-    instance.reference = load(spec.reference)  # the one place a backend's definition is named: its entry
+    instance.reference = _reference(spec.reference, options)  # the one place a backend's definition is named
     return instance
+
+
+def _reference(target: str, options: dict):
+    """The single-process loss `target` names, given those of the backend's options it takes by name (a loss
+    whose value depends on an option: label smoothing, a margin; not the ring's tile)."""
+    reference = load(target)
+    taken = {key: value for key, value in options.items() if key in inspect.signature(reference).parameters}
+    return functools.partial(reference, **taken) if taken else reference
 
 
 def __getattr__(name: str):

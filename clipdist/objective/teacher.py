@@ -13,7 +13,7 @@ DDP's average of their gradients ∂T/∂θ, for any split of the rows, chunk by
 optimizer step, c ← m·c + (1 − m)·(the mean of the teacher's outputs over the global batch): the one all-reduce that
 counts B also sums them, so the centre is the same on every rank and for every world size. The head is a module of
 the model, so the average, checkpoints and resume hold it; exports and evaluation leave it out
-(registry.terms.TRAINING_ONLY_PARTS).
+(registry.terms.training_only_parts).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
@@ -38,28 +38,54 @@ def load(target: str) -> Any:
     return getattr(importlib.import_module(module), attribute)
 
 
-def plugged(group: str, kind: type[Spec], builtin: Iterable[Spec]) -> dict[str, Spec]:
-    """The built-in specs by name, then each plug-in of the entry-point `group` (each a `kind`), in name order."""
-    table = {spec.name: spec for spec in builtin}  # type: ignore[attr-defined]
-    for point in sorted(entry_points(group=group), key=lambda point: point.name):
-        problem = None
+class Registry(Mapping[str, Spec]):
+    """Name -> spec: the built-in specs, then each plug-in of the entry-point `group` (each a `kind`) in name order,
+    read at the first lookup — not on import, so a plug-in's own module may import any registry module."""
+
+    def __init__(self, group: str, kind: type[Spec], builtin: Iterable[Spec]):
+        self.group, self.kind, self.builtin = group, kind, tuple(builtin)
+        self._table: dict[str, Spec] | None = None
+
+    @property
+    def table(self) -> dict[str, Spec]:
+        if self._table is None:
+            self._table = {spec.name: spec for spec in self.builtin}  # type: ignore[attr-defined]
+            for point in sorted(entry_points(group=self.group), key=lambda point: point.name):
+                self._plug(point)
+        return self._table
+
+    def _plug(self, point) -> None:
+        assert self._table is not None
         try:
             spec = point.load()
         except Exception as error:  # noqa: BLE001 -- any failure of a third party's import is reported, not raised
             problem = f"it did not load ({type(error).__name__}: {error})"
         else:
-            if not isinstance(spec, kind):
-                problem = f"it is a {type(spec).__name__}, not a {kind.__name__}"
+            if not isinstance(spec, self.kind):
+                problem = f"it is a {type(spec).__name__}, not a {self.kind.__name__}"
             elif spec.name != point.name:  # type: ignore[attr-defined]
                 problem = f"its spec is named {spec.name!r}; name the entry point as the spec"  # type: ignore[attr-defined]
-            elif point.name in table:
+            elif point.name in self._table:
                 problem = f"{point.name!r} is built in; give the plug-in another name"
-        if problem:
-            LEFT_OUT[group, point.name] = f"plug-in {point.name} = {point.value} ({group}): {problem}"
-            print(f"clipdist: warning: {LEFT_OUT[group, point.name]}; it is left out", file=sys.stderr)
-        else:
-            table[point.name] = spec
-    return table
+            else:
+                self._table[point.name] = spec
+                return
+        LEFT_OUT[self.group, point.name] = f"plug-in {point.name} = {point.value} ({self.group}): {problem}"
+        print(f"clipdist: warning: {LEFT_OUT[self.group, point.name]}; it is left out", file=sys.stderr)
+
+    def __getitem__(self, name: str) -> Spec:
+        return self.table[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+def plugged(group: str, kind: type[Spec], builtin: Iterable[Spec]) -> Registry[Spec]:
+    """The registry of `builtin` and the plug-ins of entry-point `group` (see Registry)."""
+    return Registry(group, kind, builtin)
 
 
 def left_out(group: str, name: str) -> str:

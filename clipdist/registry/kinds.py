@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR, positive
-from clipdist.registry import plugged
+from clipdist.registry import Registry, plugged
 
 
 @dataclass
@@ -39,7 +39,7 @@ class KindSpec:
     options: type | None = None  # a dataclass: the keys of data.<name>
 
 
-KINDS: dict[str, KindSpec] = plugged(
+KINDS: Registry[KindSpec] = plugged(
     "clipdist.kinds",
     KindSpec,
     (

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from clipdist.defaults import WARN, positive
 from clipdist.errors import ConfigError
-from clipdist.registry import load, plugged
+from clipdist.registry import Registry, load, plugged
 
 
 @dataclass
@@ -55,7 +55,7 @@ class ScheduleSpec:
         return load(self.target)
 
 
-SCHEDULES: dict[str, ScheduleSpec] = plugged(
+SCHEDULES: Registry[ScheduleSpec] = plugged(
     "clipdist.schedules",
     ScheduleSpec,
     (

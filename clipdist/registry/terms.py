@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from clipdist.defaults import REFUSE, non_negative, positive
 from clipdist.errors import ConfigError
-from clipdist.registry import load, plugged
+from clipdist.registry import Registry, load, plugged
 
 
 @dataclass
@@ -156,12 +156,14 @@ class TermSpec:
     # added one, called before the model is wrapped; `part` is its attribute, left out of exports and evaluation
     attach: str | None = None
     part: str | None = None
+    # the options `clipdist gradcheck --term <name>` and the tests run it with: on, and small
+    probe: dict[str, Any] = field(default_factory=dict)
 
     def load(self, target: str | None = None):
         return load(target or self.target)
 
 
-TERMS: dict[str, TermSpec] = plugged(
+TERMS: Registry[TermSpec] = plugged(
     "clipdist.terms",
     TermSpec,
     (
@@ -173,6 +175,7 @@ TERMS: dict[str, TermSpec] = plugged(
             SelfDistillOptions,
             attach="clipdist.objective.self_distill:attach",
             part="self_distill_head",
+            probe={"crops": 2, "crop_size": 16, "hidden": 32, "bottleneck": 16, "prototypes": 32},
         ),
         TermSpec(
             "masked",
@@ -181,6 +184,7 @@ TERMS: dict[str, TermSpec] = plugged(
             MaskedOptions,
             attach="clipdist.objective.masked:attach",
             part="masked_head",
+            probe={"ratio": 0.5, "hidden": 32, "bottleneck": 16, "prototypes": 32},
         ),
         TermSpec(
             "decoder",
@@ -189,17 +193,21 @@ TERMS: dict[str, TermSpec] = plugged(
             DecoderOptions,
             attach="clipdist.objective.decoder:attach",
             part="caption_decoder",
+            probe={"layers": 1, "width": 32, "heads": 2, "parallel": 0.5},
         ),
     ),
 )
 
-# the model's modules that only a term trains: a checkpoint holds them, an export or an evaluation leaves them out
-TRAINING_ONLY_PARTS = tuple(spec.part for spec in TERMS.values() if spec.part)
+
+def training_only_parts() -> tuple[str, ...]:
+    """The model's modules that only a term trains: a checkpoint holds them, an export or an evaluation leaves them
+    out."""
+    return tuple(spec.part for spec in TERMS.values() if spec.part)
 
 
 def training_only(name: str) -> bool:
-    """Whether a state-dict key belongs to a term's own module (TRAINING_ONLY_PARTS)."""
-    return name.split(".", 1)[0] in TRAINING_ONLY_PARTS
+    """Whether a state-dict key belongs to a term's own module (training_only_parts)."""
+    return name.split(".", 1)[0] in training_only_parts()
 
 
 def start_step(options: TermOptions, max_steps: int) -> int:

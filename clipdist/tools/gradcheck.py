@@ -10,7 +10,7 @@ import dataclasses
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -36,7 +36,7 @@ from clipdist.model.factory import (
 from clipdist.model.precision import gradient_scaler
 from clipdist.model.timm_towers import float32_parameters, naflex_patch_size, naflex_trunk, random_patches
 from clipdist.objective import TermContext, build_objective
-from clipdist.registry.terms import TERMS, DecoderOptions, MaskedOptions, SelfDistillOptions
+from clipdist.registry.terms import TERMS, SelfDistillOptions
 from clipdist.train.step import build_step
 
 SCALAR_PARAMETERS = ("logit_scale", "logit_bias")
@@ -44,15 +44,18 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 FLOAT32_TOLERANCE = 1e-6  # a parameter the tower differentiates in float32 (timm_towers.float32_parameters), at float64
 
 
-def resolve_loss(spec: str) -> Callable:
-    """A registered backend name, or 'package.module:attribute' naming a loss callable or class."""
+def resolve_loss(spec: str, options: Mapping[str, Any] | None = None) -> Callable:
+    """A registered backend name (built with its `options`), or 'package.module:attribute' naming a loss callable
+    or class."""
     if spec in BACKENDS:
-        return build(spec)
+        return build(spec, **(options or {}))
     if ":" not in spec:
         raise ValueError(
             f"unknown loss backend {spec!r}; choose one of: {', '.join(BACKENDS)}, "
             "or name your own loss as 'package.module:name'"
         )
+    if options:
+        raise ValueError(f"--option {', '.join(options)}: options are for a registered backend, not {spec}")
     module_name, attribute = spec.split(":", 1)
     try:
         loss = getattr(importlib.import_module(module_name), attribute)
@@ -116,25 +119,36 @@ class Terms:
     """The terms a check adds beside the contrastive one (and a CoCa model's caption term)."""
 
     distill: bool = False  # loss.distill against a teacher: the same structure, other weights (seed + 1)
-    # registered terms that train a module of their own (OWN_TERMS): the module on the model; the EMA teacher of
-    # those that learn from it another model's weights (seed + 1), each centre drawn at random (as after some steps)
-    own: tuple[str, ...] = ()
+    # registered terms by name, each with its options (its registry entry's `probe`, then the check's --option
+    # values); the EMA teacher of those that learn from one is another model's weights (seed + 1), each centre drawn
+    # at random (as after some steps)
+    own: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def named(cls, names: Sequence[str], options: Mapping[str, Any]) -> Terms:
+        """The terms `names` (any registered: `distill` is the teacher check), each given its `<name>.<key>`
+        options; a ValueError for an unknown term or option."""
+        unknown = [name for name in names if name not in TERMS]
+        if unknown:
+            raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(TERMS)}")
+        stray = sorted({key.split(".")[0] for key in options} - set(names))
+        if stray:
+            raise ValueError(f"--option {stray[0]}.…: add --term {stray[0]} for its options")
+        own = []
+        for name in dict.fromkeys(names):
+            if name == "distill":
+                continue
+            spec = TERMS[name]
+            given = {key.split(".", 1)[1]: value for key, value in options.items() if key.split(".")[0] == name}
+            try:
+                own.append((name, dataclasses.replace(spec.options(), **{**spec.probe, **given})))
+            except TypeError as error:
+                raise ValueError(f"--option for loss.{name}: {error}") from None
+        return cls("distill" in names, tuple(own))
 
 
-# the checks' options of the terms with a module of their own: small heads; two 16 px views of each 32 px image for
-# self-distillation (the tower resamples its position table), half the patches masked for masked prediction, a
-# one-block decoder predicting half the captions in parallel
-_HEAD: dict[str, Any] = {"hidden": 32, "bottleneck": 16, "prototypes": 32}
-OWN_TERMS = {
-    "self_distill": SelfDistillOptions(crops=2, crop_size=16, **_HEAD),
-    "masked": MaskedOptions(ratio=0.5, **_HEAD),
-    "decoder": DecoderOptions(layers=1, width=32, heads=2, parallel=0.5),
-}
-
-
-def _term_options(name: str, model: torch.nn.Module):
-    """OWN_TERMS[name], a NaFlex tower's views at their own resolution (crop_size 0: boxes of the patch grid)."""
-    options = OWN_TERMS[name]
+def _term_options(options, model: torch.nn.Module):
+    """A term's options; a NaFlex tower's views at their own resolution (crop_size 0: boxes of the patch grid)."""
     if isinstance(options, SelfDistillOptions) and naflex_trunk(model) is not None:
         return dataclasses.replace(options, crop_size=0)
     return options
@@ -159,7 +173,9 @@ def _objective(loss_fn, model, model_name: str, seed: int, dtype: torch.dtype, t
         other = _model(model_name, seed + 1, dtype, loss_fn, terms=terms)
         weights = {name: tensor.detach() for name, tensor in other.named_parameters()}
         context = TermContext(model, seed=seed, teacher=lambda: weights)
-        objective.terms += [(TERMS[name].load()(_term_options(name, model), context), 1.0) for name in terms.own]
+        objective.terms += [
+            (TERMS[name].load()(_term_options(options, model), context), 1.0) for name, options in terms.own
+        ]
     return objective
 
 
@@ -169,10 +185,11 @@ SCALE = 2.0**10  # the gradient scaler's scale when the check runs with one (a p
 def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks = Locks(), terms: Terms = Terms()):
     torch.manual_seed(seed)
     model = create_model_for_loss(model_name, loss_fn, init_logit_scale=math.log(1 / 0.07)).to(dtype)
-    for name in terms.own:
+    for name, options in terms.own:
         spec = TERMS[name]
-        spec.load(spec.attach)(_term_options(name, model), model)
-        for buffer in model.get_submodule(str(spec.part)).buffers():  # a centre
+        if spec.attach is not None:
+            spec.load(spec.attach)(_term_options(options, model), model)
+        for buffer in model.get_submodule(spec.part).buffers() if spec.part else ():  # a centre
             buffer.normal_()
     locks.apply(model)
     return model
@@ -189,6 +206,7 @@ def _rank_step(
     locks: Locks = Locks(),
     scaler: bool = False,
     terms: Terms = Terms(),
+    backend_options: Mapping[str, Any] | None = None,
 ):
     """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1;
     with `scaler`, the loss scaled by SCALE through precision=fp16's GradScaler and the gradients unscaled, as
@@ -202,7 +220,7 @@ def _rank_step(
     batch = _random_batch(sum(local_sizes), model_name, seed, dtype).map(lambda t: t[start : start + local_sizes[rank]])
     results = []
     for spec in loss_specs:
-        loss_fn = resolve_loss(spec)
+        loss_fn = resolve_loss(spec, backend_options)
         model = _model(model_name, seed, dtype, loss_fn, locks, terms)
         wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
@@ -268,7 +286,8 @@ class GradcheckReport:
     locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
     distill: bool = False  # with the distillation term against a teacher (loss.distill)
-    terms: list[str] = field(default_factory=list)  # with these terms that train a module of their own (OWN_TERMS)
+    terms: list[str] = field(default_factory=list)  # with these registered terms (their options: `options`)
+    options: dict[str, Any] = field(default_factory=dict)  # the backend's and the terms' options the check was given
     locked_parameters: int = 0  # parameters that got no gradient, as in the reference
     float32_parameters: list[str] = field(default_factory=list)  # compared at FLOAT32_TOLERANCE: the tower's float32
 
@@ -354,6 +373,7 @@ def run_gradchecks(
     scaler: bool = False,
     distill: bool = False,
     terms: Sequence[str] = (),
+    options: Mapping[str, Any] | None = None,
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
@@ -362,9 +382,10 @@ def run_gradchecks(
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
     trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
     distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,
-    checked against open_clip's DistillClipLoss on the whole batch; `terms` adds those registered terms that train a
-    module of their own (OWN_TERMS: self_distill, masked, decoder), the modules on the model, the EMA teacher
-    another model's weights, each checked against its own one-process definition.
+    checked against open_clip's DistillClipLoss on the whole batch; `terms` adds registered terms (TERMS; `distill`
+    as `distill=True`) with the options their entries' `probe` gives, any modules of their own on the model, the EMA
+    teacher another model's weights, each checked against its own one-process definition. `options`: `key: value`
+    for the backend's own options (`tile`) and `<term>.<key>` for a term's (`self_distill.crops`).
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
@@ -372,16 +393,16 @@ def run_gradchecks(
         raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, got {world_size}")
-    loss_fns = [resolve_loss(spec) for spec in losses]  # fail here, not in N workers
+    options = dict(options or {})
+    backend_options = {key: value for key, value in options.items() if "." not in key}
+    chosen = Terms.named([*terms, *(["distill"] if distill else [])], {k: v for k, v in options.items() if "." in k})
+    loss_fns = [resolve_loss(spec, backend_options) for spec in losses]  # fail here, not in N workers
     sizes = [local_batch] * world_size if isinstance(local_batch, int) else list(local_batch)
     if len(sizes) != world_size:
         raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
     if chunks < 1 or chunks > min(sizes):
         raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
-    unknown = [name for name in terms if name not in OWN_TERMS]
-    if unknown:
-        raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(OWN_TERMS)}")
-    locks, chosen = Locks(lock_image, lock_text), Terms(distill, tuple(terms))
+    locks = Locks(lock_image, lock_text)
     rank_results = launch_local(
         _rank_step,
         world_size,
@@ -395,6 +416,7 @@ def run_gradchecks(
         locks,
         scaler,
         chosen,
+        backend_options,
         timeout_s=timeout_s,
     )[0]  # rank 0's (loss, grads) per backend
     tolerance = TOLERANCE[dtype]
@@ -421,7 +443,8 @@ def run_gradchecks(
             in_float32,
         )
         report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
-        report.scaler, report.distill, report.terms = scaler, distill, list(terms)
+        report.scaler, report.distill = scaler, chosen.distill
+        report.terms, report.options = [name for name, _ in chosen.own], options
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
         reports.append(report)
     return reports

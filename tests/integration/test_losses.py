@@ -3,8 +3,8 @@
 Each rank calls the loss on its slice of a global float64 batch. The contract checked:
 mean over ranks of the loss == L; gradient at rank r's features == N·∂L/∂f_r (what DDP's
 average turns into the single-process gradient); mean over ranks of the logit scale's
-gradient == ∂L/∂s (and the logit bias's, for siglip). References: ours and open_clip's
-ClipLoss / SigLipLoss with world size 1.
+gradient == ∂L/∂s (and the logit bias's, for siglip). References: each backend's own (its registry entry's
+`reference`) and, where that is CLIP's or SigLIP's loss, open_clip's ClipLoss / SigLipLoss with world size 1.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from open_clip.loss import ClipLoss, SigLipLoss
 
 from clipdist.distributed.launch import launch_local
 from clipdist.losses import BACKENDS, build
+from clipdist.registry import load
+from clipdist.registry.losses import CLIP, SIGLIP
 
 TOLERANCE = 1e-12
 
@@ -51,9 +53,13 @@ def distributed(loss_fn, sizes, seed, scale, with_bias=False):
     return values[0], image_grad, text_grad, *values[1:]
 
 
-def open_clip_reference(loss_fn):
-    """open_clip's definition of the loss `loss_fn` computes, at world size 1."""
-    return SigLipLoss() if loss_fn.uses_logit_bias else ClipLoss()
+OPEN_CLIP = {CLIP: ClipLoss, SIGLIP: SigLipLoss}  # the references open_clip also defines (at world size 1)
+
+
+def open_clip_reference(name: str):
+    """open_clip's definition of the loss backend `name` computes, or its own reference where open_clip has none."""
+    reference = BACKENDS[name].reference
+    return OPEN_CLIP[reference]() if reference in OPEN_CLIP else load(reference)
 
 
 # Every registered backend, plus the ring backends with tiles smaller than the local and global batch
@@ -77,7 +83,7 @@ def check_all_backends():
             got = distributed(loss_fn, sizes, case, scale, bias)
             errors[(backend, case)] = (
                 max_error(got, single_process(loss_fn.reference, sizes, case, scale, bias)),
-                max_error(got, single_process(open_clip_reference(loss_fn), sizes, case, scale, bias)),
+                max_error(got, single_process(open_clip_reference(name), sizes, case, scale, bias)),
             )
     return errors if dist.get_rank() == 0 else None
 

@@ -14,8 +14,8 @@ def test_every_override_in_the_migration_table_passes_the_checks_before_the_rank
     from clipdist.config import register, to_train_config
     from clipdist.data.transforms import augmentation_cfg
     from clipdist.model.factory import check_model_options, resolve_model_name
-    from clipdist.preflight import check_config
     from clipdist.optim.optimizer import check_optim
+    from clipdist.preflight import check_config
 
     register()
     failures, checked = {}, 0

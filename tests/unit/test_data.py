@@ -642,8 +642,8 @@ def _open_clip_table(folder, rows=21, missing=(), separator="\t"):
 
 def test_a_table_is_read_in_parts_row_for_row_as_open_clip_reads_it(tmp_path):
     from clipdist.data.sources import expand_shards
-    from clipdist.registry.kinds import TableOptions
     from clipdist.data.tar_samples import tar_samples
+    from clipdist.registry.kinds import TableOptions
 
     table = _open_clip_table(tmp_path, rows=21, missing=(4,))
     parts = expand_shards(str(table), "data.train_shards", {"table": TableOptions(rows_per_part=8)})

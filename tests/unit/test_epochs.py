@@ -19,8 +19,8 @@ from clipdist.data.faults import ShardHealth
 from clipdist.data.naflex import TokenBudget
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence
-from clipdist.registry.kinds import TableOptions
 from clipdist.data.tables import table_parts
+from clipdist.registry.kinds import TableOptions
 
 LAYOUTS = 240
 

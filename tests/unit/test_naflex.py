@@ -17,8 +17,8 @@ from clipdist.data.order import BudgetOrder
 from clipdist.distributed.launch import _openmp_runtime
 from clipdist.model.factory import blank_images, create_model, lock_towers
 from clipdist.model.timm_towers import check_image_tower, float32_parameters, random_patches
-from clipdist.preflight import check_naflex
 from clipdist.optim.optimizer import layer_scales
+from clipdist.preflight import check_naflex
 
 NAFLEX = "clipdist-naflex-tiny"
 

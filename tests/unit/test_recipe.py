@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from clipdist.config import to_train_config
 from clipdist.data.sources import Shards
-from clipdist.registry.kinds import TableOptions
 from clipdist.data.tables import table_parts
+from clipdist.registry.kinds import TableOptions
 from clipdist.train.recipe import table_rows, traps
 
 

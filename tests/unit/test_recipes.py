@@ -15,8 +15,8 @@ from PIL import Image
 
 from clipdist.config import DataConfig, ModelConfig, OptimConfig, check_schedule, model_config, to_train_config
 from clipdist.data.batch import Batch
-from clipdist.errors import ConfigError
 from clipdist.data.transforms import augmentation_cfg, image_transforms
+from clipdist.errors import ConfigError
 from clipdist.model.factory import built_model_config, create_model, lock_towers, model_overrides
 from clipdist.model.precision import gradient_scaler
 from clipdist.optim.optimizer import build_optimizer, check_optim, layer_scales

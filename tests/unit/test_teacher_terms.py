@@ -15,8 +15,8 @@ from clipdist.objective import Objective
 from clipdist.objective.contrastive import ContrastiveTerm
 from clipdist.objective.decoder import attach as attach_decoder
 from clipdist.objective.self_distill import SelfDistillTerm, attach
-from clipdist.registry.terms import SelfDistillOptions, training_only
 from clipdist.objective.teacher import EmaTeacher
+from clipdist.registry.terms import SelfDistillOptions, training_only
 
 OPTIONS = SelfDistillOptions(crops=2, crop_size=16, hidden=16, bottleneck=8, prototypes=12)
 
@@ -131,8 +131,8 @@ def test_the_masked_student_sees_the_mask_token_at_its_masked_patches_only():
     """tokens_out: the tower gives its per-patch tokens inside, its own output after; a masked patch's embedding is
     the token (so the image under it does not matter), an unmasked patch's is the image's."""
     from clipdist.objective.masked import MaskedHead, masked_tokens
-    from clipdist.registry.terms import MaskedOptions
     from clipdist.objective.teacher import tokens_out
+    from clipdist.registry.terms import MaskedOptions
 
     model = create_model("clipdist-tiny").double()
     visual = model.visual
