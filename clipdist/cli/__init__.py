@@ -1,5 +1,6 @@
 """`clipdist` command line: train, torchrun, gradcheck, plan, bench (loss, gpu, limit), make-shards, export, eval,
-trust, report — a module a subcommand, each with its parser (`add`) and its call (`run`); what a command does
+trust, report — a module a subcommand, each declaring its arguments and its call as a COMMAND
+(clipdist.cli.command); what a command does
 lives in clipdist.tools (or the package it names), imported only when it runs, so `clipdist --help` stays quick."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from clipdist.distributed import host
 from clipdist.errors import ClipdistError, printable, report_bug
 
 __all__ = ["build_parser", "main", "train_main"]
-COMMANDS = (gradcheck, plan, bench, make_shards, export, evaluate, trust, report)  # each: add(commands), run(args)
+COMMANDS = tuple(module.COMMAND for module in (gradcheck, plan, bench, make_shards, export, evaluate, trust, report))
 DESCRIPTION = (
     "CLIP pretraining with exact distributed contrastive losses: train, torchrun, gradcheck, plan, bench (loss, gpu, "
     "limit), make-shards, export, eval, trust, report"

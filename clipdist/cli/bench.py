@@ -7,116 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from clipdist.cli.arguments import csv, given
+from clipdist.cli.arguments import csv
+from clipdist.cli.command import Command, arg, given
 from clipdist.files import write_atomic
-
-
-def add(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks: `clipdist bench loss`, `gpu`, `limit`")
-    bench_kinds = bench.add_subparsers(dest="kind", required=True)
-    loss_bench = bench_kinds.add_parser(
-        "loss",
-        help="memory and time of every loss backend (and open_clip's local loss) across batches and world sizes",
-        description="Per-rank bytes kept for backward, peak memory and forward+backward time of each loss backend "
-        "on random features, one launch of N local ranks per world size (gloo on CPU, NCCL on CUDA).",
-    )
-    loss_bench.add_argument(
-        "--backend", type=csv(str), default=None, help="comma-separated backends (default: all, plus open_clip)"
-    )
-    # Defaults: bench.run's (argparse.SUPPRESS: an option not given is not passed).
-    loss_bench.add_argument(
-        "--world", dest="world_sizes", type=csv(int), default=argparse.SUPPRESS, help="world sizes (default 1,2,4)"
-    )
-    loss_bench.add_argument(
-        "--batch",
-        dest="global_batches",
-        type=csv(int),
-        default=argparse.SUPPRESS,
-        help="global batches (default 1024,4096,16384,65536)",
-    )
-    loss_bench.add_argument("--dim", type=int, default=argparse.SUPPRESS, help="feature dim (default 128)")
-    loss_bench.add_argument("--repeats", type=int, default=argparse.SUPPRESS, help="default 3")
-    loss_bench.add_argument(
-        "--budget",
-        default=argparse.SUPPRESS,
-        help="skip configurations predicted to need more, all ranks (default 16GB)",
-    )
-    loss_bench.add_argument("--out", default="docs/bench", help="folder for the JSON and the PNG plot")
-    loss_bench.add_argument("--tag", default="cpu", help="file name suffix: loss_<tag>.json")
-    loss_bench.add_argument(
-        "--scaling-world",
-        type=int,
-        default=8,
-        help="the predicted table (Inf-CL's Table 1 shape) at this many ranks; 0: none",
-    )
-    loss_bench.add_argument(
-        "--scaling-batch", type=csv(int), default=None, help="its global batches (default 32k … 1M)"
-    )
-    loss_bench.add_argument("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)")
-    loss_bench.set_defaults(run=run_loss)
-    gpu = bench_kinds.add_parser(
-        "gpu",
-        help="the GPU battery: the run's own step for ViT-B/32, B/16, L/14 in bf16 / fp16, compiled or not, large "
-        "batches with tiled and siglip, FSDP2, a background save, a real run (--tiny: on the CPU)",
-        description="samples/s, MFU and peak memory of the run's own step on a synthetic batch on the device; one "
-        "row per setting, a failing row says why and the rest go on (clipdist/tools/gpu_battery.py).",
-    )
-    gpu.add_argument("--tiny", action="store_true", help="clipdist-tiny on the CPU, small batches (what CI runs)")
-    gpu.add_argument("--steps", type=int, default=10, help="timed steps per row (after 2 warm-up steps)")
-    gpu.add_argument(
-        "--large-batches",
-        type=csv(int),
-        default=[16384, 32768, 65536],
-        help="global batches for disco, tiled and siglip on one device (default 16384,32768,65536)",
-    )
-    gpu.add_argument("--out", default=None, help="write every row as JSON here (after each row)")
-    gpu.add_argument(
-        "--doc", default=None, help="write the table as Markdown here, after each row (docs/bench/gpu_battery.md)"
-    )
-    gpu.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        help="seconds the battery may take: rows run most valuable first, a row whose estimate does not fit is "
-        "skipped and says so (default 420 on a GPU, none on the CPU)",
-    )
-    gpu.add_argument(
-        "--resume",
-        default=None,
-        metavar="JSON",
-        help="an earlier run's --out: keep its measured rows on this device and run only the rest (a second device "
-        "call finishes what the first did not reach)",
-    )
-    gpu.add_argument(
-        "--estimate-for",
-        type=float,
-        default=None,
-        metavar="TFLOPS",
-        help="print the default plan's rows with their time estimates for a device of this dense peak (989: H100 "
-        "SXM bf16), run nothing",
-    )
-    gpu.set_defaults(run=run_gpu)
-    limit = bench_kinds.add_parser(
-        "limit",
-        help="a run as a fraction of this machine's limit: loader and step CPU cost per sample, the pipelined bound",
-        description="One core's CPU seconds per sample for the loader (read, decode, augment, tokenize, collate) and "
-        "the step (forward, loss, backward, optimizer), the bound C / (loader + step) for this machine's C cores, and "
-        "real runs at 1 and 2 ranks as a fraction of it (clipdist/tools/limit.py).",
-    )
-    limit.add_argument("--data", nargs="+", default=["digits", "web_photos"], choices=["digits", "web_photos"])
-    limit.add_argument("--ranks", type=csv(int), default=[1, 2], help="world sizes of the real runs (default 1,2)")
-    limit.add_argument("--batch", type=int, default=128, help="global batch (default 128)")
-    limit.add_argument("--batches", type=int, default=12, help="batches timed for the loader's cost (default 12)")
-    limit.add_argument("--steps", type=int, default=60, help="steps of each real run (default 60)")
-    limit.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        help="rounds of every measurement, real runs interleaved; the medians are reported (default 3)",
-    )
-    limit.add_argument("--cache-dir", default="~/.cache/clipdist", help="where the built-in shards are written")
-    limit.add_argument("--out", default=None, help="write the rows as JSON here")
-    limit.set_defaults(run=run_limit)
 
 
 def run_loss(args: argparse.Namespace) -> int:
@@ -125,7 +18,7 @@ def run_loss(args: argparse.Namespace) -> int:
 
     names = bench.backends(args.backend)
     fits = bench.loss_fits(names)
-    options = given(args, "world_sizes", "global_batches", "dim", "repeats")
+    options = given(args, "backend", "out", "tag", "scaling_world", "scaling_batch", "scaling_dim", "budget")
     if hasattr(args, "budget"):
         options["budget_bytes"] = parse_bytes(args.budget)
     rows = bench.run(names, fits=fits, **options)
@@ -175,3 +68,130 @@ def run_limit(args: argparse.Namespace) -> int:
     if args.out:
         write_atomic(Path(args.out), json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+COMMAND = Command(
+    "bench",
+    help="benchmarks: `clipdist bench loss`, `gpu`, `limit`",
+    subcommands=(
+        Command(
+            "loss",
+            help="memory and time of every loss backend (and open_clip's local loss) across batches and world sizes",
+            description="Per-rank bytes kept for backward, peak memory and forward+backward time of each loss backend "
+            "on random features, one launch of N local ranks per world size (gloo on CPU, NCCL on CUDA).",
+            arguments=(
+                arg(
+                    "--backend",
+                    type=csv(str),
+                    default=None,
+                    help="comma-separated backends (default: all, plus open_clip)",
+                ),
+                arg(
+                    "--world",
+                    dest="world_sizes",
+                    type=csv(int),
+                    help="world sizes (default 1,2,4)",
+                ),
+                arg(
+                    "--batch",
+                    dest="global_batches",
+                    type=csv(int),
+                    help="global batches (default 1024,4096,16384,65536)",
+                ),
+                arg("--dim", type=int, help="feature dim (default 128)"),
+                arg("--repeats", type=int, help="default 3"),
+                arg(
+                    "--budget",
+                    help="skip configurations predicted to need more, all ranks (default 16GB)",
+                ),
+                arg("--out", default="docs/bench", help="folder for the JSON and the PNG plot"),
+                arg("--tag", default="cpu", help="file name suffix: loss_<tag>.json"),
+                arg(
+                    "--scaling-world",
+                    type=int,
+                    default=8,
+                    help="the predicted table (Inf-CL's Table 1 shape) at this many ranks; 0: none",
+                ),
+                arg("--scaling-batch", type=csv(int), default=None, help="its global batches (default 32k … 1M)"),
+                arg("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)"),
+            ),
+            run=run_loss,
+            given_only=True,
+        ),
+        Command(
+            "gpu",
+            help="the GPU battery: the run's own step for ViT-B/32, B/16, L/14 in bf16 / fp16, compiled or not, large "
+            "batches with tiled and siglip, FSDP2, a background save, a real run (--tiny: on the CPU)",
+            description="samples/s, MFU and peak memory of the run's own step on a synthetic batch on the device; one "
+            "row per setting, a failing row says why and the rest go on (clipdist/tools/gpu_battery.py).",
+            arguments=(
+                arg("--tiny", action="store_true", help="clipdist-tiny on the CPU, small batches (what CI runs)"),
+                arg("--steps", type=int, default=10, help="timed steps per row (after 2 warm-up steps)"),
+                arg(
+                    "--large-batches",
+                    type=csv(int),
+                    default=[16384, 32768, 65536],
+                    help="global batches for disco, tiled and siglip on one device (default 16384,32768,65536)",
+                ),
+                arg("--out", default=None, help="write every row as JSON here (after each row)"),
+                arg(
+                    "--doc",
+                    default=None,
+                    help="write the table as Markdown here, after each row (docs/bench/gpu_battery.md)",
+                ),
+                arg(
+                    "--budget",
+                    type=float,
+                    default=None,
+                    help="seconds the battery may take: rows run most valuable first, a row whose estimate does not "
+                    "fit is "
+                    "skipped and says so (default 420 on a GPU, none on the CPU)",
+                ),
+                arg(
+                    "--resume",
+                    default=None,
+                    metavar="JSON",
+                    help="an earlier run's --out: keep its measured rows on this device and run only the rest (a "
+                    "second device "
+                    "call finishes what the first did not reach)",
+                ),
+                arg(
+                    "--estimate-for",
+                    type=float,
+                    default=None,
+                    metavar="TFLOPS",
+                    help="print the default plan's rows with their time estimates for a device of this dense peak "
+                    "(989: H100 "
+                    "SXM bf16), run nothing",
+                ),
+            ),
+            run=run_gpu,
+        ),
+        Command(
+            "limit",
+            help="a run as a fraction of this machine's limit: loader and step CPU cost per sample, the pipelined "
+            "bound",
+            description="One core's CPU seconds per sample for the loader (read, decode, augment, tokenize, collate) "
+            "and "
+            "the step (forward, loss, backward, optimizer), the bound C / (loader + step) for this machine's C cores, "
+            "and "
+            "real runs at 1 and 2 ranks as a fraction of it (clipdist/tools/limit.py).",
+            arguments=(
+                arg("--data", nargs="+", default=["digits", "web_photos"], choices=["digits", "web_photos"]),
+                arg("--ranks", type=csv(int), default=[1, 2], help="world sizes of the real runs (default 1,2)"),
+                arg("--batch", type=int, default=128, help="global batch (default 128)"),
+                arg("--batches", type=int, default=12, help="batches timed for the loader's cost (default 12)"),
+                arg("--steps", type=int, default=60, help="steps of each real run (default 60)"),
+                arg(
+                    "--repeats",
+                    type=int,
+                    default=3,
+                    help="rounds of every measurement, real runs interleaved; the medians are reported (default 3)",
+                ),
+                arg("--cache-dir", default="~/.cache/clipdist", help="where the built-in shards are written"),
+                arg("--out", default=None, help="write the rows as JSON here"),
+            ),
+            run=run_limit,
+        ),
+    ),
+)

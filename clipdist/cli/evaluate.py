@@ -7,62 +7,7 @@ import argparse
 import json
 
 from clipdist.cli.arguments import csv
-
-
-def add(commands) -> None:
-    evaluator = commands.add_parser(
-        "eval",
-        help="evaluate a run, checkpoint, export or open_clip model on evaluation sets, without training",
-        description="Zero-shot top-1/top-5, retrieval recall@k, mean/median rank and the CLIP validation loss of a "
-        "model on one or more evaluation sets; on one process or split over N local ranks (the same metrics).",
-    )
-    evaluator.add_argument(
-        "target",
-        help="a run directory, a .dcp/.pt checkpoint, an export folder, or an open_clip "
-        "model name (with --pretrained) or hf-hub:ORG/REPO",
-    )
-    evaluator.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        type=_named_set,
-        metavar="NAME=SPEC",
-        help="an evaluation set: shards, a folder, a clip_benchmark dataset folder (repeatable)",
-    )
-    evaluator.add_argument(
-        "--dense",
-        action="store_true",
-        help="also a linear probe on the image tower's patch tokens over generated scenes of shapes (a label per "
-        "pixel): dense/miou and dense/patch_accuracy (docs/training.md)",
-    )
-    evaluator.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name")
-    evaluator.add_argument("--model", default=None, help="the model a bare weights file fits (ViT-B-32)")
-    evaluator.add_argument(
-        "--classnames",
-        type=csv(str),
-        default=None,
-        help="comma-separated class names, where no classnames.txt is beside the set",
-    )
-    evaluator.add_argument(
-        "--templates",
-        action="append",
-        default=None,
-        help="a zero-shot prompt with {} (repeatable; default 'a photo of {}.')",
-    )
-    evaluator.add_argument("--world", type=int, default=1, help="local gloo ranks to split the sets over")
-    evaluator.add_argument("--batch", type=int, default=256, help="images per forward")
-    evaluator.add_argument("--precision", choices=["fp32", "bf16", "fp16", "pure_bf16", "pure_fp16"], default="fp32")
-    evaluator.add_argument("--cache-dir", default=None, help="where downloaded weights go (Hugging Face's cache)")
-    evaluator.add_argument(
-        "--retrieval-ties",
-        choices=["pessimistic", "open_clip"],
-        default="pessimistic",
-        help="repeated captions: a tie counts against the image (default), or open_clip_train's argsort order",
-    )
-    evaluator.add_argument("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights")
-    evaluator.add_argument("--out", default=None, help="write the metrics to this JSON file")
-    evaluator.add_argument("--json", action="store_true", help="print the metrics as JSON")
-    evaluator.set_defaults(run=run)
+from clipdist.cli.command import Command, arg
 
 
 def _named_set(text: str) -> tuple[str, str]:
@@ -107,3 +52,60 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"written to {args.out}")
     return 0
+
+
+COMMAND = Command(
+    "eval",
+    help="evaluate a run, checkpoint, export or open_clip model on evaluation sets, without training",
+    description="Zero-shot top-1/top-5, retrieval recall@k, mean/median rank and the CLIP validation loss of a "
+    "model on one or more evaluation sets; on one process or split over N local ranks (the same metrics).",
+    arguments=(
+        arg(
+            "target",
+            help="a run directory, a .dcp/.pt checkpoint, an export folder, or an open_clip "
+            "model name (with --pretrained) or hf-hub:ORG/REPO",
+        ),
+        arg(
+            "--set",
+            dest="sets",
+            action="append",
+            type=_named_set,
+            metavar="NAME=SPEC",
+            help="an evaluation set: shards, a folder, a clip_benchmark dataset folder (repeatable)",
+        ),
+        arg(
+            "--dense",
+            action="store_true",
+            help="also a linear probe on the image tower's patch tokens over generated scenes of shapes (a label per "
+            "pixel): dense/miou and dense/patch_accuracy (docs/training.md)",
+        ),
+        arg("--pretrained", default=None, help="open_clip pretrained tag of a model name"),
+        arg("--model", default=None, help="the model a bare weights file fits (ViT-B-32)"),
+        arg(
+            "--classnames",
+            type=csv(str),
+            default=None,
+            help="comma-separated class names, where no classnames.txt is beside the set",
+        ),
+        arg(
+            "--templates",
+            action="append",
+            default=None,
+            help="a zero-shot prompt with {} (repeatable; default 'a photo of {}.')",
+        ),
+        arg("--world", type=int, default=1, help="local gloo ranks to split the sets over"),
+        arg("--batch", type=int, default=256, help="images per forward"),
+        arg("--precision", choices=["fp32", "bf16", "fp16", "pure_bf16", "pure_fp16"], default="fp32"),
+        arg("--cache-dir", default=None, help="where downloaded weights go (Hugging Face's cache)"),
+        arg(
+            "--retrieval-ties",
+            choices=["pessimistic", "open_clip"],
+            default="pessimistic",
+            help="repeated captions: a tie counts against the image (default), or open_clip_train's argsort order",
+        ),
+        arg("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights"),
+        arg("--out", default=None, help="write the metrics to this JSON file"),
+        arg("--json", action="store_true", help="print the metrics as JSON"),
+    ),
+    run=run,
+)

@@ -5,38 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def add(commands) -> None:
-    exporter = commands.add_parser(
-        "export",
-        help="a trained model as open_clip or Hugging Face transformers loads it, for sharing and downstream use",
-        description="Write a model as a folder: in open_clip's hub layout (open_clip_config.json + "
-        "open_clip_model.safetensors, a run's checkpoint as it is; open_clip's 'local-dir:<out>', clip_benchmark) "
-        "or, with --format transformers, as transformers' CLIPModel + CLIPProcessor (from_pretrained, pipelines).",
-    )
-    exporter.add_argument(
-        "source",
-        help="a run directory or a .pt / .dcp checkpoint; for --format transformers also "
-        "an export folder or an open_clip model name (with --pretrained)",
-    )
-    exporter.add_argument("--out", required=True, help="output folder")
-    exporter.add_argument(
-        "--format",
-        choices=["open_clip", "transformers"],
-        default="open_clip",
-        help="open_clip's hub layout (default) or transformers' CLIPModel",
-    )
-    exporter.add_argument("--pretrained", default=None, help="open_clip pretrained tag of a model name (transformers)")
-    exporter.add_argument("--model", default=None, help="the model a bare weights file fits (transformers)")
-    exporter.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
-    exporter.add_argument("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights")
-    exporter.add_argument(
-        "--parts",
-        action="store_true",
-        help="also the modules only a loss term trains (loss.decoder's caption decoder, the teacher terms' heads), "
-        "in training_parts.safetensors beside the model (open_clip's layout; left out by default)",
-    )
-    exporter.set_defaults(run=run)
+from clipdist.cli.command import Command, arg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,3 +39,37 @@ def run(args: argparse.Namespace) -> int:
             f"or clip_benchmark eval --model local-dir:{args.out} --pretrained ''"
         )
     return 0
+
+
+COMMAND = Command(
+    "export",
+    help="a trained model as open_clip or Hugging Face transformers loads it, for sharing and downstream use",
+    description="Write a model as a folder: in open_clip's hub layout (open_clip_config.json + "
+    "open_clip_model.safetensors, a run's checkpoint as it is; open_clip's 'local-dir:<out>', clip_benchmark) "
+    "or, with --format transformers, as transformers' CLIPModel + CLIPProcessor (from_pretrained, pipelines).",
+    arguments=(
+        arg(
+            "source",
+            help="a run directory or a .pt / .dcp checkpoint; for --format transformers also "
+            "an export folder or an open_clip model name (with --pretrained)",
+        ),
+        arg("--out", required=True, help="output folder"),
+        arg(
+            "--format",
+            choices=["open_clip", "transformers"],
+            default="open_clip",
+            help="open_clip's hub layout (default) or transformers' CLIPModel",
+        ),
+        arg("--pretrained", default=None, help="open_clip pretrained tag of a model name (transformers)"),
+        arg("--model", default=None, help="the model a bare weights file fits (transformers)"),
+        arg("--overwrite", action="store_true", help="replace a non-empty --out folder"),
+        arg("--ema", action="store_true", help="a run's weight average (optim.ema) as the weights"),
+        arg(
+            "--parts",
+            action="store_true",
+            help="also the modules only a loss term trains (loss.decoder's caption decoder, the teacher terms' heads), "
+            "in training_parts.safetensors beside the model (open_clip's layout; left out by default)",
+        ),
+    ),
+    run=run,
+)

@@ -8,7 +8,8 @@ import json
 
 import yaml
 
-from clipdist.cli.arguments import batch_sizes, given
+from clipdist.cli.arguments import batch_sizes
+from clipdist.cli.command import Command, arg, given
 from clipdist.registry.losses import BACKENDS
 from clipdist.registry.terms import TERMS
 
@@ -21,104 +22,11 @@ def option(text: str) -> tuple[str, object]:
     return key.removeprefix("loss."), yaml.safe_load(value)
 
 
-def add(commands) -> None:
-    check = commands.add_parser(
-        "gradcheck",
-        help="prove a distributed loss exact against one process on the global batch",
-        description="Spawn N local gloo ranks, run one DDP (or FSDP) step of a tiny two-tower model with the loss, and "
-        "compare the loss and every parameter's gradient with one process on the whole batch.",
-    )
-    # Defaults: run_gradcheck's (argparse.SUPPRESS: an option not given is not passed).
-    check.argument_default = argparse.SUPPRESS
-    check.add_argument("--backend", help=f"a registered backend ({', '.join(BACKENDS)}; default disco)")
-    check.add_argument("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature")
-    check.add_argument("--world", dest="world_size", type=int, help="number of local ranks (default 2)")
-    check.add_argument(
-        "--batch",
-        dest="local_batch",
-        type=batch_sizes,
-        help="local batch per rank, or one per rank: 4,3,5 (default 4)",
-    )
-    check.add_argument("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks")
-    check.add_argument(
-        "--parallel",
-        choices=["ddp", "fsdp"],
-        help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)",
-    )
-    check.add_argument(
-        "--lock-image",
-        type=int,
-        nargs="?",
-        const=0,
-        metavar="UNLOCKED_GROUPS",
-        help="lock the image tower (open_clip's lock_image_tower), its last N groups left trainable",
-    )
-    check.add_argument(
-        "--lock-text",
-        type=int,
-        nargs="?",
-        const=0,
-        metavar="UNLOCKED_LAYERS",
-        help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable",
-    )
-    check.add_argument(
-        "--scaler",
-        action="store_true",
-        help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)",
-    )
-    check.add_argument(
-        "--distill",
-        action="store_true",
-        help="add loss.distill's term against a teacher (the same model, other weights), checked "
-        "against open_clip's DistillClipLoss on the whole batch",
-    )
-    check.add_argument(
-        "--term",
-        dest="terms",
-        action="append",
-        choices=list(TERMS),
-        help="add a registered loss term (repeat for more), on with small options (its registry entry's probe): any "
-        "module of its own on the model, the EMA teacher another model's weights, checked against the term's own "
-        "definition (distill: --distill)",
-    )
-    check.add_argument(
-        "--option",
-        dest="options",
-        action="append",
-        type=option,
-        metavar="KEY=VALUE",
-        help="an option of the backend (tile=3) or of a --term (self_distill.crops=3), as its config key after "
-        "loss.; repeat for more",
-    )
-    check.add_argument("--dtype", choices=["float64", "float32"], help="default float64")
-    check.add_argument("--model", help="open_clip model config (random init; default the tiny model)")
-    check.add_argument("--seed", type=int)
-    check.add_argument("--timeout", dest="timeout_s", type=float, help="seconds before a stuck collective fails")
-    check.add_argument("--json", action="store_true", default=False, help="print a JSON object instead of the table")
-    check.add_argument("--verbose", action="store_true", default=False, help="list every parameter")
-    check.set_defaults(run=run)
-
-
 def run(args: argparse.Namespace) -> int:
     from clipdist.tools.gradcheck import run_gradcheck
 
-    options = given(
-        args,
-        "world_size",
-        "local_batch",
-        "dtype",
-        "model",
-        "seed",
-        "timeout_s",
-        "chunks",
-        "parallel",
-        "lock_image",
-        "lock_text",
-        "scaler",
-        "distill",
-        "terms",
-    )
-    options["options"] = dict(getattr(args, "options", []))
+    options = given(args, "json", "verbose", "loss", "backend")
+    options["options"] = dict(options.get("options", []))
     if args.loss or hasattr(args, "backend"):
         options["loss"] = args.loss or args.backend
     report = run_gradcheck(**options)
@@ -177,3 +85,82 @@ def _print_report(report, verbose: bool) -> None:
             else ""
         )
     )
+
+
+COMMAND = Command(
+    "gradcheck",
+    help="prove a distributed loss exact against one process on the global batch",
+    description="Spawn N local gloo ranks, run one DDP (or FSDP) step of a tiny two-tower model with the loss, and "
+    "compare the loss and every parameter's gradient with one process on the whole batch.",
+    arguments=(
+        arg("--backend", help=f"a registered backend ({', '.join(BACKENDS)}; default disco)"),
+        arg("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature"),
+        arg("--world", dest="world_size", type=int, help="number of local ranks (default 2)"),
+        arg(
+            "--batch",
+            dest="local_batch",
+            type=batch_sizes,
+            help="local batch per rank, or one per rank: 4,3,5 (default 4)",
+        ),
+        arg("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks"),
+        arg(
+            "--parallel",
+            choices=["ddp", "fsdp"],
+            help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)",
+        ),
+        arg(
+            "--lock-image",
+            type=int,
+            nargs="?",
+            const=0,
+            metavar="UNLOCKED_GROUPS",
+            help="lock the image tower (open_clip's lock_image_tower), its last N groups left trainable",
+        ),
+        arg(
+            "--lock-text",
+            type=int,
+            nargs="?",
+            const=0,
+            metavar="UNLOCKED_LAYERS",
+            help="lock the text tower (open_clip's lock_text_tower), its last N layers left trainable",
+        ),
+        arg(
+            "--scaler",
+            action="store_true",
+            help="scale the loss and unscale the gradients as precision=fp16 does (ShardedGradScaler)",
+        ),
+        arg(
+            "--distill",
+            action="store_true",
+            help="add loss.distill's term against a teacher (the same model, other weights), checked "
+            "against open_clip's DistillClipLoss on the whole batch",
+        ),
+        arg(
+            "--term",
+            dest="terms",
+            action="append",
+            choices=list(TERMS),
+            help="add a registered loss term (repeat for more), on with small options (its registry entry's probe): "
+            "any "
+            "module of its own on the model, the EMA teacher another model's weights, checked against the term's own "
+            "definition (distill: --distill)",
+        ),
+        arg(
+            "--option",
+            dest="options",
+            action="append",
+            type=option,
+            metavar="KEY=VALUE",
+            help="an option of the backend (tile=3) or of a --term (self_distill.crops=3), as its config key after "
+            "loss.; repeat for more",
+        ),
+        arg("--dtype", choices=["float64", "float32"], help="default float64"),
+        arg("--model", help="open_clip model config (random init; default the tiny model)"),
+        arg("--seed", type=int),
+        arg("--timeout", dest="timeout_s", type=float, help="seconds before a stuck collective fails"),
+        arg("--json", action="store_true", default=False, help="print a JSON object instead of the table"),
+        arg("--verbose", action="store_true", default=False, help="list every parameter"),
+    ),
+    run=run,
+    given_only=True,
+)

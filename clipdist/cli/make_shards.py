@@ -6,37 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clipdist.cli.command import Command, arg
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
-
-
-def add(commands) -> None:
-    shards = commands.add_parser(
-        "make-shards",
-        help="write an image folder or a CSV of (path, caption) as WebDataset shards",
-        description="Write image/caption pairs as WebDataset shards in the img2dataset layout "
-        "(.jpg/.png + .txt + .json).",
-    )
-    source = shards.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--images", help="folder of images; caption from a same-name .txt, else the parent folder's name"
-    )
-    source.add_argument(
-        "--csv", help="a table of image paths (relative to it) and captions; by default open_clip's TSV layout"
-    )
-    shards.add_argument(
-        "--separator", default=TABLE_SEPARATOR, help="--csv's column separator: \\t / tab (default, open_clip's) or ,"
-    )
-    shards.add_argument("--path-column", default=TABLE_IMAGE_KEY, help="default: filepath (open_clip's)")
-    shards.add_argument("--caption-column", default=TABLE_CAPTION_KEY, help="default: title (open_clip's)")
-    shards.add_argument("--out", required=True, help="output folder")
-    shards.add_argument("--prefix", default="shard")
-    shards.add_argument("--samples-per-shard", type=int, default=1000)
-    shards.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty --out folder (as a whole, once the new shards are written)",
-    )
-    shards.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,3 +33,32 @@ def run(args: argparse.Namespace) -> int:
         + (f" ({len(unreadable)} unreadable image(s) left out)" if unreadable else "")
     )
     return 0
+
+
+COMMAND = Command(
+    "make-shards",
+    help="write an image folder or a CSV of (path, caption) as WebDataset shards",
+    description="Write image/caption pairs as WebDataset shards in the img2dataset layout (.jpg/.png + .txt + .json).",
+    one_of=(
+        arg("--images", help="folder of images; caption from a same-name .txt, else the parent folder's name"),
+        arg("--csv", help="a table of image paths (relative to it) and captions; by default open_clip's TSV layout"),
+    ),
+    arguments=(
+        arg(
+            "--separator",
+            default=TABLE_SEPARATOR,
+            help="--csv's column separator: \\t / tab (default, open_clip's) or ,",
+        ),
+        arg("--path-column", default=TABLE_IMAGE_KEY, help="default: filepath (open_clip's)"),
+        arg("--caption-column", default=TABLE_CAPTION_KEY, help="default: title (open_clip's)"),
+        arg("--out", required=True, help="output folder"),
+        arg("--prefix", default="shard"),
+        arg("--samples-per-shard", type=int, default=1000),
+        arg(
+            "--overwrite",
+            action="store_true",
+            help="replace a non-empty --out folder (as a whole, once the new shards are written)",
+        ),
+    ),
+    run=run,
+)

@@ -7,85 +7,7 @@ import argparse
 import json
 
 from clipdist.cli.arguments import chunk_counts, csv
-
-
-def add(commands) -> None:
-    planner = commands.add_parser(
-        "plan",
-        help="per-device memory, communication and largest batch of a run, before launching it",
-        description="Measure the towers and loss backends small on CPU, scale to the requested run, and print the "
-        "per-device memory breakdown, bytes sent per step and the largest global batch that fits.",
-    )
-    planner.add_argument("--model", default="vit_b32", help="conf/model preset (vit_b32) or open_clip name (ViT-B-32)")
-    planner.add_argument("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks")
-    planner.add_argument(
-        "--global-batch",
-        type=int,
-        default=None,
-        help="default: the world preset's (batch_per_device × ranks), 32768 for a number of ranks",
-    )
-    planner.add_argument("--backend", type=csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled")
-    planner.add_argument(
-        "--chunks",
-        type=chunk_counts,
-        default=[1],
-        help="gradient-caching chunks, comma-separated: 1,8; auto: the chunk size that reaches the "
-        "largest batch (within 5%%) in the fewest chunks",
-    )
-    planner.add_argument(
-        "--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)"
-    )
-    planner.add_argument(
-        "--parallel",
-        type=csv(str),
-        default=["ddp"],
-        help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)",
-    )
-    planner.add_argument(
-        "--host-memory",
-        default="2TB",
-        help="host memory per node, for the batch's inputs (default 2TB: a DGX H100 node)",
-    )
-    planner.add_argument(
-        "--loader-workers", type=int, default=8, help="loader workers per rank (each reads 2 loader batches ahead)"
-    )
-    planner.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=None,
-        help="default: the world preset's procs_per_node (8 at most for a number of ranks)",
-    )
-    planner.add_argument(
-        "--seq-len",
-        type=int,
-        default=None,
-        help="a NaFlex tower: plan its images at this many "
-        "patches (the longest of data.seq_lens; default its image_size grid)",
-    )
-    planner.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="a NaFlex run's data.max_tokens_per_batch: the global batch is max_tokens // seq_len",
-    )
-    planner.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    planner.add_argument("--grad-checkpointing", action="store_true")
-    planner.add_argument(
-        "--distill",
-        metavar="TEACHER",
-        help="count a distillation teacher (loss.distill.model): "
-        "an open_clip name, hf-hub:, local-dir:, an export or a run",
-    )
-    planner.add_argument(
-        "--ema", action="store_true", help="count optim.ema's weight average (an fp32 copy of the weights per rank)"
-    )
-    planner.add_argument(
-        "--recipe",
-        help="count a conf/recipe entry (siglip2): its terms' heads and decoder, their forwards' activations "
-        "(local views, the masked image, the decoder's logits) and its weight average",
-    )
-    planner.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
-    planner.set_defaults(run=run)
+from clipdist.cli.command import Command, arg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,3 +124,81 @@ def _table(title: str, columns: tuple[str, ...]):
     for column in columns:
         table.add_column(column, justify="left" if column in ("backend", "limited by") else "right", no_wrap=True)
     return table
+
+
+COMMAND = Command(
+    "plan",
+    help="per-device memory, communication and largest batch of a run, before launching it",
+    description="Measure the towers and loss backends small on CPU, scale to the requested run, and print the "
+    "per-device memory breakdown, bytes sent per step and the largest global batch that fits.",
+    arguments=(
+        arg("--model", default="vit_b32", help="conf/model preset (vit_b32) or open_clip name (ViT-B-32)"),
+        arg("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks"),
+        arg(
+            "--global-batch",
+            type=int,
+            default=None,
+            help="default: the world preset's (batch_per_device × ranks), 32768 for a number of ranks",
+        ),
+        arg("--backend", type=csv(str), default=["disco", "tiled"], help="comma-separated: disco,tiled"),
+        arg(
+            "--chunks",
+            type=chunk_counts,
+            default=[1],
+            help="gradient-caching chunks, comma-separated: 1,8; auto: the chunk size that reaches the "
+            "largest batch (within 5%%) in the fewest chunks",
+        ),
+        arg("--memory", default="40GB", help="device memory (40GB, 80GiB) or a device (a100-40gb, h100-80gb)"),
+        arg(
+            "--parallel",
+            type=csv(str),
+            default=["ddp"],
+            help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)",
+        ),
+        arg(
+            "--host-memory",
+            default="2TB",
+            help="host memory per node, for the batch's inputs (default 2TB: a DGX H100 node)",
+        ),
+        arg(
+            "--loader-workers", type=int, default=8, help="loader workers per rank (each reads 2 loader batches ahead)"
+        ),
+        arg(
+            "--ranks-per-node",
+            type=int,
+            default=None,
+            help="default: the world preset's procs_per_node (8 at most for a number of ranks)",
+        ),
+        arg(
+            "--seq-len",
+            type=int,
+            default=None,
+            help="a NaFlex tower: plan its images at this many "
+            "patches (the longest of data.seq_lens; default its image_size grid)",
+        ),
+        arg(
+            "--max-tokens",
+            type=int,
+            default=None,
+            help="a NaFlex run's data.max_tokens_per_batch: the global batch is max_tokens // seq_len",
+        ),
+        arg("--precision", choices=["bf16", "fp32"], default="bf16"),
+        arg("--grad-checkpointing", action="store_true"),
+        arg(
+            "--distill",
+            metavar="TEACHER",
+            help="count a distillation teacher (loss.distill.model): "
+            "an open_clip name, hf-hub:, local-dir:, an export or a run",
+        ),
+        arg(
+            "--ema", action="store_true", help="count optim.ema's weight average (an fp32 copy of the weights per rank)"
+        ),
+        arg(
+            "--recipe",
+            help="count a conf/recipe entry (siglip2): its terms' heads and decoder, their forwards' activations "
+            "(local views, the masked image, the decoder's logits) and its weight average",
+        ),
+        arg("--json", action="store_true", help="print a JSON object instead of the table"),
+    ),
+    run=run,
+)

@@ -5,22 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def add(commands) -> None:
-    trusting = commands.add_parser(
-        "trust",
-        help="convert a checkpoint or weights file you trust into a copy clipdist reads without running code",
-        description="Read SOURCE the unsafe way -- any code it carries RUNS NOW, as you: only for files whose origin "
-        "you trust -- and write a copy of its tensors and plain values, which clipdist then reads safely. "
-        "See docs/checkpoints.md.",
-    )
-    trusting.add_argument("source", help="a .pt/.bin/.pth file or a .dcp checkpoint folder that clipdist refused")
-    trusting.add_argument(
-        "--out",
-        default=None,
-        help="where the copy goes (default: beside it, <stem>.trusted<suffix> / <name>.trusted.dcp)",
-    )
-    trusting.set_defaults(run=run)
+from clipdist.cli.command import Command, arg
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,3 +17,21 @@ def run(args: argparse.Namespace) -> int:
         f"(model.checkpoint={out}, resume={out}, clipdist export {out})"
     )
     return 0
+
+
+COMMAND = Command(
+    "trust",
+    help="convert a checkpoint or weights file you trust into a copy clipdist reads without running code",
+    description="Read SOURCE the unsafe way -- any code it carries RUNS NOW, as you: only for files whose origin "
+    "you trust -- and write a copy of its tensors and plain values, which clipdist then reads safely. "
+    "See docs/checkpoints.md.",
+    arguments=(
+        arg("source", help="a .pt/.bin/.pth file or a .dcp checkpoint folder that clipdist refused"),
+        arg(
+            "--out",
+            default=None,
+            help="where the copy goes (default: beside it, <stem>.trusted<suffix> / <name>.trusted.dcp)",
+        ),
+    ),
+    run=run,
+)
