@@ -898,12 +898,9 @@ def field_notes(source_file: str | Path = __file__) -> dict[tuple[str, str], str
 
 def describe_keys() -> list[str]:
     """One line per key of the schema: `key = default  — what it is` (`python train.py --help`)."""
-    sources = {
-        sys.modules[spec.options.__module__].__file__
-        for spec in (*BACKENDS.values(), *TERMS.values(), *KINDS.values(), *SCHEDULES.values())
-        if spec.options is not None
-    }
-    notes = {key: note for source in sources for key, note in field_notes(source).items()}
+    specs: list[Any] = [*BACKENDS.values(), *TERMS.values(), *KINDS.values(), *SCHEDULES.values()]
+    sources = {sys.modules[spec.options.__module__].__file__ for spec in specs if spec.options is not None}
+    notes = {key: note for source in sources if source for key, note in field_notes(source).items()}
     notes.update(field_notes())
     described: list[str] = []
 

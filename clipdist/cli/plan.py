@@ -47,25 +47,7 @@ def run(args: argparse.Namespace) -> int:
         measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel, host
     )
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": model_name,
-                    "world_size": world_size,
-                    "device_bytes": device_bytes,
-                    "host": {
-                        "ranks_per_node": host.ranks_per_node,
-                        "loader_workers": host.loader_workers,
-                        "memory": host.memory,
-                    },
-                    "precision": args.precision,
-                    "grad_checkpointing": checkpointing,
-                    "distill": args.distill,
-                    "rows": plan.rows_as_dicts(rows),
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(_as_json(args, model_name, world_size, device_bytes, host, checkpointing, rows), indent=2))
         return 0
     console.print(
         f"{model_name}{' (grad checkpointing)' if checkpointing else ''}, world size {world_size}, global batch "
@@ -73,6 +55,38 @@ def run(args: argparse.Namespace) -> int:
         f"{human_bytes(device_bytes)}, host {human_bytes(host.memory)}/node ({host.ranks_per_node} ranks × "
         f"{host.loader_workers} loader workers)"
     )
+    console.print(*_tables(args, rows))
+    inputs = "NaFlex float32 patches at --seq-len" if args.seq_len else "uint8 pixels"
+    console.print(
+        f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
+        f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
+        f"less. Inputs: {human_bytes(measured.input_bytes)}/sample ({inputs} + int64 tokens). "
+        "Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included. With gradient caching, "
+        "run with grad_cache.micro_batch=<per chunk> and data.pieces=<chunks> (the loader reads the batch "
+        "in chunks into host memory).[/dim]"
+    )
+    return 0
+
+
+def _as_json(args, model_name, world_size, device_bytes, host, checkpointing, rows) -> dict:
+    from clipdist.tools import plan
+
+    return {
+        "model": model_name,
+        "world_size": world_size,
+        "device_bytes": device_bytes,
+        "host": {"ranks_per_node": host.ranks_per_node, "loader_workers": host.loader_workers, "memory": host.memory},
+        "precision": args.precision,
+        "grad_checkpointing": checkpointing,
+        "distill": args.distill,
+        "rows": plan.rows_as_dicts(rows),
+    }
+
+
+def _tables(args, rows) -> tuple:
+    """The plan's two tables: memory per device, and the run (host memory, bytes sent, the largest batch)."""
+    from clipdist.tools.memory import human_bytes
+
     teacher = ("teacher",) if args.distill else ()
     memory = _table("memory per device", ("backend", "chunks", "params\n+optim", "activ-\nations", "cached\nfeat."))
     for column in ("loss", "inputs", "comm\nbuf.", *teacher, "peak", "fits"):
@@ -101,18 +115,7 @@ def run(args: argparse.Namespace) -> int:
         run.add_row(
             name, chunks, human_bytes(row.host_per_node), human_bytes(row.sent_bytes_per_step), largest, row.limit
         )
-    console.print(memory)
-    console.print(run)
-    inputs = "NaFlex float32 patches at --seq-len" if args.seq_len else "uint8 pixels"
-    console.print(
-        f"[dim]activations measured on CPU: {human_bytes(measured.activations.per_sample)}/sample + "
-        f"{human_bytes(measured.activations.per_step)}/step; CUDA attention kernels may keep a little "
-        f"less. Inputs: {human_bytes(measured.input_bytes)}/sample ({inputs} + int64 tokens). "
-        "Allocator fragmentation and the CUDA context (~0.5–1 GB) are not included. With gradient caching, "
-        "run with grad_cache.micro_batch=<per chunk> and data.pieces=<chunks> (the loader reads the batch "
-        "in chunks into host memory).[/dim]"
-    )
-    return 0
+    return memory, run
 
 
 def _table(title: str, columns: tuple[str, ...]):

@@ -200,16 +200,7 @@ class TrainStream:
         # A fresh run's cycle: (V/N)·G where its workers can each take whole batches (order.worker_readers), with
         # data.readers set the global batch (the same order on any world size it starts on)
         whole = budget is None and not self.replicated and self.readers_setting is None
-        self.layout = {
-            "resampled": data.resampled,
-            "seed": seed,
-            "shuffle_buffer": data.shuffle_buffer,
-            "weights": list(data.weights) if data.weights else None,
-            "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in sources).encode()).hexdigest(),
-            "readers": total,
-            "cycle": batch_size * world_size * (total // world_size if whole else 1),
-            "budget": budget.layout() if budget is not None else None,
-        }
+        self.layout = self._layout(total, batch_size * world_size * (total // world_size if whole else 1))
         # epoch mode with every shard's size known: each epoch is a permutation of the rows (data/epochs.py); found
         # here where the caller did not find them once already (preflight: Shards.sizes)
         self.sizes, self.sizes_how = sizes or epoch_sizes([url for urls in sources for url in urls], data.resampled)
@@ -224,6 +215,19 @@ class TrainStream:
         self._loader = None
         self._worker_readers: list[list[int]] | None = None  # whole batches per worker: each one's readers
         self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
+
+    def _layout(self, readers: int, cycle: int) -> dict:
+        """What fixes the sample order: saved with the position, compared on resume."""
+        return {
+            "resampled": self.data.resampled,
+            "seed": self.seed,
+            "shuffle_buffer": self.data.shuffle_buffer,
+            "weights": list(self.data.weights) if self.data.weights else None,
+            "shards": hashlib.sha1("\n::\n".join("\n".join(urls) for urls in self.sources).encode()).hexdigest(),
+            "readers": readers,
+            "cycle": cycle,
+            "budget": self.budget.layout() if self.budget is not None else None,
+        }
 
     def _order(self, readers: int, cycle: int):
         return SampleOrder(readers, cycle) if self.budget is None else BudgetOrder(readers, self.budget)

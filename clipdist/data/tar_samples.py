@@ -137,23 +137,29 @@ def tar_files(stream, names_only: bool = False):
             )
         offset += _BLOCK + padded
         data = payload[:size]
-        if kind == b"x":  # pax: "<length> <key>=<value>\n" records for the next member
-            try:
-                records = (record.split(b" ", 1)[1].split(b"=", 1) for record in _pax_records(data))
-                extended = {key.decode(): value.decode("utf-8", "surrogateescape") for key, value in records}
-            except ValueError:
-                raise TruncatedShardError(
-                    f"shard is damaged at byte {offset - padded}: unreadable pax records"
-                ) from None
-        elif kind == b"L":  # GNU long name for the next member
-            extended = {**extended, "path": data.rstrip(b"\0").decode("utf-8", "surrogateescape")}
-        elif kind in (b"g", b"K"):  # global pax header, GNU long link name: nothing a sample needs
-            pass
+        if kind in _EXTENSIONS:
+            extended = _extended(kind, data, extended, offset - padded)
         else:
             if kind in _REGULAR:
                 yield _member_name(block, extended), data
             extended = {}
         block = stream.read(_BLOCK)
+
+
+_EXTENSIONS = (b"x", b"L", b"g", b"K")  # headers that describe the next member, or nothing a sample needs
+
+
+def _extended(kind: bytes, data: bytes, extended: dict[str, str], at: int) -> dict[str, str]:
+    """The next member's extended header after an extension member of `kind` holding `data` (at byte `at`)."""
+    if kind == b"x":  # pax: "<length> <key>=<value>\n" records for the next member
+        try:
+            records = (record.split(b" ", 1)[1].split(b"=", 1) for record in _pax_records(data))
+            return {key.decode(): value.decode("utf-8", "surrogateescape") for key, value in records}
+        except ValueError:
+            raise TruncatedShardError(f"shard is damaged at byte {at}: unreadable pax records") from None
+    if kind == b"L":  # GNU long name for the next member
+        return {**extended, "path": data.rstrip(b"\0").decode("utf-8", "surrogateescape")}
+    return extended  # global pax header, GNU long link name: nothing a sample needs
 
 
 def _pax_records(data: bytes):

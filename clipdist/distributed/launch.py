@@ -245,6 +245,16 @@ def release_openmp_threads() -> None:
         runtime.omp_pause_resource_all(OMP_PAUSE_HARD)
 
 
+def _drained(done: bool, results, collected: dict[int, Any]) -> bool:
+    """Whether the ranks are done; their results read as they come (a rank blocked on a full pipe never exits)."""
+    try:
+        while True:
+            rank, result = results.get_nowait()
+            collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
+    except queue_module.Empty:
+        return done
+
+
 def launch_local(
     fn: Callable[..., Result], world_size: int, *args, timeout_s: float = COLLECTIVE_TIMEOUT_S
 ) -> dict[int, Result]:
@@ -288,16 +298,8 @@ def launch_local(
     )
     collected: dict[int, Any] = {}  # each rank's return value, or its _UserError (raised below)
     try:
-        while True:
-            done = context.join(timeout=0.2, grace_period=5)
-            try:  # drain as we go: a rank blocked on a full pipe would never exit
-                while True:
-                    rank, result = results.get_nowait()
-                    collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
-            except queue_module.Empty:
-                pass
-            if done:
-                break
+        while not _drained(context.join(timeout=0.2, grace_period=5), results, collected):
+            pass
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -118,6 +118,28 @@ def check_folder_is_its_own(folder: Path, where: str) -> None:
             raise UnsafeFileError(f"{where}: {error}") from None
 
 
+def _check_hf_file(folder: Path, file: str, where: str) -> None:
+    """A Hugging Face folder's config `file`: no file it names outside the folder, no auto_map (code to import)."""
+    try:
+        found = read_small_json(folder / file)
+    except UnsafeFileError as error:  # a FIFO or /dev/zero would hang or fill transformers' reader
+        raise UnsafeFileError(f"{where}: {error}") from None
+    except (OSError, ValueError):  # none there, or not JSON: transformers reads no auto_map from it either
+        return
+    for name, named in found.items() if isinstance(found, dict) else ():
+        if name.endswith("_file") and isinstance(named, str) and named:
+            if not (folder / named).resolve().is_relative_to(folder.resolve()):
+                raise UnsafeFileError(
+                    f"{where}: refused: {str(folder / file)!r} names {name}={printable(named)[:80]!r}, a file "
+                    "outside its folder"
+                )
+    if isinstance(found, dict) and "auto_map" in found:
+        raise UnsafeFileError(
+            f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
+            "transformers import the Python files it names"
+        )
+
+
 def check_config_is_data(model_cfg: dict, where: str) -> None:
     """A model config from a file (a config file, an export / local-dir folder, a hub repo, a run's saved name) is
     data: nothing in it may make a rank import code or reach the network on its own. Refused, one line
@@ -149,24 +171,7 @@ def check_config_is_data(model_cfg: dict, where: str) -> None:
             )
         check_folder_is_its_own(folder, where)
         for file in ("tokenizer_config.json", "config.json"):
-            try:
-                found = read_small_json(folder / file)
-            except UnsafeFileError as error:  # a FIFO or /dev/zero would hang or fill transformers' reader
-                raise UnsafeFileError(f"{where}: {error}") from None
-            except (OSError, ValueError):  # none there, or not JSON: transformers reads no auto_map from it either
-                continue
-            for name, named in found.items() if isinstance(found, dict) else ():
-                if name.endswith("_file") and isinstance(named, str) and named:
-                    if not (folder / named).resolve().is_relative_to(folder.resolve()):
-                        raise UnsafeFileError(
-                            f"{where}: refused: {str(folder / file)!r} names {name}={printable(named)[:80]!r}, a file "
-                            "outside its folder"
-                        )
-            if isinstance(found, dict) and "auto_map" in found:
-                raise UnsafeFileError(
-                    f"{where}: refused: {str(folder / file)!r} has an auto_map, which makes "
-                    "transformers import the Python files it names"
-                )
+            _check_hf_file(folder, file, where)
     if KWARGS_KEY in (model_cfg.get("vision_cfg") or {}):
         check_tower_kwargs(model_cfg["vision_cfg"][KWARGS_KEY], where)
     named = (model_cfg.get("vision_cfg") or {}).get("timm_model_name")

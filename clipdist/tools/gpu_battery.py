@@ -281,6 +281,15 @@ def step_estimate(
     return SETUP_S + (COMPILE_S if compiled else 0.0) + flops / (peak_tflops * 1e12 * ASSUMED_MFU)
 
 
+def save_row(base: str, precision: str, device: torch.device) -> Planned:
+    """A background save's stall (the loop held for the copy to host memory) and its write time."""
+
+    def work(folder):
+        return checkpoint_stall(config(folder, base, precision, BATCH[base]), device)
+
+    return Planned("checkpoint", f"{base} background save", work, SETUP_S + 10.0)
+
+
 def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dict) -> list[Planned]:
     """Every row, most valuable first (estimates from an H200's measured rows): the B/16 and B/32 bf16 step, a real
     run's loader feeding the device, the loss backends at the smallest and largest global batch on one device with
@@ -319,14 +328,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     first += [data_row(tiny, peak[0])]
     first += [row for size in ends for row in large_rows(size, micro)]
     first += naflex_rows(tiny, steps, precision, peak, device)
-    first.append(
-        Planned(
-            "checkpoint",
-            f"{base} background save",
-            lambda work: checkpoint_stall(config(work, base, precision, BATCH[base]), device),
-            SETUP_S + 10.0,
-        )
-    )
+    first.append(save_row(base, precision, device))
     later = [] if tiny else [step_row(model, precision, True) for model in models]
     later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
     if not tiny:

@@ -387,21 +387,11 @@ def run_gradchecks(
     teacher another model's weights, each checked against its own one-process definition. `options`: `key: value`
     for the backend's own options (`tile`) and `<term>.<key>` for a term's (`self_distill.crops`).
     """
-    if parallel not in ("ddp", "fsdp"):
-        raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
-    if dtype not in TOLERANCE:
-        raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
-    if world_size < 1:
-        raise ValueError(f"world size must be at least 1, got {world_size}")
+    sizes = _local_sizes(parallel, dtype, world_size, local_batch, chunks)
     options = dict(options or {})
     backend_options = {key: value for key, value in options.items() if "." not in key}
     chosen = Terms.named([*terms, *(["distill"] if distill else [])], {k: v for k, v in options.items() if "." in k})
     loss_fns = [resolve_loss(spec, backend_options) for spec in losses]  # fail here, not in N workers
-    sizes = [local_batch] * world_size if isinstance(local_batch, int) else list(local_batch)
-    if len(sizes) != world_size:
-        raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
-    if chunks < 1 or chunks > min(sizes):
-        raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
     locks = Locks(lock_image, lock_text)
     rank_results = launch_local(
         _rank_step,
@@ -419,6 +409,17 @@ def run_gradchecks(
         backend_options,
         timeout_s=timeout_s,
     )[0]  # rank 0's (loss, grads) per backend
+    reports = _reports(
+        losses, loss_fns, rank_results, sizes, dtype, model, seed, locks, chosen, chunks, parallel, options
+    )
+    for report in reports:
+        report.scaler = scaler
+    return reports
+
+
+def _reports(losses, loss_fns, rank_results, sizes, dtype, model, seed, locks, chosen, chunks, parallel, options):
+    """Each loss's report: its ranks' step against its definition's one-process step (one per definition)."""
+    world_size = len(sizes)
     tolerance = TOLERANCE[dtype]
     in_float32 = sorted(float32_parameters(create_model(model, device="meta"))) if dtype == "float64" else []
     references: dict[tuple, tuple[Any, Any]] = {}  # one single-process step per loss definition, shared by the backends
@@ -429,25 +430,30 @@ def run_gradchecks(
             references[definition] = _reference_step(
                 sum(sizes), seed, getattr(torch, dtype), model, loss_fn, locks, chosen
             )
-        report = _report(
-            spec,
-            loss,
-            grads,
-            *references[definition],
-            world_size,
-            sizes,
-            dtype,
-            tolerance,
-            chunks,
-            parallel,
-            in_float32,
-        )
-        report.locks = {tower: n for tower, n in (("image", lock_image), ("text", lock_text)) if n is not None}
-        report.scaler, report.distill = scaler, chosen.distill
+        setting = (world_size, sizes, dtype, tolerance, chunks, parallel, in_float32)
+        report = _report(spec, loss, grads, *references[definition], *setting)
+        report.locks = {tower: n for tower, n in (("image", locks.image), ("text", locks.text)) if n is not None}
+        report.distill = chosen.distill
         report.terms, report.options = [name for name, _ in chosen.own], options
         report.locked_parameters = sum(ref is None for ref in references[definition][1].values())
         reports.append(report)
     return reports
+
+
+def _local_sizes(parallel: str, dtype: str, world_size: int, local_batch, chunks: int) -> list[int]:
+    """Each rank's batch; a ValueError for a request that cannot run."""
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
+    if dtype not in TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    sizes = [local_batch] * world_size if isinstance(local_batch, int) else list(local_batch)
+    if len(sizes) != world_size:
+        raise ValueError(f"{len(sizes)} local batch sizes given for world size {world_size}")
+    if chunks < 1 or chunks > min(sizes):
+        raise ValueError(f"chunks={chunks}: need 1 ≤ chunks ≤ the smallest local batch ({min(sizes)})")
+    return sizes
 
 
 def run_gradcheck(loss: str = "disco", world_size: int = 2, **options) -> GradcheckReport:

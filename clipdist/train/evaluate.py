@@ -137,6 +137,14 @@ class _Encoder:
         return bool(flag.item())
 
 
+def _encode_nothing(encoder: _Encoder, stand_in) -> None:
+    """A lockstep rank's forward when its share is done and another rank's is not: a stand-in image, no text."""
+    encoder.images([stand_in])
+    encoder.texts([])
+    if encoder.captions:
+        encoder.caption_terms([stand_in], [])
+
+
 def _encode_share(
     encoder: _Encoder, evalset: EvalSet, image_transform, skips: SkipCounter, batch_size: int, stand_in
 ) -> dict:
@@ -164,10 +172,7 @@ def _encode_share(
             if not encoder.more(bool(batch)):
                 break
             if not batch:  # lockstep: another rank still encodes
-                encoder.images([stand_in])
-                encoder.texts([])
-                if encoder.captions:
-                    encoder.caption_terms([stand_in], [])
+                _encode_nothing(encoder, stand_in)
                 continue
             pixels = [image_transform(image) for _, image, _, _ in batch]
             image_features.append(encoder.images(pixels))
@@ -271,6 +276,23 @@ def clip_loss_in_blocks(images: torch.Tensor, texts: torch.Tensor, logit_scale: 
 
 
 @torch.no_grad()
+def _text_metrics(model, found: dict, retrieval_ties: str, loss_block: int, captions: bool) -> dict:
+    """Retrieval, the CLIP loss over each captioned image's first caption, and CoCa's caption loss."""
+    scale = model.logit_scale.exp().detach().float().cpu() if hasattr(model, "logit_scale") else 1.0
+    metrics = retrieval_metrics(
+        found["images"], found["texts"], found["owners"], ties=retrieval_ties, logit_scale=scale
+    )
+    first = torch.ones(len(found["owners"]), dtype=torch.bool)
+    first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
+    metrics["clip_loss"] = clip_loss_in_blocks(
+        found["images"][found["owners"][first]], found["texts"][first], model.logit_scale.exp().item(), loss_block
+    )
+    caption_sum, caption_tokens = found["caption_terms"].tolist()
+    if captions and caption_tokens:  # CoCa: each image with its first caption, a token mean
+        metrics["caption_loss"] = caption_sum / caption_tokens
+    return metrics
+
+
 def evaluate(
     model,
     tokenizer,
@@ -310,23 +332,7 @@ def evaluate(
             "skipped_shards": found["skipped_shards"],
         }
         if found["texts"] is not None:
-            scale = model.logit_scale.exp().detach().float().cpu() if hasattr(model, "logit_scale") else 1.0
-            metrics.update(
-                retrieval_metrics(
-                    found["images"], found["texts"], found["owners"], ties=retrieval_ties, logit_scale=scale
-                )
-            )
-            first = torch.ones(len(found["owners"]), dtype=torch.bool)
-            first[1:] = found["owners"][1:] != found["owners"][:-1]  # each captioned image's first caption
-            metrics["clip_loss"] = clip_loss_in_blocks(
-                found["images"][found["owners"][first]],
-                found["texts"][first],
-                model.logit_scale.exp().item(),
-                loss_block or batch_size,
-            )
-            caption_sum, caption_tokens = found["caption_terms"].tolist()
-            if encoder.captions and caption_tokens:  # CoCa: each image with its first caption, a token mean
-                metrics["caption_loss"] = caption_sum / caption_tokens
+            metrics.update(_text_metrics(model, found, retrieval_ties, loss_block or batch_size, encoder.captions))
         if classifier is not None:
             metrics.update(zero_shot_metrics(found["images"], found["labels"], classifier, evalset))
     finally:

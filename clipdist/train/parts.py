@@ -94,6 +94,38 @@ def compile_cache(run_dir: str) -> str:
     return folder
 
 
+def _wrapped(cfg: TrainConfig, device: torch.device, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
+    """The model as the step trains it: DDP or FSDP2 (under FSDP the parameters become this rank's shards, gathered
+    in the autocast dtype on CUDA; gradients are reduced in fp32), compiled where `compile` (its cache beside the
+    run). Wrapped before the optimizer is built."""
+    gathered_dtype = (
+        precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
+    )
+    if compile:
+        compile_cache(cfg.run_dir)
+    return parallel.wrap_model(
+        model,
+        parallel=str(cfg.world.parallel),
+        compile=compile,
+        param_dtype=gathered_dtype,
+        sync_batchnorm=cfg.world.sync_batchnorm,
+    )
+
+
+def _term_context(cfg: TrainConfig, device, model, local_rank: int, ema) -> TermContext:
+    return TermContext(
+        model,
+        device,
+        precision.weights_dtype(cfg.precision),
+        cfg.model.cache_dir,
+        local_rank,
+        cfg.optim.max_steps,
+        getattr(cfg.loss, "tile", DEFAULT_TILE),
+        cfg.seed,
+        ema.state_dict if ema is not None else None,  # the teacher terms' teacher
+    )
+
+
 def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
     """Model, its wrapping, optimizer, schedule, precision, objective and step from config, as a run builds them
     (the trainer, and `clipdist bench gpu` timing the run's own step); the same initial weights on every rank."""
@@ -104,21 +136,8 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
     )
     attach_parts(cfg.loss, model)  # a term's own head, seeded with the model, before DDP or FSDP sees the parameters
-    # Wrapped before the optimizer is built: under FSDP the parameters become this rank's shards, gathered in
-    # the autocast dtype on CUDA (gradients are reduced in fp32).
-    gathered_dtype = (
-        precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
-    )
     compiled = compile_decision(cfg, device, model)
-    if compiled[0]:
-        compile_cache(cfg.run_dir)
-    train_model = parallel.wrap_model(
-        model,
-        parallel=str(cfg.world.parallel),
-        compile=compiled[0],
-        param_dtype=gathered_dtype,
-        sync_batchnorm=cfg.world.sync_batchnorm,
-    )
+    train_model = _wrapped(cfg, device, model, compiled[0])
     optimizer, scheduler = build_optimizer(model, cfg.optim)
     scaler = precision.gradient_scaler(cfg.precision, device)
     if cfg.data.resolution_schedule and naflex_trunk(model) is None:
@@ -127,18 +146,9 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     preprocess: dict = model.visual.preprocess_cfg  # type: ignore[union-attr,assignment]
     mean, std = preprocess["mean"], preprocess["std"]
     ema = WeightAverage(model, cfg.optim.ema) if cfg.optim.ema.decay > 0 else None
-    context = TermContext(
-        model,
-        device,
-        precision.weights_dtype(cfg.precision),
-        cfg.model.cache_dir,
-        local_rank,
-        cfg.optim.max_steps,
-        getattr(cfg.loss, "tile", DEFAULT_TILE),
-        cfg.seed,
-        ema.state_dict if ema is not None else None,  # self-distillation's teacher
+    objective = run_objective(
+        cfg.loss, cfg.model.name, loss_fn, model, _term_context(cfg, device, model, local_rank, ema)
     )
-    objective = run_objective(cfg.loss, cfg.model.name, loss_fn, model, context)
     text_towers = [model] + [term.teacher for term, _ in objective.terms if hasattr(term, "teacher")]
     trim_text = trims_text(cfg, device) and all(allow_short_text(tower) for tower in text_towers)
     step = build_step(

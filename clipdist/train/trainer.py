@@ -98,6 +98,15 @@ class Trainer:
         for line, level in startup.start_lines(self):
             self.say(line, level)
 
+    def consumed(self, agreed, batch) -> None:
+        """The stream moves past the step's batch (which the next start then never reads again)."""
+        stream, step = self.stream, self.state.step + 1
+        stream.consumed(agreed.counts)
+        if switch := stream.switch_at(stream.batches):
+            self.say(f"after step {step}: {switch}")
+        if self.cfg.logging.sample_keys:
+            log_sample_keys(self.run_dir, self.env.rank, step, batch.sample_keys, batch.seq_len)
+
     def fit(self) -> dict | None:
         cfg, state, checkpointer, stream = self.cfg, self.state, self.checkpointer, self.stream
         metrics, bad_steps, skipped_steps, self.overflow_steps = None, 0, 0, 0
@@ -121,11 +130,7 @@ class Trainer:
                         f"{checkpointer.directory}; run again with resume=auto to continue"
                     )
                     break
-                stream.consumed(agreed.counts)
-                if switch := stream.switch_at(stream.batches):
-                    self.say(f"after step {state.step + 1}: {switch}")
-                if cfg.logging.sample_keys:
-                    log_sample_keys(self.run_dir, self.env.rank, state.step + 1, batch.sample_keys, batch.seq_len)
+                self.consumed(agreed, batch)
                 if grad_norm is None:  # a non-finite global loss: every rank skipped the update
                     bad_steps, skipped_steps = bad_steps + 1, skipped_steps + 1
                     self.say(
