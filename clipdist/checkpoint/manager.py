@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -239,6 +239,14 @@ def _resume_settings(config: dict, rule: str) -> dict:
     return {key: value for key, value in flat.items() if resume_rule(key) == rule}
 
 
+class Requests(NamedTuple):
+    """What a rank asks of a step's agreement (train.step.StepAgreement): all ranks stop, save or publish together."""
+
+    stop: bool = False  # a stop signal was received
+    timer_elapsed: bool = False  # checkpoint_every_minutes passed since the last save
+    written: bool = False  # its part of the save in the background is written
+
+
 class Checkpointer:
     """Owns checkpointing for a run: when to save (every `checkpoint_every` steps, the last step, every
     `checkpoint_every_minutes`, a stop signal), saving (every rank writes its part), retention and resuming.
@@ -274,11 +282,12 @@ class Checkpointer:
     def directory(self) -> Path:
         return self.files.directory
 
-    def requests(self) -> tuple[bool, bool, bool]:
-        """This rank's (stop signal received, checkpoint_every_minutes passed since the last save, its part of a
-        save in the background written)."""
+    def requests(self) -> Requests:
+        """What this rank asks of the next step's agreement."""
         timer_elapsed = self.every_s is not None and time.monotonic() - self.last_saved >= self.every_s
-        return self.stop.received is not None, timer_elapsed, self.pending is not None and self.pending.written
+        return Requests(
+            self.stop.received is not None, timer_elapsed, self.pending is not None and self.pending.written
+        )
 
     def due(self, step: int, timer_elapsed: bool) -> bool:
         """Whether the state after `step` is saved: the step interval, the last step, or the (agreed) timer."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import io
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
@@ -27,6 +28,46 @@ from clipdist.registry.kinds import TableOptions
 SCHEME = "table:"
 LINE_BYTES = 1 << 20  # a row: a path and a caption (open_clip's captions: a few hundred bytes)
 SUFFIXES = (".csv", ".tsv")
+
+
+@dataclass(frozen=True)
+class TablePart:
+    """Rows `first`..`last` of a table, the first of them at byte `at` after `skip` non-empty lines: a shard. The
+    machinery that deals shards holds it as its URL (`url`, made here and read back by `of`, nowhere else)."""
+
+    path: str
+    first: int
+    last: int
+    at: int
+    sep: str
+    image: str
+    caption: str
+    skip: int | None = None  # None: the part as the table was cut (its URL names no skip)
+
+    @property
+    def rows(self) -> int:
+        return self.last - self.first + 1
+
+    def url(self) -> str:
+        query = {"sep": self.sep, "image": self.image, "caption": self.caption}
+        query |= {"skip": str(self.skip)} if self.skip is not None else {}
+        return f"{SCHEME}{quote(self.path)}#rows={self.first}-{self.last}&at={self.at}&{urlencode(query)}"
+
+    @classmethod
+    def of(cls, url: str) -> TablePart:
+        path, _, fragment = url[len(SCHEME) :].partition("#")
+        options = {key: values[0] for key, values in parse_qs(fragment, keep_blank_values=True).items()}
+        first, last = (int(number) for number in options["rows"].split("-"))
+        return cls(
+            unquote(path),
+            first,
+            last,
+            int(options["at"]),
+            options["sep"],
+            options["image"],
+            options["caption"],
+            int(options["skip"]) if "skip" in options else None,
+        )
 
 
 def delimiter(separator: str) -> str:
@@ -71,10 +112,9 @@ def table_parts(path: str, table: TableOptions, what: str) -> list[str]:
                 f"{sep!r}: {header}); set data.table.image_key / data.table.caption_key / "
                 "data.table.separator"
             )
-        query = urlencode({"sep": sep, "image": table.image_key, "caption": table.caption_key})
 
         def part(first: int, rows: int, at: int) -> str:
-            return f"{SCHEME}{quote(str(file))}#rows={first}-{first + rows - 1}&at={at}&{query}"
+            return TablePart(str(file), first, first + rows - 1, at, sep, table.image_key, table.caption_key).url()
 
         parts, start, rows, offset, first, number = [], handle.tell(), 0, handle.tell(), 0, 1
         while line := _line(handle, file, number + 1):
@@ -93,34 +133,27 @@ def table_parts(path: str, table: TableOptions, what: str) -> list[str]:
 
 
 def part_rows(url: str) -> int:
-    """The rows a table part URL holds (its `rows=first-last`)."""
-    first, last = (int(number) for number in parse_qs(url.partition("#")[2])["rows"][0].split("-"))
-    return last - first + 1
+    """The rows a table part URL holds."""
+    return TablePart.of(url).rows
 
 
 def narrow(url: str, first: int, count: int) -> str:
     """The part URL of `count` rows of a part from its row `first` on (its lines before them skipped unread)."""
-    path, _, fragment = url.partition("#")
-    options = {key: values[0] for key, values in parse_qs(fragment, keep_blank_values=True).items()}
-    start = int(options["rows"].split("-")[0]) + first
-    options.update(rows=f"{start}-{start + count - 1}", skip=str(int(options.get("skip", 0)) + first))
-    return f"{path}#{urlencode(options)}"
+    part = TablePart.of(url)
+    start = part.first + first
+    return replace(part, first=start, last=start + count - 1, skip=(part.skip or 0) + first).url()
 
 
 def part_members(url: str):
     """(fname, data) of a part's rows, as tar_files gives a shard's members: `<row>.<ext>` and `<row>.txt`; a row
     whose image file cannot be read gives its caption alone (the sample is then skipped as having no image)."""
-    path, _, fragment = url[len(SCHEME) :].partition("#")
-    options = {key: values[0] for key, values in parse_qs(fragment, keep_blank_values=True).items()}
-    delimiter = options["sep"]
-    first_row, last_row = (int(number) for number in options["rows"].split("-"))
-    rows = last_row - first_row + 1
-    file = Path(unquote(path))
+    part = TablePart.of(url)
+    delimiter, first_row, rows, file = part.sep, part.first, part.rows, Path(part.path)
     with open_user(file) as handle:
         columns = _row(_line(handle, file, 1), delimiter)
-        image_at, caption_at = columns.index(options["image"]), columns.index(options["caption"])
-        handle.seek(int(options["at"]))
-        skip, taken = int(options.get("skip", 0)), 0
+        image_at, caption_at = columns.index(part.image), columns.index(part.caption)
+        handle.seek(part.at)
+        skip, taken = part.skip or 0, 0
         while skip and (line := handle.readline(LINE_BYTES + 1)):
             skip -= 1 if line.strip() else 0
         while taken < rows:

@@ -40,6 +40,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
+from clipdist.checkpoint.manager import Requests
 from clipdist.data.batch import Batch, as_batch, floats_to
 from clipdist.distributed import parallel
 from clipdist.model.short_text import trim
@@ -71,6 +72,9 @@ class Pending:
         return self.values.tolist()
 
 
+NOTHING_ASKED = Requests()  # no stop, no timer, no save written: a step outside a run (gradcheck, benchmarks)
+
+
 @dataclass(frozen=True)
 class StepAgreement:
     """What every rank learns from the step's one all-reduce, so that all skip, stop, save or step together."""
@@ -83,7 +87,7 @@ class StepAgreement:
     terms: dict  # the objective's terms beside the total (CoCa: contrastive_loss, caption_loss), means over ranks
 
     @staticmethod
-    def start(loss: torch.Tensor, requests: tuple[bool, bool, bool], counts: list[int], terms=()) -> Pending:
+    def start(loss: torch.Tensor, requests: Requests, counts: list[int], terms=()) -> Pending:
         """Collective, not read yet: the mean over ranks of (loss, *terms, stop, timer, written, *counts), on its
         way to the host; `requests` from Checkpointer.requests."""
         flags = torch.tensor([*map(float, requests), *counts], dtype=torch.float64)
@@ -147,7 +151,7 @@ class Step:
         self.applied_lr = None  # the lr the last optimizer step used (its first parameter group's), for the logs
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
-    def __call__(self, batch: Batch, requests=(False, False, False)) -> tuple[StepAgreement, torch.Tensor | None]:
+    def __call__(self, batch: Batch, requests: Requests = NOTHING_ASKED) -> tuple[StepAgreement, torch.Tensor | None]:
         """One training step on this rank's batch; every rank calls it. The optimizer steps unless a rank was
         asked to stop or the global loss is not finite (then grad_norm is None and nothing changed)."""
         batch = as_batch(batch)
