@@ -75,6 +75,7 @@ class Term:
       cached gradients every chunk's re-forward carries.
     - `reference(raw, inputs)`: T's definition on one process over the whole batch (open_clip's, where it has one).
     - `commit()`: after an optimizer step, the term's own state moves on (a centre); not after a stopped step.
+    - `stats()`: scalars the logs show beside its value (the teacher terms: their targets' entropy).
     - `parameters()`: the modules only this term trains (a head): touched with weight 0 before its start, as DDP
       wants a gradient for every parameter at every step.
     """
@@ -104,3 +105,7 @@ class Term:
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         raise NotImplementedError
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """What the logs show of the term beside its value, after `merge` (global: the same on every rank)."""
+        return {}

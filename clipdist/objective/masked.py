@@ -105,13 +105,13 @@ class MaskedTerm(TeacherTerm):
         own = valid if valid is not None else torch.ones_like(mask)
         return self.head(tokens[mask]), teacher, mask, own
 
-    def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ℓ_i: the mean cross-entropy over row i's masked patches; the teacher's outputs at every patch."""
         student, teacher, mask, own = self.outputs(images)
         losses = self.cross_entropy(student, teacher[mask])
         rows = mask.nonzero()[:, 0]
         per_row = losses.new_zeros(len(mask)).index_add(0, rows, losses) / mask.sum(1).to(losses.dtype)
-        return per_row, teacher[own]
+        return per_row, teacher[own], student
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         """T on one process over the whole batch: each image's soft-target cross-entropy averaged over its masked

@@ -113,9 +113,9 @@ class SelfDistillTerm(TeacherTerm):
             embedded = pooled(self.visual(crops.flatten(0, 1)))
         return self.head(embedded).view(rows, options.crops, -1)
 
-    def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor]:
-        teacher = self.targets(images)
-        return self.cross_entropy(self.student(images), teacher[:, None]).mean(1), teacher
+    def rows(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        teacher, student = self.targets(images), self.student(images)
+        return self.cross_entropy(student, teacher[:, None]).mean(1), teacher, student.flatten(0, 1)
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         """T on one process over the whole batch: soft-target cross-entropy over the b·K (view, target) pairs."""

@@ -172,9 +172,10 @@ class TeacherTerm(Term):
         self.head: Head = getattr(model, part)
         self.visual: torch.nn.Module = tower(model)
         self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
+        self.signal: dict[str, torch.Tensor] = {}  # the last step's entropies and centre norm (stats)
 
-    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ℓ_i for each row, (n, P) teacher outputs the centre averages)."""
+    def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ℓ_i for each row, (n, P) teacher outputs the centre averages, (m, P) student outputs)."""
         raise NotImplementedError
 
     def modules(self) -> list[OwnModule]:
@@ -198,21 +199,39 @@ class TeacherTerm(Term):
         """softmax((t − c)/τ_t): the probabilities a reference's cross-entropy takes."""
         return torch.softmax((teacher - self.head.centre) / self.options.teacher_temp, dim=-1)
 
-    def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """(Σ ℓ_i, Σ of the teacher's outputs, rows, outputs) of this forward."""
-        losses, outputs = self.rows(inputs["image"])
-        return losses.sum(), outputs.double().sum(0), len(losses), len(outputs)
+    def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(Σ ℓ_i, Σ of the teacher's outputs, [rows, outputs, students, Σ H(target), Σ H(student)]) of this
+        forward: the sums the step's one all-reduce of the term takes."""
+        losses, outputs, students = self.rows(inputs["image"])
+        with torch.no_grad():
+            entropies = [entropy(self.soft_targets(outputs.float())), entropy(self.student_probabilities(students))]
+        stats = torch.tensor([len(losses), len(outputs), len(students)], dtype=torch.float64, device=losses.device)
+        stats = torch.cat([stats, torch.stack([part.double().sum() for part in entropies])])
+        return losses.sum(), outputs.double().sum(0), stats
 
     def merge(self, parts: list) -> TeacherPart:
-        """The chunks as one; one all-reduce gives B / N and the teacher's global mean (the centre's next step)."""
+        """The chunks as one; one all-reduce gives B / N, the teacher's global mean (the centre's next step) and
+        the mean entropies of the teacher's targets and the student's outputs (the learning signal: `stats`)."""
         total = sum(part[0] for part in parts)
-        rows, outputs = sum(part[2] for part in parts), sum(part[3] for part in parts)
-        counts = torch.tensor([rows, outputs], dtype=torch.float64, device=total.device)
-        sums = torch.cat([counts, sum(part[1] for part in parts).to(total.device)])
+        stats = sum(part[2] for part in parts).to(total.device)
+        sums = torch.cat([stats, sum(part[1] for part in parts).to(total.device)])
         self.ema_teacher.forget()  # every chunk's forward has taken what it needs of the teacher
-        mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, Σ t / N)
-        self.pending = mean[2:] / mean[1]
+        mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, m/N, Σ H_t / N, Σ H_s / N, Σ t / N)
+        self.pending = mean[5:] / mean[1]
+        self.signal = {
+            "target_entropy": mean[3] / mean[1],
+            "student_entropy": mean[4] / mean[2],
+            "centre_norm": self.head.centre.detach().double().norm(),
+        }
         return TeacherPart(total, 1 / mean[0].to(total.dtype))
+
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The learning signal, global (the same on every rank): the teacher targets' mean entropy (ln P: uniform,
+        nothing to learn; 0: one prototype), the student's outputs' and the centre's norm."""
+        return dict(self.signal)
+
+    def student_probabilities(self, student: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(student.float() / self.options.student_temp, dim=-1)
 
     def value(self, features: tuple, part: TeacherPart) -> torch.Tensor:
         return part.per_row * part.total
@@ -227,6 +246,11 @@ class TeacherTerm(Term):
                 centre = self.head.centre
                 centre.lerp_(self.pending.to(centre.device, centre.dtype), 1 - self.options.centre_momentum)
             self.pending = None
+
+
+def entropy(probabilities: torch.Tensor) -> torch.Tensor:
+    """H(p) = −Σ p log p over the last dimension (nats)."""
+    return -(probabilities * probabilities.clamp_min(1e-30).log()).sum(-1)
 
 
 def pooled(output) -> torch.Tensor:

@@ -59,6 +59,8 @@ class Objective:
             value = term.value(outputs.features, outputs.parts[term.name])
             losses.append(value if weight == 1 else value * weight)
             values[term.name] = value.detach()
+            prefix = term.name.removesuffix("_loss")
+            values.update({f"{prefix}_{key}": stat for key, stat in term.stats().items()})
         return _total(losses + self.idle()), values if len(values) > 1 else {}
 
     def idle(self) -> list[torch.Tensor]:
