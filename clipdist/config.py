@@ -49,7 +49,7 @@ from clipdist.registry import left_out
 from clipdist.registry.kinds import KINDS
 from clipdist.registry.losses import BACKENDS, LossSpec
 from clipdist.registry.schedules import SCHEDULES
-from clipdist.registry.terms import TERMS, TermOptions
+from clipdist.registry.terms import TERMS, TermOptions, first_step
 
 # What a resume may change, per key (checkpoint.check_resume): REFUSE a change that makes another model, optimizer state
 # or objective; WARN one that resumes the same state differently (numerics, schedule, what an image is). A section
@@ -419,11 +419,19 @@ class EmaConfig:
     average is the weights themselves. Kept in every checkpoint (resharded to any world size, FSDP2 too);
     `clipdist eval --ema` and `clipdist export --ema` take it (clipdist.optim.ema)."""
 
-    RESUME: ClassVar[dict] = {"decay": WARN, "start_step": WARN, "every": WARN}
+    RESUME: ClassVar[dict] = {"decay": WARN, "start_step": WARN, "start_at": WARN, "every": WARN}
 
     decay: float = non_negative(0.0)  # 0: no average; 0.999 ... 0.9999 (it spans ~1/(1 − decay) updates)
     start_step: int = non_negative(0)  # the first optimizer step that averages (before it: the weights)
+    # or the start as a fraction of optim.max_steps, as a loss term's start_at: the teacher terms' teacher is then
+    # the student at the step they start (SigLIP 2's rule); null: start_step
+    start_at: float | None = None
     every: int = positive(1)  # average every this many steps
+
+    def first_step(self, max_steps: int) -> int:
+        """The first optimizer step that averages: start_step, or where start_at puts it (the step a term with the
+        same start_at first counts, so the average is the weights for that step's forward)."""
+        return self.start_step if self.start_at is None else first_step(self.start_at, max_steps)
 
 
 def _with_schedules(schema: type) -> type:
@@ -560,6 +568,8 @@ def validate(cfg: TrainConfig) -> None:
             )
         cfg.loss.term(name).check(name, cfg)
     check_schedule(cfg.optim)
+    if cfg.optim.ema.start_at is not None and not 0 <= cfg.optim.ema.start_at < 1:
+        raise ConfigError(f"optim.ema.start_at={cfg.optim.ema.start_at}: a fraction of optim.max_steps in [0, 1)")
     if not cfg.optim.ema.decay < 1:
         raise ConfigError(f"optim.ema.decay={cfg.optim.ema.decay}: must be below 1 (0.999 ... 0.9999; 0: no average)")
     if cfg.optim.max_logit_scale <= 1:

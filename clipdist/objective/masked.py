@@ -98,7 +98,7 @@ class MaskedTerm(TeacherTerm):
         """(the student's (m, P) logits at the batch's m masked patches, the teacher's (b, L, P) at every position, the
         (b, L) mask, the (b, L) patches that are the images' own: all but a NaFlex batch's padding)."""
         pixels, valid = images_in(images)
-        teacher = self.teacher_head(self.teacher_image(images)[1])
+        teacher = self.teacher_head(self.teacher_image(images)[1], valid)
         mask = patch_masks(pixels, teacher.shape[1], self.options.ratio, self.seed, self.step or 0, valid)
         with masked_tokens(self.visual, mask, self.head):
             tokens = self.visual(images)[1]

@@ -34,10 +34,19 @@ from clipdist.registry.terms import TeacherOptions
 
 
 class Head(OwnModule):
-    """DINO's projection head: embedding → hidden → GELU → bottleneck, L2-normalised → prototype logits; `centre`
-    (a buffer) is the running mean of the teacher's logits."""
+    """DINO's projection head on standardised embeddings: (x − μ)/σ → hidden → GELU → bottleneck, L2-normalised →
+    prototype logits. Buffers: `centre`, the running mean of the teacher's logits; `input_mean` and `input_var`
+    (μ, σ²), the running moments of the teacher's embeddings, per dimension.
+
+    The standardisation is ours, not DINO's: a contrastive tower's embeddings lie in a narrow cone (cosine 0.996
+    between the tiny model's images), so without it every image gets the same head output, the centring turns that
+    one target into the uniform one, and the term teaches nothing (its targets' entropy at ln P: docs/siglip2.md).
+    The moments are buffers moved after each step, as the centre is: within a step they are constants, so the term
+    stays exact on any number of ranks."""
 
     centre: torch.Tensor
+    input_mean: torch.Tensor
+    input_var: torch.Tensor
     calls_image_tower = True  # the term runs the student's image tower outside the model's forward
 
     def __init__(self, dim: int, options: TeacherOptions):
@@ -47,9 +56,27 @@ class Head(OwnModule):
         )
         self.prototypes = torch.nn.Linear(options.bottleneck, options.prototypes, bias=False)
         self.register_buffer("centre", torch.zeros(options.prototypes))
+        self.register_buffer("input_mean", torch.zeros(dim))
+        self.register_buffer("input_var", torch.ones(dim))
+        self.register_buffer("input_seen", torch.zeros(()))  # 0 until the moments are first the batch's own
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.prototypes(F.normalize(self.mlp(features), dim=-1))
+        scale = torch.rsqrt(self.input_var.to(features.dtype) + 1e-6)
+        standard = (features - self.input_mean.to(features.dtype)) * scale
+        return self.prototypes(F.normalize(self.mlp(standard), dim=-1))
+
+    @torch.no_grad()
+    def follow(self, sums: torch.Tensor, momentum: float) -> None:
+        """The input moments toward the global batch's: `sums` is (n, Σx, Σx²) over the teacher's embeddings, as
+        the all-reduce gives it (each divided by the world size alike)."""
+        dim = len(self.input_mean)
+        count, total, squares = sums[0], sums[1 : 1 + dim], sums[1 + dim :]
+        mean = total / count
+        var = (squares / count - mean * mean).clamp_min(0)
+        weight = 1 - momentum if bool(self.input_seen) else 1.0
+        self.input_mean.lerp_(mean.to(self.input_mean.dtype), weight)
+        self.input_var.lerp_(var.to(self.input_var.dtype), weight)
+        self.input_seen.fill_(1)
 
 
 def put_on(model: torch.nn.Module, part: str, head: torch.nn.Module) -> None:
@@ -173,6 +200,8 @@ class TeacherTerm(Term):
         self.visual: torch.nn.Module = tower(model)
         self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
         self.signal: dict[str, torch.Tensor] = {}  # the last step's entropies and centre norm (stats)
+        self.moments = torch.zeros(0)  # (n, Σx, Σx²) of the teacher head's last inputs
+        self.pending_moments = torch.zeros(0)
 
     def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ℓ_i for each row, (n, P) teacher outputs the centre averages, (m, P) student outputs)."""
@@ -185,8 +214,13 @@ class TeacherTerm(Term):
         """(pooled, per-patch tokens) of the teacher's image tower (EmaTeacher.image: shared by the terms)."""
         return self.ema_teacher.image(self.visual, images, self.step)
 
-    def teacher_head(self, outputs: torch.Tensor) -> torch.Tensor:
-        """h_T: the head with the average's weights."""
+    def teacher_head(self, outputs: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """h_T: the head with the average's weights; the moments of its inputs (those `valid`, where given) kept for
+        `take`, the head's input standardisation follows them."""
+        inputs = outputs.detach().flatten(0, -2) if valid is None else outputs.detach()[valid]
+        inputs = inputs.double()
+        count = inputs.new_tensor([len(inputs)])
+        self.moments = torch.cat([count, inputs.sum(0), (inputs * inputs).sum(0)])
         return self.ema_teacher(self.head, outputs)
 
     def cross_entropy(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -206,7 +240,7 @@ class TeacherTerm(Term):
         with torch.no_grad():
             entropies = [entropy(self.soft_targets(outputs.float())), entropy(self.student_probabilities(students))]
         stats = torch.tensor([len(losses), len(outputs), len(students)], dtype=torch.float64, device=losses.device)
-        stats = torch.cat([stats, torch.stack([part.double().sum() for part in entropies])])
+        stats = torch.cat([stats, torch.stack([part.double().sum() for part in entropies]), self.moments])
         return losses.sum(), outputs.double().sum(0), stats
 
     def merge(self, parts: list) -> TeacherPart:
@@ -216,8 +250,10 @@ class TeacherTerm(Term):
         stats = sum(part[2] for part in parts).to(total.device)
         sums = torch.cat([stats, sum(part[1] for part in parts).to(total.device)])
         self.ema_teacher.forget()  # every chunk's forward has taken what it needs of the teacher
-        mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, m/N, Σ H_t / N, Σ H_s / N, Σ t / N)
-        self.pending = mean[5:] / mean[1]
+        mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, m/N, Σ H_t / N, Σ H_s / N, the moments / N, Σ t / N)
+        moments = 1 + 2 * len(self.head.input_mean)
+        self.pending = mean[5 + moments :] / mean[1]
+        self.pending_moments = mean[5 : 5 + moments]
         self.signal = {
             "target_entropy": mean[3] / mean[1],
             "student_entropy": mean[4] / mean[2],
@@ -245,6 +281,7 @@ class TeacherTerm(Term):
             with torch.no_grad():
                 centre = self.head.centre
                 centre.lerp_(self.pending.to(centre.device, centre.dtype), 1 - self.options.centre_momentum)
+            self.head.follow(self.pending_moments, self.options.centre_momentum)
             self.pending = None
 
 

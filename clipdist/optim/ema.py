@@ -19,8 +19,9 @@ from clipdist.config import EmaConfig
 
 
 class WeightAverage:
-    def __init__(self, model: torch.nn.Module, config: EmaConfig):
-        self.decay, self.start_step, self.every = float(config.decay), int(config.start_step), int(config.every)
+    def __init__(self, model: torch.nn.Module, config: EmaConfig, max_steps: int = 0):
+        self.decay, self.every = float(config.decay), int(config.every)
+        self.start_step = config.first_step(max_steps)
         named = list(model.named_parameters())
         self.names = [name for name, _ in named]
         self.params = [parameter for _, parameter in named]

@@ -212,4 +212,10 @@ def training_only(name: str) -> bool:
 
 def start_step(options: TermOptions, max_steps: int) -> int:
     """The first step (1-based) at which a term with these options counts."""
-    return math.ceil(round(options.start_at * max_steps, 6)) + 1 if options.start_at > 0 else 1
+    return first_step(options.start_at, max_steps)
+
+
+def first_step(start_at: float, max_steps: int) -> int:
+    """The first step (1-based) of what starts after a fraction `start_at` of the run: ⌈start_at · max_steps⌉ + 1,
+    or 1 from the start."""
+    return math.ceil(round(start_at * max_steps, 6)) + 1 if start_at > 0 else 1

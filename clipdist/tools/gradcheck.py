@@ -189,8 +189,10 @@ def _model(model_name: str, seed: int, dtype: torch.dtype, loss_fn, locks: Locks
         spec = TERMS[name]
         if spec.attach is not None:
             spec.load(spec.attach)(_term_options(options, model), model)
-        for buffer in model.get_submodule(spec.part).buffers() if spec.part else ():  # a centre
-            buffer.normal_()
+        for name, buffer in model.get_submodule(spec.part).named_buffers() if spec.part else ():
+            buffer.normal_()  # a centre, the input moments: as after some steps
+            if name.endswith("var"):
+                buffer.abs_().add_(0.5)
     locks.apply(model)
     return model
 

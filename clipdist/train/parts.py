@@ -145,7 +145,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     train_transform, val_transform = image_transforms(model, cfg.data)
     preprocess: dict = model.visual.preprocess_cfg  # type: ignore[union-attr,assignment]
     mean, std = preprocess["mean"], preprocess["std"]
-    ema = WeightAverage(model, cfg.optim.ema) if cfg.optim.ema.decay > 0 else None
+    ema = WeightAverage(model, cfg.optim.ema, cfg.optim.max_steps) if cfg.optim.ema.decay > 0 else None
     objective = run_objective(
         cfg.loss, cfg.model.name, loss_fn, model, _term_context(cfg, device, model, local_rank, ema)
     )
