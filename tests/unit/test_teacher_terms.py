@@ -4,8 +4,11 @@ DDP's every-parameter rule before a term's start, and the masked student's mask 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from clipdist.config import TrainConfig, validate
 from clipdist.errors import ConfigError
@@ -354,3 +357,28 @@ def test_on_a_naflex_tower_the_views_run_in_groups_of_like_length_give_one_calls
         grouped = by_length(run, views, groups=3)
     torch.testing.assert_close(grouped, whole, rtol=1e-10, atol=1e-12)
     assert len(computed) == 3 and sum(computed) < views["patch_valid"].numel()
+
+
+def test_a_narrow_cone_of_embeddings_still_gives_each_image_a_target_of_its_own():
+    """A contrastive tower's embeddings share one direction (cosine 0.996 between the tiny model's images): through
+    the head as they are, every image gets the same output, and the centring turns that one target into the
+    uniform one (entropy ln P: the collapse the logs showed). Once the head's input moments follow the teacher's
+    embeddings (Head.follow, after a step), each image has a sharp target of its own."""
+    from clipdist.objective.teacher import Head, entropy
+
+    torch.manual_seed(0)
+    options = SelfDistillOptions(crops=2, hidden=32, bottleneck=16, prototypes=64)
+    head = Head(8, options).double()
+    cone = 10 * torch.randn(8, dtype=torch.float64) + 0.05 * torch.randn(256, 8, dtype=torch.float64)
+    assert F.cosine_similarity(cone[:128], cone[128:]).min() > 0.99
+
+    def target_entropy() -> float:
+        with torch.no_grad():
+            outputs = head(cone)
+            targets = torch.softmax((outputs - outputs.mean(0)) / options.teacher_temp, dim=-1)
+        return entropy(targets).mean().item()
+
+    uniform = math.log(options.prototypes)
+    assert target_entropy() > 0.99 * uniform  # one target for all, centred away
+    head.follow(torch.cat([cone.new_tensor([len(cone)]), cone.sum(0), (cone * cone).sum(0)]), 0.9)
+    assert target_entropy() < 0.75 * uniform
