@@ -24,13 +24,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from open_clip.transformer import VisionTransformer
+from torch.utils.checkpoint import checkpoint
 
 from clipdist.data.views import sample_keys, view_seed
 from clipdist.errors import ConfigError
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import OwnModule, TermContext
-from clipdist.objective.caption import CaptionTerm, caption_cross_entropy
+from clipdist.objective.caption import CaptionTerm
 from clipdist.objective.teacher import images_in, put_on, tower
 from clipdist.registry.terms import DecoderOptions
 
@@ -57,6 +59,8 @@ class CaptionDecoder(OwnModule):
         self.norm = torch.nn.LayerNorm(width)
         self.logits = torch.nn.Linear(width, vocab)
 
+    fsdp_methods = (*OwnModule.fsdp_methods, "cross_entropy")
+
     def forward(
         self,
         patches: torch.Tensor,
@@ -65,9 +69,43 @@ class CaptionDecoder(OwnModule):
         pad_id: int = 0,
         unseen: torch.Tensor | None = None,
     ):
-        """(b, L−1, vocab) logits; `parallel` (b,) says which rows are predicted at once; `unseen` (b, P) marks patches
-        no caption attends to (a NaFlex batch's padding). One call for every row (under FSDP every rank then gathers the
-        decoder as often), each row with its own attention mask."""
+        """(b, L−1, vocab) logits (the reference's: training takes `cross_entropy`, which never holds them all)."""
+        # the projection's sum a new tensor, not a view of a matmul's (FSDP2 warns of a module that returns a view)
+        return self.hidden(patches, text, parallel, pad_id, unseen) @ self.logits.weight.T + self.logits.bias
+
+    def cross_entropy(
+        self,
+        patches: torch.Tensor,
+        text: torch.Tensor,
+        parallel: torch.Tensor,
+        pad_id: int = 0,
+        unseen: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ CE over the caption tokens that are not padding, their number), the vocabulary's logits made
+        CHUNK_LOGITS at a time and made again in backward (activation checkpointing): the extra memory is one chunk's
+        float32 logits, not the (b, L−1, vocab) tensor (8 GiB at 128 × 64 tokens and 256k words)."""
+        labels = text[:, 1:]
+        kept = labels != pad_id
+        hidden, targets = self.hidden(patches, text, parallel, pad_id, unseen)[kept], labels[kept]
+        rows = max(1, CHUNK_LOGITS // self.logits.out_features)
+        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        for part, answers in zip(hidden.split(rows), targets.split(rows)):
+            total = total + checkpoint(
+                _summed_cross_entropy, part, self.logits.weight, self.logits.bias, answers, use_reentrant=False
+            )
+        return total, kept.sum()
+
+    def hidden(
+        self,
+        patches: torch.Tensor,
+        text: torch.Tensor,
+        parallel: torch.Tensor,
+        pad_id: int = 0,
+        unseen: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(b, L−1, width) states before the vocabulary's projection; `parallel` (b,) says which rows are predicted at
+        once; `unseen` (b, P) marks patches no caption attends to (a NaFlex batch's padding). One call for every row
+        (under FSDP every rank then gathers the decoder as often), each row with its own attention mask."""
         rows, length = text.shape[0], text.shape[1] - 1
         tokens = self.token_embedding(text[:, :-1])
         mask_tokens = self.mask_token.to(tokens.dtype).expand_as(tokens)
@@ -81,8 +119,15 @@ class CaptionDecoder(OwnModule):
         memory = self.patches(patches)
         for block in self.blocks:
             x = block(x, memory, tgt_mask=mask, memory_key_padding_mask=unseen)
-        # the projection's sum a new tensor, not a view of a matmul's (FSDP2 warns of a module that returns a view)
-        return self.norm(x) @ self.logits.weight.T + self.logits.bias
+        return self.norm(x)
+
+
+CHUNK_LOGITS = 1 << 26  # logits made at once by CaptionDecoder.cross_entropy: 256 MiB in float32
+
+
+def _summed_cross_entropy(hidden, weight, bias, labels) -> torch.Tensor:
+    logits = hidden @ weight.T + bias
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
 
 
 def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
@@ -177,14 +222,21 @@ class DecoderTerm(CaptionTerm):
 
     def logits_and_labels(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's (b, L−1, vocab) logits of this forward's captions, and their labels (text[:, 1:])."""
-        patches, text, images = self.patch_tokens.take(), inputs["text"], inputs["image"]
-        valid = images_in(images)[1]
-        unseen = None if valid is None else ~valid
-        return self.decoder(patches, text, self.in_parallel(images), self.pad_id, unseen), text[:, 1:]
+        patches, text, parallel = self.decoder_inputs(inputs)
+        return self.decoder(patches, text, parallel, self.pad_id, self.unseen(inputs)), text[:, 1:]
+
+    def decoder_inputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the forward's patch tokens, the captions, which rows are predicted in parallel)."""
+        return self.patch_tokens.take(), inputs["text"], self.in_parallel(inputs["image"])
+
+    @staticmethod
+    def unseen(inputs: dict) -> torch.Tensor | None:
+        valid = images_in(inputs["image"])[1]
+        return None if valid is None else ~valid
 
     def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ CE, token count) of this forward's captions."""
-        return caption_cross_entropy(*self.logits_and_labels(inputs), self.pad_id)
+        return self.decoder.cross_entropy(*self.decoder_inputs(inputs), self.pad_id, self.unseen(inputs))
 
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         """T on one process: the mean cross-entropy over every caption token of the batch that is not padding."""

@@ -44,21 +44,33 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
             raise ConfigError("loss.self_distill needs a NaFlex tower whose head is a linear projection (open_clip's)")
         put_on(model, PART, Head(projection.out_features, options))
         return True
-    size = image_size(model)[0]
-    if options.crop_size and options.crop_size != size:
+    size, crop = image_size(model)[0], view_size(options, model)
+    if crop != size:
         if not allow_other_sizes(model):
             raise ConfigError(
-                f"loss.self_distill.crop_size={options.crop_size}: this image tower takes only {size}-pixel images; "
-                "set crop_size=0 (the tower's size)"
+                f"loss.self_distill: its views are {crop} pixels, and this image tower takes only {size}-pixel images; "
+                f"set loss.self_distill.crop_size={size}"
             )
         patch = tower(model).patch_size
-        if options.crop_size % patch[0]:
+        if crop % patch[0]:
             raise ConfigError(
-                f"loss.self_distill.crop_size={options.crop_size}: not a multiple of the tower's {patch[0]}-pixel "
-                f"patches; e.g. {max(patch[0], options.crop_size // patch[0] * patch[0])}"
+                f"loss.self_distill.crop_size={crop}: not a multiple of the tower's {patch[0]}-pixel "
+                f"patches; e.g. {max(patch[0], crop // patch[0] * patch[0])}"
             )
     put_on(model, PART, Head(tower(model).output_dim, options))
     return True
+
+
+SILC_VIEW = 96 / 224  # SILC's (and DINO's) local views: 96 pixels for a 224-pixel tower
+
+
+def view_size(options: SelfDistillOptions, model: torch.nn.Module) -> int:
+    """The local views' side in pixels: `crop_size`, or SILC's fraction of the tower's size (96 at 224, 112 at 256),
+    a multiple of its patch, one patch at least."""
+    if options.crop_size:
+        return options.crop_size
+    size, patch = image_size(model)[0], tower(model).patch_size[0]
+    return max(patch, round(size * SILC_VIEW / patch) * patch)
 
 
 def build(options: SelfDistillOptions, context: TermContext) -> TeacherTerm | None:
@@ -88,7 +100,7 @@ class SelfDistillTerm(TeacherTerm):
     def __init__(self, model, teacher, options: SelfDistillOptions, seed: int = 0):
         super().__init__(model, teacher, options, PART, seed)
         self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
-        self.size = options.crop_size or (0 if self.patch_size else image_size(model)[0])
+        self.size = 0 if self.patch_size else view_size(options, model)
 
     def targets(self, images: torch.Tensor | dict) -> torch.Tensor:
         """h_T of the whole images: (b, P) logits."""

@@ -47,6 +47,7 @@ class Head(OwnModule):
     centre: torch.Tensor
     input_mean: torch.Tensor
     input_var: torch.Tensor
+    input_seen: torch.Tensor
     calls_image_tower = True  # the term runs the student's image tower outside the model's forward
 
     def __init__(self, dim: int, options: TeacherOptions):

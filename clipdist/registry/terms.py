@@ -91,7 +91,7 @@ class SelfDistillOptions(TeacherOptions):
     RESUME: ClassVar[dict] = {**TeacherOptions.RESUME, **dict.fromkeys(("crops", "crop_size", "scale"), REFUSE)}
 
     crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
-    crop_size: int = non_negative(0)  # their side in pixels; 0: the image tower's own size
+    crop_size: int = non_negative(0)  # their side in pixels; 0: SILC's 96/224 of the tower's (a multiple of its patch)
     scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
 
     @property

@@ -382,3 +382,29 @@ def test_a_narrow_cone_of_embeddings_still_gives_each_image_a_target_of_its_own(
     assert target_entropy() > 0.99 * uniform  # one target for all, centred away
     head.follow(torch.cat([cone.new_tensor([len(cone)]), cone.sum(0), (cone * cone).sum(0)]), 0.9)
     assert target_entropy() < 0.75 * uniform
+
+
+def test_the_decoders_cross_entropy_in_chunks_equals_the_whole_logits(monkeypatch):
+    """CaptionDecoder.cross_entropy makes the vocabulary's logits a few rows at a time, and again in backward: its sum
+    and every gradient equal the cross-entropy over the whole (b, L−1, vocab) logits."""
+    from clipdist.objective import decoder as decoder_module
+    from clipdist.registry.terms import DecoderOptions
+
+    torch.manual_seed(0)
+    decoder = decoder_module.CaptionDecoder(8, 50, 7, DecoderOptions(layers=1, width=8, heads=2)).double()
+    patches = torch.randn(3, 4, 8, dtype=torch.float64)
+    text = torch.tensor([[1, 5, 6, 7, 0, 0, 0], [1, 9, 8, 0, 0, 0, 0], [1, 3, 4, 5, 6, 7, 8]])
+    parallel = torch.tensor([False, True, False])
+
+    def gradients(loss):
+        decoder.zero_grad()
+        loss.backward()
+        return [parameter.grad.clone() for parameter in decoder.parameters()]
+
+    logits = decoder(patches, text, parallel)
+    whole = F.cross_entropy(logits.flatten(0, 1), text[:, 1:].flatten(), ignore_index=0, reduction="sum")
+    want = gradients(whole)
+    monkeypatch.setattr(decoder_module, "CHUNK_LOGITS", 50 * 2)  # two rows of logits at a time: 6 chunks
+    total, count = decoder.cross_entropy(patches, text, parallel)
+    assert count == 11 and torch.allclose(total, whole, rtol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(gradients(total), want))
