@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from open_clip.transformer import VisionTransformer
-from torch.utils.checkpoint import checkpoint
 
 from clipdist.data.views import sample_keys, view_seed
 from clipdist.errors import ConfigError
@@ -82,17 +81,13 @@ class CaptionDecoder(OwnModule):
         unseen: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ CE over the caption tokens that are not padding, their number), the vocabulary's logits made
-        CHUNK_LOGITS at a time and made again in backward (activation checkpointing): the extra memory is one chunk's
-        float32 logits, not the (b, L−1, vocab) tensor (8 GiB at 128 × 64 tokens and 256k words)."""
+        CHUNK_LOGITS at a time and again in backward (LinearCrossEntropy): the extra memory is one chunk's float32
+        logits, not the (b, L−1, vocab) tensor (8 GiB at 128 × 64 tokens and 256k words)."""
         labels = text[:, 1:]
         kept = labels != pad_id
         hidden, targets = self.hidden(patches, text, parallel, pad_id, unseen)[kept], labels[kept]
         rows = max(1, CHUNK_LOGITS // self.logits.out_features)
-        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
-        for part, answers in zip(hidden.split(rows), targets.split(rows)):
-            total = total + checkpoint(
-                _summed_cross_entropy, part, self.logits.weight, self.logits.bias, answers, use_reentrant=False
-            )
+        total = LinearCrossEntropy.apply(hidden, self.logits.weight, self.logits.bias, targets, rows)
         return total, kept.sum()
 
     def hidden(
@@ -122,12 +117,40 @@ class CaptionDecoder(OwnModule):
         return self.norm(x)
 
 
-CHUNK_LOGITS = 1 << 26  # logits made at once by CaptionDecoder.cross_entropy: 256 MiB in float32
+CHUNK_LOGITS = 1 << 25  # logits made at once by CaptionDecoder.cross_entropy: 128 MiB in float32
 
 
-def _summed_cross_entropy(hidden, weight, bias, labels) -> torch.Tensor:
-    logits = hidden @ weight.T + bias
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels, reduction="sum")
+class LinearCrossEntropy(torch.autograd.Function):
+    """Σ_i CE(h_i·Wᵀ + b, y_i) over the rows of `hidden`, the logits made `rows` at a time in forward and again in
+    backward, where each chunk's softmax − one-hot adds into ∂h, ∂W and ∂b in place: what is alive beyond the
+    inputs and the gradients is one chunk's logits, never the (rows, vocab) tensor. In float32 at least."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, rows: int):
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.rows = rows
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        total = hidden.new_zeros((), dtype=dtype)
+        for part, answers in zip(hidden.split(rows), labels.split(rows)):
+            logits = torch.addmm(bias, part, weight.T).to(dtype)
+            total += F.cross_entropy(logits, answers, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight, grad_bias = torch.zeros_like(weight, dtype=dtype), torch.zeros_like(bias, dtype=dtype)
+        for start in range(0, len(hidden), ctx.rows):
+            part, answers = hidden[start : start + ctx.rows], labels[start : start + ctx.rows]
+            delta = torch.addmm(bias, part, weight.T).to(dtype).softmax(-1)
+            delta[torch.arange(len(answers), device=delta.device), answers] -= 1
+            delta *= grad.to(dtype)
+            grad_hidden[start : start + ctx.rows] = (delta.to(weight.dtype) @ weight).to(hidden.dtype)
+            grad_weight.addmm_(delta.T, part.to(dtype))
+            grad_bias += delta.sum(0)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias.to(bias.dtype), None, None
 
 
 def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:

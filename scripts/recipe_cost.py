@@ -1,0 +1,105 @@
+"""SigLIP 2's recipe against plain SigLIP, counted on this CPU: the FLOPs of one training step's forward and backward
+(torch.utils.flop_counter.FlopCounterMode) and the bytes autograd saves for backward at their peak
+(torch.autograd.graph.saved_tensors_hooks), with the recipe's defaults and every term counting. The teacher is the
+model's own weights (as at the terms' start); its forward is counted, as a run pays it.
+
+    python scripts/recipe_cost.py                          # ViT-B/16 at 256 px, 2 images
+    python scripts/recipe_cost.py --model clipdist-tiny --batch 8
+    python scripts/recipe_cost.py --decoder-vocab 256000   # the decoder term alone: its extra peak memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from clipdist.model.factory import create_model
+from clipdist.objective.teacher import TeacherPart
+from clipdist.tools.memory import SavedTensorMeter, human_bytes, model_outputs
+from clipdist.tools.plan import recipe_terms
+
+
+def step_cost(model_name: str, batch: int, recipe: str | None, size: int | None) -> dict:
+    """FLOPs and the peak of saved bytes of one step: the towers (and with `recipe`, its terms) forward and back."""
+    torch.manual_seed(0)
+    overrides = {"vision_cfg": {"image_size": size}} if size else None
+    model = create_model(model_name, init_logit_bias=-10.0, overrides=overrides)
+    terms, _ = recipe_terms(recipe, model) if recipe else ([], False)
+    for term in terms:
+        term.step = 1
+    context = getattr(model, "context_length", 77)
+    with FlopCounterMode(display=False) as flops, SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        outputs = model_outputs(model, batch, context, terms=terms)
+        raw, parts = outputs if terms else (outputs, [])
+        loss = raw[0].sum() + raw[1].sum()
+        for term, part in zip(terms, parts):
+            merged = term.merge([part])
+            loss = loss + (merged.total if isinstance(merged, TeacherPart) else merged[0])
+        loss.backward()
+    return {"flops": flops.get_total_flops(), "saved_peak_bytes": meter.peak}
+
+
+def decoder_peak(vocab: int, rows: int, tokens: int, width: int) -> dict:
+    """The decoder term's extra peak at this vocabulary: the largest resident memory of its cross-entropy's forward
+    and backward above what the decoder, its gradients and its inputs hold (measured in a fresh process)."""
+    code = f"""
+import resource, torch
+from clipdist.objective.decoder import CaptionDecoder
+from clipdist.registry.terms import DecoderOptions
+torch.manual_seed(0)
+decoder = CaptionDecoder({width}, {vocab}, {tokens + 1}, DecoderOptions(layers=1, width={width}, heads=8))
+for parameter in decoder.parameters():
+    parameter.grad = torch.zeros_like(parameter)
+patches = torch.randn({rows}, 256, {width})
+text = torch.randint(1, {vocab}, ({rows}, {tokens + 1}))
+parallel = torch.zeros({rows}, dtype=torch.bool)
+decoder.hidden(patches, text, parallel).sum().backward()  # the blocks' own memory, before the vocabulary's
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+total, count = decoder.cross_entropy(patches, text, parallel)
+total.backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+"""
+    extra_kib = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    whole = rows * tokens * vocab * 4
+    return {"extra_peak_bytes": extra_kib * 1024, "whole_logits_float32_bytes": whole}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="ViT-B-16")
+    parser.add_argument("--size", type=int, default=256, help="the image tower's side (0: the model's own)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--decoder-vocab", type=int, default=0, help="measure the decoder term alone at this vocab")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.decoder_vocab:
+        found = decoder_peak(args.decoder_vocab, rows=128, tokens=64, width=768)
+        print(
+            f"decoder, vocabulary {args.decoder_vocab:,}, 128 rows × 64 tokens: extra peak "
+            f"{human_bytes(found['extra_peak_bytes'])} (the whole logits in float32: "
+            f"{human_bytes(found['whole_logits_float32_bytes'])})"
+        )
+    else:
+        plain = step_cost(args.model, args.batch, None, args.size or None)
+        recipe = step_cost(args.model, args.batch, "siglip2", args.size or None)
+        found = {"plain": plain, "recipe": recipe}
+        print(f"{args.model} at {args.size or 'its own size'} px, {args.batch} images, one step forward and back:")
+        for name, row in found.items():
+            print(f"  {name:<8} {row['flops'] / 1e9:10.1f} GFLOP   saved {human_bytes(row['saved_peak_bytes'])}")
+        print(
+            f"  recipe / plain: {recipe['flops'] / plain['flops']:.2f}× the FLOPs, "
+            f"{recipe['saved_peak_bytes'] / plain['saved_peak_bytes']:.2f}× the saved bytes at the peak"
+        )
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(found, handle, indent=2)
+    return found
+
+
+if __name__ == "__main__":
+    main()
