@@ -15,6 +15,7 @@ from clipdist.config import TrainConfig
 from clipdist.data import tables
 from clipdist.data.sources import Shards
 from clipdist.distributed.parallel import uses_cuda
+from clipdist.model.factory import built_model_config
 from clipdist.model.short_text import trims_exactly
 
 SCALARS = ("logit_scale", "logit_bias")
@@ -112,6 +113,16 @@ def table_rows(shards: Shards) -> int | None:
     return tables.total_rows(shards.train)
 
 
+def _naflex(cfg: TrainConfig) -> bool:
+    """Whether the run's image tower is a NaFlex one, read from its model config (a name the checks before any
+    rank cannot resolve is theirs to refuse: not one here)."""
+    try:
+        built = built_model_config(cfg.model.name, {"image_tower": cfg.model.image_tower})
+    except (RuntimeError, ValueError, OSError):
+        return False
+    return "naflex" in str((built.get("vision_cfg") or {}).get("timm_model_name", ""))
+
+
 def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
     """Warnings for settings that run but do not do what they seem to: a warmup as long as the run (the lr never
     reaches optim.lr), half precision on a CPU (slower than fp32), a global batch larger than the data (every batch
@@ -127,6 +138,12 @@ def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
             f"precision={cfg.precision} on a CPU rank: CPUs without bfloat16/float16 units run it far slower than "
             "fp32 (a 64-px ViT-B/32 took 37-52 s a step in bf16 on this project's 2-core machine); "
             "use precision=fp32 on a CPU"
+        )
+    teacher_terms = [name for name in ("self_distill", "masked") if getattr(cfg.loss, name).on]
+    if teacher_terms and _naflex(cfg):
+        found.append(
+            f"loss.{' and loss.'.join(teacher_terms)} on a NaFlex tower: an extension, not SigLIP 2's recipe (the "
+            "paper trains its NaFlex variant with the sigmoid loss and the decoder alone: recipe=siglip2_naflex)"
         )
     rows, batch = table_rows(shards), cfg.world.batch_per_device * cfg.world.world_size
     if rows is not None and batch > rows:

@@ -41,3 +41,16 @@ def test_half_precision_on_a_cpu_rank_is_warned(monkeypatch):
         assert warning.startswith(f"precision={precision} on a CPU rank:") and "use precision=fp32" in warning
     assert traps(config(precision="fp32"), shards) == []
     assert traps(config(precision="bf16", world={"device": "cuda"}), shards) == []  # a GPU rank: what it is for
+
+
+def test_the_teacher_terms_on_a_naflex_tower_are_said_to_be_an_extension():
+    """SigLIP 2 trains its NaFlex variant with the sigmoid loss and the decoder alone (recipe=siglip2_naflex): the
+    teacher terms on a NaFlex tower run, and a line says they are ours, not the paper's."""
+    shards = Shards([["a.tar"]])
+    teacher = {"self_distill": {"crops": 8}, "masked": {"ratio": 0.5}}
+    (warning,) = traps(
+        config(model={"name": "clipdist-naflex-tiny"}, loss=teacher, optim={"ema": {"decay": 0.9}}), shards
+    )
+    assert warning.startswith("loss.self_distill and loss.masked on a NaFlex tower: an extension, not SigLIP 2's")
+    assert traps(config(model={"name": "clipdist-naflex-tiny"}, loss={"decoder": {"layers": 1}}), shards) == []
+    assert traps(config(loss=teacher, optim={"ema": {"decay": 0.9}}), shards) == []  # a fixed-size tower: the paper's
