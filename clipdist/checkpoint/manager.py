@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from clipdist import console
 from clipdist.checkpoint import weights
 from clipdist.checkpoint.remote import RemoteCopies
 from clipdist.checkpoint.state import TrainState
@@ -77,7 +78,8 @@ class CheckpointFiles:
         buffer = io.BytesIO()
         if is_main:
             save_torch(progress, buffer)
-        pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main)
+        began = time.perf_counter()
+        pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main, None, began)
 
         def prepare():
             shutil.rmtree(pending.partial, ignore_errors=True)  # left by a crash mid-save
@@ -95,6 +97,7 @@ class CheckpointFiles:
                     shards, checkpoint_id=str(pending.partial), process_group=group, **stager
                 )
                 pending.future = self._agree(pending, write, run=True)
+                pending.future.add_done_callback(lambda _: setattr(pending, "written_s", time.perf_counter() - began))
                 if is_main:  # a failed write gives its space back at once (a full disk fails the logs beside it too)
                     pending.future.add_done_callback(partial(_remove_if_failed, pending.partial))
             else:
@@ -187,6 +190,9 @@ class PendingSave:
     progress: bytes  # progress.pt's contents, serialized when the save began (rank 0's; empty elsewhere)
     is_main: bool
     future: Future | None = None
+    began: float = 0.0  # time.perf_counter() when the save began
+    held_s: float = 0.0  # how long the save held the loop (the state copied to host memory, or the whole write)
+    written_s: float | None = None  # from its start until this rank's part was on disk
 
     @property
     def written(self) -> bool:
@@ -245,6 +251,17 @@ class Requests(NamedTuple):
     stop: bool = False  # a stop signal was received
     timer_elapsed: bool = False  # checkpoint_every_minutes passed since the last save
     written: bool = False  # its part of the save in the background is written
+
+
+def saved_line(path: Path, pending: PendingSave, background: bool) -> str:
+    """train.log's line for a published checkpoint: how long it held the loop, and how long its write took."""
+    written = pending.written_s if pending.written_s is not None else time.perf_counter() - pending.began
+    if not background:
+        return f"saved {path.name}: the loop waited {written:.2f} s for the write"
+    return (
+        f"saved {path.name}: the loop held {pending.held_s:.2f} s (the state copied to host memory), "
+        f"written in {written:.2f} s in the background"
+    )
 
 
 class Checkpointer:
@@ -311,6 +328,7 @@ class Checkpointer:
         self.last_saved = time.monotonic()
         if started is None:
             return False
+        started.held_s = time.perf_counter() - started.began
         self.pending = started
         return self.finish() if wait or not self.background else True
 
@@ -320,6 +338,8 @@ class Checkpointer:
         if pending is None:
             return True
         path = self._guarded(lambda: self.files.finish(pending, self.env.is_main))
+        if path is not None and self.env.is_main:
+            log.info(saved_line(path, pending, self.background), extra=console.DETAIL)
         if path is not None and self.remote is not None:
             self.remote.upload(path)
         return path is not None

@@ -4,6 +4,7 @@ to the whole process group (as SLURM, `timeout` and Ctrl-C send them) end in a c
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -149,6 +150,12 @@ def test_kill_and_resume_logs_each_step_once(tmp_path, cache_dir):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [row["step"] for row in read_jsonl(run_dir / "train_log.jsonl")] == list(range(1, 13))
     assert [row["step"] for row in read_jsonl(run_dir / "metrics.jsonl")] == [4, 8, 12]
+    saved = re.findall(
+        r"saved (step_\d+\.dcp): the loop held ([\d.]+) s .*, written in ([\d.]+) s in the background",
+        (run_dir / "train.log").read_text(),
+    )
+    assert {name for name, _, _ in saved} >= {"step_00000009.dcp", "step_00000012.dcp"}, saved  # each save's stall
+    assert all(float(held) <= float(written) for _, held, written in saved), saved
 
 
 @pytest.fixture
