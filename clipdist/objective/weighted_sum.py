@@ -134,9 +134,17 @@ def run_objective(
         options = loss.term(name)
         term = spec.load()(options, context)  # a term that trains a part of its own: attach_parts put it on
         if term is not None:
-            objective.terms.append((term, options.weight))
+            factor = options.factor(tower_width(model)) if hasattr(options, "factor") else 1.0
+            objective.terms.append((term, options.weight * factor))
             objective.starts[term.name] = start_step(options, context.max_steps)
     return objective
+
+
+def tower_width(model: torch.nn.Module) -> int:
+    """The image tower's width: open_clip's ViT's, or a timm trunk's embedding dimension."""
+    visual = model.visual
+    width = getattr(getattr(visual, "transformer", None), "width", None)
+    return int(width or getattr(getattr(visual, "trunk", None), "embed_dim", None) or 0)
 
 
 def as_objective(loss_fn) -> Objective:

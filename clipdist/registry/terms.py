@@ -57,7 +57,8 @@ class TeacherOptions(TermOptions):
     RESUME: ClassVar[dict] = {
         **TermOptions.RESUME,
         **dict.fromkeys(
-            ("hidden", "bottleneck", "prototypes", "student_temp", "teacher_temp", "centre_momentum"), REFUSE
+            ("hidden", "bottleneck", "prototypes", "student_temp", "teacher_temp", "centre_momentum", "by_size"),
+            REFUSE,
         ),
     }
 
@@ -67,6 +68,12 @@ class TeacherOptions(TermOptions):
     student_temp: float = 0.1  # the student's softmax temperature (DINO's 0.1)
     teacher_temp: float = 0.04  # the teacher's, lower: its targets sharper (DINO's 0.04)
     centre_momentum: float = 0.9  # c ← m·c + (1 − m)·(the global batch's mean teacher output), after each step
+    # the weight times SigLIP 2's factor for the image tower's size (size_factor: B 0.25, L 0.5, So400m 1, g 0.5)
+    by_size: bool = False
+
+    def factor(self, width: int) -> float:
+        """What the weight is multiplied by for an image tower of this width: SigLIP 2's size factor, or 1."""
+        return size_factor(width) if self.by_size else 1.0
 
     @property
     def on(self) -> bool:
@@ -81,6 +88,16 @@ class TeacherOptions(TermOptions):
             raise ConfigError(
                 f"loss.{name}: the temperatures must be above 0 and centre_momentum in [0, 1) (DINO: 0.1, 0.04, 0.9)"
             )
+
+
+# SigLIP 2 (§2.3) weighs its teacher terms by model size: ViT-B 0.25, L 0.5, So400m 1, g 0.5; by the image tower's
+# width, a narrower tower as B (the tiny model too), a width between two sizes as the larger
+SIZE_FACTORS = ((768, 0.25), (1024, 0.5), (1152, 1.0), (1536, 0.5))
+
+
+def size_factor(width: int) -> float:
+    """SigLIP 2's weight factor for a teacher term on an image tower of this width (SIZE_FACTORS)."""
+    return next((factor for widest, factor in SIZE_FACTORS if width <= widest), SIZE_FACTORS[-1][1])
 
 
 @dataclass

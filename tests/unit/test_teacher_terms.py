@@ -408,3 +408,13 @@ def test_the_decoders_cross_entropy_in_chunks_equals_the_whole_logits(monkeypatc
     total, count = decoder.cross_entropy(patches, text, parallel)
     assert count == 11 and torch.allclose(total, whole, rtol=1e-12)
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(gradients(total), want))
+
+
+def test_the_teacher_terms_weights_follow_the_papers_size_factor_where_asked():
+    """SigLIP 2 weighs its teacher terms by model size (B 0.25, L 0.5, So400m 1, g 0.5): `by_size` reads it from the
+    image tower's width; off, the weight is as given."""
+    from clipdist.registry.terms import size_factor
+
+    assert [size_factor(width) for width in (64, 768, 1024, 1152, 1536, 2048)] == [0.25, 0.25, 0.5, 1.0, 0.5, 0.5]
+    assert OPTIONS.factor(1024) == 1.0
+    assert SelfDistillOptions(crops=2, by_size=True).factor(1024) == 0.5
