@@ -749,7 +749,16 @@ def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None, conte
     open_clip_train passes --force-context-length); the BPE vocabulary ships inside open_clip's wheel (a Hugging
     Face tokenizer is fetched into the cache)."""
     _register_model_configs()
-    tokenizer = open_clip.get_tokenizer(resolve_model_name(name), cache_dir=cache_dir, context_length=context_length)
+    resolved = resolve_model_name(name)
+    text = (factory._MODEL_CONFIGS.get(resolved) or {}).get("text_cfg") or {} if resolved in _CONFIG_PREPROCESS else {}
+    if resolved in _CONFIG_PREPROCESS and not text.get("hf_tokenizer_name"):
+        # a config file's tokenizer is what its data says: open_clip would pick one by the name (a file called
+        # my-siglip.json: SigLIP's Gemma tokenizer, fetched from the network)
+        length = context_length or text.get("context_length", open_clip.tokenizer.DEFAULT_CONTEXT_LENGTH)
+        return BoundedTokenizer(
+            open_clip.SimpleTokenizer(context_length=length, **(text.get("tokenizer_kwargs") or {}))
+        )
+    tokenizer = open_clip.get_tokenizer(resolved, cache_dir=cache_dir, context_length=context_length)
     return BoundedTokenizer(tokenizer)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import local_patch_views, local_views
 from clipdist.distributed import parallel
@@ -44,6 +45,12 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
             raise ConfigError("loss.self_distill needs a NaFlex tower whose head is a linear projection (open_clip's)")
         put_on(model, PART, Head(projection.out_features, options))
         return True
+    if not isinstance(tower(model), VisionTransformer):
+        raise ConfigError(
+            "loss.self_distill needs open_clip's ViT image tower or a NaFlex tower: this model's is "
+            f"{type(tower(model)).__name__} (a timm tower with a pooling head, as SigLIP 2's own, does not take the "
+            "teacher terms yet); loss.self_distill.crops=0 loss.masked.ratio=0 train without them"
+        )
     size, crop = image_size(model)[0], view_size(options, model)
     if crop != size:
         if not allow_other_sizes(model):

@@ -222,3 +222,14 @@ def test_exports_and_evaluation_leave_the_head_out(whole_run, tmp_path, cache_di
     capsys.readouterr()
     assert cli(["export", str(whole_run), "--parts", "--format", "transformers", "--out", str(tmp_path / "hf")]) == 2
     assert "--parts writes open_clip's layout only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_decoder_reads_a_map_head_towers_tokens_and_stays_exact(parallel):
+    """SigLIP 2's own image tower (a timm ViT whose pooling is an attention head: clipdist-maphead-tiny has its shape)
+    takes the decoder, on the tokens before the pooling head, as the paper's decoder reads them."""
+    (report,) = run_gradchecks(
+        ["siglip"], 2, local_batch=[3, 2], chunks=2, parallel=parallel, terms=["decoder"], model="clipdist-maphead-tiny"
+    )
+    assert report.exact, (report.max_rel_err, report.diagnosis)
+    assert any(check.name.startswith("visual.trunk.attn_pool.") for check in report.parameters)

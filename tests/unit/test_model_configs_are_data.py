@@ -197,3 +197,20 @@ def test_a_timm_tower_named_on_the_hub_is_refused():
     model["vision_cfg"] = {"timm_model_name": "hf-hub:timm/vit_tiny_patch16_224"}
     with pytest.raises(UnsafeFileError, match="timm would fetch it from the hub"):
         check_config_is_data(model, "model.name=x.json")
+
+
+def test_a_config_files_name_does_not_choose_its_tokenizer(tmp_path, monkeypatch):
+    """open_clip picks SigLIP's Gemma tokenizer, fetched from the network, for any model whose name holds "siglip2";
+    a config file's name is its stem. The tokenizer of a config file is what its text_cfg says: open_clip's BPE,
+    from its wheel, where it names no Hugging Face tokenizer."""
+    import open_clip
+
+    from clipdist.model.factory import get_tokenizer
+
+    config = json.loads((CONFIG_DIR / "clipdist-tiny.json").read_text())
+    path = tmp_path / "my-siglip2-tiny.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setattr(open_clip.tokenizer, "SigLipTokenizer", None)  # reaching for it would fail the test
+    tokenizer = get_tokenizer(str(path))
+    assert tokenizer(["a photo of a cat"]).shape == (1, config["text_cfg"]["context_length"])
+    assert tokenizer(["a photo of a cat"]).tolist() == get_tokenizer("clipdist-tiny")(["a photo of a cat"]).tolist()

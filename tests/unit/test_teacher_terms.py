@@ -418,3 +418,15 @@ def test_the_teacher_terms_weights_follow_the_papers_size_factor_where_asked():
     assert [size_factor(width) for width in (64, 768, 1024, 1152, 1536, 2048)] == [0.25, 0.25, 0.5, 1.0, 0.5, 0.5]
     assert OPTIONS.factor(1024) == 1.0
     assert SelfDistillOptions(crops=2, by_size=True).factor(1024) == 0.5
+
+
+@pytest.mark.parametrize("term", ["self_distill", "masked"])
+def test_a_tower_the_teacher_terms_cannot_take_is_refused_in_one_line(term):
+    """SigLIP 2's own tower (a timm ViT with an attention-pooling head) does not take the teacher terms yet: refused
+    before any rank starts, in one line that names the tower, never a traceback."""
+    from clipdist.objective.weighted_sum import attach_parts
+
+    cfg = TrainConfig()
+    cfg.loss.self_distill.crops, cfg.loss.masked.ratio = (2, 0.0) if term == "self_distill" else (0, 0.5)
+    with pytest.raises(ConfigError, match=f"loss.{term} needs open_clip's ViT image tower .*this model's is TimmModel"):
+        attach_parts(cfg.loss, create_model("clipdist-maphead-tiny"))
