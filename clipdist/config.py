@@ -241,17 +241,25 @@ def model_config(settings: dict) -> ModelConfig:
     return cast(ModelConfig, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), known)))
 
 
-def _with_kind_options(schema: type) -> type:
-    """The schema with a section `data.<kind>` per data kind that takes options (clipdist.registry.kinds.KINDS)."""
-    for spec in KINDS.values():
-        if spec.options is not None:
-            schema.__annotations__[spec.name] = spec.options
-            setattr(schema, spec.name, field(default_factory=spec.options))
-    return schema
+def _with_sections(specs, rule: str | None = None):
+    """A schema decorator: a section `<name>` per registered spec that takes options (its options dataclass: a data
+    kind's, a loss term's, an lr schedule's), with the resume rule `rule` where the schema has rules (each key's own:
+    the section's RESUME)."""
+
+    def add(schema: type) -> type:
+        for spec in specs.values():
+            if spec.options is not None:
+                schema.__annotations__[spec.name] = spec.options
+                setattr(schema, spec.name, field(default_factory=spec.options))
+                if rule is not None:
+                    schema.RESUME[spec.name] = rule  # type: ignore[attr-defined]
+        return schema
+
+    return add
 
 
 @dataclass
-@_with_kind_options
+@_with_sections(KINDS)
 class DataConfig:
     # Built-in real datasets turned into shards on first use (digits, fashion_mnist, web_photos), or null
     # to read your own shards from train_shards / val_shards.
@@ -311,17 +319,8 @@ class DataConfig:
     templates: list[str] = field(default_factory=list)
 
 
-def _with_terms(schema: type) -> type:
-    """The schema with a section `loss.<name>` per registered loss term (clipdist.registry.terms.TERMS)."""
-    for spec in TERMS.values():
-        schema.__annotations__[spec.name] = spec.options
-        setattr(schema, spec.name, field(default_factory=spec.options))
-        schema.RESUME[spec.name] = REFUSE  # type: ignore[attr-defined]  # (each key's own rule: the section's RESUME)
-    return schema
-
-
 @dataclass
-@_with_terms
+@_with_sections(TERMS, REFUSE)
 class LossConfig:
     """Options common to every backend, and a section per loss term (`loss.distill`, ...: registry.terms); a backend
     with options of its own extends this (below)."""
@@ -343,7 +342,7 @@ class LossConfig:
 
     if typing.TYPE_CHECKING:
 
-        def __getattr__(self, name: str) -> Any: ...  # the terms' sections, added by _with_terms
+        def __getattr__(self, name: str) -> Any: ...  # the terms' sections, added by _with_sections
 
     def term(self, name: str) -> TermOptions:
         """Term `name`'s section (loss.<name>)."""
@@ -434,18 +433,8 @@ class EmaConfig:
         return self.start_step if self.start_at is None else first_step(self.start_at, max_steps)
 
 
-def _with_schedules(schema: type) -> type:
-    """The schema with a section `optim.<name>` per lr schedule that takes options (clipdist.registry.schedules)."""
-    for spec in SCHEDULES.values():
-        if spec.options is not None:
-            schema.__annotations__[spec.name] = spec.options
-            setattr(schema, spec.name, field(default_factory=spec.options))
-            schema.RESUME[spec.name] = WARN  # type: ignore[attr-defined]  # (each key's own rule: the section's RESUME)
-    return schema
-
-
 @dataclass
-@_with_schedules
+@_with_sections(SCHEDULES, WARN)
 class OptimConfig:
     RESUME: ClassVar[dict] = {
         "ema": WARN,  # the average goes on from the checkpoint's (or starts at the weights, where it had none)

@@ -750,8 +750,9 @@ def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None, conte
     Face tokenizer is fetched into the cache)."""
     _register_model_configs()
     resolved = resolve_model_name(name)
-    text = (factory._MODEL_CONFIGS.get(resolved) or {}).get("text_cfg") or {} if resolved in _CONFIG_PREPROCESS else {}
-    if resolved in _CONFIG_PREPROCESS and not text.get("hf_tokenizer_name"):
+    registered = resolved in _CONFIG_PREPROCESS  # a config file or an export clipdist registered
+    text = (factory._MODEL_CONFIGS.get(resolved) or {}).get("text_cfg") or {} if registered else {}
+    if registered and not text.get("hf_tokenizer_name"):
         # a config file's tokenizer is what its data says: open_clip would pick one by the name (a file called
         # my-siglip.json: SigLIP's Gemma tokenizer, fetched from the network)
         length = context_length or text.get("context_length", open_clip.tokenizer.DEFAULT_CONTEXT_LENGTH)

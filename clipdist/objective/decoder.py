@@ -172,9 +172,9 @@ def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
 def _token_source(model: torch.nn.Module) -> tuple[torch.nn.Module, int, int]:
     """(the image tower's module whose output holds every token, the leading tokens that are not patches, the tokens'
     width)."""
-    trunk: Any = naflex_trunk(model) or getattr(tower(model), "trunk", None)
+    trunk: Any = getattr(tower(model), "trunk", None)
     timm_vit = all(hasattr(trunk, name) for name in ("norm", "num_prefix_tokens", "embed_dim", "patch_embed"))
-    if trunk is not None and (timm_vit or naflex_trunk(model) is trunk):
+    if timm_vit or naflex_trunk(model) is not None:
         return trunk.norm, trunk.num_prefix_tokens, trunk.embed_dim  # a timm tower's tokens before its pooling head
     visual = tower(model)
     if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None or visual.final_ln_after_pool:

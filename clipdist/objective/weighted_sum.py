@@ -134,8 +134,7 @@ def run_objective(
         options = loss.term(name)
         term = spec.load()(options, context)  # a term that trains a part of its own: attach_parts put it on
         if term is not None:
-            factor = options.factor(tower_width(model)) if hasattr(options, "factor") else 1.0
-            objective.terms.append((term, options.weight * factor))
+            objective.terms.append((term, options.weight * options.factor(tower_width(model))))
             objective.starts[term.name] = start_step(options, context.max_steps)
     return objective
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
@@ -36,6 +37,20 @@ def load(target: str) -> Any:
     """What a `module:attribute` string names (the registry's way of naming code), its module imported now."""
     module, attribute = target.split(":")
     return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
+class CodeSpec:
+    """What an entry whose code is one callable has (a backend, a term, a schedule): its name, where the code is
+    (`module:attribute`, imported by `load` when a run builds it) and a one-line summary for menus and errors."""
+
+    name: str
+    target: str
+    summary: str
+
+    def load(self, target: str | None = None) -> Any:
+        """The callable `target` (default: the entry's own) names, its module imported now."""
+        return load(target or self.target)
 
 
 class Registry(Mapping[str, Spec]):

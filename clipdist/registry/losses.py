@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from clipdist.defaults import DEFAULT_TILE, FREE
-from clipdist.registry import Registry, load, plugged
+from clipdist.registry import CodeSpec, Registry, plugged
 
 
 @dataclass
@@ -31,17 +31,13 @@ SIGLIP = "clipdist.losses.reference:siglip_loss"  # the sigmoid loss with a logi
 
 
 @dataclass(frozen=True)
-class LossSpec:
-    name: str
-    target: str  # "module:Class", a DistributedContrastiveLoss subclass, imported by load()
-    summary: str  # one line for menus and errors
+class LossSpec(CodeSpec):
+    """`target`: "module:Class", a DistributedContrastiveLoss subclass."""
+
     options: type | None = None  # a dataclass of the backend's own keyword arguments (with RESUME rules)
     # "module:function": the loss on one process over the global batch, (image, text, scale[, bias]) -> scalar;
     # given by name those of the backend's options it takes (a smoothing, a margin)
     reference: str = CLIP
-
-    def load(self) -> type:
-        return load(self.target)
 
 
 BACKENDS: Registry[LossSpec] = plugged(

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from clipdist.defaults import WARN, positive
 from clipdist.errors import ConfigError
-from clipdist.registry import Registry, load, plugged
+from clipdist.registry import CodeSpec, Registry, plugged
 
 
 @dataclass
@@ -45,14 +45,11 @@ class CooldownOptions:
 
 
 @dataclass(frozen=True)
-class ScheduleSpec:
-    name: str  # optim.schedule=<name>; its options' section optim.<name>
-    target: str  # "module:function": (step, optim, options) -> the lr as a multiple of optim.lr, after the warmup
-    summary: str  # one line for menus and errors
-    options: type | None = None  # a dataclass (with `check(optim)` where a combination cannot run)
+class ScheduleSpec(CodeSpec):
+    """`name`: optim.schedule=<name>, its options' section optim.<name>; `target`: "module:function",
+    (step, optim, options) -> the lr as a multiple of optim.lr, after the warmup."""
 
-    def load(self):
-        return load(self.target)
+    options: type | None = None  # a dataclass (with `check(optim)` where a combination cannot run)
 
 
 SCHEDULES: Registry[ScheduleSpec] = plugged(

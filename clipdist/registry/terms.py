@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from clipdist.defaults import REFUSE, non_negative, positive
 from clipdist.errors import ConfigError
-from clipdist.registry import Registry, load, plugged
+from clipdist.registry import CodeSpec, Registry, plugged
 
 
 @dataclass
@@ -34,6 +34,11 @@ class TermOptions:
 
     def check(self, name: str, cfg: Any) -> None:
         """The combinations of the run's config (a TrainConfig) this term cannot train with: a ConfigError."""
+
+    def factor(self, width: int) -> float:
+        """What the weight is multiplied by for an image tower of this width: 1 (the teacher terms: SigLIP 2's size
+        factor where asked)."""
+        return 1.0
 
 
 @dataclass
@@ -164,10 +169,10 @@ class DecoderOptions(TermOptions):
 
 
 @dataclass(frozen=True)
-class TermSpec:
-    name: str  # its config section, loss.<name>
-    target: str  # "module:function": build(options, context) -> the Term, or None where the options leave it off
-    summary: str  # one line for menus and errors
+class TermSpec(CodeSpec):
+    """`name`: its config section, loss.<name>; `target`: "module:function", build(options, context) -> the Term,
+    or None where the options leave it off."""
+
     options: type = TermOptions  # a TermOptions dataclass: the section's keys
     # where the term trains a module of its own (a head): "module:function" attach(options, model) -> whether it
     # added one, called before the model is wrapped; `part` is its attribute, left out of exports and evaluation
@@ -175,9 +180,6 @@ class TermSpec:
     part: str | None = None
     # the options `clipdist gradcheck --term <name>` and the tests run it with: on, and small
     probe: dict[str, Any] = field(default_factory=dict)
-
-    def load(self, target: str | None = None):
-        return load(target or self.target)
 
 
 TERMS: Registry[TermSpec] = plugged(
