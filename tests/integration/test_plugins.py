@@ -1,7 +1,8 @@
 """A research group's own components in its own installed package, no clipdist file edited: a loss backend that
 computes a new loss (label-smoothed CLIP) with an option, a loss term with weight, start and an option, a data kind
 with an option and an lr schedule with an option — each named in the package's entry points (clipdist.registry).
-The package is pip-installed into a fresh virtual environment beside clipdist; there `clipdist train` composes their
+The package is the one docs/architecture.md walks through, read from the page's code blocks, so the page stays true.
+It is pip-installed into a fresh virtual environment beside clipdist; there `clipdist train` composes their
 keys, checks them, reads the kind's files, trains with the backend, the term and the schedule, and `clipdist
 gradcheck` proves the backend and the term exact with non-default options."""
 
@@ -9,213 +10,47 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import venv
 from pathlib import Path
 
 import pytest
 from helpers import REPO, own_environment, read_jsonl
 
-PYPROJECT = """
-[build-system]
-requires = ["setuptools"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "clipdist-lab"
-version = "0.1"
-
-[tool.setuptools]
-packages = ["clipdist_lab"]
-
-[project.entry-points."clipdist.losses"]
-smoothed = "clipdist_lab.specs:SMOOTHED"
-
-[project.entry-points."clipdist.terms"]
-align = "clipdist_lab.specs:ALIGN"
-
-[project.entry-points."clipdist.kinds"]
-lines = "clipdist_lab.specs:LINES"
-
-[project.entry-points."clipdist.schedules"]
-linear = "clipdist_lab.specs:LINEAR"
-"""
-
-SPECS = '''
-"""The lab's registry entries: torch-free, as clipdist's own."""
-from dataclasses import dataclass
-from typing import ClassVar
-
-from clipdist.defaults import REFUSE, WARN, positive
-from clipdist.registry.kinds import KindSpec
-from clipdist.registry.losses import LossSpec
-from clipdist.registry.schedules import ScheduleSpec
-from clipdist.registry.terms import TermOptions, TermSpec
+WALK_THROUGH = REPO / "docs" / "architecture.md"
 
 
-@dataclass
-class SmoothingOptions:
-    RESUME: ClassVar[dict] = {"smoothing": REFUSE}
-    smoothing: float = 0.1  # label smoothing of both cross-entropies
+def lab_files(page: Path = WALK_THROUGH) -> dict[str, str]:
+    """The lab package as docs/architecture.md's "Four afternoon changes" writes it: every fenced block whose first
+    line is `# <file name>`, the blocks of one file joined in page order (specs.py grows by one spec a change)."""
+    files: dict[str, str] = {}
+    for block in re.findall(r"(?ms)^```\w*\n(.*?)^```", page.read_text()):
+        named = re.match(r"# ((?:clipdist_lab/)?[\w.]+\.(?:py|toml))\n", block)
+        if named:
+            files[named.group(1)] = files.get(named.group(1), "") + block[named.end() :] + "\n"
+    return files
 
 
-@dataclass
-class AlignOptions(TermOptions):
-    RESUME: ClassVar[dict] = {**TermOptions.RESUME, "power": REFUSE}
-    power: float = 2.0  # the exponent of each pair's distance
-
-
-@dataclass
-class LinesOptions:
-    per_part: int = positive(2)  # lines of a .lines file per part
-
-
-@dataclass
-class LinearOptions:
-    RESUME: ClassVar[dict] = {"floor": WARN}
-    floor: float = 0.0  # the lr at the last step, as a fraction of optim.lr
-
-
-SMOOTHED = LossSpec(
-    "smoothed",
-    "clipdist_lab.losses:SmoothedLoss",
-    "CLIP with label smoothing",
-    SmoothingOptions,
-    reference="clipdist_lab.losses:smoothed_clip_loss",
-)
-ALIGN = TermSpec("align", "clipdist_lab.align:build", "each image pulled to its caption", AlignOptions)
-LINES = KindSpec("lines", "clipdist_lab.lines", "a caption per line, its image a flat colour", LinesOptions)
-LINEAR = ScheduleSpec("linear", "clipdist_lab.schedules:linear", "linear decay to floor · lr", LinearOptions)
-'''
-
-LOSSES = '''
-import torch.nn.functional as F
-
-from clipdist.losses.naive import NaiveLoss
-
-
-def smoothed_clip_loss(image, text, scale, smoothing=0.0):
-    """CLIP's loss with both cross-entropies label-smoothed, on one process over the whole batch."""
-    logits = scale * image @ text.T
-    labels = logits.new_tensor(range(len(logits))).long()
-    return (F.cross_entropy(logits, labels, label_smoothing=smoothing)
-            + F.cross_entropy(logits.T, labels, label_smoothing=smoothing)) / 2
-
-
-class SmoothedLoss(NaiveLoss):
-    """The naive backend's gather, a new loss on the global logits."""
-
-    def __init__(self, smoothing: float = 0.1, group=None):
-        super().__init__(group)
-        self.smoothing = smoothing
-
-    def compute(self, image_features, text_features, logit_scale, layout):
-        from clipdist.losses.collectives import all_gather_rows, scale_gradient
-        import torch
-
-        def global_rows(local):
-            parts = list(all_gather_rows(local, layout).split(list(layout.local_sizes)))
-            parts[layout.rank] = scale_gradient(local, layout.world_size)
-            return torch.cat(parts)
-
-        return smoothed_clip_loss(global_rows(image_features), global_rows(text_features), logit_scale,
-                                  self.smoothing)
-'''
-
-ALIGN = '''
-import torch
-import torch.distributed as dist
-
-from clipdist.objective.base import Term, features_of
-
-
-def build(options, context):
-    return AlignTerm(options.power)
-
-
-class AlignTerm(Term):
-    """A = (1/B) Σ_i ‖I_i − T_i‖^p over the global batch; rank r's share (N/B) Σ_{i∈r} ‖I_i − T_i‖^p."""
-
-    name = "align_loss"
-
-    def __init__(self, power):
-        self.power = power
-
-    def value(self, features, part):
-        image, text = features[0], features[1]
-        rows, world = torch.tensor(float(len(image))), 1
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(rows)
-            world = dist.get_world_size()
-        return ((image - text).norm(dim=-1) ** self.power).sum() * world / rows
-
-    def reference(self, raw, inputs):
-        image, text = features_of(raw)[:2]
-        return ((image - text).norm(dim=-1) ** self.power).mean()
-'''
-
-LINES = """
-import io
-from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
-
-from PIL import Image
-
-SCHEME = "lines:"
-
-
-def names_it(item):
-    return item.endswith(".lines")
-
-
-def expand(item, options, what):
-    lines = Path(item).read_text().splitlines()
-    step = options.per_part
-    firsts = range(0, len(lines), step)
-    return [f"{SCHEME}{item}?first={first}&count={min(step, len(lines) - first)}" for first in firsts]
-
-
-def _part(url):
-    parsed = urlsplit(url[len(SCHEME):])
-    query = parse_qs(parsed.query)
-    return parsed.path, int(query["first"][0]), int(query["count"][0])
-
-
-def size(url):
-    return _part(url)[2]
-
-
-def members(url):
-    path, first, count = _part(url)
-    for number, line in enumerate(Path(path).read_text().splitlines()[first : first + count], first):
-        image = io.BytesIO()
-        Image.new("RGB", (32, 32), tuple(ord(char) * 7 % 256 for char in (line * 3)[:3])).save(image, "PNG")
-        yield f"{number:06d}.png", image.getvalue()
-        yield f"{number:06d}.txt", line.encode()
-"""
-
-SCHEDULES = """
-def linear(step, optim, options):
-    progress = (step - optim.warmup_steps) / max(1, optim.max_steps - optim.warmup_steps)
-    return 1 - (1 - options.floor) * progress
-"""
+def test_the_walk_through_writes_the_whole_package():
+    files = lab_files()
+    expected = {"pyproject.toml"} | {f"clipdist_lab/{name}.py" for name in ("specs", "losses", "align", "lines")}
+    assert set(files) == expected | {"clipdist_lab/schedules.py"}, sorted(files)
+    assert all(f"\n{spec} = " in files["clipdist_lab/specs.py"] for spec in ("SMOOTHED", "ALIGN", "LINES", "LINEAR"))
 
 
 @pytest.fixture(scope="module")
 def lab_python(tmp_path_factory) -> Path:
     """A fresh virtual environment that sees this one's packages (clipdist, torch) through a .pth file, with the
-    lab's package pip-installed into it."""
+    lab's package, as docs/architecture.md writes it, pip-installed into it."""
     root = tmp_path_factory.mktemp("lab")
     package = root / "clipdist-lab"
     (package / "clipdist_lab").mkdir(parents=True)
-    (package / "pyproject.toml").write_text(PYPROJECT)
-    for name, source in [("__init__", ""), ("specs", SPECS), ("losses", LOSSES), ("align", ALIGN)]:
-        (package / "clipdist_lab" / f"{name}.py").write_text(textwrap.dedent(source))
-    (package / "clipdist_lab" / "lines.py").write_text(textwrap.dedent(LINES))
-    (package / "clipdist_lab" / "schedules.py").write_text(textwrap.dedent(SCHEDULES))
+    (package / "clipdist_lab" / "__init__.py").write_text("")
+    for name, source in lab_files().items():
+        (package / name).write_text(source)
     environment = root / "venv"
     venv.EnvBuilder(with_pip=False).create(environment)
     python = environment / "bin" / "python"

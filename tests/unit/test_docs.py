@@ -217,3 +217,47 @@ def test_a_yaml_comment_that_names_a_default_gives_the_schemas():
             assert str(_schema_default(group, option, key)) == value, f"{path.relative_to(REPO)}: {group}.{key}"
             checked += 1
     assert checked >= 2
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_section_finds_it():
+    """`[...](page.md#anchor)` and `(#anchor)` in README.md and docs/ name a heading the page has."""
+    anchors = {
+        page.resolve(): {_slug(heading) for heading in re.findall(r"(?m)^#+ (.+)$", page.read_text())} for page in PAGES
+    }
+    links = [
+        (page, target, anchor)
+        for page in PAGES
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)#([\w-]+)\)", page.read_text())
+    ]
+    assert len(links) > 20, "the pattern finds too few links"
+    broken = [
+        f"{page.name}: {target}#{anchor}"
+        for page, target, anchor in links
+        if anchor not in anchors.get((page.parent / target).resolve() if target else page.resolve(), set())
+    ]
+    assert not broken, f"links to sections that do not exist: {broken}"
+
+
+def test_the_docs_fit_an_evening():
+    """README.md and docs/ (not docs/bench/, the measurement records) stay within 32,000 words, in plain sentences: the
+    median under 25 words (`python scripts/doc_budget.py` prints each page's)."""
+    import importlib.util
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("doc_budget", REPO / "scripts" / "doc_budget.py")
+    assert spec and spec.loader
+    budget = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(budget)
+    measured = budget.measure(budget.pages())
+    words = sum(count for count, _ in measured.values())
+    lengths = [length for _, page in measured.values() for length in page]
+    assert len(measured) == len(PAGES) and len(lengths) > 500, "the pages or their sentences were not found"
+    assert words <= budget.WORDS, f"{words} words: over the budget of {budget.WORDS}"
+    assert statistics.median(lengths) < budget.MEDIAN_SENTENCE, f"median sentence {statistics.median(lengths)} words"
+    example = "One idea. Another `idea` here!\n\n- a list item\n```\nnot. Counted\n```\n| a | table |"
+    assert budget.sentence_lengths(example) == [2, 3, 3]
