@@ -281,7 +281,7 @@ class DataConfig:
     retrieval_ties: RetrievalTies = RetrievalTies.pessimistic
     augment: bool = True  # augment training images (data.augmentation); false: the evaluation transform
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
-    shuffle_buffer: int = non_negative(1000)  # samples in each reader's shuffle buffer (0: shard order)
+    shuffle_buffer: int = non_negative(1000)  # samples a slot of the order holds to shuffle, over its readers (0: none)
     workers: int | None = non_negative(0)  # DataLoader workers per rank; null: automatic (data/workers.loader_workers)
     pieces: int = positive(
         1

@@ -340,10 +340,11 @@ def train_stream(
     low_priority_workers: bool = False,
     readers: int | None = None,
     sizes=None,
+    layout: tuple[int, int] | None = None,
     **data,
 ):
     """A TrainStream over `sources` (shard paths, or a list of such lists: one per source), with
-    DataConfig(**data) for everything else (shuffle_buffer=0 unless given)."""
+    DataConfig(**data) for everything else (shuffle_buffer=0 unless given); `layout` a run's (order.run_layout)."""
     from clipdist.config import DataConfig
     from clipdist.data.stream import TrainStream
     from clipdist.model.factory import get_tokenizer
@@ -364,6 +365,7 @@ def train_stream(
         start_method=start_method,
         readers=readers,
         sizes=sizes,
+        layout=layout,
     )
 
 

@@ -9,13 +9,14 @@ o_j = ⌊jΛ/V⌋. The stream's sample S is reader j's sample n with
     q = ⌊S/Λ⌋,  o_j ≤ S mod Λ < o_{j+1},  n = q·c_j + (S mod Λ − o_j).
 
 Global batch k of G samples, counted from the stream position S₀ it (re)started at, is S ∈ [S₀ + kG,
-S₀ + (k+1)G), and rank r of N holds its rows [rG/N, (r+1)G/N). A run's first layout is V = N × the readers of a
-rank and Λ = (V/N)·G — each chunk is one rank's rows of one batch, so a rank's loader workers can each make
-whole batches from readers of their own (`worker_readers`) — or Λ = G where data.readers is given (the same
-order on any starting world size); either way chunk boundaries are rank boundaries: every rank reads its own
-V/N readers, each sample once. On N' ranks the same holds where every rank's rows are whole chunks (N' dividing N
-for Λ = (V/N)·G, N' dividing V for Λ = G, the global batch unchanged); elsewhere a reader whose chunk straddles
-two ranks' rows is read by both, each keeping its own rows.
+S₀ + (k+1)G), and rank r of N holds its rows [rG/N, (r+1)G/N).
+
+A fresh run's layout comes from its global batch alone (`run_layout`), so two launches of one run — 1 × 64, 2 × 32
+or 4 × 16, any loader workers, any CPU count — read the same global batches: P slots of G/P rows a batch and m
+batches a cycle, V = P·m readers, Λ = m·G, reader j holding slot j mod P of batch ⌊j/P⌋ of every cycle. Where N
+divides P every rank reads its own V/N readers, each sample once, and where W divides m its W loader workers each make
+whole batches from readers of their own (`worker_readers`); elsewhere a reader whose chunk straddles two ranks' rows
+is read by both, each keeping its own rows (correct, that reader decoded twice). data.readers=V instead gives Λ = G.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ import bisect
 import math
 
 MAX_PATTERN_BATCHES = 100_000  # beyond this period of (S₀ + kG) mod Λ, a rank takes every reader (correct, slower)
+ROWS_PER_SLOT = 32  # a fresh run's slots: at most G/32 of them, so a reader gives a batch 32 rows or more
+BATCHES_PER_CYCLE = 4  # m: 1, 2 or 4 loader workers a rank make whole batches; a rank reads 4·P/N readers
+
+
+def run_layout(global_batch: int, most_readers: int | None = None) -> tuple[int, int]:
+    """(V, Λ) of a fresh run from its global batch G alone: P slots — the largest divisor of G up to G/ROWS_PER_SLOT
+    — and m = BATCHES_PER_CYCLE, V = P·m, Λ = m·G. `most_readers` (the shard count, where epochs deal whole shards
+    because their sizes are unknown) bounds V; it depends on the data, not on the launch."""
+    slots_most, per_cycle = max(1, global_batch // ROWS_PER_SLOT), BATCHES_PER_CYCLE
+    if most_readers is not None:
+        per_cycle = max(1, min(per_cycle, most_readers))
+        slots_most = max(1, min(slots_most, most_readers // per_cycle))
+    slots = next(slots for slots in range(slots_most, 0, -1) if global_batch % slots == 0)
+    return slots * per_cycle, per_cycle * global_batch
 
 
 class SampleOrder:
@@ -85,8 +100,8 @@ class SampleOrder:
         start, out of readers no other worker reads — each worker's readers; None where some reader has rows of
         batches of two workers (then every worker gives its readers' rows of every batch instead).
 
-        With Λ = (V/N)·G — a fresh run's layout where its workers can take whole batches — reader j holds rank
-        j mod N's rows of every (V/N)-th batch, so any W dividing V/N gets disjoint readers."""
+        With a fresh run's layout (`run_layout`: Λ = m·G, reader j holding slot j mod P of batch ⌊j/P⌋ of a cycle),
+        any W dividing m gets disjoint readers where N divides P."""
         rows = batch // world_size
         span = math.lcm(self.cycle // math.gcd(self.cycle, batch), workers)
         if span > MAX_PATTERN_BATCHES:

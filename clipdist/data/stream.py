@@ -73,7 +73,7 @@ def check_shard_count(shards: int, readers: int, *, resampled: bool, sized: bool
     shards dealt), each reader needs at least one (a ValueError otherwise)."""
     if not resampled and not sized and shards < readers:
         raise ValueError(
-            f"{shards} shard(s) for {readers} reader(s) (ranks × data.workers, or data.readers): every reader needs at "
+            f"{shards} shard(s) for {readers} reader(s) (the run's layout, or data.readers): every reader needs at "
             "least one shard where the shards' sizes are unknown (remote shards without a _stats.json beside them). "
             "Use more shards, fewer data.workers or data.readers, or data.resampled=true"
         )
@@ -134,9 +134,9 @@ class TrainStream:
     to continue them on any number of ranks.
 
     The global sample order (order.py) is the run's V readers taking turns in cycles of Λ samples: fixed
-    when the run starts (V = data.readers, else world size × `readers`, the rank's readers; Λ = (V/N) × the
-    global batch, or the global batch where data.readers is given) and kept by every resume, so it depends on
-    the data and seed alone. split=node: rank r reads the
+    when the run starts (`layout`: a run's from its global batch alone, order.run_layout, or data.readers with
+    Λ = G; without one, V = world size × `readers`, the rank's readers, and Λ = (V/N) × the global batch) and kept
+    by every resume, so it depends on the data and seed alone. split=node: rank r reads the
     readers its rows need (its own V/N where N divides V). split=replicated: every rank reads every reader
     and keeps its rows (N× the decoding; for checks, not for scale).
 
@@ -180,6 +180,7 @@ class TrainStream:
         workers: int | None = None,
         budget: TokenBudget | None = None,
         sizes: tuple[list[int] | None, str] | None = None,
+        layout: tuple[int, int] | None = None,
     ):
         split = str(data.split)
         if split not in ("node", "replicated"):
@@ -192,15 +193,12 @@ class TrainStream:
             batch_size = min(budget.sizes()) // world_size
         self.readers_setting = getattr(data, "readers", None)
         self.workers = data.workers if workers is None else workers  # the loader plan's (data.workers: automatic)
-        total = run_readers(readers or max(self.workers or 0, 1), world_size, split, self.readers_setting, batch_size)
         self.sources, self.data, self.rank, self.world_size, self.seed = sources, data, rank, world_size, seed
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method
         self.pixels, self.pin_memory = pixels, pin_memory
-        # A fresh run's cycle: (V/N)·G where its workers can each take whole batches (order.worker_readers), with
-        # data.readers set the global batch (the same order on any world size it starts on)
-        whole = budget is None and not self.replicated and self.readers_setting is None
-        self.layout = self._layout(total, batch_size * world_size * (total // world_size if whole else 1))
+        self.layout = self._first_layout(layout, readers)
+        total = self.layout["readers"]
         # epoch mode with every shard's size known: each epoch is a permutation of the rows (data/epochs.py); found
         # here where the caller did not find them once already (preflight: Shards.sizes)
         self.sizes, self.sizes_how = sizes or epoch_sizes([url for urls in sources for url in urls], data.resampled)
@@ -215,6 +213,23 @@ class TrainStream:
         self._loader = None
         self._worker_readers: list[list[int]] | None = None  # whole batches per worker: each one's readers
         self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
+
+    def _first_layout(self, layout: tuple[int, int] | None, readers: int | None) -> dict:
+        """The layout a fresh stream starts with: the run's own `layout` (preflight: order.run_layout, or
+        data.readers), a slot's readers sharing data.shuffle_buffer; without one, `readers` a rank — a cycle of
+        (V/N)·G, each worker whole batches, or the global batch with data.readers."""
+        batch = self.batch_size * self.world_size
+        if layout is not None:
+            total, cycle = layout
+            if self.budget is not None:
+                return self._layout(max(1, min(total, min(self.budget.sizes()))), cycle)
+            per_cycle = max(1, cycle // batch)
+            return {**self._layout(total, cycle), "buffer": -(-int(self.data.shuffle_buffer) // per_cycle)}
+        per_rank = readers or max(self.workers or 0, 1)
+        split = "replicated" if self.replicated else "node"
+        total = run_readers(per_rank, self.world_size, split, self.readers_setting, self.batch_size)
+        whole = self.budget is None and not self.replicated and self.readers_setting is None
+        return self._layout(total, batch * (total // self.world_size if whole else 1))
 
     def _layout(self, readers: int, cycle: int) -> dict:
         """What fixes the sample order: saved with the position, compared on resume."""
@@ -331,7 +346,8 @@ class TrainStream:
         self.source_samples = list(totals) if len(totals) == len(self.sources) else [0] * len(self.sources)
         reason = self._why_not_exact(saved.get("layout"))
         if reason is None:
-            self.layout = {**self.layout, "readers": saved["layout"]["readers"], "cycle": saved["layout"]["cycle"]}
+            kept = {key: saved["layout"][key] for key in ("readers", "cycle")}
+            self.layout = {**self.layout, **kept, "buffer": saved["layout"].get("buffer", self.data.shuffle_buffer)}
             self.position, self.batches = saved["position"], saved.get("batches", 0)
             self._from_batch(saved["layout"].get("origin", 0))
             self.__dict__.pop("rank_readers", None)
@@ -420,6 +436,7 @@ class TrainStream:
             first_batch=self.batches,
             worker_readers=self._worker_readers,
             sizes=self.sizes,
+            buffer=self.layout.get("buffer", self.data.shuffle_buffer),
         )
         whole = self._items == 1
         # in flight per worker: two whole batches, or 2·W items of a W·pieces-th of a batch (2/pieces batches)
@@ -556,9 +573,11 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         first_batch: int = 0,
         worker_readers: list[list[int]] | None = None,
         sizes: list[int] | None = None,
+        buffer: int | None = None,
     ):
         super().__init__()
         self.sizes = sizes
+        self.buffer = data.shuffle_buffer if buffer is None else buffer  # a reader's shuffle buffer
         self.sources, self.image_transform, self.tokenizer, self.data = sources, image_transform, tokenizer, data
         self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
         self.rank, self.world_size, self.seed, self.resume, self.readers = rank, world_size, seed, resume, readers
@@ -584,9 +603,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         sequence = ShardSequence(
             self.shard_list, self.data.weights, self.seed, index, self.order.readers, self.data.resampled, self.deal
         )
-        reader = Reader(
-            sequence, self.data.shuffle_buffer, f"{self.seed}-shuffle-{index}", skips, health, name=f"reader {index}"
-        )
+        reader = Reader(sequence, self.buffer, f"{self.seed}-shuffle-{index}", skips, health, name=f"reader {index}")
         taken, saved = self.order.taken_before(index, self.start), self.resume.get(index)
         if saved is not None:
             reader.load_state_dict(saved["reader"])

@@ -24,24 +24,26 @@ MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at most, where data.work
 
 
 class LoaderPlan(NamedTuple):
-    """A rank's loader: `readers` (the rank's shards are dealt to them: the stream's layout), `workers` (the
-    processes that run them; 0: the rank reads in its own process), and why."""
+    """A rank's loader: `readers` (a reader a worker), `workers` (the processes that run them; 0: the rank reads in
+    its own process), why, and the run's `layout` (V readers, a cycle of Λ samples: data/order.py), which preflight
+    adds; a rank reads its share of those readers on its workers."""
 
     readers: int
     workers: int
     why: str
+    layout: tuple[int, int] | None = None
 
 
 def loader_workers(
     setting: int | None,
     procs_per_node: int,
-    shards_per_rank: int | None = None,
+    readers_per_rank: int | None = None,
     environ: Mapping[str, str] | None = None,
     device_type: str = "cpu",
 ) -> LoaderPlan:
     """The rank's loader plan. An explicit `setting` (data.workers) is taken as it is: that many readers and
-    workers. Automatic (None), one reader per worker, at least 1, and in epoch mode no more than the shards each
-    rank reads (`shards_per_rank`):
+    workers. Automatic (None), at least 1 and no more than the readers of the run's layout a rank reads
+    (`readers_per_rank`):
 
     - a GPU rank computes on the GPU: every CPU it can spare beside itself decodes (an H100 takes ~2,300 samples/s
       of ViT-B/32 at 224 px; a core decodes ~250-300);
@@ -51,8 +53,8 @@ def loader_workers(
     cpus, source = host.rank_cpus(procs_per_node, environ)
     why = f"data.workers=auto: {source}"
     most = spare_cpus(cpus) if device_type != "cpu" else min(cpus, MAX_CPU_RANK_WORKERS)
-    if shards_per_rank is not None and shards_per_rank < most:
-        most, why = max(1, shards_per_rank), why + f", {shards_per_rank} shard(s) per rank"
+    if readers_per_rank is not None and readers_per_rank < most:
+        most, why = max(1, readers_per_rank), why + f", {readers_per_rank} reader(s) per rank"
     if device_type != "cpu":
         return LoaderPlan(most, most, why + f", all but one for {device_type} ranks")
     return LoaderPlan(most, most, why + f", one per CPU of a CPU rank (at most {MAX_CPU_RANK_WORKERS})")

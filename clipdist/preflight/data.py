@@ -13,7 +13,7 @@ from clipdist.config import TrainConfig
 from clipdist.data.epochs import epoch_sizes
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
-from clipdist.data.order import BudgetOrder
+from clipdist.data.order import BudgetOrder, run_layout
 from clipdist.data.samples import SampleKeys
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_caption_keys, check_pieces, check_shard_count, kept_readers, run_readers
@@ -31,8 +31,6 @@ def check_data(
     """The run's shards, checked (the module docstring), and its ranks' loader plan; `student` on the meta device."""
     with as_config_error(FileNotFoundError):
         shards = resolve_shards(cfg.data)
-        plan = loader_workers_for(cfg, len(shards.train))
-        readers = stream_readers(cfg, plan, resuming)
         shards = dataclasses.replace(shards, sizes=epoch_sizes(shards.train, cfg.data.resampled))
         sized = shards.sizes is not None and shards.sizes[0] is not None
         sizes, how = shards.sizes or (None, "")
@@ -41,6 +39,10 @@ def check_data(
                 f"data.train_shards: the {len(shards.train)} shard(s) hold no samples ({how}); check them "
                 "with `tar tf SHARD | head`"
             )
+        whole_shards = not cfg.data.resampled and not sized  # epochs deal whole shards: a reader needs one
+        layout = stream_layout(cfg, resuming, len(shards.train) if whole_shards else None)
+        plan = loader_workers_for(cfg, layout[0])._replace(layout=layout)
+        readers = layout[0]
         check_shard_count(len(shards.train), readers, resampled=cfg.data.resampled, sized=sized)
         check_caption_keys(shards.train, SampleKeys(tuple(cfg.data.caption_keys), None, tuple(cfg.data.image_keys)))
     with as_config_error():
@@ -119,10 +121,10 @@ def check_eval_set(evalset: EvalSet) -> None:
         raise ConfigError(f"{what}: a sample has label {label} but there are {len(evalset.classnames)} class names")
 
 
-def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
+def loader_workers_for(cfg: TrainConfig, readers: int) -> LoaderPlan:
     """The loader plan for data.workers: as given, or automatic for this host (the same on every rank of like
-    nodes)."""
-    each = None if cfg.data.resampled else shards if cfg.data.split == "replicated" else shards // cfg.world.world_size
+    nodes), at most one worker per reader a rank reads of the run's `readers`."""
+    each = readers if cfg.data.split == "replicated" else max(1, readers // cfg.world.world_size)
     return loader_workers(
         cfg.data.workers,
         cfg.world.procs_per_node,
@@ -131,16 +133,16 @@ def loader_workers_for(cfg: TrainConfig, shards: int) -> LoaderPlan:
     )
 
 
-def stream_readers(cfg: TrainConfig, plan: LoaderPlan, resuming: tuple[Path, dict] | None) -> int:
-    """The readers the run's data stream will have: a resumed run keeps its checkpoint's (data.stream), a new run
-    takes data.readers or ranks × the rank's readers."""
-    kept = kept_readers(((resuming or (None, {}))[1].get("stream") or {}).get("layout"), cfg.data.readers)
+def stream_layout(cfg: TrainConfig, resuming: tuple[Path, dict] | None, most_readers: int | None) -> tuple[int, int]:
+    """(V, Λ), the layout of the run's data stream: a resumed run keeps its checkpoint's (data.stream); a new run
+    takes data.readers (Λ = the global batch) or order.run_layout of its global batch — never the launch's ranks,
+    workers or CPUs, so every launch of the run reads the same batches. `most_readers`: the shards, where each reader
+    needs a whole one."""
+    saved = ((resuming or (None, {}))[1].get("stream") or {}).get("layout") or {}
+    kept = kept_readers(saved, cfg.data.readers)
     if kept is not None:
-        return kept
-    return run_readers(
-        plan.readers,
-        cfg.world.world_size,
-        str(cfg.data.split),
-        cfg.data.readers,
-        cfg.world.batch_per_device,
-    )
+        return kept, saved["cycle"]
+    batch = cfg.world.batch_per_device * cfg.world.world_size
+    if cfg.data.readers is not None:
+        return run_readers(1, cfg.world.world_size, str(cfg.data.split), cfg.data.readers), batch
+    return run_layout(batch, most_readers)

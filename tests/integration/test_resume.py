@@ -82,7 +82,7 @@ def test_other_workers_continue_and_a_changed_layout_restarts_reshuffled_with_a_
     assert train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=3").returncode == 0
     resumed = train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=5", "data.workers=2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "the data stream continues at sample 48 of its order (1 reader(s); 1 rank(s) × 16)" in resumed.stdout
+    assert "the data stream continues at sample 48 of its order (4 reader(s); 1 rank(s) × 16)" in resumed.stdout
     assert "cannot continue" not in resumed.stderr
     resumed = train(tmp_path / "run", cache_dir, *overrides, "optim.max_steps=7", "data.shuffle_buffer=10")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -17,7 +17,7 @@ from clipdist.data import reader as reader_module
 from clipdist.data.epochs import RowDeal, shard_sizes, stats_path
 from clipdist.data.faults import ShardHealth
 from clipdist.data.naflex import TokenBudget
-from clipdist.data.order import BudgetOrder, SampleOrder
+from clipdist.data.order import BudgetOrder, SampleOrder, run_layout
 from clipdist.data.reader import Reader, ShardList, ShardSequence
 from clipdist.data.tables import table_parts
 from clipdist.registry.kinds import TableOptions
@@ -301,3 +301,35 @@ def test_a_stats_file_that_is_not_a_regular_file_is_not_read(tmp_path, kind):
     {"fifo": lambda: os.mkfifo(stats), "dev_zero": lambda: stats.symlink_to("/dev/zero"), "folder": stats.mkdir}[kind]()
     sizes, how = shard_sizes(urls)
     assert sizes == [5, 5] and "1 statistics file(s) not used" in how, how
+
+
+def test_a_fresh_runs_batches_are_the_same_on_one_two_or_four_ranks(tmp_path):
+    """A run's own layout (order.run_layout) depends on its global batch alone: 1 × 64, 2 × 32 and 4 × 16 read the
+    same global batches, row for row, across an epoch's end (200 rows in parts of 50; a shuffle buffer of 40 a slot,
+    10 a reader)."""
+    parts = table_parts(str(write_table(tmp_path, 200)), TableOptions(rows_per_part=50), "data.train_shards")
+    layout = run_layout(64)
+    launches = {}
+    for ranks in (1, 2, 4):
+        streams = [
+            train_stream(
+                parts,
+                64 // ranks,
+                identity_transform,
+                rank=rank,
+                world_size=ranks,
+                layout=layout,
+                seed=3,
+                shuffle_buffer=40,
+            )
+            for rank in range(ranks)
+        ]
+        try:
+            launches[ranks] = epoch_keys(streams, 4)
+        finally:
+            for stream in streams:
+                stream.close()
+    assert launches[1] == launches[2] == launches[4]
+    first_epoch = sorted(int(key.rsplit("row", 1)[1]) for key in launches[1][:200])
+    assert first_epoch == list(range(200)) and launches[1][:64] != sorted(launches[1][:64])
+    assert streams[0].layout["buffer"] == 10

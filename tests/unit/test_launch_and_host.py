@@ -49,7 +49,7 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
 
 
 @pytest.mark.parametrize(
-    "setting, cpus, shards_per_rank, readers, workers",
+    "setting, cpus, readers_per_rank, readers, workers",
     [
         (3, "1", None, 3, 3),
         (0, "8", None, 1, 0),  # a number is taken as given
@@ -59,14 +59,15 @@ def test_intra_op_threads_leave_a_core_to_each_loader_worker():
         (None, "4", None, 4, 4),
         (None, "32", None, 4, 4),
         (None, "32", 2, 2, 2),
-        (None, "32", 0, 1, 1),  # no more than the shards each rank reads
+        (None, "32", 0, 1, 1),  # no more than the readers each rank reads
         (None, "12", None, 11, 11),
         (None, "12", 5, 5, 5),  # a GPU rank: every CPU it can spare
     ],
 )
-def test_automatic_loader_workers_follow_the_rank_cpus_and_the_shards(setting, cpus, shards_per_rank, readers, workers):
+def test_automatic_loader_workers_follow_the_rank_cpus_and_readers(setting, cpus, readers_per_rank, readers, workers):
     device = "cuda" if cpus == "12" else "cpu"
-    plan = loader.loader_workers(setting, 1, shards_per_rank, environ={"SLURM_CPUS_PER_TASK": cpus}, device_type=device)
+    environ = {"SLURM_CPUS_PER_TASK": cpus}
+    plan = loader.loader_workers(setting, 1, readers_per_rank, environ=environ, device_type=device)
     assert (plan.readers, plan.workers) == (readers, workers)
     assert plan.why.startswith(
         "data.workers" if setting is not None else f"data.workers=auto: SLURM_CPUS_PER_TASK={cpus}"

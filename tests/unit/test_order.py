@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clipdist.data.order import SampleOrder
+from clipdist.data.order import BATCHES_PER_CYCLE, SampleOrder, run_layout
 
 
 def listing(order: SampleOrder, cycles: int) -> list[tuple[int, int]]:
@@ -75,3 +75,38 @@ def test_workers_share_every_batch_where_a_reader_spans_two_workers_batches(read
     """Λ = G (data.readers given, or a checkpoint's layout), or a worker count that does not divide the cycle's
     batches: a reader holds rows of batches of two workers, so each worker gives its readers' rows of every batch."""
     assert SampleOrder(readers, cycle).worker_readers(0, batch, 0, 1, workers) is None
+
+
+@pytest.mark.parametrize(
+    "batch, most, layout",
+    [(64, None, (8, 256)), (4096, None, (512, 16384)), (96, None, (12, 384)), (100, None, (8, 400)), (7, None, (4, 28))]
+    + [(64, 3, (3, 192)), (4096, 100, (64, 16384)), (64, 1, (1, 64))],
+)
+def test_a_runs_layout_is_a_function_of_its_global_batch(batch, most, layout):
+    """P slots (the largest divisor of G up to G/32) × m = 4 batches a cycle; where epochs deal whole shards, no more
+    readers than shards (`most`)."""
+    assert run_layout(batch, most) == layout
+
+
+@pytest.mark.parametrize("batch", [64, 256, 96])
+def test_in_a_runs_layout_each_reader_holds_one_slot_of_one_batch_of_each_cycle(batch):
+    readers, cycle = run_layout(batch)
+    order, slots, per_cycle = SampleOrder(readers, cycle), readers // (cycle // batch), cycle // batch
+    stream = listing(order, 2)
+    for position, (reader, _) in enumerate(stream):
+        within = position % cycle
+        assert reader == (within // batch) * slots + (within % batch) // (batch // slots), position
+    assert per_cycle == BATCHES_PER_CYCLE
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_any_launch_of_a_runs_layout_reads_each_reader_once_and_lets_workers_make_whole_batches(ranks, workers):
+    """Global batch 256: 8 slots. On 1, 2, 4 or 8 ranks each rank reads readers of its own, and 1, 2 or 4 workers
+    each make whole batches — the order is the same for every one of these launches."""
+    order = SampleOrder(*run_layout(256))
+    mine = [order.rank_readers(0, 256, rank, ranks) for rank in range(ranks)]
+    assert sorted(sum(mine, [])) == list(range(order.readers))
+    for rank in range(ranks):
+        groups = order.worker_readers(0, 256, rank, ranks, workers)
+        assert groups is not None and sorted(sum(groups, [])) == mine[rank]

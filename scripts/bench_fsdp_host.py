@@ -1,0 +1,74 @@
+"""FSDP2's host cost a step against DDP's at world 1 (a process group of one): the run's own step
+(`build_parts(...).step`) on a synthetic batch, both parallelisms built in one process and stepped in interleaved
+rounds, medians. A small batch keeps the compute small, so what differs is the host's work: FSDP2's hooks, the
+optimizer on DTensor shards, the gradient norm.
+
+    python scripts/bench_fsdp_host.py [--model clipdist-tiny] [--batch 4] [--rounds 7] [--steps 20] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from clipdist.tools.gpu_battery import config, one_rank_group, synthetic_batch
+from clipdist.train.parts import build_parts
+
+
+def timed(step, batch, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="clipdist-tiny")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="print FSDP2's step's slowest functions (cProfile)")
+    args = parser.parse_args()
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as work, one_rank_group(device):
+        steps = {}
+        for parallel in ("ddp", "fsdp"):
+            parts = build_parts(
+                config(Path(work) / parallel, args.model, "fp32", args.batch, parallel=parallel), device
+            )
+            steps[parallel] = (parts.step, synthetic_batch(parts.model, args.batch, device))
+        for step, batch in steps.values():  # warm-up
+            for _ in range(3):
+                step(batch)
+        rounds = {parallel: [] for parallel in steps}
+        for _ in range(args.rounds):
+            for parallel, (step, batch) in steps.items():
+                rounds[parallel].append(timed(step, batch, args.steps))
+        ratios = [fsdp / ddp for ddp, fsdp in zip(rounds["ddp"], rounds["fsdp"])]
+        for parallel, times in rounds.items():
+            each = ", ".join(f"{seconds * 1e3:.1f}" for seconds in times)
+            print(f"{parallel}: {statistics.median(times) * 1e3:.2f} ms a step ({each})")
+        print(f"fsdp / ddp: {statistics.median(ratios):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)})")
+        if args.profile:
+            step, batch = steps["fsdp"]
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [step(batch) for _ in range(args.steps)])
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+            print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
