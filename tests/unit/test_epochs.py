@@ -305,9 +305,9 @@ def test_a_stats_file_that_is_not_a_regular_file_is_not_read(tmp_path, kind):
 
 def test_a_fresh_runs_batches_are_the_same_on_one_two_or_four_ranks(tmp_path):
     """A run's own layout (order.run_layout) depends on its global batch alone: 1 × 64, 2 × 32 and 4 × 16 read the
-    same global batches, row for row, across an epoch's end (200 rows in parts of 50; a shuffle buffer of 40 a slot,
+    same global batches, row for row, across an epoch's end (96 rows in parts of 24; a shuffle buffer of 40 a slot,
     10 a reader)."""
-    parts = table_parts(str(write_table(tmp_path, 200)), TableOptions(rows_per_part=50), "data.train_shards")
+    parts = table_parts(str(write_table(tmp_path, 96)), TableOptions(rows_per_part=24), "data.train_shards")
     layout = run_layout(64)
     launches = {}
     for ranks in (1, 2, 4):
@@ -325,11 +325,11 @@ def test_a_fresh_runs_batches_are_the_same_on_one_two_or_four_ranks(tmp_path):
             for rank in range(ranks)
         ]
         try:
-            launches[ranks] = epoch_keys(streams, 4)
+            launches[ranks] = epoch_keys(streams, 2)
         finally:
             for stream in streams:
                 stream.close()
     assert launches[1] == launches[2] == launches[4]
-    first_epoch = sorted(int(key.rsplit("row", 1)[1]) for key in launches[1][:200])
-    assert first_epoch == list(range(200)) and launches[1][:64] != sorted(launches[1][:64])
+    first_epoch = sorted(int(key.rsplit("row", 1)[1]) for key in launches[1][:96])
+    assert first_epoch == list(range(96)) and launches[1][:64] != sorted(launches[1][:64])
     assert streams[0].layout["buffer"] == 10
