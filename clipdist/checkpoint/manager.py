@@ -17,21 +17,24 @@ one format) still resume, read as safely.
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import io
 import logging
 import os
 import shutil
+import threading
 import time
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -67,11 +70,20 @@ class CheckpointFiles:
         return self.finish(self.start(shards, progress, step, is_main), is_main)
 
     def start(
-        self, shards: dict, progress: dict, step: int, is_main: bool, group=None, background: bool = False
+        self,
+        shards: dict,
+        progress: dict,
+        step: int,
+        is_main: bool,
+        group=None,
+        background: bool = False,
+        stage_in_background: bool = False,
     ) -> PendingSave:
         """Collective: every rank writes its part of `shards` (torch.distributed.checkpoint) into a hidden folder —
         in a background thread where `background` (DCP's async_save: the state copied to host memory first, then
-        written while training goes on; its collectives on `group`, apart from the step's)."""
+        written while training goes on; its collectives on `group`, apart from the step's). With
+        `stage_in_background` the copy too is made in a thread (a plain state's: `PendingSave.staged` says when it is
+        done; nothing may change the state before)."""
         final = self.directory / f"step_{step:08d}.dcp"
         # Serialized now, by rank 0 which writes it: the progress holds live objects (the stream's reader positions)
         # that training goes on changing before a save in the background is published.
@@ -79,7 +91,7 @@ class CheckpointFiles:
         if is_main:
             save_torch(progress, buffer)
         began = time.perf_counter()
-        pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main, None, began)
+        pending = PendingSave(final, self.directory / f".{final.name}.partial", buffer.getvalue(), is_main, began=began)
 
         def prepare():
             shutil.rmtree(pending.partial, ignore_errors=True)  # left by a crash mid-save
@@ -89,14 +101,18 @@ class CheckpointFiles:
         with weights.single_process_quietly():
             if background:
                 stager: dict[str, Any] = (
-                    {"async_stager": _HostCopy()} if _HostCopy.fits(shards) and _TAKES_STAGER else {}
+                    {"async_stager": _HostCopy(in_background=stage_in_background)}
+                    if _HostCopy.fits(shards) and _TAKES_STAGER
+                    else {}
                 )
                 if not _TAKES_STAGER and _HostCopy.fits(shards):  # torch 2.6-2.7: the copy made here, before it returns
-                    shards = _HostCopy().stage(shards)
+                    shards = _HostCopy._copy(shards)
                 write = lambda: dcp.async_save(  # noqa: E731
                     shards, checkpoint_id=str(pending.partial), process_group=group, **stager
                 )
-                pending.future = self._agree(pending, write, run=True)
+                response = self._agree(pending, write, run=True)
+                pending.future = getattr(response, "upload_completion", response)
+                pending.staged = getattr(response, "staging_completion", None)
                 pending.future.add_done_callback(lambda _: setattr(pending, "written_s", time.perf_counter() - began))
                 if is_main:  # a failed write gives its space back at once (a full disk fails the logs beside it too)
                     pending.future.add_done_callback(partial(_remove_if_failed, pending.partial))
@@ -154,24 +170,46 @@ class CheckpointFiles:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-# torch 2.6 and 2.7's async_save takes no stager (and on 2.6 its writer may read the live tensors: copied first)
+# torch 2.6 and 2.7's async_save takes no stager (and on 2.6 its writer may read the live tensors: copied first);
+# a stager's Future (the copy made in a thread) is awaited by async_save from the release with AsyncSaveResponse on
 _TAKES_STAGER = "async_stager" in inspect.signature(dcp.async_save).parameters
+_STAGES_BESIDE = _TAKES_STAGER and hasattr(state_dict_saver, "AsyncSaveResponse")
 
 
 class _HostCopy:
     """DCP's AsyncStager for a state of plain tensors (DDP's): each copied to host memory in one pass — a CUDA
     tensor to the CPU, a CPU tensor cloned — so training may change the originals while the copy is written.
     DCP's default stager copies storage by storage (1.8x the time of these clones for ViT-B/32's state on this
-    machine: scripts/bench_checkpoint.py); sharded states (DTensors) keep it."""
+    machine: scripts/bench_checkpoint.py); sharded states (DTensors) keep it. `in_background`: the copy is made in a
+    thread of its own and `stage` returns its Future (DCP then writes once it is done), so the loop goes on with the
+    next step's forward and backward while it runs."""
 
     _synchronize_after_execute = False
     should_synchronize_after_execute = False
+
+    def __init__(self, in_background: bool = False):
+        self.in_background = in_background
 
     @staticmethod
     def fits(state_dict: dict) -> bool:
         return not any(isinstance(leaf, DTensor) for leaf in tree_leaves(state_dict))
 
-    def stage(self, state_dict: dict) -> dict:
+    def stage(self, state_dict: dict) -> dict | Future:
+        if not self.in_background:
+            return self._copy(state_dict)
+        staged: Future = Future()
+
+        def copy() -> None:
+            try:
+                staged.set_result(self._copy(state_dict))
+            except BaseException as error:  # noqa: BLE001 -- the save's failure, raised where it is awaited
+                staged.set_exception(error)
+
+        threading.Thread(target=copy, name="clipdist-checkpoint-copy", daemon=True).start()
+        return staged
+
+    @staticmethod
+    def _copy(state_dict: dict) -> dict:
         return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("cpu", copy=True), state_dict)
 
     def synchronize_staging(self) -> None:
@@ -190,6 +228,7 @@ class PendingSave:
     progress: bytes  # progress.pt's contents, serialized when the save began (rank 0's; empty elsewhere)
     is_main: bool
     future: Future | None = None
+    staged: Future | None = None  # the state's copy made in the background: done before anything may change the state
     began: float = 0.0  # time.perf_counter() when the save began
     held_s: float = 0.0  # how long the save held the loop (the state copied to host memory, or the whole write)
     written_s: float | None = None  # from its start until this rank's part was on disk
@@ -258,9 +297,19 @@ def saved_line(path: Path, pending: PendingSave, background: bool) -> str:
     written = pending.written_s if pending.written_s is not None else time.perf_counter() - pending.began
     if not background:
         return f"saved {path.name}: the loop waited {written:.2f} s for the write"
+    copied = "beside the next step" if pending.staged is not None else "first"
     return (
-        f"saved {path.name}: the loop held {pending.held_s:.2f} s (the state copied to host memory), "
+        f"saved {path.name}: the loop held {pending.held_s:.2f} s (the state copied to host memory {copied}), "
         f"written in {written:.2f} s in the background"
+    )
+
+
+def updates_in_forward(model: torch.nn.Module) -> bool:
+    """The model changes its state in a forward (BatchNorm's running statistics): its copy for a save cannot be
+    made beside the next step."""
+    return any(
+        isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+        for module in model.modules()
     )
 
 
@@ -319,18 +368,37 @@ class Checkpointer:
         and returns False (warn)."""
         if self.pending is not None and not self.finish():
             return False
+        began = time.perf_counter()
         progress = {**state.progress(), "config": self.config}
+        beside = self.background and not wait and _STAGES_BESIDE and not updates_in_forward(state.model)
         started = self._guarded(
             lambda: self.files.start(
-                state.sharded_state_dict(), progress, state.step, self.env.is_main, self.group, self.background
+                state.sharded_state_dict(), progress, state.step, self.env.is_main, self.group, self.background, beside
             )
         )
         self.last_saved = time.monotonic()
         if started is None:
             return False
-        started.held_s = time.perf_counter() - started.began
+        started.held_s = time.perf_counter() - began  # the state gathered by name, the progress, the plan, a copy
         self.pending = started
+        if started.staged is not None:
+            self._hold_until_staged(started, state.optimizer)
         return self.finish() if wait or not self.background else True
+
+    def _hold_until_staged(self, pending: PendingSave, optimizer: torch.optim.Optimizer) -> None:
+        """The state is copied beside the next step's forward and backward: its optimizer step, the first thing that
+        changes the state (the weight average and a term's centre move after it), waits for the copy, and that wait
+        counts as the save's hold on the loop."""
+
+        staged = cast(Future, pending.staged)
+
+        def wait(*_) -> None:
+            handle.remove()
+            waited = time.perf_counter()
+            concurrent.futures.wait([staged])  # a failed copy is raised by `finish`, as a failed write
+            pending.held_s += time.perf_counter() - waited
+
+        handle = optimizer.register_step_pre_hook(wait)
 
     def finish(self) -> bool:
         """Collective: wait for the save in flight, publish it, copy it off the node; whether it worked."""

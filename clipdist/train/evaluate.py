@@ -293,6 +293,7 @@ def _text_metrics(model, found: dict, retrieval_ties: str, loss_block: int, capt
     return metrics
 
 
+@torch.no_grad()  # features kept for the whole set: a graph behind them held every batch's activations (23 GB)
 def evaluate(
     model,
     tokenizer,

@@ -153,14 +153,44 @@ def test_a_save_in_the_background_holds_the_state_of_its_step(tmp_path, monkeypa
     state.stream = LiveStream()
     at_save = state.model.weight.detach().clone()
     assert checkpointer.save(state)
-    with torch.no_grad():
-        state.model.weight.add_(100.0)  # training goes on while the write runs
+    state.model(torch.ones(1, 2)).sum().backward()
+    state.optimizer.step()  # training goes on while the write runs
+    assert not torch.equal(state.model.weight.detach(), at_save)
     state.stream.totals[0] = 99  # and the stream reads on: its state dict holds this very dict
     assert checkpointer.files.checkpoints() == [] and not checkpointer.pending.written
     assert checkpointer.finish() and [path.name for path in checkpointer.files.checkpoints()] == ["step_00000005.dcp"]
     restored, path = restore(tmp_path)
     assert torch.equal(restored.model.weight.detach(), at_save)
     assert read_progress(path)["stream"] == {"totals": {0: 5}}
+
+
+def test_the_next_update_waits_for_a_copy_made_beside_the_step(tmp_path, monkeypatch):
+    """A background save copies the state in a thread while the loop goes on (the next step's forward and backward);
+    the next optimizer step, the first thing that changes the state, waits for the copy (made slow here), and the
+    wait counts as the save's hold on the loop. A model whose forward changes its state (BatchNorm) is copied first."""
+    import time
+
+    from clipdist.checkpoint import manager
+
+    copy = manager._HostCopy._copy
+    monkeypatch.setattr(manager._HostCopy, "_copy", staticmethod(lambda tree: (time.sleep(0.4), copy(tree))[1]))
+    checkpointer = Checkpointer(TrainConfig(name="x", run_dir=str(tmp_path)), tmp_path, detect_env())
+    state = tiny_state(3.0)
+    state.step = 5
+    at_save = state.model.weight.detach().clone()
+    started = time.perf_counter()
+    assert checkpointer.save(state)
+    returned = time.perf_counter() - started
+    assert returned < 0.3 and checkpointer.pending.staged is not None
+    state.model(torch.ones(1, 2)).sum().backward()
+    state.optimizer.step()
+    pending = checkpointer.pending
+    assert pending.staged.done() and pending.held_s >= 0.35, (returned, pending.held_s)
+    assert checkpointer.finish()
+    restored, _ = restore(tmp_path)
+    assert torch.equal(restored.model.weight.detach(), at_save)
+    assert "copied to host memory beside the next step" in manager.saved_line(tmp_path, pending, True)
+    assert manager.updates_in_forward(torch.nn.BatchNorm1d(2)) and not manager.updates_in_forward(state.model)
 
 
 def test_each_ranks_generators_go_with_the_tensors_and_come_back(tmp_path):
