@@ -222,15 +222,20 @@ def one_rank_group(device: torch.device):
 
 
 def checkpoint_stall(cfg, device: torch.device) -> dict:
-    """How long a background save holds the loop, and how long its write takes until published."""
+    """How long a background save holds the loop — its own time, and the next step's wait for the state's copy made
+    beside that step's forward and backward — and how long its write takes until published."""
 
     parts = build_parts(cfg, device)
-    parts.step(synthetic_batch(parts.model, cfg.world.batch_per_device, device))  # AdamW's moments exist
+    batch = synthetic_batch(parts.model, cfg.world.batch_per_device, device)
+    parts.step(batch)  # AdamW's moments exist
     state = TrainState(parts.model, parts.optimizer, parts.scheduler, scaler=parts.scaler, step=1)
     checkpointer = Checkpointer(cfg, Path(cfg.run_dir), detect_env())
     started = time.perf_counter()
     assert checkpointer.save(state)
-    stall = time.perf_counter() - started
+    pending = checkpointer.pending
+    parts.step(batch)  # the next step: its update waits for the copy
+    synchronize(device)
+    stall = pending.held_s if pending is not None else time.perf_counter() - started
     assert checkpointer.finish()
     return {"stall_s": stall, "written_s": time.perf_counter() - started}
 
