@@ -707,6 +707,17 @@ def check_weights(model_cfg, loss_fn, init_logit_bias: float | None = None) -> N
     weights_for(model, weights, what)
 
 
+def check_logit_bias(model: torch.nn.Module, loss_fn, loss: str, model_name: str) -> None:
+    """A model whose config gives it a logit bias (SigLIP's `init_logit_bias`) with a loss that takes none (a softmax
+    backend; `loss` as the user named it): a ValueError saying so, before any rank builds it."""
+    if getattr(model, "logit_bias", None) is not None and not getattr(loss_fn, "uses_logit_bias", False):
+        raise ValueError(
+            f"{loss}: model {model_name} has a logit bias (its config's init_logit_bias, for SigLIP's "
+            "sigmoid loss), which this softmax loss has no use for; use loss=siglip, or a model config without "
+            "init_logit_bias"
+        )
+
+
 def create_model_for_loss(
     name: str, loss_fn, init_logit_scale: float | None = None, init_logit_bias: float | None = None, **options
 ) -> torch.nn.Module:

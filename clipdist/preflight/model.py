@@ -14,6 +14,7 @@ from clipdist.errors import ConfigError, as_config_error
 from clipdist.losses import build as build_loss
 from clipdist.model import targets
 from clipdist.model.factory import (
+    check_logit_bias,
     check_loss_weights,
     check_model_options,
     check_teacher,
@@ -33,6 +34,8 @@ def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
         check_model_options(cfg.model)
         check_loss_weights(cfg.loss, cfg.model.name)
         student = create_model(cfg.model.name, device="meta", overrides=model_overrides(cfg.model, fetch=False))
+        loss = build_loss(cfg.loss.name, **cfg.loss.options())
+        check_logit_bias(student, loss, f"loss={cfg.loss.name}", cfg.model.name)
         attach_parts(cfg.loss, student)  # a term's head: the checks it makes of the towers
         if cfg.loss.distill.model:
             teacher = targets.resolve(cfg.loss.distill.model, cfg.loss.distill.pretrained)
@@ -40,7 +43,7 @@ def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
         check_optim(cfg.optim)
         augmentation_cfg(cfg.data)
         if is_main:  # fetches pretrained weights into the cache, once, before any rank starts
-            check_weights(cfg.model, build_loss(cfg.loss.name, **cfg.loss.options()), cfg.loss.init_logit_bias)
+            check_weights(cfg.model, loss, cfg.loss.init_logit_bias)
     if cfg.world.parallel == "fsdp":
         check_shardable(student, cfg.model.name)
     if cfg.world.sync_batchnorm and not parallel.uses_cuda(cfg.world.device):

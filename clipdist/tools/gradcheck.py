@@ -26,6 +26,7 @@ from clipdist.distributed.parallel import full_tensor, wrap_model
 from clipdist.losses import BACKENDS, build, clip_loss
 from clipdist.model.factory import (
     caption_weight,
+    check_logit_bias,
     create_model,
     create_model_for_loss,
     get_tokenizer,
@@ -394,6 +395,9 @@ def run_gradchecks(
     backend_options = {key: value for key, value in options.items() if "." not in key}
     chosen = Terms.named([*terms, *(["distill"] if distill else [])], {k: v for k, v in options.items() if "." in k})
     loss_fns = [resolve_loss(spec, backend_options) for spec in losses]  # fail here, not in N workers
+    structure = create_model(model, device="meta")
+    for spec, loss_fn in zip(losses, loss_fns):
+        check_logit_bias(structure, loss_fn, f"--backend {spec}", model)
     locks = Locks(lock_image, lock_text)
     rank_results = launch_local(
         _rank_step,

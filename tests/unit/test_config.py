@@ -67,6 +67,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
         (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
+        (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
         (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
