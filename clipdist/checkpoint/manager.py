@@ -17,7 +17,6 @@ one format) still resume, read as safely.
 
 from __future__ import annotations
 
-import concurrent.futures
 import inspect
 import io
 import logging
@@ -392,13 +391,13 @@ class Checkpointer:
 
         staged = cast(Future, pending.staged)
 
-        def wait(*_) -> None:
+        def hold(*_) -> None:
             handle.remove()
             waited = time.perf_counter()
-            concurrent.futures.wait([staged])  # a failed copy is raised by `finish`, as a failed write
+            staged.exception()  # waits for the copy; a failed one is raised by `finish`, as a failed write
             pending.held_s += time.perf_counter() - waited
 
-        handle = optimizer.register_step_pre_hook(wait)
+        handle = optimizer.register_step_pre_hook(hold)
 
     def finish(self) -> bool:
         """Collective: wait for the save in flight, publish it, copy it off the node; whether it worked."""
