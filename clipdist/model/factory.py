@@ -820,6 +820,14 @@ def image_size(model: Any) -> tuple[int, int]:  # an open_clip model
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
+def image_width(model: Any) -> int:  # an open_clip model
+    """The width of the image tower's tokens: open_clip's ViT's, or a timm trunk's (a NaFlex tower's too); 0 for a
+    tower with neither (a ResNet)."""
+    visual = model.visual
+    width = getattr(getattr(visual, "transformer", None), "width", None)
+    return int(width or getattr(getattr(visual, "trunk", None), "embed_dim", None) or 0)
+
+
 def blank_images(model: torch.nn.Module, rows: int):
     """Zeros of the model's image input for `rows` samples (a NaFlex tower's: one valid patch each)."""
     if naflex_trunk(model) is None:

@@ -29,6 +29,7 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import sample_keys, view_seed
 from clipdist.errors import ConfigError
+from clipdist.model.factory import image_width
 from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm
@@ -175,14 +176,14 @@ def _token_source(model: torch.nn.Module) -> tuple[torch.nn.Module, int, int]:
     trunk: Any = getattr(tower(model), "trunk", None)
     timm_vit = all(hasattr(trunk, name) for name in ("norm", "num_prefix_tokens", "embed_dim", "patch_embed"))
     if timm_vit or naflex_trunk(model) is not None:
-        return trunk.norm, trunk.num_prefix_tokens, trunk.embed_dim  # a timm tower's tokens before its pooling head
+        return trunk.norm, trunk.num_prefix_tokens, image_width(model)  # a timm tower's tokens before its pooling head
     visual = tower(model)
     if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None or visual.final_ln_after_pool:
         raise ConfigError(
             "loss.decoder needs open_clip's ViT image tower whose last norm sees every token (no attention pool, "
             f"no final_ln_after_pool), a timm ViT or a NaFlex tower: this model's is {type(visual).__name__}"
         )
-    return visual.ln_post, 1, visual.conv1.out_channels
+    return visual.ln_post, 1, image_width(model)
 
 
 class PatchTokens:

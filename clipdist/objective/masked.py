@@ -23,6 +23,7 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
+from clipdist.model.factory import image_width
 from clipdist.model.timm_towers import naflex_trunk, naflex_trunk_of
 from clipdist.objective.base import TermContext
 from clipdist.objective.teacher import Head, TeacherTerm, images_in, put_on, teacher_term, tokens_out, tower
@@ -56,14 +57,14 @@ def attach(options: MaskedOptions, model: torch.nn.Module) -> bool:
         return False
     visual, trunk = tower(model), naflex_trunk(model)
     if trunk is not None:
-        put_on(model, PART, MaskedHead(trunk.embed_dim, options))
+        put_on(model, PART, MaskedHead(image_width(model), options))
         return True
     if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None:
         raise ConfigError(
             "loss.masked needs open_clip's ViT image tower with a token per patch (no attention pool) or a NaFlex "
             f"tower: this model's is {type(visual).__name__}"
         )
-    put_on(model, PART, MaskedHead(visual.conv1.out_channels, options))
+    put_on(model, PART, MaskedHead(image_width(model), options))
     return True
 
 

@@ -6,7 +6,7 @@ import torch
 
 from clipdist.config import LossConfig
 from clipdist.defaults import DEFAULT_TILE
-from clipdist.model.factory import caption_weight, has_caption_decoder
+from clipdist.model.factory import caption_weight, has_caption_decoder, image_width
 from clipdist.objective.base import Outputs, Term, TermContext, features_of
 from clipdist.objective.caption import CaptionTerm
 from clipdist.objective.contrastive import ContrastiveTerm
@@ -134,16 +134,9 @@ def run_objective(
         options = loss.term(name)
         term = spec.load()(options, context)  # a term that trains a part of its own: attach_parts put it on
         if term is not None:
-            objective.terms.append((term, options.weight * options.factor(tower_width(model))))
+            objective.terms.append((term, options.weight * options.factor(image_width(model))))
             objective.starts[term.name] = start_step(options, context.max_steps)
     return objective
-
-
-def tower_width(model: torch.nn.Module) -> int:
-    """The image tower's width: open_clip's ViT's, or a timm trunk's embedding dimension."""
-    visual = model.visual
-    width = getattr(getattr(visual, "transformer", None), "width", None)
-    return int(width or getattr(getattr(visual, "trunk", None), "embed_dim", None) or 0)
 
 
 def as_objective(loss_fn) -> Objective:
