@@ -189,6 +189,7 @@ class TrainStream:
         self.pieces = int(getattr(data, "pieces", 1) or 1)
         self.budget = budget
         check_pieces(self.pieces, batch_size, budget is not None)
+        configured = batch_size * world_size  # the global batch the run's layout was made for (order.run_layout)
         if budget is not None:  # the rows every rank has at the longest sequence length
             batch_size = min(budget.sizes()) // world_size
         self.readers_setting = getattr(data, "readers", None)
@@ -197,7 +198,7 @@ class TrainStream:
         self.batch_size, self.image_transform, self.tokenizer = batch_size, image_transform, tokenizer
         self.low_priority_workers, self.start_method = low_priority_workers, start_method
         self.pixels, self.pin_memory = pixels, pin_memory
-        self.layout = self._first_layout(layout, readers)
+        self.layout = self._first_layout(layout, readers, configured)
         total = self.layout["readers"]
         # epoch mode with every shard's size known: each epoch is a permutation of the rows (data/epochs.py); found
         # here where the caller did not find them once already (preflight: Shards.sizes)
@@ -214,16 +215,17 @@ class TrainStream:
         self._worker_readers: list[list[int]] | None = None  # whole batches per worker: each one's readers
         self._pending: dict[int, dict] = {}  # the readers' positions after the batch handed out
 
-    def _first_layout(self, layout: tuple[int, int] | None, readers: int | None) -> dict:
-        """The layout a fresh stream starts with: the run's own `layout` (preflight: order.run_layout, or
-        data.readers), a slot's readers sharing data.shuffle_buffer; without one, `readers` a rank — a cycle of
-        (V/N)·G, each worker whole batches, or the global batch with data.readers."""
+    def _first_layout(self, layout: tuple[int, int] | None, readers: int | None, configured: int) -> dict:
+        """The layout a fresh stream starts with: the run's own `layout` (preflight: order.run_layout of the
+        `configured` global batch, or data.readers), the m readers of a slot sharing data.shuffle_buffer (a token
+        budget's too: its V readers are no more than the fixed-size layout's, each a share of every batch); without
+        one, `readers` a rank — a cycle of (V/N)·G, each worker whole batches, or the global batch with data.readers."""
         batch = self.batch_size * self.world_size
         if layout is not None:
             total, cycle = layout
             if self.budget is not None:
-                return self._layout(max(1, min(total, min(self.budget.sizes()))), cycle)
-            per_cycle = max(1, cycle // batch)
+                total = max(1, min(total, min(self.budget.sizes())))
+            per_cycle = max(1, cycle // configured)
             return {**self._layout(total, cycle), "buffer": -(-int(self.data.shuffle_buffer) // per_cycle)}
         per_rank = readers or max(self.workers or 0, 1)
         split = "replicated" if self.replicated else "node"
