@@ -610,6 +610,23 @@ def check_counters(progress: dict, path) -> None:
     seen = progress.get("samples_seen", 0)
     _check_count(stream.get("position", 0), 0, seen + skipped + POSITION_SLACK, path, "stream.position")
     _check_count(stream.get("batches", 0), 0, (step or 0) + POSITION_SLACK, path, "stream.batches")
+    _check_layout(stream.get("layout"), path)
+
+
+MAX_READERS = 1 << 26  # a layout's readers at most (2^20 ranks × 64 workers, the most an earlier layout could have)
+
+
+def _check_layout(layout, path) -> None:
+    """The stream's layout as a resume builds its order and readers from it: V readers (the order's offsets are
+    allocated per reader), a positive cycle, and a reader's shuffle buffer no larger than the layout's
+    data.shuffle_buffer (a slot's readers share it: an edited 10^12 would have every reader hold its whole pass)."""
+    if not isinstance(layout, dict) or "cycle" not in layout:
+        return  # none, or an earlier clipdist's per-rank position: the stream restarts and says so
+    _check_count(layout.get("readers"), 1, MAX_READERS, path, "stream.layout.readers")
+    _check_count(layout.get("cycle"), 1, MAX_STEP * MAX_GLOBAL_BATCH, path, "stream.layout.cycle")
+    if "buffer" in layout:
+        _check_count(layout.get("shuffle_buffer"), 0, MAX_STEP, path, "stream.layout.shuffle_buffer")
+        _check_count(layout["buffer"], 0, layout["shuffle_buffer"], path, "stream.layout.buffer")
 
 
 def _check_count(value, low: int, high: int, path, key: str) -> None:

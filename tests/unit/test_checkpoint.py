@@ -246,6 +246,9 @@ def test_edited_counters_in_progress_are_a_damaged_checkpoint(tmp_path):
         assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
 
 
+LAYOUT = {"readers": 8, "cycle": 256, "shuffle_buffer": 1000, "buffer": 250}  # a run's layout (order.run_layout)
+
+
 @pytest.mark.parametrize(
     "edit, said",
     [
@@ -257,11 +260,16 @@ def test_edited_counters_in_progress_are_a_damaged_checkpoint(tmp_path):
         (lambda p: {**p, "samples_seen": 10**15}, "its samples_seen is 1000000000000000"),
         (lambda p: {**p, "stream": {"position": 10**15}}, "its stream.position is 1000000000000000"),
         (lambda p: {**p, "stream": "x"}, "its stream position is 'x', not a mapping"),
+        (lambda p: {**p, "stream": {"layout": LAYOUT | {"readers": 10**12}}}, "its stream.layout.readers is 10{12}"),
+        (lambda p: {**p, "stream": {"layout": LAYOUT | {"cycle": 0}}}, "its stream.layout.cycle is 0"),
+        (lambda p: {**p, "stream": {"layout": LAYOUT | {"buffer": 10**12}}}, "its stream.layout.buffer is 10{12}"),
+        (lambda p: {**p, "stream": {"layout": LAYOUT | {"buffer": -1}}}, "its stream.layout.buffer is -1"),
     ],
 )
 def test_every_field_a_resume_reads_is_typed_and_bounded(tmp_path, edit, said):
-    """A saved config that is a list, a scheduler state missing or a string, a data position of 10^15: each was a
-    traceback deep in the resume; now one line naming the file and the field."""
+    """A saved config that is a list, a scheduler state missing or a string, a data position of 10^15, a layout of
+    10^12 readers or with a reader's buffer past data.shuffle_buffer: each was a traceback (or an allocation) deep in
+    the resume; now one line naming the file and the field."""
     from clipdist.checkpoint import weights
 
     path = save(CheckpointFiles(tmp_path, keep=3), tiny_state(1.0), 10)
