@@ -1,7 +1,8 @@
 """SigLIP 2's recipe against plain SigLIP, counted on this CPU: the FLOPs of one training step's forward and backward
 (torch.utils.flop_counter.FlopCounterMode) and the bytes autograd saves for backward at their peak
-(torch.autograd.graph.saved_tensors_hooks), with the recipe's defaults and every term counting. The teacher is the
-model's own weights (as at the terms' start); its forward is counted, as a run pays it.
+(torch.autograd.graph.saved_tensors_hooks), with the recipe's defaults and every term counting, through the
+training step itself (each own-forward term's graph freed by its own backward before the next is made). The
+teacher is the model's own weights (as at the terms' start); its forward is counted, as a run pays it.
 
     python scripts/recipe_cost.py                          # ViT-B/16 at 256 px, 2 images
     python scripts/recipe_cost.py --model clipdist-tiny --batch 8
@@ -18,29 +19,29 @@ import sys
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from clipdist.losses import build
 from clipdist.model.factory import create_model
-from clipdist.objective.teacher import TeacherPart
-from clipdist.tools.memory import SavedTensorMeter, human_bytes, model_outputs
+from clipdist.objective.weighted_sum import build_objective
+from clipdist.tools.memory import SavedTensorMeter, human_bytes, model_inputs
 from clipdist.tools.plan import recipe_terms
+from clipdist.train.step import build_step
 
 
 def step_cost(model_name: str, batch: int, recipe: str | None, size: int | None) -> dict:
-    """FLOPs and the peak of saved bytes of one step: the towers (and with `recipe`, its terms) forward and back."""
+    """FLOPs and the peak of saved bytes of one training step as the step runs it (train.step: the own-forward
+    terms backpropagated one after another, then the model's forward and backward): SigLIP's loss, and with
+    `recipe` its terms, every one counting."""
     torch.manual_seed(0)
     overrides = {"vision_cfg": {"image_size": size}} if size else None
     model = create_model(model_name, init_logit_bias=-10.0, overrides=overrides)
     terms, _ = recipe_terms(recipe, model) if recipe else ([], False)
-    for term in terms:
-        term.step = 1
-    context = getattr(model, "context_length", 77)
+    objective = build_objective(build("siglip"))
+    objective.terms += [(term, 1.0) for term in terms]
+    objective.at(1)
+    inputs = model_inputs(model, batch, getattr(model, "context_length", 77))
+    step = build_step(model, objective)
     with FlopCounterMode(display=False) as flops, SavedTensorMeter(exclude=list(model.parameters())) as meter:
-        outputs = model_outputs(model, batch, context, terms=terms)
-        raw, parts = outputs if terms else (outputs, [])
-        loss = raw[0].sum() + raw[1].sum()
-        for term, part in zip(terms, parts):
-            merged = term.merge([part])
-            loss = loss + (merged.total if isinstance(merged, TeacherPart) else merged[0])
-        loss.backward()
+        step.gradients(inputs)
     return {"flops": flops.get_total_flops(), "saved_peak_bytes": meter.peak}
 
 

@@ -102,6 +102,10 @@ def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dt
     # The root's parameters are needed again at once by backward: keep them gathered after forward.
     fully_shard(model, mp_policy=policy, reshard_after_forward=False, ignored_params=set(scalars))
     vars(model)["replicated_parameters"] = scalars  # a plain list: nn.Module.__setattr__ would put it here too
+    if parts:
+        # FSDP2 makes the first unit to run forward the root: a term's module or the image tower runs before the
+        # model's forward (Objective.own_backward), so the model is made the root now (torch has no public call)
+        fully_shard.state(model)._lazy_init()  # type: ignore[attr-defined]
     for method in ("encode_image", "encode_text"):  # evaluation calls these, not forward
         if hasattr(model, method):
             register_fsdp_forward_method(model, method)

@@ -19,6 +19,10 @@ class Outputs:
     features: tuple
     parts: dict[str, Any] = field(default_factory=dict)
 
+    def with_parts(self, parts: dict[str, Any]) -> Outputs:
+        """These outputs with more terms' parts (the own-forward terms', taken apart: Objective.own_backward)."""
+        return Outputs(self.features, {**self.parts, **parts})
+
 
 class OwnModule(torch.nn.Module):
     """A term's own module on the model (a head, a decoder), called outside the model's forward. `fsdp_methods`: its
@@ -78,10 +82,17 @@ class Term:
     - `stats()`: scalars the logs show beside its value (the teacher terms: their targets' entropy).
     - `parameters()`: the modules only this term trains (a head): touched with weight 0 before its start, as DDP
       wants a gradient for every parameter at every step.
+
+    An `own_forward` term runs a forward of its own, apart from the model's (a teacher term's student views), and
+    its T is a mean over the global batch's B rows: `take(None, inputs)` gives a part whose first entry is Σ_i ℓ_i
+    over the chunk's rows, with its graph. The step runs it before the model's forward, chunk by
+    chunk, and backpropagates w · N/B · Σ_i ℓ_i of each chunk at once (Objective.own_backward), so its graph is
+    gone before the next term's or the model's is made.
     """
 
     name: str = "term"  # its key in the logs
     per_chunk: bool = False  # its gradient reaches the model outside the features (chunk_value)
+    own_forward: bool = False  # its forward is its own: backpropagated apart, before the model's (see above)
     step: int | None = None  # the step (1-based) the next forward is for: Objective.at sets it
 
     def modules(self) -> list[OwnModule]:

@@ -187,6 +187,7 @@ class TeacherTerm(Term):
     and the teacher's outputs that the centre averages."""
 
     per_chunk = True  # the student's extra forward is the term's own: each chunk backpropagates its share
+    own_forward = True  # ... apart from the model's, one term's graph at a time (Objective.own_backward)
 
     def __init__(
         self,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
 import torch
 
 from clipdist.config import LossConfig
 from clipdist.defaults import DEFAULT_TILE
+from clipdist.distributed import parallel
 from clipdist.model.factory import caption_weight, has_caption_decoder, image_width
 from clipdist.objective.base import Outputs, Term, TermContext, features_of
 from clipdist.objective.caption import CaptionTerm
@@ -34,23 +39,60 @@ class Objective:
         """The terms that count at the current step."""
         return [pair for pair in self.terms if self.step is None or self.starts.get(pair[0].name, 1) <= self.step]
 
-    def chunk_outputs(self, raw, inputs: dict, per_chunk: bool = False) -> Outputs:
+    def chunk_outputs(self, raw, inputs: dict, per_chunk: bool = False, own: bool = False) -> Outputs:
         """One forward's parts, unmerged (a chunk's under gradient caching; `per_chunk`: only the parts of the
-        terms that backpropagate chunk by chunk, as the re-forward needs)."""
+        terms that backpropagate chunk by chunk, as the re-forward needs). The own-forward terms' parts only with
+        `own` (one backward for every term); the step runs those apart (own_backward)."""
         return Outputs(
             features_of(raw),
-            {term.name: term.take(raw, inputs) for term, _ in self.counted if term.per_chunk or not per_chunk},
+            {
+                term.name: term.take(raw, inputs)
+                for term, _ in self.counted
+                if (term.per_chunk or not per_chunk) and (own or not term.own_forward)
+            },
         )
 
     def merge(self, chunks: list[Outputs], features: tuple | None = None) -> Outputs:
         """The chunks' outputs as the whole batch's: `features` (gradient caching: detached leaves of them all), or
         the only chunk's."""
-        parts = {term.name: term.merge([chunk.parts[term.name] for chunk in chunks]) for term, _ in self.counted}
+        names = chunks[0].parts
+        parts = {
+            term.name: term.merge([chunk.parts[term.name] for chunk in chunks])
+            for term, _ in self.counted
+            if term.name in names
+        }
         return Outputs(features if features is not None else chunks[0].features, parts)
 
     def outputs(self, raw, inputs: dict) -> Outputs:
-        """The whole batch's parts from one forward of it."""
-        return self.merge([self.chunk_outputs(raw, inputs)])
+        """The whole batch's parts from one forward of it, the own-forward terms' with their graphs: for a caller
+        that backpropagates everything at once (one process; the step runs those terms apart: own_backward)."""
+        return self.merge([self.chunk_outputs(raw, inputs, own=True)])
+
+    def own_backward(
+        self,
+        chunks: Iterable[dict],
+        rows: int,
+        backward: Callable[[torch.Tensor], None],
+        within: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> dict[str, Any]:
+        """The counted own-forward terms (Term.own_forward) of this rank's `rows` rows, given as `chunks` (each the
+        model's named inputs): each chunk's share w · N/B · Σ_i ℓ_i of each term is taken (inside `within()`, an
+        autocast) and handed to `backward` at once, so at most one term's graph is alive; then each term's chunks
+        are merged without their graphs. {term name: its part}, for `__call__`, whose values of these terms then
+        carry no graph. B, the rows summed over ranks, is one all-reduce for all the terms."""
+        own = [pair for pair in self.counted if pair[0].own_forward]
+        taken: dict[str, list] = {term.name: [] for term, _ in own}
+        per_row = None
+        for inputs in chunks if own else ():
+            for term, weight in own:  # the chunk's terms one after another: the teacher's forward is shared
+                with within():
+                    part = term.take(None, inputs)
+                if per_row is None:
+                    mean_rows = parallel.all_reduce_mean(part[0].new_tensor(float(rows), dtype=torch.float64))
+                    per_row = 1 / mean_rows.to(part[0].dtype)
+                backward(part[0] * (weight * per_row))
+                taken[term.name].append(tuple(entry.detach() for entry in part))
+        return {term.name: term.merge(taken[term.name]) for term, _ in own}
 
     def __call__(self, outputs: Outputs) -> tuple[torch.Tensor, dict]:
         """(this rank's share of L, its terms unweighted and detached for the logs: {} where there is one term)."""
@@ -64,9 +106,16 @@ class Objective:
         return _total(losses + self.idle()), values if len(values) > 1 else {}
 
     def idle(self) -> list[torch.Tensor]:
-        """The zero touch (OwnModule.touch) of each module of the terms that do not count yet."""
+        """The zero touch (OwnModule.touch) of each module of the terms that do not count yet, and of the
+        own-forward terms' (their gradients, made apart, are then reduced with the model's: DDP and FSDP2 reduce
+        what a backward reaches)."""
         counted = [term for term, _ in self.counted]
-        return [module.touch() for term, _ in self.terms if term not in counted for module in term.modules()]
+        return [
+            module.touch()
+            for term, _ in self.terms
+            if term not in counted or term.own_forward
+            for module in term.modules()
+        ]
 
     def commit(self) -> None:
         """After an optimizer step: each counted term's own state moves on (Term.commit)."""
@@ -79,7 +128,7 @@ class Objective:
         shares = [
             weight * term.chunk_value(chunk.parts[term.name], whole.parts[term.name])
             for term, weight in self.counted
-            if term.per_chunk
+            if term.per_chunk and not term.own_forward
         ]
         shares += self.idle()
         return _total(shares) if shares else None

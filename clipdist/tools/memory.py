@@ -86,9 +86,9 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
-def model_outputs(model, batch: int, context_length: int, seq_len: int | None = None, terms=()):
-    """Forward `batch` random images (a NaFlex tower: grids of up to `seq_len` patches, every one valid) and token
-    rows through an open_clip model; with `terms` (objective Terms), (the forward, each term's part of it)."""
+def model_inputs(model, batch: int, context_length: int, seq_len: int | None = None) -> dict:
+    """`batch` random images (a NaFlex tower: grids of up to `seq_len` patches, every one valid) and token rows, as
+    an open_clip model's named inputs."""
     images: torch.Tensor | dict[str, torch.Tensor]
     if naflex_trunk(model) is None:
         images = torch.randn(batch, 3, *image_size(model))
@@ -96,9 +96,7 @@ def model_outputs(model, batch: int, context_length: int, seq_len: int | None = 
         raise ValueError("a NaFlex tower's outputs need seq_len, the patches an image")
     else:
         images = full_patches(batch, naflex_patch_size(model), seq_len)
-    inputs = {"image": images, "text": random_tokens(batch, context_length)}
-    raw = model(**inputs)
-    return (raw, [term.take(raw, inputs) for term in terms]) if terms else raw
+    return {"image": images, "text": random_tokens(batch, context_length)}
 
 
 @dataclass(frozen=True)
@@ -118,16 +116,26 @@ def measure_activations(
     model, context_length: int, autocast=None, batches=(1, 2), seq_len: int | None = None, terms=()
 ) -> ActivationFit:
     """Run the real towers at two small batches (CPU) and fit the straight line through them (a NaFlex tower at
-    `seq_len` patches an image); with `terms`, what their own forwards keep too (local views, a masked image, a
-    decoder's logits: objective Terms that take a part of the step)."""
+    `seq_len` patches an image); with `terms` (objective Terms that take a part of the step), what they keep too, as
+    the step holds it: a decoder's logits beside the towers', an own-forward term's (local views, a masked image)
+    alone, its graph gone before the next is made (Objective.own_backward) — the peak of those phases."""
     model.train()
     kept = []
     for batch in batches:
+        inputs = model_inputs(model, batch, context_length, seq_len)
         with SavedTensorMeter(exclude=list(model.parameters())) as meter, autocast or nullcontext():
-            outputs = model_outputs(model, batch, context_length, seq_len, terms)
-            kept.append(meter.live)
-        feature_dim = (outputs[0] if terms else outputs)[0].shape[-1]
-        del outputs
+            raw = model(**inputs)
+            parts = [term.take(raw, inputs) for term in terms if not term.own_forward]
+            phases = [meter.live]
+        feature_dim = raw[0].shape[-1]
+        del raw, parts
+        for term in terms:
+            if term.own_forward:
+                with SavedTensorMeter(exclude=list(model.parameters())) as meter, autocast or nullcontext():
+                    part = term.take(None, inputs)
+                    phases.append(meter.live)
+                del part
+        kept.append(max(phases))
     per_sample = (kept[1] - kept[0]) / (batches[1] - batches[0])
     return ActivationFit(
         per_sample, kept[0] - per_sample * batches[0], feature_dim, sum(p.numel() for p in model.parameters())

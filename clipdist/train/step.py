@@ -1,11 +1,13 @@
-"""One optimisation step, read top to bottom: forward → loss → agree → backward → clip → optimizer step.
+"""One optimisation step, read top to bottom: own terms → forward → loss → agree → backward → clip → optimizer.
 
     step = build_step(model, objective, optimizer, scheduler, chunks=K, ...)
     agreed, grad_norm = step(batch, requests)     # training (a data.batch.Batch): grad_norm None if not stepped
     loss = step.gradients(batch)                  # gradients only (gradcheck, plan)
 
 The model is called with the batch's named inputs (`model(**batch)`), and the objective (clipdist.objective) turns
-its forward into the loss, term by term.
+its forward into the loss, term by term. A term with a forward of its own (Term.own_forward: the teacher terms'
+student views) runs first, each chunk backpropagated at once, its gradients held on the rank (no_sync) until the
+model's backward reduces everything: one term's graph is alive at a time.
 
 Gradient caching (GradCache, Gao et al. 2021) is the same step with another forward and backward
 (`CachedStep`), exact: with K chunks of the local batch,
@@ -157,9 +159,11 @@ class Step:
         batch = as_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
         rng = _rng_state(self.rng_device)  # a stop gives back what this step drew (dropout masks)
+        with record_function("own_terms"):
+            own = self.own_terms(batch)
         with record_function("forward_and_loss"):
             outputs, replay = self.forward(batch)
-            loss, terms = self.objective(outputs)
+            loss, terms = self.objective(outputs.with_parts(own))
         agreement = StepAgreement.start(loss, requests, batch.counts, terms.values())
         with record_function("backward"):
             self.backward(loss, outputs, replay)
@@ -188,10 +192,28 @@ class Step:
 
     def gradients(self, batch) -> torch.Tensor:
         """This rank's loss, with the gradients it leaves (averaged over ranks, as DDP does) in .grad."""
-        outputs, replay = self.forward(as_batch(batch))
-        loss, _ = self.objective(outputs)
+        batch = as_batch(batch)
+        own = self.own_terms(batch)
+        outputs, replay = self.forward(batch)
+        loss, _ = self.objective(outputs.with_parts(own))
         self.backward(loss, outputs, replay)
         return loss
+
+    def pieces(self, batch: Batch) -> list[Batch]:
+        """The batch as the step forwards it: whole here, in chunks under gradient caching."""
+        return [batch]
+
+    def own_terms(self, batch: Batch) -> dict:
+        """The own-forward terms (a teacher term's student views: Objective.own_backward), each backpropagated
+        apart, chunk by chunk, before the model's forward: their gradients stay on this rank until the model's
+        backward reduces everything (DDP's no_sync, FSDP2's requires_gradient_sync)."""
+        with parallel.gradient_sync(self.model, enabled=False):
+            return self.objective.own_backward(
+                (self.inputs(piece) for piece in self.pieces(batch)),
+                batch.rows,
+                lambda share: self.scaled(share).backward(),
+                within=lambda: self.autocast,
+            )
 
     @property
     def rng_device(self) -> torch.device:
@@ -211,7 +233,7 @@ class Step:
         """(the forward in the parts the objective takes, what backward needs again: nothing here)."""
         with self.autocast:
             inputs = self.inputs(batch)
-            return self.objective.outputs(self.model(**inputs), inputs), None
+            return self.objective.merge([self.objective.chunk_outputs(self.model(**inputs), inputs)]), None
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
@@ -230,8 +252,11 @@ class CachedStep(Step):
             raise ValueError(f"grad_cache.chunks must be at least 1, got {chunks}")
         self.chunks = chunks
 
+    def pieces(self, batch: Batch) -> list[Batch]:
+        return batch.split(self.chunks)
+
     def forward(self, batch: Batch):
-        pieces = batch.split(self.chunks)
+        pieces = self.pieces(batch)
         rng_states, chunks = [], []
         with torch.no_grad():
             for piece in pieces:
