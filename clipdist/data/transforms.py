@@ -13,7 +13,7 @@ from clipdist.data.images import ImageBatcher
 from clipdist.data.naflex import PatchImages, eval_seq_len, resolve_seq_lens
 from clipdist.data.schedule import resolution_stages
 from clipdist.model.factory import image_size
-from clipdist.model.flexible_grid import resizes_exactly
+from clipdist.model.flexible_grid import patch_side, resizes_exactly
 from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
 
 
@@ -65,10 +65,10 @@ def image_size_stages(model, schedule) -> list[tuple[int, int]]:
     why = resizes_exactly(model)
     if why is not None:
         raise ValueError(
-            f"data.resolution_schedule: {why}; a fixed-size tower's schedule needs open_clip's ViT "
-            "(model=tiny, vit_b32, vit_b16, vit_l14), or a NaFlex tower (docs/naflex.md)"
+            f"data.resolution_schedule: {why}; a fixed-size tower's schedule needs a ViT with a learned position "
+            "table (open_clip's: model=tiny, vit_b32, vit_b16, vit_l14; a timm ViT), or a NaFlex tower (docs/naflex.md)"
         )
-    patch = model.visual.conv1.kernel_size[0]
+    patch = patch_side(model)
     for first, sizes in stages:
         if len(sizes) != 1 or sizes[0] < patch or sizes[0] % patch:
             raise ValueError(

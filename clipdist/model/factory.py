@@ -513,7 +513,14 @@ def _weights_names(filename: str) -> list[str]:
     return [*names, filename]
 
 
-def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str, thing: str = "the weights are") -> str:
+def _hub_file(
+    repo: str,
+    names: list[str],
+    cache_dir: str | None,
+    what: str,
+    thing: str = "the weights are",
+    otherwise: str = ", or point model.checkpoint at the file",
+) -> str:
     """The first of `names` in Hugging Face repo `repo`: from the cache without touching the network where it is
     there, else downloaded — after a quick check that the hub can be reached at all, since the hub's client retries
     an unreachable one for about a minute. A ValueError in one line (`what`: the key that named it) where it can be
@@ -540,7 +547,7 @@ def _hub_file(repo: str, names: list[str], cache_dir: str | None, what: str, thi
             f"{what}: {thing} not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and "
             f"cannot be fetched from here ({reason}); fetch them once where there is network (the same command, or "
             f"`hf download {repo}`; huggingface_hub before 0.34: `huggingface-cli download {repo}`) into a cache "
-            "this machine reads (HF_HOME, model.cache_dir), or point model.checkpoint at the file"
+            f"this machine reads (HF_HOME, model.cache_dir){otherwise}"
         ) from None
 
 
@@ -772,6 +779,21 @@ def get_tokenizer(name: str = DEFAULT_MODEL, cache_dir: str | None = None, conte
         )
     tokenizer = open_clip.get_tokenizer(resolved, cache_dir=cache_dir, context_length=context_length)
     return BoundedTokenizer(tokenizer)
+
+
+def check_tokenizer(model_cfg) -> None:
+    """Before any rank starts: a model whose tokenizer comes from the Hugging Face hub (SigLIP 2's Gemma tokenizer:
+    its text_cfg's hf_tokenizer_name) has it in the cache, fetched here once where it is not; a ValueError in one
+    line says how to get it where it cannot be (offline, unreachable: the hub's client would retry for a minute)."""
+    resolved = resolve_model_name(model_cfg.name)
+    repo = ((open_clip.get_model_config(resolved) or {}).get("text_cfg") or {}).get("hf_tokenizer_name")
+    if not repo or resolved in _CONFIG_PREPROCESS:  # a config file's tokenizer is open_clip's BPE (get_tokenizer)
+        return
+    cache_dir = model_cfg.cache_dir
+    _hub_file(
+        repo, ["tokenizer_config.json"], cache_dir, f"model.name={model_cfg.name}", f"its tokenizer ({repo}) is", ""
+    )
+    get_tokenizer(model_cfg.name, cache_dir=cache_dir)  # its other files, into the same cache
 
 
 CHARS_PER_TOKEN_BOUND = 32  # a caption is cut at context × this many characters: far more than its tokens need

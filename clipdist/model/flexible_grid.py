@@ -6,18 +6,30 @@ size s its grid is g = s / P; the table's grid part is resampled to g×g on ever
 when shrinking: what open_clip's resize_pos_embed does to a checkpoint), the class token's row kept — a function of
 the one stored table, so its gradient reaches it from every size and the checkpoint stays the full-size model's.
 At the tower's own size nothing is resampled: the forward is open_clip's, bit for bit.
+
+A timm ViT trunk (SigLIP 2's towers in open_clip) does the same by timm's own `dynamic_img_size` mode: its patch
+embedding keeps the grid, and its table (any prefix tokens' rows kept) is resampled to the grid on every forward
+(bicubic, antialiased), the stored one used as is at its own grid.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from open_clip.transformer import VisionTransformer, _expand_token
+from timm.layers import Format
+from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 
 def resizes_exactly(model: torch.nn.Module) -> str | None:
-    """None where the image tower can take other sizes (open_clip's ViT with a learned table); else why not."""
+    """None where the image tower can take other sizes (open_clip's ViT or a timm ViT trunk with a learned table);
+    else why not."""
     tower = getattr(model, "visual", None)
+    trunk = getattr(tower, "trunk", None)
+    if isinstance(trunk, TimmViT):
+        return None if trunk.pos_embed is not None else "its timm trunk has no learned position table"
     if not isinstance(tower, VisionTransformer):
         return f"its image tower is {type(tower).__name__}, not open_clip's VisionTransformer"
     if tower.positional_embedding.shape[0] != tower.grid_size[0] * tower.grid_size[1] + 1:
@@ -48,10 +60,25 @@ class FlexibleGridViT(VisionTransformer):
         return torch.cat([table[:1], resampled.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1)])
 
 
+def patch_side(model: Any) -> int:  # an open_clip model
+    """The side in pixels of a fixed-size ViT tower's square patches (open_clip's or a timm trunk's)."""
+    trunk = getattr(model.visual, "trunk", None)
+    if isinstance(trunk, TimmViT):
+        return int(trunk.patch_embed.patch_size[0])
+    return int(model.visual.conv1.kernel_size[0])
+
+
 def allow_other_sizes(model: torch.nn.Module) -> bool:
     """Make the model's image tower take other sizes where it can (resizes_exactly); whether it does."""
     if resizes_exactly(model) is not None:
         return False
+    trunk = getattr(model.visual, "trunk", None)
+    if isinstance(trunk, TimmViT):
+        # what timm's constructor sets with dynamic_img_size=True, on the built trunk (Final for TorchScript alone)
+        setattr(trunk, "dynamic_img_size", True)  # noqa: B010
+        trunk.patch_embed.strict_img_size, trunk.patch_embed.flatten = False, False
+        trunk.patch_embed.output_fmt = Format.NHWC
+        return True
     if type(model.visual) is VisionTransformer:
         model.visual.__class__ = FlexibleGridViT  # the same module and state dict; _embeds takes any grid
     return isinstance(model.visual, FlexibleGridViT)

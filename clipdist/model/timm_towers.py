@@ -117,6 +117,38 @@ def naflex_trunk_of(visual: Any):
     return trunk if type(trunk).__name__ == "NaFlexVit" else None
 
 
+def vit_trunk_of(visual: Any):
+    """The timm ViT trunk of an image tower — timm's VisionTransformer (SigLIP 2's, with its MAP head) or a
+    NaFlexVit: its last norm sees every token, the first `num_prefix_tokens` not patches — or None for another
+    tower (open_clip's own ViT, a ResNet)."""
+    trunk = getattr(visual, "trunk", None)
+    if naflex_trunk_of(visual) is not None:
+        return trunk
+    return (
+        trunk
+        if all(hasattr(trunk, name) for name in ("norm", "num_prefix_tokens", "embed_dim", "patch_embed"))
+        else None
+    )
+
+
+def patch_projection(trunk: Any) -> torch.nn.Module:
+    """A timm ViT trunk's patch embedding layer (a NaFlexVit's linear, a VisionTransformer's convolution)."""
+    return trunk.embeds.proj if type(trunk).__name__ == "NaFlexVit" else trunk.patch_embed.proj
+
+
+def pooled_width(visual: Any) -> int:
+    """The width of an image tower's pooled output: open_clip's ViT's `output_dim`, a timm tower's projection's
+    output (or its trunk's width where it has no projection)."""
+    if hasattr(visual, "output_dim"):
+        return int(visual.output_dim)
+    linears = [
+        module
+        for module in getattr(visual, "head", torch.nn.Sequential()).modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    return int(linears[-1].out_features if linears else visual.trunk.num_features)
+
+
 def naflex_patch_size(model: torch.nn.Module) -> int:
     """The square patch side a NaFlex tower's patch embedding takes."""
     size = naflex_trunk(model).embeds.patch_size

@@ -117,6 +117,11 @@ class Term:
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         raise NotImplementedError
 
+    def prepare(self, chunks: list[dict]) -> None:
+        """An own-forward term, before its step's chunks: what it needs first of the whole global batch (each chunk
+        the model's named inputs). Every rank calls it, so it may agree over ranks."""
+        return None
+
     def stats(self) -> dict[str, torch.Tensor]:
         """What the logs show of the term beside its value, after `merge` (global: the same on every rank)."""
         return {}

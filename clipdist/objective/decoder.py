@@ -30,7 +30,7 @@ from open_clip.transformer import VisionTransformer
 from clipdist.data.views import sample_keys, view_seed
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_width
-from clipdist.model.timm_towers import naflex_trunk
+from clipdist.model.timm_towers import vit_trunk_of
 from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm
 from clipdist.objective.teacher import images_in, put_on, tower
@@ -173,9 +173,8 @@ def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
 def _token_source(model: torch.nn.Module) -> tuple[torch.nn.Module, int, int]:
     """(the image tower's module whose output holds every token, the leading tokens that are not patches, the tokens'
     width)."""
-    trunk: Any = getattr(tower(model), "trunk", None)
-    timm_vit = all(hasattr(trunk, name) for name in ("norm", "num_prefix_tokens", "embed_dim", "patch_embed"))
-    if timm_vit or naflex_trunk(model) is not None:
+    trunk: Any = vit_trunk_of(tower(model))
+    if trunk is not None:
         return trunk.norm, trunk.num_prefix_tokens, image_width(model)  # a timm tower's tokens before its pooling head
     visual = tower(model)
     if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None or visual.final_ln_after_pool:

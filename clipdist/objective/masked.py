@@ -24,7 +24,7 @@ from open_clip.transformer import VisionTransformer
 from clipdist.data.views import patch_masks
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_width
-from clipdist.model.timm_towers import naflex_trunk, naflex_trunk_of
+from clipdist.model.timm_towers import patch_projection, vit_trunk_of
 from clipdist.objective.base import TermContext
 from clipdist.objective.teacher import Head, TeacherTerm, images_in, put_on, teacher_term, tokens_out, tower
 from clipdist.registry.terms import MaskedOptions
@@ -43,7 +43,7 @@ class MaskedHead(Head):
 
     def fill(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Patch embeddings — (b, width, grid_h, grid_w) from a ViT's conv, (b, L, width) from a NaFlex tower's
-        projection — with the mask token where `mask` (b, L) is True."""
+        linear projection — with the mask token where `mask` (b, L) is True."""
         token = self.mask_token.to(embeddings.dtype)
         if embeddings.dim() == 3:
             return torch.where(mask[..., None], token, embeddings)
@@ -55,14 +55,11 @@ def attach(options: MaskedOptions, model: torch.nn.Module) -> bool:
     """The head and mask token put on the model before it is wrapped; False where the term is off."""
     if not options.on:
         return False
-    visual, trunk = tower(model), naflex_trunk(model)
-    if trunk is not None:
-        put_on(model, PART, MaskedHead(image_width(model), options))
-        return True
-    if not isinstance(visual, VisionTransformer) or visual.attn_pool is not None:
+    visual = tower(model)
+    if vit_trunk_of(visual) is None and (not isinstance(visual, VisionTransformer) or visual.attn_pool is not None):
         raise ConfigError(
-            "loss.masked needs open_clip's ViT image tower with a token per patch (no attention pool) or a NaFlex "
-            f"tower: this model's is {type(visual).__name__}"
+            "loss.masked needs open_clip's ViT image tower with a token per patch (no attention pool), a timm ViT "
+            f"(SigLIP 2's) or a NaFlex tower: this model's is {type(visual).__name__}"
         )
     put_on(model, PART, MaskedHead(image_width(model), options))
     return True
@@ -77,8 +74,8 @@ def build(options: MaskedOptions, context: TermContext) -> TeacherTerm | None:
 def masked_tokens(visual: Any, mask: torch.Tensor, head: MaskedHead) -> Iterator:
     """Inside, the tower returns (pooled, per-patch tokens), the patch embeddings at `mask`'s (b, L) True positions
     the head's mask token (before the position table is added, as iBOT masks)."""
-    trunk = naflex_trunk_of(visual)
-    embedding = trunk.embeds.proj if trunk is not None else visual.conv1
+    trunk = vit_trunk_of(visual)
+    embedding = patch_projection(trunk) if trunk is not None else visual.conv1
     handle = embedding.register_forward_hook(lambda module, args, out: head.fill(out, mask))
     try:
         with tokens_out(visual):
@@ -95,11 +92,14 @@ class MaskedTerm(TeacherTerm):
     def __init__(self, model, teacher, options: MaskedOptions, seed: int = 0):
         super().__init__(model, teacher, options, PART, seed)
 
+    def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.teacher_image(images)[1], images_in(images)[1]
+
     def outputs(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the student's (m, P) logits at the batch's m masked patches, the teacher's (b, L, P) at every position, the
         (b, L) mask, the (b, L) patches that are the images' own: all but a NaFlex batch's padding)."""
         pixels, valid = images_in(images)
-        teacher = self.teacher_head(self.teacher_image(images)[1], valid)
+        teacher = self.teacher_head(*self.teacher_embeddings(images))
         mask = patch_masks(pixels, teacher.shape[1], self.options.ratio, self.seed, self.step or 0, valid)
         with masked_tokens(self.visual, mask, self.head):
             tokens = self.visual(images)[1]

@@ -19,8 +19,8 @@ from clipdist.data.views import local_patch_views, local_views
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_size
-from clipdist.model.flexible_grid import allow_other_sizes
-from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk
+from clipdist.model.flexible_grid import allow_other_sizes, patch_side
+from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk, pooled_width, vit_trunk_of
 from clipdist.objective.base import TermContext
 from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, teacher_term, tower
 from clipdist.registry.terms import SelfDistillOptions
@@ -34,22 +34,19 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
     and a fixed-size tower made to take the crops' size; False where the term is off."""
     if not options.on:
         return False
+    visual = tower(model)
     if naflex_trunk(model) is not None:
         if options.crop_size:
             raise ConfigError(
                 f"loss.self_distill.crop_size={options.crop_size}: a NaFlex tower's local views are boxes of its "
                 "patch grid at their own resolution (nothing resampled); leave crop_size=0"
             )
-        projection = getattr(getattr(tower(model), "head", None), "proj", None)
-        if not isinstance(projection, torch.nn.Linear):
-            raise ConfigError("loss.self_distill needs a NaFlex tower whose head is a linear projection (open_clip's)")
-        put_on(model, PART, Head(projection.out_features, options))
+        put_on(model, PART, Head(pooled_width(visual), options))
         return True
-    if not isinstance(tower(model), VisionTransformer):
+    if not isinstance(visual, VisionTransformer) and vit_trunk_of(visual) is None:
         raise ConfigError(
-            "loss.self_distill needs open_clip's ViT image tower or a NaFlex tower: this model's is "
-            f"{type(tower(model)).__name__} (a timm tower with a pooling head, as SigLIP 2's own, does not take the "
-            "teacher terms yet); loss.self_distill.crops=0 loss.masked.ratio=0 train without them"
+            "loss.self_distill needs a ViT image tower (open_clip's, a timm ViT as SigLIP 2's, or a NaFlex tower): "
+            f"this model's is {type(visual).__name__}; loss.self_distill.crops=0 trains without it"
         )
     size, crop = image_size(model)[0], view_size(options, model)
     if crop != size:
@@ -58,13 +55,13 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
                 f"loss.self_distill: its views are {crop} pixels, and this image tower takes only {size}-pixel images; "
                 f"set loss.self_distill.crop_size={size}"
             )
-        patch = tower(model).patch_size
-        if crop % patch[0]:
+        patch = patch_side(model)
+        if crop % patch:
             raise ConfigError(
-                f"loss.self_distill.crop_size={crop}: not a multiple of the tower's {patch[0]}-pixel "
-                f"patches; e.g. {max(patch[0], crop // patch[0] * patch[0])}"
+                f"loss.self_distill.crop_size={crop}: not a multiple of the tower's {patch}-pixel "
+                f"patches; e.g. {max(patch, crop // patch * patch)}"
             )
-    put_on(model, PART, Head(tower(model).output_dim, options))
+    put_on(model, PART, Head(pooled_width(visual), options))
     return True
 
 
@@ -76,7 +73,7 @@ def view_size(options: SelfDistillOptions, model: torch.nn.Module) -> int:
     a multiple of its patch, one patch at least."""
     if options.crop_size:
         return options.crop_size
-    size, patch = image_size(model)[0], tower(model).patch_size[0]
+    size, patch = image_size(model)[0], patch_side(model)
     return max(patch, round(size * SILC_VIEW / patch) * patch)
 
 
@@ -109,9 +106,12 @@ class SelfDistillTerm(TeacherTerm):
         self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
         self.size = 0 if self.patch_size else view_size(options, model)
 
+    def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, None]:
+        return self.teacher_image(images)[0], None
+
     def targets(self, images: torch.Tensor | dict) -> torch.Tensor:
         """h_T of the whole images: (b, P) logits."""
-        return self.teacher_head(self.teacher_image(images)[0])
+        return self.teacher_head(*self.teacher_embeddings(images))
 
     def student(self, images: torch.Tensor | dict) -> torch.Tensor:
         """h_S of each image's K local views: (b, K, P) logits (a NaFlex batch's views: boxes of its patch grid)."""

@@ -28,14 +28,17 @@ from torch.func import functional_call
 
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
-from clipdist.model.timm_towers import naflex_trunk_of
+from clipdist.model.timm_towers import vit_trunk_of
 from clipdist.objective.base import OwnModule, Term, TermContext
 from clipdist.registry.terms import TeacherOptions
 
 
 class Head(OwnModule):
     """DINO's projection head on standardised embeddings: (x − μ)/σ → hidden → GELU → bottleneck, L2-normalised →
-    prototype logits. Buffers: `centre`, the running mean of the teacher's logits; `input_mean` and `input_var`
+    prototype logits, each the cosine between the bottleneck and a prototype (DINO's weight-normalised last layer
+    with its norm fixed at 1: a logit in [−1, 1], so τ_s = 0.1 and τ_t = 0.04 give the outputs a range of 20 and 50
+    whatever the weights' scale; without it the fresh head's logits spread ~0.07 and the student stayed near
+    uniform: docs/siglip2.md). Buffers: `centre`, the running mean of the teacher's logits; `input_mean` and `input_var`
     (μ, σ²), the running moments of the teacher's embeddings, per dimension.
 
     The standardisation is ours, not DINO's: a contrastive tower's embeddings lie in a narrow cone (cosine 0.996
@@ -64,7 +67,7 @@ class Head(OwnModule):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         scale = torch.rsqrt(self.input_var.to(features.dtype) + 1e-6)
         standard = (features - self.input_mean.to(features.dtype)) * scale
-        return self.prototypes(F.normalize(self.mlp(standard), dim=-1))
+        return F.linear(F.normalize(self.mlp(standard), dim=-1), F.normalize(self.prototypes.weight, dim=-1))
 
     @torch.no_grad()
     def follow(self, sums: torch.Tensor, momentum: float) -> None:
@@ -105,9 +108,10 @@ def teacher_term(term: type[TeacherTerm], name: str, options: TeacherOptions, co
 
 @contextmanager
 def tokens_out(visual: Any) -> Iterator:
-    """Inside, the image tower returns (pooled, per-patch tokens): open_clip's ViT its tokens after ln_post, a NaFlex
-    tower (timm's NaFlexVit trunk) its trunk's tokens after the last norm, the prefix tokens dropped."""
-    trunk = naflex_trunk_of(visual)
+    """Inside, the image tower returns (pooled, per-patch tokens): open_clip's ViT its tokens after ln_post, a timm
+    ViT trunk (a NaFlexVit, SigLIP 2's VisionTransformer) its tokens after the last norm, before any pooling head,
+    the prefix tokens dropped."""
+    trunk = vit_trunk_of(visual)
     if trunk is None:
         before, visual.output_tokens = visual.output_tokens, True
         try:
@@ -216,14 +220,24 @@ class TeacherTerm(Term):
         """(pooled, per-patch tokens) of the teacher's image tower (EmaTeacher.image: shared by the terms)."""
         return self.ema_teacher.image(self.visual, images, self.step)
 
+    def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what the teacher's head reads of these images, the (b, L) positions that are the images' own or None)."""
+        raise NotImplementedError
+
     def teacher_head(self, outputs: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """h_T: the head with the average's weights; the moments of its inputs (those `valid`, where given) kept for
         `take`, the head's input standardisation follows them."""
-        inputs = outputs.detach().flatten(0, -2) if valid is None else outputs.detach()[valid]
-        inputs = inputs.double()
-        count = inputs.new_tensor([len(inputs)])
-        self.moments = torch.cat([count, inputs.sum(0), (inputs * inputs).sum(0)])
+        self.moments = moments(outputs, valid)
         return self.ema_teacher(self.head, outputs)
+
+    def prepare(self, chunks: list[dict]) -> None:
+        """At the term's first step (its head's input moments never followed), the moments of this global batch's
+        teacher embeddings: unstandardised, a contrastive tower's narrow cone gave every image one target at that
+        step (the targets' information about the image ~0.03 nats). A collective: every rank calls it."""
+        if bool(self.head.input_seen):
+            return
+        sums = torch.stack([moments(*self.teacher_embeddings(inputs["image"])) for inputs in chunks]).sum(0)
+        self.head.follow(parallel.all_reduce_mean(sums), momentum=0.0)
 
     def cross_entropy(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         """CE(s, t) over the last dimension, in float32 at least."""
@@ -236,36 +250,45 @@ class TeacherTerm(Term):
         return torch.softmax((teacher - self.head.centre) / self.options.teacher_temp, dim=-1)
 
     def take(self, raw, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(Σ ℓ_i, Σ of the teacher's outputs, [rows, outputs, students, Σ H(target), Σ H(student)]) of this
-        forward: the sums the step's one all-reduce of the term takes."""
+        """(Σ ℓ_i, [Σ of the teacher's outputs, Σ of its targets], [rows, outputs, students, Σ H(target),
+        Σ H(student), the head inputs' moments]) of this forward: the sums the step's one all-reduce of the term
+        takes."""
         losses, outputs, students = self.rows(inputs["image"])
         with torch.no_grad():
-            entropies = [entropy(self.soft_targets(outputs.float())), entropy(self.student_probabilities(students))]
+            targets = self.soft_targets(outputs.float())
+            entropies = [entropy(targets), entropy(self.student_probabilities(students))]
         stats = torch.tensor([len(losses), len(outputs), len(students)], dtype=torch.float64, device=losses.device)
         stats = torch.cat([stats, torch.stack([part.double().sum() for part in entropies]), self.moments])
-        return losses.sum(), outputs.double().sum(0), stats
+        return losses.sum(), torch.cat([outputs.double().sum(0), targets.double().sum(0)]), stats
 
     def merge(self, parts: list) -> TeacherPart:
         """The chunks as one; one all-reduce gives B / N, the teacher's global mean (the centre's next step) and
-        the mean entropies of the teacher's targets and the student's outputs (the learning signal: `stats`)."""
+        the learning signal (`stats`): the mean entropies of the teacher's targets and the student's outputs, and
+        the mean target p̄."""
         total = sum(part[0] for part in parts)
         stats = sum(part[2] for part in parts).to(total.device)
         sums = torch.cat([stats, sum(part[1] for part in parts).to(total.device)])
         self.ema_teacher.forget()  # every chunk's forward has taken what it needs of the teacher
-        mean = parallel.all_reduce_mean(sums)  # (B/N, n/N, m/N, Σ H_t / N, Σ H_s / N, the moments / N, Σ t / N)
+        # (B/N, n/N, m/N, Σ H_t / N, Σ H_s / N, the moments / N, Σ t / N, Σ p / N)
+        mean = parallel.all_reduce_mean(sums)
         moments = 1 + 2 * len(self.head.input_mean)
-        self.pending = mean[5 + moments :] / mean[1]
+        outputs, targets = mean[5 + moments :].chunk(2)
+        self.pending = outputs / mean[1]
         self.pending_moments = mean[5 : 5 + moments]
+        target_entropy = mean[3] / mean[1]
         self.signal = {
-            "target_entropy": mean[3] / mean[1],
+            "target_entropy": target_entropy,
+            "target_information": entropy(targets / mean[1]) - target_entropy,
             "student_entropy": mean[4] / mean[2],
             "centre_norm": self.head.centre.detach().double().norm(),
         }
         return TeacherPart(total, 1 / mean[0].to(total.dtype))
 
     def stats(self) -> dict[str, torch.Tensor]:
-        """The learning signal, global (the same on every rank): the teacher targets' mean entropy (ln P: uniform,
-        nothing to learn; 0: one prototype), the student's outputs' and the centre's norm."""
+        """The learning signal, global (the same on every rank): the teacher targets' mean entropy H̄ (ln P: uniform,
+        nothing to learn; 0: one prototype), their information about the image H(p̄) − H̄ (the mutual information of
+        image and prototype: 0 when every image gets one target, however sharp), the student's outputs' mean entropy
+        and the centre's norm."""
         return dict(self.signal)
 
     def student_probabilities(self, student: torch.Tensor) -> torch.Tensor:
@@ -285,6 +308,12 @@ class TeacherTerm(Term):
                 centre.lerp_(self.pending.to(centre.device, centre.dtype), 1 - self.options.centre_momentum)
             self.head.follow(self.pending_moments, self.options.centre_momentum)
             self.pending = None
+
+
+def moments(outputs: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, Σx, Σx²) in float64 over the rows of `outputs` (its last dimension the features; those `valid`)."""
+    inputs = (outputs.detach().flatten(0, -2) if valid is None else outputs.detach()[valid]).double()
+    return torch.cat([inputs.new_tensor([len(inputs)]), inputs.sum(0), (inputs * inputs).sum(0)])
 
 
 def entropy(probabilities: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The model checks before any rank starts, on the model built once on the meta device (its structure, no memory):
 the name and its options, the loss terms' weights, a distillation teacher, the optimizer, the augmentation, the
-parallelism's needs (FSDP's blocks, SyncBatchNorm's GPUs); the pretrained weights fetched into the cache once."""
+parallelism's needs (FSDP's blocks, SyncBatchNorm's GPUs); the pretrained weights and a hub tokenizer fetched into
+the cache once."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from clipdist.model.factory import (
     check_loss_weights,
     check_model_options,
     check_teacher,
+    check_tokenizer,
     check_weights,
     create_model,
     model_overrides,
@@ -42,8 +44,9 @@ def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
             check_teacher(targets.structure(teacher), student, cfg.loss.distill.model)
         check_optim(cfg.optim)
         augmentation_cfg(cfg.data)
-        if is_main:  # fetches pretrained weights into the cache, once, before any rank starts
+        if is_main:  # fetches pretrained weights and a hub tokenizer into the cache, once, before any rank starts
             check_weights(cfg.model, loss, cfg.loss.init_logit_bias)
+            check_tokenizer(cfg.model)
     if cfg.world.parallel == "fsdp":
         check_shardable(student, cfg.model.name)
     if cfg.world.sync_batchnorm and not parallel.uses_cuda(cfg.world.device):

@@ -7,10 +7,11 @@ with them), and left out of exports."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
-from helpers import read_jsonl, run_log
+from helpers import REPO, read_jsonl, run_log
 
 from clipdist.tools.gradcheck import run_gradchecks
 from integration.test_elastic import assert_same_run, resume, stop_at
@@ -134,6 +135,20 @@ def test_a_run_stopped_on_two_ranks_and_resumed_on_one_is_the_run_never_stopped(
         assert float(ours[f"model.{part}"].abs().max()) > 0  # moved from its zeros
 
 
+def test_the_teacher_targets_never_collapse(whole_run):
+    """At every step a teacher term counts (from its first: the head's input moments are the batch's own there), its
+    targets tell the images apart and are neither uniform nor one prototype. The floors: the information H(p̄) − H̄
+    (image and prototype's mutual information: 0 when every image gets one target) above 0.1 nat, where the collapse
+    this guards against measured 0.03; the mean entropy H̄ below 0.95 ln P (uniform: ln P) and above ln 2 (the mass on
+    one or two prototypes)."""
+    log = read_jsonl(whole_run / "train_log.jsonl")
+    counted = [(row, term) for row in log for term in ("self_distill", "masked") if f"{term}_loss" in row]
+    assert {term for _, term in counted} == {"self_distill", "masked"}
+    for row, term in counted:
+        information, entropy = row[f"{term}_target_information"], row[f"{term}_target_entropy"]
+        assert information > 0.1 and math.log(2) < entropy < 0.95 * math.log(1024), (row["step"], term, row)
+
+
 def test_under_fsdp_the_run_is_the_ddp_run(tmp_path, cache_dir, whole_run):
     """The same run with the model sharded (world.parallel=fsdp): the teacher's forward gathers the average's shards,
     the heads before their terms' starts get FSDP's zero gradients as DDP's (their weight decay moves them alike), so
@@ -225,11 +240,58 @@ def test_exports_and_evaluation_leave_the_head_out(whole_run, tmp_path, cache_di
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_the_decoder_reads_a_map_head_towers_tokens_and_stays_exact(parallel):
+def test_a_map_head_tower_takes_every_term_and_stays_exact(parallel):
     """SigLIP 2's own image tower (a timm ViT whose pooling is an attention head: clipdist-maphead-tiny has its shape)
-    takes the decoder, on the tokens before the pooling head, as the paper's decoder reads them."""
+    takes every term: the decoder and masked prediction on the tokens before the pooling head, as the paper's read
+    them, self-distillation on the pooled output of local views at SILC's size."""
     (report,) = run_gradchecks(
-        ["siglip"], 2, local_batch=[3, 2], chunks=2, parallel=parallel, terms=["decoder"], model="clipdist-maphead-tiny"
+        ["siglip"],
+        2,
+        local_batch=[3, 2],
+        chunks=2,
+        parallel=parallel,
+        terms=["self_distill", "masked", "decoder"],
+        model="clipdist-maphead-tiny",
     )
     assert report.exact, (report.max_rel_err, report.diagnosis)
     assert any(check.name.startswith("visual.trunk.attn_pool.") for check in report.parameters)
+
+
+def _page_commands(page: str) -> list[list[str]]:
+    """The commands in a page's bash blocks, as argument lists (comments cut)."""
+    import re
+    import shlex
+
+    text = (REPO / "docs" / page).read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [shlex.split(line, comments=True) for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_every_command_on_the_siglip2_page_is_accepted_as_written(monkeypatch):
+    """docs/siglip2.md's commands run as written: a `train.py` line's overrides compose and pass the checks made
+    before any rank starts (the model's, its terms' included, on the meta device), a `clipdist` line parses, a
+    script's flags are its own. A renamed key, group or flag on the page fails here."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from clipdist.cli import build_parser
+    from clipdist.config import TrainConfig, register
+    from clipdist.preflight import check_config
+    from clipdist.preflight.model import check_model
+
+    commands = _page_commands("siglip2.md")
+    assert sum("train.py" in command for command in commands) >= 4, commands
+    register()
+    for command in commands:
+        if "train.py" in command:
+            overrides = command[command.index("train.py") + 1 :]
+            with initialize_config_module("clipdist.conf", version_base=None):
+                cfg: TrainConfig = OmegaConf.to_object(compose("config", overrides=overrides))  # type: ignore[assignment]
+            check_config(cfg)
+            check_model(cfg, is_main=False)  # rank 0 alone fetches (a hub tokenizer): not here
+        elif command[0] == "clipdist":
+            build_parser().parse_args(command[1:])
+        else:
+            assert command[:2] == ["python", command[1]] and command[1].startswith("scripts/"), command
+            source = (REPO / command[1]).read_text()
+            assert all(f'"{flag}"' in source for flag in command[2:] if flag.startswith("--")), command

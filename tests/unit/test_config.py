@@ -68,6 +68,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
         (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
+        (  # SigLIP 2's own architecture: its Gemma tokenizer comes from the hub, and this test's cache is empty
+            ["model=siglip2_b16", "loss=siglip", "model.cache_dir={tmp}/hub"],
+            "model.name=ViT-B-16-SigLIP2-256: its tokenizer (timm/ViT-B-16-SigLIP2-256) is not in the cache",
+        ),
         (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
@@ -77,6 +81,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
     ],
 )
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no row may reach the network
     overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *overrides)
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

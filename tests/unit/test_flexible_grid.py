@@ -67,12 +67,27 @@ def test_a_schedule_gives_each_batch_its_size_and_evaluates_at_the_last():
     [
         ("clipdist-tiny", {"5": [12]}, "a multiple of its 8-px patch"),
         ("clipdist-tiny", {"5": [16, 24]}, "one image size a stage"),
-        ("clipdist-timm-tiny", {"5": [112]}, "not open_clip's VisionTransformer"),
+        ("clipdist-timm-tiny", {"5": [120]}, "a multiple of its 16-px patch"),  # a timm ViT: its patch read
+        ("resnet", {"5": [32]}, "its image tower is ModifiedResNet"),
     ],
 )
 def test_a_schedule_the_tower_cannot_take_is_refused(name, schedule, message):
+    resnet = {"vision_cfg": {"layers": [1, 1, 1, 1], "width": 16}} if name == "resnet" else None
+    model = create_model("clipdist-tiny" if resnet else name, device="meta", overrides=resnet)
     with pytest.raises(ValueError, match=message):
-        image_size_stages(create_model(name, device="meta"), schedule)
+        image_size_stages(model, schedule)
+
+
+def test_a_timm_vit_takes_a_schedule_and_is_itself_at_its_own_size():
+    """A timm ViT trunk (SigLIP 2's towers) takes other sizes by timm's dynamic-size mode: at its own size its forward
+    is the one it had, bit for bit; at a schedule's stage it takes that size."""
+    torch.manual_seed(0)
+    model = create_model("clipdist-maphead-tiny").double()
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    before = model.visual(images)
+    assert image_size_stages(model, {"5": [16]}) == [(5, 16)] and allow_other_sizes(model)
+    assert torch.equal(model.visual(images), before)
+    assert model.visual(images[:, :, :16, :16]).shape == before.shape
 
 
 def test_the_stream_makes_each_batch_at_its_scheduled_size(tmp_path):

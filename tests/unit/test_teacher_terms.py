@@ -422,11 +422,43 @@ def test_the_teacher_terms_weights_follow_the_papers_size_factor_where_asked():
 
 @pytest.mark.parametrize("term", ["self_distill", "masked"])
 def test_a_tower_the_teacher_terms_cannot_take_is_refused_in_one_line(term):
-    """SigLIP 2's own tower (a timm ViT with an attention-pooling head) does not take the teacher terms yet: refused
-    before any rank starts, in one line that names the tower, never a traceback."""
+    """A tower that is no ViT (open_clip's ResNet) cannot take the teacher terms: refused before any rank starts, in
+    one line that names the tower, never a traceback."""
     from clipdist.objective.weighted_sum import attach_parts
 
     cfg = TrainConfig()
     cfg.loss.self_distill.crops, cfg.loss.masked.ratio = (2, 0.0) if term == "self_distill" else (0, 0.5)
-    with pytest.raises(ConfigError, match=f"loss.{term} needs open_clip's ViT image tower .*this model's is TimmModel"):
-        attach_parts(cfg.loss, create_model("clipdist-maphead-tiny"))
+    resnet = create_model("clipdist-tiny", overrides={"vision_cfg": {"layers": [1, 1, 1, 1], "width": 16}})
+    with pytest.raises(ConfigError, match=f"loss.{term} needs .*ViT.*this model's is ModifiedResNet"):
+        attach_parts(cfg.loss, resnet)
+
+
+def test_a_map_head_tower_takes_the_teacher_terms_on_its_tokens_before_the_pooling_head():
+    """SigLIP 2's own tower (a timm ViT whose pooling is an attention head): self-distillation's head reads its pooled
+    output, masked prediction its tokens before the pooling head, the mask token at the patch embedding's output;
+    its local views at SILC's size go through timm's dynamic size mode (test_flexible_grid)."""
+    from clipdist.objective.masked import masked_tokens
+    from clipdist.objective.teacher import tokens_out
+    from clipdist.objective.weighted_sum import attach_parts
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-maphead-tiny").double()
+    images = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    before = model.visual(images)
+    cfg = TrainConfig()
+    cfg.loss.self_distill.crops, cfg.loss.masked.ratio = 2, 0.5
+    attach_parts(cfg.loss, model)
+    assert model.visual(images[:, :, :16, :16]).shape == before.shape  # a 16-pixel view: 2 × 2 patches
+    assert model.self_distill_head.mlp[0].in_features == before.shape[1]
+    with tokens_out(model.visual):
+        pooled, tokens = model.visual(images)
+    assert torch.equal(pooled, before) and tokens.shape == (2, 16, 64)  # 4 × 4 patches, no class token
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, :3] = True
+    with masked_tokens(model.visual, mask, model.masked_head):
+        _, masked = model.visual(images)
+    other = images.clone()
+    other[:, :, :8, :24] = 0  # the three masked patches' pixels: not seen
+    with masked_tokens(model.visual, mask, model.masked_head):
+        _, again = model.visual(other)
+    assert torch.equal(masked, again) and not torch.equal(masked, tokens)
