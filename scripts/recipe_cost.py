@@ -7,6 +7,7 @@ teacher is the model's own weights (as at the terms' start); its forward is coun
     python scripts/recipe_cost.py                          # ViT-B/16 at 256 px, 2 images
     python scripts/recipe_cost.py --model clipdist-tiny --batch 8
     python scripts/recipe_cost.py --decoder-vocab 256000   # the decoder term alone: its extra peak memory
+    python scripts/recipe_cost.py --draws                  # the host time of a step's view, mask and parallel draws
 """
 
 from __future__ import annotations
@@ -70,15 +71,62 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
     return {"extra_peak_bytes": extra_kib * 1024, "whole_logits_float32_bytes": whole}
 
 
+def draw_time(rows: int = 128, crops: int = 8, patches: int = 256, repeats: int = 50) -> dict:
+    """A step's draws for `rows` images: the local views' boxes and flips, the patch masks, the parallel-prediction
+    draws, from the images' keys (key_tensor: one elementwise product and sum over the pixels, on the device). Their
+    time on this CPU, where tensors this small cost little more than their dispatch (the median of `repeats`), and
+    the tensor operations they issue: each one kernel launch on a GPU, and none reads back to the host
+    (tests/unit/test_views.py runs them on the meta device)."""
+    import statistics
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from clipdist.data.views import TRIES, crop_boxes, draws
+
+    keys = torch.randint(-(2**40), 2**40, (rows,), dtype=torch.int64)
+
+    def step(index: int) -> None:
+        uniforms = draws(keys, 0, index, "view:", crops * (4 * TRIES + 1)).view(rows, crops, -1)
+        crop_boxes(uniforms[..., :-1].unflatten(-1, (TRIES, 4)), 256, 256, (0.05, 0.4), (3 / 4, 4 / 3))
+        _ = uniforms[..., -1] < 0.5
+        scores = draws(keys, 0, index, "mask:", patches)
+        _ = scores.argsort(1).argsort(1) < torch.round(0.5 * torch.full((rows,), float(patches)))[:, None]
+        _ = draws(keys, 0, index, "par:", 1)[:, 0] < 0.5
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step(0)
+    times = []
+    for index in range(repeats):
+        start = time.perf_counter()
+        step(index)
+        times.append(time.perf_counter() - start)
+    return {"cpu_ms": 1e3 * statistics.median(times), "ops": Count.ops}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="ViT-B-16")
     parser.add_argument("--size", type=int, default=256, help="the image tower's side (0: the model's own)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--decoder-vocab", type=int, default=0, help="measure the decoder term alone at this vocab")
+    parser.add_argument("--draws", action="store_true", help="time a step's draws for 128 rows x 8 views")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.decoder_vocab:
+    if args.draws:
+        found = draw_time()
+        print(
+            f"draws for 128 rows x 8 views and 256-patch masks: {found['cpu_ms']:.2f} ms on this CPU, "
+            f"{found['ops']} tensor operations, none read back to the host"
+        )
+    elif args.decoder_vocab:
         found = decoder_peak(args.decoder_vocab, rows=128, tokens=64, width=768)
         print(
             f"decoder, vocabulary {args.decoder_vocab:,}, 128 rows × 64 tokens: extra peak "

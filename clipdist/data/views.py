@@ -10,21 +10,22 @@ loader, its workers and what travels to the device are unchanged.
 
 Each crop's box is drawn as torchvision's `RandomResizedCrop.get_params` draws one — an area fraction uniform in
 `scale`, a log-uniform aspect ratio in `ratio`, ten tries, then the whole image clipped to the ratio's range — and
-is flipped left-right with probability 1/2, from a generator seeded by (seed, step, the sample's key). The key is
-an exact integer function of the image's pixels (`sample_keys`), so a sample gets the same crops at a step on any
-number of ranks, in any gradient-caching chunk, at any row of the batch, and after a resume on another world size;
-nothing is drawn from the rank's RNG. All crops of the batch are resampled in one call of torchvision's
+is flipped left-right with probability 1/2. The draws are a counter-based hash of (seed, step, the sample's key, the
+draw's index) (`draws`), made for the whole batch at once on the device: no host sync and no Python loop over the
+samples. The key is an exact integer function of the image's pixels (`key_tensor`), so a sample gets the same crops
+at a step on any number of ranks, in any gradient-caching chunk, at any row of the batch, and after a resume on
+another world size; nothing is drawn from the rank's RNG. All crops of the batch are resampled in one call of
+torchvision's
 `roi_align` (bilinear, pixel-aligned, each output pixel the mean of ⌈box / output⌉² samples: a box the size of its
 output is copied exactly). A NaFlex batch's views (`local_patch_views`) are boxes of each image's patch grid drawn the
 same way in patch units, at the patches' own resolution, keyed by the patches (a batch's padding adds nothing to a
-key), so they too are the sample's own on any world size.
+key), so they too are the sample's own on any world size; their boxes are cut on the host, one image at a time.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import weakref
 
 import torch
@@ -34,18 +35,19 @@ from torchvision.ops import roi_align
 _KEY_WEIGHT_SEED = 0x5EED  # the fixed weights of sample_keys
 
 
-def sample_keys(images: torch.Tensor) -> list[int]:
-    """An integer per image (b, C, H, W), from its pixels alone and exactly: Σ round(256·x)·w over its values with
-    fixed integer weights w < 2²⁰ (int64 arithmetic: no rounding, no dependence on the batch or the device's order
-    of summation). Images that differ in a pixel by 1/256 or more get different keys but for a 2⁻⁶⁴ chance. The
-    last batch's keys are kept while that tensor lives unchanged: the terms of a step each ask for them."""
+def key_tensor(images: torch.Tensor) -> torch.Tensor:
+    """An integer per image (b, ...), from its pixels alone and exactly, as an int64 tensor where the images are (no
+    host sync): Σ round(256·x)·w over its values with fixed integer weights w < 2²⁰ (int64 arithmetic: no rounding,
+    no dependence on the batch or the device's order of summation). Images that differ in a pixel by 1/256 or more
+    get different keys but for a 2⁻⁶⁴ chance. The last batch's keys are kept while that tensor lives unchanged: the
+    terms of a step each ask for them."""
     if _last_keys and _last_keys[0]() is images and _last_keys[1] == images._version:
-        return list(_last_keys[2])
+        return _last_keys[2]
     flat = images.detach().flatten(1)
     quantized = (flat.float() * 256).round().to(torch.int64)
-    keys = (quantized * _key_weights(flat.shape[1], flat.device)).sum(1).tolist()
+    keys = (quantized * _key_weights(flat.shape[1], flat.device)).sum(1)
     _last_keys[:] = [weakref.ref(images), images._version, keys]
-    return list(keys)
+    return keys
 
 
 _last_keys: list = []  # [a weak reference to the last images, their version counter, their keys]
@@ -57,29 +59,68 @@ def _key_weights(length: int, device: torch.device) -> torch.Tensor:
     return torch.randint(1, 1 << 20, (length,), generator=generator, dtype=torch.int64).to(device)
 
 
-def view_seed(seed: int, step: int, key: int, purpose: str = "") -> int:
-    """The generator seed of one sample's views (or, for another `purpose`, its patch mask) at one step: BLAKE2b of
-    the numbers, the same everywhere."""
-    digest = hashlib.blake2b(f"{purpose}{seed}:{step}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+_M32 = 0xFFFFFFFF
 
 
-def crop_box(
-    generator: torch.Generator, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float]
-) -> tuple[int, int, int, int]:
-    """(top, left, h, w) as torchvision's RandomResizedCrop.get_params draws it, from `generator`."""
+def _mix(x):
+    """A 32-bit integer hash (Wellons' lowbias32 with multipliers below 2³¹: every product fits in int64), the same
+    on a Python int and on an int64 tensor of values in [0, 2³²)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def _absorb(state, word):
+    return _mix(((state ^ word) + 0x9E3779B9) & _M32)
+
+
+def draws(keys: torch.Tensor, seed: int, step: int, purpose: str, count: int) -> torch.Tensor:
+    """`count` numbers uniform in (0, 1) for each sample, (b, count) float64 where `keys` (b,) are: a hash of (purpose,
+    seed, step, the sample's key, the draw's index) — counter-based, so they are made for the whole batch at once
+    on the device, with no host sync, and are the sample's own on any rank, row or chunk."""
+    state = int.from_bytes(hashlib.blake2b(purpose.encode(), digest_size=4).digest(), "little")
+    for word in (seed & _M32, (seed >> 32) & _M32, step & _M32, (step >> 32) & _M32):
+        state = _absorb(state, word)
+    state = _absorb(_absorb(torch.full_like(keys, state), keys & _M32), (keys >> 32) & _M32)
+    index = torch.arange(count, dtype=torch.int64, device=keys.device)
+    return (_absorb(state[:, None], index[None, :]).double() + 0.5) / 2.0**32
+
+
+TRIES = 10  # torchvision's RandomResizedCrop tries a box this many times, then takes the whole image
+
+
+def crop_boxes(
+    uniforms: torch.Tensor, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top, left, h, w) of boxes drawn as torchvision's RandomResizedCrop.get_params draws one, from `uniforms`
+    (..., TRIES, 4): each try's area fraction uniform in `scale`, log aspect uniform in log `ratio`, top and left
+    uniform where the box fits; the first try that fits, else the whole image clipped to the ratio's range. Tensor
+    operations only: no host sync."""
     area = height * width
     low, high = torch.log(torch.tensor(ratio)).tolist()  # float32 logs, as torchvision takes them
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(low, high, generator=generator)).item()
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
-            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
-            return top, left, h, w
-    in_ratio = width / height  # the whole image, clipped to the ratio range
+    fraction = (scale[0] + (scale[1] - scale[0]) * uniforms[..., 0]).float().double()  # its draws are float32
+    aspect = torch.exp((low + (high - low) * uniforms[..., 1]).float()).double()
+    target = area * fraction
+    w, h = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    first = fits.to(torch.uint8).argmax(-1, keepdim=True)  # the first try that fits (the first of equal maxima)
+
+    def chosen(values: torch.Tensor) -> torch.Tensor:
+        return values.gather(-1, first).squeeze(-1)
+
+    h, w = chosen(h), chosen(w)
+    top = torch.floor(chosen(uniforms[..., 2]) * (height - h + 1))
+    left = torch.floor(chosen(uniforms[..., 3]) * (width - w + 1))
+    whole = crop_box_whole(height, width, ratio)
+    found = fits.any(-1)
+    return tuple(torch.where(found, ours, float(theirs)) for ours, theirs in zip((top, left, h, w), whole))  # type: ignore[return-value]
+
+
+def crop_box_whole(height: int, width: int, ratio: tuple[float, float]) -> tuple[int, int, int, int]:
+    """torchvision's box after its tries: the whole image, clipped to the ratio range, centred."""
+    in_ratio = width / height
     if in_ratio < min(ratio):
         w, h = width, int(round(width / min(ratio)))
     elif in_ratio > max(ratio):
@@ -99,20 +140,16 @@ def local_views(
     seed: int = 0,
     step: int = 0,
 ) -> torch.Tensor:
-    """`crops` local views of each of `images` (b, C, H, W), as (b, crops, C, *size) in the images' dtype."""
+    """`crops` local views of each of `images` (b, C, H, W), as (b, crops, C, *size) in the images' dtype: the
+    boxes (crop_boxes) and flips drawn for the whole batch where the images are (draws), no host sync."""
     rows, channels, height, width = images.shape
-    boxes, flips = [], []
-    for row, key in enumerate(sample_keys(images)):
-        generator = torch.Generator().manual_seed(view_seed(seed, step, key))
-        for _ in range(crops):
-            top, left, h, w = crop_box(generator, height, width, scale, ratio)
-            boxes.append((row, left, top, left + w, top + h))
-            flips.append(bool(torch.rand(1, generator=generator).item() < 0.5))
-    box_tensor = torch.tensor(boxes, dtype=torch.float32, device=images.device)
-    views = roi_align(images.float(), box_tensor, output_size=size, sampling_ratio=-1, aligned=True)
-    flipped = torch.tensor([view for view, flip in enumerate(flips) if flip], dtype=torch.long, device=images.device)
-    if len(flipped):
-        views[flipped] = views[flipped].flip(-1)
+    uniforms = draws(key_tensor(images), seed, step, "view:", crops * (4 * TRIES + 1)).view(rows, crops, -1)
+    top, left, h, w = crop_boxes(uniforms[..., :-1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
+    row = torch.arange(rows, device=images.device, dtype=top.dtype)[:, None].expand(rows, crops)
+    boxes = torch.stack([row, left, top, left + w, top + h], -1).flatten(0, 1).float()
+    views = roi_align(images.float(), boxes, output_size=size, sampling_ratio=-1, aligned=True)
+    flips = (uniforms[..., -1] < 0.5).flatten()
+    views = torch.where(flips[:, None, None, None], views.flip(-1), views)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
 
 
@@ -132,17 +169,17 @@ def local_patch_views(
     patches' own resolution (nothing resampled), its coordinates from (0, 0). Padded to the longest view."""
     patches, coord, valid = images["patches"], images["patch_coord"].cpu(), images["patch_valid"].cpu()
     rows, length, dim = patches.shape
+    uniforms = draws(key_tensor(patches), seed, step, "view:", crops * (4 * TRIES + 1)).view(rows, crops, -1).cpu()
     views: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (flat source index, coordinates, flipped) a view
-    for row, key in enumerate(sample_keys(patches)):
-        generator = torch.Generator().manual_seed(view_seed(seed, step, key))
+    for row in range(rows):
         own = valid[row].nonzero()[:, 0]
         yx = coord[row, own]
         height, width = int(yx[:, 0].max()) + 1, int(yx[:, 1].max()) + 1
         where = torch.full((height, width), -1, dtype=torch.long)  # each grid cell's flat source index (-1: none)
         where[yx[:, 0], yx[:, 1]] = row * length + own
-        for _ in range(crops):
-            top, left, h, w = crop_box(generator, height, width, scale, ratio)
-            flipped = bool(torch.rand(1, generator=generator).item() < 0.5)
+        boxes = crop_boxes(uniforms[row, :, :-1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
+        for k, (top, left, h, w) in enumerate(zip(*(part.long().tolist() for part in boxes))):
+            flipped = bool(uniforms[row, k, -1] < 0.5)
             box = where[top : top + h, left : left + w]
             box = box.flip(1) if flipped else box
             present = box >= 0
@@ -175,16 +212,14 @@ def patch_masks(
     step: int = 0,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which of each image's `patches` patches are masked, (b, patches) bool: max(1, round(ratio · n)) of its n
-    patches (`valid` (b, patches): a NaFlex row's own, its padding never masked; else all), a uniform draw without
-    replacement seeded as its views are (the same mask for a sample everywhere: `images` are the pixels keyed,
-    a NaFlex batch's patches, whose padding adds nothing to a key)."""
-    masks = torch.zeros(len(images), patches, dtype=torch.bool)
-    valid = valid.cpu() if valid is not None else None  # one copy from the device, not one a row
-    counts = valid.sum(1).tolist() if valid is not None else [patches] * len(images)
-    for row, key in enumerate(sample_keys(images)):
-        generator = torch.Generator().manual_seed(view_seed(seed, step, key, "mask:"))
-        count, chosen = max(1, round(ratio * counts[row])), torch.randperm(counts[row], generator=generator)
-        positions = chosen if valid is None else valid[row].nonzero()[:, 0][chosen]
-        masks[row, positions[:count]] = True
-    return masks.to(images.device)
+    """Which of each image's `patches` patches are masked, (b, patches) bool where the images are: max(1,
+    round(ratio · n)) of its n patches (`valid` (b, patches): a NaFlex row's own, its padding never masked; else all),
+    a uniform draw without replacement — the n lowest of a score per patch (draws) — seeded as its views are (the
+    same mask for a sample everywhere: `images` are the pixels keyed, a NaFlex batch's patches, whose padding adds
+    nothing to a key). No host sync."""
+    scores = draws(key_tensor(images), seed, step, "mask:", patches)
+    counts = torch.full((len(images),), patches, device=images.device) if valid is None else valid.sum(1)
+    if valid is not None:
+        scores = scores.masked_fill(~valid, 2.0)  # after every valid patch
+    chosen = torch.round(ratio * counts.double()).clamp_min(1)
+    return scores.argsort(1).argsort(1) < chosen[:, None]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from open_clip.transformer import VisionTransformer
 
-from clipdist.data.views import sample_keys, view_seed
+from clipdist.data.views import draws, key_tensor
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_width
 from clipdist.model.timm_towers import vit_trunk_of
@@ -238,11 +238,7 @@ class DecoderTerm(CaptionTerm):
         """Which samples are predicted in parallel: (b,) bool, a draw per sample and step (a NaFlex batch's: keyed by
         its patches, whose padding adds nothing to a key)."""
         pixels, _ = images_in(images)
-        draws = [
-            torch.rand(1, generator=torch.Generator().manual_seed(view_seed(self.seed, self.step or 0, key, "par:")))
-            for key in sample_keys(pixels)
-        ]
-        return (torch.cat(draws) < self.options.parallel).to(pixels.device)
+        return draws(key_tensor(pixels), self.seed, self.step or 0, "par:", 1)[:, 0] < self.options.parallel
 
     def logits_and_labels(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's (b, L−1, vocab) logits of this forward's captions, and their labels (text[:, 1:])."""

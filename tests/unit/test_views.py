@@ -3,22 +3,55 @@
 from __future__ import annotations
 
 import torch
-from torchvision.transforms import RandomResizedCrop
 
-from clipdist.data.views import crop_box, local_views, patch_masks, sample_keys
+from clipdist.data.views import TRIES, crop_boxes, key_tensor, local_views, patch_masks
+
+
+def sample_keys(images: torch.Tensor) -> list[int]:
+    return key_tensor(images).tolist()
 
 
 def _images(rows: int = 6, size: int = 16) -> torch.Tensor:
     return torch.randn(rows, 3, size, size, generator=torch.Generator().manual_seed(rows))
 
 
-def test_a_box_is_drawn_as_torchvisions_random_resized_crop_draws_it():
-    for seed in range(200):
-        for height, width, scale in [(16, 16, (0.05, 0.4)), (24, 40, (0.3, 1.0)), (40, 24, (0.9, 1.0))]:
-            torch.manual_seed(seed)
-            theirs = RandomResizedCrop.get_params(torch.empty(3, height, width), list(scale), [3 / 4, 4 / 3])
-            ours = crop_box(torch.Generator().manual_seed(seed), height, width, scale, (3 / 4, 4 / 3))
-            assert ours == tuple(theirs), (seed, height, width)
+class _Drawn:
+    """torch as torchvision's transforms module sees it, its draws given: try t's area fraction and aspect are
+    drawn[t][0:2], and top and left, where the try fits, drawn[t][2:4] (its uniform_(a, b) of u: a + (b − a)·u, its
+    randint(low, high) of u: low + ⌊u·(high − low)⌋)."""
+
+    def __init__(self, drawn: list[list[float]]):
+        self.drawn, self.uniforms, self.ints = drawn, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *size):
+        tried, which = divmod(self.uniforms, 2)
+        self.uniforms += 1
+        return torch.empty(*size).fill_(self.drawn[tried][which])  # uniform_, patched, maps it into [a, b)
+
+    def randint(self, low, high, size):
+        self.ints += 1
+        return torch.tensor([low + int(self.drawn[(self.uniforms - 1) // 2][1 + self.ints] * (high - low))])
+
+
+def test_a_box_is_drawn_as_torchvisions_random_resized_crop_draws_it(monkeypatch):
+    """crop_boxes, all boxes at once from given uniforms, is torchvision's RandomResizedCrop.get_params run with the
+    same numbers in place of its draws (_Drawn), tries that do not fit and the fallback to the whole image
+    included."""
+    import torchvision.transforms.transforms as tv
+
+    cases = [(16, 16, (0.05, 0.4)), (24, 40, (0.3, 1.0)), (40, 24, (0.9, 1.0)), (8, 64, (0.9, 1.0))]
+    uniforms = torch.rand(200, len(cases), TRIES, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for index, (height, width, scale) in enumerate(cases):
+        ours = crop_boxes(uniforms[:, index], height, width, scale, (3 / 4, 4 / 3))
+        for box in range(len(uniforms)):
+            monkeypatch.setattr(tv, "torch", _Drawn(uniforms[box, index].tolist()))
+            monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, a, b: self.mul_(b - a).add_(a))
+            theirs = tv.RandomResizedCrop.get_params(torch.empty(3, height, width), list(scale), [3 / 4, 4 / 3])
+            monkeypatch.undo()
+            assert tuple(int(part[box]) for part in ours) == tuple(theirs), (box, height, width)
 
 
 def test_a_samples_views_do_not_depend_on_its_row_its_companions_or_the_chunk():
@@ -117,3 +150,16 @@ def test_a_naflex_images_views_are_boxes_of_its_patch_grid_whatever_its_row_or_p
     assert not torch.equal(other["patch_coord"], views["patch_coord"]) or not torch.equal(
         other["patches"], views["patches"]
     )
+
+
+def test_the_draws_read_nothing_back_from_the_device():
+    """Views, masks and their draws for a batch on the meta device (shapes, no values: any read back to the host,
+    a .tolist() or .item() that would stall a GPU step, raises there) — 128 rows × 8 views, as SigLIP 2's step."""
+    from clipdist.data.views import draws, key_tensor
+
+    images = torch.empty(128, 3, 256, 256, device="meta")
+    assert local_views(images, crops=8, size=(112, 112), seed=3, step=9).shape == (128, 8, 3, 112, 112)
+    assert patch_masks(images, 256, 0.5, seed=3, step=9).shape == (128, 256)
+    valid = torch.empty(128, 256, dtype=torch.bool, device="meta")
+    assert patch_masks(images, 256, 0.5, seed=3, step=9, valid=valid).shape == (128, 256)
+    assert draws(key_tensor(images), 3, 9, "par:", 1).shape == (128, 1)
