@@ -33,15 +33,17 @@ class WeightAverage:
         with torch.no_grad():
             if step < self.start_step:
                 self.reset()
-            elif (step - self.start_step) % self.every == 0:
-                for average, parameter in zip(self.average, self.params):
-                    average.lerp_(parameter.detach().float(), 1.0 - self.decay)
+            elif (step - self.start_step) % self.every == 0:  # one foreach call: a kernel per group, not per tensor
+                torch._foreach_lerp_(self.average, self.weights(), 1.0 - self.decay)
 
     def reset(self) -> None:
         """The average set to the weights (a run that starts averaging, or resumes one that had none)."""
         with torch.no_grad():
-            for average, parameter in zip(self.average, self.params):
-                average.copy_(parameter.detach().float())
+            torch._foreach_copy_(self.average, self.weights())
+
+    def weights(self) -> list[torch.Tensor]:
+        """The weights in fp32 (the parameters themselves where they are)."""
+        return [parameter.detach().float() for parameter in self.params]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The average's tensors by parameter name: DCP saves them, and loads a checkpoint's into them in place."""
