@@ -32,6 +32,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torchvision.ops import roi_align
 
+from clipdist.data import view_augment
+
 _KEY_WEIGHT_SEED = 0x5EED  # the fixed weights of sample_keys
 
 
@@ -139,17 +141,24 @@ def local_views(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     seed: int = 0,
     step: int = 0,
+    normalised: tuple | None = None,
 ) -> torch.Tensor:
     """`crops` local views of each of `images` (b, C, H, W), as (b, crops, C, *size) in the images' dtype: the
-    boxes (crop_boxes) and flips drawn for the whole batch where the images are (draws), no host sync."""
+    boxes (crop_boxes) and flips drawn for the whole batch where the images are (draws), no host sync; with
+    `normalised` (the images' mean and std), each view then colour-jittered, grayed and blurred as DINO's local views
+    are (view_augment)."""
     rows, channels, height, width = images.shape
-    uniforms = draws(key_tensor(images), seed, step, "view:", crops * (4 * TRIES + 1)).view(rows, crops, -1)
-    top, left, h, w = crop_boxes(uniforms[..., :-1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
+    box_draws = 4 * TRIES + 1
+    count = box_draws + (view_augment.DRAWS if normalised else 0)
+    uniforms = draws(key_tensor(images), seed, step, "view:", crops * count).view(rows, crops, count)
+    top, left, h, w = crop_boxes(uniforms[..., : box_draws - 1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
     row = torch.arange(rows, device=images.device, dtype=top.dtype)[:, None].expand(rows, crops)
     boxes = torch.stack([row, left, top, left + w, top + h], -1).flatten(0, 1).float()
     views = roi_align(images.float(), boxes, output_size=size, sampling_ratio=-1, aligned=True)
-    flips = (uniforms[..., -1] < 0.5).flatten()
+    flips = (uniforms[..., box_draws - 1] < 0.5).flatten()
     views = torch.where(flips[:, None, None, None], views.flip(-1), views)
+    if normalised:
+        views = view_augment.augment(views, uniforms[..., box_draws:].flatten(0, 1), *normalised)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import local_patch_views, local_views
@@ -105,6 +106,9 @@ class SelfDistillTerm(TeacherTerm):
         super().__init__(model, teacher, options, PART, seed)
         self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
         self.size = 0 if self.patch_size else view_size(options, model)
+        visual = tower(model)  # the images' normalisation, for the views' colour augmentation
+        mean, std = getattr(visual, "image_mean", None) or OPENAI_DATASET_MEAN, getattr(visual, "image_std", None)
+        self.normalised = (mean, std or OPENAI_DATASET_STD) if options.augment else None
 
     def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, None]:
         return self.teacher_image(images)[0], None
@@ -128,7 +132,15 @@ class SelfDistillTerm(TeacherTerm):
             embedded = by_length(lambda group: pooled(self.visual(group)), views, groups)
         else:
             rows, size = len(images), (self.size, self.size)
-            crops = local_views(images, crops=options.crops, size=size, scale=scale, seed=self.seed, step=step)
+            crops = local_views(
+                images,
+                crops=options.crops,
+                size=size,
+                scale=scale,
+                seed=self.seed,
+                step=step,
+                normalised=self.normalised,
+            )
             embedded = pooled(self.visual(crops.flatten(0, 1)))
         return self.head(embedded).view(rows, options.crops, -1)
 

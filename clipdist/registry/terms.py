@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from clipdist.defaults import REFUSE, non_negative, positive
+from clipdist.defaults import REFUSE, WARN, non_negative, positive
 from clipdist.errors import ConfigError
 from clipdist.registry import CodeSpec, Registry, plugged
 
@@ -110,11 +110,16 @@ class SelfDistillOptions(TeacherOptions):
     """SILC's local-to-global self-distillation (clipdist.objective.self_distill): the teacher sees the whole image,
     the student `crops` local views of it; each view's pooled embedding is pulled to the teacher's. Off at crops=0."""
 
-    RESUME: ClassVar[dict] = {**TeacherOptions.RESUME, **dict.fromkeys(("crops", "crop_size", "scale"), REFUSE)}
+    RESUME: ClassVar[dict] = {
+        **TeacherOptions.RESUME,
+        **dict.fromkeys(("crops", "crop_size", "scale"), REFUSE),
+        "augment": WARN,  # the views from then on are others; the run goes on
+    }
 
     crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
     crop_size: int = non_negative(0)  # their side in pixels; 0: SILC's 96/224 of the tower's (a multiple of its patch)
     scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
+    augment: bool = True  # each view colour-jittered, grayed, blurred as DINO's (data/view_augment.py); NaFlex: not
 
     @property
     def on(self) -> bool:

@@ -163,3 +163,35 @@ def test_the_draws_read_nothing_back_from_the_device():
     valid = torch.empty(128, 256, dtype=torch.bool, device="meta")
     assert patch_masks(images, 256, 0.5, seed=3, step=9, valid=valid).shape == (128, 256)
     assert draws(key_tensor(images), 3, 9, "par:", 1).shape == (128, 1)
+
+
+def test_the_view_augmentation_is_torchvisions_colour_jitter_grayscale_and_blur():
+    """view_augment, all views at once with a choice each, is torchvision's functional transforms view by view: the
+    jitter's four adjustments in the view's own order, grayscale, a Gaussian blur of the view's σ; and the choices'
+    shares are DINO's (jitter 0.8, grayscale 0.2, blur 0.5)."""
+    import torchvision.transforms.functional as TF
+
+    from clipdist.data import view_augment as va
+
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.rand(12, 3, 20, 20, generator=generator, dtype=torch.float64)
+    uniforms = torch.rand(12, va.DRAWS, generator=generator, dtype=torch.float64)
+    jittered = va.colour_jitter(pixels, uniforms[:, :9])
+    blurred = va.gaussian_blur(pixels, 0.1 + 1.9 * uniforms[:, 11])
+    for view, u in enumerate(uniforms.tolist()):
+        theirs = pixels[view]
+        if u[0] < va.JITTER:
+            adjust = [TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue]
+            factors = [0.6 + 0.8 * u[1], 0.6 + 0.8 * u[2], 0.8 + 0.4 * u[3], 0.1 * (2 * u[4] - 1)]
+            for index in torch.tensor(u[5:9]).argsort().tolist():
+                theirs = adjust[index](theirs, factors[index])
+        torch.testing.assert_close(jittered[view], theirs, rtol=1e-6, atol=1e-6)
+        sigma = 0.1 + 1.9 * u[11]
+        torch.testing.assert_close(blurred[view], TF.gaussian_blur(pixels[view], [13, 13], [sigma, sigma]))
+    torch.testing.assert_close(va.grayscale(pixels)[:, 0], TF.rgb_to_grayscale(pixels)[:, 0])
+    views = torch.randn(4000, 3, 4, 4, generator=generator)
+    choices = torch.rand(4000, va.DRAWS, generator=generator)
+    augmented = va.augment(views, choices, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    assert augmented.shape == views.shape and augmented.dtype == views.dtype
+    for column, share in ((0, 0.8), (9, 0.2), (10, 0.5)):
+        assert abs(float((choices[:, column] < share).float().mean()) - share) < 0.03
