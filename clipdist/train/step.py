@@ -190,6 +190,17 @@ class Step:
             self.objective.commit()  # a term's own state (self-distillation's centre)
         return agreed, grad_norm
 
+    def start_terms(self, names: list[str]) -> None:
+        """Terms that count from the next step on (Objective.at): their own modules' optimizer state made fresh, as
+        the paper's heads and mask token are at the terms' start (SigLIP 2 §2.3). Their weights are still those of
+        step 0, a zero gradient every step since (OwnModule.touch) and decoupled weight decay their only change."""
+        for term, _ in self.objective.terms:
+            if term.name in names and self.optimizer is not None:
+                for parameter in (p for module in term.modules() for p in module.parameters()):
+                    for value in self.optimizer.state.get(parameter, {}).values():
+                        if isinstance(value, torch.Tensor):
+                            value.zero_()  # Adam's step count and moments: as before its first step
+
     def gradients(self, batch) -> torch.Tensor:
         """This rank's loss, with the gradients it leaves (averaged over ranks, as DDP does) in .grad."""
         batch = as_batch(batch)

@@ -118,7 +118,9 @@ class Trainer:
                 profiler.step()
                 with record_function("data"):
                     batch = self.next_batch()
-                for name in self.step.objective.at(state.step + 1):
+                starting = self.step.objective.at(state.step + 1)
+                self.step.start_terms(starting)
+                for name in starting:
                     self.say(f"step {state.step + 1}: {name} counts from this step on (its start_at)")
                 agreed, grad_norm = self.step(batch, checkpointer.requests())
                 if agreed.saved:  # every rank has written the checkpoint begun earlier: it is published now

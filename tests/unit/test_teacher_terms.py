@@ -462,3 +462,28 @@ def test_a_map_head_tower_takes_the_teacher_terms_on_its_tokens_before_the_pooli
     with masked_tokens(model.visual, mask, model.masked_head):
         _, again = model.visual(other)
     assert torch.equal(masked, again) and not torch.equal(masked, tokens)
+
+
+def test_at_its_start_a_terms_own_modules_get_fresh_optimizer_state():
+    """SigLIP 2 §2.3: the heads are fresh when the teacher terms start. At that step (Objective.at) the head's Adam
+    step count and moments are zero again, as a new optimizer's; every other parameter's state is left alone."""
+    from clipdist.train.step import Step
+
+    model = student()
+    teacher = {name: tensor.detach() for name, tensor in model.named_parameters()}
+    term = SelfDistillTerm(model, EmaTeacher(model, lambda: teacher), OPTIONS)
+    objective = Objective([(ContrastiveTerm(build("naive")), 1.0), (term, 1.0)], starts={term.name: 3})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    step = Step(model, objective, optimizer)
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    optimizer.step()
+    step.start_terms(objective.at(2))  # nothing starts at step 2
+    step.start_terms(objective.at(3))
+    head = {id(parameter) for parameter in model.self_distill_head.parameters()}
+    for parameter in model.parameters():
+        state = optimizer.state[parameter]
+        fresh = id(parameter) in head
+        assert float(state["step"]) == (0 if fresh else 2)
+        assert bool(state["exp_avg"].abs().sum() == 0) == fresh and bool(state["exp_avg_sq"].abs().sum() == 0) == fresh
