@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,9 +117,9 @@ class Term:
     def reference(self, raw, inputs: dict) -> torch.Tensor:
         raise NotImplementedError
 
-    def prepare(self, chunks: list[dict]) -> None:
-        """An own-forward term, before its step's chunks: what it needs first of the whole global batch (each chunk
-        the model's named inputs). Every rank calls it, so it may agree over ranks."""
+    def prepare(self, chunks: Callable[[], Iterable[dict]]) -> None:
+        """An own-forward term, before its step's chunks: what it needs first of the whole global batch (`chunks()`
+        gives them, each the model's named inputs). Every rank calls it, so it may agree over ranks."""
         return None
 
     def stats(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ the model, so the average, checkpoints and resume hold it; exports and evaluatio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
@@ -230,13 +230,13 @@ class TeacherTerm(Term):
         self.moments = moments(outputs, valid)
         return self.ema_teacher(self.head, outputs)
 
-    def prepare(self, chunks: list[dict]) -> None:
+    def prepare(self, chunks: Callable[[], Iterable[dict]]) -> None:
         """At the term's first step (its head's input moments never followed), the moments of this global batch's
         teacher embeddings: unstandardised, a contrastive tower's narrow cone gave every image one target at that
         step (the targets' information about the image ~0.03 nats). A collective: every rank calls it."""
         if bool(self.head.input_seen):
             return
-        sums = torch.stack([moments(*self.teacher_embeddings(inputs["image"])) for inputs in chunks]).sum(0)
+        sums = torch.stack([moments(*self.teacher_embeddings(inputs["image"])) for inputs in chunks()]).sum(0)
         self.head.follow(parallel.all_reduce_mean(sums), momentum=0.0)
 
     def cross_entropy(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

@@ -70,25 +70,24 @@ class Objective:
 
     def own_backward(
         self,
-        chunks: Iterable[dict],
+        chunks: Callable[[], Iterable[dict]],
         rows: int,
         backward: Callable[[torch.Tensor], None],
         within: Callable[[], AbstractContextManager] = nullcontext,
     ) -> dict[str, Any]:
-        """The counted own-forward terms (Term.own_forward) of this rank's `rows` rows, given as `chunks` (each the
-        model's named inputs): each chunk's share w · N/B · Σ_i ℓ_i of each term is taken (inside `within()`, an
-        autocast) and handed to `backward` at once, so at most one term's graph is alive; then each term's chunks
-        are merged without their graphs. {term name: its part}, for `__call__`, whose values of these terms then
-        carry no graph. B, the rows summed over ranks, is one all-reduce for all the terms. Each term first sees
-        every chunk (Term.prepare)."""
+        """The counted own-forward terms (Term.own_forward) of this rank's `rows` rows, whose chunks `chunks()`
+        gives one at a time (each the model's named inputs, made as it is needed): each chunk's share w · N/B · Σ_i ℓ_i
+        of each term is taken (inside `within()`, an autocast) and handed to `backward` at once, so at most one term's
+        graph is alive; then each term's chunks are merged without their graphs. {term name: its part}, for
+        `__call__`, whose values of these terms then carry no graph. B, the rows summed over ranks, is one all-reduce
+        for all the terms. Each term first sees every chunk (Term.prepare)."""
         own = [pair for pair in self.counted if pair[0].own_forward]
-        chunks = list(chunks) if own else []
         for term, _ in own:
             with within():
                 term.prepare(chunks)
         taken: dict[str, list] = {term.name: [] for term, _ in own}
         per_row = None
-        for inputs in chunks:
+        for inputs in chunks() if own else ():
             for term, weight in own:  # the chunk's terms one after another: the teacher's forward is shared
                 with within():
                     part = term.take(None, inputs)

@@ -219,8 +219,9 @@ class Step:
         apart, chunk by chunk, before the model's forward: their gradients stay on this rank until the model's
         backward reduces everything (DDP's no_sync, FSDP2's requires_gradient_sync)."""
         with parallel.gradient_sync(self.model, enabled=False):
+            pieces = self.pieces(batch)
             return self.objective.own_backward(
-                (self.inputs(piece) for piece in self.pieces(batch)),
+                lambda: (self.inputs(piece) for piece in pieces),  # one chunk on the device at a time
                 batch.rows,
                 lambda share: self.scaled(share).backward(),
                 within=lambda: self.autocast,
