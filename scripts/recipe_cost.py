@@ -6,6 +6,7 @@ teacher is the model's own weights (as at the terms' start); its forward is coun
 
     python scripts/recipe_cost.py                          # ViT-B/16 at 256 px, 2 images
     python scripts/recipe_cost.py --model clipdist-tiny --batch 8
+    python scripts/recipe_cost.py --model clipdist-naflex-b16 --seq-len 256   # NaFlex, the teacher terms opted in
     python scripts/recipe_cost.py --decoder-vocab 256000   # the decoder term alone: its extra peak memory
     python scripts/recipe_cost.py --draws                  # the host time of a step's view, mask and parallel draws
 """
@@ -28,18 +29,18 @@ from clipdist.tools.plan import recipe_terms
 from clipdist.train.step import build_step
 
 
-def step_cost(model_name: str, batch: int, recipe: str | None, size: int | None) -> dict:
+def step_cost(model_name: str, batch: int, recipe: str | None, size: int | None, seq_len: int | None = None) -> dict:
     """FLOPs and the peak of saved bytes of one training step as the step runs it (train.step: the own-forward
     terms backpropagated one after another, then the model's forward and backward): SigLIP's loss, and with
     `recipe` its terms, every one counting."""
     torch.manual_seed(0)
-    overrides = {"vision_cfg": {"image_size": size}} if size else None
+    overrides = {"vision_cfg": {"image_size": size}} if size and not seq_len else None
     model = create_model(model_name, init_logit_bias=-10.0, overrides=overrides)
     terms, _ = recipe_terms(recipe, model) if recipe else ([], False)
     objective = build_objective(build("siglip"))
     objective.terms += [(term, 1.0) for term in terms]
     objective.at(1)
-    inputs = model_inputs(model, batch, getattr(model, "context_length", 77))
+    inputs = model_inputs(model, batch, getattr(model, "context_length", 77), seq_len)
     step = build_step(model, objective)
     with FlopCounterMode(display=False) as flops, SavedTensorMeter(exclude=list(model.parameters())) as meter:
         step.gradients(inputs)
@@ -115,6 +116,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="ViT-B-16")
     parser.add_argument("--size", type=int, default=256, help="the image tower's side (0: the model's own)")
+    parser.add_argument("--seq-len", type=int, default=0, help="a NaFlex tower's patches an image (e.g. 256)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--decoder-vocab", type=int, default=0, help="measure the decoder term alone at this vocab")
     parser.add_argument("--draws", action="store_true", help="time a step's draws for 128 rows x 8 views")
@@ -134,10 +136,11 @@ def main(argv=None) -> dict:
             f"{human_bytes(found['whole_logits_float32_bytes'])})"
         )
     else:
-        plain = step_cost(args.model, args.batch, None, args.size or None)
-        recipe = step_cost(args.model, args.batch, "siglip2", args.size or None)
+        plain = step_cost(args.model, args.batch, None, args.size or None, args.seq_len or None)
+        recipe = step_cost(args.model, args.batch, "siglip2", args.size or None, args.seq_len or None)
         found = {"plain": plain, "recipe": recipe}
-        print(f"{args.model} at {args.size or 'its own size'} px, {args.batch} images, one step forward and back:")
+        shape = f"{args.seq_len} patches" if args.seq_len else f"{args.size or 'its own size'} px"
+        print(f"{args.model} at {shape}, {args.batch} images, one step forward and back:")
         for name, row in found.items():
             print(f"  {name:<8} {row['flops'] / 1e9:10.1f} GFLOP   saved {human_bytes(row['saved_peak_bytes'])}")
         print(
