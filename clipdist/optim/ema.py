@@ -39,7 +39,8 @@ class WeightAverage:
     def reset(self) -> None:
         """The average set to the weights (a run that starts averaging, or resumes one that had none)."""
         with torch.no_grad():
-            torch._foreach_copy_(self.average, self.weights())
+            for average, weight in zip(self.average, self.weights()):  # DTensor has no _foreach_copy_
+                average.copy_(weight)
 
     def weights(self) -> list[torch.Tensor]:
         """The weights in fp32 (the parameters themselves where they are)."""
