@@ -22,6 +22,8 @@ from open_clip.transformer import VisionTransformer, _expand_token
 from timm.layers import Format
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
+from clipdist.model.timm_towers import vit_trunk_of
+
 
 def resizes_exactly(model: torch.nn.Module) -> str | None:
     """None where the image tower can take other sizes (open_clip's ViT or a timm ViT trunk with a learned table);
@@ -61,9 +63,10 @@ class FlexibleGridViT(VisionTransformer):
 
 
 def patch_side(model: Any) -> int:  # an open_clip model
-    """The side in pixels of a fixed-size ViT tower's square patches (open_clip's or a timm trunk's)."""
-    trunk = getattr(model.visual, "trunk", None)
-    if isinstance(trunk, TimmViT):
+    """The side in pixels of a fixed-size ViT tower's square patches (open_clip's, or any timm ViT trunk's:
+    timm_towers.vit_trunk_of, the towers the teacher terms take)."""
+    trunk = vit_trunk_of(model.visual)
+    if trunk is not None:
         return int(trunk.patch_embed.patch_size[0])
     return int(model.visual.conv1.kernel_size[0])
 

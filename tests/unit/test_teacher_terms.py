@@ -5,6 +5,7 @@ DDP's every-parameter rule before a term's start, and the masked student's mask 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -487,3 +488,21 @@ def test_at_its_start_a_terms_own_modules_get_fresh_optimizer_state():
         fresh = id(parameter) in head
         assert float(state["step"]) == (0 if fresh else 2)
         assert bool(state["exp_avg"].abs().sum() == 0) == fresh and bool(state["exp_avg_sq"].abs().sum() == 0) == fresh
+
+
+def test_a_timm_vit_that_cannot_take_other_sizes_is_told_its_crop_size(tmp_path):
+    """A timm ViT trunk other than timm's VisionTransformer (Eva) takes the terms at its own size: its patch is read
+    from its trunk, and views of another size are refused in one line that says which crop_size it takes."""
+    import json
+
+    import clipdist
+
+    cfg = json.loads((Path(clipdist.__file__).parent / "model_configs" / "clipdist-maphead-tiny.json").read_text())
+    cfg["vision_cfg"].update(timm_model_name="eva02_tiny_patch14_224", timm_pool="avg")
+    cfg["vision_cfg"]["timm_model_kwargs"]["depth"] = 1
+    (tmp_path / "eva-tiny.json").write_text(json.dumps(cfg))
+    model = create_model(str(tmp_path / "eva-tiny.json"))
+    assert type(model.visual.trunk).__name__ == "Eva"
+    with pytest.raises(ConfigError, match="its views are 16 pixels.*set loss.self_distill.crop_size=32"):
+        attach(SelfDistillOptions(crops=2), model)
+    assert attach(SelfDistillOptions(crops=2, crop_size=32), model)
