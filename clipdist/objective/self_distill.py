@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import local_patch_views, local_views
@@ -106,9 +105,8 @@ class SelfDistillTerm(TeacherTerm):
         super().__init__(model, teacher, options, PART, seed)
         self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
         self.size = 0 if self.patch_size else view_size(options, model)
-        visual = tower(model)  # the images' normalisation, for the views' colour augmentation
-        mean, std = getattr(visual, "image_mean", None) or OPENAI_DATASET_MEAN, getattr(visual, "image_std", None)
-        self.normalised = (mean, std or OPENAI_DATASET_STD) if options.augment else None
+        preprocess = tower(model).preprocess_cfg  # the images' normalisation, as the data's (data.transforms)
+        self.normalised = (preprocess["mean"], preprocess["std"]) if options.augment else None
 
     def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, None]:
         return self.teacher_image(images)[0], None
