@@ -46,7 +46,7 @@ def colour_jitter(pixels: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     saturation, hue = factor(uniforms[:, 3], SATURATION), HUE * (2 * uniforms[:, 4] - 1)
     order = uniforms[:, 5:9].argsort(1)  # order[:, k]: the adjustment made k-th
     adjustments = (
-        lambda x: (x * _each(brightness)).clamp(0, 1),
+        lambda x: (x * _each(brightness).to(x.dtype)).clamp(0, 1),
         lambda x: _blend(x, grayscale(x).mean((1, 2, 3), keepdim=True), contrast),
         lambda x: _blend(x, grayscale(x), saturation),
         lambda x: adjust_hue(x, hue),
@@ -88,7 +88,7 @@ def adjust_hue(pixels: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     rc, gc, bc = (value - r) / divisor, (value - g) / divisor, (value - b) / divisor
     hue = (value == r) * (bc - gc) + ((value == g) & (value != r)) * (2.0 + rc - bc)
     hue = hue + ((value != g) & (value != r)) * (4.0 + gc - rc)
-    hue = ((hue / 6.0 + 1.0) % 1.0 + shift.view(-1, 1, 1)) % 1.0
+    hue = ((hue / 6.0 + 1.0) % 1.0 + shift.to(pixels.dtype).view(-1, 1, 1)) % 1.0
     sector = torch.floor(hue * 6.0)
     fraction = hue * 6.0 - sector
     sector = sector.to(torch.int64) % 6

@@ -17,19 +17,20 @@ at a step on any number of ranks, in any gradient-caching chunk, at any row of t
 another world size; nothing is drawn from the rank's RNG. All crops of the batch are resampled in one call of
 torchvision's
 `roi_align` (bilinear, pixel-aligned, each output pixel the mean of ⌈box / output⌉² samples: a box the size of its
-output is copied exactly). A NaFlex batch's views (`local_patch_views`) are boxes of each image's patch grid drawn the
-same way in patch units, at the patches' own resolution, keyed by the patches (a batch's padding adds nothing to a
-key), so they too are the sample's own on any world size; their boxes are cut on the host, one image at a time.
+output is copied exactly). A NaFlex batch's views (`local_patch_views`) are drawn, resampled and augmented the same
+way, from each image put back together from its patches (keyed by the patches: a batch's padding adds nothing to a
+key), each a full grid of SILC's fraction of the batch's sequence length (7 × 7 patches at 256), so they too are the
+sample's own on any world size, and a batch of views has no padding.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import weakref
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from torchvision.ops import roi_align
 
 from clipdist.data import view_augment
@@ -94,19 +95,21 @@ TRIES = 10  # torchvision's RandomResizedCrop tries a box this many times, then 
 
 
 def crop_boxes(
-    uniforms: torch.Tensor, height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float]
+    uniforms: torch.Tensor, height, width, scale: tuple[float, float], ratio: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(top, left, h, w) of boxes drawn as torchvision's RandomResizedCrop.get_params draws one, from `uniforms`
     (..., TRIES, 4): each try's area fraction uniform in `scale`, log aspect uniform in log `ratio`, top and left
-    uniform where the box fits; the first try that fits, else the whole image clipped to the ratio's range. Tensor
-    operations only: no host sync."""
-    area = height * width
+    uniform where the box fits; the first try that fits, else the whole image clipped to the ratio's range. The
+    image's `height` and `width`: ints, or tensors that broadcast to uniforms.shape[:-2] (each box its own image's).
+    Tensor operations only: no host sync."""
+    height, width = (torch.as_tensor(side, dtype=torch.float64, device=uniforms.device) for side in (height, width))
+    tall, wide = height[..., None], width[..., None]  # over the tries
     low, high = torch.log(torch.tensor(ratio)).tolist()  # float32 logs, as torchvision takes them
     fraction = (scale[0] + (scale[1] - scale[0]) * uniforms[..., 0]).float().double()  # its draws are float32
     aspect = torch.exp((low + (high - low) * uniforms[..., 1]).float()).double()
-    target = area * fraction
+    target = tall * wide * fraction
     w, h = torch.round(torch.sqrt(target * aspect)), torch.round(torch.sqrt(target / aspect))
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    fits = (w > 0) & (w <= wide) & (h > 0) & (h <= tall)
     first = fits.to(torch.uint8).argmax(-1, keepdim=True)  # the first try that fits (the first of equal maxima)
 
     def chosen(values: torch.Tensor) -> torch.Tensor:
@@ -115,21 +118,65 @@ def crop_boxes(
     h, w = chosen(h), chosen(w)
     top = torch.floor(chosen(uniforms[..., 2]) * (height - h + 1))
     left = torch.floor(chosen(uniforms[..., 3]) * (width - w + 1))
-    whole = crop_box_whole(height, width, ratio)
     found = fits.any(-1)
-    return tuple(torch.where(found, ours, float(theirs)) for ours, theirs in zip((top, left, h, w), whole))  # type: ignore[return-value]
+    whole = crop_box_whole(height, width, ratio)
+    return tuple(torch.where(found, ours, theirs) for ours, theirs in zip((top, left, h, w), whole))  # type: ignore[return-value]
 
 
-def crop_box_whole(height: int, width: int, ratio: tuple[float, float]) -> tuple[int, int, int, int]:
-    """torchvision's box after its tries: the whole image, clipped to the ratio range, centred."""
+def crop_box_whole(
+    height: torch.Tensor, width: torch.Tensor, ratio: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchvision's box after its tries: the whole image, clipped to the ratio range, centred (float64 tensors
+    of the images' sides in; Python's round and torch's both round half to even)."""
+    low, high = min(ratio), max(ratio)
     in_ratio = width / height
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
+    w = torch.where(in_ratio > high, torch.round(height * high), width)
+    h = torch.where(in_ratio < low, torch.round(width / low), height)
+    return torch.div(height - h, 2, rounding_mode="floor"), torch.div(width - w, 2, rounding_mode="floor"), h, w
+
+
+BOX_DRAWS = 4 * TRIES + 1  # a view's box and flip
+
+
+def view_uniforms(keys: torch.Tensor, crops: int, augmented: bool, seed: int, step: int) -> torch.Tensor:
+    """(b, crops, count) draws for each sample's views: its box and flip, then its augmentation's."""
+    count = BOX_DRAWS + (view_augment.DRAWS if augmented else 0)
+    return draws(keys, seed, step, "view:", crops * count).view(len(keys), crops, count)
+
+
+def resampled_views(
+    pixels: torch.Tensor,
+    height,
+    width,
+    uniforms: torch.Tensor,
+    size: tuple[int, int],
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    normalised: tuple | None = None,
+    transposed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The views (rows·crops, C, *size) of images in `pixels` (rows, C, H, W), each image `height` × `width` (ints,
+    or (rows, 1) tensors: image i in the top left of its canvas): each box drawn (crop_boxes) from `uniforms` (rows,
+    crops, count: view_uniforms), all resampled in one roi_align, flipped, and with `normalised` augmented
+    (view_augment); in float32, or float64 where the pixels are. `transposed` (rows,) bool: those images lie
+    transposed in `pixels` (their boxes drawn in the image's own orientation, cut from the transposed canvas, the
+    views transposed back; square views only)."""
+    rows, crops = uniforms.shape[:2]
+    top, left, h, w = crop_boxes(uniforms[..., : BOX_DRAWS - 1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
+    if transposed is not None:
+        turn = transposed[:, None]
+        top, left, h, w = (torch.where(turn, a, b) for a, b in ((left, top), (top, left), (w, h), (h, w)))
+    row = torch.arange(rows, device=pixels.device, dtype=top.dtype)[:, None].expand(rows, crops)
+    boxes = torch.stack([row, left, top, left + w, top + h], -1).flatten(0, 1)
+    exact = pixels if pixels.dtype in (torch.float32, torch.float64) else pixels.float()
+    views = roi_align(exact, boxes.to(exact.dtype), output_size=size, sampling_ratio=-1, aligned=True)
+    if transposed is not None:
+        views = torch.where(transposed.repeat_interleave(crops)[:, None, None, None], views.mT, views)
+    flips = (uniforms[..., BOX_DRAWS - 1] < 0.5).flatten()
+    views = torch.where(flips[:, None, None, None], views.flip(-1), views)
+    if normalised:
+        views = view_augment.augment(views, uniforms[..., BOX_DRAWS:].flatten(0, 1), *normalised)
+    return views
 
 
 def local_views(
@@ -148,18 +195,18 @@ def local_views(
     `normalised` (the images' mean and std), each view then colour-jittered, grayed and blurred as DINO's local views
     are (view_augment)."""
     rows, channels, height, width = images.shape
-    box_draws = 4 * TRIES + 1
-    count = box_draws + (view_augment.DRAWS if normalised else 0)
-    uniforms = draws(key_tensor(images), seed, step, "view:", crops * count).view(rows, crops, count)
-    top, left, h, w = crop_boxes(uniforms[..., : box_draws - 1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
-    row = torch.arange(rows, device=images.device, dtype=top.dtype)[:, None].expand(rows, crops)
-    boxes = torch.stack([row, left, top, left + w, top + h], -1).flatten(0, 1).float()
-    views = roi_align(images.float(), boxes, output_size=size, sampling_ratio=-1, aligned=True)
-    flips = (uniforms[..., box_draws - 1] < 0.5).flatten()
-    views = torch.where(flips[:, None, None, None], views.flip(-1), views)
-    if normalised:
-        views = view_augment.augment(views, uniforms[..., box_draws:].flatten(0, 1), *normalised)
+    uniforms = view_uniforms(key_tensor(images), crops, normalised is not None, seed, step)
+    views = resampled_views(images, height, width, uniforms, size, scale, ratio, normalised)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
+
+
+def view_grid(length: int) -> int:
+    """A NaFlex view's side in patches at a batch's sequence length: SILC's 96/224 of the side of a square image of
+    that many patches (7 at 256 patches, 10 at 576, 14 at 1024), one patch at least."""
+    return max(1, round(math.sqrt(length) * SILC_VIEW))
+
+
+SILC_VIEW = 96 / 224  # SILC's (and DINO's) local views: 96 pixels for a 224-pixel image
 
 
 def local_patch_views(
@@ -167,50 +214,57 @@ def local_patch_views(
     *,
     crops: int,
     patch_size: int,
+    grid: int = 0,
     scale: tuple[float, float] = (0.05, 0.4),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     seed: int = 0,
     step: int = 0,
+    normalised: tuple | None = None,
 ) -> dict[str, torch.Tensor]:
     """`crops` local views of each image of a NaFlex batch ({patches (b, L, P·P·C), patch_coord (b, L, 2) as (y, x),
-    patch_valid (b, L)}), as a NaFlex batch of b·crops rows (image i's views at rows i·crops …): each view the patches
-    of a box of the image's grid, drawn (and flipped) as local_views draws its boxes but in patch units, at the
-    patches' own resolution (nothing resampled), its coordinates from (0, 0). Padded to the longest view."""
-    patches, coord, valid = images["patches"], images["patch_coord"].cpu(), images["patch_valid"].cpu()
-    rows, length, dim = patches.shape
-    uniforms = draws(key_tensor(patches), seed, step, "view:", crops * (4 * TRIES + 1)).view(rows, crops, -1).cpu()
-    views: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (flat source index, coordinates, flipped) a view
-    for row in range(rows):
-        own = valid[row].nonzero()[:, 0]
-        yx = coord[row, own]
-        height, width = int(yx[:, 0].max()) + 1, int(yx[:, 1].max()) + 1
-        where = torch.full((height, width), -1, dtype=torch.long)  # each grid cell's flat source index (-1: none)
-        where[yx[:, 0], yx[:, 1]] = row * length + own
-        boxes = crop_boxes(uniforms[row, :, :-1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
-        for k, (top, left, h, w) in enumerate(zip(*(part.long().tolist() for part in boxes))):
-            flipped = bool(uniforms[row, k, -1] < 0.5)
-            box = where[top : top + h, left : left + w]
-            box = box.flip(1) if flipped else box
-            present = box >= 0
-            views.append((box[present], present.nonzero(), flipped))  # the view's raster order, from (0, 0)
-    sizes = torch.tensor([len(source) for source, _, _ in views])
-    longest = int(sizes.max())
-    index = pad_sequence([source for source, _, _ in views], batch_first=True)
-    view_coord = pad_sequence([at for _, at, _ in views], batch_first=True)
-    view_valid = torch.arange(longest) < sizes[:, None]
-    device = patches.device
-    cut = patches.reshape(rows * length, dim)[index.to(device)]  # (views, longest, P·P·C), a copy: changed in place
-    mirrored = torch.tensor([view for view, (_, _, flip) in enumerate(views) if flip], dtype=torch.long, device=device)
-    if len(mirrored):  # each patch's pixels mirrored too (its columns), in the mirrored views only
-        cut[mirrored] = (
-            cut[mirrored].view(len(mirrored), longest, patch_size, patch_size, -1).flip(3).reshape(-1, longest, dim)
-        )
-    valid_on_device = view_valid.to(device)
+    patch_valid (b, L)}), as a NaFlex batch of b·crops rows (image i's views at rows i·crops …), each a full `grid` ×
+    `grid` of patches (0: view_grid(L)), no padding. The images are put back together from their patches on one
+    canvas, each in its top left — a wide image transposed, so the canvas is at most L × √L patches whatever the
+    batch's aspect ratios — its edge pixels repeated past it (a box at its edge samples as on the image alone);
+    their boxes are drawn in pixels, as local_views draws them, resampled and augmented as there (resampled_views),
+    and cut into patches again. One read back: the canvas's size."""
+    patches, coord, valid = images["patches"], images["patch_coord"], images["patch_valid"]
+    rows, length, _ = patches.shape
+    side, grid = patch_size, grid or view_grid(length)
+    y, x = torch.where(valid, coord[..., 0], -1), torch.where(valid, coord[..., 1], -1)
+    heights, widths = y.amax(1) + 1, x.amax(1) + 1  # each image's grid
+    wide = widths > heights
+    down, across = torch.maximum(heights, widths), torch.minimum(heights, widths)  # the canvas's, wide ones turned
+    canvas_h, canvas_w = torch.stack([down.max(), across.max()]).tolist()
+    cells = patches.view(rows, length, side, side, -1)
+    cells = torch.where(wide[:, None, None, None, None], cells.transpose(2, 3), cells)
+    canvas = cells.new_zeros(rows, canvas_h + 1, canvas_w, side, side, cells.shape[-1])  # the last row: padding's
+    at_row = torch.arange(rows, device=patches.device)[:, None].expand(rows, length)
+    at_y = torch.where(valid, torch.where(wide[:, None], x, y), canvas_h)
+    at_x = torch.where(valid, torch.where(wide[:, None], y, x), 0)
+    canvas.index_put_((at_row, at_y, at_x), cells)
+    pixels = canvas[:, :canvas_h].permute(0, 5, 1, 3, 2, 4).reshape(rows, -1, canvas_h * side, canvas_w * side)
+    pixels = _edges_repeated(pixels, down * side, across * side)
+    uniforms = view_uniforms(key_tensor(patches), crops, normalised is not None, seed, step)
+    shape = (heights * side)[:, None], (widths * side)[:, None]
+    views = resampled_views(pixels, *shape, uniforms, (grid * side,) * 2, scale, ratio, normalised, wide)
+    views = views.to(patches.dtype).view(rows * crops, -1, grid, side, grid, side).permute(0, 2, 4, 3, 5, 1)
+    yx = torch.stack(torch.meshgrid(*(torch.arange(grid, device=patches.device),) * 2, indexing="ij"), -1)
     return {
-        "patches": cut.masked_fill_(~valid_on_device[..., None], 0),  # padding zero, as a NaFlex batch's
-        "patch_coord": view_coord.to(device),
-        "patch_valid": valid_on_device,
+        "patches": views.reshape(rows * crops, grid * grid, -1),
+        "patch_coord": yx.reshape(1, grid * grid, 2).expand(rows * crops, -1, -1).to(coord.dtype),
+        "patch_valid": torch.ones(rows * crops, grid * grid, dtype=torch.bool, device=patches.device),
     }
+
+
+def _edges_repeated(pixels: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """`pixels` (rows, C, H, W) with each image's last row and column (at `heights`, `widths` (rows,)) repeated to
+    the canvas's edge: roi_align clamps a sample past an image's edge to it; a canvas's padding must not blend in."""
+    rows, channels, height, width = pixels.shape
+    down = torch.minimum(torch.arange(height, device=pixels.device), heights[:, None] - 1)
+    across = torch.minimum(torch.arange(width, device=pixels.device), widths[:, None] - 1)
+    pixels = pixels.gather(2, down[:, None, :, None].expand(rows, channels, height, width))
+    return pixels.gather(3, across[:, None, None, :].expand(rows, channels, height, width))
 
 
 def patch_masks(

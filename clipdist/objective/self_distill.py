@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from open_clip.transformer import VisionTransformer
 
-from clipdist.data.views import local_patch_views, local_views
-from clipdist.distributed import parallel
+from clipdist.data.views import SILC_VIEW, local_patch_views, local_views
 from clipdist.errors import ConfigError
 from clipdist.model.factory import image_size
 from clipdist.model.flexible_grid import allow_other_sizes, patch_side
@@ -26,7 +25,6 @@ from clipdist.objective.teacher import Head, TeacherTerm, pooled, put_on, teache
 from clipdist.registry.terms import SelfDistillOptions
 
 PART = "self_distill_head"
-VIEW_GROUPS = 4  # a NaFlex batch's views are run in this many groups of like length (by_length; one under FSDP2)
 
 
 def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
@@ -36,10 +34,11 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
         return False
     visual = tower(model)
     if naflex_trunk(model) is not None:
-        if options.crop_size:
+        patch = naflex_patch_size(model)
+        if options.crop_size % patch:
             raise ConfigError(
-                f"loss.self_distill.crop_size={options.crop_size}: a NaFlex tower's local views are boxes of its "
-                "patch grid at their own resolution (nothing resampled); leave crop_size=0"
+                f"loss.self_distill.crop_size={options.crop_size}: a NaFlex tower's views are grids of its "
+                f"{patch}-pixel patches; give a multiple of {patch}, or 0 for SILC's fraction of each batch's length"
             )
         put_on(model, PART, Head(pooled_width(visual), options))
         return True
@@ -65,9 +64,6 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
     return True
 
 
-SILC_VIEW = 96 / 224  # SILC's (and DINO's) local views: 96 pixels for a 224-pixel tower
-
-
 def view_size(options: SelfDistillOptions, model: torch.nn.Module) -> int:
     """The local views' side in pixels: `crop_size`, or SILC's fraction of the tower's size (96 at 224, 112 at 256),
     a multiple of its patch, one patch at least."""
@@ -80,21 +76,6 @@ def view_size(options: SelfDistillOptions, model: torch.nn.Module) -> int:
 def build(options: SelfDistillOptions, context: TermContext) -> TeacherTerm | None:
     """loss.self_distill's term: None at crops=0; its teacher the run's weight average (context.teacher)."""
     return teacher_term(SelfDistillTerm, "self_distill", options, context)
-
-
-def by_length(run, views: dict[str, torch.Tensor], groups: int = VIEW_GROUPS) -> torch.Tensor:
-    """run(views) for a NaFlex batch of views of unequal lengths, in `groups` groups of like length, each cut to its
-    own longest, the rows put back in the views' order: each row's output depends on its own valid patches alone, so
-    the rows are one call's, with the padding no group needs never computed: 8 views (5-40% of the image each) of 128
-    images of 256 patches padded to their longest are 52% patches, in 4 groups 82% (a third fewer computed)."""
-    lengths = views["patch_valid"].sum(1).cpu()
-    order = lengths.argsort(stable=True)
-    parts = [
-        run({key: value[part.to(value.device), : int(lengths[part].max())] for key, value in views.items()})
-        for part in order.tensor_split(groups)
-        if len(part)
-    ]
-    return torch.cat(parts)[order.argsort().to(parts[0].device)]
 
 
 class SelfDistillTerm(TeacherTerm):
@@ -116,18 +97,22 @@ class SelfDistillTerm(TeacherTerm):
         return self.teacher_head(*self.teacher_embeddings(images))
 
     def student(self, images: torch.Tensor | dict) -> torch.Tensor:
-        """h_S of each image's K local views: (b, K, P) logits (a NaFlex batch's views: boxes of its patch grid)."""
+        """h_S of each image's K local views: (b, K, P) logits (a NaFlex batch's views: full grids of patches)."""
         options, step = self.options, self.step or 0
         scale = (options.scale[0], options.scale[1])
         if isinstance(images, dict):
             rows = len(images["patches"])
             views = local_patch_views(
-                images, crops=options.crops, patch_size=self.patch_size, scale=scale, seed=self.seed, step=step
+                images,
+                crops=options.crops,
+                patch_size=self.patch_size,
+                grid=options.crop_size // self.patch_size,
+                scale=scale,
+                seed=self.seed,
+                step=step,
+                normalised=self.normalised,
             )
-            # FSDP2 gathers a block's weights at each call, so every rank must call the tower as often as the others
-            # (a rank with fewer views than VIEW_GROUPS would call it less): there the views run in one call
-            groups = 1 if any(map(parallel.is_sharded, self.visual.modules())) else VIEW_GROUPS
-            embedded = by_length(lambda group: pooled(self.visual(group)), views, groups)
+            embedded = pooled(self.visual(views))
         else:
             rows, size = len(images), (self.size, self.size)
             crops = local_views(

@@ -4,6 +4,7 @@ DDP's every-parameter rule before a term's start, and the masked student's mask 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -87,8 +88,10 @@ def test_the_head_is_a_module_of_the_model_and_a_training_only_part():
     assert len(names) == 5 and all(training_only(name) for name in names)
     assert "self_distill_head.centre" in model.state_dict() and not training_only("visual.proj")
     assert not attach(SelfDistillOptions(), create_model("clipdist-tiny"))  # crops=0: off, nothing added
-    with pytest.raises(ConfigError, match="NaFlex tower's local views are boxes of its patch grid"):
-        attach(OPTIONS, create_model("clipdist-naflex-tiny"))  # crop_size=16: nothing is resampled on NaFlex
+    bad = dataclasses.replace(OPTIONS, crop_size=24)
+    with pytest.raises(ConfigError, match="crop_size=24: a NaFlex tower's views are grids of its 16-pixel patches"):
+        attach(bad, create_model("clipdist-naflex-tiny"))
+    assert attach(OPTIONS, create_model("clipdist-naflex-tiny"))  # a grid of one patch a view
     naflex = create_model("clipdist-naflex-tiny")
     assert attach(SelfDistillOptions(crops=2, hidden=16, bottleneck=8, prototypes=12), naflex)
     assert naflex.self_distill_head.mlp[0].in_features == 64
@@ -327,37 +330,6 @@ def test_on_a_naflex_tower_a_captions_logits_do_not_depend_on_its_batchs_padding
     assert not images["patch_valid"].all()  # rows of other lengths: padded already
     assert torch.equal(term.in_parallel(padded), term.in_parallel(images))
     torch.testing.assert_close(logits(padded), logits(images), rtol=1e-10, atol=1e-10)
-
-
-def test_on_a_naflex_tower_the_views_run_in_groups_of_like_length_give_one_calls_rows():
-    """A NaFlex batch's local views run in groups of like length, each cut to its own longest (self_distill.by_length):
-    every view's embedding is the one a single call over the views padded to their longest gives, in the views'
-    order, and fewer patches are computed."""
-    from clipdist.data.views import local_patch_views
-    from clipdist.model.timm_towers import full_patches
-    from clipdist.objective.self_distill import by_length
-    from clipdist.objective.teacher import pooled
-
-    torch.manual_seed(0)
-    model = create_model("clipdist-naflex-tiny").double().eval()
-    images = full_patches(6, 16, 64, torch.float64)
-    images["patches"] = torch.randn(
-        images["patches"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64
-    )
-    views = local_patch_views(images, crops=4, patch_size=16, scale=(0.05, 0.6), seed=0, step=2)
-    lengths = views["patch_valid"].sum(1)
-    assert len(set(lengths.tolist())) > 4  # views of many lengths: the groups differ
-    computed: list[int] = []
-
-    def run(group):
-        computed.append(group["patch_valid"].numel())
-        return pooled(model.visual(group))
-
-    with torch.no_grad():
-        whole = pooled(model.visual(views))
-        grouped = by_length(run, views, groups=3)
-    torch.testing.assert_close(grouped, whole, rtol=1e-10, atol=1e-12)
-    assert len(computed) == 3 and sum(computed) < views["patch_valid"].numel()
 
 
 def test_a_narrow_cone_of_embeddings_still_gives_each_image_a_target_of_its_own():

@@ -111,45 +111,77 @@ def _naflex_rows(rows: int, patch: int = 4, max_patches: int = 64) -> dict:
     return random_patches(rows, patch, max_patches, torch.Generator().manual_seed(rows))
 
 
-def test_a_naflex_images_views_are_boxes_of_its_patch_grid_whatever_its_row_or_padding():
-    """local_patch_views: each view a whole h' × w' grid from (0, 0), its patches the image's own (or, flipped, their
-    mirror images in the mirrored order), never padding; the same views for a sample at another row of another
-    batch with more padding."""
-    from clipdist.data.views import local_patch_views
+def _as_patches(image: torch.Tensor, patch: int) -> torch.Tensor:
+    """(C, h·P, w·P) pixels as a NaFlex row's (h·w, P·P·C) patches in raster order, channels last (timm's layout)."""
+    channels, height, width = image.shape
+    cells = image.view(channels, height // patch, patch, width // patch, patch).permute(1, 3, 2, 4, 0)
+    return cells.reshape(-1, patch * patch * channels)
 
-    patch, crops = 4, 3
-    images = _naflex_rows(5, patch)
-    views = local_patch_views(images, crops=crops, patch_size=patch, scale=(0.2, 0.6), seed=1, step=9)
-    assert views["patches"].shape[0] == 5 * crops
-    for view in range(5 * crops):
-        row, valid = view // crops, views["patch_valid"][view]
-        at = views["patch_coord"][view][valid]
-        height, width = int(at[:, 0].max()) + 1, int(at[:, 1].max()) + 1
-        assert len(at) == height * width and {tuple(c) for c in at.tolist()} == {
-            (y, x) for y in range(height) for x in range(width)
-        }
-        assert not views["patches"][view][~valid].any()
-        source = images["patches"][row][images["patch_valid"][row]]
-        mine = views["patches"][view][valid]
-        mirrored = mine.view(-1, patch, patch, 3).flip(2).reshape(mine.shape)
-        as_is = all(any(torch.equal(p, s) for s in source) for p in mine)
-        flipped = all(any(torch.equal(p, s) for s in source) for p in mirrored)
-        assert as_is or flipped
-    # rows 1..4 alone, after two more padding patches each: the same views as there
-    moved = {
-        "patches": torch.cat([images["patches"][1:], torch.zeros(4, 2, images["patches"].shape[2])], 1),
-        "patch_coord": torch.cat([images["patch_coord"][1:], torch.zeros(4, 2, 2, dtype=torch.long)], 1),
-        "patch_valid": torch.cat([images["patch_valid"][1:], torch.zeros(4, 2, dtype=torch.bool)], 1),
-    }
-    again = local_patch_views(moved, crops=crops, patch_size=patch, scale=(0.2, 0.6), seed=1, step=9)
-    for view in range(4 * crops):
-        ours, theirs = again["patch_valid"][view], views["patch_valid"][view + crops]
-        assert torch.equal(again["patches"][view][ours], views["patches"][view + crops][theirs])
-        assert torch.equal(again["patch_coord"][view][ours], views["patch_coord"][view + crops][theirs])
-    other = local_patch_views(images, crops=crops, patch_size=patch, scale=(0.2, 0.6), seed=1, step=10)
-    assert not torch.equal(other["patch_coord"], views["patch_coord"]) or not torch.equal(
-        other["patches"], views["patches"]
+
+def _naflex_batch(images: list[torch.Tensor], patch: int, length: int) -> dict:
+    rows = []
+    for image in images:
+        grid_h, grid_w = image.shape[1] // patch, image.shape[2] // patch
+        yx = torch.stack(torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij"), -1).reshape(-1, 2)
+        rows.append((_as_patches(image, patch), yx))
+    patches = torch.zeros(len(images), length, patch * patch * 3, dtype=images[0].dtype)
+    coord = torch.zeros(len(images), length, 2, dtype=torch.long)
+    valid = torch.zeros(len(images), length, dtype=torch.bool)
+    for row, (cells, yx) in enumerate(rows):
+        patches[row, : len(cells)], coord[row, : len(cells)], valid[row, : len(cells)] = cells, yx, True
+    return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
+
+
+def test_a_naflex_images_views_are_the_views_of_its_pixels_whatever_its_batch_row_padding_or_orientation(
+    monkeypatch,
+):
+    """local_patch_views: each image put back together from its patches (tall, wide and square ones in one batch,
+    on one canvas), its boxes drawn in its own pixels, resampled, augmented and cut into a full grid of patches, is
+    what resampled_views gives on that image's pixels alone with the same draws, to float32's round-off (a box at
+    the image's edge samples no padding); with the real draws, a sample's views do not depend on its row, its
+    batch or the batch's padding."""
+    from clipdist.data import views as module
+
+    patch, crops, grid, length = 4, 3, 3, 40
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(5, 8), (8, 5), (6, 6), (2, 20), (4, 3)]  # (h, w) in patches: wide, tall, square, a strip
+    images = [torch.rand(3, h * patch, w * patch, generator=generator) for h, w in shapes]
+    batch = _naflex_batch(images, patch, length)
+    normalised = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    options = {"crops": crops, "patch_size": patch, "grid": grid, "scale": (0.05, 1.0), "normalised": normalised}
+    fixed = torch.rand(len(images), crops, module.BOX_DRAWS + 13, generator=generator, dtype=torch.float64)
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "view_uniforms", lambda keys, *_: fixed[: len(keys)])
+        views = module.local_patch_views(batch, seed=1, step=9, **options)
+    side = grid * patch
+    assert views["patches"].shape == (len(images) * crops, grid * grid, patch * patch * 3)
+    assert bool(views["patch_valid"].all()) and views["patch_coord"][0].tolist() == [
+        [y, x] for y in range(grid) for x in range(grid)
+    ]
+    for row, image in enumerate(images):
+        alone = module.resampled_views(
+            image[None],
+            image.shape[1],
+            image.shape[2],
+            fixed[row : row + 1],
+            (side, side),
+            (0.05, 1.0),
+            (3 / 4, 4 / 3),
+            normalised,
+        )
+        expected = torch.stack([_as_patches(view, patch) for view in alone])
+        torch.testing.assert_close(views["patches"][row * crops : (row + 1) * crops], expected, rtol=0, atol=2e-6)
+    drawn = module.local_patch_views(batch, seed=1, step=9, **options)
+    order = [3, 1, 4]  # rows 3, 1, 4 of another batch, with more padding
+    again = module.local_patch_views(
+        _naflex_batch([images[i] for i in order], patch, length + 7), seed=1, step=9, **options
     )
+    for at, row in enumerate(order):
+        torch.testing.assert_close(
+            again["patches"][at * crops : (at + 1) * crops], drawn["patches"][row * crops : (row + 1) * crops]
+        )
+    other = module.local_patch_views(batch, seed=1, step=10, **options)
+    assert not torch.equal(other["patches"], drawn["patches"])
 
 
 def test_the_draws_read_nothing_back_from_the_device():
