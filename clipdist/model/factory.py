@@ -850,6 +850,17 @@ def image_width(model: Any) -> int:  # an open_clip model
     return int(width or getattr(getattr(visual, "trunk", None), "embed_dim", None) or 0)
 
 
+def text_shape(model: Any) -> tuple[int, int, int] | None:  # an open_clip model
+    """(layers, width, heads) of the model's text transformer — open_clip's, CLIP's `transformer` or CustomTextCLIP's
+    `text.transformer` — or None for another text tower (a Hugging Face one)."""
+    text = getattr(model, "text", None)
+    transformer: Any = getattr(text, "transformer", None) if text is not None else getattr(model, "transformer", None)
+    blocks = getattr(transformer, "resblocks", None)
+    if not blocks:
+        return None
+    return len(blocks), int(transformer.width), int(blocks[0].attn.num_heads)
+
+
 def blank_images(model: torch.nn.Module, rows: int):
     """Zeros of the model's image input for `rows` samples (a NaFlex tower's: one valid patch each)."""
     if naflex_trunk(model) is None:

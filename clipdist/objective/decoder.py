@@ -21,6 +21,7 @@ cross-attention, so a sample's logits do not depend on the padding its batch gav
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from open_clip.transformer import VisionTransformer
 
 from clipdist.data.views import draws, key_tensor
 from clipdist.errors import ConfigError
-from clipdist.model.factory import image_width
+from clipdist.model.factory import image_width, text_shape
 from clipdist.model.timm_towers import vit_trunk_of
 from clipdist.objective.base import OwnModule, TermContext
 from clipdist.objective.caption import CaptionTerm
@@ -45,7 +46,7 @@ class CaptionDecoder(OwnModule):
 
     def __init__(self, patch_width: int, vocab: int, context: int, options: DecoderOptions):
         super().__init__()
-        width, self.heads = options.width or patch_width, options.heads
+        width, self.heads = options.width, options.heads  # as attach resolved them (decoder_shape)
         self.token_embedding = torch.nn.Embedding(vocab, width)
         self.positional_embedding = torch.nn.Parameter(torch.randn(context, width) * 0.01)
         self.mask_token = torch.nn.Parameter(torch.zeros(width))
@@ -162,12 +163,30 @@ def attach(options: DecoderOptions, model: torch.nn.Module) -> bool:
     vocab, context = getattr(model, "vocab_size", None), getattr(model, "context_length", None)
     if not vocab or not context:
         raise ConfigError("loss.decoder needs the model's vocabulary size and context length (open_clip's CLIP)")
-    width = options.width or patch_width
-    if width % options.heads:
-        raise ConfigError(f"loss.decoder.heads={options.heads} does not divide the decoder's width {width}")
-    put_on(model, PART, CaptionDecoder(patch_width, vocab, context, options))
+    put_on(model, PART, CaptionDecoder(patch_width, vocab, context, decoder_shape(options, model, patch_width)))
     PatchTokens.watch(model, norm, prefix)
     return True
+
+
+def decoder_shape(options: DecoderOptions, model: torch.nn.Module, patch_width: int) -> DecoderOptions:
+    """`options` with layers, width and heads resolved: each as given, or the text tower's (factory.text_shape)
+    with `depth` of its layers — SigLIP 2's decoder, the text encoder's shape with half its layers — or, where the
+    text tower is not open_clip's, the image tower's width and 8 heads; `depth` needs the text tower's layers."""
+    text = text_shape(model)
+    layers = options.layers
+    if not layers:
+        if text is None:
+            raise ConfigError(
+                f"loss.decoder.depth={options.depth} takes a fraction of the text tower's layers, and this model's "
+                f"text tower ({type(getattr(model, 'text', model)).__name__}) is not open_clip's: give "
+                "loss.decoder.layers"
+            )
+        layers = max(1, round(options.depth * text[0]))
+    width = options.width or (text[1] if text else patch_width)
+    heads = options.heads or (text[2] if text else 8)
+    if width % heads:
+        raise ConfigError(f"loss.decoder.heads={heads} does not divide the decoder's width {width}")
+    return dataclasses.replace(options, layers=layers, width=width, heads=heads)
 
 
 def _token_source(model: torch.nn.Module) -> tuple[torch.nn.Module, int, int]:

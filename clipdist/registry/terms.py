@@ -155,20 +155,27 @@ class MaskedOptions(TeacherOptions):
 class DecoderOptions(TermOptions):
     """LocCa's captioning decoder (clipdist.objective.decoder): a small transformer decoder cross-attending to the
     image tower's patch tokens predicts each caption — autoregressively, or for a `parallel` fraction of the samples
-    all tokens at once from mask tokens. Off at layers=0."""
+    all tokens at once from mask tokens. Its shape is the text tower's with `depth` of its layers (SigLIP 2's: half)
+    unless `layers`, `width`, `heads` say otherwise; off where layers and depth are both 0."""
 
-    RESUME: ClassVar[dict] = {**TermOptions.RESUME, **dict.fromkeys(("layers", "width", "heads", "parallel"), REFUSE)}
+    RESUME: ClassVar[dict] = {
+        **TermOptions.RESUME,
+        **dict.fromkeys(("layers", "depth", "width", "heads", "parallel"), REFUSE),
+    }
 
-    layers: int = non_negative(0)  # decoder blocks (self-attention, cross-attention to the patches, MLP); 0: off
-    width: int = non_negative(0)  # its width; 0: the image tower's
-    heads: int = positive(4)  # its attention heads (a divisor of the width)
+    layers: int = non_negative(0)  # decoder blocks (self-attention, cross-attention to the patches, MLP); 0: `depth`
+    depth: float = 0.0  # its blocks as a fraction of the text tower's layers (SigLIP 2: 0.5), one at least
+    width: int = non_negative(0)  # its width; 0: the text tower's (where unknown, the image tower's)
+    heads: int = non_negative(0)  # its attention heads (a divisor of the width); 0: the text tower's (unknown: 8)
     parallel: float = 0.5  # the fraction of samples predicted in parallel (LocCa, SigLIP 2: half)
 
     @property
     def on(self) -> bool:
-        return self.layers > 0
+        return self.layers > 0 or self.depth > 0
 
     def check(self, name: str, cfg: Any) -> None:
+        if self.depth < 0:
+            raise ConfigError(f"loss.{name}.depth={self.depth}: give a fraction of the text tower's layers, 0 or more")
         if self.on and not 0 <= self.parallel <= 1:
             raise ConfigError(f"loss.{name}.parallel={self.parallel}: give a fraction of the samples in [0, 1]")
 

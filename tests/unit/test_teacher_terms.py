@@ -478,3 +478,25 @@ def test_a_timm_vit_that_cannot_take_other_sizes_is_told_its_crop_size(tmp_path)
     with pytest.raises(ConfigError, match="its views are 16 pixels.*set loss.self_distill.crop_size=32"):
         attach(SelfDistillOptions(crops=2), model)
     assert attach(SelfDistillOptions(crops=2, crop_size=32), model)
+
+
+def test_the_decoder_is_the_text_towers_shape_with_half_its_layers_unless_told(monkeypatch):
+    """SigLIP 2's decoder (§2.2): the text encoder's width and heads, half its layers (depth=0.5, one at least);
+    `layers`, `width` and `heads` override; a text tower that is not open_clip's needs `layers` in one line."""
+    from clipdist.objective import decoder as decoder_module
+    from clipdist.registry.terms import DecoderOptions
+
+    tiny = create_model("clipdist-tiny")  # text: 2 layers, width 64, 2 heads
+    shape = decoder_module.decoder_shape(DecoderOptions(depth=0.5), tiny, 64)
+    assert (shape.layers, shape.width, shape.heads) == (1, 64, 2)
+    told = decoder_module.decoder_shape(DecoderOptions(depth=0.5, layers=3, width=32, heads=4), tiny, 64)
+    assert (told.layers, told.width, told.heads) == (3, 32, 4)
+    assert decoder_module.attach(DecoderOptions(depth=1.0), tiny)
+    assert len(tiny.caption_decoder.blocks) == 2 and tiny.caption_decoder.logits.in_features == 64
+    monkeypatch.setattr(decoder_module, "text_shape", lambda model: None)
+    with pytest.raises(ConfigError, match=r"depth=0.5 takes a fraction.*give loss.decoder.layers"):
+        decoder_module.decoder_shape(DecoderOptions(depth=0.5), tiny, 64)
+    other = decoder_module.decoder_shape(DecoderOptions(layers=2), tiny, 48)
+    assert (other.layers, other.width, other.heads) == (2, 48, 8)  # the image tower's width, 8 heads
+    with pytest.raises(ConfigError, match="depth=-1"):
+        DecoderOptions(depth=-1).check("decoder", None)
