@@ -138,10 +138,12 @@ def crop_box_whole(
 BOX_DRAWS = 4 * TRIES + 1  # a view's box and flip
 
 
-def view_uniforms(keys: torch.Tensor, crops: int, augmented: bool, seed: int, step: int) -> torch.Tensor:
+def view_uniforms(
+    keys: torch.Tensor, crops: int, augmented: bool, seed: int, step: int, purpose: str = "view:"
+) -> torch.Tensor:
     """(b, crops, count) draws for each sample's views: its box and flip, then its augmentation's."""
     count = BOX_DRAWS + (view_augment.DRAWS if augmented else 0)
-    return draws(keys, seed, step, "view:", crops * count).view(len(keys), crops, count)
+    return draws(keys, seed, step, purpose, crops * count).view(len(keys), crops, count)
 
 
 def resampled_views(
@@ -198,6 +200,27 @@ def local_views(
     uniforms = view_uniforms(key_tensor(images), crops, normalised is not None, seed, step)
     views = resampled_views(images, height, width, uniforms, size, scale, ratio, normalised)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
+
+
+GLOBAL_SCALE = (0.4, 1.0)  # DINO's global crops: 40-100% of the area
+
+
+def global_views(
+    images: torch.Tensor,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    normalised: tuple | None = None,
+    scale: tuple[float, float] = GLOBAL_SCALE,
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> torch.Tensor:
+    """Each of `images` (b, C, H, W) as a global view at its own size, (b, C, H, W) in its dtype: a box of `scale`
+    of its area (DINO's global crop) resized back, flipped, and with `normalised` augmented as the local views are;
+    drawn as local_views draws (another purpose: other draws), on the device, the sample's own on any rank."""
+    rows, channels, height, width = images.shape
+    uniforms = view_uniforms(key_tensor(images), 1, normalised is not None, seed, step, "global:")
+    views = resampled_views(images, height, width, uniforms, (height, width), scale, ratio, normalised)
+    return views.to(images.dtype)
 
 
 def view_grid(length: int) -> int:

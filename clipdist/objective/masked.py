@@ -1,7 +1,9 @@
 """TIPS's masked prediction (Maninis et al. 2025, after iBOT; SigLIP 2 adds it for the last 20% of training).
 
 The student sees each image with M = round(ratio · L) of its L patch embeddings replaced by a learned mask token
-(clipdist.data.views.patch_masks: seeded by the sample); the EMA teacher sees it whole. The image tower's per-patch
+(clipdist.data.views.patch_masks: seeded by the sample); the EMA teacher sees it unmasked. Both see the image's
+global view (teacher.global_view: with `augment`, a crop resized back and augmented, as SILC's; else the image).
+The image tower's per-patch
 outputs (open_clip's tokens, after ln_post) go through the term's head (teacher.py), and at each masked patch j of
 image i the student's output is pulled to the teacher's output at that patch:
 
@@ -102,7 +104,7 @@ class MaskedTerm(TeacherTerm):
         teacher = self.teacher_head(*self.teacher_embeddings(images))
         mask = patch_masks(pixels, teacher.shape[1], self.options.ratio, self.seed, self.step or 0, valid)
         with masked_tokens(self.visual, mask, self.head):
-            tokens = self.visual(images)[1]
+            tokens = self.visual(self.global_view(images))[1]  # the view the teacher sees, masked
         own = valid if valid is not None else torch.ones_like(mask)
         return self.head(tokens[mask]), teacher, mask, own
 

@@ -1,8 +1,9 @@
 """SILC's local-to-global self-distillation (Naeem et al. 2023; SigLIP 2 adds it for the last 20% of training).
 
-The EMA teacher sees each image whole; the student sees K local views of it (clipdist.data.views: crops seeded by
-the sample). Both pooled embeddings go through the term's head (teacher.py: h, the centre c, the temperatures), the
-teacher's with the average's weights:
+The EMA teacher sees a global view of each image (with `augment`, teacher.global_view: a crop of 40-100% of it
+resized back and augmented, as SILC's; else the image); the student sees K local views of it (clipdist.data.views:
+crops seeded by the sample). Both pooled embeddings go through the term's head (teacher.py: h, the centre c, the
+temperatures), the teacher's with the average's weights:
 
     ℓ_i = 1/K Σ_k CE(h_S(v_ik), h_T(x_i))        T = 1/B Σ_i ℓ_i over the global batch
 
@@ -86,14 +87,12 @@ class SelfDistillTerm(TeacherTerm):
         super().__init__(model, teacher, options, PART, seed)
         self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
         self.size = 0 if self.patch_size else view_size(options, model)
-        preprocess = tower(model).preprocess_cfg  # the images' normalisation, as the data's (data.transforms)
-        self.normalised = (preprocess["mean"], preprocess["std"]) if options.augment else None
 
     def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, None]:
         return self.teacher_image(images)[0], None
 
     def targets(self, images: torch.Tensor | dict) -> torch.Tensor:
-        """h_T of the whole images: (b, P) logits."""
+        """h_T of the images' global views: (b, P) logits."""
         return self.teacher_head(*self.teacher_embeddings(images))
 
     def student(self, images: torch.Tensor | dict) -> torch.Tensor:

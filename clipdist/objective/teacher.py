@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from clipdist.data.views import global_views
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
 from clipdist.model.timm_towers import vit_trunk_of
@@ -150,6 +151,7 @@ class EmaTeacher:
         self.plain = parallel.plain_structure(model)
         self.names = {id(module): name for name, module in model.named_modules()}
         self.last: tuple[Any, int | None, Any] | None = None  # (images, step, the tower's outputs)
+        self.view: tuple[Any, int | None, Any] | None = None  # (images, step, their global views)
 
     def __call__(
         self, module: torch.nn.Module, *args, within: Callable[[Any], AbstractContextManager] = nullcontext
@@ -173,10 +175,17 @@ class EmaTeacher:
             self.last = (images, step, self(visual, images, within=tokens_out))
         return self.last[2]
 
+    def global_view(self, images: torch.Tensor, seed: int, step: int | None, normalised: tuple | None) -> torch.Tensor:
+        """The images' global views (views.global_views): made once for every term that asks for the same images at
+        the same step, so the teacher's forward of them is one too."""
+        if self.view is None or self.view[0] is not images or self.view[1] != step:
+            self.view = (images, step, global_views(images, seed=seed, step=step or 0, normalised=normalised))
+        return self.view[2]
+
     def forget(self) -> None:
-        """Let the last images and the tower's outputs go (once the step's forwards have taken them: not held through
-        backward)."""
-        self.last = None
+        """Let the last images, their global views and the tower's outputs go (once the step's forwards have taken
+        them: not held through backward)."""
+        self.last = self.view = None
 
 
 class TeacherPart(NamedTuple):
@@ -208,6 +217,8 @@ class TeacherTerm(Term):
         self.signal: dict[str, torch.Tensor] = {}  # the last step's entropies and centre norm (stats)
         self.moments = torch.zeros(0)  # (n, Σx, Σx²) of the teacher head's last inputs
         self.pending_moments = torch.zeros(0)
+        preprocess = self.visual.preprocess_cfg  # the images' normalisation, as the data's (data.transforms)
+        self.normalised = (preprocess["mean"], preprocess["std"]) if options.augment else None
 
     def rows(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ℓ_i for each row, (n, P) teacher outputs the centre averages, (m, P) student outputs)."""
@@ -216,9 +227,18 @@ class TeacherTerm(Term):
     def modules(self) -> list[OwnModule]:
         return [self.head]
 
+    def global_view(self, images: torch.Tensor | dict) -> torch.Tensor | dict:
+        """What the teacher (and the masked student) see of the images: with `augment`, each image's global view, a
+        crop of 40-100% of it resized back, flipped, colour-jittered, grayed and blurred as SILC's (DINO's) global
+        views (views.global_views: shared by the terms); without, or for a NaFlex batch, the images as they are."""
+        if isinstance(images, dict) or self.normalised is None:
+            return images
+        return self.ema_teacher.global_view(images, self.seed, self.step, self.normalised)
+
     def teacher_image(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, Any]:
-        """(pooled, per-patch tokens) of the teacher's image tower (EmaTeacher.image: shared by the terms)."""
-        return self.ema_teacher.image(self.visual, images, self.step)
+        """(pooled, per-patch tokens) of the teacher's image tower on the images' global views (EmaTeacher.image:
+        shared by the terms)."""
+        return self.ema_teacher.image(self.visual, self.global_view(images), self.step)
 
     def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(what the teacher's head reads of these images, the (b, L) positions that are the images' own or None)."""

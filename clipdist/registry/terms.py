@@ -65,6 +65,7 @@ class TeacherOptions(TermOptions):
             ("hidden", "bottleneck", "prototypes", "student_temp", "teacher_temp", "centre_momentum", "by_size"),
             REFUSE,
         ),
+        "augment": WARN,  # the views from then on are others; the run goes on
     }
 
     hidden: int = positive(256)  # the head's hidden width
@@ -75,6 +76,9 @@ class TeacherOptions(TermOptions):
     centre_momentum: float = 0.9  # c ← m·c + (1 − m)·(the global batch's mean teacher output), after each step
     # the weight times SigLIP 2's factor for the image tower's size (size_factor: B 0.25, L 0.5, So400m 1, g 0.5)
     by_size: bool = False
+    # the views augmented as SILC's (DINO's): the teacher's (and the masked student's) a global crop, flipped,
+    # colour-jittered, grayed, blurred (views.global_views), the local views likewise (view_augment.py)
+    augment: bool = True
 
     def factor(self, width: int) -> float:
         """What the weight is multiplied by for an image tower of this width: SigLIP 2's size factor, or 1."""
@@ -107,19 +111,18 @@ def size_factor(width: int) -> float:
 
 @dataclass
 class SelfDistillOptions(TeacherOptions):
-    """SILC's local-to-global self-distillation (clipdist.objective.self_distill): the teacher sees the whole image,
-    the student `crops` local views of it; each view's pooled embedding is pulled to the teacher's. Off at crops=0."""
+    """SILC's local-to-global self-distillation (clipdist.objective.self_distill): the teacher sees a global view of
+    the image, the student `crops` local views of it; each view's pooled embedding is pulled to the teacher's. Off at
+    crops=0."""
 
     RESUME: ClassVar[dict] = {
         **TeacherOptions.RESUME,
         **dict.fromkeys(("crops", "crop_size", "scale"), REFUSE),
-        "augment": WARN,  # the views from then on are others; the run goes on
     }
 
     crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
     crop_size: int = non_negative(0)  # their side in pixels; 0: SILC's 96/224 of the tower's (NaFlex: of √L patches)
     scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
-    augment: bool = True  # each view colour-jittered, grayed, blurred as DINO's (data/view_augment.py); NaFlex: not
 
     @property
     def on(self) -> bool:
@@ -135,7 +138,7 @@ class SelfDistillOptions(TeacherOptions):
 class MaskedOptions(TeacherOptions):
     """TIPS's masked prediction (clipdist.objective.masked): the student sees the image with `ratio` of its patch
     embeddings replaced by a learned mask token; its output at each masked patch is pulled to the teacher's output
-    at that patch of the whole image. Off at ratio=0."""
+    at that patch of the unmasked image. Off at ratio=0."""
 
     RESUME: ClassVar[dict] = {**TeacherOptions.RESUME, "ratio": REFUSE}
 

@@ -259,7 +259,46 @@ def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_
         loss = parts.step.gradients(batch)
         assert torch.isfinite(loss)
         assert len(calls) == forwards  # the teacher's image forward once a step for both terms
-        assert teacher.last is None  # not held through backward
+        assert teacher.last is None and teacher.view is None  # not held through backward
+
+
+def test_the_teacher_and_the_masked_student_see_one_augmented_global_view_the_contrastive_term_does_not():
+    """With augment (the default), the teacher's image forward and the masked student's take each image's global
+    view (views.global_views: one for both terms, a crop resized back, flipped, colour-jittered, grayed, blurred),
+    the model's own forward the images as they are; without, all three the images."""
+    from types import SimpleNamespace
+
+    from clipdist.data.views import global_views
+    from clipdist.train.parts import build_parts
+    from clipdist.train.startup import stand_in_batch
+
+    for augment in (True, False):
+        cfg = config()
+        cfg.loss.masked.ratio, cfg.loss.self_distill.augment, cfg.loss.masked.augment = 0.5, augment, augment
+        parts = build_parts(cfg, torch.device("cpu"))
+        trainer = SimpleNamespace(
+            stream=SimpleNamespace(global_batch=6),
+            env=SimpleNamespace(world_size=2),
+            model=parts.model,
+            tokenizer=parts.tokenizer,
+            shards=SimpleNamespace(sources=[None]),
+        )
+        batch = stand_in_batch(trainer)
+        batch.inputs["image"] = torch.rand(batch["image"].shape, generator=torch.Generator().manual_seed(1))
+        terms = [term for term, _ in parts.step.objective.terms if hasattr(term, "ema_teacher")]
+        teacher_saw: list[torch.Tensor] = []
+        student_saw: list[torch.Tensor] = []
+        terms[0].ema_teacher.plain.visual.register_forward_pre_hook(lambda m, args, to=teacher_saw: to.append(args[0]))
+        parts.model.visual.register_forward_pre_hook(lambda m, args, to=student_saw: to.append(args[0]))
+        parts.step.objective.at(1)
+        parts.step.gradients(batch)
+        images = parts.step.inputs(batch)["image"]
+        full = [view for view in student_saw if view.shape == images.shape]  # not the local views
+        assert len(teacher_saw) == 1 and len(full) == 2  # the masked student's (own terms first), the model's
+        expected = global_views(images, seed=cfg.seed, step=1, normalised=terms[0].normalised) if augment else images
+        assert torch.equal(teacher_saw[0], expected)
+        assert torch.equal(full[0], expected) and torch.equal(full[1], images)
+        assert augment == (not torch.equal(expected, images))
 
 
 def naflex_padded(images: dict, extra: int) -> dict:

@@ -227,3 +227,22 @@ def test_the_view_augmentation_is_torchvisions_colour_jitter_grayscale_and_blur(
     assert augmented.shape == views.shape and augmented.dtype == views.dtype
     for column, share in ((0, 0.8), (9, 0.2), (10, 0.5)):
         assert abs(float((choices[:, column] < share).float().mean()) - share) < 0.03
+
+
+def test_a_samples_global_view_is_its_own_at_its_own_size_and_a_whole_box_is_the_image():
+    """global_views: each image's global view at the image's size, the sample's own wherever it is (another row,
+    another rank's share), other draws than its local views'; a box of the whole image is the image or its mirror."""
+    from clipdist.data.views import global_views
+
+    images = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    normalised = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    views = global_views(images, seed=1, step=4, normalised=normalised)
+    assert views.shape == images.shape and views.dtype == images.dtype
+    order = torch.tensor([5, 2, 0, 4, 1, 3])
+    assert torch.equal(global_views(images[order], seed=1, step=4, normalised=normalised), views[order])
+    assert torch.equal(global_views(images[3:], seed=1, step=4, normalised=normalised), views[3:])
+    assert not torch.equal(global_views(images, seed=1, step=5, normalised=normalised), views)
+    whole = global_views(images, seed=1, step=4, scale=(1.0, 1.0), ratio=(1.0, 1.0))
+    for view, image in zip(whole, images):
+        assert torch.equal(view, image) or torch.equal(view, image.flip(-1))
+    assert not torch.equal(whole, images) and not torch.equal(whole, images.flip(-1))  # some flipped, some not
