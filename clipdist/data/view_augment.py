@@ -19,13 +19,15 @@ import torch.nn.functional as F
 
 JITTER, BRIGHTNESS, CONTRAST, SATURATION, HUE = 0.8, 0.4, 0.4, 0.2, 0.1  # DINO's ColorJitter and its probability
 GRAYSCALE, BLUR, SIGMA = 0.2, 0.5, (0.1, 2.0)  # DINO's local views: grayscale, blur and its σ range
+DINO_SIDE = 224  # SIGMA is in pixels of an image this size: blur_scale = the image's side / DINO_SIDE
 DRAWS = 13  # uniforms a view takes: jitter?, 4 factors, 4 order scores, grayscale?, blur?, σ, spare
 _GRAY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
 
 
-def augment(views: torch.Tensor, uniforms: torch.Tensor, mean, std) -> torch.Tensor:
+def augment(views: torch.Tensor, uniforms: torch.Tensor, mean, std, blur_scale: float = 1.0) -> torch.Tensor:
     """`views` (n, 3, h, w), normalised by `mean` and `std`, augmented as the module docstring says by the choices
-    in `uniforms` (n, DRAWS), in (0, 1); float32 in, float32 out."""
+    in `uniforms` (n, DRAWS), in (0, 1); float32 in, float32 out. The blur's σ is DINO's times `blur_scale` (the
+    images' side / 224: DINO's σ of 0.1-2 px is for 224-px images, and blurs a 32-px one's digits away)."""
     shape = (1, 3, 1, 1)
     mean_t = torch.as_tensor(mean, dtype=views.dtype, device=views.device).view(shape)
     std_t = torch.as_tensor(std, dtype=views.dtype, device=views.device).view(shape)
@@ -33,8 +35,8 @@ def augment(views: torch.Tensor, uniforms: torch.Tensor, mean, std) -> torch.Ten
     pixels = colour_jitter(pixels, uniforms[:, :9])
     gray = grayscale(pixels).expand_as(pixels)
     pixels = torch.where(_each(uniforms[:, 9] < GRAYSCALE), gray, pixels)
-    sigma = SIGMA[0] + (SIGMA[1] - SIGMA[0]) * uniforms[:, 11]
-    pixels = torch.where(_each(uniforms[:, 10] < BLUR), gaussian_blur(pixels, sigma), pixels)
+    sigma = (SIGMA[0] + (SIGMA[1] - SIGMA[0]) * uniforms[:, 11]) * blur_scale
+    pixels = torch.where(_each(uniforms[:, 10] < BLUR), gaussian_blur(pixels, sigma, SIGMA[1] * blur_scale), pixels)
     return (pixels - mean_t) / std_t
 
 
@@ -105,10 +107,11 @@ def adjust_hue(pixels: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return choices.gather(2, sector[:, None, None].expand(-1, 3, 1, -1, -1)).squeeze(2)
 
 
-def gaussian_blur(pixels: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Each view blurred by a Gaussian of its own σ (pixels), separable, over 2⌈3·σ_max⌉ + 1 taps, edges reflected."""
+def gaussian_blur(pixels: torch.Tensor, sigma: torch.Tensor, widest: float = SIGMA[1]) -> torch.Tensor:
+    """Each view blurred by a Gaussian of its own σ (pixels), separable, over 2⌈3·widest⌉ + 1 taps (widest: the
+    largest σ drawn), edges reflected."""
     n, channels, height, width = pixels.shape
-    radius = min(math.ceil(3 * SIGMA[1]), (min(height, width) - 1))
+    radius = min(math.ceil(3 * widest), (min(height, width) - 1))
     taps = torch.arange(-radius, radius + 1, dtype=pixels.dtype, device=pixels.device)
     kernel = torch.exp(-(taps[None] ** 2) / (2 * sigma.to(pixels.dtype)[:, None] ** 2))
     kernel = (kernel / kernel.sum(1, keepdim=True)).repeat_interleave(channels, 0)  # (n·3, taps)

@@ -18,6 +18,7 @@ the model, so the average, checkpoints and resume hold it; exports and evaluatio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from clipdist.data import view_augment
 from clipdist.data.views import global_views
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
@@ -233,7 +235,19 @@ class TeacherTerm(Term):
         views (views.global_views: shared by the terms); without, or for a NaFlex batch, the images as they are."""
         if isinstance(images, dict) or self.normalised is None:
             return images
-        return self.ema_teacher.global_view(images, self.seed, self.step, self.normalised)
+        return self.ema_teacher.global_view(images, self.seed, self.step, self.augmentation(images))
+
+    def augmentation(self, images: torch.Tensor | dict) -> tuple | None:
+        """(mean, std, blur scale) of the views' augmentation (view_augment.augment) for these images, None without
+        `augment`: the blur's σ in proportion to the images' side (a NaFlex batch's: √L patches), DINO's at 224 px."""
+        if self.normalised is None:
+            return None
+        if isinstance(images, dict):
+            patches = images["patches"]
+            side = math.sqrt(patches.shape[1] * patches.shape[2] / 3)  # √L patches of P·P·3 values
+        else:
+            side = images.shape[-1]
+        return (*self.normalised, side / view_augment.DINO_SIDE)
 
     def teacher_image(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, Any]:
         """(pooled, per-patch tokens) of the teacher's image tower on the images' global views (EmaTeacher.image:
