@@ -154,15 +154,15 @@ def resampled_views(
     size: tuple[int, int],
     scale: tuple[float, float],
     ratio: tuple[float, float],
-    normalised: tuple | None = None,
+    augmentation: tuple | None = None,
     transposed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The views (rows·crops, C, *size) of images in `pixels` (rows, C, H, W), each image `height` × `width` (ints,
     or (rows, 1) tensors: image i in the top left of its canvas): each box drawn (crop_boxes) from `uniforms` (rows,
-    crops, count: view_uniforms), all resampled in one roi_align, flipped, and with `normalised` augmented
-    (view_augment); in float32, or float64 where the pixels are. `transposed` (rows,) bool: those images lie
-    transposed in `pixels` (their boxes drawn in the image's own orientation, cut from the transposed canvas, the
-    views transposed back; square views only)."""
+    crops, count: view_uniforms), all resampled in one roi_align, flipped, and with `augmentation`
+    (view_augment.augment's mean, std and blur scale) augmented; in float32, or float64 where the pixels are.
+    `transposed` (rows,) bool: those images lie transposed in `pixels` (their boxes drawn in the image's own
+    orientation, cut from the transposed canvas, the views transposed back; square views only)."""
     rows, crops = uniforms.shape[:2]
     top, left, h, w = crop_boxes(uniforms[..., : BOX_DRAWS - 1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
     if transposed is not None:
@@ -176,8 +176,8 @@ def resampled_views(
         views = torch.where(transposed.repeat_interleave(crops)[:, None, None, None], views.mT, views)
     flips = (uniforms[..., BOX_DRAWS - 1] < 0.5).flatten()
     views = torch.where(flips[:, None, None, None], views.flip(-1), views)
-    if normalised:
-        views = view_augment.augment(views, uniforms[..., BOX_DRAWS:].flatten(0, 1), *normalised)
+    if augmentation:
+        views = view_augment.augment(views, uniforms[..., BOX_DRAWS:].flatten(0, 1), *augmentation)
     return views
 
 
@@ -190,15 +190,15 @@ def local_views(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     seed: int = 0,
     step: int = 0,
-    normalised: tuple | None = None,
+    augmentation: tuple | None = None,
 ) -> torch.Tensor:
     """`crops` local views of each of `images` (b, C, H, W), as (b, crops, C, *size) in the images' dtype: the
     boxes (crop_boxes) and flips drawn for the whole batch where the images are (draws), no host sync; with
-    `normalised` (the images' mean and std), each view then colour-jittered, grayed and blurred as DINO's local views
-    are (view_augment)."""
+    `augmentation` (view_augment.augment's mean, std and blur scale), each view then colour-jittered, grayed and
+    blurred as DINO's local views are."""
     rows, channels, height, width = images.shape
-    uniforms = view_uniforms(key_tensor(images), crops, normalised is not None, seed, step)
-    views = resampled_views(images, height, width, uniforms, size, scale, ratio, normalised)
+    uniforms = view_uniforms(key_tensor(images), crops, augmentation is not None, seed, step)
+    views = resampled_views(images, height, width, uniforms, size, scale, ratio, augmentation)
     return views.to(images.dtype).reshape(rows, crops, channels, *size)
 
 
@@ -210,16 +210,16 @@ def global_views(
     *,
     seed: int = 0,
     step: int = 0,
-    normalised: tuple | None = None,
+    augmentation: tuple | None = None,
     scale: tuple[float, float] = GLOBAL_SCALE,
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
 ) -> torch.Tensor:
     """Each of `images` (b, C, H, W) as a global view at its own size, (b, C, H, W) in its dtype: a box of `scale`
-    of its area (DINO's global crop) resized back, flipped, and with `normalised` augmented as the local views are;
+    of its area (DINO's global crop) resized back, flipped, and with `augmentation` augmented as the local views are;
     drawn as local_views draws (another purpose: other draws), on the device, the sample's own on any rank."""
     rows, channels, height, width = images.shape
-    uniforms = view_uniforms(key_tensor(images), 1, normalised is not None, seed, step, "global:")
-    views = resampled_views(images, height, width, uniforms, (height, width), scale, ratio, normalised)
+    uniforms = view_uniforms(key_tensor(images), 1, augmentation is not None, seed, step, "global:")
+    views = resampled_views(images, height, width, uniforms, (height, width), scale, ratio, augmentation)
     return views.to(images.dtype)
 
 
@@ -242,7 +242,7 @@ def local_patch_views(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     seed: int = 0,
     step: int = 0,
-    normalised: tuple | None = None,
+    augmentation: tuple | None = None,
 ) -> dict[str, torch.Tensor]:
     """`crops` local views of each image of a NaFlex batch ({patches (b, L, P·P·C), patch_coord (b, L, 2) as (y, x),
     patch_valid (b, L)}), as a NaFlex batch of b·crops rows (image i's views at rows i·crops …), each a full `grid` ×
@@ -268,9 +268,9 @@ def local_patch_views(
     canvas.index_put_((at_row, at_y, at_x), cells)
     pixels = canvas[:, :canvas_h].permute(0, 5, 1, 3, 2, 4).reshape(rows, -1, canvas_h * side, canvas_w * side)
     pixels = _edges_repeated(pixels, down * side, across * side)
-    uniforms = view_uniforms(key_tensor(patches), crops, normalised is not None, seed, step)
+    uniforms = view_uniforms(key_tensor(patches), crops, augmentation is not None, seed, step)
     shape = (heights * side)[:, None], (widths * side)[:, None]
-    views = resampled_views(pixels, *shape, uniforms, (grid * side,) * 2, scale, ratio, normalised, wide)
+    views = resampled_views(pixels, *shape, uniforms, (grid * side,) * 2, scale, ratio, augmentation, wide)
     views = views.to(patches.dtype).view(rows * crops, -1, grid, side, grid, side).permute(0, 2, 4, 3, 5, 1)
     yx = torch.stack(torch.meshgrid(*(torch.arange(grid, device=patches.device),) * 2, indexing="ij"), -1)
     return {

@@ -109,7 +109,7 @@ class SelfDistillTerm(TeacherTerm):
                 scale=scale,
                 seed=self.seed,
                 step=step,
-                normalised=self.augmentation(images),
+                augmentation=self.augmentation(images),
             )
             embedded = pooled(self.visual(views))
         else:
@@ -121,7 +121,7 @@ class SelfDistillTerm(TeacherTerm):
                 scale=scale,
                 seed=self.seed,
                 step=step,
-                normalised=self.augmentation(images),
+                augmentation=self.augmentation(images),
             )
             embedded = pooled(self.visual(crops.flatten(0, 1)))
         return self.head(embedded).view(rows, options.crops, -1)

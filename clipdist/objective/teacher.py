@@ -177,11 +177,11 @@ class EmaTeacher:
             self.last = (images, step, self(visual, images, within=tokens_out))
         return self.last[2]
 
-    def global_view(self, images: torch.Tensor, seed: int, step: int | None, normalised: tuple | None) -> torch.Tensor:
+    def global_view(self, images: torch.Tensor, seed: int, step: int | None, augmentation: tuple | None):
         """The images' global views (views.global_views): made once for every term that asks for the same images at
         the same step, so the teacher's forward of them is one too."""
         if self.view is None or self.view[0] is not images or self.view[1] != step:
-            self.view = (images, step, global_views(images, seed=seed, step=step or 0, normalised=normalised))
+            self.view = (images, step, global_views(images, seed=seed, step=step or 0, augmentation=augmentation))
         return self.view[2]
 
     def forget(self) -> None:

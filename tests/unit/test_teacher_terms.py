@@ -295,9 +295,8 @@ def test_the_teacher_and_the_masked_student_see_one_augmented_global_view_the_co
         images = parts.step.inputs(batch)["image"]
         full = [view for view in student_saw if view.shape == images.shape]  # not the local views
         assert len(teacher_saw) == 1 and len(full) == 2  # the masked student's (own terms first), the model's
-        expected = (
-            global_views(images, seed=cfg.seed, step=1, normalised=terms[0].augmentation(images)) if augment else images
-        )
+        how = terms[0].augmentation(images)
+        expected = global_views(images, seed=cfg.seed, step=1, augmentation=how) if augment else images
         assert torch.equal(teacher_saw[0], expected)
         assert torch.equal(full[0], expected) and torch.equal(full[1], images)
         assert augment == (not torch.equal(expected, images))

@@ -148,7 +148,7 @@ def test_a_naflex_images_views_are_the_views_of_its_pixels_whatever_its_batch_ro
     images = [torch.rand(3, h * patch, w * patch, generator=generator) for h, w in shapes]
     batch = _naflex_batch(images, patch, length)
     normalised = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
-    options = {"crops": crops, "patch_size": patch, "grid": grid, "scale": (0.05, 1.0), "normalised": normalised}
+    options = {"crops": crops, "patch_size": patch, "grid": grid, "scale": (0.05, 1.0), "augmentation": normalised}
     fixed = torch.rand(len(images), crops, module.BOX_DRAWS + 13, generator=generator, dtype=torch.float64)
     with monkeypatch.context() as patched:
         patched.setattr(module, "view_uniforms", lambda keys, *_: fixed[: len(keys)])
@@ -236,12 +236,12 @@ def test_a_samples_global_view_is_its_own_at_its_own_size_and_a_whole_box_is_the
 
     images = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(2))
     normalised = ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
-    views = global_views(images, seed=1, step=4, normalised=normalised)
+    views = global_views(images, seed=1, step=4, augmentation=normalised)
     assert views.shape == images.shape and views.dtype == images.dtype
     order = torch.tensor([5, 2, 0, 4, 1, 3])
-    assert torch.equal(global_views(images[order], seed=1, step=4, normalised=normalised), views[order])
-    assert torch.equal(global_views(images[3:], seed=1, step=4, normalised=normalised), views[3:])
-    assert not torch.equal(global_views(images, seed=1, step=5, normalised=normalised), views)
+    assert torch.equal(global_views(images[order], seed=1, step=4, augmentation=normalised), views[order])
+    assert torch.equal(global_views(images[3:], seed=1, step=4, augmentation=normalised), views[3:])
+    assert not torch.equal(global_views(images, seed=1, step=5, augmentation=normalised), views)
     whole = global_views(images, seed=1, step=4, scale=(1.0, 1.0), ratio=(1.0, 1.0))
     for view, image in zip(whole, images):
         assert torch.equal(view, image) or torch.equal(view, image.flip(-1))
