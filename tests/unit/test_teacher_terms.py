@@ -227,17 +227,13 @@ def test_a_run_with_every_term_builds_them_in_order_and_still_cuts_its_captions(
     assert all(hasattr(parts.model, part) for part in ("self_distill_head", "masked_head", "caption_decoder"))
 
 
-def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_term():
-    """A stop signal while a rank waits for data has it step on a stand-in batch (its agreement then stops every
-    rank). Its captions are the tokenizer's empty caption, so a step that cuts captions to the batch's longest still
-    leaves the decoder a token to predict (zeros, cut to one column, made the decoder fail on that rank)."""
+def parts_and_stand_in(cfg) -> tuple:
+    """The run's parts built from `cfg` on the CPU, and the stand-in batch a rank of two would step on."""
     from types import SimpleNamespace
 
     from clipdist.train.parts import build_parts
     from clipdist.train.startup import stand_in_batch
 
-    cfg = config()
-    cfg.loss.masked.ratio, cfg.loss.decoder.layers = 0.5, 1
     parts = build_parts(cfg, torch.device("cpu"))
     trainer = SimpleNamespace(
         stream=SimpleNamespace(global_batch=6),
@@ -246,7 +242,16 @@ def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_
         tokenizer=parts.tokenizer,
         shards=SimpleNamespace(sources=[None]),
     )
-    batch = stand_in_batch(trainer)
+    return parts, stand_in_batch(trainer)
+
+
+def test_the_stand_in_batch_of_a_stop_while_waiting_for_data_goes_through_every_term():
+    """A stop signal while a rank waits for data has it step on a stand-in batch (its agreement then stops every
+    rank). Its captions are the tokenizer's empty caption, so a step that cuts captions to the batch's longest still
+    leaves the decoder a token to predict (zeros, cut to one column, made the decoder fail on that rank)."""
+    cfg = config()
+    cfg.loss.masked.ratio, cfg.loss.decoder.layers = 0.5, 1
+    parts, batch = parts_and_stand_in(cfg)
     assert batch["text"].shape == (3, parts.tokenizer.context_length) and not any(batch.counts)
     assert parts.step.trim_text and parts.step.inputs(batch)["text"].shape[1] == 2  # start and end of text
     terms = [term for term, _ in parts.step.objective.terms if hasattr(term, "ema_teacher")]
@@ -266,24 +271,12 @@ def test_the_teacher_and_the_masked_student_see_one_augmented_global_view_the_co
     """With augment (the default), the teacher's image forward and the masked student's take each image's global
     view (views.global_views: one for both terms, a crop resized back, flipped, colour-jittered, grayed, blurred),
     the model's own forward the images as they are; without, all three the images."""
-    from types import SimpleNamespace
-
     from clipdist.data.views import global_views
-    from clipdist.train.parts import build_parts
-    from clipdist.train.startup import stand_in_batch
 
     for augment in (True, False):
         cfg = config()
         cfg.loss.masked.ratio, cfg.loss.self_distill.augment, cfg.loss.masked.augment = 0.5, augment, augment
-        parts = build_parts(cfg, torch.device("cpu"))
-        trainer = SimpleNamespace(
-            stream=SimpleNamespace(global_batch=6),
-            env=SimpleNamespace(world_size=2),
-            model=parts.model,
-            tokenizer=parts.tokenizer,
-            shards=SimpleNamespace(sources=[None]),
-        )
-        batch = stand_in_batch(trainer)
+        parts, batch = parts_and_stand_in(cfg)
         batch.inputs["image"] = torch.rand(batch["image"].shape, generator=torch.Generator().manual_seed(1))
         terms = [term for term, _ in parts.step.objective.terms if hasattr(term, "ema_teacher")]
         teacher_saw: list[torch.Tensor] = []
