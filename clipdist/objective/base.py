@@ -94,6 +94,7 @@ class Term:
     per_chunk: bool = False  # its gradient reaches the model outside the features (chunk_value)
     own_forward: bool = False  # its forward is its own: backpropagated apart, before the model's (see above)
     step: int | None = None  # the step (1-based) the next forward is for: Objective.at sets it
+    shape: str = ""  # what the start banner says of its own modules beside its weight (a decoder's depth)
 
     def modules(self) -> list[OwnModule]:
         """The term's own modules on the model (a head, a decoder): what it trains besides the towers."""

@@ -249,6 +249,9 @@ class DecoderTerm(CaptionTerm):
         self.decoder: Any = getattr(model, PART)
         self.patch_tokens: PatchTokens = model.patch_tokens  # type: ignore[assignment]
         self.options, self.seed = options, seed
+        blocks = self.decoder.blocks
+        width = self.decoder.token_embedding.embedding_dim
+        self.shape = f"{len(blocks)} layer(s), width {width}, {self.decoder.heads} heads"
 
     def modules(self) -> list[OwnModule]:
         return [self.decoder]

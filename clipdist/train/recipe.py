@@ -66,6 +66,7 @@ def recipe(
     settings += [f"grad clip {optim.grad_clip:g}" if optim.grad_clip else "no grad clip"]
     terms = " + ".join(
         f"{term.name} × {weight:g}"
+        + (f" ({term.shape})" if term.shape else "")
         + (f" from step {objective.starts[term.name]}" if objective.starts.get(term.name, 1) > 1 else "")
         + (" (after the last step: it never counts)" if objective.starts.get(term.name, 1) > optim.max_steps else "")
         for term, weight in objective.terms

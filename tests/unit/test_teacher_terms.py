@@ -17,6 +17,7 @@ from clipdist.errors import ConfigError
 from clipdist.losses import build
 from clipdist.model.factory import create_model, create_model_for_loss
 from clipdist.objective import Objective
+from clipdist.objective.base import TermContext
 from clipdist.objective.contrastive import ContrastiveTerm
 from clipdist.objective.decoder import attach as attach_decoder
 from clipdist.objective.self_distill import SelfDistillTerm, attach
@@ -526,6 +527,8 @@ def test_the_decoder_is_the_text_towers_shape_with_half_its_layers_unless_told(m
     assert (told.layers, told.width, told.heads) == (3, 32, 4)
     assert decoder_module.attach(DecoderOptions(depth=1.0), tiny)
     assert len(tiny.caption_decoder.blocks) == 2 and tiny.caption_decoder.logits.in_features == 64
+    term = decoder_module.build(DecoderOptions(depth=1.0), TermContext(tiny))
+    assert term is not None and term.shape == "2 layer(s), width 64, 2 heads"  # what the banner says
     monkeypatch.setattr(decoder_module, "text_shape", lambda model: None)
     with pytest.raises(ConfigError, match=r"depth=0.5 takes a fraction.*give loss.decoder.layers"):
         decoder_module.decoder_shape(DecoderOptions(depth=0.5), tiny, 64)
