@@ -102,8 +102,10 @@ def crop_boxes(
     uniform where the box fits; the first try that fits, else the whole image clipped to the ratio's range. The
     image's `height` and `width`: ints, or tensors that broadcast to uniforms.shape[:-2] (each box its own image's).
     Tensor operations only: no host sync."""
-    height, width = (torch.as_tensor(side, dtype=torch.float64, device=uniforms.device) for side in (height, width))
-    tall, wide = height[..., None], width[..., None]  # over the tries
+    per_image = isinstance(height, torch.Tensor)
+    if per_image:
+        height, width = (torch.as_tensor(side, dtype=torch.float64, device=uniforms.device) for side in (height, width))
+    tall, wide = (height[..., None], width[..., None]) if per_image else (height, width)  # over the tries
     low, high = torch.log(torch.tensor(ratio)).tolist()  # float32 logs, as torchvision takes them
     fraction = (scale[0] + (scale[1] - scale[0]) * uniforms[..., 0]).float().double()  # its draws are float32
     aspect = torch.exp((low + (high - low) * uniforms[..., 1]).float()).double()
@@ -123,12 +125,16 @@ def crop_boxes(
     return tuple(torch.where(found, ours, theirs) for ours, theirs in zip((top, left, h, w), whole))  # type: ignore[return-value]
 
 
-def crop_box_whole(
-    height: torch.Tensor, width: torch.Tensor, ratio: tuple[float, float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchvision's box after its tries: the whole image, clipped to the ratio range, centred (float64 tensors
-    of the images' sides in; Python's round and torch's both round half to even)."""
+def crop_box_whole(height, width, ratio: tuple[float, float]) -> tuple:
+    """torchvision's box after its tries: the whole image, clipped to the ratio range, centred; of ints (Python
+    numbers out, as torchvision computes them) or of float64 tensors of the images' sides (tensors out: Python's
+    round and torch's both round half to even)."""
     low, high = min(ratio), max(ratio)
+    if not isinstance(height, torch.Tensor):
+        in_ratio = width / height
+        w = round(height * high) if in_ratio > high else width
+        h = round(width / low) if in_ratio < low else height
+        return float((height - h) // 2), float((width - w) // 2), float(h), float(w)
     in_ratio = width / height
     w = torch.where(in_ratio > high, torch.round(height * high), width)
     h = torch.where(in_ratio < low, torch.round(width / low), height)
