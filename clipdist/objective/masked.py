@@ -3,9 +3,8 @@
 The student sees each image with M = round(ratio · L) of its L patch embeddings replaced by a learned mask token
 (clipdist.data.views.patch_masks: seeded by the sample); the EMA teacher sees it unmasked. Both see the image's
 global view (teacher.global_view: with `augment`, a crop resized back and augmented, as SILC's; else the image).
-The image tower's per-patch
-outputs (open_clip's tokens, after ln_post) go through the term's head (teacher.py), and at each masked patch j of
-image i the student's output is pulled to the teacher's output at that patch:
+The image tower's per-patch outputs (open_clip's tokens, after ln_post) go through the term's head (teacher.py),
+and at each masked patch j of image i the student's output is pulled to the teacher's output at that patch:
 
     ℓ_i = 1/M Σ_{j masked} CE(h_S(z̃_ij), h_T(z_ij))        T = 1/B Σ_i ℓ_i over the global batch
 
