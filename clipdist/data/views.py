@@ -130,12 +130,11 @@ def crop_box_whole(height, width, ratio: tuple[float, float]) -> tuple:
     numbers out, as torchvision computes them) or of float64 tensors of the images' sides (tensors out: Python's
     round and torch's both round half to even)."""
     low, high = min(ratio), max(ratio)
+    in_ratio = width / height
     if not isinstance(height, torch.Tensor):
-        in_ratio = width / height
         w = round(height * high) if in_ratio > high else width
         h = round(width / low) if in_ratio < low else height
         return float((height - h) // 2), float((width - w) // 2), float(h), float(w)
-    in_ratio = width / height
     w = torch.where(in_ratio > high, torch.round(height * high), width)
     h = torch.where(in_ratio < low, torch.round(width / low), height)
     return torch.div(height - h, 2, rounding_mode="floor"), torch.div(width - w, 2, rounding_mode="floor"), h, w
@@ -229,13 +228,13 @@ def global_views(
     return views.to(images.dtype)
 
 
+SILC_VIEW = 96 / 224  # SILC's (and DINO's) local views: 96 pixels for a 224-pixel image
+
+
 def view_grid(length: int) -> int:
     """A NaFlex view's side in patches at a batch's sequence length: SILC's 96/224 of the side of a square image of
     that many patches (7 at 256 patches, 10 at 576, 14 at 1024), one patch at least."""
     return max(1, round(math.sqrt(length) * SILC_VIEW))
-
-
-SILC_VIEW = 96 / 224  # SILC's (and DINO's) local views: 96 pixels for a 224-pixel image
 
 
 def local_patch_views(
