@@ -177,7 +177,7 @@ class DecoderOptions(TermOptions):
         return self.layers > 0 or self.depth > 0
 
     def check(self, name: str, cfg: Any) -> None:
-        if self.depth < 0:
+        if not math.isfinite(self.depth) or self.depth < 0:  # nan and inf too: round() of them is no layer count
             raise ConfigError(f"loss.{name}.depth={self.depth}: give a fraction of the text tower's layers, 0 or more")
         if self.on and not 0 <= self.parallel <= 1:
             raise ConfigError(f"loss.{name}.parallel={self.parallel}: give a fraction of the samples in [0, 1]")

@@ -534,5 +534,6 @@ def test_the_decoder_is_the_text_towers_shape_with_half_its_layers_unless_told(m
         decoder_module.decoder_shape(DecoderOptions(depth=0.5), tiny, 64)
     other = decoder_module.decoder_shape(DecoderOptions(layers=2), tiny, 48)
     assert (other.layers, other.width, other.heads) == (2, 48, 8)  # the image tower's width, 8 heads
-    with pytest.raises(ConfigError, match="depth=-1"):
-        DecoderOptions(depth=-1).check("decoder", None)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=f"depth={bad}: give a fraction"):
+            DecoderOptions(depth=bad).check("decoder", None)
