@@ -19,8 +19,8 @@ torchvision's
 `roi_align` (bilinear, pixel-aligned, each output pixel the mean of ⌈box / output⌉² samples: a box the size of its
 output is copied exactly). A NaFlex batch's views (`local_patch_views`) are drawn, resampled and augmented the same
 way, from each image put back together from its patches (keyed by the patches: a batch's padding adds nothing to a
-key), each a full grid of SILC's fraction of the batch's sequence length (7 × 7 patches at 256), so they too are the
-sample's own on any world size, and a batch of views has no padding.
+key), each a full grid of a quarter of the side of a square image of the batch's sequence length (4 × 4 patches
+at 256: view_grid), so they too are the sample's own on any world size, and a batch of views has no padding.
 """
 
 from __future__ import annotations
@@ -231,10 +231,15 @@ def global_views(
 SILC_VIEW = 96 / 224  # SILC's (and DINO's) local views: 96 pixels for a 224-pixel image
 
 
+NAFLEX_VIEW = 1 / 4  # a NaFlex view's side: a quarter of a square image's (SILC's is 96/224 ≈ 0.43)
+
+
 def view_grid(length: int) -> int:
-    """A NaFlex view's side in patches at a batch's sequence length: SILC's 96/224 of the side of a square image of
-    that many patches (7 at 256 patches, 10 at 576, 14 at 1024), one patch at least."""
-    return max(1, round(math.sqrt(length) * SILC_VIEW))
+    """A NaFlex view's side in patches at a batch's sequence length: a quarter of the side of a square image of that
+    many patches (4 at 256 patches, 6 at 576, 8 at 1024), one patch at least. Each view is then 1/16 of the image's
+    tokens and 8 views half of them, where SILC's fraction makes 8 views 1.5× the image's (the teacher terms on
+    NaFlex are our extension; `crop_size` sets SILC's, e.g. 112 for patch 16 at 256)."""
+    return max(1, round(math.sqrt(length) * NAFLEX_VIEW))
 
 
 def local_patch_views(

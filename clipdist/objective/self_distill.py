@@ -39,7 +39,7 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
         if options.crop_size % patch:
             raise ConfigError(
                 f"loss.self_distill.crop_size={options.crop_size}: a NaFlex tower's views are grids of its "
-                f"{patch}-pixel patches; give a multiple of {patch}, or 0 for SILC's fraction of each batch's length"
+                f"{patch}-pixel patches; give a multiple of {patch}, or 0 for √L/4 patches (L: a batch's length)"
             )
         put_on(model, PART, Head(pooled_width(visual), options))
         return True

@@ -121,7 +121,7 @@ class SelfDistillOptions(TeacherOptions):
     }
 
     crops: int = non_negative(0)  # local views per image (SILC: 8); 0: the term is off
-    crop_size: int = non_negative(0)  # their side in pixels; 0: SILC's 96/224 of the tower's (NaFlex: of √L patches)
+    crop_size: int = non_negative(0)  # their side in pixels; 0: SILC's 96/224 of the tower's (NaFlex: √L/4 patches)
     scale: list[float] = field(default_factory=lambda: [0.05, 0.4])  # a crop's area fraction (SILC, DINO's locals)
 
     @property

@@ -149,7 +149,7 @@ class Terms:
 
 
 def _term_options(options, model: torch.nn.Module):
-    """A term's options; a NaFlex tower's views at SILC's fraction of the batch's sequence length (crop_size 0)."""
+    """A term's options; a NaFlex tower's views at the default grid for the batch's sequence length (crop_size 0)."""
     if isinstance(options, SelfDistillOptions) and naflex_trunk(model) is not None:
         return dataclasses.replace(options, crop_size=0)
     return options

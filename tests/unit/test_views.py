@@ -184,6 +184,18 @@ def test_a_naflex_images_views_are_the_views_of_its_pixels_whatever_its_batch_ro
     assert not torch.equal(other["patches"], drawn["patches"])
 
 
+def test_a_naflex_batchs_views_default_to_a_quarter_of_its_sides_patches():
+    """Without a grid, a NaFlex batch's views are √L/4 patches a side (4 × 4 at 256 patches, 8 × 8 at 1024): 8 views
+    half the tokens of a square image of the batch's length, whatever its images' shapes."""
+    from clipdist.data import views as module
+
+    assert [module.view_grid(length) for length in (16, 64, 256, 576, 1024)] == [1, 2, 4, 6, 8]
+    patch, generator = 4, torch.Generator().manual_seed(0)
+    images = [torch.rand(3, h * patch, w * patch, generator=generator) for h, w in ((16, 16), (4, 30), (9, 7))]
+    views = module.local_patch_views(_naflex_batch(images, patch, 256), crops=2, patch_size=patch)
+    assert views["patches"].shape == (6, 16, patch * patch * 3) and bool(views["patch_valid"].all())
+
+
 def test_the_draws_read_nothing_back_from_the_device():
     """Views, masks and their draws for a batch on the meta device (shapes, no values: any read back to the host,
     a .tolist() or .item() that would stall a GPU step, raises there) — 128 rows × 8 views, as SigLIP 2's step."""
