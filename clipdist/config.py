@@ -150,6 +150,11 @@ class NormalizeOn(Choice):
     device = "device"  # the workers make uint8 batches; the rank normalizes them on its device after the copy
 
 
+class DecodeOn(Choice):
+    host = "host"  # the workers decode, crop and resize (PIL, libjpeg-turbo at the DCT scale the crop needs)
+    device = "device"  # the workers draw the crop and hand over the JPEG's bytes; the rank decodes on its device
+
+
 class OnCheckpointError(Choice):
     stop = "stop"  # one line naming the path and the OS error, then a clean stop (exit 1)
     warn = "warn"  # the same line as a warning; training goes on and the next save tries again
@@ -292,6 +297,7 @@ class DataConfig:
     # CPU scheduling of the loader workers (docs/data.md#loader-workers)
     worker_priority: WorkerPriority = WorkerPriority.normal
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
+    decode_on: DecodeOn = DecodeOn.host  # where training JPEGs are decoded: device is nvJPEG on CUDA (docs/data.md)
     source_dir: str | None = None  # where a built-in source's raw files are (fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"  # where built-in datasets are written on first use
     classnames: list[str] = field(

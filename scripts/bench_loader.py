@@ -46,14 +46,25 @@ def transform_and_tokenizer(model: str):
 
 
 def clipdist_batches(
-    shards: list[str], batch: int, workers: int, transform, tokenizer, pixels: bool = False, pieces: int = 1
+    shards: list[str],
+    batch: int,
+    workers: int,
+    transform,
+    tokenizer,
+    pixels: bool = False,
+    pieces: int = 1,
+    decode_on: str = "host",
+    then=None,
 ):
     """clipdist's stream; `pixels`: uint8 batches, as GPU runs have them (data.normalize_on=device); `pieces`:
-    each batch read as that many pieces and put together in one buffer (data.pieces)."""
+    each batch read as that many pieces and put together in one buffer (data.pieces); `decode_on`: device, the
+    workers hand over JPEG bytes and crop boxes (data.decode_on), `then` (the rank's decode) run on each batch."""
     from clipdist.config import DataConfig
     from clipdist.data.stream import TrainStream
 
-    data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=1000, pieces=pieces)
+    data = DataConfig(
+        source=None, resampled=True, workers=workers, shuffle_buffer=1000, pieces=pieces, decode_on=decode_on
+    )
     stream = TrainStream(
         [shards],
         data,
@@ -67,7 +78,10 @@ def clipdist_batches(
     )
     try:
         while True:
-            yield next(stream).rows
+            batch = next(stream)
+            if then is not None:
+                then(batch["image"])
+            yield batch.rows
     finally:
         stream.close()
 
@@ -127,6 +141,12 @@ def main() -> None:
         default=0,
         help="shared machine: this many busy-looping processes run beside the loaders",
     )
+    parser.add_argument(
+        "--decode-on-device",
+        action="store_true",
+        help="also data.decode_on=device: the workers' rate handing over bytes and boxes, and with the rank's "
+        "decode run on this CPU (libjpeg-turbo; nvJPEG on CUDA) in the loop",
+    )
     parser.add_argument("--out", help="write the runs and the summary here as JSON")
     args = parser.parse_args()
     with busy_processes(args.background):
@@ -147,6 +167,16 @@ def run(args) -> None:
         ),
         "open_clip": lambda workers: open_clip_batches(pattern, args.batch, workers, transform, tokenizer),
     }
+    if args.decode_on_device:
+        from clipdist.data.device_decode import device_decoder
+
+        decode = device_decoder(transform, "cpu")
+        loaders["clipdist bytes (decode_on=device)"] = lambda workers: clipdist_batches(
+            shards, args.batch, workers, transform, tokenizer, pixels=True, decode_on="device"
+        )
+        loaders["clipdist bytes + rank decode (cpu)"] = lambda workers: clipdist_batches(
+            shards, args.batch, workers, transform, tokenizer, pixels=True, decode_on="device", then=decode
+        )
     if args.pieces > 1:
         loaders[f"clipdist uint8 ×{args.pieces} pieces"] = lambda workers: clipdist_batches(
             shards, args.batch, workers, transform, tokenizer, pixels=True, pieces=args.pieces

@@ -83,9 +83,10 @@ class Batch(Mapping):
 
     @property
     def seq_len(self) -> int | None:
-        """A NaFlex batch's sequence length (its patches' second dimension); None for image tensors."""
+        """A NaFlex batch's sequence length (its patches' second dimension); None for image tensors (or encoded
+        images: data/device_decode.py)."""
         images = self.inputs.get("image")
-        return images["patches"].shape[1] if isinstance(images, dict) else None
+        return images["patches"].shape[1] if isinstance(images, dict) and "patches" in images else None
 
     def map(self, function: Callable[[torch.Tensor], Any], names=None) -> Batch:
         """The batch with `function` applied to every tensor of the inputs `names` (all where None)."""

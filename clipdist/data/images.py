@@ -12,6 +12,7 @@ from PIL import Image
 from torchvision import transforms as T
 from torchvision.transforms.functional import pil_modes_mapping
 
+from clipdist.data.device_decode import check_transform, encode, encoded_rows
 from clipdist.data.samples import EncodedImage, load_rgb
 
 _BYTE_MODES = ("L", "RGB", "RGBA")  # PIL modes whose pixels are uint8, one byte per channel
@@ -64,10 +65,14 @@ class ImageBatcher:
     element, as ToTensor and Normalize do per image — the result is bit-identical (tested), without
     ~200 small tensor ops per image (loader, batch of 128: 21 → 2 ms). Any other transform, or an
     image that is not 8-bit L/RGB/RGBA after the per-image steps, takes the per-image path.
+
+    `encoded` (data.decode_on=device): a JPEG is not decoded here; its bytes and its crop box are handed over
+    (device_decode), and the batch is an encoded one. The transform must then only crop and normalise.
     """
 
-    def __init__(self, transform):
+    def __init__(self, transform, encoded: bool = False):
         steps = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
+        self.encoded_crop = check_transform(steps) if encoded else None
         self.decode = decode_whole
         if isinstance(steps[0], T.RandomResizedCrop) and steps[0].interpolation in pil_modes_mapping:
             self.decode = ReducedDecodeCrop(steps[0])
@@ -81,7 +86,9 @@ class ImageBatcher:
 
     def __call__(self, image: EncodedImage | Image.Image):
         """Decode, then the per-image steps: a uint8 (H, W, C) tensor where the batch conversion applies,
-        else the transform's own output."""
+        else the transform's own output; encoded, a device_decode.EncodedCrop."""
+        if self.encoded_crop is not None:
+            return encode(self.encoded_crop, image, self._pixels)
         out = self.per_image(self.decode(image))
         if self.normalize is None:
             return out
@@ -90,10 +97,13 @@ class ImageBatcher:
             return pixels.unsqueeze(-1) if pixels.ndim == 2 else pixels
         return self.normalize(self.to_tensor(out))
 
-    def stack(self, images: list, pixels: bool = False) -> torch.Tensor:
+    def stack(self, images: list, pixels: bool = False) -> torch.Tensor | dict[str, torch.Tensor]:
         """What __call__ returned for each image, as one batch: (B, C, H, W) float32, normalized. With
         `pixels`, where every image is 8-bit, (B, H, W, C) uint8 instead, for PixelNormalize on the device.
-        Made in place in a batch_tensor: no intermediate batch-sized tensor, nothing copied to hand it over."""
+        Made in place in a batch_tensor: no intermediate batch-sized tensor, nothing copied to hand it over.
+        Encoded: device_decode.encoded_rows."""
+        if self.encoded_crop is not None:
+            return encoded_rows(images, tuple(self.encoded_crop.size))  # type: ignore[arg-type]
         if all(map(self._is_pixels, images)):
             height, width, channels = images[0].shape
             if pixels:
@@ -103,6 +113,11 @@ class ImageBatcher:
         return torch.stack(
             [self.normalize(self.to_tensor(image.numpy())) if self._is_pixels(image) else image for image in images]
         )
+
+    def _pixels(self, image: EncodedImage | Image.Image) -> torch.Tensor:
+        """An image decoded, cropped and resized here: (H, W, 3) uint8 (an encoded batch's image that is no RGB or
+        greyscale JPEG)."""
+        return torch.from_numpy(np.array(self.per_image(self.decode(image)).convert("RGB"), dtype=np.uint8, copy=True))
 
     @staticmethod
     def empty() -> torch.Tensor:

@@ -12,6 +12,7 @@ import functools
 import signal
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -112,10 +113,31 @@ def assemble(items, count: int, pin_memory: bool, rank: int = 0) -> tuple[Batch,
             consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
             at = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows)
             # a reader's rows are consecutive, unless the readers take turns within them
-            apply_pair(images, piece_images, lambda buffer, piece: buffer.__setitem__(at, piece))
+            images = widened(images, piece_images, pin_memory)
+            apply_pair(images, piece_images, functools.partial(_put, at=at))
             tokens[at] = piece_tokens
         del piece_images
     return Batch.of(images, tokens, counts, sample_keys=keys), pending
+
+
+def _put(buffer: torch.Tensor, piece: torch.Tensor, at) -> None:
+    """A piece's rows into the batch's buffer at `at`; a ragged piece's (widened) in its first columns."""
+    if buffer.shape[1:] == piece.shape[1:]:
+        buffer[at] = piece
+    else:
+        buffer[at, : piece.shape[1]] = piece
+
+
+def widened(buffer, piece, pin_memory: bool):
+    """The batch's host buffer, its ragged rows (an encoded batch's bytes: data/device_decode.py, (rows, bytes)) made
+    as wide as `piece`'s where they are narrower, zero-padded; any other input as it is."""
+    if isinstance(buffer, Mapping):
+        return {name: widened(value, piece[name], pin_memory) for name, value in buffer.items()}
+    if buffer.dim() != 2 or buffer.dtype != torch.uint8 or buffer.shape[1] >= piece.shape[1]:
+        return buffer
+    wider = torch.zeros((buffer.shape[0], piece.shape[1]), dtype=buffer.dtype, pin_memory=pin_memory)
+    wider[:, : buffer.shape[1]] = buffer
+    return wider
 
 
 def _in_row_order(images, tokens: torch.Tensor, rows: list[int], pin: bool):

@@ -584,6 +584,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         self.order, self.start, self.batch, self.first_batch = order, start, batch, first_batch
         self.rank, self.world_size, self.seed, self.resume, self.readers = rank, world_size, seed, resume, readers
         self.pieces, self.pixels, self.worker_readers = pieces, pixels, worker_readers
+        self.encoded = str(getattr(data, "decode_on", "host")) == "device"  # device_decode: bytes and boxes
         probs = None if data.caption_probs is None else tuple(data.caption_probs)
         self.keys = SampleKeys(tuple(data.caption_keys), probs, tuple(data.image_keys), seed)
 
@@ -624,7 +625,7 @@ class TrainingBatches(torch.utils.data.IterableDataset):
         whole = self.worker_readers is not None and info is not None
         mine = self.worker_readers[worker] if whole else self.readers[worker::workers]
         runs = {index: self.reader(index) for index in mine}
-        fixed = None if self._per_batch else ImageBatcher(self.image_transform)
+        fixed = None if self._per_batch else ImageBatcher(self.image_transform, encoded=self.encoded)
         tokenize = CaptionTokens(self.tokenizer)
         try:
             for k in itertools.count(worker if whole else 0, workers if whole else 1):

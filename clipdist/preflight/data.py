@@ -1,5 +1,6 @@
 """The data checks before any rank starts: the shards resolve and are enough for the run's readers, the first
-samples have captions where data.caption_keys says, a NaFlex tower's token budget holds, every evaluation set reads;
+samples have captions where data.caption_keys says, a NaFlex tower's token budget holds, data.decode_on's transform
+is one the device can run, every evaluation set reads;
 and the loader plan and reader count the run will have (the same on every rank)."""
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from torchvision import transforms as T
 
 from clipdist.config import TrainConfig
+from clipdist.data.device_decode import check_transform
 from clipdist.data.epochs import epoch_sizes
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.naflex import resolve_budget, resolve_seq_lens
@@ -17,7 +20,7 @@ from clipdist.data.order import BudgetOrder, run_layout
 from clipdist.data.samples import SampleKeys
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_caption_keys, check_pieces, check_shard_count, kept_readers, run_readers
-from clipdist.data.transforms import image_size_stages
+from clipdist.data.transforms import image_size_stages, image_transforms
 from clipdist.data.workers import LoaderPlan, loader_workers
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError, as_config_error
@@ -47,6 +50,7 @@ def check_data(
         check_caption_keys(shards.train, SampleKeys(tuple(cfg.data.caption_keys), None, tuple(cfg.data.image_keys)))
     with as_config_error():
         check_naflex(cfg, student, readers, resuming)
+        check_decode_on(cfg, student)
     for evalset in shards.evals:
         check_eval_set(evalset)
     return shards, plan
@@ -102,6 +106,30 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
             "data.normalize_on=auto"
         )
     BudgetOrder(min(readers, fewest), budget)
+
+
+def check_decode_on(cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """data.decode_on=device: a fixed-size tower at one size, whose training transform (the one the run builds) only
+    crops and normalises, the device doing both after it decodes (data/device_decode.py)."""
+    if str(cfg.data.decode_on) != "device":
+        return
+    if naflex_trunk(model) is not None:
+        raise ValueError(
+            "data.decode_on=device: a NaFlex tower's patches are cut by the loader from each image whole; leave "
+            "data.decode_on=host"
+        )
+    if cfg.data.resolution_schedule:
+        raise ValueError(
+            "data.decode_on=device decodes to one image size, and data.resolution_schedule changes it; leave "
+            "data.decode_on=host"
+        )
+    if str(cfg.data.normalize_on) == "loader":
+        raise ValueError(
+            "data.decode_on=device makes the pixels on the device, where they are normalized: "
+            "data.normalize_on=loader cannot apply; leave it auto"
+        )
+    train, _ = image_transforms(model, cfg.data)
+    check_transform(list(train.transforms) if isinstance(train, T.Compose) else [train])
 
 
 def check_eval_set(evalset: EvalSet) -> None:

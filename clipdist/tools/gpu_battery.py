@@ -20,7 +20,8 @@ figures are the step's, not the loader's:
   fsdp        the B/32 bf16 step under FSDP2 at world 1 (a process group of one)
   checkpoint  how long a save in the background holds the loop (checkpoint.async_save), and its write
   data        a real run, `train.py world=1gpu data=web_photos` (--tiny: `world=local data=digits`): pinned
-              memory, non_blocking copies and normalisation on the device, the paths the CPU suite cannot reach
+              memory, non_blocking copies and normalisation on the device, the paths the CPU suite cannot reach;
+              then the same with data.decode_on=device (nvJPEG on CUDA)
 
 samples/s: the batch over the median step time (CUDA synchronised); MFU: the step's FLOPs (torch's FlopCounterMode
 over one step: forward, loss, backward) × steps/s over the device's dense peak in the step's dtype — from its spec
@@ -240,15 +241,16 @@ def checkpoint_stall(cfg, device: torch.device) -> dict:
     return {"stall_s": stall, "written_s": time.perf_counter() - started}
 
 
-def data_run(tiny: bool, steps: int) -> dict:
-    """A real run (limit.real_run: a fresh interpreter): its median samples/s."""
+def data_run(tiny: bool, steps: int, decode_on: str = "host") -> dict:
+    """A real run (limit.real_run: a fresh interpreter): its median samples/s; `decode_on` device: the JPEGs decoded
+    by the rank (nvJPEG on CUDA), the workers handing over bytes and crop boxes."""
 
     overrides = (
         ["world=local", "data=digits", "world.batch_per_device=64"]
         if tiny
         else ["world=1gpu", "data=web_photos", "model=vit_b32", "precision=bf16", "world.batch_per_device=256"]
     )
-    return {"samples_per_s": real_run(overrides, steps, timeout_s=600)}
+    return {"samples_per_s": real_run([*overrides, f"data.decode_on={decode_on}"], steps, timeout_s=600)}
 
 
 FORWARD_GFLOPS = {  # one sample's forward, image + text towers (224 px, 77 tokens), FlopCounterMode's count (two
@@ -330,7 +332,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     sizes, micro = ((512,), 64) if tiny else (sorted(large_batches), 1024)
     ends = sorted({sizes[0], sizes[-1]})
     first = [step_row(model, precision, False) for model in models]
-    first += [data_row(tiny, peak[0])]
+    first += [data_row(tiny, peak[0]), data_row(tiny, peak[0], "device")]
     first += [row for size in ends for row in large_rows(size, micro)]
     first += naflex_rows(tiny, steps, precision, peak, device)
     first.append(save_row(base, precision, device))
@@ -353,15 +355,16 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     return first + later
 
 
-def data_row(tiny: bool, peak_tflops: float) -> Planned:
-    """A real run's loader feeding the device (the paths the CPU suite cannot reach)."""
+def data_row(tiny: bool, peak_tflops: float, decode_on: str = "host") -> Planned:
+    """A real run's loader feeding the device (the paths the CPU suite cannot reach); data.decode_on=`decode_on`."""
     data_steps = 8 if tiny else 200
     return Planned(
         "data",
         "train.py "
         + ("world=local data=digits" if tiny else "world=1gpu data=web_photos vit_b32 bf16")
+        + ("" if decode_on == "host" else f" data.decode_on={decode_on}")
         + f", {data_steps} steps",
-        lambda work: data_run(tiny, data_steps),
+        lambda work: data_run(tiny, data_steps, decode_on),
         30.0 if tiny else 45.0 + step_estimate("ViT-B-32", 256, data_steps, peak_tflops),
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from clipdist.config import TrainConfig
+from clipdist.data.device_decode import device_decoder
 from clipdist.data.images import PixelNormalize
 from clipdist.data.transforms import image_transforms
 from clipdist.defaults import DEFAULT_TILE
@@ -160,6 +161,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         autocast=autocast,
         device=device,
         normalize=PixelNormalize(mean, std, device),
+        decode=device_decoder(train_transform, device) if str(cfg.data.decode_on) == "device" else None,
         grad_clip=cfg.optim.grad_clip,
         max_logit_scale=cfg.optim.max_logit_scale,
         scaler=scaler,

@@ -59,6 +59,13 @@ def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., 
         on_device, why = False, "NaFlex patches; each image resized whole at its own aspect ratio, not augmented"
     where = f"on {device.type} after the copy" if on_device else "by the loader"
     say(f"images normalized {where} ({why})", detail=True)
+    if str(cfg.data.decode_on) == "device":
+        decoder = "nvJPEG" if device.type == "cuda" else "libjpeg-turbo"
+        say(
+            f"training JPEGs decoded, cropped and resized on {device.type} ({decoder}; data.decode_on=device): the "
+            "workers read headers and draw the crops",
+            detail=True,
+        )
     priority, said = loader_priority(str(cfg.data.worker_priority), plan.workers)
     if plan.workers:
         say(f"loader workers at {'idle' if priority == 'low' else 'normal'} priority ({said})", detail=True)

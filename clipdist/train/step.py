@@ -44,6 +44,7 @@ from torch.profiler import record_function
 
 from clipdist.checkpoint.manager import Requests
 from clipdist.data.batch import Batch, as_batch, floats_to
+from clipdist.data.device_decode import is_encoded
 from clipdist.distributed import parallel
 from clipdist.model.short_text import trim
 from clipdist.objective import Outputs, as_objective
@@ -125,7 +126,9 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 class Step:
     """The plain step: the local batch forwarded with its graph. `model` is what runs (DDP/FSDP-wrapped,
     compiled); `device` and `normalize` put a batch (or a chunk) on the device and normalise uint8 pixels
-    there (None: as given); `trim_text`: captions cut to the batch's (or chunk's) longest (short_text.trim)."""
+    there (None: as given); `decode` makes an encoded batch's pixels on the device, once a step
+    (data.decode_on=device: device_decode.decode_rows); `trim_text`: captions cut to the batch's (or chunk's)
+    longest (short_text.trim)."""
 
     def __init__(
         self,
@@ -137,6 +140,7 @@ class Step:
         autocast=None,
         device=None,
         normalize=None,
+        decode=None,
         grad_clip: float = 0.0,
         max_logit_scale: float = 100.0,
         scaler=None,
@@ -146,6 +150,8 @@ class Step:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.objective = as_objective(loss_fn)  # the contrastive backend, CoCa's caption term, distillation
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
+        self.decode = decode
+        self.host_decoded = 0  # encoded batches' rows this rank's workers decoded (no JPEG the device takes)
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
         self.trim_text = trim_text
@@ -156,7 +162,7 @@ class Step:
     def __call__(self, batch: Batch, requests: Requests = NOTHING_ASKED) -> tuple[StepAgreement, torch.Tensor | None]:
         """One training step on this rank's batch; every rank calls it. The optimizer steps unless a rank was
         asked to stop or the global loss is not finite (then grad_norm is None and nothing changed)."""
-        batch = as_batch(batch)
+        batch = self.decoded(as_batch(batch))
         self.optimizer.zero_grad(set_to_none=True)
         rng = _rng_state(self.rng_device)  # a stop gives back what this step drew (dropout masks)
         with record_function("own_terms"):
@@ -203,12 +209,24 @@ class Step:
 
     def gradients(self, batch) -> torch.Tensor:
         """This rank's loss, with the gradients it leaves (averaged over ranks, as DDP does) in .grad."""
-        batch = as_batch(batch)
+        batch = self.decoded(as_batch(batch))
         own = self.own_terms(batch)
         outputs, replay = self.forward(batch)
         loss, _ = self.objective(outputs.with_parts(own))
         self.backward(loss, outputs, replay)
         return loss
+
+    def decoded(self, batch: Batch) -> Batch:
+        """The batch, its images decoded on the device where they came encoded (data.decode_on=device): once a
+        step, before any chunk or term reads them."""
+        if not is_encoded(batch["image"]):
+            return batch
+        if self.decode is None:
+            raise ValueError("an encoded batch (data.decode_on=device) reached a step that has no decoder")
+        with record_function("decode"):
+            pixels, on_host = self.decode(batch["image"])
+        self.host_decoded += on_host
+        return Batch({**batch.inputs, "image": pixels}, batch.counts, batch.sample_keys)
 
     def pieces(self, batch: Batch) -> list[Batch]:
         """The batch as the step forwards it: whole here, in chunks under gradient caching."""

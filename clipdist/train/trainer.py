@@ -202,7 +202,11 @@ class Trainer:
             if self.scaler is not None:
                 stats.update(loss_scale=self.scaler.get_scale(), overflow_steps=self.overflow_steps)
             stream = self.stream
-            sources = {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
+            sources: dict[str, int | list[int]] = (
+                {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
+            )
+            if self.step.decode is not None:  # data.decode_on=device: images no device decoder takes (rank 0's)
+                sources["host_decoded_images"] = self.step.host_decoded
             self.tracker.log_train(
                 {
                     **stats,
