@@ -29,6 +29,7 @@ import functools
 import hashlib
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 from torchvision.ops import roi_align
@@ -161,29 +162,67 @@ def resampled_views(
     ratio: tuple[float, float],
     augmentation: tuple | None = None,
     transposed: torch.Tensor | None = None,
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The views (rows·crops, C, *size) of images in `pixels` (rows, C, H, W), each image `height` × `width` (ints,
     or (rows, 1) tensors: image i in the top left of its canvas): each box drawn (crop_boxes) from `uniforms` (rows,
     crops, count: view_uniforms), all resampled in one roi_align, flipped, and with `augmentation`
-    (view_augment.augment's mean, std and blur scale) augmented; in float32, or float64 where the pixels are.
+    (view_augment.augment's mean, std, blur scale — a float, or (rows,) one an image with its largest after it)
+    augmented; in float32, or float64 where the pixels are.
     `transposed` (rows,) bool: those images lie transposed in `pixels` (their boxes drawn in the image's own
-    orientation, cut from the transposed canvas, the views transposed back; square views only)."""
+    orientation, cut from the transposed canvas, the views transposed back where there is no `fill`; square views
+    only). `fill` ((rows, 1) heights, widths, in the canvas's orientation): each view is its image's own size,
+    resampled into the top left `fill` of the output (its box stretched by size / fill: the same samples as a
+    resize to `fill` alone) and flipped and augmented there as on its own (view_augment.augment's `extent`); the
+    output stays in the canvas's orientation."""
     rows, crops = uniforms.shape[:2]
     top, left, h, w = crop_boxes(uniforms[..., : BOX_DRAWS - 1].unflatten(-1, (TRIES, 4)), height, width, scale, ratio)
     if transposed is not None:
         turn = transposed[:, None]
         top, left, h, w = (torch.where(turn, a, b) for a, b in ((left, top), (top, left), (w, h), (h, w)))
+    if fill is not None:
+        h, w = h * size[0] / fill[0], w * size[1] / fill[1]
     row = torch.arange(rows, device=pixels.device, dtype=top.dtype)[:, None].expand(rows, crops)
     boxes = torch.stack([row, left, top, left + w, top + h], -1).flatten(0, 1)
     exact = pixels if pixels.dtype in (torch.float32, torch.float64) else pixels.float()
     views = roi_align(exact, boxes.to(exact.dtype), output_size=size, sampling_ratio=-1, aligned=True)
-    if transposed is not None:
-        views = torch.where(transposed.repeat_interleave(crops)[:, None, None, None], views.mT, views)
     flips = (uniforms[..., BOX_DRAWS - 1] < 0.5).flatten()
-    views = torch.where(flips[:, None, None, None], views.flip(-1), views)
+    extent: tuple[torch.Tensor, torch.Tensor] | None = None
+    if fill is None:
+        if transposed is not None:
+            views = torch.where(transposed.repeat_interleave(crops)[:, None, None, None], views.mT, views)
+        views = torch.where(flips[:, None, None, None], views.flip(-1), views)
+    else:
+        extent = (fill[0].expand(rows, crops).flatten(), fill[1].expand(rows, crops).flatten())
+        turned = transposed.repeat_interleave(crops) if transposed is not None else torch.zeros_like(flips)
+        views = _flipped_within(views, flips, turned, extent)  # type: ignore[arg-type]
     if augmentation:
-        views = view_augment.augment(views, uniforms[..., BOX_DRAWS:].flatten(0, 1), *augmentation)
+        blur = augmentation[2] if len(augmentation) > 2 else 1.0  # (mean, std[, blur scale[, its largest]])
+        if isinstance(blur, torch.Tensor):  # one an image: one a view
+            blur = blur.repeat_interleave(crops)
+        most = augmentation[3] if len(augmentation) > 3 else None
+        picks = uniforms[..., BOX_DRAWS:].flatten(0, 1)
+        views = view_augment.augment(
+            views, picks, augmentation[0], augmentation[1], blur, extent=extent, most_blur=most
+        )
     return views
+
+
+def _flipped_within(
+    views: torch.Tensor, flips: torch.Tensor, turned: torch.Tensor, extent: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Each view (n, C, H, W) whose image fills its top-left `extent` ((n,) heights, widths) flipped left-right
+    within it where `flips`: along the rows for a `turned` (transposed) image, the columns otherwise."""
+    n, channels, height, width = views.shape
+    heights, widths = extent
+    across = torch.arange(width, device=views.device)
+    down = torch.arange(height, device=views.device)
+    flip_x = flips & ~turned
+    flip_y = flips & turned
+    x = torch.where(flip_x[:, None] & (across < widths[:, None]), widths[:, None] - 1 - across, across)
+    y = torch.where(flip_y[:, None] & (down < heights[:, None]), heights[:, None] - 1 - down, down)
+    views = views.gather(3, x[:, None, None, :].expand(n, channels, height, width))
+    return views.gather(2, y[:, None, :, None].expand(n, channels, height, width))
 
 
 def local_views(
@@ -242,28 +281,27 @@ def view_grid(length: int) -> int:
     return max(1, round(math.sqrt(length) * NAFLEX_VIEW))
 
 
-def local_patch_views(
-    images: dict[str, torch.Tensor],
-    *,
-    crops: int,
-    patch_size: int,
-    grid: int = 0,
-    scale: tuple[float, float] = (0.05, 0.4),
-    ratio: tuple[float, float] = (3 / 4, 4 / 3),
-    seed: int = 0,
-    step: int = 0,
-    augmentation: tuple | None = None,
-) -> dict[str, torch.Tensor]:
-    """`crops` local views of each image of a NaFlex batch ({patches (b, L, P·P·C), patch_coord (b, L, 2) as (y, x),
-    patch_valid (b, L)}), as a NaFlex batch of b·crops rows (image i's views at rows i·crops …), each a full `grid` ×
-    `grid` of patches (0: view_grid(L)), no padding. The images are put back together from their patches on one
-    canvas, each in its top left — a wide image transposed, so the canvas is at most L × √L patches whatever the
-    batch's aspect ratios — its edge pixels repeated past it (a box at its edge samples as on the image alone);
-    their boxes are drawn in pixels, as local_views draws them, resampled and augmented as there (resampled_views),
-    and cut into patches again. One read back: the canvas's size."""
+class _Canvas(NamedTuple):
+    """A NaFlex batch's images put back together (patch_canvas)."""
+
+    pixels: torch.Tensor  # (rows, C, H·P, W·P): each image in its top left, its edge pixels repeated past it
+    heights: torch.Tensor  # (rows,) each image's grid, in patches
+    widths: torch.Tensor
+    wide: torch.Tensor  # (rows,) bool: the image lies transposed on the canvas
+    down: torch.Tensor  # (rows,) its rows and columns on the canvas, in patches (max and min of its sides)
+    across: torch.Tensor
+    at: tuple[torch.Tensor, torch.Tensor]  # (rows, L) the canvas cell of each patch slot (padding's: (H, 0))
+    patch: int  # the patches' side in pixels
+
+
+def patch_canvas(images: dict[str, torch.Tensor], patch_size: int) -> _Canvas:
+    """The images of a NaFlex batch ({patches (b, L, P·P·C), patch_coord (b, L, 2) as (y, x), patch_valid (b, L)})
+    put back together from their patches on one canvas, each in its top left — a wide image transposed, so the canvas
+    is at most L × √L patches whatever the batch's aspect ratios — its edge pixels repeated past it (a box at its
+    edge samples as on the image alone). One read back: the canvas's size."""
     patches, coord, valid = images["patches"], images["patch_coord"], images["patch_valid"]
     rows, length, _ = patches.shape
-    side, grid = patch_size, grid or view_grid(length)
+    side = patch_size
     y, x = torch.where(valid, coord[..., 0], -1), torch.where(valid, coord[..., 1], -1)
     heights, widths = y.amax(1) + 1, x.amax(1) + 1  # each image's grid
     wide = widths > heights
@@ -278,9 +316,34 @@ def local_patch_views(
     canvas.index_put_((at_row, at_y, at_x), cells)
     pixels = canvas[:, :canvas_h].permute(0, 5, 1, 3, 2, 4).reshape(rows, -1, canvas_h * side, canvas_w * side)
     pixels = _edges_repeated(pixels, down * side, across * side)
+    return _Canvas(pixels, heights, widths, wide, down, across, (at_y, at_x), side)
+
+
+def local_patch_views(
+    images: dict[str, torch.Tensor],
+    *,
+    crops: int,
+    patch_size: int,
+    grid: int = 0,
+    scale: tuple[float, float] = (0.05, 0.4),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    seed: int = 0,
+    step: int = 0,
+    augmentation: tuple | None = None,
+) -> dict[str, torch.Tensor]:
+    """`crops` local views of each image of a NaFlex batch (patch_canvas's), as a NaFlex batch of b·crops rows
+    (image i's views at rows i·crops …), each a full `grid` × `grid` of patches (0: view_grid(L)), no padding: their
+    boxes drawn in the images' pixels (patch_canvas), as local_views draws them, resampled and augmented as there
+    (resampled_views), and cut into patches again."""
+    patches, coord = images["patches"], images["patch_coord"]
+    rows, length, _ = patches.shape
+    side, grid = patch_size, grid or view_grid(length)
+    canvas = patch_canvas(images, patch_size)
     uniforms = view_uniforms(key_tensor(patches), crops, augmentation is not None, seed, step)
-    shape = (heights * side)[:, None], (widths * side)[:, None]
-    views = resampled_views(pixels, *shape, uniforms, (grid * side,) * 2, scale, ratio, augmentation, wide)
+    shape = (canvas.heights * side)[:, None], (canvas.widths * side)[:, None]
+    views = resampled_views(
+        canvas.pixels, *shape, uniforms, (grid * side,) * 2, scale, ratio, _own_blur(augmentation, canvas), canvas.wide
+    )
     views = views.to(patches.dtype).view(rows * crops, -1, grid, side, grid, side).permute(0, 2, 4, 3, 5, 1)
     yx = torch.stack(torch.meshgrid(*(torch.arange(grid, device=patches.device),) * 2, indexing="ij"), -1)
     return {
@@ -288,6 +351,49 @@ def local_patch_views(
         "patch_coord": yx.reshape(1, grid * grid, 2).expand(rows * crops, -1, -1).to(coord.dtype),
         "patch_valid": torch.ones(rows * crops, grid * grid, dtype=torch.bool, device=patches.device),
     }
+
+
+def global_patch_views(
+    images: dict[str, torch.Tensor],
+    *,
+    patch_size: int,
+    seed: int = 0,
+    step: int = 0,
+    augmentation: tuple | None = None,
+    scale: tuple[float, float] = GLOBAL_SCALE,
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> dict[str, torch.Tensor]:
+    """Each image of a NaFlex batch as its global view, in its own patches' places (coordinates and validity as
+    given): global_views's box of 40-100% of the image, drawn with the same draws, resized back to the image's size
+    in one roi_align over the batch's canvas (patch_canvas), flipped and augmented as that image alone would be."""
+    patches, valid = images["patches"], images["patch_valid"]
+    rows, length, _ = patches.shape
+    side = patch_size
+    canvas = patch_canvas(images, patch_size)
+    uniforms = view_uniforms(key_tensor(patches), 1, augmentation is not None, seed, step, "global:")
+    shape = (canvas.heights * side)[:, None], (canvas.widths * side)[:, None]
+    fill = (canvas.down * side)[:, None], (canvas.across * side)[:, None]
+    size = (canvas.pixels.shape[2], canvas.pixels.shape[3])
+    augmented = _own_blur(augmentation, canvas)
+    views = resampled_views(canvas.pixels, *shape, uniforms, size, scale, ratio, augmented, canvas.wide, fill=fill).to(
+        patches.dtype
+    )
+    grid_h, grid_w = size[0] // side, size[1] // side
+    cells = views.view(rows, -1, grid_h, side, grid_w, side).permute(0, 2, 4, 3, 5, 1)  # (rows, H, W, P, P, C)
+    at_y, at_x = canvas.at
+    at_row = torch.arange(rows, device=patches.device)[:, None].expand(rows, length)
+    taken = cells[at_row, at_y.clamp(max=grid_h - 1), at_x]  # (rows, L, P, P, C)
+    taken = torch.where(canvas.wide[:, None, None, None, None], taken.transpose(2, 3), taken)
+    return {**images, "patches": torch.where(valid[..., None], taken.reshape(rows, length, -1), patches)}
+
+
+def _own_blur(augmentation: tuple | None, canvas: _Canvas) -> tuple | None:
+    """A NaFlex batch's augmentation (mean, std): the blur's scale each image's own, its side √(h·w) (pixels) over
+    DINO's 224 as a fixed-size image's is, and its largest possible (the canvas's longest side's) for the taps."""
+    if augmentation is None:
+        return None
+    own = torch.sqrt((canvas.heights * canvas.widths).double()) * canvas.patch / view_augment.DINO_SIDE
+    return (augmentation[0], augmentation[1], own, canvas.pixels.shape[2] / view_augment.DINO_SIDE)
 
 
 def _edges_repeated(pixels: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:

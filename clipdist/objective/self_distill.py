@@ -85,7 +85,6 @@ class SelfDistillTerm(TeacherTerm):
 
     def __init__(self, model, teacher, options: SelfDistillOptions, seed: int = 0):
         super().__init__(model, teacher, options, PART, seed)
-        self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0
         self.size = 0 if self.patch_size else view_size(options, model)
 
     def teacher_embeddings(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, None]:

@@ -18,7 +18,6 @@ the model, so the average, checkpoints and resume hold it; exports and evaluatio
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
@@ -28,10 +27,10 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from clipdist.data import view_augment
-from clipdist.data.views import global_views
+from clipdist.data.views import global_patch_views, global_views
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError
-from clipdist.model.timm_towers import vit_trunk_of
+from clipdist.model.timm_towers import naflex_patch_size, naflex_trunk, vit_trunk_of
 from clipdist.objective.base import OwnModule, Term, TermContext
 from clipdist.registry.terms import TeacherOptions
 
@@ -177,11 +176,20 @@ class EmaTeacher:
             self.last = (images, step, self(visual, images, within=tokens_out))
         return self.last[2]
 
-    def global_view(self, images: torch.Tensor, seed: int, step: int | None, augmentation: tuple | None):
-        """The images' global views (views.global_views): made once for every term that asks for the same images at
-        the same step, so the teacher's forward of them is one too."""
+    def global_view(
+        self, images: torch.Tensor | dict, seed: int, step: int | None, augmentation: tuple | None, patch_size: int = 0
+    ) -> torch.Tensor | dict:
+        """The images' global views (views.global_views; a NaFlex batch's, of `patch_size` patches:
+        views.global_patch_views): made once for every term that asks for the same images at the same step, so the
+        teacher's forward of them is one too."""
         if self.view is None or self.view[0] is not images or self.view[1] != step:
-            self.view = (images, step, global_views(images, seed=seed, step=step or 0, augmentation=augmentation))
+            at = step or 0
+            view = (
+                global_patch_views(images, patch_size=patch_size, seed=seed, step=at, augmentation=augmentation)
+                if isinstance(images, dict)
+                else global_views(images, seed=seed, step=at, augmentation=augmentation)
+            )
+            self.view = (images, step, view)
         return self.view[2]
 
     def forget(self) -> None:
@@ -215,6 +223,7 @@ class TeacherTerm(Term):
         self.model, self.ema_teacher, self.options, self.seed = model, ema_teacher, options, seed
         self.head: Head = getattr(model, part)
         self.visual: torch.nn.Module = tower(model)
+        self.patch_size = naflex_patch_size(model) if naflex_trunk(model) is not None else 0  # NaFlex: its patches
         self.pending: torch.Tensor | None = None  # the global batch's mean teacher output, for the centre
         self.signal: dict[str, torch.Tensor] = {}  # the last step's entropies and centre norm (stats)
         self.moments = torch.zeros(0)  # (n, Σx, Σx²) of the teacher head's last inputs
@@ -232,22 +241,21 @@ class TeacherTerm(Term):
     def global_view(self, images: torch.Tensor | dict) -> torch.Tensor | dict:
         """What the teacher (and the masked student) see of the images: with `augment`, each image's global view, a
         crop of 40-100% of it resized back, flipped, colour-jittered, grayed and blurred as SILC's (DINO's) global
-        views (views.global_views: shared by the terms); without, or for a NaFlex batch, the images as they are."""
-        if isinstance(images, dict) or self.normalised is None:
+        views (views.global_views, a NaFlex batch's in its own patches' places: shared by the terms); without, the
+        images as they are."""
+        if self.normalised is None:
             return images
-        return self.ema_teacher.global_view(images, self.seed, self.step, self.augmentation(images))
+        return self.ema_teacher.global_view(images, self.seed, self.step, self.augmentation(images), self.patch_size)
 
     def augmentation(self, images: torch.Tensor | dict) -> tuple | None:
         """(mean, std, blur scale) of the views' augmentation (view_augment.augment) for these images, None without
-        `augment`: the blur's σ in proportion to the images' side (a NaFlex batch's: √L patches), DINO's at 224 px."""
+        `augment`: the blur's σ in proportion to the images' side, DINO's at 224 px; a NaFlex batch's (mean, std),
+        its patch views scaling each image's blur by its own side."""
         if self.normalised is None:
             return None
         if isinstance(images, dict):
-            patches = images["patches"]
-            side = math.sqrt(patches.shape[1] * patches.shape[2] / 3)  # √L patches of P·P·3 values
-        else:
-            side = images.shape[-1]
-        return (*self.normalised, side / view_augment.DINO_SIDE)
+            return self.normalised
+        return (*self.normalised, images.shape[-1] / view_augment.DINO_SIDE)
 
     def teacher_image(self, images: torch.Tensor | dict) -> tuple[torch.Tensor, Any]:
         """(pooled, per-patch tokens) of the teacher's image tower on the images' global views (EmaTeacher.image:

@@ -296,6 +296,44 @@ def test_the_teacher_and_the_masked_student_see_one_augmented_global_view_the_co
         assert augment == (not torch.equal(expected, images))
 
 
+def test_on_a_naflex_tower_the_teacher_and_the_masked_student_see_each_images_global_view():
+    """With augment, a NaFlex batch's teacher and masked student see each image's global view in its own patches'
+    places (views.global_patch_views: one for both), its padding as it was; without, the loader's patches."""
+    from clipdist.data.views import global_patch_views
+    from clipdist.model.timm_towers import naflex_patch_size, random_patches
+    from clipdist.objective.masked import MaskedTerm
+    from clipdist.objective.masked import attach as attach_masked
+    from clipdist.registry.terms import MaskedOptions
+
+    for augment in (True, False):
+        torch.manual_seed(0)
+        model = create_model("clipdist-naflex-tiny").double().eval()
+        options = MaskedOptions(ratio=0.5, hidden=16, bottleneck=8, prototypes=12, augment=augment)
+        assert attach_masked(options, model)
+        weights = {name: tensor.detach() + 0.01 for name, tensor in model.named_parameters()}
+        term = MaskedTerm(model, EmaTeacher(model, lambda weights=weights: weights), options, seed=7)
+        term.step = 4
+        images = random_patches(5, 16, 12, torch.Generator().manual_seed(2), torch.float64)
+        teacher_saw: list[dict] = []
+        student_saw: list[dict] = []
+        term.ema_teacher.plain.visual.register_forward_pre_hook(lambda m, args, to=teacher_saw: to.append(args[0]))
+        model.visual.register_forward_pre_hook(lambda m, args, to=student_saw: to.append(args[0]))
+        term.rows(images)
+        patch = naflex_patch_size(model)
+        expected = (
+            global_patch_views(images, patch_size=patch, seed=7, step=4, augmentation=term.augmentation(images))
+            if augment
+            else images
+        )
+        assert len(teacher_saw) == len(student_saw) == 1
+        for saw in (teacher_saw[0], student_saw[0]):
+            assert torch.equal(saw["patches"], expected["patches"])
+            assert torch.equal(saw["patch_coord"], images["patch_coord"])
+        valid = images["patch_valid"]
+        assert augment == (not torch.equal(expected["patches"][valid], images["patches"][valid]))
+        assert torch.equal(expected["patches"][~valid], images["patches"][~valid])
+
+
 def naflex_padded(images: dict, extra: int) -> dict:
     """The same NaFlex batch with `extra` more padding patches a row."""
     rows = len(images["patches"])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from clipdist.data.views import TRIES, crop_boxes, key_tensor, local_views, patch_masks
@@ -159,6 +162,7 @@ def test_a_naflex_images_views_are_the_views_of_its_pixels_whatever_its_batch_ro
         [y, x] for y in range(grid) for x in range(grid)
     ]
     for row, image in enumerate(images):
+        own = math.sqrt(image.shape[1] * image.shape[2]) / 224  # the blur's scale: the image's own side
         alone = module.resampled_views(
             image[None],
             image.shape[1],
@@ -167,7 +171,7 @@ def test_a_naflex_images_views_are_the_views_of_its_pixels_whatever_its_batch_ro
             (side, side),
             (0.05, 1.0),
             (3 / 4, 4 / 3),
-            normalised,
+            (*normalised, own),
         )
         expected = torch.stack([_as_patches(view, patch) for view in alone])
         torch.testing.assert_close(views["patches"][row * crops : (row + 1) * crops], expected, rtol=0, atol=2e-6)
@@ -182,6 +186,59 @@ def test_a_naflex_images_views_are_the_views_of_its_pixels_whatever_its_batch_ro
         )
     other = module.local_patch_views(batch, seed=1, step=10, **options)
     assert not torch.equal(other["patches"], drawn["patches"])
+
+
+@pytest.mark.parametrize("augmented", [False, True])
+def test_a_naflex_images_global_view_is_the_global_view_of_its_pixels_in_its_own_patches(monkeypatch, augmented):
+    """global_patch_views: each image's global view (a box of 40-100% resized back to the image's size, flipped,
+    colour-jittered, grayed, blurred) cut into its own patches' places, is what resampled_views makes of that image
+    alone with the same draws — the contrast's mean and the blur's reflection the image's own, not the canvas's — for
+    tall, wide, square images and a strip, to float64's round-off; padding stays as it was; with the real draws a
+    sample's view does not depend on its row or the batch's padding."""
+    from clipdist.data import views as module
+
+    patch, length = 16, 44  # images of 16 to 320 px: the blur's σ up to 1.8 px (its scale the image's own side)
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(5, 8), (8, 5), (6, 6), (2, 20), (4, 3), (1, 1)]  # (h, w) in patches
+    images = [torch.rand(3, h * patch, w * patch, generator=generator, dtype=torch.float64) for h, w in shapes]
+    batch = _naflex_batch(images, patch, length)
+    normalised = ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)) if augmented else None
+    count = module.BOX_DRAWS + (13 if augmented else 0)
+    fixed = torch.rand(len(images), 1, count, generator=generator, dtype=torch.float64)
+    if augmented:
+        fixed[:3, 0, module.BOX_DRAWS + 10] = 0.1  # these three blurred, whatever else was drawn
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "view_uniforms", lambda keys, *_: fixed[: len(keys)])
+        viewed = module.global_patch_views(batch, patch_size=patch, seed=3, step=5, augmentation=normalised)
+    assert torch.equal(viewed["patch_coord"], batch["patch_coord"]) and viewed["patch_valid"] is batch["patch_valid"]
+    for row, image in enumerate(images):
+        height, width = image.shape[1:]
+        own = (*normalised, math.sqrt(height * width) / 224) if normalised else None
+        alone = module.resampled_views(
+            image[None],
+            height,
+            width,
+            fixed[row : row + 1],
+            (height, width),
+            module.GLOBAL_SCALE,
+            (3 / 4, 4 / 3),
+            own,
+        )[0]
+        cells = len(_as_patches(image, patch))
+        torch.testing.assert_close(viewed["patches"][row, :cells], _as_patches(alone, patch), rtol=0, atol=1e-12)
+        assert torch.equal(viewed["patches"][row, cells:], batch["patches"][row, cells:])
+    drawn = module.global_patch_views(batch, patch_size=patch, seed=3, step=5, augmentation=normalised)
+    order = [3, 0, 5]
+    again = module.global_patch_views(
+        _naflex_batch([images[i] for i in order], patch, length + 9),
+        patch_size=patch,
+        seed=3,
+        step=5,
+        augmentation=normalised,
+    )
+    for at, row in enumerate(order):
+        cells = len(_as_patches(images[row], patch))
+        torch.testing.assert_close(again["patches"][at, :cells], drawn["patches"][row, :cells], rtol=0, atol=1e-12)
 
 
 def test_a_naflex_batchs_views_default_to_a_quarter_of_its_sides_patches():
