@@ -24,9 +24,11 @@ assembling a batch from the workers' pieces treat it as any other input (loader.
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms as T
@@ -71,10 +73,10 @@ def device_decoder(transform, device: torch.device | str) -> Callable:
 
 def encode(crop: T.RandomResizedCrop, image: EncodedImage | Image.Image, decode_on_host) -> EncodedCrop:
     """`image` as its worker hands it over: an RGB or greyscale JPEG as its bytes and its crop box (drawn as
-    RandomResizedCrop draws it from the header's size); any other image through `decode_on_host` (the host path:
-    its uint8 (H, W, 3) pixels)."""
+    RandomResizedCrop draws it from the header's size); any other image, or a JPEG cut short (whole_jpeg), through
+    `decode_on_host` (the host path: its uint8 (H, W, 3) pixels, or the error that skips the sample there too)."""
     data, opened = image if isinstance(image, EncodedImage) else (b"", image)
-    if data and opened.format == "JPEG" and opened.mode in DEVICE_DECODABLE:
+    if data and opened.format == "JPEG" and opened.mode in DEVICE_DECODABLE and whole_jpeg(data):
         top, left, height, width = crop.get_params(opened, crop.scale, crop.ratio)
         return EncodedCrop(torch.frombuffer(bytearray(data), dtype=torch.uint8), (top, left, height, width))
     return EncodedCrop(decode_on_host(image), None)
@@ -101,30 +103,37 @@ def is_encoded(images) -> bool:
     return isinstance(images, dict) and ENCODED in images
 
 
+class Decoded(NamedTuple):
+    """decode_rows's batch: its pixels, how many rows the workers had decoded, and the rows no decoder could read."""
+
+    pixels: torch.Tensor  # (b, H, W, 3) uint8 on the device
+    host_decoded: int
+    unreadable: list[int]  # rows left black (their JPEG decoded neither on the device nor by PIL)
+
+
 def decode_rows(
     rows: dict[str, torch.Tensor],
     device: torch.device | str,
     interpolation: T.InterpolationMode = T.InterpolationMode.BICUBIC,
-) -> tuple[torch.Tensor, int]:
-    """An encoded batch (on the host) as (b, H, W, 3) uint8 pixels on `device`, and how many rows its workers had
-    decoded: the JPEGs in one decode_jpeg call on the device, each cropped to its box and resized to the output
-    (torchvision's resized_crop with the crop's `interpolation`, antialiased); the others' pixels copied as they
-    are."""
+) -> Decoded:
+    """An encoded batch (on the host) as (b, H, W, 3) uint8 pixels on `device`: the JPEGs in one decode_jpeg call on
+    the device, each cropped to its box and resized to the output (torchvision's resized_crop with the crop's
+    `interpolation`, antialiased); the others' pixels copied as they are. Should the batch's call fail (a JPEG whose
+    body is corrupt past what its worker checks), each is decoded on its own, and one the device cannot read is
+    decoded by PIL on the host; one nothing reads is left black and named in `unreadable`."""
     lengths, boxes = rows["length"].tolist(), rows["box"].tolist()  # host tensors: no device sync
     count = len(lengths)
     height, width = rows["size"][0].tolist() if count else (0, 0)
-    out = torch.empty(count, height, width, 3, dtype=torch.uint8, device=device)
+    out = torch.zeros(count, height, width, 3, dtype=torch.uint8, device=device)
     jpegs = [row for row in range(count) if boxes[row][0] >= 0]
-    try:  # deprecated since torchvision 0.29 for TorchCodec's decoders; imported here so a release without it
-        from torchvision.io import ImageReadMode, decode_jpeg  # fails only the runs that decode on the device
-    except ImportError as error:
-        raise ConfigError(
-            f"data.decode_on=device needs torchvision.io.decode_jpeg, which this torchvision lacks ({error}); "
-            "leave data.decode_on=host"
-        ) from None
     files = [rows[ENCODED][row, : lengths[row]] for row in jpegs]
-    decoded = decode_jpeg(files, mode=ImageReadMode.RGB, device=device) if files else []  # it refuses an empty list
-    for row, image in zip(jpegs, decoded):
+    unreadable: list[int] = []
+    for row, data, image in zip(jpegs, files, _decoded(files, device)):
+        if image is None:
+            image = _decoded_by_pil(data, device)
+        if image is None:
+            unreadable.append(row)
+            continue
         top, left, h, w = boxes[row]
         cropped = F.resized_crop(image, top, left, h, w, [height, width], interpolation=interpolation, antialias=True)
         out[row] = cropped.permute(1, 2, 0)
@@ -132,4 +141,47 @@ def decode_rows(
     for row in on_host:
         pixels = rows[ENCODED][row, : lengths[row]].view(height, width, 3)
         out[row] = pixels.to(device, non_blocking=True)
-    return out, len(on_host)
+    return Decoded(out, len(on_host), unreadable)
+
+
+def _decoded(files: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor | None]:
+    """decode_jpeg's (3, h, w) RGB of each file on `device`, in one call; where it fails, each on its own (None
+    where that fails)."""
+    try:  # deprecated since torchvision 0.29 for TorchCodec's decoders; imported here so a release without it
+        from torchvision.io import ImageReadMode, decode_jpeg  # fails only the runs that decode on the device
+    except ImportError as error:
+        raise ConfigError(
+            f"data.decode_on=device needs torchvision.io.decode_jpeg, which this torchvision lacks ({error}); "
+            "leave data.decode_on=host"
+        ) from None
+    if not files:
+        return []  # decode_jpeg refuses an empty list
+    try:
+        return list(decode_jpeg(files, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        pass
+    each: list[torch.Tensor | None] = []
+    for data in files:
+        try:
+            each.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            each.append(None)
+    return each
+
+
+def _decoded_by_pil(data: torch.Tensor, device: torch.device | str) -> torch.Tensor | None:
+    """(3, h, w) RGB of a JPEG decode_jpeg refused, decoded by PIL on the host (as the host path would), on `device`;
+    None where PIL cannot read it either."""
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as opened:
+            pixels = np.array(opened.convert("RGB"), dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError):
+        return None
+    return torch.from_numpy(pixels).permute(2, 0, 1).to(device)
+
+
+def whole_jpeg(data: bytes) -> bool:
+    """Whether a JPEG's last scan is followed by its end-of-image marker: a truncated file's is not (entropy-coded
+    data stuffs every 0xFF, so the marker cannot occur inside it; an EXIF thumbnail's comes before the scans)."""
+    last_scan = data.rfind(b"\xff\xda")
+    return last_scan > 0 and data.find(b"\xff\xd9", last_scan) > 0

@@ -34,6 +34,7 @@ counts and the schedule advances, as in open_clip_train.
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from clipdist.data.device_decode import is_encoded
 from clipdist.distributed import parallel
 from clipdist.model.short_text import trim
 from clipdist.objective import Outputs, as_objective
+
+log = logging.getLogger("clipdist")
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,7 @@ class Step:
         self.autocast, self.device, self.normalize = autocast or nullcontext(), device, normalize
         self.decode = decode
         self.host_decoded = 0  # encoded batches' rows this rank's workers decoded (no JPEG the device takes)
+        self.unreadable = 0  # encoded rows no decoder could read (device_decode.Decoded.unreadable), left black
         self.grad_clip, self.max_log_scale = grad_clip, math.log(max_logit_scale)
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
         self.trim_text = trim_text
@@ -224,9 +228,13 @@ class Step:
         if self.decode is None:
             raise ValueError("an encoded batch (data.decode_on=device) reached a step that has no decoder")
         with record_function("decode"):
-            pixels, on_host = self.decode(batch["image"])
-        self.host_decoded += on_host
-        return Batch({**batch.inputs, "image": pixels}, batch.counts, batch.sample_keys)
+            decoded = self.decode(batch["image"])
+        self.host_decoded += decoded.host_decoded
+        self.unreadable += len(decoded.unreadable)
+        for row in decoded.unreadable:
+            key = batch.sample_keys[row] if batch.sample_keys else f"row {row}"
+            log.warning("%s: its JPEG decoded neither on the device nor by PIL; trained on as a black image", key)
+        return Batch({**batch.inputs, "image": decoded.pixels}, batch.counts, batch.sample_keys)
 
     def pieces(self, batch: Batch) -> list[Batch]:
         """The batch as the step forwards it: whole here, in chunks under gradient caching."""

@@ -205,8 +205,8 @@ class Trainer:
             sources: dict[str, int | list[int]] = (
                 {"source_samples": list(stream.source_samples)} if len(stream.source_samples) > 1 else {}
             )
-            if self.step.decode is not None:  # data.decode_on=device: images no device decoder takes (rank 0's)
-                sources["host_decoded_images"] = self.step.host_decoded
+            if self.step.decode is not None:  # data.decode_on=device: images the device did not decode (rank 0's)
+                sources.update(host_decoded_images=self.step.host_decoded, unreadable_images=self.step.unreadable)
             self.tracker.log_train(
                 {
                     **stats,

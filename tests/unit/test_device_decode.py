@@ -75,14 +75,14 @@ def test_the_device_sees_the_host_paths_crops_resampled_alike():
         torch.manual_seed(index)
         assert rows["box"][index].tolist() == list(crop.get_params(_opened(image).opened, crop.scale, crop.ratio))
     assert rows["box"][3:].eq(-1).all()
-    pixels, on_host = decode_rows(rows, "cpu")
+    pixels, on_host, unreadable = decode_rows(rows, "cpu")
     assert pixels.shape == expected.shape == (len(IMAGES), SIZE, SIZE, 3) and pixels.dtype == torch.uint8
-    assert on_host == 2
+    assert on_host == 2 and unreadable == []
     difference = (pixels.float() - expected.float()).abs().mean((1, 2, 3))
     assert difference[:3].max() < 1.0, difference
     assert torch.equal(pixels[3:], expected[3:])
     none_to_decode = encoded.stack(_each(encoded)[3:])  # a batch with no JPEG the device takes (the digits' PNGs)
-    assert torch.equal(decode_rows(none_to_decode, "cpu")[0], expected[3:])
+    assert torch.equal(decode_rows(none_to_decode, "cpu").pixels, expected[3:])
 
 
 def test_a_batch_assembled_from_pieces_of_other_widths_decodes_as_the_whole():
@@ -111,10 +111,51 @@ def test_a_batch_assembled_from_pieces_of_other_widths_decodes_as_the_whole():
     batch, _ = assemble(items, len(pieces), pin_memory=False)
     assert batch["image"]["encoded"].shape[1] == max(len(image.data.reshape(-1)) for image in encoded)
     assert batch.seq_len is None and batch.rows == len(IMAGES)
-    whole, _ = decode_rows(batcher.stack(encoded), "cpu")
-    assert torch.equal(decode_rows(batch["image"], "cpu")[0], whole)
+    whole = decode_rows(batcher.stack(encoded), "cpu").pixels
+    assert torch.equal(decode_rows(batch["image"], "cpu").pixels, whole)
     chunks = Batch(dict(batch)).split(2)  # gradient caching splits an encoded batch as any input
     assert [chunk.rows for chunk in chunks] == [3, 2]
+
+
+def test_a_jpeg_cut_short_is_the_host_paths_to_skip_and_a_corrupt_one_falls_back_to_pil(monkeypatch):
+    """A JPEG whose last scan has no end marker (a truncated download) is not handed over as bytes: its worker decodes
+    it as the host path does, raising what the host path raises (the stream skips the sample on both paths). Where the
+    device's batched decode fails, each image is decoded alone; one it refuses is decoded by PIL; one nothing reads
+    is left black and named."""
+    import torchvision.io
+
+    transform = open_clip.image_transform((SIZE, SIZE), is_train=True)
+    whole = IMAGES[0]
+    cut = whole[: len(whole) // 2]
+    errors = []
+    for batcher in (ImageBatcher(transform), ImageBatcher(transform, encoded=True)):
+        with pytest.raises(Exception) as raised:  # noqa: PT011 -- whatever the host path raises, the same
+            batcher(_opened(cut))
+        errors.append(type(raised.value))
+    assert errors[0] is errors[1]
+    encoded = ImageBatcher(transform, encoded=True)
+    rows = encoded.stack(_each(encoded)[:3])  # three JPEGs the device takes
+    expected = decode_rows(rows, "cpu").pixels
+    real = torchvision.io.decode_jpeg
+    refused = {int(rows["length"][1])}  # the device refuses the second file: PIL decodes it
+
+    def device(data, **options):
+        if isinstance(data, list) or len(data) in refused:
+            if isinstance(data, list) and not any(len(one) in refused for one in data):
+                return real(data, **options)
+            raise RuntimeError("decode_jpeg: corrupt data")
+        return real(data, **options)
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", device)
+    decoded = decode_rows(rows, "cpu")
+    assert decoded.unreadable == [] and torch.equal(decoded.pixels[[0, 2]], expected[[0, 2]])
+    assert (decoded.pixels[1].float() - expected[1].float()).abs().mean() < 1.0  # PIL's decode, not libjpeg's own
+    garbage = dict(rows)
+    garbage["encoded"] = rows["encoded"].clone()
+    garbage["encoded"][1, 2 : int(rows["length"][1]) - 2] = 7  # no JPEG at all past its first marker
+    decoded = decode_rows(garbage, "cpu")
+    assert decoded.unreadable == [1] and not decoded.pixels[1].any()
+    assert torch.equal(decoded.pixels[[0, 2]], expected[[0, 2]])
 
 
 @pytest.mark.parametrize(
