@@ -21,7 +21,8 @@ figures are the step's, not the loader's:
   checkpoint  how long a save in the background holds the loop (checkpoint.async_save), and its write
   data        a real run, `train.py world=1gpu data=web_photos` (--tiny: `world=local data=digits`): pinned
               memory, non_blocking copies and normalisation on the device, the paths the CPU suite cannot reach;
-              then the same with data.decode_on=device (nvJPEG on CUDA)
+              the loader alone on every spare core, decoding and handing over bytes; then the real run with
+              data.decode_on=device (nvJPEG on CUDA)
 
 samples/s: the batch over the median step time (CUDA synchronised); MFU: the step's FLOPs (torch's FlopCounterMode
 over one step: forward, loss, backward) × steps/s over the device's dense peak in the step's dtype — from its spec
@@ -253,6 +254,50 @@ def data_run(tiny: bool, steps: int, decode_on: str = "host") -> dict:
     return {"samples_per_s": real_run([*overrides, f"data.decode_on={decode_on}"], steps, timeout_s=600)}
 
 
+def loader_rates(tiny: bool, workers: int, batches: int) -> dict:
+    """The loader alone, no step: samples/s a rank's `workers` make of ViT-B/32's 224-px training batches from
+    web_photos (--tiny: clipdist-tiny's from the digits), decoding on the host, then handing over JPEG bytes and crop
+    boxes for the device to decode (data.decode_on=device); two batches of warm-up each."""
+    from clipdist.config import DataConfig, DecodeOn
+    from clipdist.data.builtin import builtin_shards
+    from clipdist.data.sources import expand_shards
+    from clipdist.data.stream import TrainStream
+    from clipdist.data.transforms import image_transforms
+    from clipdist.model.factory import create_model, get_tokenizer
+
+    model, source, batch = ("clipdist-tiny", "digits", 64) if tiny else ("ViT-B-32", "web_photos", 128)
+    shards = expand_shards(builtin_shards(source, str(Path("~/.cache/clipdist").expanduser()))[0])
+    transform = image_transforms(create_model(model, device="meta"), DataConfig())[0]
+    rates = {}
+    for decode_on in (DecodeOn.host, DecodeOn.device):
+        data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=256, decode_on=decode_on)
+        stream = TrainStream(
+            [shards], data, batch_size=batch, image_transform=transform, tokenizer=get_tokenizer(model), pixels=True
+        )
+        try:
+            for _ in range(2):
+                next(stream)
+            started = time.perf_counter()
+            for _ in range(batches):
+                next(stream)
+            rates[decode_on.value] = batches * batch / (time.perf_counter() - started)
+        finally:
+            stream.close()
+    return {"samples_per_s": rates["host"], "bytes_per_s": rates["device"], "workers": workers}
+
+
+def loader_row(tiny: bool) -> Planned:
+    """The loader's rate per core on this machine, decoding on the host and handing over bytes (decode_on=device)."""
+    workers = 1 if tiny else max(1, (os.cpu_count() or 2) - 1)
+    batches = 3 if tiny else 40
+    return Planned(
+        "data",
+        f"the loader alone, {workers} worker(s): decoded on the host, then bytes and boxes (data.decode_on=device)",
+        lambda work: loader_rates(tiny, workers, batches),
+        20.0,  # two streams of 42 batches: 10,752 images at ~300 a core decoded, ~2,400 handed over
+    )
+
+
 FORWARD_GFLOPS = {  # one sample's forward, image + text towers (224 px, 77 tokens), FlopCounterMode's count (two
     # a multiply-add; open_clip's tables give multiply-adds: half these): the plan's time estimates
     "ViT-B-32": 14.8,
@@ -299,9 +344,9 @@ def save_row(base: str, precision: str, device: torch.device) -> Planned:
 
 def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dict) -> list[Planned]:
     """Every row, most valuable first (estimates from an H200's measured rows): the B/16 and B/32 bf16 step, a real
-    run's loader feeding the device, the loss backends at the smallest and largest global batch on one device with
-    gradient caching, NaFlex at one token budget, the recipe's terms, a background save's stall; then compile, the
-    middle of the batch curve, fp16, L/14 and FSDP2."""
+    run's loader feeding the device and the loader alone, the loss backends at the smallest and largest global batch
+    on one device with gradient caching, NaFlex at one token budget, the recipe's terms, a background save's stall;
+    then the real run decoding on the device, compile, the middle of the batch curve, fp16, L/14 and FSDP2."""
     precision = "fp32" if device.type == "cpu" else "bf16"
     peak = peaks[precision]
     models = ("clipdist-tiny",) if tiny else ("ViT-B-16", "ViT-B-32")
@@ -332,11 +377,12 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     sizes, micro = ((512,), 64) if tiny else (sorted(large_batches), 1024)
     ends = sorted({sizes[0], sizes[-1]})
     first = [step_row(model, precision, False) for model in models]
-    first += [data_row(tiny, peak[0]), data_row(tiny, peak[0], "device")]
+    first += [data_row(tiny, peak[0]), loader_row(tiny)]
     first += [row for size in ends for row in large_rows(size, micro)]
     first += naflex_rows(tiny, steps, precision, peak, device)
     first.append(save_row(base, precision, device))
-    later = [] if tiny else [step_row(model, precision, True) for model in models]
+    later = [data_row(tiny, peak[0], "device")]  # the device's JPEG decode (built without a GPU: proved here)
+    later += [] if tiny else [step_row(model, precision, True) for model in models]
     later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
     if not tiny:
         later += [step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")]
@@ -483,7 +529,19 @@ def finished_rows(path, device: str) -> dict[tuple[str, str], dict]:
     }
 
 
-FIGURES = ("samples_per_s", "mfu", "memory_bytes", "stall_s", "written_s", "tflops", "tokens_per_s", "flops", "step_s")
+FIGURES = (
+    "samples_per_s",
+    "mfu",
+    "memory_bytes",
+    "stall_s",
+    "written_s",
+    "tflops",
+    "tokens_per_s",
+    "flops",
+    "step_s",
+    "bytes_per_s",
+    "workers",
+)
 
 
 def _is_row(row) -> bool:
@@ -539,6 +597,9 @@ def format_row(row: dict) -> str:
     other = (
         f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s"
         if "stall_s" in row
+        else f"{row['samples_per_s'] / row['workers']:,.0f} a worker; bytes and boxes {row['bytes_per_s']:,.0f} "
+        f"({row['bytes_per_s'] / row['workers']:,.0f} a worker)"
+        if "bytes_per_s" in row
         else f"{row['tflops']:.0f} TFLOPS ({row['source']})"
         if "tflops" in row
         else f"{row['tokens_per_s']:,.0f} image tokens/s"
