@@ -1,7 +1,7 @@
 """JPEG decoding on the rank's device (data.decode_on=device): the workers read headers, the device decodes.
 
     rows = encoded_rows([EncodedCrop(...), ...], (224, 224))   # in a loader worker: the file's bytes and its box
-    pixels = decode_rows(rows, device)                          # in the rank: (b, 224, 224, 3) uint8 on the device
+    pixels = decode_rows(rows, device).pixels                   # in the rank: (b, 224, 224, 3) uint8 on the device
 
 A worker opens each image's header only, and draws its RandomResizedCrop box as the host path draws it — the same
 generator calls, from the size in the header (images.ReducedDecodeCrop) — so a sample's box is the same whichever side
@@ -12,8 +12,8 @@ tensor path), then the step normalises the uint8 batch as it does the loader's (
 
 What differs from the host path is the resampling alone: the host decodes at the smallest DCT scale that still spans
 the output and resizes with PIL; here the whole image is decoded and resized with torch. An image that is not an RGB
-or greyscale JPEG (PNG, WebP, CMYK JPEG) is decoded by its worker as on the host path and travels as pixels in its
-row; `decode_rows` counts them (`host_decoded`).
+or greyscale JPEG (PNG, WebP, CMYK JPEG), or a JPEG cut short, is decoded by its worker as on the host path and
+travels as pixels in its row (or is skipped, as there); `decode_rows` counts them (`host_decoded`).
 
 A batch's rows: `encoded` (b, W) uint8, each row a file's bytes (or a host-decoded image's pixels) zero-padded to the
 widest; `length` (b,) its bytes; `box` (b, 4) (top, left, height, width) in the stored image, (-1, …) for pixels;

@@ -195,7 +195,7 @@ def resampled_views(
     else:
         extent = (fill[0].expand(rows, crops).flatten(), fill[1].expand(rows, crops).flatten())
         turned = transposed.repeat_interleave(crops) if transposed is not None else torch.zeros_like(flips)
-        views = _flipped_within(views, flips, turned, extent)  # type: ignore[arg-type]
+        views = _flipped_within(views, flips, turned, extent)
     if augmentation:
         blur = augmentation[2] if len(augmentation) > 2 else 1.0  # (mean, std[, blur scale[, its largest]])
         if isinstance(blur, torch.Tensor):  # one an image: one a view
