@@ -51,11 +51,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.state import TrainState
-from clipdist.config import to_train_config
+from clipdist.config import DataConfig, DecodeOn, to_train_config
 from clipdist.data.batch import Batch, apply, zero_counts
+from clipdist.data.builtin import builtin_shards
+from clipdist.data.sources import expand_shards
+from clipdist.data.stream import TrainStream
+from clipdist.data.transforms import image_transforms
 from clipdist.distributed.launch import detect_env, free_port
 from clipdist.files import read_bounded, write_atomic
-from clipdist.model.factory import image_size, random_tokens
+from clipdist.model.factory import create_model, get_tokenizer, image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 from clipdist.tools.limit import real_run
 from clipdist.train.parts import build_parts
@@ -258,13 +262,6 @@ def loader_rates(tiny: bool, workers: int, batches: int) -> dict:
     """The loader alone, no step: samples/s a rank's `workers` make of ViT-B/32's 224-px training batches from
     web_photos (--tiny: clipdist-tiny's from the digits), decoding on the host, then handing over JPEG bytes and crop
     boxes for the device to decode (data.decode_on=device); two batches of warm-up each."""
-    from clipdist.config import DataConfig, DecodeOn
-    from clipdist.data.builtin import builtin_shards
-    from clipdist.data.sources import expand_shards
-    from clipdist.data.stream import TrainStream
-    from clipdist.data.transforms import image_transforms
-    from clipdist.model.factory import create_model, get_tokenizer
-
     model, source, batch = ("clipdist-tiny", "digits", 64) if tiny else ("ViT-B-32", "web_photos", 128)
     shards = expand_shards(builtin_shards(source, str(Path("~/.cache/clipdist").expanduser()))[0])
     transform = image_transforms(create_model(model, device="meta"), DataConfig())[0]
