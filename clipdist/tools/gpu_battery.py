@@ -285,7 +285,7 @@ def loader_rates(tiny: bool, workers: int, batches: int) -> dict:
 
 def loader_row(tiny: bool) -> Planned:
     """The loader's rate per core on this machine, decoding on the host and handing over bytes (decode_on=device)."""
-    workers = 1 if tiny else max(1, (os.cpu_count() or 2) - 1)
+    workers = 0 if tiny else max(1, (os.cpu_count() or 2) - 1)  # --tiny: in the process, no worker to start
     batches = 3 if tiny else 40
     return Planned(
         "data",
@@ -378,8 +378,8 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     first += [row for size in ends for row in large_rows(size, micro)]
     first += naflex_rows(tiny, steps, precision, peak, device)
     first.append(save_row(base, precision, device))
-    later = [data_row(tiny, peak[0], "device")]  # the device's JPEG decode (built without a GPU: proved here)
-    later += [] if tiny else [step_row(model, precision, True) for model in models]
+    # the device's JPEG decode, built without a GPU (--tiny: tests/integration/test_device_decode.py runs it)
+    later = [] if tiny else [data_row(tiny, peak[0], "device"), *(step_row(model, precision, True) for model in models)]
     later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
     if not tiny:
         later += [step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")]
@@ -594,8 +594,8 @@ def format_row(row: dict) -> str:
     other = (
         f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s"
         if "stall_s" in row
-        else f"{row['samples_per_s'] / row['workers']:,.0f} a worker; bytes and boxes {row['bytes_per_s']:,.0f} "
-        f"({row['bytes_per_s'] / row['workers']:,.0f} a worker)"
+        else f"{row['samples_per_s'] / max(row['workers'], 1):,.0f} a worker; bytes and boxes "
+        f"{row['bytes_per_s']:,.0f} ({row['bytes_per_s'] / max(row['workers'], 1):,.0f} a worker)"
         if "bytes_per_s" in row
         else f"{row['tflops']:.0f} TFLOPS ({row['source']})"
         if "tflops" in row
