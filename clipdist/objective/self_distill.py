@@ -49,6 +49,11 @@ def attach(options: SelfDistillOptions, model: torch.nn.Module) -> bool:
             f"this model's is {type(visual).__name__}; loss.self_distill.crops=0 trains without it"
         )
     size, crop = image_size(model)[0], view_size(options, model)
+    if crop > size:
+        raise ConfigError(
+            f"loss.self_distill.crop_size={crop}: local views larger than the {size}-pixel images the tower takes "
+            f"(SILC's are 96/224 of them); give at most {size}, or 0 for SILC's fraction"
+        )
     if crop != size:
         if not allow_other_sizes(model):
             raise ConfigError(

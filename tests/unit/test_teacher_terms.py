@@ -93,6 +93,8 @@ def test_the_head_is_a_module_of_the_model_and_a_training_only_part():
     with pytest.raises(ConfigError, match="crop_size=24: a NaFlex tower's views are grids of its 16-pixel patches"):
         attach(bad, create_model("clipdist-naflex-tiny"))
     assert attach(OPTIONS, create_model("clipdist-naflex-tiny"))  # a grid of one patch a view
+    with pytest.raises(ConfigError, match="crop_size=40: local views larger than the 32-pixel images"):
+        attach(dataclasses.replace(OPTIONS, crop_size=40), create_model("clipdist-tiny"))
     naflex = create_model("clipdist-naflex-tiny")
     assert attach(SelfDistillOptions(crops=2, hidden=16, bottleneck=8, prototypes=12), naflex)
     assert naflex.self_distill_head.mlp[0].in_features == 64
