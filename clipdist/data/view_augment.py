@@ -176,11 +176,17 @@ def gaussian_blur(
 def _reflected_past(pixels: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """`pixels` (n, C, H, W) with each view's rows and columns past its extent (`heights`, `widths` (n,)) its own
     reflected about its last row and column (F.pad's "reflect": index e − 1 − k at e − 1 + k), clamped inside it."""
-    n, channels, height, width = pixels.shape
 
     def index(size: int, ends: torch.Tensor) -> torch.Tensor:
         at = torch.arange(size, device=pixels.device)[None]
         return torch.where(at < ends[:, None], at, (2 * (ends[:, None] - 1) - at).clamp(min=0))
 
-    pixels = pixels.gather(3, index(width, widths)[:, None, None, :].expand(n, channels, height, width))
-    return pixels.gather(2, index(height, heights)[:, None, :, None].expand(n, channels, height, width))
+    return remapped(pixels, index(pixels.shape[2], heights), index(pixels.shape[3], widths))
+
+
+def remapped(pixels: torch.Tensor, down: torch.Tensor, across: torch.Tensor) -> torch.Tensor:
+    """`pixels` (n, C, H, W), each view's row i read from its row down[v, i] and column j from across[v, j] ((n, H),
+    (n, W) indices): a per-view flip, edge repeat or reflection in two gathers."""
+    n, channels, height, width = pixels.shape
+    pixels = pixels.gather(3, across[:, None, None, :].expand(n, channels, height, width))
+    return pixels.gather(2, down[:, None, :, None].expand(n, channels, height, width))

@@ -213,16 +213,14 @@ def _flipped_within(
 ) -> torch.Tensor:
     """Each view (n, C, H, W) whose image fills its top-left `extent` ((n,) heights, widths) flipped left-right
     within it where `flips`: along the rows for a `turned` (transposed) image, the columns otherwise."""
-    n, channels, height, width = views.shape
     heights, widths = extent
-    across = torch.arange(width, device=views.device)
-    down = torch.arange(height, device=views.device)
+    across = torch.arange(views.shape[3], device=views.device)
+    down = torch.arange(views.shape[2], device=views.device)
     flip_x = flips & ~turned
     flip_y = flips & turned
     x = torch.where(flip_x[:, None] & (across < widths[:, None]), widths[:, None] - 1 - across, across)
     y = torch.where(flip_y[:, None] & (down < heights[:, None]), heights[:, None] - 1 - down, down)
-    views = views.gather(3, x[:, None, None, :].expand(n, channels, height, width))
-    return views.gather(2, y[:, None, :, None].expand(n, channels, height, width))
+    return view_augment.remapped(views, y, x)
 
 
 def local_views(
@@ -399,11 +397,9 @@ def _own_blur(augmentation: tuple | None, canvas: _Canvas) -> tuple | None:
 def _edges_repeated(pixels: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """`pixels` (rows, C, H, W) with each image's last row and column (at `heights`, `widths` (rows,)) repeated to
     the canvas's edge: roi_align clamps a sample past an image's edge to it; a canvas's padding must not blend in."""
-    rows, channels, height, width = pixels.shape
-    down = torch.minimum(torch.arange(height, device=pixels.device), heights[:, None] - 1)
-    across = torch.minimum(torch.arange(width, device=pixels.device), widths[:, None] - 1)
-    pixels = pixels.gather(2, down[:, None, :, None].expand(rows, channels, height, width))
-    return pixels.gather(3, across[:, None, None, :].expand(rows, channels, height, width))
+    down = torch.minimum(torch.arange(pixels.shape[2], device=pixels.device), heights[:, None] - 1)
+    across = torch.minimum(torch.arange(pixels.shape[3], device=pixels.device), widths[:, None] - 1)
+    return view_augment.remapped(pixels, down, across)
 
 
 def patch_masks(
