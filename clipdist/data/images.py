@@ -87,8 +87,13 @@ class ImageBatcher:
     def __call__(self, image: EncodedImage | Image.Image):
         """Decode, then the per-image steps: a uint8 (H, W, C) tensor where the batch conversion applies,
         else the transform's own output; encoded, a device_decode.EncodedCrop."""
-        if self.encoded_crop is not None:
-            return encode(self.encoded_crop, image, self._pixels)
+        if self.encoded_crop is not None:  # a JPEG's bytes and box; any other image decoded here, as below
+            return encode(self.encoded_crop, image, self._decoded)
+        return self._decoded(image)
+
+    def _decoded(self, image: EncodedImage | Image.Image):
+        """The host path: decoded, then the per-image steps (an encoded batch's image: load_rgb's RGB, cropped and
+        resized, as (H, W, 3) uint8)."""
         out = self.per_image(self.decode(image))
         if self.normalize is None:
             return out
@@ -113,11 +118,6 @@ class ImageBatcher:
         return torch.stack(
             [self.normalize(self.to_tensor(image.numpy())) if self._is_pixels(image) else image for image in images]
         )
-
-    def _pixels(self, image: EncodedImage | Image.Image) -> torch.Tensor:
-        """An image decoded, cropped and resized here: (H, W, 3) uint8 (an encoded batch's image that is no RGB or
-        greyscale JPEG)."""
-        return torch.from_numpy(np.array(self.per_image(self.decode(image)).convert("RGB"), dtype=np.uint8, copy=True))
 
     @staticmethod
     def empty() -> torch.Tensor:
