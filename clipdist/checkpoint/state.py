@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
 
 from clipdist.distributed.parallel import rank_and_world_size
 
@@ -109,6 +109,8 @@ class TrainState:
         its metadata gives (`sizes`: flattened key -> size): the readers it needs (one the checkpoint lacks is left
         out: the stream says which it missed) and its own generators where the world size is the saved one."""
         shards = self.sharded_state_dict()
+        # the optimizer's per-parameter state only: its groups and hyperparameters are the config's (_follow_config)
+        shards["optimizer"] = {"state": shards["optimizer"]["state"]}
         if "ema" in shards and not any(name.startswith("ema.") for name in sizes):
             del shards["ema"]  # a checkpoint without an average: it starts at the loaded weights
         rank, world_size = rank_and_world_size()
@@ -143,9 +145,10 @@ class TrainState:
         return shards
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
-        )
+        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # this run's, by name
+        optimizer = {"state": loaded["optimizer"]["state"], "param_groups": groups}
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=optimizer)
+        self._follow_config()
         if self.ema is not None and "ema" not in loaded:
             self.ema.reset()
         for generators in loaded.get("rng", {}).values():  # this rank's, where the world size is the saved one
@@ -170,7 +173,10 @@ class TrainState:
 
     def load_progress(self, saved: dict) -> None:
         """Schedule, counters, the stream's position; this rank's RNG where the world size is unchanged."""
+        built = list(self.scheduler.base_lrs)  # optim.lr and its multipliers as this run's config gives them
         self.scheduler.load_state_dict(saved["scheduler"])
+        self.scheduler.base_lrs = built
+        self._follow_config()
         self.step, self.samples_seen = saved["step"], saved["samples_seen"]
         if self.scaler is not None and saved.get("scaler"):  # a run that changed to fp16 starts a new scale
             self.scaler.load_state_dict(saved["scaler"])
@@ -184,4 +190,24 @@ class TrainState:
     def load_legacy_state_dict(self, saved: dict) -> None:
         """The model and optimizer of a step_*.pt checkpoint (DDP, before the one format): whole state dicts."""
         self.model.load_state_dict(saved["model"])
+        kept = [
+            {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
+        ]
         self.optimizer.load_state_dict(saved["optimizer"])
+        for group, values in zip(self.optimizer.param_groups, kept):
+            group.update(values)
+        self._follow_config()
+
+    def _follow_config(self) -> None:
+        """The optimizer's hyperparameters and the schedule's rates are this run's config, not the checkpoint's
+        (optim.lr, weight_decay, betas, eps and the layer decays are free to change on resume: config.resume_rule):
+        each group's lr set to its base rate times the schedule at the step the checkpoint reached. The checkpoint
+        gives the per-parameter state (Adam's moments and step count) and the schedule's position."""
+        scheduler = self.scheduler
+        rules = getattr(scheduler, "lr_lambdas", None)
+        if rules is None:
+            return
+        rates = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, rules, strict=True)]
+        for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates  # what get_last_lr() gives: the next step's rate

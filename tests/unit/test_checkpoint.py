@@ -100,6 +100,33 @@ def test_no_checkpoint_is_none(tmp_path):
     assert restore(tmp_path)[1] is None
 
 
+def test_a_resume_takes_the_optimizer_settings_of_its_config_and_the_state_of_its_checkpoint(tmp_path):
+    """optim.lr, weight_decay, betas and the layer decays may change on resume (config.resume_rule: free): the run
+    goes on with the new ones — the lr its schedule gives at the step reached, other parameter groups too — and the
+    checkpoint's Adam moments. Before, the checkpoint's groups and base rates came back and the change was ignored."""
+    files = CheckpointFiles(tmp_path, keep=1)
+    old = tiny_state(4.0)
+    old.optimizer.step()
+    old.scheduler.step()
+    save(files, old, 10)
+    model = torch.nn.Linear(2, 2)
+    groups = [
+        {"params": [model.weight], "lr": 0.5, "weight_decay": 0.2},
+        {"params": [model.bias], "lr": 0.05, "weight_decay": 0.0},  # another grouping than the saved run's one group
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=0.5, betas=(0.8, 0.9))
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step)))
+    Checkpointer(TrainConfig(name="x", run_dir=str(tmp_path)), tmp_path, detect_env()).restore(state)
+    assert state.scheduler.last_epoch == 1  # the schedule's position: the checkpoint's
+    assert [group["lr"] for group in optimizer.param_groups] == [0.25, 0.025] == state.scheduler.get_last_lr()
+    assert [(group["weight_decay"], group["betas"]) for group in optimizer.param_groups] == [
+        (0.2, (0.8, 0.9)),
+        (0.0, (0.8, 0.9)),
+    ]
+    assert torch.equal(optimizer.state[model.weight]["exp_avg"], old.optimizer.state[old.model.weight]["exp_avg"])
+    assert torch.equal(optimizer.state[model.bias]["exp_avg_sq"], old.optimizer.state[old.model.bias]["exp_avg_sq"])
+
+
 def test_a_checkpoint_of_the_pt_days_still_resumes(tmp_path):
     """step_*.pt as DDP runs wrote them before the one format: one torch.save of everything, NumPy's RNG state as
     arrays (read with those allowed by name, nothing else)."""
