@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +29,8 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "scripts"))
 from background import busy_processes  # noqa: E402
+
+from clipdist.tools.loader_rate import samples_per_second, stream_rows  # noqa: E402
 
 
 def transform_and_tokenizer(model: str):
@@ -43,47 +44,6 @@ def transform_and_tokenizer(model: str):
         open_clip.image_transform(visual.image_size, is_train=True, mean=config["mean"], std=config["std"]),
         get_tokenizer(model),
     )
-
-
-def clipdist_batches(
-    shards: list[str],
-    batch: int,
-    workers: int,
-    transform,
-    tokenizer,
-    pixels: bool = False,
-    pieces: int = 1,
-    decode_on: str = "host",
-    then=None,
-):
-    """clipdist's stream; `pixels`: uint8 batches, as GPU runs have them (data.normalize_on=device); `pieces`:
-    each batch read as that many pieces and put together in one buffer (data.pieces); `decode_on`: device, the
-    workers hand over JPEG bytes and crop boxes (data.decode_on), `then` (the rank's decode) run on each batch."""
-    from clipdist.config import DataConfig
-    from clipdist.data.stream import TrainStream
-
-    data = DataConfig(
-        source=None, resampled=True, workers=workers, shuffle_buffer=1000, pieces=pieces, decode_on=decode_on
-    )
-    stream = TrainStream(
-        [shards],
-        data,
-        batch_size=batch,
-        image_transform=transform,
-        tokenizer=tokenizer,
-        rank=0,
-        world_size=1,
-        seed=0,
-        pixels=pixels,
-    )
-    try:
-        while True:
-            batch = next(stream)
-            if then is not None:
-                then(batch["image"])
-            yield batch.rows
-    finally:
-        stream.close()
 
 
 def open_clip_batches(pattern: str, batch: int, workers: int, transform, tokenizer):
@@ -105,18 +65,6 @@ def open_clip_batches(pattern: str, batch: int, workers: int, transform, tokeniz
     loader = open_clip_data.get_wds_dataset(args, transform, is_train=True, tokenizer=tokenizer).dataloader
     for images, _tokens in loader:
         yield images.shape[0]
-
-
-def measure(batches, skip: int, count: int) -> float:
-    """Samples/s over `count` batches after `skip`."""
-    for _ in range(skip):
-        next(batches)
-    started, samples = time.perf_counter(), 0
-    for _ in range(count):
-        samples += next(batches)
-    rate = samples / (time.perf_counter() - started)
-    batches.close()
-    return rate
 
 
 def main() -> None:
@@ -161,31 +109,29 @@ def run(args) -> None:
     shards = expand_shards(pattern)
     transform, tokenizer = transform_and_tokenizer(args.model)
     loaders = {
-        "clipdist": lambda workers: clipdist_batches(shards, args.batch, workers, transform, tokenizer),
-        "clipdist uint8": lambda workers: clipdist_batches(
-            shards, args.batch, workers, transform, tokenizer, pixels=True
-        ),
+        "clipdist": lambda workers: stream_rows(shards, args.batch, workers, transform, tokenizer),
+        "clipdist uint8": lambda workers: stream_rows(shards, args.batch, workers, transform, tokenizer, pixels=True),
         "open_clip": lambda workers: open_clip_batches(pattern, args.batch, workers, transform, tokenizer),
     }
     if args.decode_on_device:
         from clipdist.data.device_decode import device_decoder
 
         decode = device_decoder(transform, "cpu")
-        loaders["clipdist bytes (decode_on=device)"] = lambda workers: clipdist_batches(
+        loaders["clipdist bytes (decode_on=device)"] = lambda workers: stream_rows(
             shards, args.batch, workers, transform, tokenizer, pixels=True, decode_on="device"
         )
-        loaders["clipdist bytes + rank decode (cpu)"] = lambda workers: clipdist_batches(
+        loaders["clipdist bytes + rank decode (cpu)"] = lambda workers: stream_rows(
             shards, args.batch, workers, transform, tokenizer, pixels=True, decode_on="device", then=decode
         )
     if args.pieces > 1:
-        loaders[f"clipdist uint8 ×{args.pieces} pieces"] = lambda workers: clipdist_batches(
+        loaders[f"clipdist uint8 ×{args.pieces} pieces"] = lambda workers: stream_rows(
             shards, args.batch, workers, transform, tokenizer, pixels=True, pieces=args.pieces
         )
     runs = []
     for workers in map(int, args.workers.split(",")):
         for repeat in range(args.repeats):
             for name, batches in loaders.items():
-                rate = measure(batches(workers), args.skip, args.batches)
+                rate = samples_per_second(batches(workers), args.skip, args.batches)
                 runs.append({"loader": name, "workers": workers, "repeat": repeat, "samples_per_s": rate})
                 print(
                     f"{name:24s} workers={workers} repeat={repeat}: {rate:7.1f} samples/s "

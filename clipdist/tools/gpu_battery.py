@@ -51,17 +51,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.state import TrainState
-from clipdist.config import DataConfig, DecodeOn, to_train_config
+from clipdist.config import DataConfig, to_train_config
 from clipdist.data.batch import Batch, apply, zero_counts
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.sources import expand_shards
-from clipdist.data.stream import TrainStream
 from clipdist.data.transforms import image_transforms
 from clipdist.distributed.launch import detect_env, free_port
 from clipdist.files import read_bounded, write_atomic
 from clipdist.model.factory import create_model, get_tokenizer, image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 from clipdist.tools.limit import real_run
+from clipdist.tools.loader_rate import samples_per_second, stream_rows
 from clipdist.train.parts import build_parts
 
 SPEC_TFLOPS = {
@@ -265,21 +265,16 @@ def loader_rates(tiny: bool, workers: int, batches: int) -> dict:
     model, source, batch = ("clipdist-tiny", "digits", 64) if tiny else ("ViT-B-32", "web_photos", 128)
     shards = expand_shards(builtin_shards(source, str(Path("~/.cache/clipdist").expanduser()))[0])
     transform = image_transforms(create_model(model, device="meta"), DataConfig())[0]
-    rates = {}
-    for decode_on in (DecodeOn.host, DecodeOn.device):
-        data = DataConfig(source=None, resampled=True, workers=workers, shuffle_buffer=256, decode_on=decode_on)
-        stream = TrainStream(
-            [shards], data, batch_size=batch, image_transform=transform, tokenizer=get_tokenizer(model), pixels=True
+    rates = {
+        decode_on: samples_per_second(
+            stream_rows(
+                shards, batch, workers, transform, get_tokenizer(model), True, decode_on=decode_on, shuffle_buffer=256
+            ),
+            skip=2,
+            count=batches,
         )
-        try:
-            for _ in range(2):
-                next(stream)
-            started = time.perf_counter()
-            for _ in range(batches):
-                next(stream)
-            rates[decode_on.value] = batches * batch / (time.perf_counter() - started)
-        finally:
-            stream.close()
+        for decode_on in ("host", "device")
+    }
     return {"samples_per_s": rates["host"], "bytes_per_s": rates["device"], "workers": workers}
 
 
