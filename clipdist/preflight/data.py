@@ -6,6 +6,7 @@ and the loader plan and reader count the run will have (the same on every rank).
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -81,8 +82,16 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
                 f"NaFlexVit); model.name={cfg.model.name}'s image tower takes fixed-size images"
             )
         return
-    world = cfg.world.world_size
-    seq_lens = resolve_seq_lens(cfg.data, image_size(model), naflex_patch_size(model))
+    world, patch = cfg.world.world_size, naflex_patch_size(model)
+    seq_lens = resolve_seq_lens(cfg.data, image_size(model), patch)
+    views = getattr(cfg.loss, "self_distill", None)
+    if views is not None and views.crops and (views.crop_size // patch) ** 2 > max(seq_lens):
+        side = math.isqrt(max(seq_lens)) * patch
+        raise ValueError(
+            f"loss.self_distill.crop_size={views.crop_size}: local views of {(views.crop_size // patch) ** 2} "
+            f"patches, more than the longest image's {max(seq_lens)} (data.seq_lens); give at most {side}, or 0 "
+            "for √L/4 patches a side"
+        )
     saved = (((resuming or (None, {}))[1].get("stream") or {}).get("layout") or {}).get("budget")
     kept = None if cfg.data.max_tokens_per_batch else (saved or {}).get("max_tokens")
     budget = resolve_budget(cfg.data, seq_lens, cfg.world.batch_per_device * world, cfg.seed, kept)

@@ -73,6 +73,11 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
             "model.name=ViT-B-16-SigLIP2-256: its tokenizer (timm/ViT-B-16-SigLIP2-256) is not in the cache",
         ),
         (["model.name=/nope/my-vit.json"], "model.name='/nope/my-vit.json': no such model config file"),
+        (  # NaFlex views larger than any image of the batches (the tower's 8 × 8 grid at 128 px)
+            ["model=naflex_tiny", "loss=siglip", "optim.ema.decay=0.9", "loss.self_distill.crops=2"]
+            + ["loss.self_distill.crop_size=144"],
+            "crop_size=144: local views of 81 patches, more than the longest image's 64 (data.seq_lens); give at most",
+        ),
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
         (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile?"),
