@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_path):
-    """scripts/bench_loader.py's clipdist side runs on the stream as it is (a Batch of more fields broke it once)."""
+    """scripts/bench_loader.py's clipdist side (clipdist.tools.loader_rate) runs on the stream as it is (a Batch of more
+    fields broke it once)."""
     import importlib.util
 
     import torchvision.transforms as T
@@ -20,7 +21,7 @@ def test_the_loader_benchmark_reads_clipdist_batches_whole_and_in_pieces(tmp_pat
         tmp_path / "0.tar", [{"__key__": str(i), "png": image_bytes(i), "txt": b"x"} for i in range(8)]
     )
     for pieces in (1, 2):
-        batches = bench_loader.clipdist_batches(
+        batches = bench_loader.stream_rows(
             [str(shard)], 4, 0, T.ToTensor(), get_tokenizer(), pixels=False, pieces=pieces
         )
         assert [next(batches), next(batches)] == [4, 4]

@@ -144,6 +144,7 @@ def _cfg(**data):
         world=SimpleNamespace(world_size=2, batch_per_device=8),
         grad_cache=SimpleNamespace(chunks_for=lambda rows: 1),
         model=SimpleNamespace(name=NAFLEX),
+        loss=SimpleNamespace(),  # no terms
         seed=0,
     )
 
