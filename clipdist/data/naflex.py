@@ -278,9 +278,15 @@ def resolve_budget(
     """The run's TokenBudget: `max_tokens` (a checkpoint's), else data.max_tokens_per_batch, else the configured
     global batch at the longest length (of any stage of data.resolution_schedule)."""
     schedule = dict(getattr(data, "resolution_schedule", None) or {})
-    longest = max([*seq_lens, *(length for lengths in schedule.values() for length in lengths)])
-    tokens = max_tokens or data.max_tokens_per_batch or global_batch * longest
+    tokens = max_tokens or data.max_tokens_per_batch or global_batch * longest_seq_len(data, seq_lens)
     return TokenBudget(seq_lens, data.seq_len_probs, tokens, seed, schedule)
+
+
+def longest_seq_len(data, seq_lens: list[int]) -> int:
+    """The most patches an image of the run may become: the longest of `seq_lens` and of every stage of
+    data.resolution_schedule."""
+    schedule = dict(getattr(data, "resolution_schedule", None) or {})
+    return max([*seq_lens, *(length for lengths in schedule.values() for length in lengths)])
 
 
 def eval_seq_len(data, seq_lens: list[int]) -> int:

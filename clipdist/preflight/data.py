@@ -16,7 +16,7 @@ from clipdist.config import TrainConfig
 from clipdist.data.device_decode import check_transform
 from clipdist.data.epochs import epoch_sizes
 from clipdist.data.eval_stream import first_eval_record
-from clipdist.data.naflex import resolve_budget, resolve_seq_lens
+from clipdist.data.naflex import longest_seq_len, resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, run_layout
 from clipdist.data.samples import SampleKeys
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
@@ -84,13 +84,12 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
         return
     world, patch = cfg.world.world_size, naflex_patch_size(model)
     seq_lens = resolve_seq_lens(cfg.data, image_size(model), patch)
-    views = getattr(cfg.loss, "self_distill", None)
-    if views is not None and views.crops and (views.crop_size // patch) ** 2 > max(seq_lens):
-        side = math.isqrt(max(seq_lens)) * patch
+    views, longest = getattr(cfg.loss, "self_distill", None), longest_seq_len(cfg.data, seq_lens)
+    if views is not None and views.crops and (views.crop_size // patch) ** 2 > longest:
         raise ValueError(
             f"loss.self_distill.crop_size={views.crop_size}: local views of {(views.crop_size // patch) ** 2} "
-            f"patches, more than the longest image's {max(seq_lens)} (data.seq_lens); give at most {side}, or 0 "
-            "for √L/4 patches a side"
+            f"patches, more than the longest image's {longest} (data.seq_lens); give at most "
+            f"{math.isqrt(longest) * patch}, or 0 for √L/4 patches a side"
         )
     saved = (((resuming or (None, {}))[1].get("stream") or {}).get("layout") or {}).get("budget")
     kept = None if cfg.data.max_tokens_per_batch else (saved or {}).get("max_tokens")
