@@ -67,3 +67,21 @@ def test_a_resume_refuses_another_model_and_warns_of_a_reshaped_schedule(trained
     with pytest.raises(ConfigError, match="was trained with model.lock_text=False, not model.lock_text=True"):
         check(model={"lock_text": True})
     assert check(optim={"max_steps": 60, "lr": 1e-4}) == ["changed since step_00000030.dcp: optim.max_steps 30 -> 60"]
+
+
+def test_a_resume_trains_with_the_optimizer_settings_it_was_given(trained_run, cache_dir, tmp_path):
+    """optim.lr and the layer decays are free on resume: the resumed steps train at the new lr (not the
+    checkpoint's groups and base rates, as they once silently did), and regrouping the parameters (a layer decay
+    the run did not have) resumes instead of failing on the checkpoint's group count."""
+    import shutil
+
+    import pytest
+    from helpers import read_jsonl, train
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    resumed = train(run, cache_dir, "optim.max_steps=32", "optim.lr=1e-4", "optim.image_layer_decay=0.7")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+    rows = {row["step"]: row for row in read_jsonl(run / "train_log.jsonl")}
+    assert rows[31]["lr"] == pytest.approx(1e-4 * 31 / 50)  # the 31st of optim=tiny's 50 warmup steps, at the new lr
+    assert rows[30]["lr"] == pytest.approx(2e-3 * 30 / 50)  # the trained run's last step, at its own lr
