@@ -80,7 +80,7 @@ class TrainState:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # optim.schedules.lr_factor's
     stream: Any = None  # a TrainStream (state_dict / load_state_dict), or None where there is no data
     scaler: Any = None  # precision=fp16's gradient scaler (its scale and growth count), or None
     ema: Any = None  # optim.ema's weight average (optim.ema.WeightAverage: state_dict, reset), or None
@@ -148,7 +148,6 @@ class TrainState:
         groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]  # this run's, by name
         optimizer = {"state": loaded["optimizer"]["state"], "param_groups": groups}
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=optimizer)
-        self._follow_config()
         if self.ema is not None and "ema" not in loaded:
             self.ema.reset()
         for generators in loaded.get("rng", {}).values():  # this rank's, where the world size is the saved one
@@ -194,20 +193,17 @@ class TrainState:
             {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
         ]
         self.optimizer.load_state_dict(saved["optimizer"])
-        for group, values in zip(self.optimizer.param_groups, kept):
+        for group, values in zip(self.optimizer.param_groups, kept):  # the groups load_progress set (_follow_config)
             group.update(values)
-        self._follow_config()
 
     def _follow_config(self) -> None:
         """The optimizer's hyperparameters and the schedule's rates are this run's config, not the checkpoint's
         (optim.lr, weight_decay, betas, eps and the layer decays are free to change on resume: config.resume_rule):
         each group's lr set to its base rate times the schedule at the step the checkpoint reached. The checkpoint
-        gives the per-parameter state (Adam's moments and step count) and the schedule's position."""
-        scheduler = self.scheduler
-        rules = getattr(scheduler, "lr_lambdas", None)
-        if rules is None:
-            return
-        rates = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, rules, strict=True)]
+        gives the per-parameter state (Adam's moments and step count), loaded after this into these groups, and the
+        schedule's position."""
+        scheduler, step = self.scheduler, self.scheduler.last_epoch
+        rates = [base * rule(step) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
         for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
             group["lr"] = rate
         scheduler._last_lr = rates  # what get_last_lr() gives: the next step's rate

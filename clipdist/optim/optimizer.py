@@ -138,7 +138,7 @@ def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
     )
 
 
-def build_optimizer(model: torch.nn.Module, optim):
+def build_optimizer(model: torch.nn.Module, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """(the optimizer, its LambdaLR schedule) for `model`'s trainable parameters."""
     groups = parameter_groups(
         model,

@@ -84,8 +84,8 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
         return
     world, patch = cfg.world.world_size, naflex_patch_size(model)
     seq_lens = resolve_seq_lens(cfg.data, image_size(model), patch)
-    views, longest = getattr(cfg.loss, "self_distill", None), longest_seq_len(cfg.data, seq_lens)
-    if views is not None and views.crops and (views.crop_size // patch) ** 2 > longest:
+    views, longest = cfg.loss.self_distill, longest_seq_len(cfg.data, seq_lens)
+    if views.on and (views.crop_size // patch) ** 2 > longest:
         raise ValueError(
             f"loss.self_distill.crop_size={views.crop_size}: local views of {(views.crop_size // patch) ** 2} "
             f"patches, more than the longest image's {longest} (data.seq_lens); give at most "

@@ -265,10 +265,11 @@ def loader_rates(tiny: bool, workers: int, batches: int) -> dict:
     model, source, batch = ("clipdist-tiny", "digits", 64) if tiny else ("ViT-B-32", "web_photos", 128)
     shards = expand_shards(builtin_shards(source, str(Path("~/.cache/clipdist").expanduser()))[0])
     transform = image_transforms(create_model(model, device="meta"), DataConfig())[0]
+    tokenizer = get_tokenizer(model)
     rates = {
         decode_on: samples_per_second(
             stream_rows(
-                shards, batch, workers, transform, get_tokenizer(model), True, decode_on=decode_on, shuffle_buffer=256
+                shards, batch, workers, transform, tokenizer, pixels=True, decode_on=decode_on, shuffle_buffer=256
             ),
             skip=2,
             count=batches,

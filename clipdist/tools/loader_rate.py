@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from clipdist.config import DataConfig
+from clipdist.config import DataConfig, DecodeOn
 from clipdist.data.stream import TrainStream
 
 
@@ -32,7 +32,7 @@ def stream_rows(
         workers=workers,
         shuffle_buffer=shuffle_buffer,
         pieces=pieces,
-        decode_on=decode_on,  # type: ignore[arg-type]
+        decode_on=DecodeOn(decode_on),
     )
     stream = TrainStream(
         [shards], data, batch_size=batch, image_transform=transform, tokenizer=tokenizer, pixels=pixels

@@ -43,7 +43,7 @@ class Parts:
     tokenizer: Callable[..., torch.Tensor]  # captions -> token ids (open_clip's tokenizer for the text tower)
     loss_fn: torch.nn.Module  # the loss backend (clipdist.losses.build)
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # optim.schedules.lr_factor's (build_optimizer)
     scaler: precision.GradScaler | None  # fp16's gradient scaler
     autocast: AbstractContextManager  # the forward's precision: torch.autocast, or a null context
     step: Step  # one optimisation step of a Batch

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from timm.data.naflex_transforms import Patchify
 
-from clipdist.config import DataConfig
+from clipdist.config import DataConfig, LossConfig
 from clipdist.data.naflex import PatchImages, TokenBudget, eval_seq_len, resolve_seq_lens
 from clipdist.data.order import BudgetOrder
 from clipdist.distributed.launch import _openmp_runtime
@@ -144,7 +144,7 @@ def _cfg(**data):
         world=SimpleNamespace(world_size=2, batch_per_device=8),
         grad_cache=SimpleNamespace(chunks_for=lambda rows: 1),
         model=SimpleNamespace(name=NAFLEX),
-        loss=SimpleNamespace(),  # no terms
+        loss=LossConfig(),  # no terms
         seed=0,
     )
 
