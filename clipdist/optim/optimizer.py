@@ -92,11 +92,15 @@ def parameter_groups(
     decays: dict[str, float | None] | None = None,
     lr: float = 1.0,
     model_no_decay: bool = False,
+    part_scales: dict[str, float] | None = None,
 ) -> list[dict]:
     """Trainable parameters grouped by (decayed or not, lr multiplier); each group's lr is `lr` × its multiplier.
     `model_no_decay`: also leave undecayed what the model's own `no_weight_decay()` names (fnmatch patterns) — the
-    rule timm's optimizer factory applies, so open_clip_train's `--opt timm/<name>` (positional embeddings)."""
+    rule timm's optimizer factory applies, so open_clip_train's `--opt timm/<name>` (positional embeddings).
+    `part_scales`: {a top-level module's name: a multiplier of its parameters' lr} (a term's head: head_lr)."""
     scales = layer_scales(model, decays or {})
+    for name in scales:
+        scales[name] *= (part_scales or {}).get(name.split(".", 1)[0], 1.0)
     named = getattr(model, "no_weight_decay", None)
     exempt = set(named()) if model_no_decay and callable(named) else set()
     groups: dict[tuple[bool, float], list] = {}
@@ -108,10 +112,17 @@ def parameter_groups(
                 and not any(fnmatch.fnmatch(name, pattern) for pattern in exempt)
             )
             groups.setdefault((decayed, scales[name]), []).append(param)
-    return [
-        {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale}
+    return [  # "lr_scale": the multiplier, as timm's layer-decay groups carry it (run_lr reads it)
+        {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr": lr * scale, "lr_scale": scale}
         for (decayed, scale), params in sorted(groups.items(), key=lambda item: (not item[0][0], -item[0][1]))
     ]
+
+
+def run_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The run's own lr (optim.lr through its schedule) as the optimizer now holds it: a group's lr over its
+    multiplier."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
 
 
 def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
@@ -138,8 +149,11 @@ def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
     )
 
 
-def build_optimizer(model: torch.nn.Module, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """(the optimizer, its LambdaLR schedule) for `model`'s trainable parameters."""
+def build_optimizer(
+    model: torch.nn.Module, optim, part_scales: dict[str, float] | None = None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """(the optimizer, its LambdaLR schedule) for `model`'s trainable parameters; `part_scales` multiplies the lr of
+    a top-level module's (registry.terms.part_lr_scales: the teacher terms' heads)."""
     groups = parameter_groups(
         model,
         optim.weight_decay,
@@ -147,6 +161,7 @@ def build_optimizer(model: torch.nn.Module, optim) -> tuple[torch.optim.Optimize
         {"image": optim.image_layer_decay, "text": optim.text_layer_decay},
         optim.lr,
         model_no_decay=hands_to_timm(optim.name),  # timm's factory skips model.no_weight_decay()
+        part_scales=part_scales,
     )
     optimizer = create_optimizer(groups, optim)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim))

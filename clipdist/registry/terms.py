@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from clipdist.defaults import REFUSE, WARN, non_negative, positive
+from clipdist.defaults import FREE, REFUSE, WARN, above_zero, non_negative, positive
 from clipdist.errors import ConfigError
 from clipdist.registry import CodeSpec, Registry, plugged
 
@@ -38,6 +38,11 @@ class TermOptions:
     def factor(self, width: int) -> float:
         """What the weight is multiplied by for an image tower of this width: 1 (the teacher terms: SigLIP 2's size
         factor where asked)."""
+        return 1.0
+
+    def lr_scale(self) -> float:
+        """The lr of the term's own module (TermSpec.part) as a multiple of the run's: 1 (the teacher terms'
+        heads: head_lr)."""
         return 1.0
 
 
@@ -66,6 +71,7 @@ class TeacherOptions(TermOptions):
             REFUSE,
         ),
         "augment": WARN,  # the views from then on are others; the run goes on
+        "head_lr": FREE,  # as optim.lr: a resume's rates are its config's
     }
 
     hidden: int = positive(256)  # the head's hidden width
@@ -79,10 +85,16 @@ class TeacherOptions(TermOptions):
     # the views augmented as SILC's (DINO's): the teacher's (and the masked student's) a global crop, flipped,
     # colour-jittered, grayed, blurred (views.global_views), the local views likewise (view_augment.py)
     augment: bool = True
+    # the head's (and mask token's) lr as a multiple of the run's lr, schedule and all: they start fresh when the
+    # term does, in the schedule's tail (the paper does not say theirs; DINO's: the run's, 1)
+    head_lr: float = above_zero(1.0)
 
     def factor(self, width: int) -> float:
         """What the weight is multiplied by for an image tower of this width: SigLIP 2's size factor, or 1."""
         return size_factor(width) if self.by_size else 1.0
+
+    def lr_scale(self) -> float:
+        return self.head_lr
 
     @property
     def on(self) -> bool:
@@ -237,6 +249,12 @@ def training_only_parts() -> tuple[str, ...]:
     """The model's modules that only a term trains: a checkpoint holds them, an export or an evaluation leaves them
     out."""
     return tuple(spec.part for spec in TERMS.values() if spec.part)
+
+
+def part_lr_scales(loss: Any) -> dict[str, float]:
+    """{a term's own module (TermSpec.part): its lr multiplier} for the run's loss config, where not 1."""
+    scales = {spec.part: loss.term(name).lr_scale() for name, spec in TERMS.items() if spec.part}
+    return {part: scale for part, scale in scales.items() if part and scale != 1.0}
 
 
 def training_only(name: str) -> bool:

@@ -31,6 +31,7 @@ from clipdist.model.timm_towers import naflex_trunk
 from clipdist.objective import TermContext, attach_parts, run_objective
 from clipdist.optim.ema import WeightAverage
 from clipdist.optim.optimizer import build_optimizer
+from clipdist.registry.terms import part_lr_scales
 from clipdist.train.step import Step, build_step
 
 
@@ -139,7 +140,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     attach_parts(cfg.loss, model)  # a term's own head, seeded with the model, before DDP or FSDP sees the parameters
     compiled = compile_decision(cfg, device, model)
     train_model = _wrapped(cfg, device, model, compiled[0])
-    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, part_lr_scales(cfg.loss))
     scaler = precision.gradient_scaler(cfg.precision, device)
     if cfg.data.resolution_schedule and naflex_trunk(model) is None:
         allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)

@@ -49,6 +49,7 @@ from clipdist.data.device_decode import is_encoded
 from clipdist.distributed import parallel
 from clipdist.model.short_text import trim
 from clipdist.objective import Outputs, as_objective
+from clipdist.optim.optimizer import run_lr
 
 log = logging.getLogger("clipdist")
 
@@ -160,7 +161,9 @@ class Step:
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
         self.trim_text = trim_text
         self.overflowed = False  # the last step's scaled gradients overflowed: its update was skipped on every rank
-        self.applied_lr = None  # the lr the last optimizer step used (its first parameter group's), for the logs
+        self.applied_lr: float | None = (
+            None  # the run's lr the last optimizer step used (optimizer.run_lr), for the logs
+        )
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
     def __call__(self, batch: Batch, requests: Requests = NOTHING_ASKED) -> tuple[StepAgreement, torch.Tensor | None]:
@@ -193,7 +196,7 @@ class Step:
                 self.overflowed = not math.isfinite(grad_norm)  # the global norm: the same on every rank
             else:
                 self.optimizer.step()
-            self.applied_lr = self.scheduler.get_last_lr()[0]  # before the schedule moves on to the next step's
+            self.applied_lr = run_lr(self.optimizer)  # before the schedule moves on to the next step's
             self.scheduler.step()
             with torch.no_grad():
                 self.module.logit_scale.clamp_(0, self.max_log_scale)

@@ -24,6 +24,7 @@ from clipdist.config import TrainConfig, as_dict
 from clipdist.data.batch import Batch, rows_consumed
 from clipdist.distributed import launch, parallel
 from clipdist.errors import TrainingDiverged
+from clipdist.objective.signal import SignalWatch
 from clipdist.tracking import RunTracker, StepProfiler, logs_step
 from clipdist.train import startup
 from clipdist.train.evaluate import evaluate
@@ -55,6 +56,7 @@ class Trainer:
         )
         self.train_model, self.scaler, self.step = parts.train_model, parts.scaler, parts.step
         self.compiled, self.first_step_said = parts.compiled, False
+        self.signal = SignalWatch()  # the teacher terms' targets: a warning where they collapse
         self.val_transform = parts.val_transform
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler, train_transform = parts.optimizer, parts.scheduler, parts.train_transform
@@ -183,8 +185,11 @@ class Trainer:
 
     def log_step(self, agreed, grad_norm: torch.Tensor, seconds: float, skipped_steps: int) -> None:
         """Progress bar every step; train_log.jsonl / W&B every log_every steps. The values that need a
-        device-to-host copy (logit scale and bias, grad norm) are read only then: on a GPU each is a sync."""
+        device-to-host copy (logit scale and bias, grad norm) are read only then: on a GPU each is a sync. A teacher
+        term's targets that collapse: a warning at that step (from the agreed values: no sync)."""
         state, model = self.state, self.model
+        for warning in self.signal.check(state.step, agreed.terms):
+            self.say(warning, logging.WARNING)
         global_loss = agreed.loss
         stats = {
             "loss": global_loss,

@@ -11,10 +11,11 @@ import math
 
 import pytest
 import torch
-from helpers import REPO, read_jsonl, run_log
+from helpers import REPO, read_jsonl, run_log, train
 
+from clipdist.objective.signal import collapse
 from clipdist.tools.gradcheck import run_gradchecks
-from integration.test_elastic import assert_same_run, resume, stop_at
+from integration.test_elastic import assert_same_run, overrides, resume, stop_at
 from integration.test_naflex import STEPS as NAFLEX_STEPS
 from integration.test_naflex import naflex_batches, naflex_overrides
 
@@ -98,8 +99,10 @@ RECIPE = (
 def whole_run(tmp_path_factory, cache_dir):
     whole = tmp_path_factory.mktemp("self_distill") / "whole"
     result = resume(whole, cache_dir, "cpu2", *RECIPE, steps=STEPS)
-    assert "self_distill_loss × 0.5 from step 11" in result and "masked_loss × 0.25 from step 8" in result
+    assert "self_distill_loss × 0.5 from step 11" in result
+    assert "masked_loss × 0.25 from step 8" in result
     assert "captions padded to the batch's longest" in result  # cut: a stop's stand-in batch must still decode
+    assert not any("teacher targets have collapsed" in line for line in run_log(whole))
     return whole
 
 
@@ -146,7 +149,26 @@ def test_the_teacher_targets_never_collapse(whole_run):
     assert {term for _, term in counted} == {"self_distill", "masked"}
     for row, term in counted:
         information, entropy = row[f"{term}_target_information"], row[f"{term}_target_entropy"]
-        assert information > 0.1 and math.log(2) < entropy < 0.95 * math.log(1024), (row["step"], term, row)
+        assert not collapse(information, entropy) and entropy < 0.95 * math.log(1024), (row["step"], term, row)
+
+
+def test_a_collapse_of_the_targets_is_warned_of_at_the_step_it_happens(tmp_path, cache_dir):
+    """A fast teacher (optim.ema.decay=0.9) with a fast head (head_lr=10) on this short run: within 8 steps of its
+    start every image gets one target. The run says so once, at the first step below a floor (objective.signal), and
+    trains on."""
+    run_dir = tmp_path / "collapsing"
+    fast = ("loss.self_distill.start_at=0.3", "loss.masked.start_at=0.3", "loss.self_distill.head_lr=10")
+    result = train(run_dir, cache_dir, *overrides("local", *RECIPE, *fast, steps=STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in run_log(run_dir) if "teacher targets have collapsed" in line]
+    assert len(warned) == 1 and "self_distill's" in warned[0] and "loss.self_distill.head_lr" in warned[0], warned
+    collapsed = [
+        row["step"]
+        for row in read_jsonl(run_dir / "train_log.jsonl")
+        if "self_distill_loss" in row
+        and collapse(row["self_distill_target_information"], row["self_distill_target_entropy"])
+    ]
+    assert collapsed and warned[0].startswith(f"warning: step {collapsed[0]}: "), (collapsed, warned)
 
 
 def test_under_fsdp_the_run_is_the_ddp_run(tmp_path, cache_dir, whole_run):

@@ -536,6 +536,40 @@ def test_at_its_start_a_terms_own_modules_get_fresh_optimizer_state():
         assert bool(state["exp_avg"].abs().sum() == 0) == fresh and bool(state["exp_avg_sq"].abs().sum() == 0) == fresh
 
 
+def test_the_heads_start_as_dinos_and_learn_at_head_lr_times_the_runs_rate_layer_decay_and_all():
+    """The recipe's heads (loss.<term>.head_lr): their parameters' lr is head_lr × the run's, through the schedule
+    and beside the towers' layer decay; the MLP starts as DINO's (σ 0.02, zero biases)."""
+    from clipdist.objective.masked import attach as attach_masked
+    from clipdist.optim.optimizer import build_optimizer
+    from clipdist.registry.terms import part_lr_scales
+
+    cfg = config()
+    cfg.loss.self_distill.head_lr, cfg.loss.masked.ratio, cfg.loss.masked.head_lr = 10.0, 0.5, 3.0
+    cfg.optim.lr, cfg.optim.image_layer_decay, cfg.optim.warmup_steps = 1e-3, 0.5, 0
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny")
+    assert attach(cfg.loss.self_distill, model) and attach_masked(cfg.loss.masked, model)
+    head = model.self_distill_head
+    for layer in (head.mlp[0], head.mlp[2]):
+        assert layer.weight.std().item() == pytest.approx(0.02, rel=0.1) and not layer.bias.any()
+    assert part_lr_scales(cfg.loss) == {"self_distill_head": 10.0, "masked_head": 3.0}
+    optimizer, scheduler = build_optimizer(model, cfg.optim, part_lr_scales(cfg.loss))
+    base = {id(param): group["initial_lr"] for group in optimizer.param_groups for param in group["params"]}
+    for name, param in model.named_parameters():
+        part = name.split(".", 1)[0]
+        expected = {"self_distill_head": 1e-2, "masked_head": 3e-3}.get(part)
+        if expected is not None:
+            assert base[id(param)] == pytest.approx(expected), name
+    assert base[id(model.text_projection)] == pytest.approx(1e-3)
+    assert base[id(model.visual.transformer.resblocks[-1].mlp.c_fc.weight)] == pytest.approx(5e-4)  # the decay's
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    rates = {id(param): group["lr"] for group in optimizer.param_groups for param in group["params"]}
+    factor = rates[id(model.text_projection)] / 1e-3
+    assert 0 < factor < 1 and rates[id(head.prototypes.weight)] == pytest.approx(1e-2 * factor)
+
+
 def test_a_timm_vit_that_cannot_take_other_sizes_is_told_its_crop_size(tmp_path):
     """A timm ViT trunk other than timm's VisionTransformer (Eva) takes the terms at its own size: its patch is read
     from its trunk, and views of another size are refused in one line that says which crop_size it takes."""
@@ -577,3 +611,17 @@ def test_the_decoder_is_the_text_towers_shape_with_half_its_layers_unless_told(m
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=f"depth={bad}: give a fraction"):
             DecoderOptions(depth=bad).check("decoder", None)
+
+
+def test_the_signal_watch_warns_once_for_each_term_whose_targets_fall_below_a_floor():
+    from clipdist.objective.signal import ENTROPY_FLOOR, INFORMATION_FLOOR, SignalWatch
+
+    watch = SignalWatch()
+    healthy = {"self_distill_target_information": 2.3, "self_distill_target_entropy": 3.6, "contrastive_loss": 3.0}
+    assert watch.check(1, healthy) == []
+    one_target = {**healthy, "self_distill_target_information": INFORMATION_FLOOR / 2}
+    sharp = {"masked_target_information": 1.0, "masked_target_entropy": ENTROPY_FLOOR - 0.1}
+    warned = watch.check(7, {**one_target, **sharp})
+    assert len(warned) == 2 and warned[0].startswith("step 7: self_distill's teacher targets have collapsed (0.05 nat")
+    assert "each image's target is one or two prototypes" in warned[1] and "loss.masked.head_lr" in warned[1]
+    assert watch.check(8, {**one_target, **sharp}) == []  # once a run
