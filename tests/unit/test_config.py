@@ -66,6 +66,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["data.weights=[1,2]"], "data.weights needs data.resampled=true"),
         (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
         (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
+        (["recipe=siglip2", "loss.masked.head_lr=-1"], "loss.masked.head_lr=-1.0: must be above 0"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
         (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
         (  # SigLIP 2's own architecture: its Gemma tokenizer comes from the hub, and this test's cache is empty
