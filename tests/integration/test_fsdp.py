@@ -55,6 +55,7 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
             tmp_path / parallel, cache_dir, "world=cpu2", f"world.parallel={parallel}", "optim.max_steps=6", *TRAIN
         )
         assert result.returncode == 0, result.stderr[-3000:]
+        assert "on one rank: nothing is sharded" not in result.stderr
         losses[parallel] = [row["loss"] for row in read_jsonl(tmp_path / parallel / "train_log.jsonl")]
     assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-5)  # sharded = replicated
     fsdp_dir = tmp_path / "fsdp"
@@ -90,6 +91,14 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
     )
     assert exported.keys() == sharded.keys() == create_model("clipdist-tiny").state_dict().keys()
     assert all(torch.equal(exported[key], sharded[key]) for key in exported)
+
+
+def test_fsdp_on_one_rank_trains_and_says_that_it_shards_nothing(tmp_path, cache_dir):
+    result = train(tmp_path / "one", cache_dir, "world=local", "world.parallel=fsdp", "optim.max_steps=2", *TRAIN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: world.parallel=fsdp on one rank: nothing is sharded" in result.stderr
+    assert "world.parallel=ddp trains the same run faster here" in result.stderr
+    assert len(read_jsonl(tmp_path / "one" / "train_log.jsonl")) == 2
 
 
 def _save_then_load(directory: str) -> tuple[list[str], int]:
