@@ -161,9 +161,8 @@ class Step:
         self.scaler, self.input_dtype = scaler, input_dtype  # input_dtype: pure_bf16 / pure_fp16 weights
         self.trim_text = trim_text
         self.overflowed = False  # the last step's scaled gradients overflowed: its update was skipped on every rank
-        self.applied_lr: float | None = (
-            None  # the run's lr the last optimizer step used (optimizer.run_lr), for the logs
-        )
+        # the run's lr the last optimizer step used (optimizer.run_lr), for the logs
+        self.applied_lr: float | None = None
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
 
     def __call__(self, batch: Batch, requests: Requests = NOTHING_ASKED) -> tuple[StepAgreement, torch.Tensor | None]:
