@@ -198,10 +198,10 @@ class TrainState:
 
     def _follow_config(self) -> None:
         """The optimizer's hyperparameters and the schedule's rates are this run's config, not the checkpoint's
-        (optim.lr, weight_decay, betas, eps and the layer decays are free to change on resume: config.resume_rule):
-        each group's lr set to its base rate times the schedule at the step the checkpoint reached. The checkpoint
-        gives the per-parameter state (Adam's moments and step count), loaded after this into these groups, and the
-        schedule's position."""
+        (optim.lr, weight_decay, betas, eps, the layer decays and the terms' head_lr are free to change on resume:
+        config.resume_rule): each group's lr set to its base rate times the schedule at the step the checkpoint
+        reached. The checkpoint gives the per-parameter state (Adam's moments and step count), loaded after this into
+        these groups, and the schedule's position."""
         scheduler, step = self.scheduler, self.scheduler.last_epoch
         rates = [base * rule(step) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
         for group, rate in zip(self.optimizer.param_groups, rates, strict=True):

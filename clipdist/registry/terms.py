@@ -254,7 +254,7 @@ def training_only_parts() -> tuple[str, ...]:
 def part_lr_scales(loss: Any) -> dict[str, float]:
     """{a term's own module (TermSpec.part): its lr multiplier} for the run's loss config, where not 1."""
     scales = {spec.part: loss.term(name).lr_scale() for name, spec in TERMS.items() if spec.part}
-    return {part: scale for part, scale in scales.items() if part and scale != 1.0}
+    return {part: scale for part, scale in scales.items() if scale != 1.0}
 
 
 def training_only(name: str) -> bool:

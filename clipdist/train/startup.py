@@ -135,8 +135,8 @@ def start_lines(trainer) -> list[tuple[str, int]]:
         lines.append(
             (
                 "world.parallel=fsdp on one rank: nothing is sharded (the rank holds the whole model's state, as under "
-                "DDP), and FSDP2's gathers and hooks still cost host time every step (2.8-3.1x DDP's on a CPU: "
-                "docs/fsdp.md); world.parallel=ddp trains the same run faster here",
+                "DDP), and FSDP2's gathers and hooks still cost host time every step (docs/fsdp.md); "
+                "world.parallel=ddp trains the same run faster here",
                 logging.WARNING,
             )
         )
