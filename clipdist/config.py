@@ -13,6 +13,7 @@ import ast
 import difflib
 import functools
 import io
+import math
 import sys
 import tokenize
 import types
@@ -621,14 +622,16 @@ def check_schedule(optim: OptimConfig) -> None:
 
 
 def _check_bounds(node, prefix: str = "") -> None:
-    """Every field declared with a bound (positive / non_negative / above_zero) holds a value within it (None:
-    automatic, where the field allows it)."""
+    """Every field declared with a bound (positive / non_negative / above_zero) holds a finite value within it (None:
+    automatic, where the field allows it): nan passes every comparison, so it is refused by name."""
     for spec in fields(node):
         value, key = getattr(node, spec.name), f"{prefix}{spec.name}"
         if is_dataclass(value):
             _check_bounds(value, f"{key}.")
         elif "bound" in spec.metadata and value is not None:
             low, strict, says = spec.metadata["bound"]
+            if not math.isfinite(value):
+                raise ConfigError(f"{key}={value}: must be a finite number, {says}")
             if value < low or (strict and value == low):
                 raise ConfigError(f"{key}={value}: must be {says}")
 

@@ -67,6 +67,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["data.weights=[1,2]", "data.resampled=true"], "data.weights has 2 weight(s) for 1 source(s)"),
         (["checkpoint_every_minutes=0"], "checkpoint_every_minutes=0.0: must be above 0"),
         (["recipe=siglip2", "loss.masked.head_lr=-1"], "loss.masked.head_lr=-1.0: must be above 0"),
+        # nan passes every comparison with a bound; inf is no rate: both refused where every bound is checked
+        (["recipe=siglip2", "loss.self_distill.head_lr=nan"], "head_lr=nan: must be a finite number, above 0"),
+        (["optim.weight_decay=inf"], "optim.weight_decay=inf: must be a finite number, 0 or more"),
+        (["optim.ema.decay=nan"], "optim.ema.decay=nan: must be a finite number, 0 or more"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
         (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
         (  # SigLIP 2's own architecture: its Gemma tokenizer comes from the hub, and this test's cache is empty
