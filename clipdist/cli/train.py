@@ -224,8 +224,12 @@ def _checks_without_torch(cfg):
 
 def _created_by_hydra(run_dir: str) -> bool:
     """Whether the run directory holds nothing yet (Hydra made it as it started; the run log opens at its first
-    line)."""
-    return not os.path.isdir(run_dir) or not any(os.scandir(run_dir))
+    line). Every rank of a refused launch asks, and another rank may remove it between two looks: gone is empty."""
+    try:
+        with os.scandir(run_dir) as entries:
+            return not any(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return not os.path.exists(run_dir)
 
 
 def _write_report(run_dir: str) -> None:

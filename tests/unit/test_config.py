@@ -465,3 +465,28 @@ def test_hydras_mode_is_left_to_the_command_line():
         loaded = OmegaConf.to_container(OmegaConf.load(path))
         node = loaded if "hydra" in path.relative_to(CONF).parts else (loaded or {}).get("hydra", {})
         assert "mode" not in (node or {}), path
+
+
+def test_a_refused_launchs_ranks_may_remove_the_empty_run_directory_in_any_order(tmp_path, monkeypatch):
+    """Every rank of a launch refused before it began removes the run directory Hydra made, if still empty. Another
+    rank may remove it between this rank's two looks (a SLURM test saw FileNotFoundError there): gone is empty."""
+    import os
+
+    from clipdist.cli.train import _created_by_hydra
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "train.log").write_text("")
+    assert _created_by_hydra(str(tmp_path / "empty")) and not _created_by_hydra(str(tmp_path / "used"))
+    assert _created_by_hydra(str(tmp_path / "gone"))
+    real = os.scandir
+
+    def removed_meanwhile(path):
+        if str(path).endswith("raced"):
+            raise FileNotFoundError(path)
+        return real(path)
+
+    (tmp_path / "raced").mkdir()
+    monkeypatch.setattr(os, "scandir", removed_meanwhile)
+    monkeypatch.setattr(os.path, "exists", lambda path: False)  # the other rank's rmtree finished
+    assert _created_by_hydra(str(tmp_path / "raced"))
