@@ -1,9 +1,12 @@
 """FSDP2's host cost a step against DDP's at world 1 (a process group of one): the run's own step
 (`build_parts(...).step`) on a synthetic batch, both parallelisms built in one process and stepped in interleaved
 rounds, medians. A small batch keeps the compute small, so what differs is the host's work: FSDP2's hooks, the
-optimizer on DTensor shards, the gradient norm.
+optimizer on DTensor shards, the gradient norm. The process's malloc keeps freed memory, as a CPU rank's does
+(host.keep_freed_memory): without it FSDP2's gathered parameters, freed at every reshard, come back as fresh pages
+(~9,400 page faults a step for clipdist-tiny), a cost the trainer never pays.
 
-    python scripts/bench_fsdp_host.py [--model clipdist-tiny] [--batch 4] [--rounds 7] [--steps 20] [--profile]
+    python scripts/bench_fsdp_host.py [--model clipdist-tiny] [--batch 4] [--rounds 7] [--steps 20]
+        [--malloc-default] [--profile]
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import resource
 import statistics
 import tempfile
 import time
@@ -19,17 +23,19 @@ from pathlib import Path
 
 import torch
 
+from clipdist.distributed import host
 from clipdist.tools.gpu_battery import config, one_rank_group, synthetic_batch
 from clipdist.train.parts import build_parts
 
 
-def timed(step, batch, steps: int) -> float:
-    times = []
+def timed(step, batch, steps: int) -> tuple[float, float]:
+    """(median seconds a step, page faults a step)."""
+    times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(steps):
         started = time.perf_counter()
         step(batch)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(times), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
 
 
 def main() -> None:
@@ -38,9 +44,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--malloc-default", action="store_true", help="leave malloc as it is (what the trainer's CPU ranks do not)"
+    )
     parser.add_argument("--profile", action="store_true", help="print FSDP2's step's slowest functions (cProfile)")
     args = parser.parse_args()
     device = torch.device("cpu")
+    if not args.malloc_default:
+        host.keep_freed_memory()  # as the trainer's CPU ranks do (train.startup.configure_host)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work, one_rank_group(device):
         steps = {}
@@ -52,14 +63,20 @@ def main() -> None:
         for step, batch in steps.values():  # warm-up
             for _ in range(3):
                 step(batch)
-        rounds = {parallel: [] for parallel in steps}
+        rounds: dict[str, list[float]] = {parallel: [] for parallel in steps}
+        faults: dict[str, list[float]] = {parallel: [] for parallel in steps}
         for _ in range(args.rounds):
             for parallel, (step, batch) in steps.items():
-                rounds[parallel].append(timed(step, batch, args.steps))
+                seconds, faulted = timed(step, batch, args.steps)
+                rounds[parallel].append(seconds)
+                faults[parallel].append(faulted)
         ratios = [fsdp / ddp for ddp, fsdp in zip(rounds["ddp"], rounds["fsdp"])]
         for parallel, times in rounds.items():
             each = ", ".join(f"{seconds * 1e3:.1f}" for seconds in times)
-            print(f"{parallel}: {statistics.median(times) * 1e3:.2f} ms a step ({each})")
+            print(
+                f"{parallel}: {statistics.median(times) * 1e3:.2f} ms a step ({each}); "
+                f"{statistics.median(faults[parallel]):.0f} page faults a step"
+            )
         print(f"fsdp / ddp: {statistics.median(ratios):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)})")
         if args.profile:
             step, batch = steps["fsdp"]

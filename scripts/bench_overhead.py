@@ -17,6 +17,7 @@ import time
 import open_clip
 import torch
 
+from clipdist.distributed import host
 from clipdist.tools.gpu_battery import config, synthetic_batch
 from clipdist.train.parts import build_parts
 
@@ -53,6 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cpu")
+    host.keep_freed_memory()  # as the trainer's CPU ranks do (train.startup.configure_host)
     with tempfile.TemporaryDirectory() as work:
         cfg = config(work, "clipdist-tiny", "fp32", args.batch)
         parts = build_parts(cfg, device)

@@ -56,6 +56,7 @@ from clipdist.data.batch import Batch, apply, zero_counts
 from clipdist.data.builtin import builtin_shards
 from clipdist.data.sources import expand_shards
 from clipdist.data.transforms import image_transforms
+from clipdist.distributed import host
 from clipdist.distributed.launch import detect_env, free_port
 from clipdist.files import read_bounded, write_atomic
 from clipdist.model.factory import create_model, get_tokenizer, image_size, random_tokens
@@ -467,6 +468,8 @@ def battery(
     its measured rows (same section and label on the same device) are kept as they are, the rest run."""
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     kept = finished_rows(resume, device_name(device))  # a bad file: one line before anything runs
+    if device.type == "cpu":
+        host.keep_freed_memory()  # as the trainer's CPU ranks do (train.startup.configure_host)
     precisions = ("fp32",) if device.type == "cpu" else ("bf16", "fp16")
     peaks = {
         name: peak_tflops(device, dtype)
