@@ -86,9 +86,10 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
     seq_lens = resolve_seq_lens(cfg.data, image_size(model), patch)
     views, longest = cfg.loss.self_distill, longest_seq_len(cfg.data, seq_lens)
     if views.on and (views.crop_size // patch) ** 2 > longest:
+        source = "data.seq_lens" if longest in seq_lens else "data.resolution_schedule"
         raise ValueError(
             f"loss.self_distill.crop_size={views.crop_size}: local views of {(views.crop_size // patch) ** 2} "
-            f"patches, more than the longest image's {longest} (data.seq_lens); give at most "
+            f"patches, more than the longest image's {longest} ({source}); give at most "
             f"{math.isqrt(longest) * patch}, or 0 for √L/4 patches a side"
         )
     saved = (((resuming or (None, {}))[1].get("stream") or {}).get("layout") or {}).get("budget")

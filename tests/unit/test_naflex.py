@@ -178,6 +178,20 @@ def test_a_token_budget_the_run_cannot_use_is_refused_before_the_ranks(data, mes
     check_naflex(_cfg(), model, readers=2, resuming=None)  # the default: the global batch at the tower's grid
 
 
+@pytest.mark.parametrize(
+    "data, source",
+    [
+        ({"seq_lens": [64]}, "seq_lens"),
+        ({"seq_lens": [16], "resolution_schedule": {"10": [64]}}, "resolution_schedule"),
+    ],
+)
+def test_local_views_longer_than_every_image_name_the_setting_that_makes_the_longest(data, source):
+    cfg = _cfg(**data)
+    cfg.loss = SimpleNamespace(self_distill=SimpleNamespace(on=True, crop_size=144))
+    with pytest.raises(ValueError, match=rf"81 patches, more than the longest image's 64 \(data\.{source}\)"):
+        check_naflex(cfg, create_model(NAFLEX, device="meta"), readers=2, resuming=None)
+
+
 def test_naflex_settings_for_another_tower_and_unknown_image_towers_are_refused():
     fixed = create_model("clipdist-tiny", device="meta")
     with pytest.raises(ValueError, match="data.seq_lens applies to NaFlex image towers"):
