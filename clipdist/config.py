@@ -43,6 +43,7 @@ from clipdist.defaults import (  # noqa: F401 -- WARN: re-exported for the check
     above_zero,
     non_negative,
     positive,
+    seed_field,
 )
 from clipdist.errors import ConfigError, printable
 from clipdist.files import read_bounded
@@ -519,7 +520,7 @@ class TrainConfig:
     RESUME: ClassVar[dict] = {"precision": WARN}
     name: str = MISSING  # the run's name (default: the start time); runs/<name> unless run_dir says
     run_dir: str = "runs/${name}"  # the run's directory: checkpoints, logs, report
-    seed: int = 0  # seeds weights, data order and augmentation
+    seed: int = seed_field(0)  # seeds weights, data order and augmentation
     resume: str = "auto"  # auto: newest checkpoint in run_dir | never | path to a checkpoint
     # auto | fp32 | bf16 | fp16 | pure_bf16 | pure_fp16 (open_clip's amp names too)
     precision: Precision = Precision.auto
@@ -632,7 +633,8 @@ def _check_bounds(node, prefix: str = "") -> None:
             low, strict, says = spec.metadata["bound"]
             if not math.isfinite(value):
                 raise ConfigError(f"{key}={value}: must be a finite number, {says}")
-            if value < low or (strict and value == low):
+            high = spec.metadata.get("high")
+            if value < low or (strict and value == low) or (high is not None and value > high):
                 raise ConfigError(f"{key}={value}: must be {says}")
 
 

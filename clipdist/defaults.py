@@ -16,10 +16,11 @@ TABLE_SEPARATOR, TABLE_IMAGE_KEY, TABLE_CAPTION_KEY = "\t", "filepath", "title"
 REFUSE, WARN, FREE = "refuse", "warn", "free"
 
 
-def _bounded(default, low: float, strict: bool, says: str):
-    """A field whose value validate holds to `low` (above it where `strict`); a field that defaults to None
-    (automatic, or off) may also be null, and its message says so."""
-    return field(default=default, metadata={"bound": (low, strict, says + (" (or null)" if default is None else ""))})
+def _bounded(default, low: float, strict: bool, says: str, high: float | None = None):
+    """A field whose value validate holds to `low` (above it where `strict`) and to at most `high`; a field that
+    defaults to None (automatic, or off) may also be null, and its message says so."""
+    says += " (or null)" if default is None else ""
+    return field(default=default, metadata={"bound": (low, strict, says), "high": high})
 
 
 def positive(default):
@@ -30,6 +31,14 @@ def positive(default):
 def non_negative(default):
     """A field that must be 0 or more."""
     return _bounded(default, 0, False, "0 or more")
+
+
+MAX_SEED = 2**32 - 1  # what every generator a seed reaches takes (NumPy's legacy seed is 32-bit)
+
+
+def seed_field(default):
+    """A seed: 0 to MAX_SEED."""
+    return _bounded(default, 0, False, f"from 0 to {MAX_SEED}", high=MAX_SEED)
 
 
 def above_zero(default):

@@ -65,8 +65,9 @@ def host_rng_state() -> dict:
 
 
 def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators from `seed` (a run's seed + rank: NumPy's 32 bits taken from it)."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
-from clipdist.checkpoint.state import TrainState
+from clipdist.checkpoint.state import TrainState, seed_everything
 from clipdist.checkpoint.weights import read_progress
 from clipdist.config import TrainConfig
 from clipdist.distributed.launch import detect_env
@@ -94,6 +94,16 @@ def test_an_unreadable_newest_checkpoint_is_refused_naming_the_ways_on_never_ski
         Checkpointer.resume_point(cfg)
     assert "go on from" not in str(raised.value)
     assert sorted(p.name for p in files.directory.iterdir()) == [n for n in before if n != older.name]
+
+
+def test_the_largest_seed_seeds_every_rank():
+    """A rank seeds with the run's seed + its rank: past NumPy's 32 bits at the largest seed the config takes."""
+    from clipdist.defaults import MAX_SEED
+
+    seed_everything(MAX_SEED + 3)
+    drawn = np.random.rand()
+    seed_everything(2)  # the same 32 bits
+    assert np.random.rand() == drawn
 
 
 def test_no_checkpoint_is_none(tmp_path):

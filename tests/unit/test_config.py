@@ -71,6 +71,9 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["recipe=siglip2", "loss.self_distill.head_lr=nan"], "head_lr=nan: must be a finite number, above 0"),
         (["optim.weight_decay=inf"], "optim.weight_decay=inf: must be a finite number, 0 or more"),
         (["optim.ema.decay=nan"], "optim.ema.decay=nan: must be a finite number, 0 or more"),
+        # every generator a seed reaches takes 32 bits (NumPy's): a rank would have failed at its start
+        (["seed=-1"], "seed=-1: must be from 0 to 4294967295"),
+        (["seed=4294967296"], "seed=4294967296: must be from 0 to 4294967295"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
         (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
         (  # SigLIP 2's own architecture: its Gemma tokenizer comes from the hub, and this test's cache is empty
