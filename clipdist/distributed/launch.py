@@ -31,7 +31,12 @@ import torch.multiprocessing as mp
 from clipdist import console
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.distributed.network import free_port, unreachable  # noqa: F401 -- re-exported
-from clipdist.distributed.world import DistEnv, check_world, detect_env  # noqa: F401 -- detect_env: re-exported
+from clipdist.distributed.world import (  # noqa: F401 -- detect_env: re-exported
+    DistEnv,
+    check_local_ranks,
+    check_world,
+    detect_env,
+)
 from clipdist.errors import ClipdistError, ConfigError
 from clipdist.files import save_torch
 
@@ -272,6 +277,7 @@ def launch_local(
     (`timeout`, `docker stop`) are passed to the ranks (SIGINT as SIGTERM, since a terminal's
     Ctrl-C reaches them directly too), which checkpoint and exit.
     """
+    check_local_ranks(world_size, "this launch")
     method = "spawn" if torch.cuda.is_initialized() else "fork"
     results = mp.get_context(method).Queue()
     if method == "fork":

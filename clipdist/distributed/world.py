@@ -9,12 +9,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import hostlist
+import psutil
 
 from clipdist.errors import ConfigError
 
 # Under srun, rank 0's store listens on a port of this range picked by the job id: two jobs sharing a first
 # node get different ports, and no ephemeral port (32768 and up on Linux) is taken.
 SRUN_PORTS = range(20000, 32768)
+# The private memory one local rank forked on the CPU needs at the least: gradcheck's ranks held 46-131 MiB and the
+# default run's two 149-157 MiB (psutil's USS, this machine)
+RANK_MEMORY_FLOOR = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,23 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, "single")
 
 
+def check_local_ranks(count: int, asked: str) -> None:
+    """Refuse to fork `count` local ranks (`asked`: the setting that asks for them) that this machine's free memory
+    cannot hold, at RANK_MEMORY_FLOOR each: a mistyped count would otherwise fork thousands of processes."""
+    available = psutil.virtual_memory().available
+    if count * RANK_MEMORY_FLOOR > available:
+        raise ConfigError(
+            f"{asked}: {count} local ranks need at least {count * RANK_MEMORY_FLOOR / 2**30:.1f} GiB "
+            f"({RANK_MEMORY_FLOOR >> 20} MiB each), and this machine has {available / 2**30:.1f} GiB free; "
+            f"start at most {available // RANK_MEMORY_FLOOR} here, or launch the ranks on more nodes"
+        )
+
+
 def check_world(world, env: DistEnv) -> None:
     """The world preset against how this process was launched: process count, node layout, rendezvous."""
     launched_alone = env.launcher == "single" and world.world_size > 1
+    if launched_alone and world.spawn:
+        check_local_ranks(world.world_size, f"world={world.name} with world.procs_per_node={world.procs_per_node}")
     if launched_alone and not world.spawn:
         torchrun = f"torchrun --nproc-per-node {world.procs_per_node}"
         if world.nodes > 1:

@@ -95,3 +95,26 @@ def test_loader_workers_priority_is_the_setting_where_there_are_workers():
     assert loader_priority("normal", 2) == ("normal", "data.worker_priority=normal")
     assert loader_priority("low", 1) == ("low", "data.worker_priority=low")
     assert loader_priority("low", 0)[0] == "normal"  # no workers: nothing to lower
+
+
+def test_local_ranks_this_machines_memory_cannot_hold_are_refused_before_any_fork(monkeypatch):
+    """A mistyped count (`world.procs_per_node=5000`, `gradcheck --world 99999`) is refused in one line, on every
+    route that forks local ranks, before a process starts."""
+    from types import SimpleNamespace
+
+    from clipdist.distributed import launch, world
+    from clipdist.errors import ConfigError
+
+    free = 3 * world.RANK_MEMORY_FLOOR + 1
+    monkeypatch.setattr(world.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
+    world.check_local_ranks(3, "three")  # what fits is taken
+    with pytest.raises(ConfigError, match=r"^four: 4 local ranks need at least 0\.5 GiB .* start at most 3 here"):
+        world.check_local_ranks(4, "four")
+    preset = SimpleNamespace(name="cpu4", nodes=1, procs_per_node=4, world_size=4, spawn=True)
+    with pytest.raises(ConfigError, match=r"^world=cpu4 with world.procs_per_node=4: 4 local ranks"):
+        world.check_world(preset, detect_env({}))
+    forked = []
+    monkeypatch.setattr(launch.mp, "start_processes", lambda *args, **kwargs: forked.append(args))
+    with pytest.raises(ConfigError, match="this launch: 4 local ranks"):
+        launch.launch_local(print, 4)
+    assert not forked
