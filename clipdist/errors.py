@@ -25,6 +25,25 @@ class RunDirError(ClipdistError, OSError):
     """The run directory cannot take a log line (disk full, permissions); the checkpoints are intact."""
 
 
+class OutOfMemory(ClipdistError, RuntimeError):
+    """An allocation failed on a rank: the run asks more memory than its device or host has."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is a failed allocation: Python's MemoryError, torch's OutOfMemoryError (CUDA), or the CPU
+    allocator's RuntimeError (also as a DataLoader worker's error, re-raised with its text)."""
+    return (
+        isinstance(error, MemoryError)
+        or type(error).__name__ == "OutOfMemoryError"
+        or (isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+    )
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, printable, at most 300 characters."""
+    return one_line((str(error).splitlines() or [""])[0])[:300]
+
+
 class TrainingDiverged(ClipdistError, RuntimeError):
     """Too many non-finite losses in a row: the run stops without saving and says where to go on from."""
 
@@ -57,10 +76,12 @@ def as_config_error(*errors: type[Exception]):
 def report_bug(error: BaseException, folder=None) -> str:
     """One line for an exception clipdist did not foresee: that it is a bug, and where its full traceback went —
     `clipdist-bug-<time>-<pid>.txt` in `folder` (a run directory), else the working directory, else the temporary
-    folder."""
+    folder. A failed allocation is said as what it is, not as a bug."""
+    if out_of_memory(error):
+        return f"out of memory: {first_line(error)}; ask less of this machine (a smaller batch) or use one with more"
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    first = one_line((str(error).splitlines() or [""])[0])[:300]
-    said = f"internal error (a bug in clipdist, not in your input): {one_line(type(error).__name__)}: {first}"
+    kind = one_line(type(error).__name__)
+    said = f"internal error (a bug in clipdist, not in your input): {kind}: {first_line(error)}"
     name = f"clipdist-bug-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
     for place in (folder, os.getcwd(), tempfile.gettempdir()):
         if place is None:

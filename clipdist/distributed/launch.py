@@ -219,6 +219,8 @@ def _spawned_worker(
     buffer = io.BytesIO()
     save_torch(result, buffer)
     results.put((rank, buffer.getvalue()))
+    if isinstance(result, _UserError):  # exit 1 (its message is sent first): the launcher stops the other ranks at
+        sys.exit(1)  # once, since one that did not fail alike (a rank out of memory) may wait in a collective
 
 
 OMP_PAUSE_HARD = 2  # OpenMP 5's omp_pause_hard: the runtime frees its threads; the next parallel region starts anew
@@ -302,19 +304,33 @@ def launch_local(
         if threading.current_thread() is threading.main_thread()
         else {}
     )
-    collected: dict[int, Any] = {}  # each rank's return value, or its _UserError (raised below)
     try:
-        while not _drained(context.join(timeout=0.2, grace_period=5), results, collected):
-            pass
+        collected = _collected(context, results, world_size)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    while len(collected) < world_size:  # results put just before the last exit
-        rank, result = results.get(timeout=30)
-        collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
     for result in collected.values():
         if isinstance(result, _UserError):
             raise result.type(result.message)
+    return collected
+
+
+def _collected(context, results, world_size: int) -> dict[int, Any]:
+    """Each rank's return value, or its _UserError, once every rank has exited; a rank that ended with exit 1 stops
+    the others (torch's join), and its own error is raised where it sent one."""
+    collected: dict[int, Any] = {}
+    try:
+        while not _drained(context.join(timeout=0.2, grace_period=5), results, collected):
+            pass
+    except mp.ProcessExitedException as failed:
+        _drained(True, results, collected)
+        said = collected.get(failed.error_index)
+        if isinstance(said, _UserError):
+            raise said.type(said.message) from None
+        raise
+    while len(collected) < world_size:  # results put just before the last exit
+        rank, result = results.get(timeout=30)
+        collected[rank] = torch.load(io.BytesIO(result), weights_only=False)
     return collected
 
 

@@ -16,6 +16,7 @@ from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.run_dir import RunLock, write_record
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.distributed import launch, parallel
+from clipdist.errors import OutOfMemory, first_line, out_of_memory
 from clipdist.preflight import preflight
 from clipdist.train import startup
 from clipdist.train.recipe import traps
@@ -72,5 +73,13 @@ def train(cfg: TrainConfig, shards: Shards, plan: LoaderPlan) -> dict | None:
             if env.is_main:
                 log.info("%s", where)
         return Trainer(cfg, shards, env, device, plan).fit()
+    except Exception as error:
+        if out_of_memory(error):
+            raise OutOfMemory(
+                f"out of memory on rank {env.rank} ({device}): {first_line(error)}. Lower world.batch_per_device "
+                "or split it with grad_cache.chunks=K (`clipdist plan` says what fits); the checkpoints written so "
+                "far are intact (resume=auto)"
+            ) from error
+        raise
     finally:
         launch.destroy_process_group()

@@ -81,3 +81,27 @@ def test_low_priority_loader_workers_run_under_sched_idle(tmp_path, low):
         assert (os.sched_getscheduler(worker) == os.SCHED_IDLE) is low
     finally:
         stream.close()
+
+
+def _out_of_memory_on_rank_1():
+    import torch.distributed as dist
+
+    from clipdist.errors import OutOfMemory
+
+    if dist.get_rank() == 1:
+        raise OutOfMemory("out of memory on rank 1 (cpu)")
+    dist.barrier()  # rank 0 waits for a rank that will never come
+
+
+def test_an_error_on_one_rank_stops_the_others_at_once_and_is_raised_as_itself():
+    """A ClipdistError only one rank meets (out of memory) must not leave the others waiting in a collective until
+    its timeout: the failed rank exits 1, the launcher stops the rest and raises the rank's own error."""
+    import time
+
+    from clipdist.distributed.launch import launch_local
+    from clipdist.errors import OutOfMemory
+
+    started = time.monotonic()
+    with pytest.raises(OutOfMemory, match="out of memory on rank 1"):
+        launch_local(_out_of_memory_on_rank_1, 2, timeout_s=300)
+    assert time.monotonic() - started < 60  # the barrier's own timeout is 300 s

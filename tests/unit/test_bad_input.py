@@ -66,6 +66,43 @@ def test_an_unforeseen_exception_is_one_line_with_its_traceback_in_a_file(tmp_pa
     assert "Traceback" in written[0].read_text() and "test_an_unforeseen_exception" in written[0].read_text()
 
 
+def test_a_failed_allocation_is_said_as_one_not_as_a_bug(tmp_path, monkeypatch):
+    """torch's CPU allocator, CUDA's OutOfMemoryError and Python's MemoryError: one line saying what it is, and no
+    bug file; on a rank (train.entry.train) the error names the settings that ask less."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from clipdist.errors import out_of_memory, report_bug
+    from clipdist.train import entry
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory")
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has 79 GiB")
+    monkeypatch.chdir(tmp_path)
+    for error in (cpu, cuda, MemoryError()):
+        assert out_of_memory(error)
+        said = report_bug(error, tmp_path)
+        assert said.startswith("out of memory: ") and "a bug" not in said and "\n" not in said
+    assert not list(tmp_path.glob("clipdist-bug-*")) and not out_of_memory(RuntimeError("shape mismatch"))
+
+    class Failing:
+        def __init__(self, *args):
+            raise cuda
+
+    monkeypatch.setattr(entry, "Trainer", Failing)
+    monkeypatch.setattr(entry.launch, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(entry.startup, "configure_host", lambda *args: None)
+    cfg = SimpleNamespace(
+        world=SimpleNamespace(device="cpu", backend="auto", timeout_s=1, rendezvous_timeout_s=1, parallel="ddp")
+    )
+    with pytest.raises(
+        entry.OutOfMemory,
+        match=r"^out of memory on rank 0 \(cpu\): CUDA out of memory\. Tried"
+        r" to allocate 2\.00 GiB\.\. Lower world\.batch_per_device or split it with grad_cache",
+    ):
+        entry.train(cfg, None, None)
+
+
 def test_hydras_own_failures_are_one_line(capsys, monkeypatch, tmp_path):
     """Where Hydra reports a failure itself (its start, --cfg, --info): a config it cannot compose is one `error:`
     line and exit 2; anything else one line saying it is a bug (exit 1) — never its stack trace."""
