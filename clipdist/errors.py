@@ -39,6 +39,18 @@ def out_of_memory(error: BaseException) -> bool:
     )
 
 
+class CollectiveTimeout(ClipdistError, RuntimeError):
+    """A collective waited past its bound on a rank: another rank was slower, stuck or gone."""
+
+
+def timed_out_collective(error: BaseException) -> bool:
+    """Whether `error` is a collective that waited past its timeout (gloo's transport, NCCL's watchdog)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "Timed out waiting" in text or "Watchdog caught collective operation timeout" in text
+    )
+
+
 def first_line(error: BaseException) -> str:
     """An error's first line, printable, at most 300 characters."""
     return one_line((str(error).splitlines() or [""])[0])[:300]

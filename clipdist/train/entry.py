@@ -16,7 +16,7 @@ from clipdist.checkpoint.manager import Checkpointer
 from clipdist.checkpoint.run_dir import RunLock, write_record
 from clipdist.config import TrainConfig, as_dict, to_train_config
 from clipdist.distributed import launch, parallel
-from clipdist.errors import OutOfMemory, first_line, out_of_memory
+from clipdist.errors import CollectiveTimeout, OutOfMemory, first_line, out_of_memory, timed_out_collective
 from clipdist.preflight import preflight
 from clipdist.train import startup
 from clipdist.train.recipe import traps
@@ -52,6 +52,24 @@ def run(cfg, overrides: Sequence[str] = ()) -> dict | None:
         return train(cfg, shards, plan)
 
 
+def _on_this_rank(error: Exception, rank: int, device, timeout_s: int) -> Exception | None:
+    """A rank's failure that is the run's size or the world's pace, not a bug, as the one line to say (None: none of
+    those): out of memory, or a collective that waited past world.timeout_s."""
+    if out_of_memory(error):
+        return OutOfMemory(
+            f"out of memory on rank {rank} ({device}): {first_line(error)}. Lower world.batch_per_device or split "
+            "it with grad_cache.chunks=K (`clipdist plan` says what fits); the checkpoints written so far are intact "
+            "(resume=auto)"
+        )
+    if timed_out_collective(error):
+        return CollectiveTimeout(
+            f"a collective on rank {rank} waited past world.timeout_s={timeout_s} s ({first_line(error)}): another "
+            "rank was slower, stuck or gone (its own error, if any, is above). Where the ranks are only uneven (a "
+            "first compile, a slow file system), raise world.timeout_s; the checkpoints written so far are intact"
+        )
+    return None
+
+
 def train(cfg: TrainConfig, shards: Shards, plan: LoaderPlan) -> dict | None:
     """Train on this rank (every rank calls it), with the loader plan preflight decided. Returns the last evaluation
     on rank 0."""
@@ -74,12 +92,9 @@ def train(cfg: TrainConfig, shards: Shards, plan: LoaderPlan) -> dict | None:
                 log.info("%s", where)
         return Trainer(cfg, shards, env, device, plan).fit()
     except Exception as error:
-        if out_of_memory(error):
-            raise OutOfMemory(
-                f"out of memory on rank {env.rank} ({device}): {first_line(error)}. Lower world.batch_per_device "
-                "or split it with grad_cache.chunks=K (`clipdist plan` says what fits); the checkpoints written so "
-                "far are intact (resume=auto)"
-            ) from error
-        raise
+        said = _on_this_rank(error, env.rank, device, cfg.world.timeout_s)
+        if said is None:
+            raise
+        raise said from error
     finally:
         launch.destroy_process_group()
