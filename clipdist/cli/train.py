@@ -10,7 +10,7 @@ import re
 import shutil
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from clipdist import hydra_policy
 from clipdist.compat import floor_problem
@@ -131,6 +131,7 @@ def _run_composed(cfg) -> None:
     run_dir = hydra.runtime.output_dir  # resolved once by Hydra: ${now:...} can not differ from it
     created = _created_by_hydra(run_dir)
     console.configure(main=detect_env().is_main)
+    nameless = _nameless_run(cfg, run_dir)  # before run_dir becomes Hydra's folder
     with open_dict(cfg):
         if OmegaConf.is_interpolation(cfg, "name"):
             multirun = hydra.mode is not None and hydra.mode.name == "MULTIRUN"
@@ -141,6 +142,8 @@ def _run_composed(cfg) -> None:
             )
         cfg.run_dir = run_dir
     try:
+        if nameless:
+            raise ConfigError(nameless)
         complete = _quick_checks(cfg)  # the schema, the world against the launch: before the towers' libraries load
         if complete:
             logging.getLogger("clipdist").info("%s", complete)
@@ -171,6 +174,24 @@ def _run_composed(cfg) -> None:
             raise
         logging.getLogger("clipdist").error("%s", report_bug(error, run_dir if os.path.isdir(run_dir) else None))
         raise SystemExit(1) from None
+
+
+def _nameless_run(cfg, run_dir: str) -> str | None:
+    """Why the composed run_dir is no folder of the run's own (None: it is): one with no last part of its own
+    (`run_dir=`, `.`, `..`, `/`, or runs/<name> with `name=`, `.`, `..`) is the working directory, the folder of
+    every run, or one above them."""
+    from typing import cast
+
+    from omegaconf import OmegaConf
+
+    value, name = (str(OmegaConf.select(cfg, key, default="") or "") for key in ("run_dir", "name"))
+    named = "${name}" in str(cast(dict, OmegaConf.to_container(cfg, resolve=False)).get("run_dir", ""))
+    if PurePath(value.strip()).name in ("", ".", "..") or (named and PurePath(name).name in ("", ".", "..")):
+        return (
+            f"run_dir={value!r} (name={name!r}) is {run_dir}, no folder of the run's own: give the run a name, or "
+            "run_dir=<a folder for this run>"
+        )
+    return None
 
 
 RANK_REFUSAL_WAIT_S = 5.0  # how long the other ranks wait for rank 0 to reach the same refusal and say it

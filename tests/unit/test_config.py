@@ -86,6 +86,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
             + ["loss.self_distill.crop_size=144"],
             "crop_size=144: local views of 81 patches, more than the longest image's 64 (data.seq_lens); give at most",
         ),
+        # a run directory that is no folder of the run's own: the working directory, the folder of every run, above it
+        (["run_dir="], "run_dir='' (name="),
+        (["run_dir={tmp}/runs/${name}", "name=.."], "runs/..' (name='..') is "),
+        (["run_dir={tmp}/.."], "run_dir='"),
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
         (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile?"),
@@ -95,6 +99,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
 )
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no row may reach the network
+    monkeypatch.chdir(tmp_path)  # a refusal missed would write here (run_dir=), not into the checkout
     overrides = [override.replace("{tmp}", str(tmp_path)) for override in overrides]
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *overrides)
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
