@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
 
+from clipdist.defaults import MAX_SEED
 from clipdist.distributed.parallel import rank_and_world_size
 
 RNG_KEY = "rank_{:05d}"  # a rank's generators among a checkpoint's tensors (rng.<key>.*: written by that rank)
@@ -67,7 +68,7 @@ def host_rng_state() -> dict:
 def seed_everything(seed: int) -> None:
     """Python's, NumPy's and torch's generators from `seed` (a run's seed + rank: NumPy's 32 bits taken from it)."""
     random.seed(seed)
-    np.random.seed(seed % 2**32)
+    np.random.seed(seed % (MAX_SEED + 1))
     torch.manual_seed(seed)
 
 

@@ -305,19 +305,15 @@ def launch_local(
         else {}
     )
     try:
-        collected = _collected(context, results, world_size)
+        return _collected(context, results, world_size)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    for result in collected.values():
-        if isinstance(result, _UserError):
-            raise result.type(result.message)
-    return collected
 
 
 def _collected(context, results, world_size: int) -> dict[int, Any]:
-    """Each rank's return value, or its _UserError, once every rank has exited; a rank that ended with exit 1 stops
-    the others (torch's join), and its own error is raised where it sent one."""
+    """Each rank's return value once every rank has exited; a rank that ended with exit 1 (one with its own error
+    among them) stops the others (torch's join), and its own error is raised where it sent one."""
     collected: dict[int, Any] = {}
     try:
         while not _drained(context.join(timeout=0.2, grace_period=5), results, collected):
