@@ -27,6 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from clipdist import console
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
@@ -312,16 +313,16 @@ def launch_local(
 
 
 def _collected(context, results, world_size: int) -> dict[int, Any]:
-    """Each rank's return value once every rank has exited; a rank that ended with exit 1 (one with its own error
-    among them) stops the others (torch's join), and its own error is raised where it sent one."""
+    """Each rank's return value once every rank has exited; a rank that fails stops the others (torch's join), and a
+    rank's own error (its _UserError) is raised before the failures it caused elsewhere."""
     collected: dict[int, Any] = {}
     try:
         while not _drained(context.join(timeout=0.2, grace_period=5), results, collected):
             pass
-    except mp.ProcessExitedException as failed:
-        _drained(True, results, collected)
-        said = collected.get(failed.error_index)
-        if isinstance(said, _UserError):
+    except ProcessException:  # the first failure join saw may be a consequence (a peer's connection reset)
+        _drained(True, results, collected)  # join has waited for every rank: what they sent is here
+        said = next((result for result in collected.values() if isinstance(result, _UserError)), None)
+        if said is not None:
             raise said.type(said.message) from None
         raise
     while len(collected) < world_size:  # results put just before the last exit
