@@ -12,6 +12,8 @@ other), so each route is bounded and none follows a link it should not:
                                 private name renamed over the old, so a link planted at the name is replaced
     append_own / open_lock /    a run's own logs appended, its lock, a checkpoint's part: never through a link
     write_durable / write_new
+    digest_own                  the SHA-256 of a file of a run's own (the compile cache's): never through a link
+    write_once                  a private file made whole or not at all, never replaced (a user's key)
     load_torch / save_torch,    the serializers' file routes, through the above (DCP's own reader and writer work on
     load_safetensors / ...      folders clipdist checks first: checkpoint/weights.py)
     publish(out, write)         a file or folder that appears whole or not at all
@@ -20,6 +22,7 @@ other), so each route is bounded and none follows a link it should not:
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 import stat
@@ -202,6 +205,36 @@ def write_durable(path: str | Path, data: bytes) -> None:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
+
+
+def digest_own(path: str | Path) -> str:
+    """The SHA-256 (hex) of a regular file of clipdist's own, read in pieces, opened without following a link at its
+    name (open_own)."""
+    digest = hashlib.sha256()
+    with open_own(path) as file:
+        while piece := file.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def write_once(path: str | Path, data: bytes) -> bool:
+    """`data` as the new private file `path` (mode 0600), whole or not at all: written under a private name beside
+    it (mkstemp), then linked at `path`. False where `path` exists already (another process made it first): an
+    existing file, or a link at that name, is never replaced or written through."""
+    path = Path(path)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        Path(temporary).unlink(missing_ok=True)
 
 
 def discard_stdout() -> None:

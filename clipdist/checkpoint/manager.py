@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from clipdist import console
 from clipdist.checkpoint import weights
+from clipdist.checkpoint.compile_cache import CompileCache
 from clipdist.checkpoint.remote import RemoteCopies
 from clipdist.checkpoint.state import TrainState
 from clipdist.config import REFUSE, WARN, OnCheckpointError, TrainConfig, as_dict, resume_rule
@@ -319,8 +320,9 @@ class Checkpointer:
     The timer and the signal are per process; `requests()` gives this rank's, the step's one all-reduce
     agrees them over ranks (step.StepAgreement), and `due` decides with the agreed timer."""
 
-    def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, env: DistEnv, compile_cache: CompileCache | None = None):
         self.files = CheckpointFiles(run_dir, cfg.keep_checkpoints)
+        self.compile_cache = compile_cache if env.is_main else None  # signed after each published save
         self.every = cfg.checkpoint_every
         self.every_s = None if cfg.checkpoint_every_minutes is None else 60 * cfg.checkpoint_every_minutes
         self.last_saved = time.monotonic()
@@ -407,6 +409,8 @@ class Checkpointer:
         path = self._guarded(lambda: self.files.finish(pending, self.env.is_main))
         if path is not None and self.env.is_main:
             log.info(saved_line(path, pending, self.background), extra=console.DETAIL)
+        if path is not None and self.compile_cache is not None and (unsigned := self.compile_cache.sign()):
+            log.warning("%s", unsigned)
         if path is not None and self.remote is not None:
             self.remote.upload(path)
         return path is not None

@@ -8,7 +8,6 @@ the optimizer and schedule, precision, the objective and the step — what the t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from typing import Any
 
 import torch
 
+from clipdist.checkpoint import compile_cache
+from clipdist.checkpoint.compile_cache import CompileCache
 from clipdist.config import TrainConfig
 from clipdist.data.device_decode import device_decoder
 from clipdist.data.images import PixelNormalize
@@ -52,6 +53,8 @@ class Parts:
     val_transform: Callable[[Any], Any]
     ema: WeightAverage | None = None  # optim.ema's average of the weights (None: optim.ema.decay=0)
     compiled: tuple[bool, str] = (False, "")  # whether the towers are compiled, and why (compile_decision)
+    compile_cache: CompileCache | None = None  # where compiled, its caches (signed after each checkpoint)
+    cache_admitted: str | None = None  # on rank 0, what admitting the cache removed (a line for the banner)
 
 
 def trims_text(cfg: TrainConfig, device: torch.device) -> bool:
@@ -80,38 +83,30 @@ def compile_decision(cfg: TrainConfig, device: torch.device, model: torch.nn.Mod
     return True, f"model.compile=auto: on (CUDA, {cfg.optim.max_steps} steps, a fixed-size tower)"
 
 
-def compile_cache(run_dir: str) -> str:
-    """torch.compile's caches (inductor's FX graphs and kernels, AOTAutograd's, Triton's) beside the run, so a resume
-    or a requeued job on another node of the cluster reuses them; a cache the user set is kept (torch writes its own
-    default, /tmp/torchinductor_<user>, back into the environment once it has looked: that one is not the user's)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    ours = os.path.join(os.path.abspath(run_dir), "compile_cache")
-    folder = given if given and given != os.path.abspath(default_cache_dir()) and "compile_cache" not in given else ours
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-    triton = os.environ.get("TRITON_CACHE_DIR")
-    if not triton or "compile_cache" in triton:  # Triton's own default is under ~/.triton: not the user's either
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
-    return folder
-
-
-def _wrapped(cfg: TrainConfig, device: torch.device, model: torch.nn.Module, compile: bool) -> torch.nn.Module:
-    """The model as the step trains it: DDP or FSDP2 (under FSDP the parameters become this rank's shards, gathered
-    in the autocast dtype on CUDA; gradients are reduced in fp32), compiled where `compile` (its cache beside the
-    run). Wrapped before the optimizer is built."""
+def _wrapped(
+    cfg: TrainConfig, device: torch.device, model: torch.nn.Module, compile: bool
+) -> tuple[torch.nn.Module, CompileCache | None, str | None]:
+    """(the model as the step trains it, its compile cache, what admitting that cache removed). DDP or FSDP2 (under
+    FSDP the parameters become this rank's shards, gathered in the autocast dtype on CUDA; gradients are reduced in
+    fp32), compiled where `compile`: its cache beside the run, emptied of what this user's clipdist did not sign by
+    rank 0 while the others wait, before anything compiles (checkpoint.compile_cache). Wrapped before the optimizer
+    is built."""
     gathered_dtype = (
         precision.AUTOCAST.get(precision.resolved(cfg.precision, device)) if device.type == "cuda" else None
     )
+    cache, admitted = None, None
     if compile:
-        compile_cache(cfg.run_dir)
-    return parallel.wrap_model(
+        cache = compile_cache.use(cfg.run_dir)
+        admitted = cache.admit() if parallel.rank_and_world_size()[0] == 0 else None
+        parallel.barrier()
+    wrapped = parallel.wrap_model(
         model,
         parallel=str(cfg.world.parallel),
         compile=compile,
         param_dtype=gathered_dtype,
         sync_batchnorm=cfg.world.sync_batchnorm,
     )
+    return wrapped, cache, admitted
 
 
 def _term_context(cfg: TrainConfig, device, model, local_rank: int, ema) -> TermContext:
@@ -139,7 +134,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     )
     attach_parts(cfg.loss, model)  # a term's own head, seeded with the model, before DDP or FSDP sees the parameters
     compiled = compile_decision(cfg, device, model)
-    train_model = _wrapped(cfg, device, model, compiled[0])
+    train_model, cache, admitted = _wrapped(cfg, device, model, compiled[0])
     optimizer, scheduler = build_optimizer(model, cfg.optim, part_lr_scales(cfg.loss))
     scaler = precision.gradient_scaler(cfg.precision, device)
     if cfg.data.resolution_schedule and naflex_trunk(model) is None:
@@ -183,4 +178,6 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         val_transform,
         ema,
         compiled,
+        cache,
+        admitted,
     )

@@ -90,6 +90,19 @@ def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., 
     return stream
 
 
+def compile_lines(trainer) -> list[tuple[str, int]]:
+    """Whether the towers are compiled and why (said where it was decided for the user, or is on), where the caches
+    are, and what was removed from them as unsigned (checkpoint.compile_cache)."""
+    compiled, why = trainer.compiled
+    lines = []
+    if compiled or trainer.cfg.model.compile is None and trainer.device.type == "cuda":
+        where = f"; its caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}" if compiled else ""
+        lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}){where}", logging.INFO))
+    if trainer.cache_admitted:
+        lines.append((trainer.cache_admitted, logging.WARNING))
+    return lines
+
+
 def start_lines(trainer) -> list[tuple[str, int]]:
     """(line, level) for where the run starts: the checkpoint, the run directory, the recipe, where the data stream
     goes on from, and whether there is anything left to train."""
@@ -110,10 +123,7 @@ def start_lines(trainer) -> list[tuple[str, int]]:
         trainer.step.trim_text,
     )
     lines += [(line, logging.INFO) for line in said]
-    compiled, why = trainer.compiled
-    if compiled or cfg.model.compile is None and trainer.device.type == "cuda":
-        where = f"; its caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}" if compiled else ""
-        lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}){where}", logging.INFO))
+    lines += compile_lines(trainer)
     if stream.continued:
         lines.append(
             (

@@ -55,14 +55,14 @@ class Trainer:
             parts.tokenizer,
         )
         self.train_model, self.scaler, self.step = parts.train_model, parts.scaler, parts.step
-        self.compiled, self.first_step_said = parts.compiled, False
+        self.compiled, self.cache_admitted, self.first_step_said = parts.compiled, parts.cache_admitted, False
         self.signal = SignalWatch()  # the teacher terms' targets: a warning where they collapse
         self.val_transform = parts.val_transform
         self.sharded = parallel.is_sharded(self.model)
         optimizer, scheduler, train_transform = parts.optimizer, parts.scheduler, parts.train_transform
         self.stream = startup.build_stream(self, plan, train_transform, self.say)
         self.state = TrainState(self.model, optimizer, scheduler, self.stream, scaler=self.scaler, ema=parts.ema)
-        self.checkpointer = Checkpointer(cfg, self.run_dir, env)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, env, compile_cache=parts.compile_cache)
         self.resumed_from = self.checkpointer.restore(self.state)
         if self.resumed_from is None:
             seed_everything(cfg.seed + env.rank)

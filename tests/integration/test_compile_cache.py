@@ -1,6 +1,7 @@
 """torch.compile's caches live beside the run: a resumed (or requeued) start finds its graphs compiled already.
 On this CPU with inductor, as on a GPU: the second start adds no file to the cache and its first step is the cache's
-read, not a compile (measured in docs/performance.md: 47.3 s -> 2.5 s)."""
+read, not a compile (measured in docs/training.md). What the cache holds runs, so only what this user's clipdist
+signed is kept: a module changed or added since the last save is removed before torch imports it."""
 
 from __future__ import annotations
 
@@ -28,14 +29,23 @@ def cached_files(run_dir):
     return {path.relative_to(run_dir) for path in (run_dir / "compile_cache").rglob("*") if path.is_file()}
 
 
-def test_a_second_start_reuses_the_compile_beside_the_run(tmp_path, cache_dir):
+def test_a_second_start_reuses_the_compile_beside_the_run_and_runs_nothing_unsigned(tmp_path, cache_dir):
     run_dir, model = tmp_path / "run", one_layer_model(tmp_path)
-    first = train(run_dir, cache_dir, *COMPILED, model, "optim.max_steps=2", fresh=True, timeout=600)
+    own_key = {"XDG_CONFIG_HOME": str(tmp_path / "config")}  # this test's user key, not the machine user's
+    first = train(run_dir, cache_dir, *COMPILED, model, "optim.max_steps=2", env=own_key, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"torch.compile on (model.compile=true); its caches in {run_dir / 'compile_cache'}" in first.stdout
     compiled = cached_files(run_dir)
     assert any("fxgraph" in str(path) for path in compiled), sorted(compiled)[:20]  # inductor's graphs, here
-    second = train(run_dir, cache_dir, *COMPILED, model, "optim.max_steps=4", fresh=True, timeout=600)
+    marker = tmp_path / "ran"
+    modules = sorted((run_dir / "compile_cache").rglob("*.py"))
+    assert modules, sorted(compiled)[:20]
+    for module in modules:  # as someone who handed the run folder over could have left it
+        module.write_text(f"import pathlib; pathlib.Path({str(marker)!r}).touch()\n" + module.read_text())
+    (run_dir / "compile_cache" / "stray.py").write_text("print('not torch')")
+    second = train(run_dir, cache_dir, *COMPILED, model, "optim.max_steps=4", env=own_key, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 3: " in second.stdout, second.stdout[-2000:]
-    assert cached_files(run_dir) == compiled  # every graph found in the cache: nothing compiled anew
+    assert not marker.exists()
+    assert f"compile cache: {len(modules) + 1} file(s) not signed by this user's clipdist removed" in second.stderr
+    assert cached_files(run_dir) == compiled  # every graph found in the cache (modules rewritten from them)
