@@ -21,6 +21,25 @@ from clipdist.data.batch import Batch, apply, apply_pair
 from clipdist.data.faults import DataError, DataFailure
 from clipdist.data.workers import set_low_priority
 from clipdist.distributed.launch import STOP_SIGNALS, kill_tree
+from clipdist.model.factory import image_size
+from clipdist.model.timm_towers import naflex_patch_size
+
+READ_AHEAD_BATCHES = 2  # batches each worker has in flight: 2 whole ones, or 2·W items of a W·pieces-th of one
+
+
+def held_samples(local_batch: int, workers: int, pieces: int) -> float:
+    """Samples a rank's loader holds in host memory at once: the batch it hands over, and what its workers read ahead
+    (READ_AHEAD_BATCHES each, in `pieces` of a batch: data.pieces)."""
+    return local_batch * (1 + READ_AHEAD_BATCHES * workers / pieces)
+
+
+def sample_bytes(model: torch.nn.Module, context: int, seq_len: int | None = None) -> int:
+    """A sample's bytes as the loader hands it over: uint8 pixels (3·H·W) and int64 tokens (8·context); a NaFlex
+    tower's `seq_len` patches as float32 (normalized by the loader), with int64 coordinates and a bool mask."""
+    if seq_len is not None:
+        return seq_len * (4 * 3 * naflex_patch_size(model) ** 2 + 2 * 8 + 1) + 8 * context
+    height, width = image_size(model)
+    return 3 * height * width + 8 * context
 
 
 class Loader:

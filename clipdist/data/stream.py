@@ -20,7 +20,7 @@ from clipdist.data.batch import Batch, rows_consumed
 from clipdist.data.epochs import RowDeal, epoch_sizes
 from clipdist.data.faults import DataError, DataFailure, ShardHealth, SkipCounter
 from clipdist.data.images import CaptionTokens, ImageBatcher
-from clipdist.data.loader import Loader, assemble
+from clipdist.data.loader import READ_AHEAD_BATCHES, Loader, assemble
 from clipdist.data.naflex import TokenBudget, resolve_budget
 from clipdist.data.order import BudgetOrder, SampleOrder
 from clipdist.data.reader import Reader, ShardList, ShardSequence, shard_samples
@@ -446,7 +446,7 @@ class TrainStream:
             dataset,
             workers,
             pin_memory=self.pin_memory and whole,
-            items_ahead=2 if whole else 2 * workers,
+            items_ahead=READ_AHEAD_BATCHES if whole else READ_AHEAD_BATCHES * workers,
             low_priority=self.low_priority_workers,
             start_method=self.start_method,
             seed=self.seed,

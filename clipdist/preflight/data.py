@@ -1,6 +1,6 @@
 """The data checks before any rank starts: the shards resolve and are enough for the run's readers, the first
 samples have captions where data.caption_keys says, a NaFlex tower's token budget holds, data.decode_on's transform
-is one the device can run, every evaluation set reads;
+is one the device can run, the node's loaders can hold their batches, every evaluation set reads;
 and the loader plan and reader count the run will have (the same on every rank)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import psutil
 import torch
 from torchvision import transforms as T
 
@@ -16,6 +17,7 @@ from clipdist.config import TrainConfig
 from clipdist.data.device_decode import check_transform
 from clipdist.data.epochs import epoch_sizes
 from clipdist.data.eval_stream import first_eval_record
+from clipdist.data.loader import READ_AHEAD_BATCHES, held_samples, sample_bytes
 from clipdist.data.naflex import longest_seq_len, resolve_budget, resolve_seq_lens
 from clipdist.data.order import BudgetOrder, run_layout
 from clipdist.data.samples import SampleKeys
@@ -52,9 +54,33 @@ def check_data(
     with as_config_error():
         check_naflex(cfg, student, readers, resuming)
         check_decode_on(cfg, student)
+    check_host_memory(cfg, student, plan)
     for evalset in shards.evals:
         check_eval_set(evalset)
     return shards, plan
+
+
+def check_host_memory(cfg: TrainConfig, student: torch.nn.Module, plan: LoaderPlan) -> None:
+    """The inputs this node's loaders hold at once (every local rank's batch and what its workers read ahead, as the
+    loader hands them over: loader.held_samples, loader.sample_bytes) within the memory this machine has free: a
+    batch the host cannot hold is refused now, not after the workers have decoded it. A NaFlex tower's batches are
+    token budgets, checked by check_naflex."""
+    if naflex_trunk(student) is not None:
+        return
+    batch, pieces, workers = cfg.world.batch_per_device, cfg.data.pieces, plan.workers
+    each = sample_bytes(student, int(getattr(student, "context_length", 77)))
+    held = cfg.world.procs_per_node * held_samples(batch, workers, pieces) * each
+    available = psutil.virtual_memory().available
+    if held > available:
+        raise ConfigError(
+            f"world.batch_per_device={batch}: this node's loaders would hold {held / 2**30:.1f} GiB of inputs at once: "
+            f"{cfg.world.procs_per_node} rank(s) × {batch} samples × {each} bytes × "
+            f"{1 + READ_AHEAD_BATCHES * workers / pieces:g} (the batch handed over, and {READ_AHEAD_BATCHES} more read "
+            f"ahead by each of {workers} data.workers, in data.pieces={pieces} piece(s) a batch). This machine has "
+            f"{available / 2**30:.1f} GiB free. Lower "
+            "world.batch_per_device, read the batch in pieces (data.pieces=K with grad_cache.chunks=K) or set fewer "
+            "data.workers; `clipdist plan` counts what fits"
+        )
 
 
 NAFLEX_KEYS = (

@@ -56,6 +56,7 @@ from omegaconf import OmegaConf
 
 from clipdist.config import CONF
 from clipdist.config import preset as menu_entry
+from clipdist.data.loader import held_samples, sample_bytes
 from clipdist.data.naflex import default_seq_lens
 from clipdist.distributed.parallel import transformer_blocks
 from clipdist.losses import build
@@ -69,7 +70,6 @@ from clipdist.tools.memory import ActivationFit, LossFit, fit_loss_memory, measu
 
 OPTIMIZER_BYTES_PER_PARAMETER = 16  # fp32 weight + fp32 grad + AdamW exp_avg + exp_avg_sq
 EMA_BYTES_PER_PARAMETER = 4  # optim.ema's fp32 average, sharded as the weights under FSDP2
-READ_AHEAD_PER_WORKER = 2  # DataLoader's prefetch_factor: loader batches each worker holds ready
 AUTO_CHUNK_SHARE = 0.95  # --chunks auto: the largest chunk whose largest batch is this share of the best
 
 
@@ -254,17 +254,18 @@ def measure(
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else None
     context = get_tokenizer(model_name).context_length
     height, width = image_size(model)
-    input_bytes = 3 * height * width + 8 * context  # a sample's uint8 pixels and its int64 tokens
     if naflex_trunk(model) is not None:
         seq_len = seq_len or default_seq_lens((height, width), naflex_patch_size(model))[0]
-        # float32 patches, int64 coordinates, a bool mask: normalized by the loader
-        input_bytes = seq_len * (4 * 3 * naflex_patch_size(model) ** 2 + 2 * 8 + 1) + 8 * context
     elif seq_len is not None:
         raise ValueError(f"--seq-len is for NaFlex image towers; {model_name}'s takes {height}×{width} images")
     terms, ema = recipe_terms(recipe, model) if recipe else ([], False)
     activations = measure_activations(model, context, autocast, seq_len=seq_len, terms=terms)
     measured = Measurements(
-        activations, losses, 2 if precision == "bf16" else 4, *parameter_layout(model), input_bytes=input_bytes
+        activations,
+        losses,
+        2 if precision == "bf16" else 4,
+        *parameter_layout(model),
+        input_bytes=sample_bytes(model, context, seq_len),
     )
     measured.ema = ema
     measured.gathered_teacher = max(  # one forward's gathered tensors at a time
@@ -321,8 +322,8 @@ def breakdown(
     else:
         cached, activations = 0, act.bytes(local_batch)
         held, kept = activations + loss, activations + loss_kept
-    read_ahead = READ_AHEAD_PER_WORKER * max(host.loader_workers, 1) * micro_batch  # loader batches: chunks
-    host_bytes = host.ranks_per_node * (local_batch + read_ahead) * m.input_bytes
+    pieces = local_batch // micro_batch  # the loader reads the batch in pieces of a chunk
+    host_bytes = host.ranks_per_node * held_samples(local_batch, host.loader_workers, pieces) * m.input_bytes
     teacher = m.teacher_bytes(local_batch) + (4 * m.gathered_teacher if parallel == "fsdp" else 0)
     terms = {"activations": activations, "loss": loss, "cached features": cached, "inputs": inputs}
     return {

@@ -74,6 +74,8 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         # every generator a seed reaches takes 32 bits (NumPy's): a rank would have failed at its start
         (["seed=-1"], "seed=-1: must be from 0 to 4294967295"),
         (["seed=4294967296"], "seed=4294967296: must be from 0 to 4294967295"),
+        # a batch no host holds: refused before the loader's workers decode it (they took minutes, then ran out)
+        (["world.batch_per_device=1000000000"], "world.batch_per_device=1000000000: this node's loaders would hold"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
         (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
         (  # SigLIP 2's own architecture: its Gemma tokenizer comes from the hub, and this test's cache is empty
@@ -104,6 +106,30 @@ def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", *overrides)
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not (tmp_path / "run").exists()  # refused before the run began: nothing left behind
+
+
+def test_the_hosts_memory_bounds_what_its_loaders_hold_at_once(monkeypatch):
+    """Every local rank's batch, and what each of its workers reads ahead (two batches, or two in data.pieces), as
+    the loader hands them over (3,200 bytes a clipdist-tiny sample), within the machine's free memory."""
+    from types import SimpleNamespace
+
+    from clipdist.config import TrainConfig
+    from clipdist.data.workers import LoaderPlan
+    from clipdist.model.factory import create_model
+    from clipdist.preflight.data import check_host_memory
+
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=2**30))
+    tower, plan, cfg = create_model("clipdist-tiny", device="meta"), LoaderPlan(2, 2, ""), TrainConfig(name="x")
+    cfg.world.batch_per_device, cfg.world.procs_per_node = 20000, 2
+    check_host_memory(cfg, tower, plan)  # 2 ranks × 20,000 × 3,200 bytes × (1 + 2·2): 0.6 GiB
+    cfg.world.batch_per_device = 40000  # 1.2 GiB
+    with pytest.raises(ConfigError, match=r"would hold 1\.2 GiB .*: 2 rank\(s\) × 40000 samples × 3200 bytes × 5 "):
+        check_host_memory(cfg, tower, plan)
+    cfg.data.pieces = 4  # each worker reads ahead two quarters of a batch: × 2, 0.5 GiB
+    check_host_memory(cfg, tower, plan)
+    cfg.world.procs_per_node = 5  # 1.2 GiB
+    with pytest.raises(ConfigError, match=r"data.pieces=4 piece\(s\) a batch\)\. This machine has 1\.0 GiB free"):
+        check_host_memory(cfg, tower, plan)
 
 
 def test_a_world_that_does_not_match_the_launcher_is_refused(tmp_path, cache_dir, capsys, monkeypatch):
