@@ -23,6 +23,9 @@ from clipdist.distributed import host
 MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at most, where data.workers is automatic
 
 
+WORKER_MEMORY_FLOOR = 16 << 20  # a loader worker's own memory at the least (20 MiB USS measured, the default run)
+
+
 class LoaderPlan(NamedTuple):
     """A rank's loader: `readers` (a reader a worker), `workers` (the processes that run them; 0: the rank reads in
     its own process), why, and the run's `layout` (V readers, a cycle of Λ samples: data/order.py), which preflight

@@ -24,7 +24,7 @@ from clipdist.data.samples import SampleKeys
 from clipdist.data.sources import EvalSet, Shards, resolve_shards
 from clipdist.data.stream import check_caption_keys, check_pieces, check_shard_count, kept_readers, run_readers
 from clipdist.data.transforms import image_size_stages, image_transforms
-from clipdist.data.workers import LoaderPlan, loader_workers
+from clipdist.data.workers import WORKER_MEMORY_FLOOR, LoaderPlan, loader_workers
 from clipdist.distributed import parallel
 from clipdist.errors import ConfigError, as_config_error
 from clipdist.model.factory import image_size
@@ -61,25 +61,27 @@ def check_data(
 
 
 def check_host_memory(cfg: TrainConfig, student: torch.nn.Module, plan: LoaderPlan) -> None:
-    """The inputs this node's loaders hold at once (every local rank's batch and what its workers read ahead, as the
-    loader hands them over: loader.held_samples, loader.sample_bytes) within the memory this machine has free: a
-    batch the host cannot hold is refused now, not after the workers have decoded it. A NaFlex tower's batches are
-    token budgets, checked by check_naflex."""
+    """What this node's loaders need within the memory this machine has free: the inputs they hold at once (every
+    local rank's batch and what its workers read ahead, as the loader hands them over: loader.held_samples,
+    loader.sample_bytes) and their worker processes (WORKER_MEMORY_FLOOR each). A batch or a worker count the host
+    cannot hold is refused now, not after the workers have decoded for minutes. A NaFlex tower's batches are token
+    budgets, checked by check_naflex."""
     if naflex_trunk(student) is not None:
         return
-    batch, pieces, workers = cfg.world.batch_per_device, cfg.data.pieces, plan.workers
+    batch, pieces, workers, ranks = cfg.world.batch_per_device, cfg.data.pieces, plan.workers, cfg.world.procs_per_node
     each = sample_bytes(student, int(getattr(student, "context_length", 77)))
-    held = cfg.world.procs_per_node * held_samples(batch, workers, pieces) * each
+    inputs = ranks * held_samples(batch, workers, pieces) * each
+    processes = ranks * workers * WORKER_MEMORY_FLOOR
     available = psutil.virtual_memory().available
-    if held > available:
+    if inputs + processes > available:
         raise ConfigError(
-            f"world.batch_per_device={batch}: this node's loaders would hold {held / 2**30:.1f} GiB of inputs at once: "
-            f"{cfg.world.procs_per_node} rank(s) × {batch} samples × {each} bytes × "
-            f"{1 + READ_AHEAD_BATCHES * workers / pieces:g} (the batch handed over, and {READ_AHEAD_BATCHES} more read "
-            f"ahead by each of {workers} data.workers, in data.pieces={pieces} piece(s) a batch). This machine has "
-            f"{available / 2**30:.1f} GiB free. Lower "
-            "world.batch_per_device, read the batch in pieces (data.pieces=K with grad_cache.chunks=K) or set fewer "
-            "data.workers; `clipdist plan` counts what fits"
+            f"world.batch_per_device={batch} with data.workers={workers}: this node's loaders would need "
+            f"{(inputs + processes) / 2**30:.1f} GiB, and this machine has {available / 2**30:.1f} GiB free. Inputs "
+            f"held at once: {inputs / 2**30:.1f} GiB ({ranks} rank(s) × {batch} samples × {each} bytes × "
+            f"{1 + READ_AHEAD_BATCHES * workers / pieces:g}: the batch handed over, and {READ_AHEAD_BATCHES} more read "
+            f"ahead by each worker in data.pieces={pieces} piece(s) a batch); worker processes: {ranks * workers} at "
+            f"{WORKER_MEMORY_FLOOR >> 20} MiB or more each. Lower world.batch_per_device, read the batch in pieces "
+            "(data.pieces=K with grad_cache.chunks=K) or set fewer data.workers; `clipdist plan` counts the inputs"
         )
 
 

@@ -75,7 +75,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["seed=-1"], "seed=-1: must be from 0 to 4294967295"),
         (["seed=4294967296"], "seed=4294967296: must be from 0 to 4294967295"),
         # a batch no host holds: refused before the loader's workers decode it (they took minutes, then ran out)
-        (["world.batch_per_device=1000000000"], "world.batch_per_device=1000000000: this node's loaders would hold"),
+        (["world.batch_per_device=1000000000"], "world.batch_per_device=1000000000 with data.workers=2: this node's"),
         (["world=cpu2", "model.name=ViT-Nope"], "unknown model 'ViT-Nope'"),
         (["model.name=clipdist-maphead-tiny"], "loss=disco: model clipdist-maphead-tiny has a logit bias"),
         (  # SigLIP 2's own architecture: its Gemma tokenizer comes from the hub, and this test's cache is empty
@@ -110,7 +110,8 @@ def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys
 
 def test_the_hosts_memory_bounds_what_its_loaders_hold_at_once(monkeypatch):
     """Every local rank's batch, and what each of its workers reads ahead (two batches, or two in data.pieces), as
-    the loader hands them over (3,200 bytes a clipdist-tiny sample), within the machine's free memory."""
+    the loader hands them over (3,200 bytes a clipdist-tiny sample), and the workers themselves (16 MiB each at the
+    least), within the machine's free memory."""
     from types import SimpleNamespace
 
     from clipdist.config import TrainConfig
@@ -123,13 +124,19 @@ def test_the_hosts_memory_bounds_what_its_loaders_hold_at_once(monkeypatch):
     cfg.world.batch_per_device, cfg.world.procs_per_node = 20000, 2
     check_host_memory(cfg, tower, plan)  # 2 ranks × 20,000 × 3,200 bytes × (1 + 2·2): 0.6 GiB
     cfg.world.batch_per_device = 40000  # 1.2 GiB
-    with pytest.raises(ConfigError, match=r"would hold 1\.2 GiB .*: 2 rank\(s\) × 40000 samples × 3200 bytes × 5 "):
+    with pytest.raises(
+        ConfigError,
+        match=r"need 1\.3 GiB, .* 1\.0 GiB free\. Inputs held at once: 1\.2 GiB \(2 rank\(s\) × 40000 samples × 3200 b",
+    ):
         check_host_memory(cfg, tower, plan)
     cfg.data.pieces = 4  # each worker reads ahead two quarters of a batch: × 2, 0.5 GiB
     check_host_memory(cfg, tower, plan)
     cfg.world.procs_per_node = 5  # 1.2 GiB
-    with pytest.raises(ConfigError, match=r"data.pieces=4 piece\(s\) a batch\)\. This machine has 1\.0 GiB free"):
+    with pytest.raises(ConfigError, match=r"data.pieces=4 piece\(s\) a batch\); worker processes: 10 at 16 MiB"):
         check_host_memory(cfg, tower, plan)
+    cfg.world.batch_per_device, cfg.world.procs_per_node = 1, 1
+    with pytest.raises(ConfigError, match=r"data.workers=100: .*worker processes: 100 at 16 MiB or more each"):
+        check_host_memory(cfg, tower, LoaderPlan(100, 100, ""))  # 1.6 GiB of processes
 
 
 def test_a_world_that_does_not_match_the_launcher_is_refused(tmp_path, cache_dir, capsys, monkeypatch):
