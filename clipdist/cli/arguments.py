@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+
 
 def csv(cast):
     return lambda text: [cast(part) for part in text.split(",")]
+
+
+def one_of(names: tuple[str, ...]):
+    """A comma-separated list of `names` (argparse says which part is none of them, and what is)."""
+
+    def parse(text: str) -> list[str]:
+        parts = [part.strip() for part in text.split(",")]
+        unknown = [part for part in parts if part not in names]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(names)}")
+        return parts
+
+    return parse
 
 
 def chunk_counts(text: str) -> list[int]:

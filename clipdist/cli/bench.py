@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from clipdist.cli.arguments import csv
+from clipdist.cli.arguments import csv, one_of
 from clipdist.cli.command import Command, arg, given
 from clipdist.files import write_atomic
 
@@ -39,11 +39,15 @@ def run_loss(args: argparse.Namespace) -> int:
     return 0
 
 
+# the GPU battery's sections (clipdist.tools.gpu_battery.plan), as --sections names them
+BATTERY_SECTIONS = ("step", "data", "large-batch", "naflex", "recipe", "checkpoint", "compile", "fsdp")
+
+
 def run_gpu(args: argparse.Namespace) -> int:
     from clipdist.tools import gpu_battery
 
     if args.estimate_for is not None:
-        print(gpu_battery.estimate_table(args.estimate_for, args.steps, args.large_batches))
+        print(gpu_battery.estimate_table(args.estimate_for, args.steps, args.large_batches, args.sections))
         return 0
     print(gpu_battery.HEADER)
     rows = gpu_battery.battery(
@@ -54,6 +58,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         doc=args.doc,
         budget_s=args.budget,
         resume=args.resume,
+        sections=args.sections,
     )
     if args.doc:
         print(f"wrote {args.doc}")
@@ -154,6 +159,13 @@ COMMAND = Command(
                     help="an earlier run's --out: keep its measured rows on this device and run only the rest (a "
                     "second device "
                     "call finishes what the first did not reach)",
+                ),
+                arg(
+                    "--sections",
+                    type=one_of(BATTERY_SECTIONS),
+                    default=None,
+                    help=f"only the rows of these sections, comma-separated ({', '.join(BATTERY_SECTIONS)}; default "
+                    "all)",
                 ),
                 arg(
                     "--estimate-for",

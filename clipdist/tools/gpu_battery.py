@@ -19,6 +19,9 @@ figures are the step's, not the loader's:
               (--tiny: naflex_tiny at 16 patches)
   fsdp        the B/32 bf16 step under FSDP2 at world 1 (a process group of one)
   checkpoint  how long a save in the background holds the loop (checkpoint.async_save), and its write
+  compile     a compiled real run of ViT-B/16 started twice on one run directory: its first step cold, then from the
+              caches beside the run (a resume or a requeued job's start; not with --tiny: CI's
+              tests/integration/test_compile_cache.py)
   data        a real run, `train.py world=1gpu data=web_photos` (--tiny: `world=local data=digits`): pinned
               memory, non_blocking copies and normalisation on the device, the paths the CPU suite cannot reach;
               the loader alone on every spare core, decoding and handing over bytes; then the real run with
@@ -37,6 +40,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -61,7 +65,7 @@ from clipdist.distributed.launch import detect_env, free_port
 from clipdist.files import read_bounded, write_atomic
 from clipdist.model.factory import create_model, get_tokenizer, image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
-from clipdist.tools.limit import real_run
+from clipdist.tools.limit import real_run, run_train
 from clipdist.tools.loader_rate import samples_per_second, stream_rows
 from clipdist.train.parts import build_parts
 
@@ -259,6 +263,26 @@ def data_run(tiny: bool, steps: int, decode_on: str = "host") -> dict:
     return {"samples_per_s": real_run([*overrides, f"data.decode_on={decode_on}"], steps, timeout_s=600)}
 
 
+FIRST_STEP = re.compile(r"step \d+: ([\d.]+) s with torch\.compile's first compile")
+
+
+def compile_starts(work: Path) -> dict:
+    """ViT-B/16 bf16 compiled, a real run started twice on one run directory (fresh interpreters): its first step's
+    seconds with a cold compile, then resumed with the caches beside the run (checkpoint.compile_cache)."""
+    overrides = ["world=1gpu", "data=digits", "model=vit_b16", "precision=bf16", "model.compile=true"]
+    said = [run_train(work / "run", [*overrides, "world.batch_per_device=128"], steps, 900) for steps in (2, 3)]
+    cold, warm = (first_step_seconds(text) for text in said)
+    return {"cold_s": cold, "warm_s": warm}
+
+
+def first_step_seconds(said: str) -> float:
+    """The first step's seconds a compiled run's log says (its compile, or its cache's read)."""
+    found = FIRST_STEP.search(said)
+    if found is None:
+        raise RuntimeError("the run said no first compiled step")
+    return float(found.group(1))
+
+
 def loader_rates(tiny: bool, workers: int, batches: int) -> dict:
     """The loader alone, no step: samples/s a rank's `workers` make of ViT-B/32's 224-px training batches from
     web_photos (--tiny: clipdist-tiny's from the digits), decoding on the host, then handing over JPEG bytes and crop
@@ -340,14 +364,15 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     """Every row, most valuable first (estimates from an H200's measured rows): the B/16 and B/32 bf16 step, a real
     run's loader feeding the device and the loader alone, the loss backends at the smallest and largest global batch
     on one device with gradient caching, NaFlex at one token budget, the recipe's terms, a background save's stall;
-    then the real run decoding on the device, compile, the middle of the batch curve, fp16, L/14 and FSDP2."""
+    then the compiled B/16 step (× 128, × 256), FSDP2 at world 1, L/14 compiled, a compiled run's second start, the
+    real run decoding on the device, the rest of compile, fp16 and L/14, the middle of the batch curve."""
     precision = "fp32" if device.type == "cpu" else "bf16"
     peak = peaks[precision]
     models = ("clipdist-tiny",) if tiny else ("ViT-B-16", "ViT-B-32")
     base = "clipdist-tiny" if tiny else "ViT-B-32"
 
-    def step_row(model: str, prec: str, compiled: bool) -> Planned:
-        size = BATCH[model]
+    def step_row(model: str, prec: str, compiled: bool, size: int | None = None) -> Planned:
+        size = size or BATCH[model]
         return Planned(
             "step",
             f"{model} {prec}{' compiled' if compiled else ''} × {size}",
@@ -376,22 +401,30 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     first += naflex_rows(tiny, steps, precision, peak, device)
     first.append(save_row(base, precision, device))
     # the device's JPEG decode, built without a GPU (--tiny: tests/integration/test_device_decode.py runs it)
-    later = [] if tiny else [data_row(tiny, peak[0], "device"), *(step_row(model, precision, True) for model in models)]
-    later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
-    if not tiny:
-        later += [step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")]
-        later += [step_row("ViT-L-14", "bf16", compiled) for compiled in (False, True)]
-    later.append(
-        Planned(
-            "fsdp",
-            f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
-            lambda work: with_one_rank_group(
-                device, lambda: measured(device, steps, base, precision, BATCH[base], parallel="fsdp")(work)
-            ),
-            step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
-            peak,
-        )
+    fsdp = Planned(
+        "fsdp",
+        f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
+        lambda work: with_one_rank_group(
+            device, lambda: measured(device, steps, base, precision, BATCH[base], parallel="fsdp")(work)
+        ),
+        step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
+        peak,
     )
+    later = [fsdp]
+    if not tiny:  # the chip's limit first: the compiled step (the run's default on CUDA), FSDP2, L/14, a second start
+        later = [
+            step_row("ViT-B-16", precision, True),
+            step_row("ViT-B-16", precision, True, size=256),
+            fsdp,
+            step_row("ViT-L-14", "bf16", True),
+            Planned("compile", "ViT-B-16 bf16 × 128, train.py started twice", compile_starts, 150.0),
+            data_row(tiny, peak[0], "device"),
+            step_row("ViT-B-32", precision, True),
+            step_row("ViT-B-16", precision, False, size=256),
+            step_row("ViT-L-14", "bf16", False),
+            *(step_row(model, "fp16", False) for model in ("ViT-B-16", "ViT-B-32")),
+        ]
+    later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
     return first + later
 
 
@@ -448,6 +481,11 @@ def naflex_rows(tiny: bool, steps: int, precision: str, peak, device: torch.devi
     return rows
 
 
+def chosen(items: list[Planned], sections: list[str] | None) -> list[Planned]:
+    """The plan's rows of `sections` (all where None)."""
+    return [item for item in items if sections is None or item.section.replace(" ", "-") in sections]
+
+
 def with_one_rank_group(device: torch.device, action: Callable[[], dict]) -> dict:
     with one_rank_group(device):
         return action()
@@ -461,11 +499,13 @@ def battery(
     doc=None,
     budget_s: float | None = None,
     resume=None,
+    sections: list[str] | None = None,
 ) -> list[dict]:
     """Run the plan within `budget_s` (default: DEFAULT_BUDGET_S on a GPU, none on the CPU): a row whose estimate
     does not fit what is left is skipped and says so; every finished row is written to `out` (JSON) and `doc`
     (Markdown) at once, so a battery stopped midway leaves every row it finished. `resume`: an earlier run's JSON —
-    its measured rows (same section and label on the same device) are kept as they are, the rest run."""
+    its measured rows (same section and label on the same device) are kept as they are, the rest run. `sections`:
+    only the rows of these sections (a space in a name is a hyphen: large-batch)."""
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     kept = finished_rows(resume, device_name(device))  # a bad file: one line before anything runs
     if device.type == "cpu":
@@ -489,7 +529,7 @@ def battery(
                 "source": source,
             }
         )
-    for item in plan(tiny, steps, large_batches, device, peaks):
+    for item in chosen(plan(tiny, steps, large_batches, device, peaks), sections):
         left = budget_s - (time.perf_counter() - started)
         if (item.section, item.what) in kept:
             row = kept[item.section, item.what]
@@ -531,6 +571,8 @@ FIGURES = (
     "memory_bytes",
     "stall_s",
     "written_s",
+    "cold_s",
+    "warm_s",
     "tflops",
     "tokens_per_s",
     "flops",
@@ -593,6 +635,8 @@ def format_row(row: dict) -> str:
     other = (
         f"stall {row['stall_s'] * 1e3:.0f} ms, written in {row['written_s']:.2f} s"
         if "stall_s" in row
+        else f"first step {row['cold_s']:.1f} s cold, {row['warm_s']:.1f} s from the cache beside the run"
+        if "cold_s" in row
         else f"{row['samples_per_s'] / max(row['workers'], 1):,.0f} a worker; bytes and boxes "
         f"{row['bytes_per_s']:,.0f} ({row['bytes_per_s'] / max(row['workers'], 1):,.0f} a worker)"
         if "bytes_per_s" in row
@@ -624,11 +668,14 @@ def page(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def estimate_table(peak_tflops: float, steps: int = 10, large_batches=(16384, 32768, 65536)) -> str:
-    """The default plan's rows and their estimates on a device of this dense peak (e.g. 989: H100 SXM bf16),
-    without running anything: what `--budget` will fit."""
+def estimate_table(
+    peak_tflops: float, steps: int = 10, large_batches=(16384, 32768, 65536), sections: list[str] | None = None
+) -> str:
+    """The plan's rows (of `sections`: all where None) and their estimates on a device of this dense peak (e.g. 989:
+    H100 SXM bf16), without running anything: what `--budget` will fit."""
     device = torch.device("cuda")
-    rows = plan(False, steps, large_batches, device, {"bf16": (peak_tflops, "spec"), "fp16": (peak_tflops, "spec")})
+    peaks = {"bf16": (peak_tflops, "spec"), "fp16": (peak_tflops, "spec")}
+    rows = chosen(plan(False, steps, large_batches, device, peaks), sections)
     total, lines = 0.0, ["| row | estimate | running total |", "|---|---:|---:|"]
     for item in rows:
         total += item.estimate_s

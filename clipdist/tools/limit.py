@@ -113,28 +113,34 @@ def one_core_costs(data: str, batch: int, batches: int, cache_dir: str) -> dict:
     return {"loader_s": statistics.median(loader) / batch, "step_s": statistics.median(step) / batch}
 
 
+def run_train(run_dir: str | Path, overrides: list[str], steps: int, timeout_s: float = 1800) -> str:
+    """`train.py` in a fresh interpreter on `run_dir` for `steps` steps (no evaluation or checkpoint on the way but at
+    its end); its standard output, or a RuntimeError with its last line if it fails."""
+    command = [
+        sys.executable,
+        str(REPO / "train.py"),
+        f"run_dir={run_dir}",
+        f"optim.max_steps={steps}",
+        f"eval_every={steps * 10}",
+        f"checkpoint_every={steps * 10}",
+        "logging.wandb=disabled",
+        "logging.progress=false",
+        "logging.report=false",
+        "logging.log_every=1",
+        *overrides,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    if result.returncode:
+        said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+        raise RuntimeError(f"train.py {' '.join(overrides)}: {said[-1] if said else result.returncode}")
+    return result.stdout
+
+
 def real_run(overrides: list[str], steps: int, timeout_s: float = 1800, skip: int | None = None) -> float:
-    """Median samples/s of a real run (`train.py` in a fresh interpreter, no evaluation or checkpoint on the way)
-    over its steps after `skip` (the second half where None), from its train_log.jsonl; a RuntimeError with its last
-    line if it fails."""
+    """Median samples/s of a real run (run_train) over its steps after `skip` (the second half where None), from its
+    train_log.jsonl."""
     with tempfile.TemporaryDirectory() as work:
-        command = [
-            sys.executable,
-            str(REPO / "train.py"),
-            f"run_dir={work}/run",
-            f"optim.max_steps={steps}",
-            f"eval_every={steps * 10}",
-            f"checkpoint_every={steps * 10}",
-            "logging.wandb=disabled",
-            "logging.progress=false",
-            "logging.report=false",
-            "logging.log_every=1",
-            *overrides,
-        ]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
-        if result.returncode:
-            said = [line for line in result.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-            raise RuntimeError(f"train.py {' '.join(overrides)}: {said[-1] if said else result.returncode}")
+        run_train(Path(work, "run"), overrides, steps, timeout_s)
         rows = jsonl_rows(Path(work, "run", "train_log.jsonl"))[0]
     return statistics.median(row["samples_per_s"] for row in rows[len(rows) // 2 if skip is None else skip :])
 

@@ -125,3 +125,27 @@ def test_the_default_plan_fits_seven_minutes_on_an_h100_by_its_estimates():
     assert totals[save] <= gpu_battery.DEFAULT_BUDGET_S == 420 < totals[-1]
     assert all(" compiled" not in line for line in lines[:save]) and "65,536" in "".join(lines[:save])
     assert "ViT-B-16 bf16 × 128" in lines[0]
+
+
+def test_the_chips_limit_rows_fit_one_device_call_when_sections_are_chosen(capsys):
+    """`--sections step,data,checkpoint,compile,fsdp`: within run.sh's 360 s, by the estimates, every row a target of
+    the chip's limit reads — the compiled B/16 step (the run's default on CUDA), FSDP2 at world 1, L/14 compiled, a
+    background save, the real run; the CLI's section names are the plan's, and a name that is none is refused."""
+    from clipdist.cli import main as cli
+    from clipdist.cli.bench import BATTERY_SECTIONS
+    from clipdist.tools import gpu_battery
+
+    every = gpu_battery.estimate_table(989.0).splitlines()[2:]
+    assert {line.split(":")[0].removeprefix("| ").replace(" ", "-") for line in every} == set(BATTERY_SECTIONS)
+    chosen = gpu_battery.estimate_table(989.0, sections=["step", "data", "checkpoint", "compile", "fsdp"])
+    lines = chosen.splitlines()[2:]
+    assert not [line for line in lines if line.split(":")[0] in ("| large batch", "| naflex", "| recipe")]
+    within = [line for line in lines if float(line.rsplit("|", 2)[1].strip().rstrip(" s")) <= 360]
+    for target in ("ViT-B-16 bf16 compiled × 128", "FSDP2", "ViT-L-14 bf16 compiled", "background save", "web_photos"):
+        assert any(target in line for line in within), (target, within)
+    assert any("train.py started twice" in line for line in lines)
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: before anything runs
+        cli(["bench", "gpu", "--sections", "step,nope", "--estimate-for", "989"])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].endswith("nope: not one of " + ", ".join(BATTERY_SECTIONS)), error
