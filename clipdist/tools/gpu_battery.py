@@ -400,16 +400,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     first += [row for size in ends for row in large_rows(size, micro)]
     first += naflex_rows(tiny, steps, precision, peak, device)
     first.append(save_row(base, precision, device))
-    # the device's JPEG decode, built without a GPU (--tiny: tests/integration/test_device_decode.py runs it)
-    fsdp = Planned(
-        "fsdp",
-        f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
-        lambda work: with_one_rank_group(
-            device, lambda: measured(device, steps, base, precision, BATCH[base], parallel="fsdp")(work)
-        ),
-        step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
-        peak,
-    )
+    fsdp = fsdp_row(base, precision, device, steps, peak)
     later = [fsdp]
     if not tiny:  # the chip's limit first: the compiled step (the run's default on CUDA), FSDP2, L/14, a second start
         later = [
@@ -418,7 +409,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
             fsdp,
             step_row("ViT-L-14", "bf16", True),
             Planned("compile", "ViT-B-16 bf16 × 128, train.py started twice", compile_starts, 150.0),
-            data_row(tiny, peak[0], "device"),
+            data_row(tiny, peak[0], "device"),  # built without a GPU (tests/integration/test_device_decode.py)
             step_row("ViT-B-32", precision, True),
             step_row("ViT-B-16", precision, False, size=256),
             step_row("ViT-L-14", "bf16", False),
@@ -426,6 +417,19 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
         ]
     later += [row for size in sizes if size not in ends for row in large_rows(size, micro)]
     return first + later
+
+
+def fsdp_row(base: str, precision: str, device: torch.device, steps: int, peak) -> Planned:
+    """The step under FSDP2 at world 1 (a process group of one), against the DDP step's row."""
+    return Planned(
+        "fsdp",
+        f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
+        lambda work: with_one_rank_group(
+            device, lambda: measured(device, steps, base, precision, BATCH[base], parallel="fsdp")(work)
+        ),
+        step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
+        peak,
+    )
 
 
 def data_row(tiny: bool, peak_tflops: float, decode_on: str = "host") -> Planned:
