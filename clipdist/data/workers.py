@@ -21,8 +21,6 @@ from typing import NamedTuple
 from clipdist.distributed import host
 
 MAX_CPU_RANK_WORKERS = 4  # a CPU rank's loader workers at most, where data.workers is automatic
-
-
 WORKER_MEMORY_FLOOR = 16 << 20  # a loader worker's own memory at the least (20 MiB USS measured, the default run)
 
 
