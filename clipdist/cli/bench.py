@@ -49,7 +49,6 @@ def run_gpu(args: argparse.Namespace) -> int:
     if args.estimate_for is not None:
         print(gpu_battery.estimate_table(args.estimate_for, args.steps, args.large_batches, args.sections))
         return 0
-    print(gpu_battery.HEADER)
     rows = gpu_battery.battery(
         tiny=args.tiny,
         steps=args.steps,

@@ -486,8 +486,13 @@ def naflex_rows(tiny: bool, steps: int, precision: str, peak, device: torch.devi
 
 
 def chosen(items: list[Planned], sections: list[str] | None) -> list[Planned]:
-    """The plan's rows of `sections` (all where None)."""
-    return [item for item in items if sections is None or item.section.replace(" ", "-") in sections]
+    """The plan's rows of `sections` (all where None); a ValueError where none is left (--tiny has no compile row)."""
+    kept = [item for item in items if sections is None or item.section.replace(" ", "-") in sections]
+    if not kept:
+        present = sorted({item.section.replace(" ", "-") for item in items})
+        asked = ",".join(sections or [])
+        raise ValueError(f"--sections {asked}: this plan has none of those rows ({', '.join(present)})")
+    return kept
 
 
 def with_one_rank_group(device: torch.device, action: Callable[[], dict]) -> dict:
@@ -522,6 +527,8 @@ def battery(
     }
     if budget_s is None:
         budget_s = DEFAULT_BUDGET_S if device.type == "cuda" else float("inf")
+    items = chosen(plan(tiny, steps, large_batches, device, peaks), sections)  # a bad choice: before any row
+    print(HEADER, flush=True)
     started, rows = time.perf_counter(), []
     for name, (tflops, source) in peaks.items():
         rows.append(
@@ -533,7 +540,7 @@ def battery(
                 "source": source,
             }
         )
-    for item in chosen(plan(tiny, steps, large_batches, device, peaks), sections):
+    for item in items:
         left = budget_s - (time.perf_counter() - started)
         if (item.section, item.what) in kept:
             row = kept[item.section, item.what]

@@ -149,3 +149,9 @@ def test_the_chips_limit_rows_fit_one_device_call_when_sections_are_chosen(capsy
     assert refused.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1].endswith("nope: not one of " + ", ".join(BATTERY_SECTIONS)), error
+    assert cli(["bench", "gpu", "--tiny", "--sections", "compile", "--budget", "0"]) == 2  # --tiny has no such row
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.strip() == (
+        "clipdist bench: error: --sections compile: this plan has none of those rows "
+        "(checkpoint, data, fsdp, large-batch, naflex, recipe, step)"
+    )
