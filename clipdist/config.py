@@ -102,6 +102,14 @@ class Precision(Choice):
 PRECISION_ALIASES = {"amp": "fp16", "amp_bf16": "bf16", "amp_bfloat16": "bf16"}
 
 
+class CompileMode(Choice):
+    """torch.compile's mode for the towers (model.compile_mode)."""
+
+    default = "default"  # inductor's fused kernels
+    reduce_overhead = "reduce-overhead"  # and CUDA graphs where shapes are fixed: one launch replays a graph (CUDA)
+    max_autotune = "max-autotune"  # and the fastest matmul kernels searched for (a longer first compile)
+
+
 class Interpolation(Choice):
     bicubic = "bicubic"
     bilinear = "bilinear"
@@ -194,6 +202,7 @@ class ModelConfig:
         "cache_dir": FREE,
         "grad_checkpointing": FREE,
         "compile": FREE,
+        "compile_mode": FREE,
     }
     # Any open_clip model config (random init), a config file, or hf-hub:ORG/REPO / local-dir:PATH (with weights).
     name: str = DEFAULT_MODEL
@@ -204,6 +213,7 @@ class ModelConfig:
     # torch.compile the towers (before DDP wraps them); null: on a CUDA device for a run of 300 steps or more on a
     # fixed-size tower, off on a CPU (train.parts.compile_decision); its caches in <run_dir>/compile_cache
     compile: bool | None = None
+    compile_mode: CompileMode = CompileMode.default  # torch.compile's mode where it compiles (reduce_overhead, ...)
     # Locked towers (LiT, fine-tuning): open_clip's own lock functions; a locked parameter gets no gradient.
     lock_image: bool = False  # freeze the image tower
     lock_image_unlocked_groups: int = 0  # ... but its last N layer groups (open_clip's groups) still train

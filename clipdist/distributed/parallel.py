@@ -22,12 +22,13 @@ def wrap_model(
     *,
     parallel: str = "ddp",
     compile: bool = False,
+    compile_mode: str = "default",
     param_dtype: torch.dtype | None = None,
     sync_batchnorm: bool = False,
 ) -> torch.nn.Module:
     """What the training step calls.
 
-    ddp: the towers compiled in place (torch.compile), then DDP outermost when there is more than
+    ddp: the towers compiled in place (torch.compile, in `compile_mode`), then DDP outermost when there is more than
     one rank — so DDP's `no_sync` stays reachable for gradient caching.
     fsdp: FSDP2 (`fully_shard`) on every transformer block of both towers (each compiled first),
     then on the root, which takes the rest (embeddings, projections, logit scale and bias); the
@@ -39,9 +40,9 @@ def wrap_model(
     if sync_batchnorm and dist.is_initialized() and dist.get_world_size() > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if parallel == "fsdp":
-        return _fully_shard(model, compile=compile, param_dtype=param_dtype)
+        return _fully_shard(model, compile_mode=compile_mode if compile else None, param_dtype=param_dtype)
     if compile:
-        model.compile()
+        model.compile(mode=compile_mode)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
     device = next(model.parameters()).device
@@ -76,14 +77,16 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [block for block in blocks if any(True for _ in block.parameters())]
 
 
-def _fully_shard(model: torch.nn.Module, *, compile: bool, param_dtype: torch.dtype | None) -> torch.nn.Module:
+def _fully_shard(
+    model: torch.nn.Module, *, compile_mode: str | None, param_dtype: torch.dtype | None
+) -> torch.nn.Module:
     if not dist.is_initialized():
         raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     _STRUCTURES[model] = meta_copy(model)  # before sharding: what a teacher's forward runs on (plain_structure)
     for block in transformer_blocks(model):  # preflight (trainer.check_shardable) made sure there are some
-        if compile:
-            block.compile()
+        if compile_mode is not None:
+            block.compile(mode=compile_mode)
         fully_shard(block, mp_policy=policy)
     parts = [getattr(model, part) for part in training_only_parts() if hasattr(model, part)]
     for module in parts:  # a loss term's own module (a decoder) is called outside the model's forward

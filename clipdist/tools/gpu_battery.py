@@ -132,6 +132,7 @@ def config(
     loss: str = "disco",
     chunks: int = 1,
     compile: bool = False,
+    compile_mode: str = "default",
     parallel: str = "ddp",
     terms: dict | None = None,
 ):
@@ -142,7 +143,7 @@ def config(
             "name": "battery",
             "run_dir": str(work),
             "precision": precision,
-            "model": {"name": model, "compile": compile},
+            "model": {"name": model, "compile": compile, "compile_mode": compile_mode},
             "loss": {"name": loss, **(terms or {})},
             "world": {"batch_per_device": rows, "parallel": parallel},
             "grad_cache": {"chunks": chunks},
@@ -364,19 +365,20 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     """Every row, most valuable first (estimates from an H200's measured rows): the B/16 and B/32 bf16 step, a real
     run's loader feeding the device and the loader alone, the loss backends at the smallest and largest global batch
     on one device with gradient caching, NaFlex at one token budget, the recipe's terms, a background save's stall;
-    then the compiled B/16 step (× 128, × 256), FSDP2 at world 1, L/14 compiled, a compiled run's second start, the
-    real run decoding on the device, the rest of compile, fp16 and L/14, the middle of the batch curve."""
+    then the compiled B/16 step, FSDP2 at world 1, L/14 compiled, B/16 with CUDA graphs and at × 256, a compiled run's
+    second start, the real run decoding on the device, the rest of compile, fp16 and L/14, the batch curve's middle."""
     precision = "fp32" if device.type == "cpu" else "bf16"
     peak = peaks[precision]
     models = ("clipdist-tiny",) if tiny else ("ViT-B-16", "ViT-B-32")
     base = "clipdist-tiny" if tiny else "ViT-B-32"
 
-    def step_row(model: str, prec: str, compiled: bool, size: int | None = None) -> Planned:
+    def step_row(model: str, prec: str, compiled: bool, size: int | None = None, mode: str = "default") -> Planned:
         size = size or BATCH[model]
+        label = f"{' compiled' if compiled else ''}{f' {mode}' if mode != 'default' else ''}"
         return Planned(
             "step",
-            f"{model} {prec}{' compiled' if compiled else ''} × {size}",
-            measured(device, steps, model, prec, size, compile=compiled),
+            f"{model} {prec}{label} × {size}",
+            measured(device, steps, model, prec, size, compile=compiled, compile_mode=mode),
             step_estimate(model, size, steps, peaks[prec][0], compiled),
             peaks[prec],
         )
@@ -405,9 +407,10 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     if not tiny:  # the chip's limit first: the compiled step (the run's default on CUDA), FSDP2, L/14, a second start
         later = [
             step_row("ViT-B-16", precision, True),
-            step_row("ViT-B-16", precision, True, size=256),
             fsdp,
             step_row("ViT-L-14", "bf16", True),
+            step_row("ViT-B-16", precision, True, mode="reduce_overhead"),  # CUDA graphs: blind until measured
+            step_row("ViT-B-16", precision, True, size=256),
             Planned("compile", "ViT-B-16 bf16 × 128, train.py started twice", compile_starts, 150.0),
             data_row(tiny, peak[0], "device"),  # built without a GPU (tests/integration/test_device_decode.py)
             step_row("ViT-B-32", precision, True),

@@ -103,6 +103,7 @@ def _wrapped(
         model,
         parallel=str(cfg.world.parallel),
         compile=compile,
+        compile_mode=str(cfg.model.compile_mode),
         param_dtype=gathered_dtype,
         sync_batchnorm=cfg.world.sync_batchnorm,
     )

@@ -126,8 +126,8 @@ def _naflex(cfg: TrainConfig) -> bool:
 
 def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
     """Warnings for settings that run but do not do what they seem to: a warmup as long as the run (the lr never
-    reaches optim.lr), half precision on a CPU (slower than fp32), a global batch larger than the data (every batch
-    holds pairs twice: false negatives)."""
+    reaches optim.lr), half precision on a CPU (slower than fp32), a compile mode with compile off, a global batch
+    larger than the data (every batch holds pairs twice: false negatives)."""
     found, optim = [], cfg.optim
     if optim.warmup_steps >= optim.max_steps:
         found.append(
@@ -140,6 +140,8 @@ def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
             "fp32 (a 64-px ViT-B/32 took 37-52 s a step in bf16 on this project's 2-core machine); "
             "use precision=fp32 on a CPU"
         )
+    if str(cfg.model.compile_mode) != "default" and cfg.model.compile is False:
+        found.append(f"model.compile_mode={cfg.model.compile_mode.name} with model.compile=false: nothing is compiled")
     teacher_terms = [name for name in ("self_distill", "masked") if getattr(cfg.loss, name).on]
     if teacher_terms and _naflex(cfg):
         found.append(

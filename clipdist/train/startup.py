@@ -96,8 +96,10 @@ def compile_lines(trainer) -> list[tuple[str, int]]:
     compiled, why = trainer.compiled
     lines = []
     if compiled or trainer.cfg.model.compile is None and trainer.device.type == "cuda":
+        mode = str(trainer.cfg.model.compile_mode)
         where = f"; its caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}" if compiled else ""
-        lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}){where}", logging.INFO))
+        mode = f", mode {mode}" if compiled and mode != "default" else ""
+        lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}{mode}){where}", logging.INFO))
     if trainer.cache_admitted:
         lines.append((trainer.cache_admitted, logging.WARNING))
     return lines

@@ -103,3 +103,23 @@ def test_fsdp_on_a_torch_without_ignored_params_is_refused_in_one_line(monkeypat
     monkeypatch.setattr(compat, "release", lambda package: (2, 6))
     with pytest.raises(ConfigError, match=r"fully_shard\(ignored_params\) needs torch >= 2.7 \(installed"):
         preflight.check_shardable(create_model("clipdist-tiny", device="meta"), "clipdist-tiny")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_compile_mode_reaches_torch_compile(single_rank_group, monkeypatch, parallel):
+    """model.compile_mode (reduce_overhead: CUDA graphs) is the mode every compiled module is given: the towers under
+    DDP, each transformer block under FSDP2; nothing is compiled where compile is off."""
+    from clipdist.config import CompileMode
+    from clipdist.distributed.parallel import transformer_blocks, wrap_model
+    from clipdist.model.factory import create_model
+
+    compiled: list[tuple[torch.nn.Module, dict]] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module, **kwargs: compiled.append((module, kwargs)))
+    model = create_model("clipdist-tiny")
+    wrap_model(model, parallel=parallel, compile=False, compile_mode=str(CompileMode.reduce_overhead))
+    assert compiled == []
+    model = create_model("clipdist-tiny")
+    wrap_model(model, parallel=parallel, compile=True, compile_mode=str(CompileMode.reduce_overhead))
+    expected = transformer_blocks(model) if parallel == "fsdp" else [model]
+    assert [module for module, _ in compiled] == expected
+    assert all(kwargs == {"mode": "reduce-overhead"} for _, kwargs in compiled)

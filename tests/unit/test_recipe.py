@@ -43,6 +43,14 @@ def test_half_precision_on_a_cpu_rank_is_warned(monkeypatch):
     assert traps(config(precision="bf16", world={"device": "cuda"}), shards) == []  # a GPU rank: what it is for
 
 
+def test_a_compile_mode_with_compile_off_is_warned():
+    shards = Shards([["a.tar"]])
+    (warning,) = traps(config(model={"compile": False, "compile_mode": "reduce_overhead"}), shards)
+    assert warning == "model.compile_mode=reduce_overhead with model.compile=false: nothing is compiled"
+    for compile in (None, True):  # automatic or on: the mode is used where it compiles
+        assert traps(config(model={"compile": compile, "compile_mode": "reduce_overhead"}), shards) == []
+
+
 def test_the_teacher_terms_on_a_naflex_tower_are_said_to_be_an_extension():
     """SigLIP 2 trains its NaFlex variant with the sigmoid loss and the decoder alone (recipe=siglip2_naflex): the
     teacher terms on a NaFlex tower run, and a line says they are ours, not the paper's."""
