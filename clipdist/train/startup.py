@@ -96,9 +96,9 @@ def compile_lines(trainer) -> list[tuple[str, int]]:
     compiled, why = trainer.compiled
     lines = []
     if compiled or trainer.cfg.model.compile is None and trainer.device.type == "cuda":
-        mode = str(trainer.cfg.model.compile_mode)
+        mode = trainer.cfg.model.compile_mode.name
         where = f"; its caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}" if compiled else ""
-        mode = f", mode {mode}" if compiled and mode != "default" else ""
+        mode = f", model.compile_mode={mode}" if compiled and mode != "default" else ""
         lines.append((f"torch.compile {'on' if compiled else 'off'} ({why}{mode}){where}", logging.INFO))
     if trainer.cache_admitted:
         lines.append((trainer.cache_admitted, logging.WARNING))

@@ -62,3 +62,29 @@ def test_the_teacher_terms_on_a_naflex_tower_are_said_to_be_an_extension():
     assert warning.startswith("loss.self_distill and loss.masked on a NaFlex tower: an extension, not SigLIP 2's")
     assert traps(config(model={"name": "clipdist-naflex-tiny"}, loss={"decoder": {"layers": 1}}), shards) == []
     assert traps(config(loss=teacher, optim={"ema": {"decay": 0.9}}), shards) == []  # a fixed-size tower: the paper's
+
+
+def test_the_banner_says_the_compile_mode_and_what_was_removed_from_the_cache(monkeypatch):
+    """train.startup.compile_lines: whether and why it compiles, in which mode, where its caches are, and the unsigned
+    files admitting the cache removed (a warning)."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from clipdist.train.startup import compile_lines
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/runs/x/compile_cache")
+    cfg = config(model={"compile": True, "compile_mode": "reduce_overhead"})
+    trainer = SimpleNamespace(cfg=cfg, compiled=(True, "model.compile=true"), device=torch.device("cpu"))
+    trainer.cache_admitted = "compile cache: 3 file(s) not signed by this user's clipdist removed"
+    assert compile_lines(trainer) == [
+        (
+            "torch.compile on (model.compile=true, model.compile_mode=reduce_overhead); its caches in "
+            "/runs/x/compile_cache",
+            logging.INFO,
+        ),
+        (trainer.cache_admitted, logging.WARNING),
+    ]
+    trainer.cfg, trainer.compiled, trainer.cache_admitted = config(), (False, "model.compile=auto: off on a CPU"), None
+    assert compile_lines(trainer) == []  # decided off on a CPU: nothing to say
