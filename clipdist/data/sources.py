@@ -118,6 +118,14 @@ def _benchmark_root(path: Path) -> bool:
     return (path / "test").is_dir() and any((path / name).exists() for name in (CLASSNAMES_FILE, "dataset_type.txt"))
 
 
+def as_local(path: str | Path) -> str:
+    """A file the file system listed (a directory's or a glob's), as a path no reader takes for a URL or a `pipe:`
+    command: a relative name that would read as one (`pipe:touch x;cat a.tar`, listed from `.` or `*.tar`) gets `./`
+    before it. What a name in a folder says is never run."""
+    text = str(path)
+    return f"./{text}" if is_remote(text) else text
+
+
 def _expand_item(item: str, what: str, options: dict[str, object]) -> list[str]:
     if kind_of_url(item) is not None:  # a part's URL is made by its kind's expand (its bounds checked there), only
         raise ValueError(
@@ -133,7 +141,7 @@ def _expand_item(item: str, what: str, options: dict[str, object]) -> list[str]:
     if kind is not None:
         return kind.expand(str(path), options.get(kind.name), what)
     if path.is_dir():
-        found = sorted((str(p) for p in path.glob("*.tar")), key=_natural)
+        found = sorted((as_local(p) for p in path.glob("*.tar")), key=_natural)
         if not found:
             raise FileNotFoundError(
                 f"{what}: the directory {item} holds no .tar files (a shard spec may be a "
@@ -141,7 +149,7 @@ def _expand_item(item: str, what: str, options: dict[str, object]) -> list[str]:
             )
         return found
     if any(char in item for char in GLOB_CHARS):
-        found = sorted((p for p in glob.glob(str(path)) if Path(p).is_file()), key=_natural)
+        found = sorted((as_local(p) for p in glob.glob(str(path)) if Path(p).is_file()), key=_natural)
         if not found:
             raise FileNotFoundError(f"{what}: the glob {item!r} matches no file")
         return found

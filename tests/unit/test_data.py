@@ -381,6 +381,24 @@ def test_directories_and_globs_are_shard_specs(tmp_path):
         expand_shards(str(tmp_path / "empty"))
 
 
+def test_a_listed_files_name_is_never_read_as_a_command_or_url(tmp_path, monkeypatch):
+    """A shard a directory or a glob lists is a local file, whatever its name says: `pipe:touch ran;cat a.tar`, listed
+    from `.` or `*.tar` in the working directory, was run by the shell (webdataset's gopen) as the stream's source."""
+    from clipdist.files import open_stream
+
+    monkeypatch.chdir(tmp_path)
+    name = "pipe:touch ran;cat a.tar"
+    write_tar(tmp_path / "a.tar", [("k.txt", b"a")])
+    write_tar(tmp_path / name, [("k.txt", b"named")])
+    for spec in (".", "*.tar", "pipe*.tar"):
+        listed = expand_shards(spec)
+        assert f"./{name}" in listed and all(not url.startswith("pipe:") for url in listed), (spec, listed)
+    with open_stream(f"./{name}") as stream:
+        contents = [data for _, data in tar_files(stream)]
+    assert contents == [b"named"] and not (tmp_path / "ran").exists()  # the file's own bytes, no command
+    assert expand_shards(f"pipe:cat {tmp_path}/a.tar") == [f"pipe:cat {tmp_path}/a.tar"]  # one typed is the user's
+
+
 def test_a_clip_benchmark_folder_is_an_eval_set(tmp_path):
     root = pets(tmp_path / "wds_pets", shards=11)
     evalset = eval_set("pets", str(root), [], ["a photo of {}."])
