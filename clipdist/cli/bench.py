@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from clipdist.cli.arguments import csv, one_of
+from clipdist.cli.arguments import count, count_or_zero, csv, non_negative, one_of, positive
 from clipdist.cli.command import Command, arg, given
 from clipdist.files import write_atomic
 
@@ -93,17 +93,17 @@ COMMAND = Command(
                 arg(
                     "--world",
                     dest="world_sizes",
-                    type=csv(int),
+                    type=csv(count),
                     help="world sizes (default 1,2,4)",
                 ),
                 arg(
                     "--batch",
                     dest="global_batches",
-                    type=csv(int),
+                    type=csv(count),
                     help="global batches (default 1024,4096,16384,65536)",
                 ),
-                arg("--dim", type=int, help="feature dim (default 128)"),
-                arg("--repeats", type=int, help="default 3"),
+                arg("--dim", type=count, help="feature dim (default 128)"),
+                arg("--repeats", type=count, help="default 3"),
                 arg(
                     "--budget",
                     help="skip configurations predicted to need more, all ranks (default 16GB)",
@@ -112,12 +112,12 @@ COMMAND = Command(
                 arg("--tag", default="cpu", help="file name suffix: loss_<tag>.json"),
                 arg(
                     "--scaling-world",
-                    type=int,
+                    type=count_or_zero,
                     default=8,
                     help="the predicted table (Inf-CL's Table 1 shape) at this many ranks; 0: none",
                 ),
-                arg("--scaling-batch", type=csv(int), default=None, help="its global batches (default 32k … 1M)"),
-                arg("--scaling-dim", type=int, default=768, help="its feature dim (ViT-L/14: 768)"),
+                arg("--scaling-batch", type=csv(count), default=None, help="its global batches (default 32k … 1M)"),
+                arg("--scaling-dim", type=count, default=768, help="its feature dim (ViT-L/14: 768)"),
             ),
             run=run_loss,
             given_only=True,
@@ -130,10 +130,10 @@ COMMAND = Command(
             "row per setting, a failing row says why and the rest go on (clipdist/tools/gpu_battery.py).",
             arguments=(
                 arg("--tiny", action="store_true", help="clipdist-tiny on the CPU, small batches (what CI runs)"),
-                arg("--steps", type=int, default=10, help="timed steps per row (after 2 warm-up steps)"),
+                arg("--steps", type=count, default=10, help="timed steps per row (after 2 warm-up steps)"),
                 arg(
                     "--large-batches",
-                    type=csv(int),
+                    type=csv(count),
                     default=[16384, 32768, 65536],
                     help="global batches for disco, tiled and siglip on one device (default 16384,32768,65536)",
                 ),
@@ -145,7 +145,7 @@ COMMAND = Command(
                 ),
                 arg(
                     "--budget",
-                    type=float,
+                    type=non_negative,
                     default=None,
                     help="seconds the battery may take: rows run most valuable first, a row whose estimate does not "
                     "fit is "
@@ -168,7 +168,7 @@ COMMAND = Command(
                 ),
                 arg(
                     "--estimate-for",
-                    type=float,
+                    type=positive,
                     default=None,
                     metavar="TFLOPS",
                     help="print the default plan's rows with their time estimates for a device of this dense peak "
@@ -189,13 +189,13 @@ COMMAND = Command(
             "real runs at 1 and 2 ranks as a fraction of it (clipdist/tools/limit.py).",
             arguments=(
                 arg("--data", nargs="+", default=["digits", "web_photos"], choices=["digits", "web_photos"]),
-                arg("--ranks", type=csv(int), default=[1, 2], help="world sizes of the real runs (default 1,2)"),
-                arg("--batch", type=int, default=128, help="global batch (default 128)"),
-                arg("--batches", type=int, default=12, help="batches timed for the loader's cost (default 12)"),
-                arg("--steps", type=int, default=60, help="steps of each real run (default 60)"),
+                arg("--ranks", type=csv(count), default=[1, 2], help="world sizes of the real runs (default 1,2)"),
+                arg("--batch", type=count, default=128, help="global batch (default 128)"),
+                arg("--batches", type=count, default=12, help="batches timed for the loader's cost (default 12)"),
+                arg("--steps", type=count, default=60, help="steps of each real run (default 60)"),
                 arg(
                     "--repeats",
-                    type=int,
+                    type=count,
                     default=3,
                     help="rounds of every measurement, real runs interleaved; the medians are reported (default 3)",
                 ),

@@ -17,7 +17,12 @@ Argument = tuple[tuple[str, ...], dict[str, Any]]
 
 
 def arg(*flags: str, **options: Any) -> Argument:
-    """One argument, as argparse's add_argument takes it."""
+    """One argument, as argparse's add_argument takes it; a number's type must be a bounded one
+    (clipdist.cli.arguments.number): a bare int or float would take 0 steps or -3 ranks on to the work."""
+    if options.get("type") in (int, float):
+        raise TypeError(
+            f"{flags[0]}: type={options['type'].__name__} takes any number; use a clipdist.cli.arguments type"
+        )
     return flags, options
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from clipdist.cli.arguments import csv
+from clipdist.cli.arguments import count, csv
 from clipdist.cli.command import Command, arg
 
 
@@ -93,8 +93,8 @@ COMMAND = Command(
             default=None,
             help="a zero-shot prompt with {} (repeatable; default 'a photo of {}.')",
         ),
-        arg("--world", type=int, default=1, help="local gloo ranks to split the sets over"),
-        arg("--batch", type=int, default=256, help="images per forward"),
+        arg("--world", type=count, default=1, help="local gloo ranks to split the sets over"),
+        arg("--batch", type=count, default=256, help="images per forward"),
         arg("--precision", choices=["fp32", "bf16", "fp16", "pure_bf16", "pure_fp16"], default="fp32"),
         arg("--cache-dir", default=None, help="where downloaded weights go (Hugging Face's cache)"),
         arg(

@@ -8,7 +8,7 @@ import json
 
 import yaml
 
-from clipdist.cli.arguments import batch_sizes
+from clipdist.cli.arguments import batch_sizes, count, count_or_zero, positive, seed
 from clipdist.cli.command import Command, arg, given
 from clipdist.registry.losses import BACKENDS
 from clipdist.registry.terms import TERMS
@@ -95,14 +95,14 @@ COMMAND = Command(
     arguments=(
         arg("--backend", help=f"a registered backend ({', '.join(BACKENDS)}; default disco)"),
         arg("--loss", default=None, help="your own loss instead: 'package.module:name', same call signature"),
-        arg("--world", dest="world_size", type=int, help="number of local ranks (default 2)"),
+        arg("--world", dest="world_size", type=count, help="number of local ranks (default 2)"),
         arg(
             "--batch",
             dest="local_batch",
             type=batch_sizes,
             help="local batch per rank, or one per rank: 4,3,5 (default 4)",
         ),
-        arg("--chunks", type=int, help="gradient caching: split each rank's batch into K chunks"),
+        arg("--chunks", type=count, help="gradient caching: split each rank's batch into K chunks"),
         arg(
             "--parallel",
             choices=["ddp", "fsdp"],
@@ -110,7 +110,7 @@ COMMAND = Command(
         ),
         arg(
             "--lock-image",
-            type=int,
+            type=count_or_zero,
             nargs="?",
             const=0,
             metavar="UNLOCKED_GROUPS",
@@ -118,7 +118,7 @@ COMMAND = Command(
         ),
         arg(
             "--lock-text",
-            type=int,
+            type=count_or_zero,
             nargs="?",
             const=0,
             metavar="UNLOCKED_LAYERS",
@@ -156,8 +156,8 @@ COMMAND = Command(
         ),
         arg("--dtype", choices=["float64", "float32"], help="default float64"),
         arg("--model", help="open_clip model config (random init; default the tiny model)"),
-        arg("--seed", type=int),
-        arg("--timeout", dest="timeout_s", type=float, help="seconds before a stuck collective fails"),
+        arg("--seed", type=seed),
+        arg("--timeout", dest="timeout_s", type=positive, help="seconds before a stuck collective fails"),
         arg("--json", action="store_true", default=False, help="print a JSON object instead of the table"),
         arg("--verbose", action="store_true", default=False, help="list every parameter"),
     ),

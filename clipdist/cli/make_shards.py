@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from clipdist.cli.arguments import count
 from clipdist.cli.command import Command, arg
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 
@@ -53,7 +54,7 @@ COMMAND = Command(
         arg("--caption-column", default=TABLE_CAPTION_KEY, help="default: title (open_clip's)"),
         arg("--out", required=True, help="output folder"),
         arg("--prefix", default="shard"),
-        arg("--samples-per-shard", type=int, default=1000),
+        arg("--samples-per-shard", type=count, default=1000),
         arg(
             "--overwrite",
             action="store_true",

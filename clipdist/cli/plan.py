@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from clipdist.cli.arguments import chunk_counts, csv
+from clipdist.cli.arguments import chunk_counts, count, count_or_zero, csv
 from clipdist.cli.command import Command, arg
 
 
@@ -139,7 +139,7 @@ COMMAND = Command(
         arg("--world", default="64gpu", help="conf/world preset (8gpu, 64gpu) or a number of ranks"),
         arg(
             "--global-batch",
-            type=int,
+            type=count,
             default=None,
             help="default: the world preset's (batch_per_device × ranks), 32768 for a number of ranks",
         ),
@@ -164,24 +164,27 @@ COMMAND = Command(
             help="host memory per node, for the batch's inputs (default 2TB: a DGX H100 node)",
         ),
         arg(
-            "--loader-workers", type=int, default=8, help="loader workers per rank (each reads 2 loader batches ahead)"
+            "--loader-workers",
+            type=count_or_zero,
+            default=8,
+            help="loader workers per rank (each reads 2 loader batches ahead)",
         ),
         arg(
             "--ranks-per-node",
-            type=int,
+            type=count,
             default=None,
             help="default: the world preset's procs_per_node (8 at most for a number of ranks)",
         ),
         arg(
             "--seq-len",
-            type=int,
+            type=count,
             default=None,
             help="a NaFlex tower: plan its images at this many "
             "patches (the longest of data.seq_lens; default its image_size grid)",
         ),
         arg(
             "--max-tokens",
-            type=int,
+            type=count,
             default=None,
             help="a NaFlex run's data.max_tokens_per_batch: the global batch is max_tokens // seq_len",
         ),

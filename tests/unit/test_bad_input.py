@@ -145,3 +145,61 @@ def test_hydras_own_failures_are_one_line(capsys, monkeypatch, tmp_path):
         lines = capsys.readouterr().err.strip().splitlines()
         assert stopped.value.code == code and len(lines) == 1 and said in lines[0], lines
     assert hydra_policy.run_and_report(lambda: 7) == 7
+
+
+def _actions(parser):
+    """(command, action) of every argument of every subcommand, however deep."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from ((f"{name} {command}".strip(), inner) for command, inner in _actions(sub))
+        else:
+            yield "", action
+
+
+def test_every_number_a_command_takes_is_bounded_where_it_is_parsed():
+    """No command option takes a bare int or float (`--steps 0` ran `bench limit` into an internal error, `bench loss
+    --repeats 0` too, `bench gpu --steps 0` failed every row): each number's type refuses what is below its bound,
+    not a finite number, or not a number, and the declarations refuse a bare type."""
+    import argparse
+
+    from clipdist.cli import build_parser
+    from clipdist.cli.arguments import csv
+    from clipdist.cli.command import arg
+
+    actions = list(_actions(build_parser()))
+    assert not [(command, action.dest) for command, action in actions if action.type in (int, float)]
+    bounded = [(command, action) for command, action in actions if hasattr(action.type, "bounds")]
+    assert len(bounded) >= 20, [(command, action.dest) for command, action in bounded]
+    for command, action in bounded:
+        low, above, high = action.type.bounds
+        below = low if above else low - 1
+        for hostile in (str(below), "nan", "inf", "x"):
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type(hostile)
+        assert action.type(str(int(low) + 1)) == int(low) + 1, (command, action.dest)
+        if high is not None:
+            with pytest.raises(argparse.ArgumentTypeError, match="at most"):
+                action.type(str(int(high) + 1))
+    with pytest.raises(TypeError, match="takes any number"):
+        arg("--steps", type=int)
+    with pytest.raises(TypeError, match="takes any number"):
+        csv(float)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "limit", "--steps", "0"], "argument --steps: 0: must be at least 1"),
+        (["bench", "loss", "--repeats", "0"], "argument --repeats: 0: must be at least 1"),
+        (["bench", "gpu", "--tiny", "--large-batches", "512,-4"], "argument --large-batches: -4: must be at least 1"),
+        (["gradcheck", "--seed", "-1"], "argument --seed: -1: must be at least 0 and at most 4294967295"),
+        (["plan", "--chunks", "auto,0"], "argument --chunks: 0: must be at least 1"),
+    ],
+)
+def test_a_number_out_of_its_bound_is_refused_before_anything_runs(capsys, argv, message):
+    with pytest.raises(SystemExit) as refused:
+        cli(argv)
+    assert refused.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
