@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from clipdist.cli import bench, evaluate, export, gradcheck, make_shards, plan, report, trust
+from clipdist.cli.command import OneLineParser
 from clipdist.cli.train import train_main
 from clipdist.compat import floor_problem
 from clipdist.distributed import host
@@ -23,7 +24,7 @@ DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clipdist", description=DESCRIPTION)
+    parser = OneLineParser(prog="clipdist", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "train",
@@ -55,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from clipdist.distributed import torchrun
 
         return torchrun.main(argv[1:])
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or an argument refused in its one line (2)
+        return int(done.code or 0)
     try:
         return args.run(args)
     except (ClipdistError, ValueError, OSError) as error:

@@ -11,9 +11,17 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 Argument = tuple[tuple[str, ...], dict[str, Any]]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, its refusals one line as every clipdist error is (`clipdist plan: error: argument --global-batch: 0:
+    must be at least 1`), exit 2; `--help` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def arg(*flags: str, **options: Any) -> Argument:

@@ -25,7 +25,8 @@ def test_importing_clipdist_has_no_side_effects():
     [
         (["gradcheck", "--loss", "os:getcwd"], "--loss 'os:getcwd' cannot be called as loss(image_features"),
         (["gradcheck", "--loss", "os:nope"], "--loss 'os:nope': cannot import it"),
-        (["plan", "--global-batch", "0"], "--global-batch 0: must be at least 1"),
+        (["plan", "--global-batch", "0"], "argument --global-batch: 0: must be at least 1"),
+        (["plan", "--global-batch", "x"], "argument --global-batch: 'x' is not an integer"),
         (["plan", "--world", "3", "--global-batch", "64"], "--global-batch 64 does not divide over 3 ranks"),
     ],
 )
@@ -46,7 +47,8 @@ def test_a_subcommand_error_is_one_line_and_exit_2_from_the_command_line():
 
     result = python(["-m", "clipdist", "plan", "--global-batch", "0"], cwd=REPO, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["clipdist plan: error: --global-batch 0: must be at least 1"]
+    said = result.stderr.strip().splitlines()
+    assert said == ["clipdist plan: error: argument --global-batch: 0: must be at least 1"]
 
 
 @pytest.mark.parametrize(
