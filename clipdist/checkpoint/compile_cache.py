@@ -36,8 +36,11 @@ SIGNED_LIMIT = 64 << 20  # a list larger than this is not read (a cache of ~500,
 
 
 def key_path() -> Path:
-    """Where this user's key lives: ${XDG_CONFIG_HOME:-~/.config}/clipdist/cache.key."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    """Where this user's key lives: ${XDG_CONFIG_HOME:-~/.config}/clipdist/cache.key (a relative XDG_CONFIG_HOME is
+    ignored, as the XDG spec says: it would move with the working directory)."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "clipdist" / "cache.key"
 
 

@@ -29,11 +29,18 @@ def present(folder) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink()} - {SIGNED}
 
 
-def test_a_signed_cache_is_kept_whole(cache):
+def test_a_signed_cache_is_kept_whole(cache, tmp_path):
     assert CompileCache(cache, ours=True).sign() is None
+    assert key_path() == tmp_path / "config" / "clipdist" / "cache.key"
     assert oct(key_path().stat().st_mode & 0o777) == "0o600" and key_path().stat().st_size == 32
     assert CompileCache(cache, ours=True).admit() is None
     assert present(cache) == set(FILES)
+
+
+def test_a_relative_xdg_config_home_is_ignored(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", "config")  # would follow the working directory
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert key_path() == tmp_path / "home" / ".config" / "clipdist" / "cache.key"
 
 
 def test_a_cache_without_a_signed_list_is_removed(cache):
