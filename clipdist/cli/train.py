@@ -176,16 +176,20 @@ def _run_composed(cfg) -> None:
         raise SystemExit(1) from None
 
 
+NAME_PROBE = "clipdist-name-probe"  # a name no run has: _nameless_run resolves run_dir with it
+
+
 def _nameless_run(cfg, run_dir: str) -> str | None:
     """Why the composed run_dir is no folder of the run's own (None: it is): one with no last part of its own
     (`run_dir=`, `.`, `..`, `/`, or runs/<name> with `name=`, `.`, `..`) is the working directory, the folder of
     every run, or one above them."""
-    from typing import cast
-
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     value, name = (str(OmegaConf.select(cfg, key, default="") or "") for key in ("run_dir", "name"))
-    named = "${name}" in str(cast(dict, OmegaConf.to_container(cfg, resolve=False)).get("run_dir", ""))
+    probe = cfg.copy()  # does run_dir take the name, by any spelling (${name}, ${oc.select:name}, ...)?
+    with open_dict(probe):
+        probe.name = NAME_PROBE
+    named = NAME_PROBE in str(OmegaConf.select(probe, "run_dir", default="") or "")
     if PurePath(value.strip()).name in ("", ".", "..") or (named and PurePath(name).name in ("", ".", "..")):
         return (
             f"run_dir={value!r} (name={name!r}) is {run_dir}, no folder of the run's own: give the run a name, or "

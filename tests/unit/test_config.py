@@ -91,6 +91,7 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         # a run directory that is no folder of the run's own: the working directory, the folder of every run, above it
         (["run_dir="], "run_dir='' (name="),
         (["run_dir={tmp}/runs/${name}", "name=.."], "runs/..' (name='..') is "),
+        (["run_dir={tmp}/runs/${oc.select:name}", "name=."], "runs/.' (name='.') is "),  # name by another spelling
         (["run_dir={tmp}/.."], "run_dir='"),
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
         (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
