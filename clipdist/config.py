@@ -417,6 +417,9 @@ class WorldConfig:
     backend: Backend = Backend.auto  # auto: nccl on CUDA, gloo on CPU
     batch_per_device: int = positive(64)  # samples per rank per step (global batch = this × ranks)
     parallel: Parallel = Parallel.ddp  # ddp (replicated weights) or fsdp (FSDP2: sharded weights and AdamW state)
+    # fsdp: each block's gathered weights freed after its forward and gathered again for its backward; false: kept
+    # from forward to backward (one all-gather a step fewer, the whole model's gathered weights held at once)
+    reshard_after_forward: bool = True
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (SyncBatchNorm; towers with BatchNorm)
     spawn: bool = False  # started alone: spawn procs_per_node local ranks (launch.launch_local)
     timeout_s: int = positive(COLLECTIVE_TIMEOUT_S)  # bound on every collective

@@ -1,5 +1,6 @@
 """FSDP2's host cost a step against DDP's at world 1 (a process group of one): the run's own step
-(`build_parts(...).step`) on a synthetic batch, both parallelisms built in one process and stepped in interleaved
+(`build_parts(...).step`) on a synthetic batch, DDP, FSDP2 and FSDP2 with world.reshard_after_forward=false ("fsdp
+kept": every block's gathered weights kept from forward to backward) built in one process and stepped in interleaved
 rounds, medians. A small batch keeps the compute small, so what differs is the host's work: FSDP2's hooks, the
 optimizer on DTensor shards, the gradient norm. The process's malloc keeps freed memory, as a CPU rank's does
 (host.keep_freed_memory): without it FSDP2's gathered parameters, freed at every reshard, come back as fresh pages
@@ -55,11 +56,17 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work, one_rank_group(device):
         steps = {}
-        for parallel in ("ddp", "fsdp"):
-            parts = build_parts(
-                config(Path(work) / parallel, args.model, "fp32", args.batch, parallel=parallel), device
+        for name in ("ddp", "fsdp", "fsdp kept"):
+            cfg = config(
+                Path(work) / name.replace(" ", "_"),
+                args.model,
+                "fp32",
+                args.batch,
+                parallel="ddp" if name == "ddp" else "fsdp",
             )
-            steps[parallel] = (parts.step, synthetic_batch(parts.model, args.batch, device))
+            cfg.world.reshard_after_forward = name != "fsdp kept"
+            parts = build_parts(cfg, device)
+            steps[name] = (parts.step, synthetic_batch(parts.model, args.batch, device))
         for step, batch in steps.values():  # warm-up
             for _ in range(3):
                 step(batch)
@@ -70,14 +77,16 @@ def main() -> None:
                 seconds, faulted = timed(step, batch, args.steps)
                 rounds[parallel].append(seconds)
                 faults[parallel].append(faulted)
-        ratios = [fsdp / ddp for ddp, fsdp in zip(rounds["ddp"], rounds["fsdp"])]
         for parallel, times in rounds.items():
             each = ", ".join(f"{seconds * 1e3:.1f}" for seconds in times)
             print(
                 f"{parallel}: {statistics.median(times) * 1e3:.2f} ms a step ({each}); "
                 f"{statistics.median(faults[parallel]):.0f} page faults a step"
             )
-        print(f"fsdp / ddp: {statistics.median(ratios):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios)})")
+        for name in ("fsdp", "fsdp kept"):
+            ratios = [fsdp / ddp for ddp, fsdp in zip(rounds["ddp"], rounds[name])]
+            each = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+            print(f"{name} / ddp: {statistics.median(ratios):.2f} (per round {each})")
         if args.profile:
             step, batch = steps["fsdp"]
             profiler = cProfile.Profile()

@@ -47,6 +47,7 @@ def _print_report(report, verbose: bool) -> None:
     console = Console()
     cached = f", grad cache ×{report.chunks}" if report.chunks > 1 else ""
     cached += "".join(f", {tower} tower locked ({n} unlocked)" for tower, n in report.locks.items())
+    cached += ", gathered weights kept to backward" if not report.reshard_after_forward else ""
     cached += f", gradient scaler ×{SCALE:g}" if report.scaler else ""
     cached += ", distilled from a teacher" if report.distill else ""
     cached += "".join(f", with loss.{name}" for name in report.terms)
@@ -107,6 +108,13 @@ COMMAND = Command(
             "--parallel",
             choices=["ddp", "fsdp"],
             help="how the model is distributed: DDP (default), or FSDP2 (fully_shard per block)",
+        ),
+        arg(
+            "--no-reshard-after-forward",
+            dest="reshard_after_forward",
+            action="store_false",
+            help="with --parallel fsdp: world.reshard_after_forward=false (each block's gathered weights kept from "
+            "forward to backward)",
         ),
         arg(
             "--lock-image",

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         recipe=args.recipe,
     )
     measured.ema = measured.ema or args.ema
+    measured.reshard_after_forward = args.reshard_after_forward
     rows = plan.plan(
         measured, args.backend, args.chunks, world_size, args.global_batch, device_bytes, args.parallel, host
     )
@@ -79,6 +80,7 @@ def _as_json(args, model_name, world_size, device_bytes, host, checkpointing, ro
         "precision": args.precision,
         "grad_checkpointing": checkpointing,
         "distill": args.distill,
+        "reshard_after_forward": args.reshard_after_forward,
         "rows": plan.rows_as_dicts(rows),
     }
 
@@ -93,7 +95,8 @@ def _tables(args, rows) -> tuple:
         memory.add_column(column, justify="right", no_wrap=True)
     run = _table("the run", ("backend", "chunks", "host/\nnode", "sent/\nstep", "max global\nbatch", "limited by"))
     for row in rows:
-        name = row.backend + (f" ({row.parallel})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
+        kept = ", kept" if row.parallel == "fsdp" and not args.reshard_after_forward else ""
+        name = row.backend + (f" ({row.parallel}{kept})" if len(args.parallel) > 1 or row.parallel != "ddp" else "")
         chunks = f"{row.chunks:,}×{row.micro_batch:,}" if row.chunks > 1 else "1"
         largest = f"{row.max_global_batch:,}"
         if row.chunk_size:  # --chunks auto: say the size, and that the largest batch is in chunks of it too
@@ -157,6 +160,13 @@ COMMAND = Command(
             type=csv(str),
             default=["ddp"],
             help="ddp, fsdp, or both to compare: ddp,fsdp (FSDP shards weights, gradients, AdamW state)",
+        ),
+        arg(
+            "--no-reshard-after-forward",
+            dest="reshard_after_forward",
+            action="store_false",
+            help="FSDP with world.reshard_after_forward=false: every block's gathered weights kept from forward "
+            "to backward (one all-gather a step fewer)",
         ),
         arg(
             "--host-memory",

@@ -25,6 +25,7 @@ def wrap_model(
     compile_mode: str = "default",
     param_dtype: torch.dtype | None = None,
     sync_batchnorm: bool = False,
+    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
     """What the training step calls.
 
@@ -33,14 +34,21 @@ def wrap_model(
     fsdp: FSDP2 (`fully_shard`) on every transformer block of both towers (each compiled first),
     then on the root, which takes the rest (embeddings, projections, logit scale and bias); the
     model is changed in place and returned. `param_dtype` (bf16 on CUDA) is the compute dtype of
-    the gathered parameters; gradients are reduced in fp32. Gradients are averaged over ranks, as
-    DDP's are, so every loss backend's exactness argument holds unchanged. `sync_batchnorm`: BatchNorm layers
+    the gathered parameters; gradients are reduced in fp32. `reshard_after_forward=False`: a block's gathered
+    parameters are kept from its forward to its backward (one all-gather a step fewer, all of them held at once).
+    Gradients are averaged over ranks, as DDP's are, so every loss backend's exactness argument holds unchanged.
+    `sync_batchnorm`: BatchNorm layers
     become SyncBatchNorm (statistics over every rank's samples), before either wrapper.
     """
     if sync_batchnorm and dist.is_initialized() and dist.get_world_size() > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if parallel == "fsdp":
-        return _fully_shard(model, compile_mode=compile_mode if compile else None, param_dtype=param_dtype)
+        return _fully_shard(
+            model,
+            compile_mode=compile_mode if compile else None,
+            param_dtype=param_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
     if compile:
         model.compile(mode=compile_mode)
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -78,7 +86,7 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _fully_shard(
-    model: torch.nn.Module, *, compile_mode: str | None, param_dtype: torch.dtype | None
+    model: torch.nn.Module, *, compile_mode: str | None, param_dtype: torch.dtype | None, reshard_after_forward: bool
 ) -> torch.nn.Module:
     if not dist.is_initialized():
         raise RuntimeError("world.parallel=fsdp needs a process group (torchrun, srun or world.spawn)")
@@ -87,10 +95,10 @@ def _fully_shard(
     for block in transformer_blocks(model):  # preflight (trainer.check_shardable) made sure there are some
         if compile_mode is not None:
             block.compile(mode=compile_mode)
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     parts = [getattr(model, part) for part in training_only_parts() if hasattr(model, part)]
     for module in parts:  # a loss term's own module (a decoder) is called outside the model's forward
-        fully_shard(module, mp_policy=policy)
+        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         for method in getattr(module, "fsdp_methods", ()):  # its methods the term calls besides forward
             register_fsdp_forward_method(module, method)
     if any(getattr(module, "calls_image_tower", False) for module in parts):
@@ -109,10 +117,27 @@ def _fully_shard(
         # FSDP2 makes the first unit to run forward the root: a term's module or the image tower runs before the
         # model's forward (Objective.own_backward), so the model is made the root now (torch has no public call)
         fully_shard.state(model)._lazy_init()  # type: ignore[attr-defined]
-    for method in ("encode_image", "encode_text"):  # evaluation calls these, not forward
-        if hasattr(model, method):
-            register_fsdp_forward_method(model, method)
+    _register_methods_beside_forward(model, [name for name in ("encode_image", "encode_text") if hasattr(model, name)])
     return model
+
+
+def _register_methods_beside_forward(model: torch.nn.Module, names: list[str]) -> None:
+    """The model's `names` (evaluation calls encode_image and encode_text, not forward) gather the root's shards as
+    forward does where called alone (register_fsdp_forward_method). Called inside the model's own forward (open_clip's
+    forward calls both) they run plain: FSDP2's hooks around them would end the root's forward early (its
+    post-forward, finding the root idle, reshards it), and backward would gather the root's weights again."""
+    inside = [0]  # the model's forwards running (a hook that always runs counts them out, an error too)
+    model.register_forward_pre_hook(lambda module, args: inside.__setitem__(0, inside[0] + 1))
+    model.register_forward_hook(lambda module, args, out: inside.__setitem__(0, inside[0] - 1), always_call=True)
+    for name in names:
+        plain = getattr(model, name)
+        register_fsdp_forward_method(model, name)
+        hooked = getattr(model, name)
+
+        def method(*args, _plain=plain, _hooked=hooked, **kwargs):
+            return (_plain if inside[0] else _hooked)(*args, **kwargs)
+
+        setattr(model, name, method)
 
 
 def _without_views(module, args, output):

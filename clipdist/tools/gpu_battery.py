@@ -135,6 +135,7 @@ def config(
     compile_mode: str = "default",
     parallel: str = "ddp",
     terms: dict | None = None,
+    reshard_after_forward: bool = True,
 ):
     """A run's config for one row; `terms`: loss term sections (RECIPE_TERMS) beside the loss, with a weight average
     for the teacher terms."""
@@ -145,7 +146,7 @@ def config(
             "precision": precision,
             "model": {"name": model, "compile": compile, "compile_mode": compile_mode},
             "loss": {"name": loss, **(terms or {})},
-            "world": {"batch_per_device": rows, "parallel": parallel},
+            "world": {"batch_per_device": rows, "parallel": parallel, "reshard_after_forward": reshard_after_forward},
             "grad_cache": {"chunks": chunks},
             "optim": {"warmup_steps": 1, "max_steps": 10**6, "ema": {"decay": 0.999 if terms else 0.0}},
         }
@@ -410,6 +411,7 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
             fsdp,
             step_row("ViT-L-14", "bf16", True),
             step_row("ViT-B-16", precision, True, mode="reduce_overhead"),  # CUDA graphs: blind until measured
+            fsdp_row(base, precision, device, steps, peak, kept=True),
             step_row("ViT-B-16", precision, True, size=256),
             Planned("compile", "ViT-B-16 bf16 × 128, train.py started twice", compile_starts, 150.0),
             data_row(tiny, peak[0], "device"),  # built without a GPU (tests/integration/test_device_decode.py)
@@ -422,13 +424,18 @@ def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dic
     return first + later
 
 
-def fsdp_row(base: str, precision: str, device: torch.device, steps: int, peak) -> Planned:
-    """The step under FSDP2 at world 1 (a process group of one), against the DDP step's row."""
+def fsdp_row(base: str, precision: str, device: torch.device, steps: int, peak, kept: bool = False) -> Planned:
+    """The step under FSDP2 at world 1 (a process group of one), against the DDP step's row; `kept`: with
+    world.reshard_after_forward=false."""
+    label = ", gathered weights kept" if kept else ""
     return Planned(
         "fsdp",
-        f"{base} {precision} FSDP2 × {BATCH[base]}, world 1",
+        f"{base} {precision} FSDP2 × {BATCH[base]}, world 1{label}",
         lambda work: with_one_rank_group(
-            device, lambda: measured(device, steps, base, precision, BATCH[base], parallel="fsdp")(work)
+            device,
+            lambda: measured(
+                device, steps, base, precision, BATCH[base], parallel="fsdp", reshard_after_forward=not kept
+            )(work),
         ),
         step_estimate(base, BATCH[base], steps, peak[0]) + 5.0,
         peak,

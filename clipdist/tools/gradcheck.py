@@ -210,6 +210,7 @@ def _rank_step(
     scaler: bool = False,
     terms: Terms = Terms(),
     backend_options: Mapping[str, Any] | None = None,
+    reshard_after_forward: bool = True,
 ):
     """One DDP (or FSDP) step per loss on this rank's slice of the global batch (gradient-cached if chunks > 1;
     with `scaler`, the loss scaled by SCALE through precision=fp16's GradScaler and the gradients unscaled, as
@@ -225,7 +226,8 @@ def _rank_step(
     for spec in loss_specs:
         loss_fn = resolve_loss(spec, backend_options)
         model = _model(model_name, seed, dtype, loss_fn, locks, terms)
-        wrapped = wrap_model(model, parallel=parallel)  # what training runs: DDP's or FSDP's settings and all
+        # what training runs: DDP's or FSDP's settings and all
+        wrapped = wrap_model(model, parallel=parallel, reshard_after_forward=reshard_after_forward)
         grad_scaler = gradient_scaler("fp16", torch.device("cpu"), SCALE) if scaler else None
         objective = _objective(loss_fn, model, model_name, seed, dtype, terms)
         step = build_step(wrapped, objective, chunks=chunks, scaler=grad_scaler)
@@ -286,6 +288,7 @@ class GradcheckReport:
     diagnosis: list[str] = field(default_factory=list)
     chunks: int = 1  # gradient-caching chunks per rank
     parallel: str = "ddp"  # ddp | fsdp
+    reshard_after_forward: bool = True  # fsdp: false keeps each block's gathered weights from forward to backward
     locks: dict = field(default_factory=dict)  # {"image": unlocked groups, "text": unlocked layers} of locked towers
     scaler: bool = False  # gradients scaled and unscaled by a GradScaler (precision=fp16's path)
     distill: bool = False  # with the distillation term against a teacher (loss.distill)
@@ -377,11 +380,13 @@ def run_gradchecks(
     distill: bool = False,
     terms: Sequence[str] = (),
     options: Mapping[str, Any] | None = None,
+    reshard_after_forward: bool = True,
 ) -> list[GradcheckReport]:
     """Check several losses in one launch; `local_batch` is one size for every rank or one per rank.
 
     chunks > 1 runs each rank's step with gradient caching (clipdist.train.step) in that many chunks;
-    parallel="fsdp" shards the model with FSDP2 (clipdist.distributed.parallel.wrap_model) instead of DDP;
+    parallel="fsdp" shards the model with FSDP2 (clipdist.distributed.parallel.wrap_model) instead of DDP, each
+    block's gathered weights kept from forward to backward where not `reshard_after_forward`;
     lock_image / lock_text lock that tower with open_clip's lock functions, leaving its last N groups / layers
     trainable (as model.lock_* config does); scaler runs the step with precision=fp16's gradient scaler;
     distill adds the distillation term (loss.distill) against a teacher of the same structure with other weights,
@@ -390,14 +395,11 @@ def run_gradchecks(
     teacher another model's weights, each checked against its own one-process definition. `options`: `key: value`
     for the backend's own options (`tile`) and `<term>.<key>` for a term's (`self_distill.crops`).
     """
-    sizes = _local_sizes(parallel, dtype, world_size, local_batch, chunks)
+    sizes = _local_sizes(parallel, dtype, world_size, local_batch, chunks, reshard_after_forward)
     options = dict(options or {})
     backend_options = {key: value for key, value in options.items() if "." not in key}
     chosen = Terms.named([*terms, *(["distill"] if distill else [])], {k: v for k, v in options.items() if "." in k})
-    loss_fns = [resolve_loss(spec, backend_options) for spec in losses]  # fail here, not in N workers
-    structure = create_model(model, device="meta")
-    for spec, loss_fn in zip(losses, loss_fns):
-        check_logit_bias(structure, loss_fn, f"--backend {spec}", model)
+    loss_fns = _losses(losses, backend_options, model)
     locks = Locks(lock_image, lock_text)
     rank_results = launch_local(
         _rank_step,
@@ -413,13 +415,14 @@ def run_gradchecks(
         scaler,
         chosen,
         backend_options,
+        reshard_after_forward,
         timeout_s=timeout_s,
     )[0]  # rank 0's (loss, grads) per backend
     reports = _reports(
         losses, loss_fns, rank_results, sizes, dtype, model, seed, locks, chosen, chunks, parallel, options
     )
     for report in reports:
-        report.scaler = scaler
+        report.scaler, report.reshard_after_forward = scaler, reshard_after_forward
     return reports
 
 
@@ -446,10 +449,23 @@ def _reports(losses, loss_fns, rank_results, sizes, dtype, model, seed, locks, c
     return reports
 
 
-def _local_sizes(parallel: str, dtype: str, world_size: int, local_batch, chunks: int) -> list[int]:
+def _losses(specs: Sequence[str], backend_options: dict, model: str) -> list:
+    """The losses `specs` name, each checked against the model's logit bias: here, not in N workers."""
+    loss_fns = [resolve_loss(spec, backend_options) for spec in specs]
+    structure = create_model(model, device="meta")
+    for spec, loss_fn in zip(specs, loss_fns):
+        check_logit_bias(structure, loss_fn, f"--backend {spec}", model)
+    return loss_fns
+
+
+def _local_sizes(
+    parallel: str, dtype: str, world_size: int, local_batch, chunks: int, reshard_after_forward: bool = True
+) -> list[int]:
     """Each rank's batch; a ValueError for a request that cannot run."""
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}: choose ddp or fsdp")
+    if not reshard_after_forward and parallel != "fsdp":
+        raise ValueError(f"reshard_after_forward=False is FSDP2's setting; parallel={parallel!r} reshards nothing")
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {list(TOLERANCE)}")
     if world_size < 1:

@@ -20,7 +20,8 @@ Figures per device:
   communication buffers    DDP: none (gradients are views into its all-reduce buckets). FSDP: the
                            gathered weights of the root unit (kept through the step) and of two
                            blocks (one computing, one prefetched), and their unsharded fp32
-                           gradients before the reduce-scatter
+                           gradients before the reduce-scatter; with --no-reshard-after-forward
+                           every block's gathered weights (kept from forward to backward)
   teacher                  with --distill: the teacher's fp32 weights, its features of the local batch
                            and the distillation term's ring buffers (Measurements.teacher_bytes)
   --recipe siglip2         the recipe's terms' own modules (heads, a decoder) in parameters + optimizer,
@@ -37,8 +38,8 @@ loader read the batch in pieces of a chunk (data.pieces = chunks), so it reads a
 
 Bytes sent per rank per step: the loss's collectives (NCCL ring figures,
 clipdist.losses.*.sent_bytes_per_rank) + DDP's gradient all-reduce 2·(N−1)/N·P·4, or FSDP's all-gathers
-(forward and backward) 2·(N−1)/N·P·w and reduce-scatter (N−1)/N·P·4, with w the bytes of a gathered
-weight (2 under bf16).
+(forward and backward; forward only with --no-reshard-after-forward) 2·(N−1)/N·P·w and reduce-scatter
+(N−1)/N·P·4, with w the bytes of a gathered weight (2 under bf16).
 
 `--chunks auto` picks the chunk size: the largest power of two whose largest batch is within 5% of the
 largest any chunk size reaches (smaller chunks add steps of overhead and little batch).
@@ -179,6 +180,8 @@ class Measurements:
     # an EMA teacher term's image tower and head (parameters, the largest term's): under FSDP2 the average's shards
     # are gathered whole (fp32) for each teacher forward
     gathered_teacher: int = 0
+    # world.reshard_after_forward (a run setting, as ema): false keeps every block's gathered weights to backward
+    reshard_after_forward: bool = True
 
     def teacher_bytes(self, local_batch: int) -> float:
         """A distillation teacher on one rank: fp32 weights; its image and text features of the local batch (kept
@@ -199,10 +202,21 @@ class Measurements:
         held = sum(-(-shape[0] // shards) * math.prod(shape[1:]) if shape else 1 for shape in self.parameter_shapes)
         return held * (OPTIMIZER_BYTES_PER_PARAMETER + (EMA_BYTES_PER_PARAMETER if self.ema else 0))
 
+    def gathered_parameters(self) -> int:
+        """Parameters a rank holds gathered at once under FSDP2: the root's (kept through the step) and two blocks'
+        (one computing, one prefetched), or every one where they are kept from forward to backward."""
+        if not self.reshard_after_forward:
+            return self.activations.parameters
+        return 2 * max(self.block_parameters, default=0) + self.activations.parameters - sum(self.block_parameters)
+
     def fsdp_buffers(self) -> float:
-        largest = max(self.block_parameters, default=0)
-        root = self.activations.parameters - sum(self.block_parameters)
-        return (2 * largest + root) * self.feature_bytes + (largest + root) * 4
+        """The gathered weights and the unsharded fp32 gradients of the root and one block before their reduce."""
+        largest, root = max(self.block_parameters, default=0), self.activations.parameters - sum(self.block_parameters)
+        return self.gathered_parameters() * self.feature_bytes + (largest + root) * 4
+
+    def gathers(self) -> int:
+        """All-gathers of the weights a step under FSDP: forward and backward, or forward alone."""
+        return 2 if self.reshard_after_forward else 1
 
 
 def recipe_terms(recipe: str, model: torch.nn.Module) -> tuple[list, bool]:
@@ -344,7 +358,7 @@ def breakdown(
 def sent_bytes(m: Measurements, backend: str, world_size: int, local_batch: int, parallel: str = "ddp") -> float:
     loss_fn = build(backend)
     share, params = (world_size - 1) / world_size, m.activations.parameters
-    weights = 2 * share * params * 4 if parallel == "ddp" else share * params * (2 * m.feature_bytes + 4)
+    weights = 2 * share * params * 4 if parallel == "ddp" else share * params * (m.gathers() * m.feature_bytes + 4)
     return loss_fn.sent_bytes_per_rank(local_batch, world_size, m.activations.feature_dim, 4) + weights
 
 

@@ -106,6 +106,7 @@ def _wrapped(
         compile_mode=str(cfg.model.compile_mode),
         param_dtype=gathered_dtype,
         sync_batchnorm=cfg.world.sync_batchnorm,
+        reshard_after_forward=cfg.world.reshard_after_forward,
     )
     return wrapped, cache, admitted
 

@@ -126,8 +126,8 @@ def _naflex(cfg: TrainConfig) -> bool:
 
 def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
     """Warnings for settings that run but do not do what they seem to: a warmup as long as the run (the lr never
-    reaches optim.lr), half precision on a CPU (slower than fp32), a compile mode with compile off, a global batch
-    larger than the data (every batch holds pairs twice: false negatives)."""
+    reaches optim.lr), half precision on a CPU (slower than fp32), a compile mode with compile off, FSDP2's reshard
+    setting under DDP, a global batch larger than the data (every batch holds pairs twice: false negatives)."""
     found, optim = [], cfg.optim
     if optim.warmup_steps >= optim.max_steps:
         found.append(
@@ -142,6 +142,11 @@ def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
         )
     if str(cfg.model.compile_mode) != "default" and cfg.model.compile is False:
         found.append(f"model.compile_mode={cfg.model.compile_mode.name} with model.compile=false: nothing is compiled")
+    if not cfg.world.reshard_after_forward and str(cfg.world.parallel) != "fsdp":
+        found.append(
+            f"world.reshard_after_forward=false with world.parallel={cfg.world.parallel}: it is FSDP2's setting, "
+            "and nothing is resharded under DDP"
+        )
     teacher_terms = [name for name in ("self_distill", "masked") if getattr(cfg.loss, name).on]
     if teacher_terms and _naflex(cfg):
         found.append(

@@ -24,11 +24,21 @@ TRAIN = [
 ]
 
 
-@pytest.mark.parametrize("world_size, local_batch, chunks", [(2, 4, 2), (3, [4, 3, 5], 1), (4, 3, 1)])
-def test_fsdp_gradients_match_single_process_for_every_backend(world_size, local_batch, chunks):
-    reports = run_gradchecks(list(BACKENDS), world_size, local_batch=local_batch, chunks=chunks, parallel="fsdp")
+@pytest.mark.parametrize(
+    "world_size, local_batch, chunks, reshard_after_forward",
+    [(2, 4, 2, True), (3, [4, 3, 5], 1, True), (4, 3, 1, True), (3, [3, 5, 4], 3, False)],
+)
+def test_fsdp_gradients_match_single_process_for_every_backend(world_size, local_batch, chunks, reshard_after_forward):
+    reports = run_gradchecks(
+        list(BACKENDS),
+        world_size,
+        local_batch=local_batch,
+        chunks=chunks,
+        parallel="fsdp",
+        reshard_after_forward=reshard_after_forward,
+    )
     for report in reports:
-        assert report.parallel == "fsdp"
+        assert report.parallel == "fsdp" and report.reshard_after_forward is reshard_after_forward
         assert report.exact, (report.backend, report.max_rel_err, report.diagnosis)
 
 

@@ -123,3 +123,57 @@ def test_the_compile_mode_reaches_torch_compile(single_rank_group, monkeypatch, 
     expected = transformer_blocks(model) if parallel == "fsdp" else [model]
     assert [module for module, _ in compiled] == expected
     assert all(kwargs == {"mode": "reduce-overhead"} for _, kwargs in compiled)
+
+
+@FSDP2_SCALARS
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_the_gathered_weights_a_forward_leaves_are_what_the_plan_counts(single_rank_group, reshard_after_forward):
+    """world.reshard_after_forward: after the model's forward FSDP2 holds the root's gathered weights (every block
+    resharded), or every block's as well where they are kept for backward; `clipdist plan` counts the same."""
+    from torch.distributed.tensor import DTensor
+
+    from clipdist.distributed.parallel import wrap_model
+    from clipdist.model.factory import create_model, random_tokens
+    from clipdist.tools import plan
+    from clipdist.tools.memory import LOSS_TERMS, ActivationFit, LossFit
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny")
+    shapes, blocks = plan.parameter_layout(model)
+    total = sum(parameter.numel() for parameter in model.parameters())
+    fit = {"disco": LossFit("disco", (0.0,) * len(LOSS_TERMS), 0.0)}
+    measured = plan.Measurements(ActivationFit(0.0, 0.0, 64, total), fit, 4, shapes, blocks)
+    measured.reshard_after_forward = reshard_after_forward
+    wrap_model(model, parallel="fsdp", reshard_after_forward=reshard_after_forward)
+    model(torch.randn(2, 3, 32, 32), random_tokens(2, model.context_length))
+    held = sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor) and p.ndim)  # 0-dim: never sharded
+    scalars = sum(1 for p in model.parameters() if p.ndim == 0)
+    blocks_in_flight = 0 if not reshard_after_forward else 2 * max(blocks)  # freed by the end of forward
+    assert held + scalars == measured.gathered_parameters() - blocks_in_flight
+    assert (held + scalars == total) is (not reshard_after_forward)
+    sent = {}
+    for reshard in (True, False):
+        measured.reshard_after_forward = reshard
+        sent[reshard] = plan.sent_bytes(measured, "disco", 4, 8, "fsdp")
+    assert sent[True] - sent[False] == pytest.approx(3 / 4 * total * 4)  # one all-gather of fp32 weights fewer
+
+
+@FSDP2_SCALARS
+def test_encode_image_alone_gathers_the_root_after_a_forward_that_failed(single_rank_group):
+    """Inside the model's forward encode_image runs plain (the root is gathered already); alone, as evaluation calls
+    it, FSDP2 gathers the root for it, also after a forward that raised."""
+    from clipdist.distributed.parallel import wrap_model
+    from clipdist.model.factory import create_model, random_tokens
+
+    torch.manual_seed(0)
+    model = create_model("clipdist-tiny")
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model.encode_image(images)
+    wrap_model(model, parallel="fsdp")
+    with pytest.raises(RuntimeError):
+        model(images, torch.zeros(2, 3, 5, dtype=torch.long))  # tokens of the wrong shape
+    features = model(images, random_tokens(2, model.context_length))
+    (features[0].sum() + features[1].sum()).backward()  # the root resharded after it
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(images), expected)

@@ -51,6 +51,13 @@ def test_a_compile_mode_with_compile_off_is_warned():
         assert traps(config(model={"compile": compile, "compile_mode": "reduce_overhead"}), shards) == []
 
 
+def test_fsdp2s_reshard_setting_under_ddp_is_warned():
+    shards = Shards([["a.tar"]])
+    (warning,) = traps(config(world={"reshard_after_forward": False}), shards)
+    assert warning.startswith("world.reshard_after_forward=false with world.parallel=ddp: it is FSDP2's setting")
+    assert traps(config(world={"reshard_after_forward": False, "parallel": "fsdp"}), shards) == []
+
+
 def test_the_teacher_terms_on_a_naflex_tower_are_said_to_be_an_extension():
     """SigLIP 2 trains its NaFlex variant with the sigmoid loss and the decoder alone (recipe=siglip2_naflex): the
     teacher terms on a NaFlex tower run, and a line says they are ours, not the paper's."""
