@@ -72,6 +72,8 @@ def recipe(
         for term, weight in objective.terms
     )
     caching = f", {chunks} gradient-caching chunks" if chunks > 1 else ""
+    kept = str(cfg.world.parallel) == "fsdp" and not cfg.world.reshard_after_forward
+    parallel = f"{cfg.world.parallel}{' (gathered weights kept)' if kept else ''}"
     evals, rows = ", ".join(evalset.name for evalset in shards.evals) or "none", table_rows(shards)
     batch = (
         f"global batch {cfg.world.batch_per_device * world_size} ({world_size} rank(s) × {cfg.world.batch_per_device}"
@@ -86,7 +88,7 @@ def recipe(
         model_line(cfg, model),
         f"optimizer {optim.name} ({', '.join(settings)}); {optim.schedule} schedule, warmup {optim.warmup_steps} of "
         f"{optim.max_steps} steps; precision {precision}",
-        f"loss {cfg.loss.name}: {terms}; {batch}{caching}); {cfg.world.parallel}",
+        f"loss {cfg.loss.name}: {terms}; {batch}{caching}); {parallel}",
         f"data: {len(shards.train)} train shard(s) in {len(shards.sources)} source(s)"
         + (f", {rows:,} rows" if rows else "")
         + f"; evaluation: {evals}; {captions_line(cfg, model, trim_text)}",

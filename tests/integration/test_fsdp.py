@@ -104,8 +104,10 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
 
 
 def test_fsdp_on_one_rank_trains_and_says_that_it_shards_nothing(tmp_path, cache_dir):
-    result = train(tmp_path / "one", cache_dir, "world=local", "world.parallel=fsdp", "optim.max_steps=2", *TRAIN)
+    kept = "world.reshard_after_forward=false"
+    result = train(tmp_path / "one", cache_dir, "world=local", "world.parallel=fsdp", kept, "optim.max_steps=2", *TRAIN)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "; fsdp (gathered weights kept)\n" in result.stdout + result.stderr
     assert "warning: world.parallel=fsdp on one rank: nothing is sharded" in result.stderr
     assert "world.parallel=ddp trains the same run faster here" in result.stderr
     assert len(read_jsonl(tmp_path / "one" / "train_log.jsonl")) == 2
