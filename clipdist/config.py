@@ -29,7 +29,7 @@ from hydra._internal.utils import create_config_search_path
 from hydra.core.config_store import ConfigStore
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 from clipdist import hydra_policy
@@ -678,22 +678,42 @@ def as_dict(cfg: TrainConfig) -> dict:
     return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
 
 
-def _unknown_keys(given: dict, schema, prefix: str = "") -> tuple[str, str] | None:
-    """The first key of `given` that its schema node does not have, as (dotted path, schema type name); keys
-    under a free-form field (a Dict such as data.eval_sets) are the user's own."""
+def _misfit(given: dict, schema, prefix: str = "") -> str | None:
+    """One line for the first key of `given` that its schema node does not have, or whose value its bool field
+    would misread (loose_bool); keys under a free-form field (a Dict such as data.eval_sets) are the user's own."""
     owner = OmegaConf.get_type(schema)
     if not is_dataclass(owner):
         return None
     for key, value in given.items():
         path = f"{prefix}{key}"
         if key not in list(schema.keys()):  # (`key in schema` is False for a key whose value is ??? yet)
-            return path, owner.__name__
+            return (
+                f"{path}: no such key ({owner.__name__} has no '{key}'); check the spelling "
+                "(python train.py --cfg job lists every key)"
+            )
         child = schema._get_node(key)
+        if loose_bool(child, value):
+            return loose_bool_error(path, value)
         if isinstance(value, dict) and isinstance(child, DictConfig):
-            found = _unknown_keys(value, child, f"{path}.")
+            found = _misfit(value, child, f"{path}.")
             if found:
                 return found
     return None
+
+
+def loose_bool(node, value) -> bool:
+    """Whether `value`, given to the schema's `node`, is a number other than 0 and 1 for a bool: OmegaConf reads any
+    other as true (2, '2', -1), where torch's settings of the same names take numbers (reshard_after_forward=2)."""
+    if not isinstance(node, BooleanNode) or isinstance(value, bool):
+        return False
+    try:
+        return int(str(value).strip()) not in (0, 1)
+    except ValueError:  # true, false, yes, no, on, off, an interpolation, or a float OmegaConf refuses itself
+        return False
+
+
+def loose_bool_error(key: str, value) -> str:
+    return f"{printable(key)}={printable(str(value))}: takes true or false (a number other than 0 or 1 means neither)"
 
 
 CONF = Path(__file__).resolve().parent / "conf"  # the menu, shipped in the package
@@ -715,13 +735,9 @@ def to_train_config(cfg) -> TrainConfig:
     if loss_name in LOSS_SCHEMAS:
         schema.loss = OmegaConf.structured(LOSS_SCHEMAS[loss_name])
     given = cfg if isinstance(cfg, dict) else cast(dict, OmegaConf.to_container(cfg, resolve=False))
-    unknown = _unknown_keys(given, schema)
-    if unknown:  # `+optim.lrr=1` adds a key Hydra lets through and the schema would drop without a word
-        path, owner = unknown
-        raise ConfigError(
-            f"{path}: no such key ({owner} has no '{path.rsplit('.', 1)[-1]}'); check the spelling "
-            "(python train.py --cfg job lists every key)"
-        )
+    misfit = _misfit(given, schema)
+    if misfit:  # `+optim.lrr=1` adds a key Hydra lets through and the schema would drop without a word
+        raise ConfigError(misfit)
     merged = OmegaConf.merge(schema, cfg)
     hydra_policy.refuse_outside_resolvers()  # a saved config read back resolves nothing from the environment
     if str(merged.precision) in PRECISION_ALIASES:
@@ -880,6 +896,10 @@ def invalid_value(arguments: list[str]) -> str | None:
         try:
             if OmegaConf.is_config(OmegaConf.select(schema, key, throw_on_resolution_failure=False)):
                 continue  # a section or a group choice
+            parent, _, leaf = key.rpartition(".")
+            section = OmegaConf.select(schema, parent) if parent else schema
+            if loose_bool(section._get_node(leaf), override.value()):
+                return loose_bool_error(key, override.get_value_element_as_str())
             OmegaConf.update(schema, key, override.value(), merge=True)
         except ValidationError as error:
             return f"{printable(key)}={printable(override.get_value_element_as_str())}: {str(error).splitlines()[0]}"

@@ -364,7 +364,10 @@ def test_a_value_its_keys_type_refuses_is_one_line_before_hydra_composes(tmp_pat
     assert invalid_value(["optim.lr=abc"]) == "optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float"
     assert invalid_value(["world.parallel=fsdp2"]).startswith("world.parallel=fsdp2: Invalid value 'fsdp2', expected")
     assert "is not Optional" in invalid_value(["optim.max_steps=null"])
+    for loose in ("world.reshard_after_forward=2", "model.compile=-1", "data.resampled='2'"):  # OmegaConf: all true
+        assert invalid_value([loose]) == f"{loose}: takes true or false (a number other than 0 or 1 means neither)"
     for fine in (
+        ["world.reshard_after_forward=0", "model.compile=1", "data.resampled=yes", "world.sync_batchnorm=off"],
         ["optim.lr=1e-3", "world=cpu2", "loss=tiled", "loss.tile=64", "+model.force_image_size=48"],
         ["--multirun", "optim.lr=1e-3,1e-4", "hydra/launcher=slurm", "~logging", "name=${now:%H}"],
         ["data.eval_sets.mine=/x", "precision=amp_bf16", "optim.betas=[0.9,0.95]", "loss.tile=abc"],  # the last: Hydra
@@ -374,6 +377,14 @@ def test_a_value_its_keys_type_refuses_is_one_line_before_hydra_composes(tmp_pat
     code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", "seed=x")
     assert code == 2 and lines == ["error: seed=x: Value 'x' of type 'str' could not be converted to Integer"], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_bool_given_another_number_in_a_config_file_is_refused():
+    """Where a config file (or a saved run's) reaches the schema: a bool given 2 is no bool, as on the command line."""
+    for section, key in (("world", "reshard_after_forward"), ("data", "resampled")):
+        with pytest.raises(ConfigError, match=rf"^{section}.{key}=2: takes true or false"):
+            to_train_config({"name": "x", section: {key: 2}})
+        assert getattr(getattr(to_train_config({"name": "x", section: {key: 0}}), section), key) is False
 
 
 def test_a_group_choice_that_names_no_option_is_refused_with_the_options():
