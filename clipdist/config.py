@@ -479,7 +479,9 @@ class OptimConfig:
     lr: float = non_negative(2e-3)  # peak learning rate
     weight_decay: float = non_negative(0.1)  # decoupled weight decay on the matrices (optim.no_decay: the exceptions)
     betas: list[float] | None = field(default_factory=lambda: [0.9, 0.98])  # null: the optimizer's own
-    eps: float | None = 1e-6  # null: the optimizer's own
+    # null: the optimizer's own; 0 is refused: Adam-like steps divide by √v + eps, and v is 0 where no gradient has
+    # reached (a token embedding's unused rows), so 0/0 made nan weights
+    eps: float | None = above_zero(1e-6)
     momentum: float | None = None  # for optimizers that take one (sgd, ...)
     kwargs: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for the optimizer
     # Parameters with no weight decay: every gain, bias and scalar (ndim < 2), and any parameter whose name contains
@@ -637,7 +639,9 @@ def check_schedule(optim: OptimConfig) -> None:
 
 def _check_bounds(node, prefix: str = "") -> None:
     """Every field declared with a bound (positive / non_negative / above_zero) holds a finite value within it (None:
-    automatic, where the field allows it): nan passes every comparison, so it is refused by name."""
+    automatic, where the field allows it): nan passes every comparison, so it is refused by name. Every other number
+    (in a list too: optim.betas, model.image_mean) is finite: nan or inf in a logit bias, a loss weight or a
+    normalisation runs, and trains on nothing."""
     for spec in fields(node):
         value, key = getattr(node, spec.name), f"{prefix}{spec.name}"
         if is_dataclass(value):
@@ -649,6 +653,14 @@ def _check_bounds(node, prefix: str = "") -> None:
             high = spec.metadata.get("high")
             if value < low or (strict and value == low) or (high is not None and value > high):
                 raise ConfigError(f"{key}={value}: must be {says}")
+        elif any(not math.isfinite(number) for number in _numbers(value)):
+            raise ConfigError(f"{key}={value}: must be finite (nan and inf are refused)")
+
+
+def _numbers(value) -> list[float]:
+    """The floats a field holds: itself, or a list's or tuple's items (not bools, not a free-form dict's)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [item for item in items if isinstance(item, float)]
 
 
 _REGISTERED: set[tuple[str, type]] = set()  # what this process has stored already (each store costs ~50 ms)

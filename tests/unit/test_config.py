@@ -38,6 +38,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
     [
         (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
         (["world.batch_per_device=0"], "world.batch_per_device=0: must be at least 1"),
+        (["optim.eps=0"], "optim.eps=0.0: must be above 0"),  # Adam's 0/0 where no gradient reached: nan weights
+        # an unbounded number, alone or in a list, is finite: nan in a logit bias or a beta trains on nothing
+        (["loss=siglip", "loss.init_logit_bias=nan"], "loss.init_logit_bias=nan: must be finite"),
+        (["optim.betas=[0.9,inf]"], "optim.betas=[0.9, inf]: must be finite"),
         (["loss.name=nope"], "unknown loss backend 'nope'"),
         (
             ["grad_cache.chunks=100", "world.batch_per_device=8"],
