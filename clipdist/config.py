@@ -612,6 +612,11 @@ def validate(cfg: TrainConfig) -> None:
             "data.train_shards is not set: give your shards, e.g. "
             "data.train_shards='/data/{000..099}.tar' (or data.source=digits)"
         )
+    if cfg.data.source is not None and cfg.data.train_shards:  # the built-in set would train, the shards unread
+        raise ConfigError(
+            f"data.train_shards is given, but data.source={cfg.data.source} makes the training shards (data=digits is "
+            "the default): add data=webdataset (or data.source=null) to train on yours"
+        )
 
 
 def check_schedule(optim: OptimConfig) -> None:
