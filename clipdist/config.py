@@ -590,33 +590,56 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             "world.backend=nccl needs world.device=cuda (NCCL has no CPU tensors); use world.backend=gloo"
         )
-    if cfg.data.weights is not None:
-        if not cfg.data.resampled:
+    _check_data(cfg.data)
+    _check_locks(cfg.model)
+
+
+def _check_data(data: DataConfig) -> None:
+    """The data section's keys that must agree: weights with resampling, captions' keys and probabilities, shards
+    with the source that would make them."""
+    if data.weights is not None:
+        if not data.resampled:
             raise ConfigError(
                 "data.weights needs data.resampled=true: sources are mixed by drawing shards by weight "
                 "(in epoch mode every shard is read once per epoch, whatever its weight)"
             )
-        if any(weight <= 0 for weight in cfg.data.weights):
-            raise ConfigError(f"data.weights={list(cfg.data.weights)}: every weight must be above 0")
-    if not cfg.data.caption_keys:
+        if any(weight <= 0 for weight in data.weights):
+            raise ConfigError(f"data.weights={list(data.weights)}: every weight must be above 0")
+    if not data.caption_keys:
         raise ConfigError("data.caption_keys is empty: give where captions are, e.g. [txt] or [json:caption]")
-    if cfg.data.caption_probs is not None and (
-        len(cfg.data.caption_probs) != len(cfg.data.caption_keys) or any(p <= 0 for p in cfg.data.caption_probs)
+    if data.caption_probs is not None and (
+        len(data.caption_probs) != len(data.caption_keys) or any(p <= 0 for p in data.caption_probs)
     ):
         raise ConfigError(
-            f"data.caption_probs={list(cfg.data.caption_probs)}: one probability above 0 per "
-            f"data.caption_keys entry ({list(cfg.data.caption_keys)})"
+            f"data.caption_probs={list(data.caption_probs)}: one probability above 0 per "
+            f"data.caption_keys entry ({list(data.caption_keys)})"
         )
-    if cfg.data.source is None and not cfg.data.train_shards:
+    if data.source is None and not data.train_shards:
         raise ConfigError(
             "data.train_shards is not set: give your shards, e.g. "
             "data.train_shards='/data/{000..099}.tar' (or data.source=digits)"
         )
-    if cfg.data.source is not None and cfg.data.train_shards:  # the built-in set would train, the shards unread
+    if data.source is not None and data.train_shards:  # the built-in set would train, the shards unread
         raise ConfigError(
-            f"data.train_shards is given, but data.source={cfg.data.source} makes the training shards (data=digits is "
+            f"data.train_shards is given, but data.source={data.source} makes the training shards (data=digits is "
             "the default): add data=webdataset (or data.source=null) to train on yours"
         )
+
+
+def _check_locks(model: ModelConfig) -> None:
+    """A locked tower's options set while the tower is not locked do nothing: refused, naming the switch."""
+    defaults = ModelConfig()
+    for switch, options in (
+        ("lock_image", ("lock_image_unlocked_groups", "lock_image_freeze_bn_stats")),
+        ("lock_text", ("lock_text_unlocked_layers", "lock_text_freeze_layer_norm")),
+    ):
+        changed = [key for key in options if getattr(model, key) != getattr(defaults, key)]
+        if changed and not getattr(model, switch):
+            value = str(getattr(model, changed[0])).lower()
+            raise ConfigError(
+                f"model.{changed[0]}={value} does nothing without model.{switch}=true (an option of the locked "
+                f"tower): add model.{switch}=true, or drop it"
+            )
 
 
 def check_schedule(optim: OptimConfig) -> None:

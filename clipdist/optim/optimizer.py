@@ -171,6 +171,11 @@ def check_optim(optim) -> None:
     """Before any rank starts: the optimizer can be built with these options (on a stand-in parameter), and the
     schedule can run. A ValueError says what to change."""
     check_optimizer(optim.name)
+    info, defaults = get_optimizer_info(optimizer_name(optim.name)), type(optim)()
+    for key, taken in (("momentum", info.has_momentum), ("betas", info.has_betas), ("eps", info.has_eps)):
+        value = getattr(optim, key)
+        if not taken and value is not None and value != getattr(defaults, key):  # dropped by create_optimizer
+            raise ValueError(f"optim.{key}={value}: optim.name={optim.name} takes no {key}; drop it")
     for key in ("image_layer_decay", "text_layer_decay"):
         value = getattr(optim, key)
         if value is not None and not 0 < value <= 1:

@@ -38,9 +38,15 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
     [
         (["optim.max_steps=0"], "optim.max_steps=0: must be at least 1"),
         (["world.batch_per_device=0"], "world.batch_per_device=0: must be at least 1"),
-        (["optim.eps=0"], "optim.eps=0.0: must be above 0"),
+        (["optim.eps=0"], "optim.eps=0.0: must be above 0"),  # Adam's 0/0 where no gradient reached: nan weights
+        # a setting the chosen path never reads: a locked tower's option with the tower unlocked, an optimizer's
+        # momentum or eps where it takes none (create_optimizer passed only what it takes)
+        (["model.lock_image_unlocked_groups=2"], "model.lock_image_unlocked_groups=2 does nothing without model.lock_"),
+        (["model.lock_text_freeze_layer_norm=false"], "model.lock_text_freeze_layer_norm=false does nothing without"),
+        (["optim.momentum=0.9"], "optim.momentum=0.9: optim.name=adamw takes no momentum; drop it"),
+        (["optim.name=lion", "optim.eps=1e-8"], "optim.eps=1e-08: optim.name=lion takes no eps; drop it"),
         # shards given without data=webdataset: the default data=digits would train, the shards never read
-        (["data.train_shards=/data/x.tar"], "data.train_shards is given, but data.source=digits makes the training"),  # Adam's 0/0 where no gradient reached: nan weights
+        (["data.train_shards=/data/x.tar"], "data.train_shards is given, but data.source=digits makes the training"),
         # an unbounded number, alone or in a list, is finite: nan in a logit bias or a beta trains on nothing
         (["loss=siglip", "loss.init_logit_bias=nan"], "loss.init_logit_bias=nan: must be finite"),
         (["optim.betas=[0.9,inf]"], "optim.betas=[0.9, inf]: must be finite"),
