@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 from open_clip.transform import AugmentationCfg, PreprocessCfg, image_transform_v2
@@ -106,6 +107,25 @@ class ScheduledSizes:
         return None if size is None else f"images now {size} px (data.resolution_schedule.{k})"
 
 
+def _check_ranges(augmentation: dict) -> None:
+    """The crop's area range within (0, 1] and its aspect range above 0, each (low, high) with low ≤ high, and every
+    probability in [0, 1]: torchvision falls back to a centre crop where no box fits (scale [0, 0]) and only warns of
+    a reversed range. A ValueError naming the key."""
+    for key, top in (("scale", 1.0), ("ratio", math.inf)):
+        value = augmentation.get(key)
+        if value is None:
+            continue
+        if not (isinstance(value, tuple) and len(value) == 2 and 0 < value[0] <= value[1] <= top):
+            within = "0 < low ≤ high ≤ 1 (fractions of the image's area)" if top == 1 else "0 < low ≤ high"
+            raise ValueError(
+                f"data.augmentation.{key}={list(value) if isinstance(value, tuple) else value}: "
+                f"give [low, high] with {within}"
+            )
+    for key in ("color_jitter_prob", "gray_scale_prob", "re_prob"):
+        if key in augmentation and not 0 <= augmentation[key] <= 1:
+            raise ValueError(f"data.augmentation.{key}={augmentation[key]}: a probability, from 0 to 1")
+
+
 def augmentation_cfg(data) -> dict:
     """data.augmentation as open_clip's AugmentationCfg takes it; a ValueError for a setting open_clip's pipeline
     would leave unused (without use_timm it applies scale, and color jitter / grayscale with a probability)."""
@@ -118,6 +138,7 @@ def augmentation_cfg(data) -> dict:
         for key, value in as_dict(data)["augmentation"].items()
         if value is not None
     }
+    _check_ranges(augmentation)
     if not augmentation.get("use_timm"):
         unused = [key for key in ("ratio", "re_prob", "re_count") if key in augmentation]
         if "color_jitter" in augmentation and not augmentation.get("color_jitter_prob"):

@@ -45,6 +45,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["model.lock_text_freeze_layer_norm=false"], "model.lock_text_freeze_layer_norm=false does nothing without"),
         (["optim.momentum=0.9"], "optim.momentum=0.9: optim.name=adamw takes no momentum; drop it"),
         (["optim.name=lion", "optim.eps=1e-8"], "optim.eps=1e-08: optim.name=lion takes no eps; drop it"),
+        # a crop no box fits (torchvision falls back to a centre crop) or a reversed range (it only warns)
+        (["data.augmentation.scale=[0,0]"], "data.augmentation.scale=[0.0, 0.0]: give [low, high] with 0 < low"),
+        (["data.augmentation.scale=[0.9,0.1]"], "data.augmentation.scale=[0.9, 0.1]: give [low, high]"),
+        (["data.augmentation.gray_scale_prob=2"], "data.augmentation.gray_scale_prob=2.0: a probability, from 0 to 1"),
         # shards given without data=webdataset: the default data=digits would train, the shards never read
         (["data.train_shards=/data/x.tar"], "data.train_shards is given, but data.source=digits makes the training"),
         # an unbounded number, alone or in a list, is finite: nan in a logit bias or a beta trains on nothing
