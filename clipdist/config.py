@@ -592,6 +592,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     _check_data(cfg.data)
     _check_locks(cfg.model)
+    _check_scales(cfg)
 
 
 def _check_data(data: DataConfig) -> None:
@@ -640,6 +641,24 @@ def _check_locks(model: ModelConfig) -> None:
                 f"model.{changed[0]}={value} does nothing without model.{switch}=true (an option of the locked "
                 f"tower): add model.{switch}=true, or drop it"
             )
+
+
+def _check_scales(cfg: TrainConfig) -> None:
+    """The image normalisation divides by a positive std per channel (or one for all), and the first step's logit
+    scale is one training can hold: it is clamped to [0, log optim.max_logit_scale] only after each step (exp(1000)
+    made the first loss inf)."""
+    for key in ("image_mean", "image_std"):
+        value = getattr(cfg.model, key)
+        if value is not None and len(value) not in (1, 3):
+            raise ConfigError(f"model.{key}={list(value)}: give one value per RGB channel (3), or one for all")
+    if cfg.model.image_std is not None and any(std <= 0 for std in cfg.model.image_std):
+        raise ConfigError(f"model.image_std={list(cfg.model.image_std)}: every std must be above 0 (it divides)")
+    top, scale = math.log(cfg.optim.max_logit_scale), cfg.loss.init_logit_scale
+    if scale is not None and not 0 <= scale <= top:
+        raise ConfigError(
+            f"loss.init_logit_scale={scale:g}: the log of the scale, which training holds in [0, {top:.2f}] (log "
+            "optim.max_logit_scale); give one in it (CLIP's log(1/0.07) = 2.66, SigLIP's log 10 = 2.30)"
+        )
 
 
 def check_schedule(optim: OptimConfig) -> None:

@@ -45,6 +45,10 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["model.lock_text_freeze_layer_norm=false"], "model.lock_text_freeze_layer_norm=false does nothing without"),
         (["optim.momentum=0.9"], "optim.momentum=0.9: optim.name=adamw takes no momentum; drop it"),
         (["optim.name=lion", "optim.eps=1e-8"], "optim.eps=1e-08: optim.name=lion takes no eps; drop it"),
+        # a normalisation that divides by 0, a first logit scale exp(1000) = inf (clamped only after the step)
+        (["model.image_std=[0,0,0]"], "model.image_std=[0.0, 0.0, 0.0]: every std must be above 0"),
+        (["model.image_mean=[0.5,0.5]"], "model.image_mean=[0.5, 0.5]: give one value per RGB channel"),
+        (["loss.init_logit_scale=1000"], "loss.init_logit_scale=1000: the log of the scale, which training holds in"),
         # a crop no box fits (torchvision falls back to a centre crop) or a reversed range (it only warns)
         (["data.augmentation.scale=[0,0]"], "data.augmentation.scale=[0.0, 0.0]: give [low, high] with 0 < low"),
         (["data.augmentation.scale=[0.9,0.1]"], "data.augmentation.scale=[0.9, 0.1]: give [low, high]"),
