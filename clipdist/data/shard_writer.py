@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,6 +49,9 @@ def checked_image(data: bytes, where: str) -> tuple[str, bytes]:
         raise UnreadableImage(f"{where}: not a readable image ({type(exn).__name__}: {exn})") from None
 
 
+SHARD_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
 def write_shards(
     pairs: Iterable[tuple[Image.Image | bytes, str, dict]],
     out_dir: str | Path,
@@ -63,6 +67,11 @@ def write_shards(
     UnreadableImage when on_unreadable is None. Shards are written under a temporary name and renamed when all
     are done; if writing fails, the temporary files are removed.
     """
+    if not SHARD_PREFIX.fullmatch(prefix):  # a '/' or '..' would write elsewhere, '%' and braces break the patterns
+        raise ValueError(
+            f"--prefix {prefix!r}: the start of the shards' file names (letters, digits, '.', '_', '-'; not starting "
+            "with '.' or '-'): they are written as <prefix>-000000.tar in the output folder"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pattern = str(out_dir / f".{prefix}-%06d.tar.partial")

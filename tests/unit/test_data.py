@@ -490,6 +490,19 @@ def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b*"))  # nothing half-written
 
 
+@pytest.mark.parametrize("prefix", ["../out2/evil", "sub/dir", "", "a%d", "{0..9}", ".hidden", "-x"])
+def test_make_shards_takes_a_prefix_that_names_files_in_the_output_folder_only(tmp_path, capsys, prefix):
+    """A '/' or '..' wrote outside --out, '%' broke the writer's pattern, braces the spec it prints: refused in one
+    line, and nothing written anywhere."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "0.png").write_bytes(png(0))
+    out = tmp_path / "out"
+    assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), f"--prefix={prefix}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"--prefix {prefix!r}: the start of the shards' file names" in line
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["images"]
+
+
 def photo_like(width: int, height: int, seed: int = 0) -> Image.Image:
     """A smooth image with sharp edges (gradients, discs): resampling differences show, a crop in another
     place shows much more."""
