@@ -35,9 +35,9 @@ SPLIT_FOLDERS = ("test", "train", "val", "validation")
 
 
 def check_templates(templates: list[str], where: str) -> None:
-    """A zero-shot prompt names its class as `{}` (or `{0}`) or clip_benchmark's `{c}`, and nothing else: no
-    format spec (`{:>500000000}` is a 500 MB string), conversion or attribute (`{0.__class__}`); a ValueError in
-    one line otherwise."""
+    """A zero-shot prompt names its class as `{}` (or `{0}`) or clip_benchmark's `{c}`, at least once, and nothing
+    else: no format spec (`{:>500000000}` is a 500 MB string), conversion or attribute (`{0.__class__}`); a
+    ValueError in one line otherwise."""
     for template in templates:
         try:
             fields = [
@@ -50,6 +50,11 @@ def check_templates(templates: list[str], where: str) -> None:
                 f"{where}: {printable(template)[:200]!r} is not a template ({error}); write the class "
                 "as {} or {c}, a brace as {{ or }}"
             ) from None
+        if not fields:  # every class would get the same prompt: zero-shot at chance, whatever the model
+            raise ValueError(
+                f"{where}: {printable(template)[:200]!r} does not name its class; write it as {{}} or {{c}} "
+                "(a photo of {}.)"
+            )
         for name, spec, conversion in fields:
             if name not in ("", "0", "c") or spec or conversion:
                 raise ValueError(

@@ -298,6 +298,7 @@ def test_a_tar_member_larger_than_any_sample_skips_its_shard_without_reading_it(
         (["a {x} photo"], "has the field {x}"),
         (["{0.__class__}"], "has the field {0.__class__}"),
         (["a {", "b"], "is not a template"),
+        (["a photo of {}.", "a photo"], "'a photo' does not name its class"),  # every class one prompt: chance
     ],
 )
 def test_a_template_that_is_not_a_class_slot_is_one_line(corpus, trained_run, capsys, templates, message):
