@@ -16,7 +16,8 @@ other), so each route is bounded and none follows a link it should not:
     write_once                  a private file made whole or not at all, never replaced (a user's key)
     load_torch / save_torch,    the serializers' file routes, through the above (DCP's own reader and writer work on
     load_safetensors / ...      folders clipdist checks first: checkpoint/weights.py)
-    publish(out, write)         a file or folder that appears whole or not at all
+    publish(out, write)         a file or folder that appears whole or not at all; --overwrite replaces only a folder
+                                publish wrote (it carries PUBLISHED)
 """
 
 from __future__ import annotations
@@ -50,20 +51,32 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
     return data
 
 
+PUBLISHED = ".clipdist-published"  # in every folder publish writes: what `overwrite` may replace
+
+
 def publish(
     out: str | Path, write, *, overwrite: bool = False, hint: str = "give another --out, or --overwrite"
 ) -> Path:
     """`write(path)` makes a file or folder at a new path beside `out`, which then becomes `out` in one rename:
     `out` appears whole or not at all. An `out` that exists (but for an empty folder) is refused unless
-    `overwrite` (the FileExistsError ends with `hint`)."""
+    `overwrite` (the FileExistsError ends with `hint`), and even then unless it is a folder publish wrote: a run's
+    folder, the one an export reads from, a home folder are never replaced."""
     out = Path(out).expanduser()
-    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists{' and is not empty' if out.is_dir() else ''}; {hint}")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{out} already exists{' and is not empty' if out.is_dir() else ''}; {hint}")
+        if not (out.is_dir() and (out / PUBLISHED).is_file()):
+            raise FileExistsError(
+                f"{out} is not a folder clipdist wrote (it has no {PUBLISHED}), and --overwrite replaces only "
+                "those: give another --out, or remove it yourself"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     holder = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # private: only `staging` leaves it
     staging = holder / out.name
     try:
         write(staging)
+        if staging.is_dir():
+            (staging / PUBLISHED).write_text("written by clipdist; --overwrite may replace this folder\n")
         _as_new_files_are(staging)
         if out.is_dir() and not out.is_symlink():
             shutil.rmtree(out)

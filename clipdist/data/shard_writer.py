@@ -18,7 +18,7 @@ from clipdist.data.epochs import stats_path
 from clipdist.data.samples import IMAGE_FILE_BYTES
 from clipdist.data.tables import delimiter
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
-from clipdist.files import open_user, read_bounded, write_atomic
+from clipdist.files import open_user, publish, read_bounded, write_atomic
 
 CAPTION_FILE_BYTES = 1 << 20  # a caption .txt beside an image
 
@@ -113,30 +113,18 @@ def write_shards(
 def make_shards(
     pairs, out_dir: str | Path, prefix: str, samples_per_shard: int, overwrite: bool = False, on_unreadable=None
 ) -> list[Path]:
-    """`clipdist make-shards`: write into a new folder beside out_dir, then move it into place, so a
-    failure leaves out_dir as it was. A non-empty out_dir is refused unless overwrite=True (then its
-    old content is replaced as a whole: never a mix of two runs)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} already exists and is not empty: choose a new --out, or pass --overwrite to replace its content"
-        )
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    try:
-        written = write_shards(pairs, tmp, prefix, samples_per_shard, on_unreadable)
+    """`clipdist make-shards`: written into a new folder beside out_dir, then moved into place (files.publish), so
+    a failure leaves out_dir as it was. A non-empty out_dir is refused unless overwrite=True and clipdist wrote it
+    (then its old content is replaced as a whole: never a mix of two runs)."""
+    written: list[Path] = []
+
+    def write(folder: Path) -> None:
+        written.extend(write_shards(pairs, folder, prefix, samples_per_shard, on_unreadable))
         if not written:
             raise ValueError("no sample to write: every image was unreadable")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return [out_dir / path.name for path in written]
+
+    out = publish(out_dir, write, overwrite=overwrite, hint="choose a new --out, or pass --overwrite to replace it")
+    return [out / path.name for path in written]
 
 
 def pairs_from_folder(folder: str | Path) -> Iterator[tuple[bytes, str, dict]]:

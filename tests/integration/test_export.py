@@ -14,6 +14,7 @@ from fixtures import clip_benchmark_set, pets
 from helpers import train
 
 from clipdist.cli import main as cli
+from clipdist.files import PUBLISHED
 
 # Run in a fresh interpreter where clipdist cannot be imported: only open_clip reads the export.
 OPEN_CLIP_ALONE = """
@@ -50,9 +51,16 @@ def test_open_clip_loads_the_export_with_the_same_features(trained_run, tmp_path
     assert cli(["export", str(trained_run), "--out", str(tmp_path / "model")]) == 0
     assert "exported" in capsys.readouterr().out
     assert sorted(path.name for path in (tmp_path / "model").iterdir()) == [
+        PUBLISHED,
         "open_clip_config.json",
         "open_clip_model.safetensors",
     ]
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "model"), "--overwrite"]) == 0  # its own: replaced
+    for out in (trained_run, trained_run / "checkpoints"):  # --overwrite never replaces the run it exports
+        kept = sorted(path.name for path in out.iterdir())
+        assert cli(["export", str(trained_run), "--out", str(out), "--overwrite"]) == 2
+        assert f"{out} is not a folder clipdist wrote" in capsys.readouterr().err
+        assert sorted(path.name for path in out.iterdir()) == kept
     ours = create_model("clipdist-tiny")
     ours.load_state_dict(read_run_checkpoint(trained_run / "checkpoints" / "step_00000030.dcp")[0])
     ours.eval()

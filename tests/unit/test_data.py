@@ -25,6 +25,7 @@ from clipdist.data.samples import (
 )
 from clipdist.data.sources import eval_set, expand_shards
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
+from clipdist.files import PUBLISHED
 from clipdist.model.factory import get_tokenizer
 
 
@@ -462,15 +463,21 @@ def test_make_shards_refuses_a_non_empty_folder_and_overwrites_it_whole(tmp_path
     )
     shards = [f"shard-00000{i}" for i in range(3)]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [f"{s}.tar" for s in shards] + [f"{s}_stats.json" for s in shards]
+        [PUBLISHED] + [f"{s}.tar" for s in shards] + [f"{s}_stats.json" for s in shards]
     )
     (images / "3.png").unlink()
     (images / "4.png").unlink()
     assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert cli(["make-shards", "--images", str(tmp_path / "images"), "--out", str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["shard-000000.tar", "shard-000000_stats.json"]  # nothing else
+    assert sorted(p.name for p in out.iterdir()) == [PUBLISHED, "shard-000000.tar", "shard-000000_stats.json"]
     assert not list(tmp_path.glob(".out*"))
+    # --overwrite replaces only a folder clipdist wrote: not the images' own folder, not one that holds anything else
+    for folder in (tmp_path / "images", tmp_path):
+        command = ["make-shards", "--images", str(tmp_path / "images"), "--out", str(folder), "--overwrite"]
+        assert cli(command) == 2
+        assert f"{folder} is not a folder clipdist wrote" in capsys.readouterr().err
+    assert sorted(p.name for p in images.iterdir()) == ["0.png", "1.png", "2.png"]
 
 
 def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files(tmp_path, capsys):
