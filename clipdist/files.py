@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -52,6 +53,16 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
 
 
 PUBLISHED = ".clipdist-published"  # in every folder publish writes: what `overwrite` may replace
+
+
+def json_of(data: bytes | str):
+    """json.loads, where a document nested deeper than the parser recurses (`[[[…` 100,000 deep: RecursionError) is
+    a ValueError too, as any other JSON that does not parse: every reader of a JSON a file brings refuses it in one
+    line."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
 
 
 def publish(

@@ -27,7 +27,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clipdist.files import UnboundedFileError, digest_own, read_own, write_atomic, write_once
+from clipdist.files import UnboundedFileError, digest_own, json_of, read_own, write_atomic, write_once
 
 FOLDER = "compile_cache"
 SIGNED = "signed.json"  # the folder's list of digests and its HMAC
@@ -113,7 +113,7 @@ class CompileCache:
         if key is None:
             return {}, why
         try:
-            signed = json.loads(read_own(self.folder / SIGNED, SIGNED_LIMIT))
+            signed = json_of(read_own(self.folder / SIGNED, SIGNED_LIMIT))
             listing, mac = signed["files"], signed["hmac"]
         except FileNotFoundError:
             return {}, "no signed list: the cache came without one, or no checkpoint was saved since it was written"

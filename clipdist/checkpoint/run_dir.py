@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from clipdist.errors import ConfigError, printable
-from clipdist.files import append_own, open_lock, open_own, read_lines, write_atomic
+from clipdist.files import append_own, json_of, open_lock, open_own, read_lines, write_atomic
 
 
 def running_holder(run_dir: str | Path) -> str | None:
@@ -160,8 +160,8 @@ def jsonl_rows(path: str | Path) -> tuple[list[dict], int]:
         return rows, damaged
     for line in read_lines(path, LOG_LINE_BYTES, LOG_TOTAL_BYTES):
         try:
-            row = json.loads(line) if line is not None and line.strip() else None
-        except (ValueError, RecursionError):
+            row = json_of(line) if line is not None and line.strip() else None
+        except ValueError:
             row = ...
         if line is None:
             row = ...

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import io
-import json
 import math
 import os
 import pickle
@@ -43,7 +42,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from clipdist.errors import ClipdistError, printable
-from clipdist.files import UnboundedFileError, load_safetensors, load_torch, open_user, read_bounded, read_whole
+from clipdist.files import (
+    UnboundedFileError,
+    json_of,
+    load_safetensors,
+    load_torch,
+    open_user,
+    read_bounded,
+    read_whole,
+)
 from clipdist.registry.terms import training_only
 
 PROGRESS = "progress.pt"  # in a .dcp folder: step, schedule, RNG, the stream's position, the config (plain types)
@@ -70,7 +77,7 @@ def read_small_json(path: Path, limit: int = JSON_FILE_BYTES):
     (UnsafeFileError) before anything is read from it, so a path a file names can neither hang nor exhaust the
     reader; OSError and ValueError as reading and json.loads raise them."""
     try:
-        return json.loads(read_bounded(path, limit))
+        return json_of(read_bounded(path, limit))
     except UnboundedFileError as error:
         raise UnsafeFileError(f"{str(path)!r}: refused: {error.strerror}") from None
 

@@ -20,7 +20,6 @@ sizes: whole shards are dealt, and readers holding fewer rows start their next p
 from __future__ import annotations
 
 import bisect
-import json
 import tarfile
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import numpy as np
 
 from clipdist.data.kinds import kind_of_url
 from clipdist.data.tar_samples import count_samples
-from clipdist.files import UnboundedFileError, is_remote, read_bounded
+from clipdist.files import UnboundedFileError, is_remote, json_of, read_bounded
 
 MAX_COUNTED = 2_000  # local tar shards counted file by file at the start, at most (beyond: write _stats.json)
 STATS_SUFFIX = "_stats.json"
@@ -51,9 +50,9 @@ def _from_stats(url: str) -> tuple[int | None, str]:
     if not path.exists():
         return None, ""
     try:
-        count = json.loads(read_bounded(path, STATS_BYTES)).get("successes")
+        count = json_of(read_bounded(path, STATS_BYTES)).get("successes")
         most = Path(url.removeprefix("file:")).stat().st_size // SAMPLE_BYTES
-    except (OSError, ValueError, UnboundedFileError, AttributeError, RecursionError):
+    except (OSError, ValueError, UnboundedFileError, AttributeError):
         return None, f"{path.name} cannot be read as img2dataset's statistics"
     if type(count) is not int or not 1 <= count <= most:
         return None, f"{path.name} states {str(count)[:40]} samples; a shard of its bytes holds 1 to {most}"

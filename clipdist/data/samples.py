@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import random
 import warnings
 from typing import NamedTuple
@@ -18,6 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import simplejpeg
 from PIL import Image
+
+from clipdist.files import json_of
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "0.webp")  # first found wins
 BACKGROUND = (255, 255, 255)  # transparent pixels are composited onto white
@@ -135,11 +136,17 @@ class _Meta:
 
     def __call__(self):
         if self.parsed is None:
-            try:
-                self.parsed = (json.loads(self.sample["json"]),)
-            except ValueError as exn:
-                raise SampleError(self.sample, f".json does not parse ({exn})") from None
+            self.parsed = (parsed_json(self.sample),)
         return self.parsed[0]
+
+
+def parsed_json(sample: dict):
+    """A sample's .json, or a SampleError (the sample skipped): not JSON, or nested deeper than the parser recurses
+    (`[[[…` 100,000 deep raised RecursionError, which ended the loader)."""
+    try:
+        return json_of(sample["json"])
+    except ValueError as exn:
+        raise SampleError(sample, f".json does not parse ({str(exn)[:200]})") from None
 
 
 def _caption_at(sample: dict, key: str, meta: _Meta):
@@ -313,10 +320,7 @@ def label_of(sample: dict) -> int | None:
         except ValueError:
             raise SampleError(sample, f".cls is not an integer: {sample['cls'][:20]!r}") from None
     if "json" in sample:
-        try:
-            meta = json.loads(sample["json"])
-        except ValueError as exn:
-            raise SampleError(sample, f".json does not parse ({exn})") from None
+        meta = parsed_json(sample)
         label = meta.get("label") if isinstance(meta, dict) else None
         if isinstance(label, int) and not isinstance(label, bool):
             return label

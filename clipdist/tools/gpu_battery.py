@@ -62,7 +62,7 @@ from clipdist.data.sources import expand_shards
 from clipdist.data.transforms import image_transforms
 from clipdist.distributed import host
 from clipdist.distributed.launch import detect_env, free_port
-from clipdist.files import read_bounded, write_atomic
+from clipdist.files import json_of, read_bounded, write_atomic
 from clipdist.model.factory import create_model, get_tokenizer, image_size, random_tokens
 from clipdist.model.timm_towers import full_patches, naflex_patch_size, naflex_trunk
 from clipdist.tools.limit import real_run, run_train
@@ -573,7 +573,7 @@ def finished_rows(path, device: str) -> dict[tuple[str, str], dict]:
     """The measured rows of an earlier run's JSON on this device, by (section, label): none skipped or failed."""
     if path is None:
         return {}
-    rows = json.loads(read_bounded(path, 64 << 20))  # a JSON error is a ValueError: one line
+    rows = json_of(read_bounded(path, 64 << 20))  # a JSON error is a ValueError: one line
     if not isinstance(rows, list) or not all(map(_is_row, rows)):
         raise ValueError(
             f"--resume {path}: not a battery's rows (a JSON list of rows, each with its section and what as text and "

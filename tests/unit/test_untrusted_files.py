@@ -214,3 +214,23 @@ def test_a_model_folders_weights_linked_outside_it_are_refused_but_a_hub_caches_
     save_file({"w": torch.ones(2)}, cache / "blobs" / "123")
     (cache / "snapshots" / "abc" / "open_clip_model.safetensors").symlink_to("../../blobs/123")
     assert torch.equal(read_weights(cache / "snapshots" / "abc")["w"], torch.ones(2))
+
+
+def test_json_nested_past_the_parser_is_refused_like_any_json_that_does_not_parse(tmp_path):
+    """`[[[…` 100,000 deep raised RecursionError out of json.loads, past every `except ValueError`: a shard's .json
+    ended the loader, a model folder's config an evaluation. Every JSON reader goes through files.json_of."""
+    from clipdist.checkpoint.weights import read_small_json
+    from clipdist.data.samples import SampleError, SampleKeys, label_of
+    from clipdist.files import json_of
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        json_of(deep)
+    (tmp_path / "open_clip_config.json").write_bytes(deep)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_small_json(tmp_path / "open_clip_config.json")
+    sample = {"__key__": "000", "__url__": "shard.tar", "json": deep, "txt": b"a cat"}
+    with pytest.raises(SampleError, match=r"\.json does not parse \(nested too deeply"):
+        label_of(sample)
+    with pytest.raises(SampleError, match=r"\.json does not parse \(nested too deeply"):
+        SampleKeys(caption_keys=("json:caption",)).caption(sample)
