@@ -37,8 +37,8 @@ def wrap_model(
     the gathered parameters; gradients are reduced in fp32. `reshard_after_forward=False`: a block's gathered
     parameters are kept from its forward to its backward (one all-gather a step fewer, all of them held at once).
     Gradients are averaged over ranks, as DDP's are, so every loss backend's exactness argument holds unchanged.
-    `sync_batchnorm`: BatchNorm layers
-    become SyncBatchNorm (statistics over every rank's samples), before either wrapper.
+    `sync_batchnorm`: BatchNorm layers become SyncBatchNorm (statistics over every rank's samples), before either
+    wrapper.
     """
     if sync_batchnorm and dist.is_initialized() and dist.get_world_size() > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
