@@ -20,7 +20,7 @@ def run_loss(args: argparse.Namespace) -> int:
     fits = bench.loss_fits(names)
     options = given(args, "backend", "out", "tag", "scaling_world", "scaling_batch", "scaling_dim", "budget")
     if hasattr(args, "budget"):
-        options["budget_bytes"] = parse_bytes(args.budget)
+        options["budget_bytes"] = parse_bytes(args.budget, "--budget")
     rows = bench.run(names, fits=fits, **options)
     scaling = (
         bench.scaling(fits, names, args.scaling_world, args.scaling_batch or bench.SCALING_BATCHES, args.scaling_dim)

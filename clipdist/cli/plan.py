@@ -28,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
         args.global_batch = args.max_tokens // args.seq_len
     if args.global_batch is None:  # the preset's own (8gpu: 8 × 256), as `python train.py world=8gpu` trains
         args.global_batch = plan.preset_global_batch(args.world)
-    device_bytes = plan.parse_bytes(args.memory)
-    host = plan.Host(args.ranks_per_node or ranks_per_node, args.loader_workers, plan.parse_bytes(args.host_memory))
+    device_bytes = plan.parse_bytes(args.memory, "--memory")
+    host_bytes = plan.parse_bytes(args.host_memory, "--host-memory")
+    host = plan.Host(args.ranks_per_node or ranks_per_node, args.loader_workers, host_bytes)
     plan.check_request(args.backend, args.chunks, world_size, args.global_batch, args.parallel)
     console = Console(stderr=args.json, width=max(Console().width, 100))  # the tables fit 100 columns
     measured = plan.measure(

@@ -87,18 +87,20 @@ DEVICES = {
 }
 
 
-def parse_bytes(text: str) -> int:
-    """'40GB', '80GiB', '24g', '512MiB' or a device name from DEVICES ('a100-40gb') → bytes (GB = 10⁹, GiB = 2³⁰)."""
+def parse_bytes(text: str, what: str = "device memory") -> int:
+    """'40GB', '80GiB', '24g', '512MiB' or a device name from DEVICES ('a100-40gb') → bytes (GB = 10⁹, GiB = 2³⁰),
+    at least one; `what` names the argument in the ValueError."""
     if text.lower() in DEVICES:
         return DEVICES[text.lower()]
-    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)b?\s*", text.lower())
     if not match:
-        raise ValueError(
-            f"device memory {text!r}: write it like 40GB, 80GiB or 24G, or name a device: {', '.join(DEVICES)}"
-        )
+        raise ValueError(f"{what} {text!r}: write it like 40GB, 80GiB or 24G, or name a device: {', '.join(DEVICES)}")
     number, prefix, binary = match.groups()
     power = "kmgt".find(prefix) + 1 if prefix else 0
-    return int(float(number) * (1024 if binary else 1000) ** power)
+    size = int(float(number) * (1024 if binary else 1000) ** power)
+    if size < 1:
+        raise ValueError(f"{what} {text!r}: must be at least 1 byte")
+    return size
 
 
 def resolve_model(preset: str) -> tuple[str, bool]:

@@ -16,6 +16,11 @@ def test_parse_bytes_and_presets():
     assert plan.parse_bytes("A100-40GB") == 40 * 10**9
     with pytest.raises(ValueError, match="40GB"):
         plan.parse_bytes("lots")
+    for nothing in ("0", "0GB", "0.0000000001GB"):  # a plan for a device of no memory fits nothing: refused
+        with pytest.raises(ValueError, match=f"--memory '{nothing}': must be at least 1 byte"):
+            plan.parse_bytes(nothing, "--memory")
+    with pytest.raises(ValueError, match="--host-memory '1.2.3GB': write it like 40GB"):
+        plan.parse_bytes("1.2.3GB", "--host-memory")  # was float()'s own error
     assert plan.resolve_world("64gpu") == (64, 8) and plan.resolve_world("3") == (3, 3)
     # without --global-batch, the preset's own (it planned 32768 = 4096 per device for 8gpu's 256)
     assert plan.preset_global_batch("8gpu") == 8 * 256 and plan.preset_global_batch("64gpu") == 64 * 512
