@@ -161,6 +161,9 @@ def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -
     val = str(out / "val-000000.tar")
     if (out / "done").exists():
         return train, val
+    from clipdist.data.shard_writer import publish_dir, stale_cache, write_shards  # webdataset, torch: when writing
+
+    stale_cache(out)  # a folder of the user's own there is refused before anything is read or written
     images, labels, names = LOADERS[source](source_dir)
     order = np.random.default_rng(0).permutation(len(labels))
     n_val = int(len(order) * VAL_FRACTION)
@@ -174,7 +177,6 @@ def builtin_shards(source: str, cache_dir: str, source_dir: str | None = None) -
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # one per process: concurrent ranks never collide
     n_train = len(order) - n_val
-    from clipdist.data.shard_writer import publish_dir, write_shards  # webdataset, torch: only when writing
 
     write_shards(pairs(order[n_val:]), tmp, "train", samples_per_shard=-(-n_train // shards))
     write_shards(pairs(order[:n_val]), tmp, "val", samples_per_shard=n_val)

@@ -18,6 +18,7 @@ from clipdist.data.epochs import stats_path
 from clipdist.data.samples import IMAGE_FILE_BYTES
 from clipdist.data.tables import delimiter
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
+from clipdist.errors import ConfigError, printable
 from clipdist.files import open_user, publish, read_bounded, write_atomic
 
 CAPTION_FILE_BYTES = 1 << 20  # a caption .txt beside an image
@@ -170,13 +171,32 @@ def pairs_from_csv(
             yield read_bounded(path, IMAGE_FILE_BYTES), row[caption_column], {"source": row[path_column]}
 
 
+BUILTIN_FILE = re.compile(r"(train|val)-\d{6}(\.tar|_stats\.json)|\.(train|val)-\d{6}\.tar\.partial")
+
+
+def stale_cache(final_dir: Path) -> bool:
+    """Whether `final_dir` is a built-in set's folder an older version left without its `done` marker (to replace);
+    a ConfigError where it holds anything else, before a shard is written."""
+    if not final_dir.exists() or (final_dir / "done").exists():
+        return False
+    foreign = sorted(path.name for path in final_dir.iterdir() if not BUILTIN_FILE.fullmatch(path.name))
+    if foreign:
+        raise ConfigError(
+            f"{final_dir} holds files clipdist did not write ({printable(foreign[0])}, {len(foreign)} in all) where "
+            "the built-in shards go: give another data.cache_dir"
+        )
+    return True
+
+
 def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
     """Move a finished tmp_dir into place atomically; if another process got there first, keep theirs.
 
     A crash never leaves a half-written folder under the final name; a final folder without its
-    `done` marker (left by an older version) is replaced.
+    `done` marker (left by an older version) is replaced, but only where it holds nothing else than what that
+    version wrote: a folder of the user's own under the cache's name (data.cache_dir=/data beside /data/digits) is
+    refused, never removed.
     """
-    if final_dir.exists() and not (final_dir / "done").exists():
+    if stale_cache(final_dir):
         shutil.rmtree(final_dir, ignore_errors=True)
     try:
         os.rename(tmp_dir, final_dir)

@@ -850,3 +850,23 @@ def test_an_empty_tar_said_to_hold_samples_is_counted_and_refused(tmp_path):
     assert sizes == [0, 0] and "2 statistics file(s) not used" in how, how
     with pytest.raises(ValueError, match="hold no samples"):
         RowDeal(sizes, 0, None, None)
+
+
+def test_a_folder_of_the_users_own_where_the_built_in_shards_go_is_refused_never_removed(tmp_path):
+    """A built-in set's folder without its `done` marker (an older version's) is replaced; one that holds anything
+    else was removed with it (data.cache_dir=/data beside the user's /data/digits): now refused before any write."""
+    from clipdist.errors import ConfigError
+
+    own = tmp_path / "mine" / "digits"
+    own.mkdir(parents=True)
+    (own / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match=r"digits holds files clipdist did not write \(notes.txt, 1 in all\)"):
+        builtin_shards("digits", str(tmp_path / "mine"))
+    assert sorted(path.name for path in (tmp_path / "mine").iterdir()) == ["digits"]
+    assert [path.name for path in own.iterdir()] == ["notes.txt"]
+    stale = tmp_path / "old" / "digits"  # what an older version left: shards, no marker
+    stale.mkdir(parents=True)
+    (stale / "train-000000.tar").write_bytes(b"half")
+    (stale / "train-000000_stats.json").write_text("{}")
+    builtin_shards("digits", str(tmp_path / "old"))
+    assert (stale / "done").is_file() and (stale / "train-000000.tar").stat().st_size > 4
