@@ -35,6 +35,7 @@ def train_main(overrides: list[str] | None = None, program: bool = False) -> Non
     if overrides is not None:
         sys.argv = [f"{os.path.basename(sys.argv[0])} train", *overrides]
     from clipdist.config import invalid_value, unknown_override
+    from clipdist.distributed.world import launch_problem
 
     if (
         "--help" in sys.argv[1:] or "-h" in sys.argv[1:]
@@ -46,7 +47,8 @@ def train_main(overrides: list[str] | None = None, program: bool = False) -> Non
         return
     arguments = sys.argv[1:]
     problem = (
-        hydra_policy.argument_problem(arguments)
+        launch_problem()
+        or hydra_policy.argument_problem(arguments)
         or unknown_override(arguments)
         or invalid_value(arguments)
         or unwritable_run_dir(arguments)

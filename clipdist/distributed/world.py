@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import hostlist
 import psutil
 
-from clipdist.errors import ConfigError
+from clipdist.errors import ConfigError, printable
 
 # Under srun, rank 0's store listens on a port of this range picked by the job id: two jobs sharing a first
 # node get different ports, and no ephemeral port (32768 and up on Linux) is taken.
@@ -67,23 +67,68 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        world_size, local_size = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", 0))
+        world_size, local_size = _count(env, "WORLD_SIZE"), _count(env, "LOCAL_WORLD_SIZE", 0)
         nodes = world_size // local_size if local_size and world_size % local_size == 0 else None
-        return DistEnv(int(env["RANK"]), world_size, int(env.get("LOCAL_RANK", 0)), "torchrun", nodes)
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return _checked(DistEnv(_count(env, "RANK"), world_size, _count(env, "LOCAL_RANK", 0), "torchrun", nodes))
+    if "SLURM_PROCID" in env and _count(env, "SLURM_NTASKS", 1) > 1:
         if environ is None:
             os.environ.setdefault("MASTER_ADDR", _expand_first_host(env.get("SLURM_JOB_NODELIST", "localhost")))
-            job = int(env.get("SLURM_JOB_ID", "0"))
+            job = _count(env, "SLURM_JOB_ID", 0)
             os.environ.setdefault("MASTER_PORT", str(SRUN_PORTS.start + job % len(SRUN_PORTS)))
-        slurm_nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
-        return DistEnv(
-            int(env["SLURM_PROCID"]),
-            int(env["SLURM_NTASKS"]),
-            int(env.get("SLURM_LOCALID", 0)),
-            "slurm",
-            int(slurm_nodes) if slurm_nodes else None,
+        slurm_nodes = _count(env, "SLURM_STEP_NUM_NODES", 0) or _count(env, "SLURM_NNODES", 0)
+        return _checked(
+            DistEnv(
+                _count(env, "SLURM_PROCID"),
+                _count(env, "SLURM_NTASKS"),
+                _count(env, "SLURM_LOCALID", 0),
+                "slurm",
+                slurm_nodes or None,
+            )
         )
     return DistEnv(0, 1, 0, "single")
+
+
+def launch_problem() -> str | None:
+    """What is wrong with the launcher's variables this process was given (detect_env's refusal), said by every
+    process before anything starts; None where they make a launch."""
+    try:
+        detect_env()
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+LAUNCH_VARIABLES = {"torchrun": ("RANK", "WORLD_SIZE"), "slurm": ("SLURM_PROCID", "SLURM_NTASKS")}
+
+
+def _count(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """A launcher's variable as a whole number of 0 or more (`default` where unset or empty); a ConfigError
+    naming it otherwise (a shell's leftover `WORLD_SIZE=abc` was an internal error)."""
+    text = env.get(name, "")
+    if not text.strip() and default is not None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(
+            f"{name}={printable(text)[:40]!r} in the environment is not a count: a launcher (torchrun, srun) sets it; "
+            "unset it to run as one process"
+        )
+    return value
+
+
+def _checked(env: DistEnv) -> DistEnv:
+    """The launcher's rank within its world: a rank a launcher cannot give (RANK=5 with WORLD_SIZE=2, left in a
+    shell from another job) was silent, since only rank 0 reports a refusal."""
+    if not env.rank < env.world_size:
+        rank, world = LAUNCH_VARIABLES[env.launcher]
+        raise ConfigError(
+            f"{rank}={env.rank} with {world}={env.world_size} in the environment: no launcher gives that rank; "
+            f"unset {rank} and {world} (left from another job?) to run as one process"
+        )
+    return env
 
 
 def check_local_ranks(count: int, asked: str) -> None:

@@ -31,6 +31,26 @@ def test_single_process_without_launcher_variables():
     assert detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
 
 
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a count"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' in the environment is not a count"),
+        ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2 in the environment: no launcher gives that rank"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' in the environment is not a count"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' in the environment is not a count"),
+        ({"SLURM_PROCID": "4", "SLURM_NTASKS": "2"}, "SLURM_PROCID=4 with SLURM_NTASKS=2 in the environment"),
+    ],
+)
+def test_launcher_variables_no_launcher_sets_are_refused_in_one_line(environ, message):
+    """A shell's leftover RANK=5 with WORLD_SIZE=2 ran silent (only rank 0 reports a refusal), WORLD_SIZE=abc was an
+    internal error: train.py says it before anything starts (world.launch_problem)."""
+    from clipdist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        detect_env(environ)
+
+
 def test_first_host_of_a_slurm_node_list():
     assert _expand_first_host("gpu[003-005,9],cpu1") == "gpu003"
     assert _expand_first_host("node7") == "node7"
@@ -118,3 +138,13 @@ def test_local_ranks_this_machines_memory_cannot_hold_are_refused_before_any_for
     with pytest.raises(ConfigError, match="this launch: 4 local ranks"):
         launch.launch_local(print, 4)
     assert not forked
+
+
+def test_train_refuses_a_rank_no_launcher_gives_before_anything_starts(tmp_path, capsys, monkeypatch):
+    from helpers import refusal
+
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={tmp_path / 'run'}")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: RANK=5 with WORLD_SIZE=2"), lines
+    assert not (tmp_path / "run").exists()
