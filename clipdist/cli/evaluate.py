@@ -23,6 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
     from clipdist.tools.evaluation import run_eval, write_metrics
 
+    names = [name for name, _ in args.sets or []]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:  # a dict kept the last of them without a word
+        raise ValueError(f"--set {twice}=... given {names.count(twice)} times: name each set once")
     metrics = run_eval(
         args.target,
         dict(args.sets or []),

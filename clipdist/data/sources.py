@@ -81,6 +81,9 @@ class EvalSet:
 
     def __post_init__(self):
         check_templates(self.templates, f"{self.key} templates")
+        blank = next((index for index, name in enumerate(self.classnames) if not name.strip()), None)
+        if blank is not None:  # its prompts would name no class: "a photo of ." for every blank one
+            raise ValueError(f"{self.key} class names: name {blank} of {len(self.classnames)} is blank")
 
     @property
     def key(self) -> str:

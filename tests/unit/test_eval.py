@@ -276,3 +276,13 @@ def test_open_clip_trains_tie_rule_gives_its_numbers_on_repeated_captions():
     assert retrieval_metrics(images, texts, torch.arange(200))["i2t_r1"] == 0.0  # ties count against the image
     with pytest.raises(ValueError, match="one caption per image"):
         retrieval_metrics(images, texts[:100], torch.arange(100) * 2, ties="open_clip")
+
+
+def test_a_blank_class_name_and_a_set_named_twice_are_refused(capsys):
+    """A blank class name's prompts name no class ("a photo of ."); a second --set of one name was dropped."""
+    from clipdist.cli import main as cli
+
+    with pytest.raises(ValueError, match="data.eval_sets.v class names: name 1 of 3 is blank"):
+        EvalSet("v", ["x.tar"], ["a", " ", "c"])
+    assert cli(["eval", "clipdist-tiny", "--set", "v=/a", "--set", "v=/b"]) == 2
+    assert "--set v=... given 2 times: name each set once" in capsys.readouterr().err
