@@ -500,7 +500,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    # A copy of every checkpoint off the node: an fsspec URL (s3://bucket/runs/x, gs://..., a mounted path), e.g.
+    # A copy of every checkpoint off the node: an fsspec URL (s3://bucket/runs/x, gs://..., an absolute mount), e.g.
     # s3://bucket/runs/${name}; resume=auto takes the newest of local and remote (docs/checkpoints.md).
     remote: str | None = None
     remote_retries: int = non_negative(

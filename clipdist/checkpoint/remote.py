@@ -59,6 +59,13 @@ def check_remote(url: str) -> None:
             f"checkpoint.remote={url}: {' '.join(str(error).split())[:300]} (s3:// needs "
             "`pip install s3fs`, gs:// gcsfs, az:// adlfs; a server must answer)"
         ) from None
+    protocol, _ = fsspec.core.split_protocol(url)
+    if protocol is None and not Path(url).expanduser().is_absolute():  # `s3:/bucket` was the folder ./s3:/bucket
+        raise ConfigError(
+            f"checkpoint.remote={url}: neither a URL (protocol://...) nor an absolute path, so the copies would go "
+            "to a folder of that name under the working directory, on this node; give s3://bucket/path (two "
+            "slashes) or a mounted path from /"
+        )
 
 
 def whole_lines(path: Path) -> bytes:

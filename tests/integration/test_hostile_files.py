@@ -252,6 +252,19 @@ def test_credentials_in_a_remote_url_are_refused_and_never_written(tmp_path, cac
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("remote", ["s3:/bucket/runs/x", "pipe:echo", "runs/copies"])
+def test_a_remote_that_is_a_relative_folder_is_refused(tmp_path, cache_dir, capsys, monkeypatch, remote):
+    """`s3:/bucket` (one slash) has no protocol for fsspec: the copies went to ./s3:/bucket on this node, the run
+    thinking itself safe off it."""
+    monkeypatch.chdir(tmp_path)
+    code, lines = refusal(
+        capsys, monkeypatch, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={cache_dir}", f"checkpoint.remote={remote}"
+    )
+    assert code == 2 and len(lines) == 1, lines
+    assert f"checkpoint.remote={remote}: neither a URL (protocol://...) nor an absolute path" in lines[0]
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
 @pytest.fixture(scope="module")
 def bomb_files(tmp_path_factory):
     from hostile import bombs
