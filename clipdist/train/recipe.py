@@ -17,6 +17,7 @@ from clipdist.data.sources import Shards
 from clipdist.distributed.parallel import uses_cuda
 from clipdist.model.factory import built_model_config
 from clipdist.model.short_text import trims_exactly
+from clipdist.registry.losses import BACKENDS, CLIP
 
 SCALARS = ("logit_scale", "logit_bias")
 
@@ -129,7 +130,8 @@ def _naflex(cfg: TrainConfig) -> bool:
 def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
     """Warnings for settings that run but do not do what they seem to: a warmup as long as the run (the lr never
     reaches optim.lr), half precision on a CPU (slower than fp32), a compile mode with compile off, FSDP2's reshard
-    setting under DDP, a global batch larger than the data (every batch holds pairs twice: false negatives)."""
+    setting under DDP, a global batch larger than the data (every batch holds pairs twice: false negatives) or of one
+    pair under a softmax loss (0 whatever the weights)."""
     found, optim = [], cfg.optim
     if optim.warmup_steps >= optim.max_steps:
         found.append(
@@ -160,5 +162,11 @@ def traps(cfg: TrainConfig, shards: Shards) -> list[str]:
         found.append(
             f"the global batch {batch} is larger than the {rows} rows of data.train_shards: every batch "
             "holds some pairs twice, false negatives for a contrastive loss; lower world.batch_per_device"
+        )
+    softmax = cfg.loss.name in BACKENDS and BACKENDS[cfg.loss.name].reference == CLIP
+    if batch == 1 and softmax and not _naflex(cfg):  # a NaFlex batch is a token budget, not batch_per_device
+        found.append(
+            f"a global batch of 1 with loss={cfg.loss.name}: CLIP's softmax over one pair is log 1 = 0 whatever the "
+            "weights, so the contrastive term trains nothing; give a step 2 or more samples"
         )
     return found

@@ -58,6 +58,17 @@ def test_fsdp2s_reshard_setting_under_ddp_is_warned():
     assert traps(config(world={"reshard_after_forward": False, "parallel": "fsdp"}), shards) == []
 
 
+def test_a_global_batch_of_one_pair_under_a_softmax_loss_is_warned():
+    """CLIP's softmax over one pair is log 1 = 0 for any weights: the run trained nothing (its loss read -0.000)."""
+    shards = Shards([["a.tar"]])
+    for loss in ("disco", "tiled", "naive"):
+        (warning,) = traps(config(loss={"name": loss}, world={"batch_per_device": 1}), shards)
+        assert warning.startswith(f"a global batch of 1 with loss={loss}: CLIP's softmax over one pair is log 1 = 0")
+    # the sigmoid loss of one positive pair still trains; two pairs make a softmax
+    assert traps(config(loss={"name": "siglip"}, world={"batch_per_device": 1}), shards) == []
+    assert traps(config(world={"batch_per_device": 2}), shards) == []
+
+
 def test_the_teacher_terms_on_a_naflex_tower_are_said_to_be_an_extension():
     """SigLIP 2 trains its NaFlex variant with the sigmoid loss and the decoder alone (recipe=siglip2_naflex): the
     teacher terms on a NaFlex tower run, and a line says they are ours, not the paper's."""
