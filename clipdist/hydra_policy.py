@@ -12,13 +12,17 @@ environment). A check of the command line or of a config folder's text only sees
 - `install()` also replaces every resolver outside `KEPT_RESOLVERS` (`oc.env`, `oc.decode`, `oc.create`, and any a
   library registers) for the whole process with one that refuses, so no spelling the grammar accepts reads them.
 - `hydra_arguments(argv)` reads the command line with Hydra's own parser: an abbreviation (`--exp`) is the flag.
-- `run_and_report` takes Hydra's place where Hydra reports a failure: one line, never a traceback.
+- `run_and_report` takes Hydra's place where Hydra reports a failure: one line, never a traceback. What Hydra's
+  composition or its logging set-up raises beyond its own errors (a `hydra.verbose` of the wrong kind, a logging
+  config naming a handler it lacks, `hydra.job.env_copy` naming an unset variable) is the hydra node's input, said
+  as such (`_hydras_input`), not as a bug of clipdist's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import os
 import re
@@ -80,7 +84,8 @@ def install() -> None:
 
     def load_configuration(self, *args, **kwargs):
         refuse_outside_resolvers()
-        cfg = compose(self, *args, **kwargs)  # what it cannot compose, run_and_report below says in one line
+        with _hydras_input("compose the config"):  # its own errors: run_and_report below says them in one line
+            cfg = compose(self, *args, **kwargs)
         problem = hydra_problem(cfg)
         if problem:
             refuse(problem)
@@ -88,6 +93,7 @@ def install() -> None:
         return cfg
 
     ConfigLoaderImpl.load_configuration = load_configuration  # type: ignore[method-assign]
+    _guard_configure_log()
     hydra_utils.run_and_report = run_and_report  # Hydra's own phases (its start, --cfg, --info, the job) report here
     _installed.append(True)
 
@@ -105,6 +111,44 @@ def run_and_report(func):
             refuse(said)
         print(f"error: {report_bug(error)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def _hydras_input(action: str):
+    """Hydra acting on the composed hydra node: an exception outside Hydra's, OmegaConf's and YAML's own (theirs say
+    the input already) is a value of that node Hydra took without checking it: refused in one line, exit 2."""
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError):
+        raise
+    except Exception as error:  # noqa: BLE001 -- said in one line
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        said = one_line(f"{type(error).__name__}: {error}".rstrip(": "))[:200]
+        refuse(
+            f"Hydra could not {action} ({said}): a hydra.* value it takes unchecked — hydra.verbose (true, a logger "
+            "name or a list of them), hydra.job_logging / hydra.hydra_logging (a logging dictConfig whose handlers "
+            "and formatters are defined), hydra.job.env_copy (variables set in this environment)"
+        )
+
+
+def _guard_configure_log() -> None:
+    """Hydra's `configure_log` (hydra.verbose and the logging configs) under `_hydras_input`, in every module that
+    imported it by name (the run, the launchers, a sweep job through `run_job`)."""
+    from hydra._internal import hydra as hydra_internal
+    from hydra._internal.core_plugins import basic_launcher
+    from hydra.core import utils as core_utils
+
+    configure_log = core_utils.configure_log
+
+    def guarded(*args, **kwargs):
+        with _hydras_input("set up logging"):
+            return configure_log(*args, **kwargs)
+
+    main_module = importlib.import_module("hydra.main")  # the module: `hydra.main` is its decorator
+    for module in (core_utils, hydra_internal, basic_launcher, main_module):
+        if getattr(module, "configure_log", None) is configure_log:
+            module.configure_log = guarded  # type: ignore[attr-defined]
 
 
 def _composition_error(error: BaseException) -> str | None:

@@ -49,7 +49,7 @@ def resolve_loss(spec: str, options: Mapping[str, Any] | None = None) -> Callabl
     """A registered backend name (built with its `options`), or 'package.module:attribute' naming a loss callable
     or class."""
     if spec in BACKENDS:
-        return build(spec, **(options or {}))
+        return build(spec, **as_train_reads(spec, options or {}).options())
     if ":" not in spec:
         raise ValueError(
             f"unknown loss backend {spec!r}; choose one of: {', '.join(BACKENDS)}, "
@@ -128,24 +128,39 @@ class Terms:
     @classmethod
     def named(cls, names: Sequence[str], options: Mapping[str, Any]) -> Terms:
         """The terms `names` (any registered: `distill` is the teacher check), each given its `<name>.<key>`
-        options; a ValueError for an unknown term or option."""
+        options, typed and bounded as train.py takes them (`as_train_reads`); a ValueError for an unknown term or a
+        bad option."""
         unknown = [name for name in names if name not in TERMS]
         if unknown:
             raise ValueError(f"--term {', '.join(unknown)}: choose from {', '.join(TERMS)}")
-        stray = sorted({key.split(".")[0] for key in options} - set(names))
+        stray = sorted({key.split(".")[0] for key in options} - (set(names) - {"distill"}))
         if stray:
-            raise ValueError(f"--option {stray[0]}.…: add --term {stray[0]} for its options")
-        own = []
-        for name in dict.fromkeys(names):
-            if name == "distill":
-                continue
-            spec = TERMS[name]
-            given = {key.split(".", 1)[1]: value for key, value in options.items() if key.split(".")[0] == name}
-            try:
-                own.append((name, dataclasses.replace(spec.options(), **{**spec.probe, **given})))
-            except TypeError as error:
-                raise ValueError(f"--option for loss.{name}: {error}") from None
-        return cls("distill" in names, tuple(own))
+            hint = "the check's teacher is its own" if stray[0] == "distill" else f"add --term {stray[0]} for them"
+            raise ValueError(f"--option {stray[0]}.…: {hint}")
+        own = [name for name in dict.fromkeys(names) if name != "distill"]
+        sections: dict[str, dict] = {name: dict(TERMS[name].probe) for name in own}
+        for key, value in options.items():
+            sections[key.split(".")[0]][key.split(".", 1)[1]] = value
+        loss = as_train_reads(LossConfig.name, sections)
+        return cls("distill" in names, tuple((name, loss.term(name)) for name in own))
+
+
+def as_train_reads(backend: str, given: Mapping[str, Any]) -> LossConfig:
+    """`loss.<key>` values as train.py reads them: typed by the run's schema (with `backend`'s own options) and held
+    to its checks (bounds, a term's own check, with the EMA teacher the check's teacher terms stand for); a
+    ValueError naming the key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from clipdist.config import to_train_config, validate
+
+    run = {"name": "gradcheck", "run_dir": ".", "optim": {"ema": {"decay": 0.999}}}
+    try:
+        cfg = to_train_config({**run, "loss": {**given, "name": backend}})
+        validate(cfg)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "loss"
+        raise ValueError(f"--option {str(key).removeprefix('loss.')}: {str(error).splitlines()[0]}") from None
+    return cfg.loss
 
 
 def _term_options(options, model: torch.nn.Module):

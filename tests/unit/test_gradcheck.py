@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from clipdist.tools.gradcheck import classify
 
 PITFALLS = {
@@ -33,3 +35,35 @@ def test_a_model_with_a_logit_bias_and_a_softmax_backend_is_one_line_before_any_
     error = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(error) == 1, error
     assert "--backend disco: model clipdist-maphead-tiny has a logit bias" in error[0], error
+
+
+BAD_OPTIONS = [
+    (["--backend", "tiled", "--option", "tile=abc"], "--option tile: Value 'abc'"),
+    (["--backend", "tiled", "--option", "tile=true"], "--option tile: Value 'True' of type 'bool'"),
+    (["--backend", "disco", "--option", "tile=3"], "loss.tile: no such key"),
+    (["--term", "self_distill", "--option", "self_distill.crops=-3"], "loss.self_distill.crops=-3: must be 0"),
+    (["--term", "masked", "--option", "masked.ratio=5"], "loss.masked.ratio=5.0"),
+    (["--term", "self_distill", "--option", "self_distill.crops=abc"], "--option self_distill.crops: Value"),
+    (["--distill", "--option", "distill.weight=2"], "--option distill.…: the check's teacher is its own"),
+]
+
+
+@pytest.mark.parametrize("argv, said", BAD_OPTIONS, ids=[" ".join(argv[-2:]) for argv, _ in BAD_OPTIONS])
+def test_options_are_read_as_train_reads_them_before_any_rank(capsys, monkeypatch, argv, said):
+    """--option values typed and bounded by the run's own schema and checks (a string tile reached the backend's
+    comparison as a traceback, a negative crop count a rank's bug report, a bool ran as 1): one line, no rank."""
+    from clipdist.cli import main
+    from clipdist.tools import gradcheck
+
+    monkeypatch.setattr(gradcheck, "launch_local", lambda *a, **k: pytest.fail("a rank started"))
+    code = main(["gradcheck", "--world", "2", *argv])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(error) == 1 and said in error[0], error
+
+
+def test_options_reach_the_check_typed():
+    from clipdist.tools.gradcheck import Terms, resolve_loss
+
+    assert resolve_loss("tiled", {"tile": 3}).tile == 3
+    (name, options), *_ = Terms.named(["self_distill"], {"self_distill.crops": 3}).own
+    assert name == "self_distill" and options.crops == 3 and options.crop_size == 16  # the probe's, kept
