@@ -85,6 +85,11 @@ def as_config_error(*errors: type[Exception]):
         raise ConfigError(str(error)) from None
 
 
+EXITS = (SystemExit, KeyboardInterrupt, GeneratorExit)  # BaseExceptions that end a program as meant; any other
+# (DCP's CheckpointException is a BaseException) is a failure to report like an Exception: `except BaseException`,
+# re-raising these
+
+
 def report_bug(error: BaseException, folder=None) -> str:
     """One line for an exception clipdist did not foresee: that it is a bug, and where its full traceback went —
     `clipdist-bug-<time>-<pid>.txt` in `folder` (a run directory), else the working directory, else the temporary

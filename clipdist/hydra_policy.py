@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import OmegaConfBaseException
 
-from clipdist.errors import one_line, report_bug
+from clipdist.errors import EXITS, one_line, report_bug
 
 # Launchers and sweepers Hydra may instantiate: its own and submitit's (conf/hydra/launcher/slurm.yaml)
 LAUNCHERS = (
@@ -103,8 +103,8 @@ def run_and_report(func):
     other exception one line saying it is a bug with its traceback in a file (exit 1); HYDRA_FULL_ERROR=1 raises."""
     try:
         return func()
-    except Exception as error:  # noqa: BLE001 -- said in one line below
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except BaseException as error:  # noqa: BLE001 -- said in one line below
+        if isinstance(error, EXITS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         said = _composition_error(error)
         if said:

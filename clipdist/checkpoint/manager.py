@@ -268,15 +268,6 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def _one_line(error: BaseException) -> str:
-    """A read failure in one line: DCP's CheckpointException by its first rank's cause."""
-    if isinstance(error, CheckpointException) and error.failures:
-        cause = next(iter(error.failures.values()))
-        error = cause[0] if isinstance(cause, tuple) else cause
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
-
-
 def _resume_settings(config: dict, rule: str) -> dict:
     """`config`'s values of the keys whose resume rule (config.resume_rule) is `rule`, a key its run's schema did
     not have yet taking today's default."""
@@ -491,7 +482,7 @@ class Checkpointer:
             except (Exception, CheckpointException) as error:  # noqa: BLE001 -- damaged
                 if cfg.resume != "auto":
                     raise ConfigError(
-                        f"resume={cfg.resume}: cannot be read ({_one_line(error)}); name another "
+                        f"resume={cfg.resume}: cannot be read ({weights.read_failure(error)}); name another "
                         "checkpoint, or resume=auto for the newest one"
                     ) from None
                 raise ConfigError(unreadable(path, candidates[1:], error)) from None
@@ -596,7 +587,7 @@ def unreadable(path: Path, older: list[Path], error: BaseException) -> str:
     on — an older checkpoint by name, or a new run — are named (a silent fresh start would lose the run)."""
     way = f"resume={older[0]} to go on from the newest older one, or " if older else ""
     return (
-        f"resume=auto: the run's newest checkpoint {path} cannot be read ({_one_line(error)}); nothing was "
+        f"resume=auto: the run's newest checkpoint {path} cannot be read ({weights.read_failure(error)}); nothing was "
         f"overwritten. Use {way}name=<new name> (with resume=never) to start a new run"
     )
 

@@ -455,6 +455,15 @@ def single_process_quietly():
         yield
 
 
+def read_failure(error: BaseException) -> str:
+    """A read failure in one line: DCP's CheckpointException by its first rank's cause."""
+    if isinstance(error, CheckpointException) and error.failures:
+        cause = next(iter(error.failures.values()))
+        error = cause[0] if isinstance(cause, tuple) else cause
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
 @contextmanager
 def _refusals_unwrapped():
     """DCP wraps what its steps raise in a CheckpointException (per rank): a refusal comes out as itself."""

@@ -13,7 +13,7 @@ from clipdist.cli.command import OneLineParser
 from clipdist.cli.train import train_main
 from clipdist.compat import floor_problem
 from clipdist.distributed import host
-from clipdist.errors import ClipdistError, printable, report_bug
+from clipdist.errors import EXITS, ClipdistError, printable, report_bug
 
 __all__ = ["build_parser", "main", "train_main"]
 COMMANDS = tuple(module.COMMAND for module in (gradcheck, plan, bench, make_shards, export, evaluate, trust, report))
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ClipdistError, ValueError, OSError) as error:
         print(printable(f"clipdist {args.command}: error: {error}"), file=sys.stderr)
         return 2
-    except Exception as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file
+    except BaseException as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file
+        if isinstance(error, EXITS):
+            raise
         print(f"clipdist {args.command}: {report_bug(error)}", file=sys.stderr)
         return 1

@@ -16,16 +16,20 @@ dicts of them; NumPy arrays become lists) stops the conversion with its place in
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from clipdist.checkpoint.weights import PROGRESS, single_process_quietly
+from clipdist.checkpoint.weights import PROGRESS, read_failure, single_process_quietly
+from clipdist.errors import printable
 from clipdist.files import load_torch, publish, save_torch
 
 PLAIN = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)
@@ -65,18 +69,40 @@ def trust(source: str | Path, out: str | Path | None = None) -> Path:
     if not source.is_file():
         raise ValueError(f"{source}: no such file or checkpoint folder")
     out = Path(out) if out else source.with_name(f"{source.stem}.trusted{source.suffix}")
-    loaded = load_torch(source, map_location="cpu", weights_only=False)  # the trusted, unsafe read
+    with _read(source):
+        loaded = load_torch(source, map_location="cpu", weights_only=False)  # the trusted, unsafe read
     copy = plain_copy(loaded, where=str(source))
     return publish(out, lambda staging: save_torch(copy, staging), hint="give another --out, or remove it")
+
+
+@contextmanager
+def _read(source: Path):
+    """torch's or DCP's reader on `source`: whatever it raises (a damaged pickle, zip or metadata file, or the code the
+    file runs failing; DCP's CheckpointException, a BaseException) is the file's: a ValueError naming it. DCP's own
+    traceback of its metadata fallback (a warning of the root logger's) is left unprinted: this line says it."""
+    loader_log = logging.getLogger()  # DCP's loader logs to the root logger
+    level = loader_log.level
+    loader_log.setLevel(logging.ERROR)
+    try:
+        yield
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 -- the file's, said in one line
+        raise ValueError(f"{source} cannot be read by torch ({printable(read_failure(error))})") from None
+    finally:
+        loader_log.setLevel(level)
 
 
 def _convert_folder(source: Path, staging: Path) -> None:
     state: dict = {}
     with single_process_quietly():  # the trusted, unsafe read: DCP's own reader and planner
-        _load_state_dict(
-            state, storage_reader=dcp.FileSystemReader(str(source)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-        )
+        with _read(source):
+            _load_state_dict(
+                state,
+                storage_reader=dcp.FileSystemReader(str(source)),
+                planner=_EmptyStateDictLoadPlanner(),
+                no_dist=True,
+            )
         alone = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}  # 2.6: no group: alone
         dcp.save(plain_copy(state, where=str(source)), checkpoint_id=str(staging), **alone)
-    progress = load_torch(source / PROGRESS, map_location="cpu", weights_only=False)
+    with _read(source / PROGRESS):
+        progress = load_torch(source / PROGRESS, map_location="cpu", weights_only=False)
     save_torch(plain_copy(progress, where=str(source / PROGRESS)), staging / PROGRESS)

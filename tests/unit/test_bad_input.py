@@ -10,10 +10,55 @@ import pytest
 from clipdist.cli import main as cli
 
 
-def test_torchruns_own_option_check_is_one_line(capsys):
-    assert cli(["torchrun", "--nproc-per-node=abc", "train.py"]) == 2
+@pytest.mark.parametrize(
+    "option, said",
+    [
+        ("--nproc-per-node=abc", "(ValueError: Unsupported nproc_per_node value: abc)"),
+        ("--nproc-per-node=0", "(AssertionError where self.local_world_size <= 0, in __post_init__)"),
+        ("--nnodes=0", "(AssertionError: min_nodes must be > 0"),
+        ("--monitor-interval=-1", "(AssertionError where self.monitor_interval <= 0, in __post_init__)"),
+        ("--master-port=99999", "must be an integer between 0 and 65536"),
+    ],
+)
+def test_torchruns_own_option_checks_are_one_line(capsys, option, said):
+    """torchrun checks its options in its parser, its launch config and its worker spec, some with a bare assert:
+    each is one line (exit 2), the condition said where torchrun gives no message."""
+    assert cli(["torchrun", option, "train.py"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["clipdist torchrun: error: Unsupported nproc_per_node value: abc"], lines
+    assert len(lines) == 1 and lines[0].startswith("clipdist torchrun: error: torchrun refused the launch ("), lines
+    assert said in lines[0], lines
+
+
+def test_an_address_torchrun_would_wait_on_that_does_not_resolve_is_refused(capsys, monkeypatch):
+    """A rank would retry an unresolvable master or local address until the rendezvous timeout: refused before.
+    (The resolver answers "not known" here: a test sends no DNS query.)"""
+    import socket
+
+    from clipdist.distributed import torchrun
+
+    asked = []
+    resolve = socket.getaddrinfo
+
+    def not_known(host, *args, **kwargs):
+        asked.append(host)
+        if host != "head-node":
+            return resolve(host, *args, **kwargs)  # the default 127.0.0.1: numeric, no query
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", not_known)
+    monkeypatch.setattr(torchrun, "run", lambda args: pytest.fail("the launch started"))
+    for options, flag in (
+        (["--master-addr=head-node"], "--master-addr head-node"),
+        (["--rdzv-backend=c10d", "--rdzv-endpoint=head-node:29400"], "--rdzv-endpoint head-node"),
+        (["--local-addr=head-node"], "--local-addr head-node"),
+    ):
+        assert cli(["torchrun", *options, "train.py"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == [
+            f"clipdist torchrun: error: {flag}: the address does not resolve ([Errno -2] Name or service "
+            "not known); give a host or IP this node reaches"
+        ], lines
+    assert "head-node" in asked
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ item, a .pt checkpoint), weights files, a protocol-0 INST pickle."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +114,48 @@ def test_trust_refuses_what_no_checkpoint_holds(tmp_path, capsys):
         in capsys.readouterr().err
     )
     assert not (tmp_path / "odd.trusted.pt").exists()
+
+
+def test_trust_of_a_file_torch_cannot_read_is_one_line(tmp_path, capsys):
+    """Not a pickle, a truncated zip, a checkpoint folder whose metadata is damaged (DCP's failure is a BaseException,
+    past `except Exception`; its loader logs a traceback of its own): one line naming the file, nothing written."""
+    (tmp_path / "text.pt").write_text("not a checkpoint\n")
+    torch.save({"w": torch.ones(64)}, tmp_path / "whole.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:200])
+    folder = tmp_path / "damaged.dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"\x05 not a pickle")
+    torch.save({"step": 1}, folder / "progress.pt")
+    for source in ("text.pt", "cut.pt", "damaged.dcp"):
+        assert cli(["trust", str(tmp_path / source), "--out", str(tmp_path / f"out-{source}")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"{tmp_path / source} cannot be read by torch (" in lines[0], lines
+        assert not (tmp_path / f"out-{source}").exists()
+    assert not list(tmp_path.glob("clipdist-bug-*")) and not list(Path.cwd().glob("clipdist-bug-*"))
+
+
+def test_a_base_exception_that_is_not_an_exit_is_reported_as_a_bug(capsys, monkeypatch, tmp_path):
+    """DCP's CheckpointException derives from BaseException: where one escapes, it is one line and a file, not the
+    interpreter's traceback; Ctrl-C and exits still end the program as they mean to."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from clipdist.tools import report
+
+    monkeypatch.chdir(tmp_path)
+    for raised, expected in ((CheckpointException("x", {}), 1), (KeyboardInterrupt(), KeyboardInterrupt)):
+
+        def failing(_run_dir, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(report, "write_report", failing)
+        if expected is KeyboardInterrupt:
+            with pytest.raises(KeyboardInterrupt):
+                cli(["report", str(tmp_path)])
+            continue
+        assert cli(["report", str(tmp_path)]) == expected
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "internal error (a bug in clipdist" in lines[0], lines
+        assert "CheckpointException" in lines[0] and list(tmp_path.glob("clipdist-bug-*"))
 
 
 def test_dcp_metadata_may_name_an_enum_member_by_getattr_and_nothing_else(tmp_path):
