@@ -65,6 +65,36 @@ def json_of(data: bytes | str):
         raise ValueError("nested too deeply to parse") from None
 
 
+def check_output(path: str | Path, flag: str, ours, kind: str = "a JSON file", make_folder: bool = False) -> None:
+    """Before a command's work: the file `flag` names, which it will replace whole, is new or one `ours(bytes)` says
+    a clipdist command wrote (a JSON result, a battery page), a regular file; not a folder, and in a folder that
+    exists (or that the command makes: `make_folder`). A ValueError naming the flag otherwise: `--out run/train.log`
+    would replace the run's log with a result, after minutes of work."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: name a file (e.g. {path / 'results.json'})")
+    if not make_folder and not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: its folder {path.parent} does not exist; make it, or name another file")
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        data = b"" if path.is_symlink() else read_bounded(path, 256 << 20)
+        written = bool(data) and ours(data)
+    except (OSError, ValueError):
+        written = False
+    if not written:
+        raise ValueError(
+            f"{flag} {path} exists and is not {kind} a clipdist command wrote (it replaces only its own results): "
+            f"name another file, or remove it"
+        )
+
+
+def is_json(data: bytes) -> bool:
+    """Whether `data` parses as JSON (what `check_output` lets a JSON result replace)."""
+    json_of(data)
+    return True
+
+
 def publish(
     out: str | Path, write, *, overwrite: bool = False, hint: str = "give another --out, or --overwrite"
 ) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from clipdist.cli.arguments import count, count_or_zero, csv, non_negative, one_of, positive
 from clipdist.cli.command import Command, arg, given
-from clipdist.files import write_atomic
+from clipdist.files import check_output, is_json, write_atomic
 
 
 def run_loss(args: argparse.Namespace) -> int:
@@ -49,6 +49,10 @@ def run_gpu(args: argparse.Namespace) -> int:
     if args.estimate_for is not None:
         print(gpu_battery.estimate_table(args.estimate_for, args.steps, args.large_batches, args.sections))
         return 0
+    if args.out:
+        check_output(args.out, "--out", is_json, make_folder=True)
+    if args.doc:
+        check_output(args.doc, "--doc", gpu_battery.is_page, kind="a battery page", make_folder=True)
     rows = gpu_battery.battery(
         tiny=args.tiny,
         steps=args.steps,
@@ -67,6 +71,8 @@ def run_gpu(args: argparse.Namespace) -> int:
 def run_limit(args: argparse.Namespace) -> int:
     from clipdist.tools import limit
 
+    if args.out:
+        check_output(args.out, "--out", is_json)
     rows = limit.measure(args.data, args.ranks, args.batch, args.batches, args.steps, args.cache_dir, args.repeats)
     print(limit.markdown(rows))
     if args.out:

@@ -21,12 +21,15 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from clipdist.files import check_output, is_json
     from clipdist.tools.evaluation import run_eval, write_metrics
 
     names = [name for name, _ in args.sets or []]
     twice = next((name for name in names if names.count(name) > 1), None)
     if twice is not None:  # a dict kept the last of them without a word
         raise ValueError(f"--set {twice}=... given {names.count(twice)} times: name each set once")
+    if args.out:
+        check_output(args.out, "--out", is_json)
     metrics = run_eval(
         args.target,
         dict(args.sets or []),

@@ -673,11 +673,19 @@ def format_row(row: dict) -> str:
 HEADER = "| section | what | samples/s | MFU | memory | other |\n|---|---|---:|---:|---:|---|"
 
 
+PAGE_TITLE = "# GPU battery: "
+
+
+def is_page(data: bytes) -> bool:
+    """Whether `data` is a page `page` wrote (what `--doc` may replace)."""
+    return data.startswith(PAGE_TITLE.encode())
+
+
 def page(rows: list[dict]) -> str:
     """The table as a Markdown page (docs/bench/gpu_battery.md when run on a GPU)."""
     when = time.strftime("%Y-%m-%d")
     lines = [
-        f"# GPU battery: {rows[0]['device']} ({when})",
+        f"{PAGE_TITLE}{rows[0]['device']} ({when})",
         "",
         "`clipdist bench gpu` (clipdist/tools/gpu_battery.py"
         "): the run's own step on a synthetic batch on the device, torch " + torch.__version__ + ".",

@@ -4,6 +4,8 @@ and an evaluation that fails never stops training."""
 
 from __future__ import annotations
 
+import json
+
 import open_clip
 import pytest
 import torch
@@ -286,3 +288,41 @@ def test_a_blank_class_name_and_a_set_named_twice_are_refused(capsys):
         EvalSet("v", ["x.tar"], ["a", " ", "c"])
     assert cli(["eval", "clipdist-tiny", "--set", "v=/a", "--set", "v=/b"]) == 2
     assert "--set v=... given 2 times: name each set once" in capsys.readouterr().err
+
+
+def test_an_output_file_a_command_did_not_write_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
+    """`--out` replaces its file whole: a run's own log, a folder, a file in a folder that is not there are refused
+    before the evaluation (minutes) runs; a result it wrote before is replaced (eval twice into one file)."""
+    from clipdist.cli import main
+    from clipdist.tools import evaluation
+
+    monkeypatch.setattr(evaluation, "run_eval", lambda *a, **k: {"dense/miou": 0.5})
+    log = tmp_path / "train.log"
+    log.write_text("[2026-11-29 21:00:00] step 1 loss 2.3\n")
+    (tmp_path / "folder").mkdir()
+    for out, said in (
+        (log, "exists and is not a JSON file a clipdist command wrote"),
+        (tmp_path / "folder", "is a folder: name a file"),
+        (tmp_path / "missing" / "m.json", f"its folder {tmp_path / 'missing'} does not exist"),
+    ):
+        assert main(["eval", "run", "--dense", "--out", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"--out {out}" in lines[0] and said in lines[0], lines
+    assert log.read_text().startswith("[2026")
+    for _ in range(2):
+        assert main(["eval", "run", "--dense", "--json", "--out", str(tmp_path / "m.json")]) == 0
+    assert json.loads((tmp_path / "m.json").read_text()) == {"dense/miou": 0.5}
+
+
+def test_the_battery_page_replaces_only_a_page_it_wrote(tmp_path):
+    from clipdist.files import check_output
+    from clipdist.tools.gpu_battery import is_page, page
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# clipdist\n")
+    with pytest.raises(ValueError, match="is not a battery page"):
+        check_output(readme, "--doc", is_page, kind="a battery page")
+    (tmp_path / "bench" / "old.md").parent.mkdir()
+    (tmp_path / "bench" / "old.md").write_text(page([{"device": "NVIDIA H200", "section": "step", "what": "B/16"}]))
+    check_output(tmp_path / "bench" / "old.md", "--doc", is_page)
+    check_output(tmp_path / "new" / "page.md", "--doc", is_page, make_folder=True)  # the battery makes its folder
