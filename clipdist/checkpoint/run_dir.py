@@ -104,13 +104,42 @@ RECORDS = (
 )
 
 
+# What else a run writes at the top of its folder (report.png/.txt: tools.report; compile_cache; profile: tracking;
+# a bug's traceback: errors.report_bug); a folder with anything else and no run record is not a run
+OUTPUTS = ("report.png", "report.txt", "compile_cache", "profile")
+BUG_FILE = "clipdist-bug-"
+
+
+def foreign_entries(run_dir: str | Path) -> list[str]:
+    """The entries of an existing run_dir that no run writes, where it holds no run's record (hydra/config.yaml,
+    written at every start that passed its checks): a folder of the user's own, which a run would write its
+    checkpoints, logs and report beside (and report.png over). [] for a run's folder, or a new or empty one."""
+    root = Path(run_dir)
+    if not root.is_dir() or (root / "hydra" / "config.yaml").is_file():
+        return []
+    own = {name.split("/")[0] for name in RECORDS} | set(OUTPUTS)
+    return sorted(
+        entry.name for entry in root.iterdir() if entry.name not in own and not entry.name.startswith(BUG_FILE)
+    )
+
+
 def check_run_dir(run_dir: str | Path) -> None:
     """Before any rank starts: an existing run directory that other users may write (not a sticky /tmp-like
-    folder), or whose record files are links (RECORDS, the checkpoints in checkpoints/, samples/rank_*.jsonl),
-    is refused (ConfigError) — a run writes there, and reads its W&B id and logs back."""
+    folder), whose record files are links (RECORDS, the checkpoints in checkpoints/, samples/rank_*.jsonl), or that
+    is a folder of other files and no run (`foreign_entries`) is refused (ConfigError) — a run writes there, and reads
+    its W&B id and logs back."""
     root = Path(run_dir)
     if not root.exists():
         return
+    foreign = foreign_entries(root)
+    if foreign:
+        shown = ", ".join(printable(name) for name in foreign[:3]) + (
+            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        )
+        raise ConfigError(
+            f"run_dir={root} holds files no run wrote ({shown}) and no run's record (hydra/config.yaml): a run would "
+            "write its checkpoints, logs and report among them; give a new or empty folder (run_dir=<path>)"
+        )
     mode = root.stat().st_mode
     if mode & 0o002 and not mode & 0o1000:
         raise ConfigError(

@@ -11,6 +11,7 @@ be a regular file inside the folder."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 
@@ -19,6 +20,7 @@ from fixtures import caption_shards
 from helpers import read_jsonl, refusal, train
 from hostile import hostile_checkpoints, pickle_files, place
 
+from clipdist.checkpoint.run_dir import foreign_entries
 from clipdist.cli import main as cli
 
 
@@ -237,6 +239,36 @@ def test_a_run_directory_others_can_write_is_refused(trained_run, tmp_path, cach
     run.chmod(0o777)
     code, lines = refusal(capsys, monkeypatch, f"run_dir={run}", f"data.cache_dir={cache_dir}", "optim.max_steps=40")
     assert code == 2 and len(lines) == 1 and "other users can write" in lines[0], lines
+
+
+def test_a_folder_of_other_files_is_no_run_directory(trained_run, tmp_path, cache_dir, capsys, monkeypatch):
+    """run_dir=<a folder of the user's own> wrote checkpoints, logs and report.png among (and over) its files:
+    refused, nothing written; a run's own folder (its record there) and a new or empty one start."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    (mine / "report.png").write_bytes(b"my picture")
+    code, lines = refusal(capsys, monkeypatch, f"run_dir={mine}", f"data.cache_dir={cache_dir}")
+    assert code == 2 and len(lines) == 1, lines
+    assert f"run_dir={mine} holds files no run wrote (notes.txt) and no run's record" in lines[0], lines
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "report.png"]
+    assert (mine / "report.png").read_bytes() == b"my picture"
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "notes.txt").write_text("a note beside a run\n")
+    assert foreign_entries(run) == [] and foreign_entries(tmp_path / "new") == []
+    (tmp_path / "empty").mkdir()
+    assert foreign_entries(tmp_path / "empty") == []
+
+
+def test_the_outputs_a_run_folder_may_hold_are_the_writers_names():
+    from clipdist.checkpoint import compile_cache
+    from clipdist.checkpoint.run_dir import BUG_FILE, OUTPUTS
+    from clipdist.errors import report_bug
+    from clipdist.tools import report
+
+    assert {report.PICTURE, report.SUMMARY, compile_cache.FOLDER} <= set(OUTPUTS)
+    assert BUG_FILE in inspect.getsource(report_bug)
 
 
 def test_credentials_in_a_remote_url_are_refused_and_never_written(tmp_path, cache_dir, capsys, monkeypatch):
