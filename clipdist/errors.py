@@ -85,9 +85,11 @@ def as_config_error(*errors: type[Exception]):
         raise ConfigError(str(error)) from None
 
 
-EXITS = (SystemExit, KeyboardInterrupt, GeneratorExit)  # BaseExceptions that end a program as meant; any other
-# (DCP's CheckpointException is a BaseException) is a failure to report like an Exception: `except BaseException`,
-# re-raising these
+def is_failure(error: BaseException) -> bool:
+    """Whether `error` is a failure to report (as a bug where nothing foresaw it): an Exception, or a BaseException
+    torch raises as its failure (DCP's CheckpointException). Other BaseExceptions pass: exits, Ctrl-C, a test
+    framework's outcome."""
+    return isinstance(error, Exception) or type(error).__module__.split(".")[0] == "torch"
 
 
 def report_bug(error: BaseException, folder=None) -> str:

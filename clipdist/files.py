@@ -26,6 +26,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -52,6 +53,9 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
     return data
 
 
+# A name a command writes a file under, from an argument (make-shards --prefix, bench loss --tag): letters, digits,
+# '.', '_', '-', not starting with '.' or '-' — a '/' or '..' would write elsewhere, '%' and braces break patterns
+FILE_STEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 PUBLISHED = ".clipdist-published"  # in every folder publish writes: what `overwrite` may replace
 
 

@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import OmegaConfBaseException
 
-from clipdist.errors import EXITS, one_line, report_bug
+from clipdist.errors import is_failure, one_line, report_bug
 
 # Launchers and sweepers Hydra may instantiate: its own and submitit's (conf/hydra/launcher/slurm.yaml)
 LAUNCHERS = (
@@ -104,7 +104,7 @@ def run_and_report(func):
     try:
         return func()
     except BaseException as error:  # noqa: BLE001 -- said in one line below
-        if isinstance(error, EXITS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if not is_failure(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         said = _composition_error(error)
         if said:

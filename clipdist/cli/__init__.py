@@ -13,7 +13,7 @@ from clipdist.cli.command import OneLineParser
 from clipdist.cli.train import train_main
 from clipdist.compat import floor_problem
 from clipdist.distributed import host
-from clipdist.errors import EXITS, ClipdistError, printable, report_bug
+from clipdist.errors import ClipdistError, is_failure, printable, report_bug
 
 __all__ = ["build_parser", "main", "train_main"]
 COMMANDS = tuple(module.COMMAND for module in (gradcheck, plan, bench, make_shards, export, evaluate, trust, report))
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(printable(f"clipdist {args.command}: error: {error}"), file=sys.stderr)
         return 2
     except BaseException as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file
-        if isinstance(error, EXITS):
+        if not is_failure(error):
             raise
         print(f"clipdist {args.command}: {report_bug(error)}", file=sys.stderr)
         return 1

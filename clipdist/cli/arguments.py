@@ -42,6 +42,17 @@ non_negative = number(float, 0)  # a budget in seconds (0: measure nothing)
 seed = number(int, 0, high=MAX_SEED)  # what every generator a seed reaches takes
 
 
+def file_stem(text: str) -> str:
+    """The start of a file name a command writes (files.FILE_STEM): never a path."""
+    from clipdist.files import FILE_STEM
+
+    if not FILE_STEM.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a file name's start (letters, digits, '.', '_', '-'; not starting with '.' or '-')"
+        )
+    return text
+
+
 def csv(cast):
     """A comma-separated list, each part parsed by `cast` (a bounded type, or str)."""
     if cast in (int, float):

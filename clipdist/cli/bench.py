@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from clipdist.cli.arguments import count, count_or_zero, csv, non_negative, one_of, positive
+from clipdist.cli.arguments import count, count_or_zero, csv, file_stem, non_negative, one_of, positive
 from clipdist.cli.command import Command, arg, given
 from clipdist.files import check_output, is_json, write_atomic
 
@@ -16,6 +16,8 @@ def run_loss(args: argparse.Namespace) -> int:
     from clipdist.tools import bench
     from clipdist.tools.plan import parse_bytes
 
+    for name, ours in bench.outputs(args.tag):  # replaced after the benchmark: checked before it
+        check_output(Path(args.out) / name, "--out", ours, kind="a benchmark's file", make_folder=True)
     names = bench.backends(args.backend)
     fits = bench.loss_fits(names)
     options = given(args, "backend", "out", "tag", "scaling_world", "scaling_batch", "scaling_dim", "budget")
@@ -115,7 +117,7 @@ COMMAND = Command(
                     help="skip configurations predicted to need more, all ranks (default 16GB)",
                 ),
                 arg("--out", default="docs/bench", help="folder for the JSON and the PNG plot"),
-                arg("--tag", default="cpu", help="file name suffix: loss_<tag>.json"),
+                arg("--tag", type=file_stem, default="cpu", help="file name suffix: loss_<tag>.json"),
                 arg(
                     "--scaling-world",
                     type=count_or_zero,

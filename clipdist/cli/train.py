@@ -15,7 +15,7 @@ from pathlib import Path, PurePath
 from clipdist import hydra_policy
 from clipdist.compat import floor_problem
 from clipdist.distributed import host
-from clipdist.errors import EXITS, printable, report_bug
+from clipdist.errors import is_failure, printable, report_bug
 from clipdist.files import discard_stdout, read_bounded
 
 
@@ -172,7 +172,7 @@ def _run_composed(cfg) -> None:
             time.sleep(RANK_REFUSAL_WAIT_S)
         sys.exit(2 if isinstance(error, ValueError) else 1)
     except BaseException as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file of the run directory
-        if isinstance(error, EXITS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if not is_failure(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         logging.getLogger("clipdist").error("%s", report_bug(error, run_dir if os.path.isdir(run_dir) else None))
         raise SystemExit(1) from None

@@ -19,7 +19,7 @@ from clipdist.data.samples import IMAGE_FILE_BYTES
 from clipdist.data.tables import delimiter
 from clipdist.defaults import TABLE_CAPTION_KEY, TABLE_IMAGE_KEY, TABLE_SEPARATOR
 from clipdist.errors import ConfigError, printable
-from clipdist.files import open_user, publish, read_bounded, write_atomic
+from clipdist.files import FILE_STEM, open_user, publish, read_bounded, write_atomic
 
 CAPTION_FILE_BYTES = 1 << 20  # a caption .txt beside an image
 
@@ -50,7 +50,7 @@ def checked_image(data: bytes, where: str) -> tuple[str, bytes]:
         raise UnreadableImage(f"{where}: not a readable image ({type(exn).__name__}: {exn})") from None
 
 
-SHARD_PREFIX = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+SHARD_PREFIX = FILE_STEM
 
 
 def write_shards(

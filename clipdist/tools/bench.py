@@ -18,6 +18,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from open_clip.loss import ClipLoss
 
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S
 from clipdist.distributed.launch import launch_local
-from clipdist.files import read_bounded, write_atomic
+from clipdist.files import is_json, read_bounded, write_atomic
 from clipdist.losses import BACKENDS, build
 from clipdist.tools.memory import fit_loss_memory, human_bytes, loss_inputs, loss_kept_bytes
 
@@ -323,17 +324,27 @@ def plot(rows, path: Path, scaling_rows=()) -> None:
     figure.savefig(path, dpi=110)
 
 
+def outputs(tag: str) -> list[tuple[str, Callable[[bytes], bool]]]:
+    """The files `write` replaces in its folder, each with what an earlier one of them holds (files.check_output)."""
+    return [(f"loss_{tag}.json", is_json), (f"loss_scaling_{tag}.json", is_json), (f"loss_memory_{tag}.png", is_png)]
+
+
+def is_png(data: bytes) -> bool:
+    return data.startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def write(rows, out_dir: Path, tag: str, scaling_rows=()) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"loss_{tag}.json"
+    (json_name, _), (scaling_name, _), (picture_name, _) = outputs(tag)
+    json_path = out_dir / json_name
     write_atomic(json_path, json.dumps(rows, indent=1))
     written = [json_path]
     if scaling_rows:
-        written.append(out_dir / f"loss_scaling_{tag}.json")
+        written.append(out_dir / scaling_name)
         write_atomic(written[-1], json.dumps(list(scaling_rows), indent=1))
     try:
-        plot(rows, out_dir / f"loss_memory_{tag}.png", scaling_rows)
-        written.append(out_dir / f"loss_memory_{tag}.png")
+        plot(rows, out_dir / picture_name, scaling_rows)
+        written.append(out_dir / picture_name)
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
     return written

@@ -44,3 +44,22 @@ def test_the_training_benchmark_reports_each_pairs_ratio(capsys):
     assert bench.pair_ratios(runs, "clipdist", 1, skip=2) == [2.0, 2.5]
     bench.report(SimpleNamespace(background=0, skip=2, out=None), runs)
     assert "| 1 | clipdist | 200.0 | 2.22 | 2.00, 2.50 | 1 | 0.5 |" in capsys.readouterr().out
+
+
+def test_the_loss_benchmarks_files_are_checked_before_it_runs(tmp_path, capsys, monkeypatch):
+    """--tag names files in --out: a path in it (`../x`) is refused as it is parsed; a file of the same name that
+    no benchmark wrote is refused before the benchmark (minutes) runs, not replaced after it."""
+    import pytest
+
+    from clipdist.cli import main
+    from clipdist.tools import bench
+
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("the benchmark ran"))
+    for tag in ("../x", "a/b", "-x", "{0..2}"):
+        assert main(["bench", "loss", f"--tag={tag}", "--out", str(tmp_path)]) == 2
+        assert "a file name's start" in capsys.readouterr().err
+    (tmp_path / "loss_cpu.json").write_text("[]")  # an earlier result: replaced
+    (tmp_path / "loss_memory_cpu.png").write_text("my own picture")
+    assert main(["bench", "loss", "--out", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"--out {tmp_path / 'loss_memory_cpu.png'} exists and is not" in lines[0], lines

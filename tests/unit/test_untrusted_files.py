@@ -136,20 +136,27 @@ def test_trust_of_a_file_torch_cannot_read_is_one_line(tmp_path, capsys):
 
 def test_a_base_exception_that_is_not_an_exit_is_reported_as_a_bug(capsys, monkeypatch, tmp_path):
     """DCP's CheckpointException derives from BaseException: where one escapes, it is one line and a file, not the
-    interpreter's traceback; Ctrl-C and exits still end the program as they mean to."""
+    interpreter's traceback; Ctrl-C, exits and other BaseExceptions (a test's own outcome) pass as they mean to."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from clipdist.tools import report
 
+    class Outcome(BaseException):
+        pass
+
     monkeypatch.chdir(tmp_path)
-    for raised, expected in ((CheckpointException("x", {}), 1), (KeyboardInterrupt(), KeyboardInterrupt)):
+    for raised, expected in (
+        (CheckpointException("x", {}), 1),
+        (KeyboardInterrupt(), KeyboardInterrupt),
+        (Outcome(), Outcome),
+    ):
 
         def failing(_run_dir, raised=raised):
             raise raised
 
         monkeypatch.setattr(report, "write_report", failing)
-        if expected is KeyboardInterrupt:
-            with pytest.raises(KeyboardInterrupt):
+        if expected != 1:
+            with pytest.raises(expected):
                 cli(["report", str(tmp_path)])
             continue
         assert cli(["report", str(tmp_path)]) == expected
