@@ -275,6 +275,9 @@ def _with_sections(specs, rule: str | None = None):
     return add
 
 
+RAW_FILE_SOURCES = ("fashion_mnist",)  # the built-in sources made from files in data.source_dir (data/builtin.py)
+
+
 @dataclass
 @_with_sections(KINDS)
 class DataConfig:
@@ -310,7 +313,7 @@ class DataConfig:
     worker_priority: WorkerPriority = WorkerPriority.normal
     normalize_on: NormalizeOn = NormalizeOn.auto  # where uint8 pixels become normalized floats (docs/data.md)
     decode_on: DecodeOn = DecodeOn.host  # where training JPEGs are decoded: device is nvJPEG on CUDA (docs/data.md)
-    source_dir: str | None = None  # where a built-in source's raw files are (fashion_mnist)
+    source_dir: str | None = None  # where a built-in source's raw files are (RAW_FILE_SOURCES: fashion_mnist)
     cache_dir: str = "~/.cache/clipdist"  # where built-in datasets are written on first use
     classnames: list[str] = field(
         default_factory=list
@@ -619,6 +622,12 @@ def _check_data(data: DataConfig) -> None:
         raise ConfigError(
             "data.train_shards is not set: give your shards, e.g. "
             "data.train_shards='/data/{000..099}.tar' (or data.source=digits)"
+        )
+    if data.source_dir is not None and data.source not in RAW_FILE_SOURCES:  # read by nothing: a silent no-op
+        raise ConfigError(
+            f"data.source_dir={data.source_dir} is where {', '.join(RAW_FILE_SOURCES)}'s raw files are, but "
+            f"data.source={data.source or 'null'} reads none: add data=fashion_mnist to train on them, or drop "
+            "data.source_dir"
         )
     if data.source is not None and data.train_shards:  # the built-in set would train, the shards unread
         raise ConfigError(

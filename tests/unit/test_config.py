@@ -55,6 +55,8 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["data.augmentation.gray_scale_prob=2"], "data.augmentation.gray_scale_prob=2.0: a probability, from 0 to 1"),
         # shards given without data=webdataset: the default data=digits would train, the shards never read
         (["data.train_shards=/data/x.tar"], "data.train_shards is given, but data.source=digits makes the training"),
+        # raw files for a source that reads none: the digits would train, the folder never read
+        (["data.source_dir=/data/mnist"], "data.source_dir=/data/mnist is where fashion_mnist's raw files are, but"),
         # an unbounded number, alone or in a list, is finite: nan in a logit bias or a beta trains on nothing
         (["loss=siglip", "loss.init_logit_bias=nan"], "loss.init_logit_bias=nan: must be finite"),
         (["optim.betas=[0.9,inf]"], "optim.betas=[0.9, inf]: must be finite"),
@@ -563,3 +565,15 @@ def test_a_refused_launchs_ranks_may_remove_the_empty_run_directory_in_any_order
     monkeypatch.setattr(os, "scandir", removed_meanwhile)
     monkeypatch.setattr(os.path, "exists", lambda path: False)  # the other rank's rmtree finished
     assert _created_by_hydra(str(tmp_path / "raced"))
+
+
+def test_the_sources_that_read_raw_files_are_the_loaders_that_take_a_folder():
+    import inspect
+
+    from clipdist.config import RAW_FILE_SOURCES
+    from clipdist.data.builtin import LOADERS
+
+    takes = {
+        name for name, load in LOADERS.items() if not next(iter(inspect.signature(load).parameters)).startswith("_")
+    }
+    assert takes == set(RAW_FILE_SOURCES)
