@@ -20,7 +20,7 @@ import torch
 from clipdist.data.batch import Batch, apply, apply_pair
 from clipdist.data.faults import DataError, DataFailure
 from clipdist.data.workers import set_low_priority
-from clipdist.distributed.launch import STOP_SIGNALS, kill_tree
+from clipdist.distributed.launch import STOP_SIGNALS, kill_tree, share_temp_dir
 from clipdist.model.factory import image_size
 from clipdist.model.timm_towers import naflex_patch_size
 
@@ -56,6 +56,8 @@ class Loader:
         start_method: str | None = None,
         seed: int = 0,
     ):
+        if workers:
+            share_temp_dir()
         self.loader = torch.utils.data.DataLoader(
             dataset,
             batch_size=None,

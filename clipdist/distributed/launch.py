@@ -11,6 +11,7 @@ import ctypes
 import functools
 import glob
 import io
+import multiprocessing.util
 import os
 import queue as queue_module
 import signal
@@ -173,6 +174,14 @@ class StopSignal:
         self._previous = {}
 
 
+def share_temp_dir() -> None:
+    """This process's multiprocessing temporary folder (pymp-*), made now so the processes it starts next inherit it
+    (a child copies its parent's `_config` when it is made) rather than each making its own: a worker sharing a
+    tensor puts a socket there, and workers and ranks are stopped with SIGKILL (Loader.close, launch_local), which
+    left each one's folder in /tmp for good. This process removes the one folder at its exit."""
+    multiprocessing.util.get_temp_dir()
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything it started."""
     try:
@@ -282,6 +291,7 @@ def launch_local(
     """
     check_local_ranks(world_size, "this launch")
     method = "spawn" if torch.cuda.is_initialized() else "fork"
+    share_temp_dir()  # the ranks' and their workers' sockets in one folder this process removes
     results = mp.get_context(method).Queue()
     if method == "fork":
         release_openmp_threads()

@@ -142,3 +142,22 @@ def test_a_redirected_console_gets_a_plain_line_a_log_step_and_no_bar(tmp_path, 
     assert "it/s" not in console and "\r" not in console and "%|" not in console, console[-2000:]
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ") and "/3: loss " in line]
     assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"], result.stdout[-2000:]
+
+
+def test_a_run_leaves_no_multiprocessing_folder_behind(tmp_path, cache_dir):
+    """Loader workers and forked ranks are stopped with SIGKILL, past multiprocessing's own clean-up: each one that
+    had shared a tensor left its pymp-* folder (a socket in it) in the temporary folder, two a run. The launching
+    process's one folder is shared with them (launch.share_temp_dir) and removed at its exit."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = train(
+        tmp_path / "run",
+        cache_dir,
+        "world=cpu2",
+        "data.workers=2",
+        "optim.max_steps=2",
+        "eval_every=2",
+        env={"TMPDIR": str(temporary)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not list(temporary.glob("pymp-*")), sorted(p.name for p in temporary.iterdir())
