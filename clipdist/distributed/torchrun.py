@@ -12,10 +12,12 @@ one line (exit 2), and an address it would connect to that does not resolve is r
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import logging
 import socket
 import sys
+import tempfile
 import traceback
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -40,7 +42,8 @@ def main(argv: list[str]) -> int:
         if unresolved:
             print(f"clipdist torchrun: error: {unresolved}", file=sys.stderr)
             return 2
-        run(args)
+        with _agent_log_dir(args):
+            run(args)
     except ChildFailedError as failed:
         rank, first = failed.get_first_failure()
         others = len(failed.failures) - 1
@@ -58,6 +61,19 @@ def main(argv: list[str]) -> int:
         print(f"clipdist torchrun: error: {refusal(error)}", file=sys.stderr)
         return 2
     return 0
+
+
+@contextlib.contextmanager
+def _agent_log_dir(args):
+    """The agent's per-attempt files (its error files; the ranks' streams with --redirects) in a temporary folder
+    removed when the launch ends, where --log-dir names none (torchrun's own default, torchelastic_* in /tmp, is
+    left behind by every launch). A failed rank's lines are on the console already."""
+    if args.log_dir:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="clipdist-torchrun-") as folder:
+        args.log_dir = folder
+        yield
 
 
 def unresolved_address(args) -> str | None:

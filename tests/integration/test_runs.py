@@ -281,11 +281,16 @@ def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path,
 
 def test_clipdist_torchrun_ends_a_failed_launch_in_one_line(tmp_path, cache_dir):
     """torchrun answers a rank's one-line refusal with its agent's traceback and a failure table; `clipdist torchrun`
-    (the same launcher in-process) with one line naming the rank, and the rank's exit code as its own."""
+    (the same launcher in-process) with one line naming the rank, and the rank's exit code as its own. The agent's
+    files go to a folder the launch removes (torchrun's default left a torchelastic_* folder in /tmp each time)."""
     command = train_command(tmp_path / "run", cache_dir, "world=8gpu")
     launched = [sys.executable, "-m", "clipdist", "torchrun", "--standalone", "--nproc-per-node=2", *command[1:]]
-    result = subprocess.run(launched, capture_output=True, text=True, timeout=120, cwd=REPO)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    environment = {**os.environ, "TMPDIR": str(temporary)}
+    result = subprocess.run(launched, capture_output=True, text=True, timeout=120, cwd=REPO, env=environment)
     assert result.returncode == 2, result.stderr[-2000:]
+    assert not list(temporary.iterdir()), sorted(p.name for p in temporary.iterdir())
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors[0].startswith("error: world=8gpu expects 8 processes"), errors
