@@ -106,7 +106,7 @@ RECORDS = (
 
 # What else a run writes at the top of its folder (report.png/.txt: tools.report; compile_cache; profile: tracking;
 # a bug's traceback: errors.report_bug); a folder with anything else and no run record is not a run
-OUTPUTS = ("report.png", "report.txt", "compile_cache", "profile")
+OUTPUTS = ("report.png", "report.txt", "compile_cache", "profile", "lost+found")  # and a new volume's own
 BUG_FILE = "clipdist-bug-"
 
 

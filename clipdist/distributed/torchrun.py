@@ -6,8 +6,9 @@ options, rendezvous and elastic agent, run in this process through `torch.distri
 one line: the first rank that failed, its exit code (the launch's own), and how many others failed with it.
 
 torchrun checks its options in several places (the parser, the launch config, the worker spec, the rendezvous), with
-ValueErrors and bare AssertionErrors alike; whatever it raises other than a rank's failure is its refusal, said in
-one line (exit 2), and an address it would connect to that does not resolve is refused before it waits on it.
+ValueErrors and bare AssertionErrors alike; whatever it raises other than a rank's failure (those, and a rendezvous
+that fails) is said in one line (exit 2), and an address it would connect to that does not resolve is refused
+before it waits on it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
     except SignalException as stopped:  # the launch told to stop: the ranks were sent it too
         print(f"clipdist torchrun: stopped by {stopped.sigval.name}", file=sys.stderr)
         return 128 + int(stopped.sigval)
-    except Exception as error:  # noqa: BLE001 -- torchrun's refusal of its options or its rendezvous: one line
+    except Exception as error:  # noqa: BLE001 -- its options refused, its rendezvous failed: one line
         print(f"clipdist torchrun: error: {refusal(error)}", file=sys.stderr)
         return 2
     return 0
@@ -100,5 +101,5 @@ def refusal(error: BaseException) -> str:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         above = linecache.getline(frame.filename, (frame.lineno or 1) - 1).strip()
         condition = above.split(" ", 1)[1] if above.startswith(("if ", "elif ")) else frame.line or ""
-        return f"torchrun refused the launch ({type(error).__name__} where {condition.rstrip(':')}, in {frame.name})"
-    return f"torchrun refused the launch ({type(error).__name__}: {said[:300]})"
+        return f"torchrun stopped the launch ({type(error).__name__} where {condition.rstrip(':')}, in {frame.name})"
+    return f"torchrun stopped the launch ({type(error).__name__}: {said[:300]})"

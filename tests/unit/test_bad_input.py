@@ -25,7 +25,7 @@ def test_torchruns_own_option_checks_are_one_line(capsys, option, said):
     each is one line (exit 2), the condition said where torchrun gives no message."""
     assert cli(["torchrun", option, "train.py"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("clipdist torchrun: error: torchrun refused the launch ("), lines
+    assert len(lines) == 1 and lines[0].startswith("clipdist torchrun: error: torchrun stopped the launch ("), lines
     assert said in lines[0], lines
 
 
