@@ -11,6 +11,9 @@ environment). A check of the command line or of a config folder's text only sees
   or override put it there. A refusal is one `error:` line and exit 2.
 - `install()` also replaces every resolver outside `KEPT_RESOLVERS` (`oc.env`, `oc.decode`, `oc.create`, and any a
   library registers) for the whole process with one that refuses, so no spelling the grammar accepts reads them.
+- `install()` also bounds what a YAML file may expand to through anchors and aliases (`_bounded_yaml_loader`, for
+  every OmegaConf load in the process: a config folder, a run's saved config): ten nested lists of ten aliases are
+  10^10 values to OmegaConf, a hang and then the machine's memory, from a file of a few lines.
 - `hydra_arguments(argv)` reads the command line with Hydra's own parser: an abbreviation (`--exp`) is the flag.
 - `run_and_report` takes Hydra's place where Hydra reports a failure: one line, never a traceback. What Hydra's
   composition or its logging set-up raises beyond its own errors (a `hydra.verbose` of the wrong kind, a logging
@@ -68,6 +71,9 @@ OUTPUT = {
     "output_subdir": None,
     "job.chdir": False,
 }
+# Values (mappings, lists, scalars, counted as OmegaConf would build them: an alias as a copy) a YAML file may expand
+# to; clipdist's largest composed config is ~400
+MAX_YAML_VALUES = 100_000
 # Resolvers that read nothing outside the config (Hydra's own: now, hydra; OmegaConf's selection helpers)
 KEPT_RESOLVERS = frozenset({"now", "hydra", "oc.select", "oc.dict.keys", "oc.dict.values", "oc.deprecated"})
 
@@ -80,6 +86,7 @@ def install() -> None:
     refuse_outside_resolvers()
     if _installed:
         return
+    _bound_yaml()
     compose = ConfigLoaderImpl.load_configuration
 
     def load_configuration(self, *args, **kwargs):
@@ -96,6 +103,58 @@ def install() -> None:
     _guard_configure_log()
     hydra_utils.run_and_report = run_and_report  # Hydra's own phases (its start, --cfg, --info, the job) report here
     _installed.append(True)
+
+
+class UnboundedYaml(yaml.YAMLError):
+    """A YAML document whose aliases expand past MAX_YAML_VALUES, or nested deeper than the reader recurses."""
+
+
+def _bound_yaml() -> None:
+    """OmegaConf's YAML loader (found by name at each load; basecontainer binds it once) replaced by one that counts
+    what a document expands to before OmegaConf builds it."""
+    import omegaconf._utils
+    import omegaconf.basecontainer
+
+    loader = omegaconf._utils.get_yaml_loader
+
+    def bounded_loader():
+        base = loader()
+
+        class Bounded(base):  # type: ignore[misc, valid-type]
+            def compose_document(self):
+                try:
+                    node = super().compose_document()
+                    values = _expanded_values(node, {})
+                except RecursionError:
+                    raise UnboundedYaml(
+                        f"{one_line(str(self.name))}: the YAML document is nested too deeply to read"
+                    ) from None
+                if values > MAX_YAML_VALUES:
+                    raise UnboundedYaml(
+                        f"{one_line(str(self.name))}: the YAML document expands to {values:,} values through its "
+                        f"aliases (at most {MAX_YAML_VALUES:,}: an alias bomb); write the values out, or use Hydra's "
+                        "defaults list"
+                    )
+                return node
+
+        return Bounded
+
+    omegaconf._utils.get_yaml_loader = bounded_loader
+    omegaconf.basecontainer.get_yaml_loader = bounded_loader  # type: ignore[attr-defined]
+
+
+def _expanded_values(node, counted: dict) -> int:
+    """The values `node` stands for with every alias copied (memoised per node: linear in the document's size)."""
+    if id(node) in counted:
+        return counted[id(node)]
+    children = node.value if isinstance(node.value, list) else []
+    total = 1 + sum(_expanded_values(child, counted) for item in children for child in _pair(item))
+    counted[id(node)] = total
+    return total
+
+
+def _pair(item) -> tuple:
+    return item if isinstance(item, tuple) else (item,)  # a mapping's (key, value) nodes, a sequence's node
 
 
 def run_and_report(func):
@@ -157,8 +216,10 @@ def _composition_error(error: BaseException) -> str | None:
     if not isinstance(error, (HydraException, OmegaConfBaseException, yaml.YAMLError)):
         return None
     said = [str(error)] + ([str(error.__cause__)] if error.__cause__ is not None else [])
-    if isinstance(error, yaml.YAMLError):
+    if isinstance(error, yaml.constructor.ConstructorError):
         said.insert(0, "a config file is not plain YAML data (tags that build Python objects are not read)")
+    elif isinstance(error, yaml.YAMLError) and not isinstance(error, UnboundedYaml):
+        said.insert(0, "a config file is not YAML")
     kept: list[str] = []
     menu = False  # within a menu's indented items: they go on the header's line
     for raw in (line for text in said for line in text.splitlines()):

@@ -11,6 +11,7 @@ import os
 import pickle
 
 import pytest
+import yaml
 from helpers import refusal
 
 SECRET = "s3cr3t-hydra-value"
@@ -220,6 +221,39 @@ def test_a_yaml_tag_that_builds_python_is_one_line(tmp_path, capsys, monkeypatch
     (group / "tag.yaml").write_text(f'name: !!python/object/apply:os.system ["touch {marker}"]\n')
     code, lines = refusal(capsys, monkeypatch, "--config-dir", str(tmp_path / "conf"), "model=tag")
     assert code == 2 and len(lines) == 1 and "not plain YAML data" in lines[0], lines
+
+
+def _alias_bomb(levels: int) -> str:
+    """A few lines of YAML: level i a list of ten aliases of level i-1 — 10^levels values once copied out."""
+    lines = ["# @package _global_", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join([*lines, "model:", "  name: clipdist-tiny", ""])
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (_alias_bomb(9), "values through its aliases (at most 100,000: an alias bomb)"),  # 10^9: hours, then memory
+        ("# @package _global_\nx: " + "[" * 20000 + "]" * 20000 + "\n", "nested too deeply to read"),
+    ],
+    ids=["alias-bomb", "deep"],
+)
+def test_a_config_file_that_expands_without_bound_is_one_line(tmp_path, capsys, monkeypatch, text, said):
+    """A config folder's YAML whose aliases copy out past MAX_YAML_VALUES (10^6 took OmegaConf over 120 s and 650 MB
+    here, 10^9 would take the machine) or nested past the reader's recursion: refused in one line naming the file,
+    at once; an alias or two (a legitimate anchor) still reads."""
+    group = tmp_path / "conf" / "model"
+    group.mkdir(parents=True)
+    (group / "evil.yaml").write_text(text)
+    code, lines = refusal(capsys, monkeypatch, "--config-dir", str(tmp_path / "conf"), "model=evil")
+    assert code == 2 and len(lines) == 1 and f"{group / 'evil.yaml'}: the YAML document" in lines[0], lines
+    assert said in lines[0], lines
+    from clipdist import hydra_policy
+
+    assert hydra_policy._expanded_values(yaml.compose(_alias_bomb(3)), {}) < hydra_policy.MAX_YAML_VALUES
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.create("base: &b {lr: 0.1}\nother: *b\n").other.lr == 0.1
 
 
 def test_plain_data_folders_and_cfg_job_still_work(tmp_path, capsys, monkeypatch):
