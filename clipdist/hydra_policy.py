@@ -118,29 +118,40 @@ def _bound_yaml() -> None:
     loader = omegaconf._utils.get_yaml_loader
 
     def bounded_loader():
-        base = loader()
-
-        class Bounded(base):  # type: ignore[misc, valid-type]
-            def compose_document(self):
-                try:
-                    node = super().compose_document()
-                    values = _expanded_values(node, {})
-                except RecursionError:
-                    raise UnboundedYaml(
-                        f"{one_line(str(self.name))}: the YAML document is nested too deeply to read"
-                    ) from None
-                if values > MAX_YAML_VALUES:
-                    raise UnboundedYaml(
-                        f"{one_line(str(self.name))}: the YAML document expands to {values:,} values through its "
-                        f"aliases (at most {MAX_YAML_VALUES:,}: an alias bomb); write the values out, or use Hydra's "
-                        "defaults list"
-                    )
-                return node
-
-        return Bounded
+        return bounded(loader())
 
     omegaconf._utils.get_yaml_loader = bounded_loader
     omegaconf.basecontainer.get_yaml_loader = bounded_loader  # type: ignore[attr-defined]
+
+
+def load_yaml(text: str):
+    """`text` as yaml.safe_load reads it, bounded as every config file is (a command-line value's aliases would be
+    copied out by OmegaConf just the same)."""
+    return yaml.load(text, Loader=bounded(yaml.SafeLoader))  # noqa: S506 -- a SafeLoader
+
+
+def bounded(base: type) -> type:
+    """YAML loader `base` refusing (UnboundedYaml) a document that expands past MAX_YAML_VALUES or nests past the
+    reader's recursion, before anything is built from it."""
+
+    class Bounded(base):  # type: ignore[misc, valid-type]
+        def compose_document(self):
+            try:
+                node = super().compose_document()
+                values = _expanded_values(node, {})
+            except RecursionError:
+                raise UnboundedYaml(
+                    f"{one_line(str(self.name))}: the YAML document is nested too deeply to read"
+                ) from None
+            if values > MAX_YAML_VALUES:
+                raise UnboundedYaml(
+                    f"{one_line(str(self.name))}: the YAML document expands to {values:,} values through its "
+                    f"aliases (at most {MAX_YAML_VALUES:,}: an alias bomb); write the values out, or use Hydra's "
+                    "defaults list"
+                )
+            return node
+
+    return Bounded
 
 
 def _expanded_values(node, counted: dict) -> int:

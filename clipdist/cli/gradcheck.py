@@ -10,6 +10,8 @@ import yaml
 
 from clipdist.cli.arguments import batch_sizes, count, count_or_zero, positive, seed
 from clipdist.cli.command import Command, arg, given
+from clipdist.errors import one_line
+from clipdist.hydra_policy import load_yaml
 from clipdist.registry.losses import BACKENDS
 from clipdist.registry.terms import TERMS
 
@@ -19,7 +21,11 @@ def option(text: str) -> tuple[str, object]:
     key, equals, value = text.partition("=")
     if not equals or not key:
         raise argparse.ArgumentTypeError(f"{text!r}: give KEY=VALUE (tile=3, self_distill.crops=3)")
-    return key.removeprefix("loss."), yaml.safe_load(value)
+    try:
+        return key.removeprefix("loss."), load_yaml(value)
+    except yaml.YAMLError as error:
+        said = " ".join(str(error).split())  # the parser's lines, on one
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}: {one_line(said)[:200]}") from None
 
 
 def run(args: argparse.Namespace) -> int:

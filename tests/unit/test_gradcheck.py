@@ -37,6 +37,11 @@ def test_a_model_with_a_logit_bias_and_a_softmax_backend_is_one_line_before_any_
     assert "--backend disco: model clipdist-maphead-tiny has a logit bias" in error[0], error
 
 
+ALIAS_BOMB = (
+    "[&a0 [x, x, x, x, x, x, x, x, x, x]"
+    + "".join(f", &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 8))
+    + "]"
+)
 BAD_OPTIONS = [
     (["--backend", "tiled", "--option", "tile=abc"], "--option tile: Value 'abc'"),
     (["--backend", "tiled", "--option", "tile=true"], "--option tile: Value 'True' of type 'bool'"),
@@ -45,10 +50,12 @@ BAD_OPTIONS = [
     (["--term", "masked", "--option", "masked.ratio=5"], "loss.masked.ratio=5.0"),
     (["--term", "self_distill", "--option", "self_distill.crops=abc"], "--option self_distill.crops: Value"),
     (["--distill", "--option", "distill.weight=2"], "--option distill.…: the check's teacher is its own"),
+    # ten aliases of ten aliases ...: 10^8 values once OmegaConf copies them out (a hang, then the memory)
+    (["--backend", "tiled", "--option", "tile=" + ALIAS_BOMB], "expands to 123,456,789 values through its aliases"),
 ]
 
 
-@pytest.mark.parametrize("argv, said", BAD_OPTIONS, ids=[" ".join(argv[-2:]) for argv, _ in BAD_OPTIONS])
+@pytest.mark.parametrize("argv, said", BAD_OPTIONS, ids=[" ".join(argv[-2:])[:40] for argv, _ in BAD_OPTIONS])
 def test_options_are_read_as_train_reads_them_before_any_rank(capsys, monkeypatch, argv, said):
     """--option values typed and bounded by the run's own schema and checks (a string tile reached the backend's
     comparison as a traceback, a negative crop count a rank's bug report, a bool ran as 1): one line, no rank."""
