@@ -32,10 +32,15 @@ import re
 import sys
 from typing import Any
 
+import omegaconf._utils
+import omegaconf.basecontainer
 import yaml
+from hydra._internal import hydra as hydra_internal
 from hydra._internal import utils as hydra_utils
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.core_plugins import basic_launcher
 from hydra._internal.utils import get_args_parser
+from hydra.core import utils as core_utils
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.basecontainer import BaseContainer
@@ -112,9 +117,6 @@ class UnboundedYaml(yaml.YAMLError):
 def _bound_yaml() -> None:
     """OmegaConf's YAML loader (found by name at each load; basecontainer binds it once) replaced by one that counts
     what a document expands to before OmegaConf builds it."""
-    import omegaconf._utils
-    import omegaconf.basecontainer
-
     loader = omegaconf._utils.get_yaml_loader
 
     def bounded_loader():
@@ -205,10 +207,6 @@ def _hydras_input(action: str):
 def _guard_configure_log() -> None:
     """Hydra's `configure_log` (hydra.verbose and the logging configs) under `_hydras_input`, in every module that
     imported it by name (the run, the launchers, a sweep job through `run_job`)."""
-    from hydra._internal import hydra as hydra_internal
-    from hydra._internal.core_plugins import basic_launcher
-    from hydra.core import utils as core_utils
-
     configure_log = core_utils.configure_log
 
     def guarded(*args, **kwargs):

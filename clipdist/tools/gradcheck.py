@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf.errors import OmegaConfBaseException
 
-from clipdist.config import LossConfig
+from clipdist.config import LossConfig, to_train_config, validate
 from clipdist.data.batch import Batch
 from clipdist.defaults import COLLECTIVE_TIMEOUT_S, DEFAULT_MODEL
 from clipdist.distributed.launch import launch_local
@@ -149,10 +150,6 @@ def as_train_reads(backend: str, given: Mapping[str, Any]) -> LossConfig:
     """`loss.<key>` values as train.py reads them: typed by the run's schema (with `backend`'s own options) and held
     to its checks (bounds, a term's own check, with the EMA teacher the check's teacher terms stand for); a
     ValueError naming the key."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from clipdist.config import to_train_config, validate
-
     run = {"name": "gradcheck", "run_dir": ".", "optim": {"ema": {"decay": 0.999}}}
     try:
         cfg = to_train_config({**run, "loss": {**given, "name": backend}})
