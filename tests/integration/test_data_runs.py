@@ -51,7 +51,9 @@ def test_skips_in_loader_workers_are_summed_over_ranks(tmp_path, launch):
     run_dir = tmp_path / "run"
     if launch == "torchrun":
         command = train_command(run_dir, tmp_path / "cache", *overrides, "world=cpu2", "world.spawn=false")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *command[1:]]
+        agent = f"--log-dir={tmp_path / 'torchelastic'}"  # not torchrun's default folder in /tmp, which stays
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", agent]
+        command = [*launcher, *command[1:]]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     else:
         result = train(run_dir, tmp_path / "cache", *overrides, "world=cpu2")

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import QUIET, REPO, Run, logged_steps, python, read_jsonl, train, train_command
@@ -70,8 +71,10 @@ def test_resume_with_another_world_size_warns_of_the_new_global_batch(tmp_path, 
 
 
 def torchrun_command(run_dir, cache_dir, *overrides):
+    """torchrun itself, its agent's files beside the run (its default, a torchelastic_* folder in /tmp, stays)."""
     command = train_command(run_dir, cache_dir, *overrides)
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *command[1:]]
+    agent = f"--log-dir={Path(run_dir).parent / 'torchelastic'}"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", agent, *command[1:]]
 
 
 @pytest.mark.parametrize(
@@ -249,6 +252,7 @@ def test_two_torchrun_agents_meet_over_loopback_and_train_as_two_nodes(tmp_path,
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=two-nodes-{steps}",
                 f"--rdzv-conf=is_host={int(node == 0)}",
+                f"--log-dir={tmp_path / f'torchelastic{node}'}",
                 *train_command(run_dir, cache_dir, *overrides)[1:],
             ]
             started.append(
