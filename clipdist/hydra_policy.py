@@ -30,6 +30,7 @@ import io
 import os
 import re
 import sys
+import traceback
 from typing import Any
 
 import omegaconf._utils
@@ -178,7 +179,7 @@ def run_and_report(func):
     except BaseException as error:  # noqa: BLE001 -- said in one line below
         if not is_failure(error) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        said = _composition_error(error)
+        said = _composition_error(error) or hydras_refusal(error)
         if said:
             refuse(said)
         print(f"error: {report_bug(error)}", file=sys.stderr)
@@ -217,6 +218,18 @@ def _guard_configure_log() -> None:
     for module in (core_utils, hydra_internal, basic_launcher, main_module):
         if getattr(module, "configure_log", None) is configure_log:
             module.configure_log = guarded  # type: ignore[attr-defined]
+
+
+HYDRA_PACKAGE = os.path.dirname(os.path.abspath(hydra_utils.__file__)).rsplit(os.sep, 1)[0] + os.sep
+
+
+def hydras_refusal(error: BaseException) -> str | None:
+    """A ValueError Hydra raises itself, checking its own flags (`--shell-completion` without a subcommand, `-m`
+    with `--cfg`), as one line; None for anything raised elsewhere."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if isinstance(error, ValueError) and frames and os.path.abspath(frames[-1].filename).startswith(HYDRA_PACKAGE):
+        return f"{' '.join(str(error).split())} (Hydra's flags: python train.py --hydra-help)"
+    return None
 
 
 def _composition_error(error: BaseException) -> str | None:

@@ -58,6 +58,11 @@ def train_main(overrides: list[str] | None = None, program: bool = False) -> Non
         sys.exit(2)
     try:
         hydra.main(version_base=None, config_path="pkg://clipdist.conf", config_name="config")(_run_composed)()
+    except ValueError as error:  # Hydra's own check of its flags, before its reporting starts (-m with --cfg)
+        said = hydra_policy.hydras_refusal(error)
+        if said is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        hydra_policy.refuse(said)
     finally:
         if program:  # the interpreter's last collection skipped: the exit frees everything (3.7 s of a 5.8 s stop)
             gc.disable()

@@ -271,3 +271,22 @@ def test_plain_data_folders_and_cfg_job_still_work(tmp_path, capsys, monkeypatch
             train_main(["--cfg", "job", *route, "model=mine", "optim.lr=0.002"])
         shown = capsys.readouterr().out
         assert "name: clipdist-tiny" in shown and "lr: 0.002" in shown, shown
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (
+            ["-m", "optim.lr=0.1,0.2", "--cfg", "job"],
+            "Only one of --run, --multirun, --cfg, --info and --shell_completion",
+        ),
+        (["--shell-completion"], "Expecting one subcommand from ['install', 'uninstall', 'query']"),
+    ],
+)
+def test_hydras_own_check_of_its_flags_is_one_line(tmp_path, capsys, monkeypatch, flags, said):
+    """Hydra refuses flags that do not go together with a ValueError of its own: raised before its reporting starts
+    (-m with --cfg: the interpreter's traceback) or inside it (a bug report): one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    code, lines = refusal(capsys, monkeypatch, *flags)
+    assert code == 2 and len(lines) == 1 and said in lines[0], lines
+    assert not list(tmp_path.glob("clipdist-bug-*"))
