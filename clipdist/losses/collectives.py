@@ -144,12 +144,18 @@ def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
 
 def post_exchange(tensors, shifts, receive_rows, layout, tag: int = 0):
     """Post sending tensors[k] to rank + shifts[k] and receiving a block of receive_rows[k] rows from
-    rank − shifts[k] (all at once, message tags tag + k); returns (the receive buffers, the requests)."""
+    rank − shifts[k] (all at once, message tags tag + k); returns (the receive buffers, the requests). Ranks are
+    the group's; point-to-point operations name peers by their global rank."""
     rank, world_size = layout.rank, layout.world_size
     received = [tensors[k].new_empty((rows, *tensors[k].shape[1:])) for k, rows in enumerate(receive_rows)]
     operations = []
     for k, (tensor, shift) in enumerate(zip(tensors, shifts)):
-        peer_to, peer_from = (rank + shift) % world_size, (rank - shift) % world_size
+        peer_to, peer_from = _global(layout, (rank + shift) % world_size), _global(layout, (rank - shift) % world_size)
         operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer_to, layout.group, tag=tag + k))
         operations.append(dist.P2POp(dist.irecv, received[k], peer_from, layout.group, tag=tag + k))
     return received, dist.batch_isend_irecv(operations)
+
+
+def _global(layout: WorldLayout, group_rank: int) -> int:
+    """The global rank of the group's `group_rank` (the same where the group is the default one)."""
+    return group_rank if layout.group is None else dist.get_global_rank(layout.group, group_rank)

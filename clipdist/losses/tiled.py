@@ -21,7 +21,7 @@ class RowLogSumExp(RingKernel):
             for c in range(0, block.shape[0], tile):
                 tile_lse = torch.logsumexp(logits(scaled_rows[r : r + tile], block[c : c + tile]), dim=1)
                 running = tile_lse if running is None else torch.logaddexp(running, tile_lse)
-            lse[r : r + tile] = running
+            lse[r : r + tile] = running if running is not None else -torch.inf  # an empty block: LSE over nothing
         return lse
 
     def merge(self, first, second):

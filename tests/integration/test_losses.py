@@ -9,6 +9,9 @@ gradient == ∂L/∂s (and the logit bias's, for siglip). References: each backe
 
 from __future__ import annotations
 
+import functools
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +21,8 @@ from open_clip.loss import ClipLoss, SigLipLoss
 
 from clipdist.distributed.launch import launch_local
 from clipdist.losses import BACKENDS, build
+from clipdist.losses.distill import DistillationLoss
+from clipdist.losses.reference import distill_loss_reference
 from clipdist.registry import load
 from clipdist.registry.losses import CLIP, SIGLIP
 
@@ -94,6 +99,101 @@ def test_every_backend_matches_single_process_loss_and_gradients(world_size):
     assert set(errors) == {(b, c) for b in LOSSES for c in range(len(CASES))}
     bad = {key: err for key, err in errors.items() if max(err) > TOLERANCE}
     assert not bad, f"not exact at world size {world_size}: {bad}"
+
+
+# Groups of a world of 4 a random layout runs on: the whole world (group=None, as training passes it), subgroups of
+# two and three ranks, and a group of one.
+MEMBERS = [(0, 1, 2, 3), (1, 3), (0, 1, 2), (2,)]
+
+
+def layout_draw(rng: random.Random) -> dict:
+    """One layout: a group, each member's local batch (0 rows on some ranks, never on all), the feature width, the
+    scalars, the ring's tile and the upstream gradient the loss is multiplied by."""
+    members = rng.choice(MEMBERS)
+    sizes = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in members]
+    if not sum(sizes):
+        sizes[rng.randrange(len(sizes))] = rng.choice([1, 4])
+    return {
+        "members": members,
+        "sizes": sizes,
+        "dim": rng.choice([1, 2, 5, 16]),
+        "scale": 10 ** rng.uniform(0, 2),
+        "bias": rng.uniform(-12, 2),
+        "tile": rng.choice([1, 2, 3, 7, 64]),
+        "upstream": rng.uniform(0.5, 2),
+        "seed": rng.randrange(10**6),
+    }
+
+
+def features(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch: unit rows times a norm in [0.5, 1.5) (exactness is algebra, not the unit sphere)."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    shape = (sum(case["sizes"]), case["dim"])
+    norms = 0.5 + torch.rand(shape[0], 1, generator=generator, dtype=torch.float64)
+    image, text = (F.normalize(torch.randn(shape, generator=generator, dtype=torch.float64), dim=-1) for _ in "it")
+    return image * norms, text * norms.flip(0)
+
+
+def gradients(loss_fn, bias: bool, image, text, case, group=None, rows=slice(None)):
+    """(loss, ∂/∂image, ∂/∂text, ∂/∂scale[, ∂/∂bias]) of upstream·loss on `rows` of the batch; on a group, the
+    members' contributions averaged as DDP averages them (the loss too)."""
+    local = [tensor[rows].clone().requires_grad_(True) for tensor in (image, text)]
+    scalars = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (case["scale"], case["bias"])]
+    scalars = scalars[: 2 if bias else 1]
+    loss = loss_fn(*local, *scalars)
+    (loss * case["upstream"]).backward()
+    grads = [torch.zeros_like(image), torch.zeros_like(text)]
+    for full, part in zip(grads, local):
+        full[rows] = part.grad
+    values = torch.stack([loss.detach(), *(s.grad for s in scalars)])
+    if group is not None:
+        for tensor in (*grads, values):
+            dist.all_reduce(tensor, group=group)
+            tensor /= len(case["members"])
+    return values[0], *grads, *values[1:]
+
+
+def exact_over_random_layouts(seed: int, draws: int):
+    """Worker: every backend on `draws` random layouts (the same on every rank); rank 0 returns
+    [(draw, backend, max rel. error against the backend's reference)]."""
+    rank, rng = dist.get_rank(), random.Random(seed)
+    groups = {members: dist.new_group(list(members)) for members in MEMBERS}  # every rank makes each, in order
+    errors = []
+    for draw in range(draws):
+        case = layout_draw(rng)
+        members = case["members"]
+        if rank not in members:
+            continue
+        position = members.index(rank)
+        group = None if len(members) == dist.get_world_size() else groups[members]
+        image, text = features(case)
+        rows = slice(sum(case["sizes"][:position]), sum(case["sizes"][: position + 1]))
+        for name, spec in BACKENDS.items():
+            loss_fn = build(name, **({"tile": case["tile"]} if spec.options else {}), group=group)
+            bias = loss_fn.uses_logit_bias
+            got = gradients(loss_fn, bias, image, text, case, groups[members], rows)
+            want = gradients(loss_fn.reference, bias, image, text, case)
+            errors.append((draw, name, max_error(got, want)))
+        # distillation's ring term, from a teacher one feature wider with its own scale
+        teacher = features({**case, "dim": case["dim"] + 1, "seed": case["seed"] + 1})
+        teacher_scale = torch.tensor(case["scale"] / 2, dtype=torch.float64)
+        ring = DistillationLoss(tile=case["tile"], group=group)
+        local = {"teacher_image": teacher[0][rows], "teacher_text": teacher[1][rows], "teacher_scale": teacher_scale}
+        whole = {"teacher_image": teacher[0], "teacher_text": teacher[1], "teacher_scale": teacher_scale}
+        got = gradients(functools.partial(ring, **local), False, image, text, case, groups[members], rows)
+        want = gradients(functools.partial(distill_loss_reference, **whole), False, image, text, case)
+        errors.append((draw, "distill", max_error(got, want)))
+    return errors if rank == 0 else None
+
+
+def test_every_backend_is_exact_over_random_layouts():
+    """Every backend's and distillation's loss and gradients equal the single-process ones over random layouts:
+    groups of 1–4 ranks, local batches of 0–8 rows (a rank with none too), widths 1–16, scales 1–100, tiles smaller
+    and larger than every block."""
+    errors = launch_local(exact_over_random_layouts, 4, 20261129, 40, timeout_s=240)[0]
+    assert {name for _, name, _ in errors} == {*BACKENDS, "distill"} and len(errors) >= 100
+    bad = [(draw, name, error) for draw, name, error in errors if error > TOLERANCE]
+    assert not bad, f"not exact: {bad}"
 
 
 def mismatched_feature_dims():

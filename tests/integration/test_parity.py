@@ -10,7 +10,7 @@ step is the whole table (one batch an epoch), so neither does the order of its r
 config in a `local-dir:` folder named `vit-tiny` (open_clip_train picks its AdamW betas/eps by "vit" in the name).
 
 RECIPES names the rows of the migration table each recipe covers; docs/migrating.md's "same" rows that say
-"tested end to end" are exactly these (test_the_table_names_the_rows_this_module_runs)."""
+"[tested](#tested-end-to-end)" are exactly these (test_the_table_names_the_rows_this_module_runs)."""
 
 from __future__ import annotations
 
@@ -624,10 +624,10 @@ OTHER_ROWS = {"--log-every-n-steps": test_the_log_cadence_is_open_clip_trains}
 
 
 def test_the_table_names_the_rows_this_module_runs():
-    """docs/migrating.md marks a row "tested end to end" exactly where a recipe here runs its flag."""
+    """docs/migrating.md marks a row "[tested](#tested-end-to-end)" exactly where a recipe here runs its flag."""
     covered = {flag for *_, rows in RECIPES.values() for flag in rows} | set(OTHER_ROWS)
     text = (REPO / "docs" / "migrating.md").read_text()
-    marked = set(re.findall(r"^\| `(--[a-z0-9-]+)` \|[^\n]*tested end to end", text, flags=re.M))
+    marked = set(re.findall(r"^\| `(--[a-z0-9-]+)` \|[^\n]*\[tested\]\(#tested-end-to-end\)", text, flags=re.M))
     assert marked == covered, (sorted(covered - marked), sorted(marked - covered))
     for flag in covered:
         row = re.search(rf"^\| `{flag}` \|[^|]*\| (\w+)", text, flags=re.M)
