@@ -51,6 +51,12 @@ def timed_out_collective(error: BaseException) -> bool:
     )
 
 
+def words(error: BaseException, limit: int = 300) -> str:
+    """An error's whole message on one line (its lines joined by single spaces), printable, at most `limit`
+    characters; "" where it has none."""
+    return printable(" ".join(str(error).split()))[:limit]
+
+
 def first_line(error: BaseException) -> str:
     """An error's first line, printable, at most 300 characters."""
     return one_line((str(error).splitlines() or [""])[0])[:300]

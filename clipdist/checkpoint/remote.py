@@ -30,7 +30,7 @@ import fsspec
 
 from clipdist.checkpoint.run_dir import COPIED_LOGS, LOG_TOTAL_BYTES
 from clipdist.checkpoint.weights import CHECKPOINT
-from clipdist.errors import ConfigError
+from clipdist.errors import ConfigError, words
 from clipdist.files import read_own
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class RemoteCopies:
             log.warning(
                 "could not copy the run's logs to %s (%s); they are intact on this node",
                 self.url,
-                " ".join(str(error).split())[:300] or type(error).__name__,
+                words(error) or type(error).__name__,
             )
 
     def _upload_with_retries(self, name: str, snapshot: Path) -> bool:
@@ -194,7 +194,7 @@ class RemoteCopies:
                 self._retain()
                 return True
             except Exception as error:  # noqa: BLE001 -- any failure of the copy is retried, then reported
-                reason = " ".join(str(error).split())[:300] or type(error).__name__
+                reason = words(error) or type(error).__name__
                 if attempt < self.retries:
                     time.sleep(self.backoff_s * 2**attempt)
                     continue

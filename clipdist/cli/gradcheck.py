@@ -10,7 +10,7 @@ import yaml
 
 from clipdist.cli.arguments import batch_sizes, count, count_or_zero, positive, seed
 from clipdist.cli.command import Command, arg, given
-from clipdist.errors import one_line
+from clipdist.errors import words
 from clipdist.hydra_policy import load_yaml
 from clipdist.registry.losses import BACKENDS
 from clipdist.registry.terms import TERMS
@@ -24,8 +24,7 @@ def option(text: str) -> tuple[str, object]:
     try:
         return key.removeprefix("loss."), load_yaml(value)
     except yaml.YAMLError as error:
-        said = " ".join(str(error).split())  # the parser's lines, on one
-        raise argparse.ArgumentTypeError(f"{text[:60]!r}: {one_line(said)[:200]}") from None
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}: {words(error, 200)}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import get_args_parser, run
 
+from clipdist.errors import words
+
 AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
 
 
@@ -96,10 +98,10 @@ def unresolved_address(args) -> str | None:
 def refusal(error: BaseException) -> str:
     """torchrun's exception as one line: its message, or where it has none (a bare `raise AssertionError`), the
     condition at the raise."""
-    said = " ".join(str(error).split())
+    said = words(error)
     if not said:
         frame = traceback.extract_tb(error.__traceback__)[-1]
         above = linecache.getline(frame.filename, (frame.lineno or 1) - 1).strip()
         condition = above.split(" ", 1)[1] if above.startswith(("if ", "elif ")) else frame.line or ""
         return f"torchrun stopped the launch ({type(error).__name__} where {condition.rstrip(':')}, in {frame.name})"
-    return f"torchrun stopped the launch ({type(error).__name__}: {said[:300]})"
+    return f"torchrun stopped the launch ({type(error).__name__}: {said})"

@@ -26,7 +26,7 @@ from clipdist.checkpoint.weights import UnsafeFileError, own_file, read_small_js
 from clipdist.defaults import DEFAULT_MODEL
 from clipdist.distributed.network import unreachable
 from clipdist.distributed.parallel import node_leaders_first
-from clipdist.errors import printable
+from clipdist.errors import printable, words
 from clipdist.model.timm_towers import (
     KWARGS_KEY,
     check_image_tower,
@@ -542,7 +542,7 @@ def _hub_file(
                 error = failure
         raise error
     except Exception as error:  # noqa: BLE001 -- offline, not cached, no such repo: the reason is the message
-        reason = " ".join(str(error).split())[:300]
+        reason = words(error)
         raise ValueError(
             f"{what}: {thing} not in the cache ({cache_dir or 'HF_HOME, ~/.cache/huggingface'}) and "
             f"cannot be fetched from here ({reason}); fetch them once where there is network (the same command, or "
