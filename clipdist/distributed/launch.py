@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -335,6 +335,10 @@ def _collected(context, results, world_size: int) -> dict[int, Any]:
         if said is not None:
             raise said.type(said.message) from None
         raise
+    finally:  # a rank that raised left its traceback in a file torch names in the temporary folder and never removes
+        for path in context.error_files:
+            with suppress(OSError):
+                os.unlink(path)
     while len(collected) < world_size:  # results put just before the last exit
         rank, result = results.get(timeout=30)
         collected[rank] = torch.load(io.BytesIO(result), weights_only=False)

@@ -105,3 +105,24 @@ def test_an_error_on_one_rank_stops_the_others_at_once_and_is_raised_as_itself()
     with pytest.raises(OutOfMemory, match="out of memory on rank 1"):
         launch_local(_out_of_memory_on_rank_1, 2, timeout_s=300)
     assert time.monotonic() - started < 60  # the barrier's own timeout is 300 s
+
+
+def _a_bug_on_rank_0():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise KeyError("a bug on rank 0")
+    dist.barrier()
+
+
+def test_a_rank_that_raises_leaves_no_file_in_the_temporary_folder(tmp_path, monkeypatch):
+    """torch writes a raising rank's traceback to pytorch-errorfile-*.pickle in the temporary folder and never removes
+    it: one file in /tmp for every failed launch (a world=cpu2 run that meets a bug, a failing test)."""
+    import tempfile
+
+    from clipdist.distributed.launch import launch_local
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(Exception, match="a bug on rank 0"):
+        launch_local(_a_bug_on_rank_0, 2, timeout_s=60)
+    assert not list(tmp_path.glob("pytorch-errorfile-*")), list(tmp_path.iterdir())
