@@ -722,9 +722,29 @@ def _numbers(value) -> list[float]:
 _REGISTERED: set[tuple[str, type]] = set()  # what this process has stored already (each store costs ~50 ms)
 
 
+def other_backends_option(key: str) -> str | None:
+    """One line for `loss.<option>` where the run's loss does not take it but other backends do (loss.tile with
+    loss=disco); None for any other key."""
+    option = key.removeprefix("loss.")
+    owners = [name for name, schema in LOSS_SCHEMAS.items() if key.startswith("loss.") and option in _fields(schema)]
+    if not owners or option in _fields(LossConfig):
+        return None
+    return (
+        f"{printable(key)}: an option of {', '.join(f'loss={name}' for name in owners)}, not of the loss chosen; "
+        "choose one of those backends or leave the option out"
+    )
+
+
+def _fields(schema: type) -> set[str]:
+    return {field.name for field in fields(schema)}
+
+
 def register() -> None:
     """Make the schemas known to Hydra: `train_schema` (config.yaml's first default) and `<name>_loss_schema` —
-    once a process, and again for a backend or schema added to the registries since."""
+    once a process, and again for a backend or schema added to the registries since; and what a loss option means
+    where Hydra finds it missing (hydra_policy.MISSING_KEY_HINTS)."""
+    if other_backends_option not in hydra_policy.MISSING_KEY_HINTS:
+        hydra_policy.MISSING_KEY_HINTS.append(other_backends_option)
     store = ConfigStore.instance()
     _store_once(store, "train_schema", TrainConfig)
     for name, schema in LOSS_SCHEMAS.items():
@@ -755,7 +775,7 @@ def _misfit(given: dict, schema, prefix: str = "") -> str | None:
     for key, value in given.items():
         path = f"{prefix}{key}"
         if key not in list(schema.keys()):  # (`key in schema` is False for a key whose value is ??? yet)
-            return (
+            return other_backends_option(path) or (
                 f"{path}: no such key ({owner.__name__} has no '{key}'); check the spelling "
                 "(python train.py --cfg job lists every key)"
             )
@@ -874,6 +894,14 @@ def schema_keys() -> tuple[frozenset[str], frozenset[str]]:
 GROUPS_WITHOUT_KEYS = ("recipe",)  # config groups with no section of their own (clipdist/conf/recipe/: _global_)
 
 
+@functools.cache
+def default_groups() -> frozenset[str]:
+    """The config groups conf/config.yaml's defaults list chooses for every run (model, data, ..., recipe)."""
+    defaults = OmegaConf.load(CONF / "config.yaml").defaults
+    keys = (str(key) for entry in defaults if isinstance(entry, DictConfig) for key in entry)
+    return frozenset(key for key in keys if not key.startswith("override"))
+
+
 def group_options(group: str) -> list[str]:
     """The options Hydra's own menu offers for a config group (`loss=`, `world=`, `hydra/launcher=`): clipdist/conf's
     files, the registered loss backends, a search-path plugin's; [] for a key that is no group."""
@@ -916,28 +944,37 @@ def unknown_override(arguments: list[str]) -> str | None:
         key = override.key_or_group
         options = [] if searched else group_options(key)
         if options:
-            chosen = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
-            unknown = next((str(value) for value in chosen if value is not None and value not in options), None)
-            if unknown is None:
-                continue
-            near = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6)
-            hint = f"did you mean {key}={near[0]}? " if near else ""
-            named = "; an open_clip model name or config file goes in model.name=" if key == "model" else ""
-            return (
-                f"{printable(key)}={printable(unknown)}: no such option; {hint}choose one of {', '.join(options)}"
-                + named
-            )
+            said = _group_choice_error(override, key, options)
+            if said:
+                return said
+            continue
         if "/" in key or key.split(".")[0] == "hydra" or key in keys or any(key.startswith(f"{f}.") for f in free):
             continue
         if key in GROUPS_WITHOUT_KEYS:  # a group that sets others' keys (recipe=siglip2)
             continue
         siblings = sorted(k for k in keys if k.count(".") == key.count("."))
         near = [MOVED[key]] if key in MOVED else difflib.get_close_matches(key, siblings, n=2, cutoff=0.8)
-        hint = f"did you mean {' or '.join(near)}? " if near else ""
-        return (
-            f"{printable(key)}: no such key; {hint}(python train.py --cfg job lists every key; a loss backend's "
-            "options exist with its loss=)"
-        )
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        backends = "; a loss backend's options exist with its loss=" if key.startswith("loss.") else ""
+        return f"{printable(key)}: no such key{hint} (python train.py --cfg job lists every key{backends})"
+    return None
+
+
+def _group_choice_error(override, key: str, options: list[str]) -> str | None:
+    """One line for a choice of the group `key` that names no option (a sweep's too), or one added with `+` to a group
+    every run chooses from already (Hydra: "Multiple values for loss ... use 'override loss: tiled'"); None where
+    it is fine."""
+    chosen = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+    unknown = next((str(value) for value in chosen if value is not None and value not in options), None)
+    if unknown is not None:
+        near = difflib.get_close_matches(unknown, options, n=1, cutoff=0.6)
+        hint = f"did you mean {key}={near[0]}? " if near else ""
+        named = "; an open_clip model name or config file goes in model.name=" if key == "model" else ""
+        listed = ", ".join(options)
+        return f"{printable(key)}={printable(unknown)}: no such option; {hint}choose one of {listed}{named}"
+    if override.is_add() and key in default_groups():
+        value = printable(override.get_value_element_as_str())
+        return f"+{key}={value}: {key} is a group every run's config chooses from already; give {key}={value}"
     return None
 
 

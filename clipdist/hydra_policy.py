@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import omegaconf._utils
@@ -45,7 +46,7 @@ from hydra.core import utils as core_utils
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.basecontainer import BaseContainer
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from clipdist.errors import is_failure, one_line, report_bug
 
@@ -232,11 +233,26 @@ def hydras_refusal(error: BaseException) -> str | None:
     return None
 
 
+# What a key the composed config lacks means, where the schema knows more than Hydra's "not in" (config adds the
+# loss backends' options: loss.tile is tiled's and siglip's); each takes the full key, None where it knows nothing
+MISSING_KEY_HINTS: list[Callable[[str], str | None]] = []
+
+
 def _composition_error(error: BaseException) -> str | None:
     """Hydra's or the YAML reader's message for a config it could not compose, on one line (its indented details
-    and the HYDRA_FULL_ERROR hint left out); None for any other exception."""
+    and the HYDRA_FULL_ERROR hint left out), or a MISSING_KEY_HINTS line for a key it did not find; None for any
+    other exception."""
     if not isinstance(error, (HydraException, OmegaConfBaseException, yaml.YAMLError)):
         return None
+    not_found = (ConfigKeyError, ConfigAttributeError)
+    # the key OmegaConf did not find: raised by it, or by Hydra while handling OmegaConf's (a config file's key)
+    missing = next((e for e in (error, error.__cause__, error.__context__) if isinstance(e, not_found)), None)
+    if missing is not None and missing.full_key:
+        hints = (hint(str(missing.full_key)) for hint in MISSING_KEY_HINTS)
+        hinted = next((hint for hint in hints if hint), None)
+        if hinted:  # after the file Hydra names, where a config file's key it is ("In 'loss/mine': ...")
+            where = re.match(r"In '[^'\n]*': ", str(error))
+            return (where.group(0) if where else "") + hinted
     said = [str(error)] + ([str(error.__cause__)] if error.__cause__ is not None else [])
     if isinstance(error, yaml.constructor.ConstructorError):
         said.insert(0, "a config file is not plain YAML data (tags that build Python objects are not read)")

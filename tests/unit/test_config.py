@@ -116,8 +116,12 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["run_dir={tmp}/runs/${oc.select:name}", "name=."], "runs/.' (name='.') is "),  # name by another spelling
         (["run_dir={tmp}/.."], "run_dir='"),
         (["+optim.lrr=1"], "optim.lrr: no such key; did you mean optim.lr?"),  # `+` adds what the schema would drop
-        (["+data.csv=x"], "data.csv: no such key; (python train.py --cfg job"),
+        (["+data.csv=x"], "data.csv: no such key (python train.py --cfg job lists every key)"),
         (["loss=tiled", "+loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile?"),
+        # another backend's option, however it comes: Hydra's "not in LossConfig" (and its `+` advice) said as it is
+        (["loss.tile=3"], "loss.tile: an option of loss=tiled, loss=siglip, not of the loss chosen; choose one"),
+        (["loss=naive", "+loss.tile=3"], "loss.tile: an option of loss=tiled, loss=siglip, not of the loss chosen"),
+        (["loss=disco", "++loss.tile=3"], "loss.tile: an option of loss=tiled, loss=siglip, not of the loss chosen"),
         (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "${oc.env:...}: clipdist configs do not read"),
         (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
     ],
@@ -342,6 +346,18 @@ def test_the_loss_menu_offers_backends_only(tmp_path, capsys, monkeypatch):
     assert "Available options in 'loss': disco, gather_layer, naive, siglip, tiled" in lines[0], lines
 
 
+def test_another_backends_option_in_a_config_file_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mine" / "loss").mkdir(parents=True)
+    (tmp_path / "mine" / "loss" / "mine.yaml").write_text("defaults:\n  - disco\n  - _self_\ntile: 3\n")
+    code, lines = refusal(
+        capsys, monkeypatch, "--config-dir", str(tmp_path / "mine"), f"run_dir={tmp_path / 'run'}", "loss=mine"
+    )
+    assert code == 2 and lines == [
+        "error: In 'loss/mine': loss.tile: an option of loss=tiled, loss=siglip, not of the loss chosen; choose one "
+        "of those backends or leave the option out"
+    ], lines
+
+
 def test_open_clips_precision_names_are_read_as_ours():
     """open_clip_train's --precision amp / amp_bf16 / amp_bfloat16 mean our fp16 / bf16 (autocast)."""
     from clipdist.config import to_train_config
@@ -437,6 +453,9 @@ def test_a_group_choice_that_names_no_option_is_refused_with_the_options():
         (["optim.lrr=0.1"], "optim.lrr: no such key; did you mean optim.lr?"),
         (["loss=disko"], "loss=disko: no such option; did you mean loss=disco?"),
         (["loss=tiled", "loss.tyle=4"], "loss.tyle: no such key; did you mean loss.tile"),
+        # a group every run chooses from, added with + (Hydra: "Multiple values ... use 'override recipe: siglip2'")
+        (["+recipe=siglip2"], "+recipe=siglip2: recipe is a group every run's config chooses from already; give rec"),
+        (["+loss=tiled"], "+loss=tiled: loss is a group every run's config chooses from already; give loss=tiled"),
     ],
 )
 def test_a_misspelt_key_is_one_line_before_hydra_composes(tmp_path, capsys, monkeypatch, overrides, message):

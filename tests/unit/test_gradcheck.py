@@ -45,7 +45,7 @@ ALIAS_BOMB = (
 BAD_OPTIONS = [
     (["--backend", "tiled", "--option", "tile=abc"], "--option tile: Value 'abc'"),
     (["--backend", "tiled", "--option", "tile=true"], "--option tile: Value 'True' of type 'bool'"),
-    (["--backend", "disco", "--option", "tile=3"], "loss.tile: no such key"),
+    (["--backend", "disco", "--option", "tile=3"], "loss.tile: an option of loss=tiled, loss=siglip, not of the"),
     (["--term", "self_distill", "--option", "self_distill.crops=-3"], "loss.self_distill.crops=-3: must be 0"),
     (["--term", "masked", "--option", "masked.ratio=5"], "loss.masked.ratio=5.0"),
     (["--term", "self_distill", "--option", "self_distill.crops=abc"], "--option self_distill.crops: Value"),
