@@ -23,6 +23,7 @@ import re
 import torch
 from timm.optim import create_optimizer_v2, get_optimizer_info, list_optimizers
 
+from clipdist.errors import words
 from clipdist.optim.schedules import lr_factor
 
 ADAMW = "adamw"
@@ -139,7 +140,7 @@ def create_optimizer(groups: list[dict], optim) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=optim.lr, fused=fused or None, **{**options, **optim.kwargs})
     info, options = get_optimizer_info(name), {}
     if info.has_betas and optim.betas:
-        options["betas"] = tuple(optim.betas[: info.num_betas])
+        options["betas"] = tuple(optim.betas)  # as many as it takes (check_optim)
     if info.has_eps and optim.eps is not None:
         options["eps"] = optim.eps
     if info.has_momentum and optim.momentum is not None:
@@ -167,20 +168,37 @@ def build_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim))
 
 
-def check_optim(optim) -> None:
-    """Before any rank starts: the optimizer can be built with these options (on a stand-in parameter), and the
-    schedule can run. A ValueError says what to change."""
+def check_optim(optim, on_cuda: bool = False) -> None:
+    """Before any rank starts: the optimizer takes these options and steps with them (on a stand-in parameter, on
+    the CPU), and the schedule can run. A ValueError says what to change. `on_cuda`: the ranks' devices are CUDA ones
+    (apex's fused optimizers, which run there only, are then left to apex)."""
     check_optimizer(optim.name)
-    info, defaults = get_optimizer_info(optimizer_name(optim.name)), type(optim)()
+    name = optimizer_name(optim.name)
+    info, defaults = get_optimizer_info(name), type(optim)()
     for key, taken in (("momentum", info.has_momentum), ("betas", info.has_betas), ("eps", info.has_eps)):
         value = getattr(optim, key)
         if not taken and value is not None and value != getattr(defaults, key):  # dropped by create_optimizer
             raise ValueError(f"optim.{key}={value}: optim.name={optim.name} takes no {key}; drop it")
+    if info.has_betas and optim.betas and len(optim.betas) != info.num_betas:
+        raise ValueError(
+            f"optim.betas={list(optim.betas)}: optim.name={optim.name} takes {info.num_betas} betas; give "
+            f"{info.num_betas}, or optim.betas=null for its own"
+        )
+    if info.second_order:
+        raise ValueError(
+            f"optim.name={optim.name} is a second-order optimizer (it needs backward(create_graph=True)), which "
+            "clipdist's step does not run; choose a first-order one"
+        )
     for key in ("image_layer_decay", "text_layer_decay"):
         value = getattr(optim, key)
         if value is not None and not 0 < value <= 1:
             raise ValueError(f"optim.{key}={value}: must be in (0, 1]")
+    if on_cuda and name.startswith("fused"):  # apex's: built on CUDA parameters only
+        return
+    stand_in = torch.nn.Parameter(torch.zeros(2, 2))
+    stand_in.grad = torch.zeros(2, 2)
     try:
-        create_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "lr": optim.lr}], optim)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"optim.name={optim.name} with {dict(optim.kwargs) or 'these options'}: {error}") from None
+        create_optimizer([{"params": [stand_in], "lr": optim.lr}], optim).step()
+    except Exception as error:  # noqa: BLE001 -- anything its constructor or step raises on a stand-in: the options'
+        said = words(error, 200) or type(error).__name__
+        raise ValueError(f"optim.name={optim.name} with {dict(optim.kwargs) or 'these options'}: {said}") from None

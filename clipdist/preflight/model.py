@@ -42,7 +42,7 @@ def check_model(cfg: TrainConfig, is_main: bool) -> torch.nn.Module:
         if cfg.loss.distill.model:
             teacher = targets.resolve(cfg.loss.distill.model, cfg.loss.distill.pretrained)
             check_teacher(targets.structure(teacher), student, cfg.loss.distill.model)
-        check_optim(cfg.optim)
+        check_optim(cfg.optim, parallel.uses_cuda(cfg.world.device))
         augmentation_cfg(cfg.data)
         if is_main:  # fetches pretrained weights and a hub tokenizer into the cache, once, before any rank starts
             check_weights(cfg.model, loss, cfg.loss.init_logit_bias)

@@ -124,6 +124,12 @@ def test_a_misspelt_key_or_choice_is_refused_when_the_config_is_composed(
         (["loss=disco", "++loss.tile=3"], "loss.tile: an option of loss=tiled, loss=siglip, not of the loss chosen"),
         (["model.name=${oc.env:CLIPDIST_UNSET_VARIABLE}"], "${oc.env:...}: clipdist configs do not read"),
         (["optim.lr=${no.such.key}"], "optim.lr: Interpolation key 'no.such.key' not found"),
+        # the optimizer's own checks, whatever they raise, at its construction or its first step on a stand-in
+        (["optim.betas=[0.9]"], "optim.betas=[0.9]: optim.name=adamw takes 2 betas; give 2, or optim.betas=null"),
+        (["optim.name=adan"], "optim.betas=[0.9, 0.98]: optim.name=adan takes 3 betas"),  # the preset's two
+        (["optim.name=adahessian"], "optim.name=adahessian is a second-order optimizer"),
+        (["optim.name=fusedadam", "world.device=cpu"], "optim.name=fusedadam with these options: CUDA required"),
+        (["optim.name=sgd", "+optim.kwargs.dampening=0.5"], "optim.name=sgd with {'dampening': 0.5}: Nesterov"),
     ],
 )
 def test_config_errors_are_one_line_before_the_ranks(tmp_path, cache_dir, capsys, monkeypatch, overrides, message):
