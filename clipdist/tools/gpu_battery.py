@@ -525,6 +525,11 @@ def battery(
     (Markdown) at once, so a battery stopped midway leaves every row it finished. `resume`: an earlier run's JSON —
     its measured rows (same section and label on the same device) are kept as they are, the rest run. `sections`:
     only the rows of these sections (a space in a name is a hyphen: large-batch)."""
+    if not tiny and not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device here: the battery's rows (ViT-B/16 and L/14 in bf16, real runs) are a GPU's; --tiny runs "
+            "its small version on the CPU"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     kept = finished_rows(resume, device_name(device))  # a bad file: one line before anything runs
     if device.type == "cpu":

@@ -63,3 +63,17 @@ def test_the_loss_benchmarks_files_are_checked_before_it_runs(tmp_path, capsys, 
     assert main(["bench", "loss", "--out", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and f"--out {tmp_path / 'loss_memory_cpu.png'} exists and is not" in lines[0], lines
+
+
+def test_the_full_gpu_battery_without_a_gpu_is_one_line(tmp_path, capsys, monkeypatch):
+    """Its rows are a GPU's (bf16 L/14 among them): on the CPU it was a KeyError's bug report; --tiny is the CPU's."""
+    import torch
+
+    from clipdist.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "gpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device here" in lines[0] and "--tiny" in lines[0], lines
+    assert not list(tmp_path.iterdir())
