@@ -7,17 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from clipdist.losses.collectives import WorldLayout, world_layout
+from clipdist.losses.collectives import WorldLayout, loss_dtype, world_layout
 from clipdist.losses.reference import clip_loss
-
-
-def loss_dtype(*features: torch.Tensor) -> torch.dtype:
-    """The dtype a loss computes in: the features' own, at least float32 (bf16 logits lose the differences the
-    softmax depends on)."""
-    dtype = torch.float32
-    for tensor in features:
-        dtype = torch.promote_types(dtype, tensor.dtype)
-    return dtype
 
 
 class DistributedContrastiveLoss(nn.Module):

@@ -34,8 +34,18 @@ class WorldLayout:
         return sum(self.local_sizes[: self.rank])
 
 
+def loss_dtype(*features: torch.Tensor) -> torch.dtype:
+    """The dtype a loss computes in: the features' own, at least float32 (bf16 logits lose the differences the
+    softmax depends on)."""
+    dtype = torch.float32
+    for tensor in features:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
 def world_layout(image_features: torch.Tensor, text_features: torch.Tensor, group=None) -> WorldLayout:
-    """Check the local features and exchange (batch, dim) with every rank.
+    """Check the local features and exchange (batch, dim, the width of the dtype the loss computes in) with every
+    rank.
 
     Every rank receives the same table, so a mismatch raises the same error on every rank
     instead of hanging the next collective.
@@ -54,7 +64,8 @@ def world_layout(image_features: torch.Tensor, text_features: torch.Tensor, grou
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return WorldLayout(0, 1, (batch,), group)
     world_size = dist.get_world_size(group)
-    mine = torch.tensor([batch, dim], dtype=torch.long, device=image_features.device)
+    width = loss_dtype(image_features, text_features).itemsize
+    mine = torch.tensor([batch, dim, width], dtype=torch.long, device=image_features.device)
     table = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(table, mine, group=group)
     sizes = tuple(int(t[0]) for t in table)
@@ -63,6 +74,12 @@ def world_layout(image_features: torch.Tensor, text_features: torch.Tensor, grou
         raise ValueError(
             f"feature dimension differs across ranks: {[int(t[1]) for t in table]} (rank-ordered); "
             "every rank must run the same model"
+        )
+    widths = [f"float{8 * int(t[2])}" for t in table]
+    if len(set(widths)) != 1:  # the blocks the ranks exchange would differ in size
+        raise ValueError(
+            f"the features' precision differs across ranks: the loss computes in {widths} (rank-ordered); every "
+            "rank must pass features of the same dtype"
         )
     if sum(sizes) == 0:
         raise ValueError("the global batch is empty: every rank passed 0 samples")

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from clipdist.defaults import DEFAULT_TILE
-from clipdist.losses.base import loss_dtype
-from clipdist.losses.collectives import world_layout
+from clipdist.losses.collectives import loss_dtype, world_layout
 from clipdist.losses.ring import TileSum, check_tile, logits, ring_partial, ring_sum
 from clipdist.losses.tiled import ROW_LSE
 

@@ -196,6 +196,26 @@ def test_every_backend_is_exact_over_random_layouts():
     assert not bad, f"not exact: {bad}"
 
 
+def mismatched_precision(name: str):
+    """Worker: rank 1 passes float32 features, the others float64 (a rank left out of a float64 check, say)."""
+    dtype = torch.float32 if dist.get_rank() == 1 else torch.float64
+    features = F.normalize(torch.randn(3, 8, dtype=dtype), dim=-1)
+    scalars = [torch.tensor(10.0), torch.tensor(-10.0)][: 2 if BACKENDS[name].reference == SIGLIP else 1]
+    try:
+        build(name)(features, features, *scalars)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_features_of_another_precision_on_one_rank_raise_the_same_error_on_every_rank(name):
+    """The blocks the ranks exchange would differ in size: gloo aborted every rank (SIGABRT); NCCL may read garbage."""
+    messages = launch_local(mismatched_precision, 3, name, timeout_s=60)
+    assert len(set(messages.values())) == 1, messages
+    assert "precision differs across ranks" in messages[0] and "['float64', 'float32', 'float64']" in messages[0]
+
+
 def mismatched_feature_dims():
     """Worker: rank 1 passes d=6, the others d=8; every rank must raise, none may hang."""
     dim = 6 if dist.get_rank() == 1 else 8
