@@ -362,6 +362,18 @@ def save_row(base: str, precision: str, device: torch.device) -> Planned:
     return Planned("checkpoint", f"{base} background save", work, SETUP_S + 10.0)
 
 
+def battery_device(tiny: bool) -> torch.device:
+    """The CPU for the tiny battery, the GPU for the full one (its rows, ViT-B/16 and L/14 in bf16, are a GPU's)."""
+    if tiny:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device here: the battery's rows (ViT-B/16 and L/14 in bf16, real runs) are a GPU's; --tiny runs "
+            "its small version on the CPU"
+        )
+    return torch.device("cuda")
+
+
 def plan(tiny: bool, steps: int, large_batches, device: torch.device, peaks: dict) -> list[Planned]:
     """Every row, most valuable first (estimates from an H200's measured rows): the B/16 and B/32 bf16 step, a real
     run's loader feeding the device and the loader alone, the loss backends at the smallest and largest global batch
@@ -525,12 +537,7 @@ def battery(
     (Markdown) at once, so a battery stopped midway leaves every row it finished. `resume`: an earlier run's JSON —
     its measured rows (same section and label on the same device) are kept as they are, the rest run. `sections`:
     only the rows of these sections (a space in a name is a hyphen: large-batch)."""
-    if not tiny and not torch.cuda.is_available():
-        raise ValueError(
-            "no CUDA device here: the battery's rows (ViT-B/16 and L/14 in bf16, real runs) are a GPU's; --tiny runs "
-            "its small version on the CPU"
-        )
-    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    device = battery_device(tiny)
     kept = finished_rows(resume, device_name(device))  # a bad file: one line before anything runs
     if device.type == "cpu":
         host.keep_freed_memory()  # as the trainer's CPU ranks do (train.startup.configure_host)
