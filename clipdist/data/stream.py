@@ -80,26 +80,31 @@ def check_shard_count(shards: int, readers: int, *, resampled: bool, sized: bool
 
 
 def check_caption_keys(urls: list[str], keys: SampleKeys, samples: int = 8) -> None:
-    """Before any rank starts: where the first shard is a local file or part, its first samples have a caption at
-    data.caption_keys — a ValueError naming the keys and what the samples have otherwise (a key that matches
-    nothing would fail only once the run had started). Remote shards (`pipe:`, URLs) are not read here."""
-    if not urls or is_remote(urls[0]):
-        return
-    first, found = None, 0
+    """Before any rank starts: the first `samples` samples of the leading local shards (files or parts, read on
+    into the next shard where one ends sooner) hold one caption at data.caption_keys at least — else a ValueError
+    naming the keys and what the samples have (a key that matches nothing would fail only once the run had
+    started). Remote shards (`pipe:`, URLs) are not read here, nor is anything after the first one."""
+    local = list(itertools.takewhile(lambda url: not is_remote(url), urls))
+    first, found, read = None, 0, []
     try:
-        for sample in itertools.islice(shard_samples(urls[0], wds.reraise_exception), samples):
-            found += 1
-            try:
-                keys.caption(sample)
-                return
-            except ValueError as error:
-                first = first or error
+        for url in local:
+            read.append(url)
+            for sample in itertools.islice(shard_samples(url, wds.reraise_exception), samples - found):
+                found += 1
+                try:
+                    keys.caption(sample)
+                    return
+                except ValueError as error:
+                    first = first or error
+            if found >= samples:
+                break
     except Exception:  # noqa: BLE001 -- an unreadable shard is the shard checks' to report, not this one's
         return
     if first is not None:
         reason = str(first).split(": ", 1)[-1] if ": " in str(first) else str(first)
+        where = read[0] if len(read) == 1 else f"{len(read)} shards from {read[0]}"
         raise ValueError(
-            f"data.caption_keys={list(keys.caption_keys)}: none of the first {found} samples of {urls[0]} has a "
+            f"data.caption_keys={list(keys.caption_keys)}: none of the first {found} samples of {where} has a "
             f"caption there ({reason}); name a key they have, e.g. data.caption_keys=[txt] or [json:caption]"
         )
 

@@ -822,6 +822,13 @@ def test_a_caption_key_that_matches_nothing_is_refused_before_any_rank_starts(tm
         check_caption_keys(shards, SampleKeys(("json:recaption",)))
     check_caption_keys(shards, SampleKeys(("json:recaption", "txt")))  # the second key matches
     check_caption_keys(["pipe:curl -s https://example.invalid/x.tar"], SampleKeys(("nothing",)))  # not read here
+    # a first shard shorter than the samples read: the next ones are read on (its one sample had no caption; the
+    # run was refused though the next shard's all have one)
+    write_samples(tmp_path / "short.tar", [{"__key__": "a", "png": png(0)}])
+    write_samples(tmp_path / "full.tar", [{"__key__": f"b{i}", "png": png(i), "txt": b"x"} for i in range(3)])
+    check_caption_keys([str(tmp_path / "short.tar"), str(tmp_path / "full.tar")], SampleKeys(("txt",)))
+    with pytest.raises(ValueError, match=r"none of the first 4 samples of 2 shards from .*short.tar"):
+        check_caption_keys([str(tmp_path / "short.tar"), str(tmp_path / "full.tar")], SampleKeys(("json:x",)))
 
 
 @pytest.mark.parametrize(
