@@ -33,6 +33,10 @@ def describe(exn: BaseException) -> str:
     sample's name cannot move the cursor or forge a line."""
     if isinstance(exn, (SampleError, ShardError)):
         return one_line(str(exn))
+    said, *added = exn.args or ("",)
+    if added and isinstance(said, str):  # webdataset's handlers append (stream, url) to the args: its message alone
+        url = next((str(value) for value in added if isinstance(value, str)), None)
+        return one_line(f"{url + ': ' if url else ''}{type(exn).__name__}: {said}")
     return one_line(f"{type(exn).__name__}: {exn}")
 
 

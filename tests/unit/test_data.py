@@ -449,6 +449,19 @@ def test_skip_warnings_are_rate_limited_and_say_where(tmp_path, caplog):
     assert "/d/s.tar: sample 'k0': empty caption" in caplog.records[0].getMessage()
 
 
+def test_a_duplicate_member_is_skipped_in_one_plain_line(tmp_path, caplog):
+    """webdataset appends (stream, url) to an error's args: the warning was the tuple's repr."""
+    members = [("k0.png", png(0)), ("k0.txt", b"x"), ("k0.png", png(1)), ("k1.png", png(2)), ("k1.txt", b"y")]
+    shard = write_tar(tmp_path / "dup.tar", members)
+    skips = SkipCounter(max_in_a_row=0)
+    with caplog.at_level(logging.WARNING, logger="clipdist.data"):
+        pipeline = wds.DataPipeline(wds.SimpleShardList([str(shard)]), tar_samples(handler=skips))
+        keys = [sample["__key__"] for sample in pipeline]
+    assert skips.samples == 1 and "k1" in keys, keys
+    said = caplog.records[0].getMessage()
+    assert said.startswith("skipped: ValueError: k0.png: duplicate file name in tar file png") and "None" not in said
+
+
 # --- make-shards ----------------------------------------------------------------------------------
 
 
