@@ -725,8 +725,10 @@ _REGISTERED: set[tuple[str, type]] = set()  # what this process has stored alrea
 def other_backends_option(key: str) -> str | None:
     """One line for `loss.<option>` where the run's loss does not take it but other backends do (loss.tile with
     loss=disco); None for any other key."""
+    if not key.startswith("loss."):
+        return None
     option = key.removeprefix("loss.")
-    owners = [name for name, schema in LOSS_SCHEMAS.items() if key.startswith("loss.") and option in _fields(schema)]
+    owners = [name for name, schema in LOSS_SCHEMAS.items() if option in _fields(schema)]
     if not owners or option in _fields(LossConfig):
         return None
     return (

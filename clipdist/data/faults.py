@@ -33,11 +33,22 @@ def describe(exn: BaseException) -> str:
     sample's name cannot move the cursor or forge a line."""
     if isinstance(exn, (SampleError, ShardError)):
         return one_line(str(exn))
-    said, *added = exn.args or ("",)
-    if added and isinstance(said, str):  # webdataset's handlers append (stream, url) to the args: its message alone
-        url = next((str(value) for value in added if isinstance(value, str)), None)
+    if _webdatasets(exn):  # its message alone, after the shard where webdataset knew it
+        said, _stream, url = exn.args
         return one_line(f"{url + ': ' if url else ''}{type(exn).__name__}: {said}")
     return one_line(f"{type(exn).__name__}: {exn}")
+
+
+def _webdatasets(exn: BaseException) -> bool:
+    """Whether `exn` is a message webdataset's grouping appended (stream, url) to: (str, a stream or None, a url or
+    None) — not another exception's own several arguments (an OSError's errno, a UnicodeDecodeError's five)."""
+    args = exn.args
+    return (
+        len(args) == 3
+        and isinstance(args[0], str)
+        and not isinstance(args[1], (str, bytes, int))
+        and (args[2] is None or isinstance(args[2], str))
+    )
 
 
 class ShardError(OSError):

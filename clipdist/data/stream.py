@@ -83,7 +83,7 @@ def check_caption_keys(urls: list[str], keys: SampleKeys, samples: int = 8) -> N
     """Before any rank starts: the first `samples` samples of the leading local shards (files or parts, read on
     into the next shard where one ends sooner) hold one caption at data.caption_keys at least — else a ValueError
     naming the keys and what the samples have (a key that matches nothing would fail only once the run had
-    started). Remote shards (`pipe:`, URLs) are not read here, nor is anything after the first one."""
+    started). Remote shards (`pipe:`, URLs) are not read here, nor any shard after the first remote one."""
     local = list(itertools.takewhile(lambda url: not is_remote(url), urls))
     first, found, read = None, 0, []
     try:
