@@ -108,9 +108,11 @@ class SampleKeys(NamedTuple):
                 fields = meta() if "json" in sample else None
             except SampleError:  # a .json that does not parse has no fields to name
                 fields = None
+            empty = [f".{key}" for key in self.caption_keys if not key.startswith("json:") and key in sample]
             raise SampleError(
                 sample,
-                f"no caption at {', '.join(self.caption_keys)}; it has {_extensions(sample)}"
+                (f"{', '.join(empty)} holds no text" if empty else f"no caption at {', '.join(self.caption_keys)}")
+                + f"; it has {_extensions(sample)}"
                 + (f" (.json fields: {', '.join(sorted(fields))})" if isinstance(fields, dict) else ""),
             )
         chooser = None  # the sample's generator, drawn from in order: which key, then which of a key's captions

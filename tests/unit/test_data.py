@@ -754,6 +754,8 @@ def test_captions_from_json_fields_lists_and_by_probability_seeded_per_sample():
         SampleError, match=r"no caption at json:caption; it has \.json, \.png, \.txt \(\.json fields: alt\)"
     ):
         training_pair(_recaptioned("c", alt="x"), SampleKeys(("json:caption",)))
+    with pytest.raises(SampleError, match=r"\.txt holds no text; it has \.png, \.txt"):  # there, but blank
+        SampleKeys(("txt",)).caption({"__key__": "e", "__url__": "s.tar", "png": b"", "txt": b"  \n "})
 
 
 def test_caption_probabilities_that_do_not_fit_the_keys_are_one_line_before_the_ranks(tmp_path, capsys, monkeypatch):
