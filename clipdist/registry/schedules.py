@@ -38,9 +38,11 @@ class CooldownOptions:
                 f"optim.const_cooldown.steps={max(1, optim.max_steps // 10)}"
             )
         if self.steps > optim.max_steps - optim.warmup_steps:
+            after = max(optim.max_steps - optim.warmup_steps, 0)
             raise ConfigError(
-                f"optim.const_cooldown.steps={self.steps} is more than the steps after warmup "
-                f"({optim.max_steps} - {optim.warmup_steps})"
+                f"optim.const_cooldown.steps={self.steps} is more than the steps after warmup: {after} "
+                f"(optim.max_steps={optim.max_steps} less optim.warmup_steps={optim.warmup_steps}); shorten the "
+                "cooldown or the warmup"
             )
 
 
