@@ -148,9 +148,9 @@ def single_process(loss_fn, sizes, seed, scale, with_bias=False):
     return loss.detach(), image.grad, text.grad, *(s.grad for s in scalars)
 
 
-def max_error(got, want):
-    """The largest relative error over pairs of tensors (max |g − w| / max |w|)."""
-    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+def max_error(got, want, floor: float = 1e-30):
+    """The largest relative error over pairs of tensors (max |g − w| / max |w|), absolute where max |w| < `floor`."""
+    return max(((g - w).abs().max() / w.abs().max().clamp_min(floor)).item() for g, w in zip(got, want))
 
 
 # --- two weighted sources for the stream's resume and mixing tests ------------------------------------------------
