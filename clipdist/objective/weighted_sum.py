@@ -39,6 +39,11 @@ class Objective:
         """The terms that count at the current step."""
         return [pair for pair in self.terms if self.step is None or self.starts.get(pair[0].name, 1) <= self.step]
 
+    @property
+    def own_forward(self) -> list[tuple[Term, float]]:
+        """The counted terms with a forward of their own (Term.own_forward): own_backward's."""
+        return [pair for pair in self.counted if pair[0].own_forward]
+
     def chunk_outputs(self, raw, inputs: dict, per_chunk: bool = False, own: bool = False) -> Outputs:
         """One forward's parts, unmerged (a chunk's under gradient caching; `per_chunk`: only the parts of the
         terms that backpropagate chunk by chunk, as the re-forward needs). The own-forward terms' parts only with
@@ -81,7 +86,7 @@ class Objective:
         graph is alive; then each term's chunks are merged without their graphs. {term name: its part}, for
         `__call__`, whose values of these terms then carry no graph. B, the rows summed over ranks, is one all-reduce
         for all the terms. Each term first sees every chunk (Term.prepare)."""
-        own = [pair for pair in self.counted if pair[0].own_forward]
+        own = self.own_forward
         for term, _ in own:
             with within():
                 term.prepare(chunks)

@@ -135,12 +135,15 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
     )
     attach_parts(cfg.loss, model)  # a term's own head, seeded with the model, before DDP or FSDP sees the parameters
+    # The towers' classes are changed before wrapping: FSDP2 gives a unit a class of its own (FSDPCLIP), which
+    # these would not change (an FSDP2 run padded every caption to the context length).
+    short_text = trims_text(cfg, device) and allow_short_text(model)
+    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
+        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
     compiled = compile_decision(cfg, device, model)
     train_model, cache, admitted = _wrapped(cfg, device, model, compiled[0])
     optimizer, scheduler = build_optimizer(model, cfg.optim, part_lr_scales(cfg.loss))
     scaler = precision.gradient_scaler(cfg.precision, device)
-    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
-        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
     train_transform, val_transform = image_transforms(model, cfg.data)
     preprocess: dict = model.visual.preprocess_cfg  # type: ignore[union-attr,assignment]
     mean, std = preprocess["mean"], preprocess["std"]
@@ -148,8 +151,8 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
     objective = run_objective(
         cfg.loss, cfg.model.name, loss_fn, model, _term_context(cfg, device, model, local_rank, ema)
     )
-    text_towers = [model] + [term.teacher for term, _ in objective.terms if hasattr(term, "teacher")]
-    trim_text = trims_text(cfg, device) and all(allow_short_text(tower) for tower in text_towers)
+    teachers = [term.teacher for term, _ in objective.terms if hasattr(term, "teacher")]
+    trim_text = short_text and all(allow_short_text(teacher) for teacher in teachers)
     step = build_step(
         train_model,
         objective,

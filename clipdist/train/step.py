@@ -245,7 +245,10 @@ class Step:
     def own_terms(self, batch: Batch) -> dict:
         """The own-forward terms (a teacher term's student views: Objective.own_backward), each backpropagated
         apart, chunk by chunk, before the model's forward: their gradients stay on this rank until the model's
-        backward reduces everything (DDP's no_sync, FSDP2's requires_gradient_sync)."""
+        backward reduces everything (DDP's no_sync, FSDP2's requires_gradient_sync). {} at once without such
+        terms (FSDP2's switch walks every module, twice a step)."""
+        if not self.objective.own_forward:
+            return {}
         with parallel.gradient_sync(self.model, enabled=False):
             pieces = self.pieces(batch)
             return self.objective.own_backward(
