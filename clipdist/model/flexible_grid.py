@@ -14,7 +14,7 @@ embedding keeps the grid, and its table (any prefix tokens' rows kept) is resamp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from open_clip.transformer import VisionTransformer, _expand_token
 from timm.layers import Format
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
+from clipdist.model.class_swap import swap_class
 from clipdist.model.timm_towers import vit_trunk_of
 
 
@@ -82,6 +83,4 @@ def allow_other_sizes(model: torch.nn.Module) -> bool:
         trunk.patch_embed.strict_img_size, trunk.patch_embed.flatten = False, False
         trunk.patch_embed.output_fmt = Format.NHWC
         return True
-    if type(model.visual) is VisionTransformer:
-        model.visual.__class__ = FlexibleGridViT  # the same module and state dict; _embeds takes any grid
-    return isinstance(model.visual, FlexibleGridViT)
+    return swap_class(cast(torch.nn.Module, model.visual), VisionTransformer, FlexibleGridViT)  # _embeds: any grid

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from open_clip.model import CLIP
 from open_clip.transformer import text_global_pool
 
+from clipdist.model.class_swap import swap_class
+
 EXACT_POOLING = ("argmax", "eos")  # pools at the end-of-text token, wherever the batch's padding ends
 
 
@@ -71,6 +73,4 @@ def allow_short_text(model: torch.nn.Module) -> bool:
     """Make `model` take trimmed tokens where that is exact (trims_exactly); whether it does."""
     if trims_exactly(model) is not None:
         return False
-    if type(model) is CLIP:
-        model.__class__ = ShortTextCLIP  # the same module, parameters and state dict; encode_text takes any length
-    return isinstance(model, ShortTextCLIP)
+    return swap_class(model, CLIP, ShortTextCLIP)  # encode_text takes any length

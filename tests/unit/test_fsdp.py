@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from clipdist.checkpoint.manager import Checkpointer, CheckpointFiles
 from clipdist.compat import NEWER_APIS, release
@@ -199,3 +200,19 @@ def test_an_fsdp_run_cuts_captions_and_resizes_images_as_a_ddp_run_does(tmp_path
     batch = synthetic_batch(parts.model, 2, torch.device("cpu"))
     assert parts.step.inputs(batch)["text"].shape[1] < parts.tokenizer.context_length
     assert captions_line(cfg, parts.model, parts.step.trim_text) == "captions padded to the batch's longest"
+
+
+@FSDP2_SCALARS
+def test_a_tower_wrapped_before_its_class_is_changed_is_a_bug_said_so(single_rank_group):
+    """Changing a wrapped unit's class would drop FSDP2's own; passing over it was the silent bug above."""
+    from clipdist.distributed.parallel import wrap_model
+    from clipdist.model.factory import create_model
+    from clipdist.model.flexible_grid import allow_other_sizes
+    from clipdist.model.short_text import allow_short_text
+
+    model = wrap_model(create_model("clipdist-tiny"), parallel="fsdp")
+    with pytest.raises(RuntimeError, match="FSDPCLIP: FSDP2 has wrapped it; make it a ShortTextCLIP before"):
+        allow_short_text(model)
+    model.visual.__class__ = type("FSDPVisionTransformer", (FSDPModule, type(model.visual)), {})
+    with pytest.raises(RuntimeError, match="FSDP2 has wrapped it; make it a FlexibleGridViT before"):
+        allow_other_sizes(model)
