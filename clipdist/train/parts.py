@@ -125,6 +125,14 @@ def _term_context(cfg: TrainConfig, device, model, local_rank: int, ema) -> Term
     )
 
 
+def _change_classes(cfg: TrainConfig, device: torch.device, model: torch.nn.Module) -> bool:
+    """The towers made to take short text and other image sizes where the run asks (model.class_swap: before
+    wrapping, since FSDP2 gives each unit a class of its own); whether the text tower takes short text."""
+    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
+        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
+    return trims_text(cfg, device) and allow_short_text(model)
+
+
 def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> Parts:
     """Model, its wrapping, optimizer, schedule, precision, objective and step from config, as a run builds them
     (the trainer, and `clipdist bench gpu` timing the run's own step); the same initial weights on every rank."""
@@ -135,11 +143,7 @@ def build_parts(cfg: TrainConfig, device: torch.device, local_rank: int = 0) -> 
         cfg.model, cfg.loss, loss_fn, device, precision.weights_dtype(cfg.precision), local_rank
     )
     attach_parts(cfg.loss, model)  # a term's own head, seeded with the model, before DDP or FSDP sees the parameters
-    # The towers' classes are changed before wrapping: FSDP2 gives a unit a class of its own (FSDPCLIP), which
-    # these would not change (an FSDP2 run padded every caption to the context length).
-    short_text = trims_text(cfg, device) and allow_short_text(model)
-    if cfg.data.resolution_schedule and naflex_trunk(model) is None:
-        allow_other_sizes(model)  # preflight checked it can (transforms.image_size_stages)
+    short_text = _change_classes(cfg, device, model)
     compiled = compile_decision(cfg, device, model)
     train_model, cache, admitted = _wrapped(cfg, device, model, compiled[0])
     optimizer, scheduler = build_optimizer(model, cfg.optim, part_lr_scales(cfg.loss))
