@@ -51,15 +51,25 @@ def timed_out_collective(error: BaseException) -> bool:
     )
 
 
+def said(error: BaseException) -> str:
+    """What `error` says: its str(), but an OSError the system raised as `PATH: reason` (`abc: no such file or
+    directory`), not as Python words it (`[Errno 2] No such file or directory: 'abc'`)."""
+    if isinstance(error, OSError) and error.errno is not None and error.strerror:
+        reason = error.strerror[:1].lower() + error.strerror[1:]
+        paths = [str(path) for path in (error.filename, error.filename2) if path is not None]
+        return f"{' -> '.join(paths)}: {reason}" if paths else reason
+    return str(error)
+
+
 def words(error: BaseException, limit: int = 300) -> str:
-    """An error's whole message on one line (its lines joined by single spaces), printable, at most `limit`
+    """An error's whole message (said) on one line (its lines joined by single spaces), printable, at most `limit`
     characters; "" where it has none."""
-    return printable(" ".join(str(error).split()))[:limit]
+    return printable(" ".join(said(error).split()))[:limit]
 
 
 def first_line(error: BaseException) -> str:
-    """An error's first line, printable, at most 300 characters."""
-    return one_line((str(error).splitlines() or [""])[0])[:300]
+    """An error's first line (said), printable, at most 300 characters."""
+    return one_line((said(error).splitlines() or [""])[0])[:300]
 
 
 class TrainingDiverged(ClipdistError, RuntimeError):

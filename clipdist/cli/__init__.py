@@ -13,7 +13,7 @@ from clipdist.cli.command import OneLineParser
 from clipdist.cli.train import train_main
 from clipdist.compat import floor_problem
 from clipdist.distributed import host
-from clipdist.errors import ClipdistError, is_failure, printable, report_bug
+from clipdist.errors import ClipdistError, is_failure, printable, report_bug, said
 
 __all__ = ["build_parser", "main", "train_main"]
 COMMANDS = tuple(module.COMMAND for module in (gradcheck, plan, bench, make_shards, export, evaluate, trust, report))
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ClipdistError, ValueError, OSError) as error:
-        print(printable(f"clipdist {args.command}: error: {error}"), file=sys.stderr)
+        print(printable(f"clipdist {args.command}: error: {said(error)}"), file=sys.stderr)
         return 2
     except BaseException as error:  # noqa: BLE001 -- a bug: one line, the traceback in a file
         if not is_failure(error):

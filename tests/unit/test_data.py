@@ -25,6 +25,7 @@ from clipdist.data.samples import (
 )
 from clipdist.data.sources import eval_set, expand_shards
 from clipdist.data.tar_samples import TruncatedShardError, tar_files, tar_samples
+from clipdist.errors import said
 from clipdist.files import PUBLISHED
 from clipdist.model.factory import get_tokenizer
 
@@ -491,6 +492,16 @@ def test_make_shards_refuses_a_non_empty_folder_and_overwrites_it_whole(tmp_path
         assert cli(command) == 2
         assert f"{folder} is not a folder clipdist wrote" in capsys.readouterr().err
     assert sorted(p.name for p in images.iterdir()) == ["0.png", "1.png", "2.png"]
+
+
+def test_a_table_that_is_not_there_or_not_a_file_is_one_line_naming_it(tmp_path, capsys):
+    """An OSError the system raises is said as `PATH: reason` by every subcommand (errors.said), not in Python's
+    words (`[Errno 2] No such file or directory: 'x'`)."""
+    for table, reason in ((tmp_path / "absent.tsv", "no such file or directory"), (tmp_path, "not a regular file")):
+        assert cli(["make-shards", "--csv", str(table), "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err.strip() == f"clipdist make-shards: error: {table}: {reason}"
+    moved = OSError(18, "Invalid cross-device link", "a", None, "b")
+    assert said(moved) == "a -> b: invalid cross-device link" and said(OSError("mine")) == "mine"
 
 
 def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files(tmp_path, capsys):
