@@ -3,6 +3,8 @@ checkpoints that are atomic and reshard on resume, and clear errors before any r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import read_jsonl, train
@@ -59,7 +61,7 @@ def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
 
 
 def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_dir):
-    losses = {}
+    losses, captions = {}, {}
     for parallel in ("ddp", "fsdp"):
         result = train(
             tmp_path / parallel, cache_dir, "world=cpu2", f"world.parallel={parallel}", "optim.max_steps=6", *TRAIN
@@ -67,7 +69,9 @@ def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_d
         assert result.returncode == 0, result.stderr[-3000:]
         assert "on one rank: nothing is sharded" not in result.stderr
         losses[parallel] = [row["loss"] for row in read_jsonl(tmp_path / parallel / "train_log.jsonl")]
+        captions[parallel] = re.findall(r"captions padded to [^;(\n]*", result.stdout)
     assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=1e-5)  # sharded = replicated
+    assert captions["fsdp"] == captions["ddp"] == ["captions padded to the batch's longest"]  # as DDP's, cut
     fsdp_dir = tmp_path / "fsdp"
     assert len(list((fsdp_dir / "checkpoints" / "step_00000006.dcp").glob("*.distcp"))) == 2  # one shard file per rank
 
