@@ -9,7 +9,7 @@ trap 'rm -rf "$(dirname "$venv")"' EXIT
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 python -m pip install -q --upgrade pip
-torch_pins=$(grep -E '^(torch|torchvision)==' requirements/ci.txt)
+torch_pins=$(grep -E '^(torch|torchvision|torchcodec)==' requirements/ci.txt)  # torchcodec: built for one torch
 # shellcheck disable=SC2086
 python -m pip install -q --upgrade -e ".[test]" $torch_pins
 echo "== releases newer than requirements/ci.txt:"

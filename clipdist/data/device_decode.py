@@ -6,9 +6,10 @@
 A worker opens each image's header only, and draws its RandomResizedCrop box as the host path draws it — the same
 generator calls, from the size in the header (images.ReducedDecodeCrop) — so a sample's box is the same whichever side
 decodes, and a resume draws the same boxes. It hands over the file's bytes and the box. The rank decodes the batch's
-JPEGs in one call of torchvision's `decode_jpeg` (nvJPEG on CUDA, batched; libjpeg-turbo on the CPU), and crops and
-resizes each box on the device with torchvision's `resized_crop` (bicubic, antialiased: RandomResizedCrop's own
-tensor path), then the step normalises the uint8 batch as it does the loader's (images.PixelNormalize).
+JPEGs in one call of `decode_jpeg` (TorchCodec's, else torchvision's: nvJPEG on CUDA, batched; libjpeg-turbo on the
+CPU), and crops and resizes each box on the device with torchvision's `resized_crop` (bicubic, antialiased:
+RandomResizedCrop's own tensor path), then the step normalises the uint8 batch as it does the loader's
+(images.PixelNormalize).
 
 What differs from the host path is the resampling alone: the host decodes at the smallest DCT scale that still spans
 the output and resizes with PIL; here the whole image is decoded and resized with torch. An image that is not an RGB
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -35,7 +37,9 @@ from torchvision import transforms as T
 from torchvision.transforms.v2 import functional as F
 
 from clipdist.data.samples import EncodedImage
-from clipdist.errors import ConfigError
+from clipdist.errors import ConfigError, words
+
+log = logging.getLogger(__name__)
 
 ENCODED = "encoded"  # the key that marks an encoded batch (a NaFlex batch's is "patches")
 DEVICE_DECODABLE = ("RGB", "L")  # JPEG colour modes decode_jpeg turns into RGB on every device (not CMYK)
@@ -147,26 +151,54 @@ def decode_rows(
 def _decoded(files: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor | None]:
     """decode_jpeg's (3, h, w) RGB of each file on `device`, in one call; where it fails, each on its own (None
     where that fails)."""
-    try:  # deprecated since torchvision 0.29 for TorchCodec's decoders; imported here so a release without it
-        from torchvision.io import ImageReadMode, decode_jpeg  # fails only the runs that decode on the device
-    except ImportError as error:
-        raise ConfigError(
-            f"data.decode_on=device needs torchvision.io.decode_jpeg, which this torchvision lacks ({error}); "
-            "leave data.decode_on=host"
-        ) from None
+    decode = jpeg_decoder()[1]
     if not files:
         return []  # decode_jpeg refuses an empty list
     try:
-        return list(decode_jpeg(files, mode=ImageReadMode.RGB, device=device))
+        return list(decode(files, device=device))
     except RuntimeError:
         pass
     each: list[torch.Tensor | None] = []
     for data in files:
         try:
-            each.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+            each.append(cast(torch.Tensor, decode(data, device=device)))
         except RuntimeError:
             each.append(None)
     return each
+
+
+@functools.cache
+def jpeg_decoder() -> tuple[str, Callable[..., torch.Tensor | list[torch.Tensor]]]:
+    """(whose, decode_jpeg(source or list of them, device=) -> RGB (3, h, w) uint8): TorchCodec's where it is
+    installed and decodes (torchvision deprecated its own in 0.29 for it: the same call, the same pixels), else
+    torchvision's, else a ConfigError. A TorchCodec that will not load or decode (built for another torch) is said
+    in a warning, once, and torchvision's is used."""
+    try:
+        from torchcodec.decoders import decode_jpeg as torchcodecs
+
+        decode = functools.partial(torchcodecs, mode="RGB")
+        decode(_tiny_jpeg())  # its native library loads, and is this torch's
+        return "torchcodec", decode
+    except ImportError:
+        pass
+    except Exception as error:  # noqa: BLE001 -- any failure of an optional decoder: said, and the other one used
+        log.warning("TorchCodec's decode_jpeg does not work here (%s); torchvision's decodes instead", words(error))
+    try:  # deprecated since torchvision 0.29; imported here so a release without it fails only device decoding
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError as error:
+        raise ConfigError(
+            f"data.decode_on=device needs a JPEG decoder on the device: TorchCodec's (pip install torchcodec, the "
+            f"release built for this torch) or torchvision.io.decode_jpeg, which this torchvision lacks ({error}); "
+            "or leave data.decode_on=host"
+        ) from None
+    return "torchvision", functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+
+
+def _tiny_jpeg() -> torch.Tensor:
+    """An 8×8 JPEG's bytes (a decoder's probe)."""
+    encoded = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 64, 32)).save(encoded, format="JPEG")
+    return torch.frombuffer(bytearray(encoded.getvalue()), dtype=torch.uint8)
 
 
 def _decoded_by_pil(data: torch.Tensor, device: torch.device | str) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import torch
 from torchvision import transforms as T
 
 from clipdist.config import TrainConfig
-from clipdist.data.device_decode import check_transform
+from clipdist.data.device_decode import check_transform, jpeg_decoder
 from clipdist.data.epochs import epoch_sizes
 from clipdist.data.eval_stream import first_eval_record
 from clipdist.data.loader import READ_AHEAD_BATCHES, held_samples, sample_bytes
@@ -147,7 +147,7 @@ def check_naflex(cfg: TrainConfig, model: torch.nn.Module, readers: int, resumin
 
 def check_decode_on(cfg: TrainConfig, model: torch.nn.Module) -> None:
     """data.decode_on=device: a fixed-size tower at one size, whose training transform (the one the run builds) only
-    crops and normalises, the device doing both after it decodes (data/device_decode.py)."""
+    crops and normalises, the device doing both after it decodes (data/device_decode.py), with a JPEG decoder."""
     if str(cfg.data.decode_on) != "device":
         return
     if naflex_trunk(model) is not None:
@@ -167,6 +167,7 @@ def check_decode_on(cfg: TrainConfig, model: torch.nn.Module) -> None:
         )
     train, _ = image_transforms(model, cfg.data)
     check_transform(list(train.transforms) if isinstance(train, T.Compose) else [train])
+    jpeg_decoder()  # TorchCodec's or torchvision's, before any rank starts
 
 
 def check_eval_set(evalset: EvalSet) -> None:

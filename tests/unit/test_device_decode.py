@@ -14,6 +14,7 @@ from PIL import Image
 from torchvision import transforms as T
 
 from clipdist.config import AugmentationConfig, DataConfig
+from clipdist.data import device_decode
 from clipdist.data.batch import Batch
 from clipdist.data.device_decode import decode_rows, is_encoded
 from clipdist.data.images import ImageBatcher
@@ -122,8 +123,6 @@ def test_a_jpeg_cut_short_is_the_host_paths_to_skip_and_a_corrupt_one_falls_back
     it as the host path does, raising what the host path raises (the stream skips the sample on both paths). Where the
     device's batched decode fails, each image is decoded alone; one it refuses is decoded by PIL; one nothing reads
     is left black and named."""
-    import torchvision.io
-
     transform = open_clip.image_transform((SIZE, SIZE), is_train=True)
     whole = IMAGES[0]
     cut = whole[: len(whole) // 2]
@@ -136,18 +135,21 @@ def test_a_jpeg_cut_short_is_the_host_paths_to_skip_and_a_corrupt_one_falls_back
     encoded = ImageBatcher(transform, encoded=True)
     rows = encoded.stack(_each(encoded)[:3])  # three JPEGs the device takes
     expected = decode_rows(rows, "cpu").pixels
-    real = torchvision.io.decode_jpeg
+    whose, real = device_decode.jpeg_decoder()
     refused = {int(rows["length"][1])}  # the device refuses the second file: PIL decodes it
+    asked = []
 
     def device(data, **options):
+        asked.append(len(data) if isinstance(data, list) else 1)
         if isinstance(data, list) or len(data) in refused:
             if isinstance(data, list) and not any(len(one) in refused for one in data):
                 return real(data, **options)
             raise RuntimeError("decode_jpeg: corrupt data")
         return real(data, **options)
 
-    monkeypatch.setattr(torchvision.io, "decode_jpeg", device)
+    monkeypatch.setattr(device_decode, "jpeg_decoder", lambda: (whose, device))
     decoded = decode_rows(rows, "cpu")
+    assert asked == [3, 1, 1, 1]  # the batch, then each alone
     assert decoded.unreadable == [] and torch.equal(decoded.pixels[[0, 2]], expected[[0, 2]])
     assert (decoded.pixels[1].float() - expected[1].float()).abs().mean() < 1.0  # PIL's decode, not libjpeg's own
     garbage = dict(rows)
@@ -156,6 +158,33 @@ def test_a_jpeg_cut_short_is_the_host_paths_to_skip_and_a_corrupt_one_falls_back
     decoded = decode_rows(garbage, "cpu")
     assert decoded.unreadable == [1] and not decoded.pixels[1].any()
     assert torch.equal(decoded.pixels[[0, 2]], expected[[0, 2]])
+
+
+def test_torchcodecs_decoder_is_used_where_it_works_and_decodes_as_torchvisions(monkeypatch, caplog):
+    """torchvision deprecated its decode_jpeg (0.29) for TorchCodec's: TorchCodec's decodes where installed, to the
+    same pixels; without it torchvision's; one that will not load (built for another torch) is a warning, then
+    torchvision's; neither is one line before the ranks start."""
+    import importlib.util
+    import sys
+
+    files = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in IMAGES[:3]]
+    whose, decode = device_decode.jpeg_decoder.__wrapped__()
+    # the test extra installs it (requirements/ci.txt: the release built for CI's torch); another torch's warns
+    works = importlib.util.find_spec("torchcodec") is not None and not caplog.records
+    assert whose == ("torchcodec" if works else "torchvision")
+    torchvisions = device_decode.jpeg_decoder
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # not installed: importing it raises ImportError
+    assert torchvisions.__wrapped__()[0] == "torchvision"
+    theirs = torchvisions.__wrapped__()[1](files, device="cpu")
+    assert all(torch.equal(mine, other) for mine, other in zip(decode(files, device="cpu"), theirs, strict=True))
+    broken = SimpleNamespace(decode_jpeg=lambda *args, **kwargs: (_ for _ in ()).throw(OSError("undefined symbol")))
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", broken)
+    assert torchvisions.__wrapped__()[0] == "torchvision"
+    assert "TorchCodec's decode_jpeg does not work here (undefined symbol)" in caplog.text
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
+    monkeypatch.setitem(sys.modules, "torchvision.io", SimpleNamespace())  # a torchvision that dropped it
+    with pytest.raises(ConfigError, match="needs a JPEG decoder on the device: TorchCodec's"):
+        torchvisions.__wrapped__()
 
 
 @pytest.mark.parametrize(
