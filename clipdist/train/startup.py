@@ -13,6 +13,7 @@ import torch
 from clipdist import console
 from clipdist.config import TrainConfig
 from clipdist.data.batch import Batch
+from clipdist.data.device_decode import jpeg_decoder
 from clipdist.data.images import normalize_on_device
 from clipdist.data.naflex import PatchImages, resolve_budget
 from clipdist.data.stream import TrainStream
@@ -60,7 +61,7 @@ def build_stream(trainer, plan: LoaderPlan, image_transform, say: Callable[..., 
     where = f"on {device.type} after the copy" if on_device else "by the loader"
     say(f"images normalized {where} ({why})", detail=True)
     if str(cfg.data.decode_on) == "device":
-        decoder = "nvJPEG" if device.type == "cuda" else "libjpeg-turbo"
+        decoder = f"{jpeg_decoder()[0]}'s decode_jpeg, {'nvJPEG' if device.type == 'cuda' else 'libjpeg-turbo'}"
         say(
             f"training JPEGs decoded, cropped and resized on {device.type} ({decoder}; data.decode_on=device): the "
             "workers read headers and draw the crops",

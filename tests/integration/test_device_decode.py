@@ -56,7 +56,10 @@ def test_a_device_decoded_run_stopped_on_two_ranks_and_resumed_on_one_is_the_run
     print(f"decode_on=device, cpu2 -> local: worst relative loss difference {worst:.2e}")
     assert worst <= 1e-5
     assert all(row["host_decoded_images"] == 0 for row in rows[1])
-    assert any("training JPEGs decoded, cropped and resized on cpu" in line for line in run_log(whole))
+    from clipdist.data.device_decode import jpeg_decoder
+
+    said = f"resized on cpu ({jpeg_decoder()[0]}'s decode_jpeg, libjpeg-turbo; data.decode_on=device)"
+    assert any(said in line for line in run_log(whole)), run_log(whole)
 
 
 def test_the_device_path_trains_on_the_host_paths_crops(tmp_path, cache_dir):
