@@ -168,23 +168,24 @@ def test_torchcodecs_decoder_is_used_where_it_works_and_decodes_as_torchvisions(
     import sys
 
     files = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in IMAGES[:3]]
-    whose, decode = device_decode.jpeg_decoder.__wrapped__()
+    choose = device_decode.jpeg_decoder.__wrapped__  # the choice made anew, not the process's cached one
+    whose, decode = choose()
     # the test extra installs it (requirements/ci.txt: the release built for CI's torch); another torch's warns
     works = importlib.util.find_spec("torchcodec") is not None and not caplog.records
     assert whose == ("torchcodec" if works else "torchvision")
-    torchvisions = device_decode.jpeg_decoder
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)  # not installed: importing it raises ImportError
-    assert torchvisions.__wrapped__()[0] == "torchvision"
-    theirs = torchvisions.__wrapped__()[1](files, device="cpu")
+    whose, torchvisions = choose()
+    assert whose == "torchvision"
+    theirs = torchvisions(files, device="cpu")
     assert all(torch.equal(mine, other) for mine, other in zip(decode(files, device="cpu"), theirs, strict=True))
     broken = SimpleNamespace(decode_jpeg=lambda *args, **kwargs: (_ for _ in ()).throw(OSError("undefined symbol")))
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", broken)
-    assert torchvisions.__wrapped__()[0] == "torchvision"
+    assert choose()[0] == "torchvision"
     assert "TorchCodec's decode_jpeg does not work here (undefined symbol)" in caplog.text
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
     monkeypatch.setitem(sys.modules, "torchvision.io", SimpleNamespace())  # a torchvision that dropped it
     with pytest.raises(ConfigError, match="needs a JPEG decoder on the device: TorchCodec's"):
-        torchvisions.__wrapped__()
+        choose()
 
 
 @pytest.mark.parametrize(
