@@ -60,6 +60,45 @@ def test_fsdp_shards_parameters_gradients_and_adamw_state_as_planned():
     assert per_rank["fsdp", 4] < 0.3 * per_rank["ddp", 1]
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"schedule": {"0": [16], "5": [32]}},
+        {"terms": {"masked": {"ratio": 0.5, "start_at": 0.0, "weight": 0.25}}},
+        {"terms": {"self_distill": {"crops": 2, "start_at": 0.0}}},
+        {"chunks": 2},
+        {"loss": "siglip"},
+    ],
+    ids=["resolution_schedule", "masked", "self_distill", "grad_cache", "siglip"],
+)
+def test_an_fsdp_runs_recipe_is_the_ddp_runs(tmp_path, variant):
+    """Built as a rank builds them (one process, a group of one), an FSDP2 run and a DDP run of the same config say
+    the same recipe in the banner (model, optimizer, terms, batch, captions) and make the same optimizer groups:
+    FSDP2's own classes for its units changed nothing (they once stopped an FSDP2 run cutting captions)."""
+    from types import SimpleNamespace
+
+    from clipdist.tools.gpu_battery import config, one_rank_group
+    from clipdist.train.parts import build_parts
+    from clipdist.train.recipe import recipe
+
+    said = {}
+    variant = dict(variant)
+    schedule = variant.pop("schedule", None)
+    with one_rank_group(torch.device("cpu")):
+        for parallel in ("ddp", "fsdp"):
+            cfg = config(tmp_path / parallel, "clipdist-tiny", "fp32", 4, parallel=parallel, **variant)
+            cfg.data.resolution_schedule = schedule or {}
+            parts = build_parts(cfg, torch.device("cpu"))
+            shards = SimpleNamespace(train=[], sources=[], evals=[])
+            chunks = cfg.grad_cache.chunks_for(4)
+            lines = recipe(
+                cfg, parts.model, parts.step.objective, 1, chunks, "fp32", shards, trim_text=parts.step.trim_text
+            )
+            groups = [(len(group["params"]), group["lr"]) for group in parts.optimizer.param_groups]
+            said[parallel] = ([line.removesuffix(f"; {parallel}") for line in lines], groups, parts.step.trim_text)
+    assert said["fsdp"] == said["ddp"]
+
+
 def test_fsdp_run_equals_ddp_and_resumes_on_another_world_size(tmp_path, cache_dir):
     losses, captions = {}, {}
     for parallel in ("ddp", "fsdp"):
