@@ -125,3 +125,49 @@ def test_a_rank_that_raises_leaves_no_file_in_the_temporary_folder(tmp_path, mon
     with pytest.raises(Exception, match="a bug on rank [01]"):
         launch_local(_a_bug_on_every_rank, 2, timeout_s=60)
     assert not list(tmp_path.glob("pytorch-errorfile-*")), list(tmp_path.iterdir())
+
+
+DESTROYED_GROUP_IN_GARBAGE = """
+import gc
+from datetime import timedelta
+import torch.distributed as dist
+from clipdist.distributed.launch import launch_local
+from clipdist.distributed.network import free_port
+
+def collect():
+    gc.collect()  # what a rank's own collections do, sooner or later (a Trainer's config copies did)
+    return 1
+
+if __name__ == "__main__":
+    gc.disable()  # the garbage below stays until something collects it
+    address = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    cycle = [dist.group.WORLD]  # as an FSDP2 model's device mesh holds its group, in cycles
+    cycle.append(cycle)
+    dist.destroy_process_group()
+    del cycle
+    print(sorted(launch_local(collect, 2, timeout_s=30).items()))
+"""
+
+
+def test_ranks_forked_after_a_process_group_was_destroyed_do_not_hang(tmp_path):
+    """A process group made and destroyed in the launching process (a test, `clipdist bench gpu`'s one-rank group)
+    and still held in garbage was collected in a forked rank: its gloo destructor joined threads the rank never had,
+    and the rank hung. launch_local collects garbage before it forks."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "launch.py"
+    script.write_text(DESTROYED_GROUP_IN_GARBAGE)
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the forked ranks too
+        process.communicate()
+        pytest.fail("the forked ranks hung collecting the destroyed process group")
+    assert process.returncode == 0, err[-2000:]
+    assert out.strip() == "[(0, 1), (1, 1)]"
