@@ -53,11 +53,14 @@ def timed_out_collective(error: BaseException) -> bool:
 
 def said(error: BaseException) -> str:
     """What `error` says: its str(), but an OSError the system raised as `PATH: reason` (`abc: no such file or
-    directory`), not as Python words it (`[Errno 2] No such file or directory: 'abc'`)."""
-    if isinstance(error, OSError) and error.errno is not None and error.strerror:
-        reason = error.strerror[:1].lower() + error.strerror[1:]
-        paths = [str(path) for path in (error.filename, error.filename2) if path is not None]
-        return f"{' -> '.join(paths)}: {reason}" if paths else reason
+    directory`), not as Python words it (`[Errno 2] No such file or directory: 'abc'`). The paths are one line each
+    (a name with a newline cannot forge a line, as Python's quoting kept it from doing); an OSError subclass that
+    words itself (its own __str__) is said its way."""
+    if type(error).__str__ is OSError.__str__ and isinstance(error, OSError) and error.errno is not None:
+        if error.strerror:
+            reason = error.strerror[:1].lower() + error.strerror[1:]
+            paths = [one_line(str(path)) for path in (error.filename, error.filename2) if path is not None]
+            return f"{' -> '.join(paths)}: {reason}" if paths else reason
     return str(error)
 
 

@@ -502,6 +502,18 @@ def test_a_table_that_is_not_there_or_not_a_file_is_one_line_naming_it(tmp_path,
         assert capsys.readouterr().err.strip() == f"clipdist make-shards: error: {table}: {reason}"
     moved = OSError(18, "Invalid cross-device link", "a", None, "b")
     assert said(moved) == "a -> b: invalid cross-device link" and said(OSError("mine")) == "mine"
+    forged = tmp_path / "t.tsv\nclipdist make-shards: error: forged"  # a name cannot add a line
+    assert cli(["make-shards", "--csv", str(forged), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"clipdist make-shards: error: {tmp_path}/t.tsv\\nclipdist make-shards: error: forged: "
+        "no such file or directory"
+    ]
+
+    class Worded(OSError):
+        def __str__(self):
+            return "its own words"
+
+    assert said(Worded(2, "No such file or directory", "x")) == "its own words"
 
 
 def test_make_shards_leaves_out_unreadable_images_and_never_leaves_partial_files(tmp_path, capsys):
