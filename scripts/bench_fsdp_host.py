@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print FSDP2's step's slowest functions (cProfile)")
     parser.add_argument("--world", type=int, default=1, help="gloo ranks (each one thread); rank 0 reports")
     args = parser.parse_args()
+    if args.world < 1:
+        parser.error(f"--world {args.world}: give 1 rank or more")
     if args.world == 1:
         measure(0, args, None)
     else:

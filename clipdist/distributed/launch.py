@@ -282,8 +282,8 @@ def launch_local(
     (about 8 s of imports a process here, that spawned ranks would each repeat), unless CUDA is initialised
     here — then they are spawned afresh, as CUDA does not survive a fork. Either way `fn` must be importable
     (module level) and no process group may exist here yet. OpenMP's threads are released before the fork
-    (release_openmp_threads), and garbage collected: otherwise a rank forked after this process ran a parallel op, or
-    made a process group, hangs.
+    (release_openmp_threads), and what the ranks inherit is frozen for their garbage collector: otherwise a rank
+    forked after this process ran a parallel op, or made a process group, hangs.
 
     Returns {rank: return value}. A rank that fails
     makes the others stop (5 s grace, then SIGTERM, then SIGKILL) and its error is raised here;
@@ -297,18 +297,23 @@ def launch_local(
     results = mp.get_context(method).Queue()
     if method == "fork":
         release_openmp_threads()
-        # Garbage is finalised here, where its threads exist: a destroyed process group still held in a cycle (an
-        # FSDP2 model's mesh) would be collected in a rank, whose gloo destructor joins threads it never had: a hang.
-        gc.collect()
     sys.stdout.flush()  # a forked child would write what is still buffered here again
     sys.stderr.flush()
-    context = mp.start_processes(
-        _spawned_worker,
-        nprocs=world_size,
-        join=False,
-        start_method=method,
-        args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()),
-    )
+    # The ranks never collect what they inherit (frozen at the fork; this process unfreezes it at once and collects
+    # it itself, where its threads exist): a destroyed process group still held in a cycle (an FSDP2 model's mesh)
+    # collected in a rank ran a gloo destructor that joins threads the rank never had, a hang. (A gc.collect() here
+    # took ~200 ms a launch.)
+    gc.freeze()
+    try:
+        context = mp.start_processes(
+            _spawned_worker,
+            nprocs=world_size,
+            join=False,
+            start_method=method,
+            args=(world_size, free_port(), fn, timeout_s, args, results, console.run_log()),
+        )
+    finally:
+        gc.unfreeze()
 
     def forward(signum, _frame):
         for process in context.processes:

@@ -153,7 +153,7 @@ if __name__ == "__main__":
 def test_ranks_forked_after_a_process_group_was_destroyed_do_not_hang(tmp_path):
     """A process group made and destroyed in the launching process (a test, `clipdist bench gpu`'s one-rank group)
     and still held in garbage was collected in a forked rank: its gloo destructor joined threads the rank never had,
-    and the rank hung. launch_local collects garbage before it forks."""
+    and the rank hung. launch_local freezes what the ranks inherit for their collector."""
     import signal
     import subprocess
     import sys
